@@ -1,0 +1,306 @@
+//! The [`AttentionKernel`] trait: scaled dot-product attention over host buffers.
+//!
+//! All tensors are contiguous f32 in `(batch, heads, seq, head_dim)` order. Query heads may
+//! outnumber key/value heads (grouped-query attention): query head `h` reads key/value head
+//! `h / (q_heads / kv_heads)`. The kernel declares how many f32s it saves for backward
+//! ([`AttentionKernel::saved_len`]); the host allocates that buffer and keeps it alive
+//! between forward and backward, so it is counted in the memory breakdown.
+
+#![allow(clippy::too_many_arguments, clippy::type_complexity)] // a kernel takes q, k, v, out, dout, saved, dq, dk, dv
+
+use abi_stable::{
+    StableAbi,
+    sabi_trait,
+    std_types::{RBox, RResult, RSlice, RSliceMut},
+};
+
+use crate::{Device, PluginError, error::expect_len, ffi::guard};
+
+/// The shape and mask of one attention call.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq)]
+pub struct AttnShape {
+    /// Batch size B.
+    pub batch: u32,
+    /// Query heads H.
+    pub q_heads: u32,
+    /// Key/value heads (divides `q_heads`).
+    pub kv_heads: u32,
+    /// Query length Tq.
+    pub q_len: u32,
+    /// Key/value length Tk.
+    pub kv_len: u32,
+    /// Head dimension D.
+    pub head_dim: u32,
+    /// Causal mask: query `i` sees keys `j <= i + (kv_len - q_len)`.
+    pub causal: bool,
+    /// Score scale, usually `1 / sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+impl AttnShape {
+    /// Self-attention with `q_len == kv_len`, scale `1/sqrt(D)`.
+    pub fn self_attention(batch: usize, q_heads: usize, kv_heads: usize, seq: usize, head_dim: usize, causal: bool) -> Self {
+        Self {
+            batch: batch as u32,
+            q_heads: q_heads as u32,
+            kv_heads: kv_heads as u32,
+            q_len: seq as u32,
+            kv_len: seq as u32,
+            head_dim: head_dim as u32,
+            causal,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        }
+    }
+    /// Elements of Q and of the output: B·H·Tq·D.
+    pub fn q_numel(&self) -> usize {
+        self.batch as usize * self.q_heads as usize * self.q_len as usize * self.head_dim as usize
+    }
+    /// Elements of K (and of V): B·Hkv·Tk·D.
+    pub fn kv_numel(&self) -> usize {
+        self.batch as usize * self.kv_heads as usize * self.kv_len as usize * self.head_dim as usize
+    }
+    /// Query heads per key/value head.
+    pub fn group(&self) -> usize {
+        (self.q_heads / self.kv_heads.max(1)) as usize
+    }
+    /// Checks the shape's own consistency.
+    pub fn validate(&self) -> Result<(), PluginError> {
+        if self.batch == 0 || self.q_heads == 0 || self.kv_heads == 0 || self.head_dim == 0 {
+            return Err(PluginError::invalid_input(format!("attention shape has a zero dimension: {self:?}")));
+        }
+        if self.q_heads % self.kv_heads != 0 {
+            return Err(PluginError::invalid_input(format!(
+                "q_heads ({}) must be a multiple of kv_heads ({})",
+                self.q_heads, self.kv_heads
+            )));
+        }
+        if self.causal && self.q_len > self.kv_len {
+            return Err(PluginError::invalid_input(format!(
+                "causal attention needs q_len ({}) <= kv_len ({})",
+                self.q_len, self.kv_len
+            )));
+        }
+        Ok(())
+    }
+    /// Checks the shape and the lengths of q, k, v and out.
+    pub fn check_buffers(&self, q: usize, k: usize, v: usize, out: usize) -> Result<(), PluginError> {
+        self.validate()?;
+        expect_len("q", q, self.q_numel())?;
+        expect_len("k", k, self.kv_numel())?;
+        expect_len("v", v, self.kv_numel())?;
+        expect_len("out", out, self.q_numel())
+    }
+}
+
+/// Per-call context from the host.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelContext {
+    /// Threads the kernel may use.
+    pub threads: u32,
+    /// Where the buffers live (always `Cpu` in contract 1).
+    pub device: Device,
+}
+
+impl Default for KernelContext {
+    fn default() -> Self {
+        Self { threads: 1, device: Device::Cpu }
+    }
+}
+
+/// An attention kernel. Forward is required; backward is optional, and the engine refuses
+/// to train with a kernel whose [`supports_backward`](Self::supports_backward) is false.
+pub trait AttentionKernel: Send + Sync {
+    /// f32 elements the kernel saves in forward for backward (standard: the B·H·Tq·Tk
+    /// probabilities; flash: one logsumexp per query row). Also refuses unsupported shapes.
+    fn saved_len(&self, shape: &AttnShape) -> Result<u64, PluginError>;
+
+    /// Computes `out` (B, H, Tq, D) and fills `saved` (`saved_len` elements).
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        saved: &mut [f32],
+        ctx: &KernelContext,
+    ) -> Result<(), PluginError>;
+
+    /// Whether [`backward`](Self::backward) is implemented.
+    fn supports_backward(&self) -> bool {
+        false
+    }
+
+    /// Writes (overwrites) `dq`, `dk`, `dv` from `dout`, using what forward saved.
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &[f32],
+        dout: &[f32],
+        saved: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+        ctx: &KernelContext,
+    ) -> Result<(), PluginError> {
+        let _ = (shape, q, k, v, out, dout, saved, dq, dk, dv, ctx);
+        Err(PluginError::unsupported("this attention kernel has no backward pass; it can run inference only"))
+    }
+}
+
+/// The FFI-safe form of [`AttentionKernel`].
+#[sabi_trait]
+pub trait FfiAttention: Send + Sync {
+    /// See [`AttentionKernel::saved_len`].
+    fn saved_len(&self, shape: AttnShape) -> RResult<u64, PluginError>;
+    /// See [`AttentionKernel::forward`].
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        shape: AttnShape,
+        q: RSlice<'_, f32>,
+        k: RSlice<'_, f32>,
+        v: RSlice<'_, f32>,
+        out: RSliceMut<'_, f32>,
+        saved: RSliceMut<'_, f32>,
+        ctx: KernelContext,
+    ) -> RResult<(), PluginError>;
+    /// See [`AttentionKernel::supports_backward`].
+    fn supports_backward(&self) -> bool;
+    /// See [`AttentionKernel::backward`].
+    #[allow(clippy::too_many_arguments)]
+    fn backward(
+        &self,
+        shape: AttnShape,
+        q: RSlice<'_, f32>,
+        k: RSlice<'_, f32>,
+        v: RSlice<'_, f32>,
+        out: RSlice<'_, f32>,
+        dout: RSlice<'_, f32>,
+        saved: RSlice<'_, f32>,
+        dq: RSliceMut<'_, f32>,
+        dk: RSliceMut<'_, f32>,
+        dv: RSliceMut<'_, f32>,
+        ctx: KernelContext,
+    ) -> RResult<(), PluginError>;
+}
+
+/// A boxed attention kernel from a plugin library.
+pub type AttentionBox = FfiAttention_TO<'static, RBox<()>>;
+
+pub(crate) struct Guarded<T>(pub T);
+
+impl<T: AttentionKernel> FfiAttention for Guarded<T> {
+    fn saved_len(&self, shape: AttnShape) -> RResult<u64, PluginError> {
+        guard("AttentionKernel::saved_len", || self.0.saved_len(&shape))
+    }
+    fn forward(
+        &self,
+        shape: AttnShape,
+        q: RSlice<'_, f32>,
+        k: RSlice<'_, f32>,
+        v: RSlice<'_, f32>,
+        mut out: RSliceMut<'_, f32>,
+        mut saved: RSliceMut<'_, f32>,
+        ctx: KernelContext,
+    ) -> RResult<(), PluginError> {
+        guard("AttentionKernel::forward", || {
+            self.0.forward(&shape, &q, &k, &v, out.as_mut_slice(), saved.as_mut_slice(), &ctx)
+        })
+    }
+    fn supports_backward(&self) -> bool {
+        // A panic here would abort; a kernel that panics in a bool getter gets "no backward".
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.supports_backward())).unwrap_or(false)
+    }
+    fn backward(
+        &self,
+        shape: AttnShape,
+        q: RSlice<'_, f32>,
+        k: RSlice<'_, f32>,
+        v: RSlice<'_, f32>,
+        out: RSlice<'_, f32>,
+        dout: RSlice<'_, f32>,
+        saved: RSlice<'_, f32>,
+        mut dq: RSliceMut<'_, f32>,
+        mut dk: RSliceMut<'_, f32>,
+        mut dv: RSliceMut<'_, f32>,
+        ctx: KernelContext,
+    ) -> RResult<(), PluginError> {
+        guard("AttentionKernel::backward", || {
+            self.0.backward(
+                &shape,
+                &q,
+                &k,
+                &v,
+                &out,
+                &dout,
+                &saved,
+                dq.as_mut_slice(),
+                dk.as_mut_slice(),
+                dv.as_mut_slice(),
+                &ctx,
+            )
+        })
+    }
+}
+
+/// Host side: a plugin's kernel behind the Rust trait.
+pub struct ForeignAttention(pub AttentionBox);
+
+impl AttentionKernel for ForeignAttention {
+    fn saved_len(&self, shape: &AttnShape) -> Result<u64, PluginError> {
+        self.0.saved_len(*shape).into_result()
+    }
+    fn forward(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        saved: &mut [f32],
+        ctx: &KernelContext,
+    ) -> Result<(), PluginError> {
+        self.0.forward(*shape, q.into(), k.into(), v.into(), out.into(), saved.into(), *ctx).into_result()
+    }
+    fn supports_backward(&self) -> bool {
+        self.0.supports_backward()
+    }
+    fn backward(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &[f32],
+        dout: &[f32],
+        saved: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+        ctx: &KernelContext,
+    ) -> Result<(), PluginError> {
+        self.0
+            .backward(
+                *shape,
+                q.into(),
+                k.into(),
+                v.into(),
+                out.into(),
+                dout.into(),
+                saved.into(),
+                dq.into(),
+                dk.into(),
+                dv.into(),
+                *ctx,
+            )
+            .into_result()
+    }
+}

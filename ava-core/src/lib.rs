@@ -1,0 +1,148 @@
+//! # ava-core: the plugin contract
+//!
+//! Everything a plugin author depends on, and nothing else: no candle, no clap, no host code.
+//! A plugin is a `cdylib` that implements one of five traits and exports it with
+//! [`export_plugin!`]:
+//!
+//! | trait | what it is asked |
+//! |---|---|
+//! | [`Optimizer`] | the state it needs per parameter, and one in-place update step |
+//! | [`AttentionKernel`] | its saved-for-backward size, a forward and (optionally) a backward |
+//! | [`CheckpointPolicy`] | per block: keep, recompute or offload the activations |
+//! | [`OffloadTier`] | put/get/prefetch/evict of byte records under string keys |
+//! | [`MemoryPolicy`] | given memory statistics, the action the engine should take |
+//!
+//! The host owns every large buffer: parameters, gradients, optimizer state and attention
+//! scratch are allocated by the engine at sizes the plugin declares, so they show up in the
+//! host's memory accounting and can be placed in any offload tier. A plugin only computes.
+//!
+//! ## The boundary
+//!
+//! Only `#[repr(C)]` + [`StableAbi`](abi_stable::StableAbi) types cross it (see [`ffi`]).
+//! Every exported library has one root module ([`ffi::PluginRootRef`]) with a manifest
+//! function and one constructor per kind; the constructors of the kinds a library does not
+//! provide return [`ErrorKind::Unsupported`]. Panics never cross: each exported call is run
+//! under `catch_unwind` and a panic becomes [`ErrorKind::Panicked`].
+//!
+//! ## A complete plugin
+//!
+//! ```
+//! use ava_core::prelude::*;
+//!
+//! /// Plain SGD without momentum.
+//! struct Plain;
+//!
+//! impl Plugin for Plain {
+//!     fn manifest() -> Manifest {
+//!         Manifest::new("plain-sgd", PluginKind::Optimizer, "0.1.0", "SGD without momentum")
+//!     }
+//!     fn from_options(options: Options) -> Result<Self, PluginError> {
+//!         options.finish()?;
+//!         Ok(Plain)
+//!     }
+//! }
+//!
+//! impl Optimizer for Plain {
+//!     fn state_layout(&self, _param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
+//!         Ok(Vec::new())
+//!     }
+//!     fn step(
+//!         &mut self,
+//!         _param: &ParamInfo<'_>,
+//!         values: &mut [f32],
+//!         grad: &[f32],
+//!         _state: &mut [StateBuf<'_>],
+//!         ctx: &StepContext,
+//!     ) -> Result<(), PluginError> {
+//!         for (w, g) in values.iter_mut().zip(grad) {
+//!             *w -= ctx.lr as f32 * g;
+//!         }
+//!         Ok(())
+//!     }
+//! }
+//!
+//! // In a cdylib crate: ava_core::export_plugin!(optimizer: Plain);
+//! # let _ = Plain::manifest();
+//! ```
+
+// abi_stable's #[sabi_trait] expands to impls inside a const block; that is its design.
+#![allow(non_local_definitions)]
+
+pub mod attention;
+pub mod checkpoint;
+pub mod error;
+pub mod ffi;
+pub mod manifest;
+pub mod memory;
+pub mod offload;
+pub mod optimizer;
+pub mod options;
+mod export;
+
+pub use attention::{AttnShape, AttentionKernel, KernelContext};
+pub use checkpoint::{BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy};
+pub use error::{ErrorKind, PluginError};
+pub use manifest::{Device, Manifest, OptionSpec, OptionType, PluginKind};
+pub use memory::{MemoryAction, MemoryDecision, MemoryPolicy, MemoryStats, Phase, Pressure};
+pub use offload::OffloadTier;
+pub use optimizer::{DType, Optimizer, ParamInfo, StateBuf, StateSpec, StepContext};
+pub use options::{Options, parse_size};
+
+/// Version of the contract this crate defines.
+///
+/// The host refuses a library built against another contract version with an error naming
+/// both. It is tied to the crate version: the contract version is the crate's minor version
+/// while the crate is 0.x (abi_stable's own compatibility rule), so bumping the crate version
+/// in a breaking way bumps the contract.
+pub const CONTRACT_VERSION: u32 = 1;
+
+/// Context every constructor receives from the host.
+#[repr(C)]
+#[derive(abi_stable::StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HostContext {
+    /// Threads the plugin may use for its own work; it must not start more.
+    pub threads: u32,
+    /// The contract version the host speaks.
+    pub contract_version: u32,
+}
+
+impl Default for HostContext {
+    fn default() -> Self {
+        Self { threads: 1, contract_version: CONTRACT_VERSION }
+    }
+}
+
+/// What every plugin type provides besides its trait: a manifest and a constructor from
+/// validated options.
+pub trait Plugin: Sized {
+    /// The plugin's manifest: name, kind, version, options.
+    fn manifest() -> Manifest;
+
+    /// Builds the plugin from its options, already checked against the manifest's option
+    /// specs. Range checks of its own go through [`Options::check`]; [`Options::finish`]
+    /// returns every problem at once.
+    fn from_options(options: Options) -> Result<Self, PluginError>;
+
+    /// Like [`from_options`](Self::from_options) with the host's context (thread count).
+    /// The default ignores the context.
+    fn create(options: Options, ctx: &HostContext) -> Result<Self, PluginError> {
+        let _ = ctx;
+        Self::from_options(options)
+    }
+}
+
+/// Everything a plugin author usually needs, in one import.
+pub mod prelude {
+    pub use crate::{
+        AttentionKernel, AttnShape, BlockDecision, BlockFacts, CheckpointContext,
+        CheckpointPolicy, DType, Device, ErrorKind, HostContext, KernelContext, Manifest,
+        MemoryAction, MemoryDecision, MemoryPolicy, MemoryStats, OffloadTier, OptionSpec,
+        OptionType, Optimizer, Options, ParamInfo, Phase, Plugin, PluginError, PluginKind,
+        Pressure, StateBuf, StateSpec, StepContext,
+    };
+}
+
+#[doc(hidden)]
+pub mod __private {
+    pub use abi_stable;
+}

@@ -1,0 +1,266 @@
+//! What a plugin says about itself before anything is constructed.
+
+use std::fmt;
+
+use abi_stable::{
+    StableAbi,
+    std_types::{RString, RVec},
+};
+
+use crate::CONTRACT_VERSION;
+
+/// The five kinds of plugin.
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PluginKind {
+    /// [`crate::Optimizer`].
+    Optimizer = 0,
+    /// [`crate::AttentionKernel`].
+    Attention = 1,
+    /// [`crate::CheckpointPolicy`].
+    Checkpoint = 2,
+    /// [`crate::OffloadTier`].
+    Offload = 3,
+    /// [`crate::MemoryPolicy`].
+    Memory = 4,
+}
+
+impl PluginKind {
+    /// All kinds, in config order.
+    pub const ALL: [PluginKind; 5] =
+        [Self::Attention, Self::Optimizer, Self::Checkpoint, Self::Offload, Self::Memory];
+
+    /// The key used in `plugins.<key>` of the config and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Optimizer => "optimizer",
+            Self::Attention => "attention",
+            Self::Checkpoint => "checkpoint",
+            Self::Offload => "offload",
+            Self::Memory => "memory",
+        }
+    }
+
+    /// A phrase for messages: "an optimizer", "an attention kernel", ...
+    pub fn article_noun(self) -> &'static str {
+        match self {
+            Self::Optimizer => "an optimizer",
+            Self::Attention => "an attention kernel",
+            Self::Checkpoint => "a checkpoint policy",
+            Self::Offload => "an offload tier",
+            Self::Memory => "a memory policy",
+        }
+    }
+
+    /// Parses the config key (also accepts a few obvious synonyms).
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "optimizer" | "optim" => Self::Optimizer,
+            "attention" | "attn" => Self::Attention,
+            "checkpoint" | "checkpointing" => Self::Checkpoint,
+            "offload" => Self::Offload,
+            "memory" | "memory-policy" => Self::Memory,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for PluginKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Devices a plugin's compute runs on. Buffers handed over the boundary today are host
+/// memory; a device other than `Cpu` means the plugin copies to it itself.
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    /// Host CPU.
+    Cpu = 0,
+    /// NVIDIA CUDA.
+    Cuda = 1,
+    /// Apple Metal.
+    Metal = 2,
+}
+
+impl Device {
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Cuda => "cuda",
+            Self::Metal => "metal",
+        }
+    }
+}
+
+/// The type of one option value, checked by [`crate::Options::parse`].
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OptionType {
+    /// `true` / `false`.
+    Bool = 0,
+    /// A whole number (may be negative).
+    Int = 1,
+    /// A number; whole numbers are accepted.
+    Float = 2,
+    /// Text.
+    String = 3,
+    /// A list of numbers, e.g. `[0.9, 0.999]`.
+    FloatList = 4,
+    /// A list of whole numbers.
+    IntList = 5,
+    /// A list of text values.
+    StringList = 6,
+    /// A byte size: a whole number of bytes or text such as `1.5GiB`, `512MB`.
+    Size = 7,
+}
+
+impl OptionType {
+    /// The type's name as written in docs and errors.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Bool => "bool",
+            Self::Int => "integer",
+            Self::Float => "number",
+            Self::String => "string",
+            Self::FloatList => "list of numbers",
+            Self::IntList => "list of integers",
+            Self::StringList => "list of strings",
+            Self::Size => "byte size",
+        }
+    }
+}
+
+/// One option a plugin accepts.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
+pub struct OptionSpec {
+    /// Key in the plugin's config table (snake_case).
+    pub name: RString,
+    /// Type of the value.
+    pub ty: OptionType,
+    /// Default as JSON text; `null` means "not set unless given".
+    pub default: RString,
+    /// One line for `ava plugins info`.
+    pub doc: RString,
+}
+
+impl OptionSpec {
+    /// A spec with a JSON default.
+    pub fn new(name: &str, ty: OptionType, default_json: &str, doc: &str) -> Self {
+        Self { name: name.into(), ty, default: default_json.into(), doc: doc.into() }
+    }
+    /// A number option.
+    pub fn float(name: &str, default: f64, doc: &str) -> Self {
+        Self::new(name, OptionType::Float, &json_number(default), doc)
+    }
+    /// A whole-number option.
+    pub fn int(name: &str, default: i64, doc: &str) -> Self {
+        Self::new(name, OptionType::Int, &default.to_string(), doc)
+    }
+    /// A bool option.
+    pub fn bool(name: &str, default: bool, doc: &str) -> Self {
+        Self::new(name, OptionType::Bool, if default { "true" } else { "false" }, doc)
+    }
+    /// A text option.
+    pub fn string(name: &str, default: &str, doc: &str) -> Self {
+        Self::new(name, OptionType::String, &serde_json::Value::from(default).to_string(), doc)
+    }
+    /// A list-of-numbers option.
+    pub fn float_list(name: &str, default: &[f64], doc: &str) -> Self {
+        let items: Vec<String> = default.iter().map(|v| json_number(*v)).collect();
+        Self::new(name, OptionType::FloatList, &format!("[{}]", items.join(", ")), doc)
+    }
+    /// An option of `ty` with no default (absent unless given).
+    pub fn optional(name: &str, ty: OptionType, doc: &str) -> Self {
+        Self::new(name, ty, "null", doc)
+    }
+}
+
+fn json_number(v: f64) -> String {
+    serde_json::Number::from_f64(v).map(|n| n.to_string()).unwrap_or_else(|| "null".into())
+}
+
+/// Everything the host learns about a plugin before constructing it.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
+pub struct Manifest {
+    /// Stable kebab-case name used in configs (`adam-8bit`).
+    pub name: RString,
+    /// Which trait it implements.
+    pub kind: PluginKind,
+    /// The plugin's own version (semver).
+    pub version: RString,
+    /// [`CONTRACT_VERSION`] the plugin was built against.
+    pub contract_version: u32,
+    /// One line for listings.
+    pub summary: RString,
+    /// Options it accepts.
+    pub options: RVec<OptionSpec>,
+    /// Devices it runs on.
+    pub devices: RVec<Device>,
+}
+
+impl Manifest {
+    /// A CPU plugin with no options; add them with [`option`](Self::option).
+    pub fn new(name: &str, kind: PluginKind, version: &str, summary: &str) -> Self {
+        Self {
+            name: name.into(),
+            kind,
+            version: version.into(),
+            contract_version: CONTRACT_VERSION,
+            summary: summary.into(),
+            options: RVec::new(),
+            devices: RVec::from(vec![Device::Cpu]),
+        }
+    }
+
+    /// Adds an option spec.
+    pub fn option(mut self, spec: OptionSpec) -> Self {
+        self.options.push(spec);
+        self
+    }
+
+    /// Replaces the device list.
+    pub fn devices(mut self, devices: &[Device]) -> Self {
+        self.devices = devices.iter().copied().collect();
+        self
+    }
+
+    /// The spec of option `name`.
+    pub fn option_spec(&self, name: &str) -> Option<&OptionSpec> {
+        self.options.iter().find(|o| o.name.as_str() == name)
+    }
+
+    /// Checks the manifest's own invariants (kebab-case name, parseable defaults); the host
+    /// refuses a plugin whose manifest fails this.
+    pub fn validate(&self) -> Result<(), Vec<String>> {
+        let mut problems = Vec::new();
+        let name = self.name.as_str();
+        let kebab = !name.is_empty()
+            && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            && !name.starts_with('-')
+            && !name.ends_with('-');
+        if !kebab {
+            problems.push(format!("plugin name {name:?} is not kebab-case (a-z, 0-9, '-')"));
+        }
+        for spec in self.options.iter() {
+            let parsed: Result<serde_json::Value, _> = serde_json::from_str(&spec.default);
+            match parsed {
+                Err(e) => problems.push(format!("option '{}': default {:?} is not JSON: {e}", spec.name, spec.default)),
+                Ok(v) if !v.is_null() => {
+                    if let Err(e) = crate::options::check_type(spec.ty, &v) {
+                        problems.push(format!("option '{}': default {}", spec.name, e));
+                    }
+                }
+                Ok(_) => {}
+            }
+            if spec.name.as_str() == "name" {
+                problems.push("an option may not be called 'name' (it selects the plugin)".into());
+            }
+        }
+        if problems.is_empty() { Ok(()) } else { Err(problems) }
+    }
+}

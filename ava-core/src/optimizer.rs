@@ -1,0 +1,256 @@
+//! The [`Optimizer`] trait: a per-parameter update with explicit, host-allocated state.
+//!
+//! The engine asks [`Optimizer::state_layout`] once per parameter, allocates the named
+//! buffers itself (so it can count them, place them in an offload tier and save them in
+//! checkpoints), zero-fills them, and calls [`Optimizer::step`] with them every step.
+
+use abi_stable::{
+    StableAbi,
+    sabi_trait,
+    std_types::{RBox, RResult, RSlice, RSliceMut, RStr, RString, RVec},
+};
+
+use crate::{PluginError, ffi::guard};
+
+/// Element type of a state buffer.
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// 32-bit float.
+    F32 = 0,
+    /// IEEE half.
+    F16 = 1,
+    /// bfloat16.
+    BF16 = 2,
+    /// Unsigned byte (quantization codes).
+    U8 = 3,
+    /// Signed byte.
+    I8 = 4,
+    /// 64-bit float.
+    F64 = 5,
+    /// 32-bit unsigned integer.
+    U32 = 6,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::U8 | Self::I8 => 1,
+            Self::F16 | Self::BF16 => 2,
+            Self::F32 | Self::U32 => 4,
+            Self::F64 => 8,
+        }
+    }
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::BF16 => "bf16",
+            Self::U8 => "u8",
+            Self::I8 => "i8",
+            Self::F64 => "f64",
+            Self::U32 => "u32",
+        }
+    }
+}
+
+/// The parameter being updated: its Hugging Face style name and its shape.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy)]
+pub struct ParamInfo<'a> {
+    /// e.g. `model.layers.0.self_attn.q_proj.weight`.
+    pub name: RStr<'a>,
+    /// Dimensions, outermost first (a Linear weight is `[out, in]`).
+    pub shape: RSlice<'a, u64>,
+}
+
+impl<'a> ParamInfo<'a> {
+    /// Builds the info from plain Rust values.
+    pub fn new(name: &'a str, shape: &'a [u64]) -> Self {
+        Self { name: name.into(), shape: shape.into() }
+    }
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product::<u64>() as usize
+    }
+}
+
+/// One state buffer an optimizer needs for a parameter.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, PartialEq, Eq)]
+pub struct StateSpec {
+    /// Name within the parameter (`exp_avg`, `absmax_m`); saved under it in checkpoints.
+    pub name: RString,
+    /// Element type.
+    pub dtype: DType,
+    /// Number of elements.
+    pub len: u64,
+}
+
+impl StateSpec {
+    /// A spec.
+    pub fn new(name: &str, dtype: DType, len: usize) -> Self {
+        Self { name: name.into(), dtype, len: len as u64 }
+    }
+    /// Bytes the buffer takes.
+    pub fn bytes(&self) -> u64 {
+        self.len * self.dtype.size() as u64
+    }
+}
+
+/// A state buffer handed to [`Optimizer::step`], in the order of the layout. The host
+/// allocates it 8-byte aligned and zero-filled before the first step.
+#[repr(C)]
+#[derive(StableAbi, Debug)]
+pub struct StateBuf<'a> {
+    /// Element type (as declared).
+    pub dtype: DType,
+    /// The bytes.
+    pub bytes: RSliceMut<'a, u8>,
+}
+
+impl<'a> StateBuf<'a> {
+    /// Wraps raw bytes.
+    pub fn new(dtype: DType, bytes: &'a mut [u8]) -> Self {
+        Self { dtype, bytes: bytes.into() }
+    }
+
+    fn typed<T: bytemuck::Pod>(&mut self, want: DType) -> Result<&mut [T], PluginError> {
+        if self.dtype != want {
+            return Err(PluginError::invalid_input(format!(
+                "state buffer is {}, read as {}",
+                self.dtype.as_str(),
+                want.as_str()
+            )));
+        }
+        bytemuck::try_cast_slice_mut(self.bytes.as_mut_slice())
+            .map_err(|e| PluginError::invalid_input(format!("state buffer cannot be viewed as {}: {e:?}", want.as_str())))
+    }
+
+    /// The buffer as `f32`s.
+    pub fn f32(&mut self) -> Result<&mut [f32], PluginError> {
+        self.typed(DType::F32)
+    }
+    /// The buffer as `u8` codes.
+    pub fn u8(&mut self) -> Result<&mut [u8], PluginError> {
+        self.typed(DType::U8)
+    }
+    /// The buffer as `u32`s.
+    pub fn u32(&mut self) -> Result<&mut [u32], PluginError> {
+        self.typed(DType::U32)
+    }
+    /// The buffer as `f64`s.
+    pub fn f64(&mut self) -> Result<&mut [f64], PluginError> {
+        self.typed(DType::F64)
+    }
+}
+
+/// Per-step values from the trainer.
+#[repr(C)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq)]
+pub struct StepContext {
+    /// 1-based step number (after the update it is this many steps).
+    pub step: u64,
+    /// Learning rate for this step (after the schedule).
+    pub lr: f64,
+    /// Decoupled weight decay for this parameter (0 for norms and biases).
+    pub weight_decay: f64,
+    /// Threads the optimizer may use.
+    pub threads: u32,
+}
+
+/// A per-parameter optimizer. State lives in host-allocated buffers described by
+/// [`state_layout`](Self::state_layout); the optimizer object itself holds only
+/// hyper-parameters.
+pub trait Optimizer: Send {
+    /// State buffers for `param`, in the order `step` receives them. Called once per
+    /// parameter before the first step.
+    fn state_layout(&self, param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError>;
+
+    /// Updates `values` in place from `grad`, reading and writing `state`.
+    fn step(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &mut [f32],
+        grad: &[f32],
+        state: &mut [StateBuf<'_>],
+        ctx: &StepContext,
+    ) -> Result<(), PluginError>;
+}
+
+impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
+    fn state_layout(&self, param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
+        (**self).state_layout(param)
+    }
+    fn step(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &mut [f32],
+        grad: &[f32],
+        state: &mut [StateBuf<'_>],
+        ctx: &StepContext,
+    ) -> Result<(), PluginError> {
+        (**self).step(param, values, grad, state, ctx)
+    }
+}
+
+/// The FFI-safe form of [`Optimizer`] (what crosses the boundary).
+#[sabi_trait]
+pub trait FfiOptimizer: Send {
+    /// See [`Optimizer::state_layout`].
+    fn state_layout(&self, param: ParamInfo<'_>) -> RResult<RVec<StateSpec>, PluginError>;
+    /// See [`Optimizer::step`].
+    fn step<'a>(
+        &mut self,
+        param: ParamInfo<'_>,
+        values: RSliceMut<'_, f32>,
+        grad: RSlice<'_, f32>,
+        state: RSliceMut<'_, StateBuf<'a>>,
+        ctx: StepContext,
+    ) -> RResult<(), PluginError>;
+}
+
+/// A boxed optimizer from a plugin library.
+pub type OptimizerBox = FfiOptimizer_TO<'static, RBox<()>>;
+
+/// Plugin side: runs a Rust [`Optimizer`] behind the FFI trait, catching panics.
+pub(crate) struct Guarded<T>(pub T);
+
+impl<T: Optimizer> FfiOptimizer for Guarded<T> {
+    fn state_layout(&self, param: ParamInfo<'_>) -> RResult<RVec<StateSpec>, PluginError> {
+        guard("Optimizer::state_layout", || self.0.state_layout(&param).map(RVec::from))
+    }
+    fn step<'a>(
+        &mut self,
+        param: ParamInfo<'_>,
+        mut values: RSliceMut<'_, f32>,
+        grad: RSlice<'_, f32>,
+        mut state: RSliceMut<'_, StateBuf<'a>>,
+        ctx: StepContext,
+    ) -> RResult<(), PluginError> {
+        guard("Optimizer::step", || {
+            self.0.step(&param, values.as_mut_slice(), grad.as_slice(), state.as_mut_slice(), &ctx)
+        })
+    }
+}
+
+/// Host side: a plugin's optimizer behind the Rust trait.
+pub struct ForeignOptimizer(pub OptimizerBox);
+
+impl Optimizer for ForeignOptimizer {
+    fn state_layout(&self, param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
+        self.0.state_layout(*param).into_result().map(RVec::into_vec)
+    }
+    fn step(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &mut [f32],
+        grad: &[f32],
+        state: &mut [StateBuf<'_>],
+        ctx: &StepContext,
+    ) -> Result<(), PluginError> {
+        self.0.step(*param, values.into(), grad.into(), state.into(), *ctx).into_result()
+    }
+}
