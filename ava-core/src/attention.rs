@@ -9,8 +9,7 @@
 #![allow(clippy::too_many_arguments, clippy::type_complexity)] // a kernel takes q, k, v, out, dout, saved, dq, dk, dv
 
 use abi_stable::{
-    StableAbi,
-    sabi_trait,
+    StableAbi, sabi_trait,
     std_types::{RBox, RResult, RSlice, RSliceMut},
 };
 
@@ -40,7 +39,14 @@ pub struct AttnShape {
 
 impl AttnShape {
     /// Self-attention with `q_len == kv_len`, scale `1/sqrt(D)`.
-    pub fn self_attention(batch: usize, q_heads: usize, kv_heads: usize, seq: usize, head_dim: usize, causal: bool) -> Self {
+    pub fn self_attention(
+        batch: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        seq: usize,
+        head_dim: usize,
+        causal: bool,
+    ) -> Self {
         Self {
             batch: batch as u32,
             q_heads: q_heads as u32,

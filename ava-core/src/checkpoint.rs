@@ -3,8 +3,7 @@
 //! recompute in backward, offload of block inputs).
 
 use abi_stable::{
-    StableAbi,
-    sabi_trait,
+    StableAbi, sabi_trait,
     std_types::{RBox, RResult, RSlice, RVec},
 };
 
@@ -69,7 +68,11 @@ pub trait CheckpointPolicy: Send + Sync {
 #[sabi_trait]
 pub trait FfiCheckpoint: Send + Sync {
     /// See [`CheckpointPolicy::decide`].
-    fn decide(&self, blocks: RSlice<'_, BlockFacts>, ctx: CheckpointContext) -> RResult<RVec<BlockDecision>, PluginError>;
+    fn decide(
+        &self,
+        blocks: RSlice<'_, BlockFacts>,
+        ctx: CheckpointContext,
+    ) -> RResult<RVec<BlockDecision>, PluginError>;
 }
 
 /// A boxed checkpoint policy from a plugin library.
@@ -78,7 +81,11 @@ pub type CheckpointBox = FfiCheckpoint_TO<'static, RBox<()>>;
 pub(crate) struct Guarded<T>(pub T);
 
 impl<T: CheckpointPolicy> FfiCheckpoint for Guarded<T> {
-    fn decide(&self, blocks: RSlice<'_, BlockFacts>, ctx: CheckpointContext) -> RResult<RVec<BlockDecision>, PluginError> {
+    fn decide(
+        &self,
+        blocks: RSlice<'_, BlockFacts>,
+        ctx: CheckpointContext,
+    ) -> RResult<RVec<BlockDecision>, PluginError> {
         guard("CheckpointPolicy::decide", || self.0.decide(&blocks, &ctx).map(RVec::from))
     }
 }
@@ -90,11 +97,7 @@ impl CheckpointPolicy for ForeignCheckpoint {
     fn decide(&self, blocks: &[BlockFacts], ctx: &CheckpointContext) -> Result<Vec<BlockDecision>, PluginError> {
         let out = self.0.decide(blocks.into(), *ctx).into_result()?.into_vec();
         if out.len() != blocks.len() {
-            return Err(PluginError::internal(format!(
-                "returned {} decisions for {} blocks",
-                out.len(),
-                blocks.len()
-            )));
+            return Err(PluginError::internal(format!("returned {} decisions for {} blocks", out.len(), blocks.len())));
         }
         Ok(out)
     }

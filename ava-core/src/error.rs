@@ -74,7 +74,8 @@ impl PluginError {
     /// [`ErrorKind::InvalidOptions`] with every problem listed.
     pub fn invalid_options(problems: Vec<String>) -> Self {
         let n = problems.len();
-        let message = if n == 1 { "1 problem with the options".to_string() } else { format!("{n} problems with the options") };
+        let message =
+            if n == 1 { "1 problem with the options".to_string() } else { format!("{n} problems with the options") };
         Self {
             kind: ErrorKind::InvalidOptions,
             message: message.into(),

@@ -20,9 +20,9 @@ macro_rules! export_plugin {
         #[unsafe(export_name = "_1as_0lib_1header_0root_bmodule_bloader")]
         pub static __AVA_PLUGIN_LIB_HEADER: $crate::__private::abi_stable::library::LibHeader = {
             extern "C" fn __ava_root_module() -> $crate::__private::abi_stable::library::RootModuleResult {
-                $crate::__private::abi_stable::library::__call_root_module_loader(
-                    || -> $crate::ffi::PluginRootRef { $crate::ffi::PluginRoot::$kind::<$ty>() },
-                )
+                $crate::__private::abi_stable::library::__call_root_module_loader(|| -> $crate::ffi::PluginRootRef {
+                    $crate::ffi::PluginRoot::$kind::<$ty>()
+                })
             }
             // SAFETY: the constructor returns a `PluginRootRef`, the module type named here.
             unsafe {

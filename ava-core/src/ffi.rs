@@ -31,8 +31,8 @@ pub use crate::memory::{FfiMemory, FfiMemory_TO, ForeignMemory, MemoryBox};
 pub use crate::offload::{FfiOffload, FfiOffload_TO, ForeignOffload, OffloadBox};
 pub use crate::optimizer::{FfiOptimizer, FfiOptimizer_TO, ForeignOptimizer, OptimizerBox};
 use crate::{
-    AttentionKernel, CheckpointPolicy, ErrorKind, HostContext, Manifest, MemoryPolicy, OffloadTier,
-    Optimizer, Options, Plugin, PluginError, PluginKind,
+    AttentionKernel, CheckpointPolicy, ErrorKind, HostContext, Manifest, MemoryPolicy, OffloadTier, Optimizer, Options,
+    Plugin, PluginError, PluginKind,
 };
 
 /// Name of the exported symbol holding abi_stable's library header (the same for every
@@ -141,31 +141,46 @@ extern "C" fn other_kind<P: Plugin, B: KindBox>(_: RStr<'_>, _: HostContext) -> 
     })
 }
 
-extern "C" fn new_optimizer<P: Plugin + Optimizer + 'static>(o: RStr<'_>, ctx: HostContext) -> RResult<OptimizerBox, PluginError> {
+extern "C" fn new_optimizer<P: Plugin + Optimizer + 'static>(
+    o: RStr<'_>,
+    ctx: HostContext,
+) -> RResult<OptimizerBox, PluginError> {
     guard("constructor", || {
         let p = build::<P>(o.as_str(), &ctx)?;
         Ok(FfiOptimizer_TO::from_value(crate::optimizer::Guarded(p), TD_Opaque))
     })
 }
-extern "C" fn new_attention<P: Plugin + AttentionKernel + 'static>(o: RStr<'_>, ctx: HostContext) -> RResult<AttentionBox, PluginError> {
+extern "C" fn new_attention<P: Plugin + AttentionKernel + 'static>(
+    o: RStr<'_>,
+    ctx: HostContext,
+) -> RResult<AttentionBox, PluginError> {
     guard("constructor", || {
         let p = build::<P>(o.as_str(), &ctx)?;
         Ok(FfiAttention_TO::from_value(crate::attention::Guarded(p), TD_Opaque))
     })
 }
-extern "C" fn new_checkpoint<P: Plugin + CheckpointPolicy + 'static>(o: RStr<'_>, ctx: HostContext) -> RResult<CheckpointBox, PluginError> {
+extern "C" fn new_checkpoint<P: Plugin + CheckpointPolicy + 'static>(
+    o: RStr<'_>,
+    ctx: HostContext,
+) -> RResult<CheckpointBox, PluginError> {
     guard("constructor", || {
         let p = build::<P>(o.as_str(), &ctx)?;
         Ok(FfiCheckpoint_TO::from_value(crate::checkpoint::Guarded(p), TD_Opaque))
     })
 }
-extern "C" fn new_offload<P: Plugin + OffloadTier + 'static>(o: RStr<'_>, ctx: HostContext) -> RResult<OffloadBox, PluginError> {
+extern "C" fn new_offload<P: Plugin + OffloadTier + 'static>(
+    o: RStr<'_>,
+    ctx: HostContext,
+) -> RResult<OffloadBox, PluginError> {
     guard("constructor", || {
         let p = build::<P>(o.as_str(), &ctx)?;
         Ok(FfiOffload_TO::from_value(crate::offload::Guarded(p), TD_Opaque))
     })
 }
-extern "C" fn new_memory<P: Plugin + MemoryPolicy + 'static>(o: RStr<'_>, ctx: HostContext) -> RResult<MemoryBox, PluginError> {
+extern "C" fn new_memory<P: Plugin + MemoryPolicy + 'static>(
+    o: RStr<'_>,
+    ctx: HostContext,
+) -> RResult<MemoryBox, PluginError> {
     guard("constructor", || {
         let p = build::<P>(o.as_str(), &ctx)?;
         Ok(FfiMemory_TO::from_value(crate::memory::Guarded(p), TD_Opaque))

@@ -71,15 +71,15 @@
 pub mod attention;
 pub mod checkpoint;
 pub mod error;
+mod export;
 pub mod ffi;
 pub mod manifest;
 pub mod memory;
 pub mod offload;
 pub mod optimizer;
 pub mod options;
-mod export;
 
-pub use attention::{AttnShape, AttentionKernel, KernelContext};
+pub use attention::{AttentionKernel, AttnShape, KernelContext};
 pub use checkpoint::{BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy};
 pub use error::{ErrorKind, PluginError};
 pub use manifest::{Device, Manifest, OptionSpec, OptionType, PluginKind};
@@ -134,10 +134,9 @@ pub trait Plugin: Sized {
 /// Everything a plugin author usually needs, in one import.
 pub mod prelude {
     pub use crate::{
-        AttentionKernel, AttnShape, BlockDecision, BlockFacts, CheckpointContext,
-        CheckpointPolicy, DType, Device, ErrorKind, HostContext, KernelContext, Manifest,
-        MemoryAction, MemoryDecision, MemoryPolicy, MemoryStats, OffloadTier, OptionSpec,
-        OptionType, Optimizer, Options, ParamInfo, Phase, Plugin, PluginError, PluginKind,
+        AttentionKernel, AttnShape, BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy, DType, Device,
+        ErrorKind, HostContext, KernelContext, Manifest, MemoryAction, MemoryDecision, MemoryPolicy, MemoryStats,
+        OffloadTier, Optimizer, OptionSpec, OptionType, Options, ParamInfo, Phase, Plugin, PluginError, PluginKind,
         Pressure, StateBuf, StateSpec, StepContext,
     };
 }

@@ -27,8 +27,7 @@ pub enum PluginKind {
 
 impl PluginKind {
     /// All kinds, in config order.
-    pub const ALL: [PluginKind; 5] =
-        [Self::Attention, Self::Optimizer, Self::Checkpoint, Self::Offload, Self::Memory];
+    pub const ALL: [PluginKind; 5] = [Self::Attention, Self::Optimizer, Self::Checkpoint, Self::Offload, Self::Memory];
 
     /// The key used in `plugins.<key>` of the config and on the command line.
     pub fn as_str(self) -> &'static str {

@@ -5,8 +5,7 @@
 use std::fmt;
 
 use abi_stable::{
-    StableAbi,
-    sabi_trait,
+    StableAbi, sabi_trait,
     std_types::{RBox, RResult, RString},
 };
 

@@ -5,8 +5,7 @@
 //! checkpoints), zero-fills them, and calls [`Optimizer::step`] with them every step.
 
 use abi_stable::{
-    StableAbi,
-    sabi_trait,
+    StableAbi, sabi_trait,
     std_types::{RBox, RResult, RSlice, RSliceMut, RStr, RString, RVec},
 };
 
@@ -125,8 +124,9 @@ impl<'a> StateBuf<'a> {
                 want.as_str()
             )));
         }
-        bytemuck::try_cast_slice_mut(self.bytes.as_mut_slice())
-            .map_err(|e| PluginError::invalid_input(format!("state buffer cannot be viewed as {}: {e:?}", want.as_str())))
+        bytemuck::try_cast_slice_mut(self.bytes.as_mut_slice()).map_err(|e| {
+            PluginError::invalid_input(format!("state buffer cannot be viewed as {}: {e:?}", want.as_str()))
+        })
     }
 
     /// The buffer as `f32`s.

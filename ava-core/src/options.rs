@@ -85,7 +85,12 @@ impl Options {
     fn get(&self, name: &str, ty: OptionType) -> &Value {
         match self.types.get(name) {
             Some(t) if *t == ty || (ty == OptionType::Float && *t == OptionType::Int) => &self.values[name],
-            Some(t) => panic!("option '{name}' of plugin '{}' is declared {} but read as {}", self.plugin, t.as_str(), ty.as_str()),
+            Some(t) => panic!(
+                "option '{name}' of plugin '{}' is declared {} but read as {}",
+                self.plugin,
+                t.as_str(),
+                ty.as_str()
+            ),
             None => panic!("option '{name}' is not declared in the manifest of plugin '{}'", self.plugin),
         }
     }

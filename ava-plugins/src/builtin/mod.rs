@@ -42,7 +42,10 @@ fn create_optimizer<P: Plugin + Optimizer + 'static>(o: &str, c: &HostContext) -
 fn create_attention<P: Plugin + AttentionKernel + 'static>(o: &str, c: &HostContext) -> Result<Instance, PluginError> {
     Ok(Instance::Attention(Arc::new(build::<P>(o, c)?)))
 }
-fn create_checkpoint<P: Plugin + CheckpointPolicy + 'static>(o: &str, c: &HostContext) -> Result<Instance, PluginError> {
+fn create_checkpoint<P: Plugin + CheckpointPolicy + 'static>(
+    o: &str,
+    c: &HostContext,
+) -> Result<Instance, PluginError> {
     Ok(Instance::Checkpoint(Arc::new(build::<P>(o, c)?)))
 }
 fn create_offload<P: Plugin + OffloadTier + 'static>(o: &str, c: &HostContext) -> Result<Instance, PluginError> {

@@ -153,7 +153,8 @@ mod tests {
     #[test]
     fn options_are_checked() {
         let m = Lion::manifest();
-        let err = ava_core::ffi::build::<Lion>(r#"{"betas": [1.5, 0.99, 0.1], "lr": 1}"#, &HostContext::default()).unwrap_err();
+        let err = ava_core::ffi::build::<Lion>(r#"{"betas": [1.5, 0.99, 0.1], "lr": 1}"#, &HostContext::default())
+            .unwrap_err();
         let details: Vec<&str> = err.details().collect();
         assert_eq!(
             details,

@@ -1,0 +1,162 @@
+//! Host errors: each says what went wrong, where (file, plugin, kind) and how to fix it.
+
+use std::path::PathBuf;
+
+use ava_core::{PluginError, PluginKind};
+
+/// Everything the host can refuse or fail at.
+#[derive(Debug, thiserror::Error)]
+pub enum HostError {
+    /// A path given explicitly does not exist.
+    #[error("{}: no such plugin file", path.display())]
+    Missing {
+        /// The path.
+        path: PathBuf,
+    },
+
+    /// The file is not an Ava plugin library.
+    #[error("{}: not an Ava plugin: {reason}", path.display())]
+    NotAPlugin {
+        /// The file.
+        path: PathBuf,
+        /// Why (no abi_stable header, another application's root module, ...).
+        reason: String,
+    },
+
+    /// Built against another contract version.
+    #[error(
+        "{}: built against Ava plugin contract {found} (ava-core {found_crate}), but this ava speaks contract {expected} (ava-core {expected_crate}); {hint}",
+        path.display()
+    )]
+    ContractVersion {
+        /// The file.
+        path: PathBuf,
+        /// The library's contract version.
+        found: u32,
+        /// The library's ava-core version.
+        found_crate: String,
+        /// The host's contract version.
+        expected: u32,
+        /// The host's ava-core version.
+        expected_crate: String,
+        /// What to do.
+        hint: &'static str,
+    },
+
+    /// Same contract version, different type layout.
+    #[error(
+        "{}: its plugin interface does not match this ava's ({summary}); rebuild the plugin against the ava-core this ava was built with",
+        path.display()
+    )]
+    LayoutMismatch {
+        /// The file.
+        path: PathBuf,
+        /// One or two lines from abi_stable's report.
+        summary: String,
+    },
+
+    /// The dynamic loader refused the file.
+    #[error("{}: could not be loaded: {reason}", path.display())]
+    Open {
+        /// The file.
+        path: PathBuf,
+        /// The loader's message.
+        reason: String,
+    },
+
+    /// The vetting policy refused the file before opening it.
+    #[error("{}: refused: {reason}", path.display())]
+    Refused {
+        /// The file.
+        path: PathBuf,
+        /// Why, and how to fix it.
+        reason: String,
+    },
+
+    /// A plugin call failed.
+    #[error("{kind} '{plugin}' ({source_desc}): {error}")]
+    Plugin {
+        /// Plugin name.
+        plugin: String,
+        /// Its kind.
+        kind: PluginKind,
+        /// `builtin` or the file.
+        source_desc: String,
+        /// The plugin's error.
+        error: PluginError,
+    },
+
+    /// No plugin of that kind has that name.
+    #[error("unknown {kind} '{name}'{}; installed: {}{note}", suggestion.as_ref().map(|s| format!(" (did you mean '{s}'?)")).unwrap_or_default(), if available.is_empty() { "none".to_string() } else { available.join(", ") })]
+    Unknown {
+        /// The kind asked for.
+        kind: PluginKind,
+        /// The name asked for.
+        name: String,
+        /// A close name, if any.
+        suggestion: Option<String>,
+        /// The names of that kind.
+        available: Vec<String>,
+        /// Extra hint (starts with "; " or is empty), e.g. that files were refused.
+        note: String,
+    },
+
+    /// The name exists, but under another kind.
+    #[error("'{name}' is {}, not {}; set it under plugins.{} instead", actual.article_noun(), wanted.article_noun(), actual.as_str())]
+    WrongKind {
+        /// The name.
+        name: String,
+        /// The kind asked for.
+        wanted: PluginKind,
+        /// The kind it is.
+        actual: PluginKind,
+    },
+
+    /// Two sources define the same (kind, name).
+    #[error("{kind} '{name}' is defined twice: by {first} and by {second}; remove one of them from the search paths")]
+    Duplicate {
+        /// The kind.
+        kind: PluginKind,
+        /// The name.
+        name: String,
+        /// The first source.
+        first: String,
+        /// The second source.
+        second: String,
+    },
+
+    /// The plugin exists but could not be used (refused, incompatible, modified).
+    #[error("{kind} '{name}' cannot be used: {reason}")]
+    Unusable {
+        /// The kind.
+        kind: PluginKind,
+        /// The name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+
+    /// The lock file could not be read or written.
+    #[error("{}: {reason}", path.display())]
+    Lock {
+        /// The lock file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// Other I/O.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+impl HostError {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io { path: path.into(), source }
+    }
+}

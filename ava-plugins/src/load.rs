@@ -1,0 +1,152 @@
+//! Opening one plugin library and checking that it speaks our contract.
+//!
+//! Each file is opened on its own: the candidate's bytes (already hashed) are written into a
+//! fresh private directory (mode 0700) and that copy is `dlopen`ed, so the bytes that were
+//! vetted are exactly the bytes that run, and no two files share a loader cache entry.
+//! We deliberately do not use `RootModule::load_from_file`: it caches one library per root
+//! module type in a static, so every later file would silently return the first plugin, and
+//! a failed layout check would stick for the whole process.
+
+use std::{fs, path::PathBuf};
+
+use abi_stable::{
+    library::{LibHeader, LibraryError, RootModule, lib_header_from_path},
+    sabi_types::VersionNumber,
+};
+use ava_core::{
+    Manifest,
+    ffi::{PluginRootRef, ROOT_MODULE_NAME},
+};
+
+use crate::{HostError, discover::Candidate};
+
+/// An opened, compatible plugin library.
+#[derive(Clone)]
+pub struct Library {
+    /// Where the library was found (not the private copy).
+    pub path: PathBuf,
+    /// sha256 of the loaded bytes.
+    pub sha256: String,
+    /// The root module.
+    pub root: PluginRootRef,
+    /// Its manifest.
+    pub manifest: Manifest,
+}
+
+impl std::fmt::Debug for Library {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Library").field("path", &self.path).field("manifest", &self.manifest).finish()
+    }
+}
+
+/// Opens `candidate` and checks header, contract version, layout and manifest.
+pub fn open(candidate: &Candidate) -> Result<Library, HostError> {
+    let path = candidate.path.clone();
+    candidate.exports_plugin_header().map_err(|reason| HostError::NotAPlugin { path: path.clone(), reason })?;
+    let header = dlopen_private_copy(candidate)?;
+
+    let consts = header.root_mod_consts();
+    if consts.name().as_str() != ROOT_MODULE_NAME {
+        return Err(HostError::NotAPlugin {
+            path,
+            reason: format!("it is an abi_stable library of another application (root module '{}')", consts.name()),
+        });
+    }
+    check_version(header, &path)?;
+    let root = header.check_layout::<PluginRootRef>().map_err(|e| match e {
+        LibraryError::AbiInstability(report) => {
+            HostError::LayoutMismatch { path: path.clone(), summary: summarize_layout_error(&report.to_string()) }
+        }
+        other => HostError::Open { path: path.clone(), reason: first_line(&other.to_string()) },
+    })?;
+
+    let manifest = (root.manifest())().into_result().map_err(|error| HostError::NotAPlugin {
+        path: path.clone(),
+        reason: format!("its manifest could not be read: {error}"),
+    })?;
+    if let Err(problems) = manifest.validate() {
+        return Err(HostError::NotAPlugin {
+            path,
+            reason: format!("its manifest is invalid: {}", problems.join("; ")),
+        });
+    }
+    Ok(Library { path: candidate.path.clone(), sha256: candidate.sha256.clone(), root, manifest })
+}
+
+fn dlopen_private_copy(candidate: &Candidate) -> Result<&'static LibHeader, HostError> {
+    let path = &candidate.path;
+    let dir =
+        tempfile::Builder::new().prefix("ava-plugin-").tempdir().map_err(|e| HostError::io(std::env::temp_dir(), e))?;
+    let copy = dir.path().join(candidate.file_name());
+    fs::write(&copy, &candidate.bytes).map_err(|e| HostError::io(&copy, e))?;
+    let header = lib_header_from_path(&copy).map_err(|e| match e {
+        LibraryError::OpenError { err, .. } => {
+            HostError::Open { path: path.clone(), reason: first_line(&err.to_string()) }
+        }
+        LibraryError::GetSymbolError { .. } => {
+            HostError::NotAPlugin { path: path.clone(), reason: "it has no abi_stable library header".into() }
+        }
+        other => HostError::Open { path: path.clone(), reason: first_line(&other.to_string()) },
+    });
+    // The mapping outlives the file: remove the copy and its directory now.
+    drop(dir);
+    header
+}
+
+/// The library's ava-core version against ours, with abi_stable's rule for 0.x versions
+/// (same minor, or a newer library whose prefix-extended root module an older host can
+/// read) but our own message.
+fn check_version(header: &LibHeader, path: &std::path::Path) -> Result<(), HostError> {
+    let ours = VersionNumber::new(<PluginRootRef as RootModule>::VERSION_STRINGS).expect("own version parses");
+    let theirs = VersionNumber::new(header.version_strings()).map_err(|e| HostError::NotAPlugin {
+        path: path.to_path_buf(),
+        reason: format!("its version string cannot be parsed: {e}"),
+    })?;
+    let contract = |v: &VersionNumber| if v.major == 0 { v.minor } else { v.major * 1000 + v.minor };
+    let too_old =
+        theirs.major < ours.major || (theirs.major == ours.major && ours.major == 0 && theirs.minor < ours.minor);
+    let too_new = theirs.major > ours.major;
+    if too_old || too_new {
+        return Err(HostError::ContractVersion {
+            path: path.to_path_buf(),
+            found: contract(&theirs),
+            found_crate: theirs.to_string(),
+            expected: contract(&ours),
+            expected_crate: ours.to_string(),
+            hint: if too_old {
+                "the plugin is older than this ava: rebuild it against the current ava-core"
+            } else {
+                "the plugin is newer than this ava: upgrade ava, or rebuild the plugin against this ava's ava-core"
+            },
+        });
+    }
+    Ok(())
+}
+
+/// One or two informative lines from abi_stable's (very long) layout report.
+pub(crate) fn summarize_layout_error(report: &str) -> String {
+    let interesting: Vec<String> = report
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .filter(|l| {
+            let l = l.to_ascii_lowercase();
+            l.contains("mismatch")
+                || l.contains("expected")
+                || l.contains("found")
+                || l.contains("field")
+                || l.contains("error")
+        })
+        .take(2)
+        .map(|l| truncate(l, 160))
+        .collect();
+    if interesting.is_empty() { truncate(&first_line(report), 160) } else { interesting.join("; ") }
+}
+
+fn first_line(s: &str) -> String {
+    s.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("").to_string()
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    if s.chars().count() <= max { s.to_string() } else { format!("{}…", s.chars().take(max).collect::<String>()) }
+}

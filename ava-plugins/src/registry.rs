@@ -1,0 +1,651 @@
+//! The registry: built-ins and dynamic plugins in one table keyed by (kind, name), plus a
+//! row per library file found, with its status and the reason for any refusal.
+
+use std::{
+    collections::BTreeMap,
+    ffi::OsString,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use abi_stable::std_types::RStr;
+use ava_core::{
+    AttentionKernel, CheckpointPolicy, HostContext, Manifest, MemoryPolicy, OffloadTier, Optimizer, PluginError,
+    PluginKind,
+    ffi::{ForeignAttention, ForeignCheckpoint, ForeignMemory, ForeignOffload, ForeignOptimizer, PluginRootRef},
+    options::did_you_mean,
+};
+
+use crate::{
+    HostError, Instance,
+    builtin::{self, Builtin},
+    discover::{Candidate, DirSource, SearchDir, library_files, search_dirs},
+    load::{self, Library},
+    lock::{LockFile, Pin, VettingPolicy},
+};
+
+/// What the host needs to know to build a registry.
+#[derive(Debug, Clone)]
+pub struct HostConfig {
+    /// `plugins.search_paths` from the config.
+    pub search_paths: Vec<PathBuf>,
+    /// `plugins.policy`.
+    pub policy: VettingPolicy,
+    /// `plugins.lock_file`.
+    pub lock_file: PathBuf,
+    /// The value of `$AVA_PLUGIN_PATH` (injected so tests need not touch the environment).
+    pub plugin_path_env: Option<OsString>,
+    /// The directory of the `ava` executable, searched last.
+    pub exe_dir: Option<PathBuf>,
+    /// Threads plugins may use.
+    pub threads: u32,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        Self {
+            search_paths: Vec::new(),
+            policy: VettingPolicy::Open,
+            lock_file: PathBuf::from("ava-plugins.lock"),
+            plugin_path_env: None,
+            exe_dir: None,
+            threads: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
+        }
+    }
+}
+
+impl HostConfig {
+    /// A config that also searches `$AVA_PLUGIN_PATH` and the running executable's directory.
+    pub fn with_process_defaults(mut self) -> Self {
+        self.plugin_path_env = std::env::var_os("AVA_PLUGIN_PATH");
+        self.exe_dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf));
+        self
+    }
+}
+
+/// The status of one plugin or library file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Status {
+    /// Compiled into ava.
+    Builtin,
+    /// Loaded under policy `open`, not pinned.
+    Loaded,
+    /// Pinned in the lock file and the bytes match.
+    Vetted,
+    /// Loaded under policy `warn` although not pinned.
+    Unvetted,
+    /// Pinned, but the bytes differ from the pin: never loaded.
+    Modified,
+    /// Built against another contract, or not an Ava plugin at all.
+    Incompatible,
+    /// Refused by the vetting policy (or a duplicate name), not opened.
+    Refused,
+}
+
+impl Status {
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Builtin => "builtin",
+            Self::Loaded => "loaded",
+            Self::Vetted => "vetted",
+            Self::Unvetted => "unvetted",
+            Self::Modified => "modified",
+            Self::Incompatible => "incompatible",
+            Self::Refused => "refused",
+        }
+    }
+    /// Whether a plugin with this status can be constructed.
+    pub fn is_usable(self) -> bool {
+        matches!(self, Self::Builtin | Self::Loaded | Self::Vetted | Self::Unvetted)
+    }
+}
+
+/// Where a plugin comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// Compiled into ava.
+    Builtin,
+    /// A library file.
+    File(PathBuf),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Builtin => f.write_str("builtin"),
+            Self::File(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+/// One row of `ava plugins list`: a plugin, or a library file that could not be loaded.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// The manifest, when the library was opened.
+    pub manifest: Option<Manifest>,
+    /// Builtin or file.
+    pub source: Source,
+    /// Status.
+    pub status: Status,
+    /// Why, for every status other than builtin/loaded/vetted (and for warnings).
+    pub reason: Option<String>,
+    /// sha256 of the file, for dynamic plugins.
+    pub sha256: Option<String>,
+    /// Time spent reading, hashing, opening and checking the file.
+    pub load_time: Option<std::time::Duration>,
+}
+
+impl Row {
+    /// Plugin name, if known.
+    pub fn name(&self) -> Option<&str> {
+        self.manifest.as_ref().map(|m| m.name.as_str())
+    }
+    /// Plugin kind, if known.
+    pub fn kind(&self) -> Option<PluginKind> {
+        self.manifest.as_ref().map(|m| m.kind)
+    }
+}
+
+#[derive(Clone)]
+enum Factory {
+    Builtin(&'static Builtin),
+    Dynamic(PluginRootRef),
+}
+
+#[derive(Clone)]
+struct Entry {
+    row: usize,
+    factory: Factory,
+}
+
+/// All plugins known to this process.
+pub struct Registry {
+    rows: Vec<Row>,
+    table: BTreeMap<(PluginKind, String), Entry>,
+    duplicates: BTreeMap<(PluginKind, String), (String, String)>,
+    warnings: Vec<String>,
+    dirs: Vec<SearchDir>,
+    lock: LockFile,
+    config: HostConfig,
+}
+
+impl Registry {
+    /// A registry holding only the built-in plugins.
+    pub fn builtins() -> Registry {
+        let mut reg = Registry {
+            rows: Vec::new(),
+            table: BTreeMap::new(),
+            duplicates: BTreeMap::new(),
+            warnings: Vec::new(),
+            dirs: Vec::new(),
+            lock: LockFile::default(),
+            config: HostConfig::default(),
+        };
+        let mut builtins: Vec<&'static Builtin> = builtin::all().collect();
+        builtins.sort_by_key(|b| {
+            let m = (b.manifest)();
+            (m.kind, m.name.to_string())
+        });
+        for b in builtins {
+            let manifest = (b.manifest)();
+            reg.add(
+                Row {
+                    manifest: Some(manifest),
+                    source: Source::Builtin,
+                    status: Status::Builtin,
+                    reason: None,
+                    sha256: None,
+                    load_time: None,
+                },
+                Factory::Builtin(b),
+            );
+        }
+        reg
+    }
+
+    /// Built-ins plus every plugin library found in the configured search paths, vetted
+    /// under `config.policy`. Problems with single files become rows with a status and a
+    /// reason; only an unreadable lock file fails the whole load.
+    pub fn load(config: &HostConfig) -> Result<Registry, HostError> {
+        let mut reg = Registry::builtins();
+        reg.config = config.clone();
+        reg.lock = LockFile::read(&config.lock_file)?;
+        reg.dirs = search_dirs(&config.search_paths, config.plugin_path_env.clone(), config.exe_dir.clone());
+        for dir in reg.dirs.clone() {
+            if dir.source == DirSource::Config && !dir.path.is_dir() {
+                reg.warnings.push(format!(
+                    "plugins.search_paths: {} is not a directory (build the plugins first with `cargo build --release --workspace`, or fix the path)",
+                    dir.path.display()
+                ));
+                continue;
+            }
+            for file in library_files(&dir.path)? {
+                reg.consider(&file);
+            }
+        }
+        Ok(reg)
+    }
+
+    fn add(&mut self, row: Row, factory: Factory) {
+        let idx = self.rows.len();
+        let key = row.manifest.as_ref().map(|m| (m.kind, m.name.to_string()));
+        self.rows.push(row);
+        let Some(key) = key else { return };
+        if let Some(first) = self.table.get(&key) {
+            let first_src = self.rows[first.row].source.to_string();
+            let second_src = self.rows[idx].source.to_string();
+            self.rows[idx].status = Status::Refused;
+            self.rows[idx].reason = Some(format!("{} '{}' is already defined by {first_src}", key.0, key.1));
+            self.duplicates.entry(key).or_insert((first_src, second_src));
+        } else {
+            self.table.insert(key, Entry { row: idx, factory });
+        }
+    }
+
+    /// Vets one file and, if allowed, opens it.
+    fn consider(&mut self, file: &Path) {
+        let started = std::time::Instant::now();
+        let candidate = match Candidate::read(file) {
+            Ok(c) => c,
+            Err(e) => {
+                self.push_file_row(file, None, Status::Refused, e.to_string(), None);
+                return;
+            }
+        };
+        // Not an abi_stable library at all (some other shared object): not ours to list.
+        if candidate.exports_plugin_header().is_err() {
+            return;
+        }
+        match vet(&candidate, self.config.policy, &self.lock) {
+            Verdict::Refuse(status, reason) => {
+                self.push_file_row(file, Some(candidate.sha256.clone()), status, reason, Some(started.elapsed()))
+            }
+            Verdict::Open { status, warning } => match load::open(&candidate) {
+                Ok(lib) => {
+                    if let Some(w) = &warning {
+                        self.warnings.push(format!("plugin '{}': {w}", lib.manifest.name));
+                    }
+                    let pin_problem = self.lock.by_sha(&lib.sha256).and_then(|pin| pin_mismatch(pin, &lib.manifest));
+                    let (status, reason) = match pin_problem {
+                        Some(p) => (Status::Refused, Some(p)),
+                        None => (status, warning),
+                    };
+                    let row = Row {
+                        manifest: Some(lib.manifest.clone()),
+                        source: Source::File(lib.path.clone()),
+                        status,
+                        reason,
+                        sha256: Some(lib.sha256.clone()),
+                        load_time: Some(started.elapsed()),
+                    };
+                    if status.is_usable() {
+                        self.add(row, Factory::Dynamic(lib.root));
+                    } else {
+                        self.rows.push(row);
+                    }
+                }
+                Err(e) => {
+                    let status = match e {
+                        HostError::ContractVersion { .. }
+                        | HostError::LayoutMismatch { .. }
+                        | HostError::NotAPlugin { .. } => Status::Incompatible,
+                        _ => Status::Refused,
+                    };
+                    self.push_file_row(
+                        file,
+                        Some(candidate.sha256.clone()),
+                        status,
+                        e.to_string(),
+                        Some(started.elapsed()),
+                    );
+                }
+            },
+        }
+    }
+
+    fn push_file_row(
+        &mut self,
+        file: &Path,
+        sha: Option<String>,
+        status: Status,
+        reason: String,
+        t: Option<std::time::Duration>,
+    ) {
+        self.rows.push(Row {
+            manifest: None,
+            source: Source::File(file.to_path_buf()),
+            status,
+            reason: Some(reason),
+            sha256: sha,
+            load_time: t,
+        });
+    }
+
+    /// Every row: built-ins first (by kind, name), then files in search order.
+    pub fn rows(&self) -> &[Row] {
+        &self.rows
+    }
+
+    /// Warnings gathered while loading (unpinned plugins under `warn`, missing directories).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
+    }
+
+    /// The directories that were searched.
+    pub fn search_dirs(&self) -> &[SearchDir] {
+        &self.dirs
+    }
+
+    /// The lock file that was read.
+    pub fn lock(&self) -> &LockFile {
+        &self.lock
+    }
+
+    /// Names of the usable plugins of `kind`, sorted.
+    pub fn names(&self, kind: PluginKind) -> Vec<String> {
+        self.table.keys().filter(|(k, _)| *k == kind).map(|(_, n)| n.clone()).collect()
+    }
+
+    /// The row of plugin (kind, name).
+    pub fn row(&self, kind: PluginKind, name: &str) -> Option<&Row> {
+        self.table.get(&(kind, name.to_string())).map(|e| &self.rows[e.row])
+    }
+
+    /// Rows whose plugin is called `name`, of any kind and status.
+    pub fn rows_named(&self, name: &str) -> Vec<&Row> {
+        self.rows.iter().filter(|r| r.name() == Some(name)).collect()
+    }
+
+    fn entry(&self, kind: PluginKind, name: &str) -> Result<&Entry, HostError> {
+        let key = (kind, name.to_string());
+        if let Some((first, second)) = self.duplicates.get(&key) {
+            return Err(HostError::Duplicate {
+                kind,
+                name: name.to_string(),
+                first: first.clone(),
+                second: second.clone(),
+            });
+        }
+        if let Some(e) = self.table.get(&key) {
+            return Ok(e);
+        }
+        if let Some((other, _)) = self.table.keys().find(|(_, n)| n == name) {
+            return Err(HostError::WrongKind { name: name.to_string(), wanted: kind, actual: *other });
+        }
+        if let Some(row) = self.rows.iter().find(|r| r.name() == Some(name) && r.kind() == Some(kind)) {
+            return Err(HostError::Unusable {
+                kind,
+                name: name.to_string(),
+                reason: row.reason.clone().unwrap_or_else(|| row.status.as_str().to_string()),
+            });
+        }
+        let available = self.names(kind);
+        let suggestion = did_you_mean(name, available.iter().map(String::as_str)).map(str::to_string);
+        let unopened = self.rows.iter().filter(|r| r.manifest.is_none()).count();
+        let note = if unopened > 0 {
+            format!("; {unopened} plugin file(s) were not loaded (see `ava plugins list`)")
+        } else {
+            String::new()
+        };
+        Err(HostError::Unknown { kind, name: name.to_string(), suggestion, available, note })
+    }
+
+    /// Builds plugin (kind, name) with options given as JSON text (`""` for none).
+    pub fn create(&self, kind: PluginKind, name: &str, options_json: &str) -> Result<Instance, HostError> {
+        let entry = self.entry(kind, name)?;
+        let ctx = HostContext { threads: self.config.threads.max(1), contract_version: ava_core::CONTRACT_VERSION };
+        let wrap = |error: PluginError| HostError::Plugin {
+            plugin: name.to_string(),
+            kind,
+            source_desc: self.rows[entry.row].source.to_string(),
+            error,
+        };
+        match &entry.factory {
+            Factory::Builtin(b) => (b.create)(options_json, &ctx).map_err(wrap),
+            Factory::Dynamic(root) => {
+                let o = RStr::from(options_json);
+                let inst = match kind {
+                    PluginKind::Optimizer => (root.new_optimizer())(o, ctx)
+                        .into_result()
+                        .map(|b| Instance::Optimizer(Box::new(ForeignOptimizer(b)))),
+                    PluginKind::Attention => (root.new_attention())(o, ctx)
+                        .into_result()
+                        .map(|b| Instance::Attention(Arc::new(ForeignAttention(b)))),
+                    PluginKind::Checkpoint => (root.new_checkpoint())(o, ctx)
+                        .into_result()
+                        .map(|b| Instance::Checkpoint(Arc::new(ForeignCheckpoint(b)))),
+                    PluginKind::Offload => (root.new_offload())(o, ctx)
+                        .into_result()
+                        .map(|b| Instance::Offload(Arc::new(ForeignOffload(b)))),
+                    PluginKind::Memory => {
+                        (root.new_memory())(o, ctx).into_result().map(|b| Instance::Memory(Box::new(ForeignMemory(b))))
+                    }
+                };
+                inst.map_err(wrap)
+            }
+        }
+    }
+
+    /// Checks options for plugin (kind, name) by constructing it; the problems, one per line.
+    pub fn check_options(&self, kind: PluginKind, name: &str, options_json: &str) -> Result<(), Vec<String>> {
+        match self.create(kind, name, options_json) {
+            Ok(_) => Ok(()),
+            Err(HostError::Plugin { error, .. }) if error.details.is_empty() => Err(vec![error.message.to_string()]),
+            Err(HostError::Plugin { error, .. }) => Err(error.details().map(str::to_string).collect()),
+            Err(other) => Err(vec![other.to_string()]),
+        }
+    }
+
+    /// An optimizer.
+    pub fn optimizer(&self, name: &str, options_json: &str) -> Result<Box<dyn Optimizer>, HostError> {
+        match self.create(PluginKind::Optimizer, name, options_json)? {
+            Instance::Optimizer(o) => Ok(o),
+            other => unreachable!("created {:?} for an optimizer", other.kind()),
+        }
+    }
+    /// An attention kernel.
+    pub fn attention(&self, name: &str, options_json: &str) -> Result<Arc<dyn AttentionKernel>, HostError> {
+        match self.create(PluginKind::Attention, name, options_json)? {
+            Instance::Attention(a) => Ok(a),
+            other => unreachable!("created {:?} for an attention kernel", other.kind()),
+        }
+    }
+    /// A checkpoint policy.
+    pub fn checkpoint(&self, name: &str, options_json: &str) -> Result<Arc<dyn CheckpointPolicy>, HostError> {
+        match self.create(PluginKind::Checkpoint, name, options_json)? {
+            Instance::Checkpoint(c) => Ok(c),
+            other => unreachable!("created {:?} for a checkpoint policy", other.kind()),
+        }
+    }
+    /// An offload tier.
+    pub fn offload(&self, name: &str, options_json: &str) -> Result<Arc<dyn OffloadTier>, HostError> {
+        match self.create(PluginKind::Offload, name, options_json)? {
+            Instance::Offload(o) => Ok(o),
+            other => unreachable!("created {:?} for an offload tier", other.kind()),
+        }
+    }
+    /// A memory policy.
+    pub fn memory(&self, name: &str, options_json: &str) -> Result<Box<dyn MemoryPolicy>, HostError> {
+        match self.create(PluginKind::Memory, name, options_json)? {
+            Instance::Memory(m) => Ok(m),
+            other => unreachable!("created {:?} for a memory policy", other.kind()),
+        }
+    }
+
+    /// Finds a library file for `name_or_path`: an existing path, or a plugin name matched
+    /// against loaded plugins and then against file names (`lion` → `libava_plugin_lion.so`)
+    /// in the search directories — the latter works for files the policy did not open.
+    pub fn locate(&self, name_or_path: &str) -> Result<PathBuf, HostError> {
+        let as_path = Path::new(name_or_path);
+        if as_path.exists()
+            || name_or_path.contains(std::path::MAIN_SEPARATOR)
+            || name_or_path.ends_with(std::env::consts::DLL_SUFFIX)
+        {
+            if !as_path.exists() {
+                return Err(HostError::Missing { path: as_path.to_path_buf() });
+            }
+            return Ok(as_path.to_path_buf());
+        }
+        for row in &self.rows {
+            if let (Some(n), Source::File(p)) = (row.name(), &row.source)
+                && n == name_or_path
+            {
+                return Ok(p.clone());
+            }
+        }
+        let stem = name_or_path.replace('-', "_");
+        let wanted = [
+            format!("{}ava_plugin_{stem}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX),
+            format!("{}{stem}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX),
+        ];
+        for row in &self.rows {
+            if let Source::File(p) = &row.source
+                && let Some(f) = p.file_name().and_then(|f| f.to_str())
+                && wanted.iter().any(|w| w == f)
+            {
+                return Ok(p.clone());
+            }
+        }
+        let searched: Vec<String> = self.dirs.iter().map(|d| d.path.display().to_string()).collect();
+        Err(HostError::Missing {
+            path: PathBuf::from(format!(
+                "{name_or_path} (no plugin or library file of that name in {})",
+                if searched.is_empty() { "any search path".to_string() } else { searched.join(", ") }
+            )),
+        })
+    }
+}
+
+/// The outcome of vetting one file, decided from its bytes alone.
+enum Verdict {
+    Refuse(Status, String),
+    Open { status: Status, warning: Option<String> },
+}
+
+fn vet(c: &Candidate, policy: VettingPolicy, lock: &LockFile) -> Verdict {
+    let pinned = lock.by_sha(&c.sha256);
+    if pinned.is_none()
+        && let Some(pin) = lock.by_file(&c.file_name())
+    {
+        return Verdict::Refuse(
+            Status::Modified,
+            format!(
+                "pinned as {} '{}' {} with sha256 {}, but the file's sha256 is {}; if the change is intended, re-vet it with `ava plugins vet {}`",
+                pin.kind,
+                pin.name,
+                pin.version,
+                pin.sha256,
+                c.sha256,
+                c.path.display()
+            ),
+        );
+    }
+    match policy {
+        VettingPolicy::Open => {
+            Verdict::Open { status: if pinned.is_some() { Status::Vetted } else { Status::Loaded }, warning: None }
+        }
+        VettingPolicy::Warn => match pinned {
+            Some(_) => Verdict::Open { status: Status::Vetted, warning: None },
+            None => Verdict::Open {
+                status: Status::Unvetted,
+                warning: Some(format!(
+                    "{} is not pinned in the lock file; policy 'vetted' would refuse it (pin it with `ava plugins vet {}`)",
+                    c.path.display(),
+                    c.path.display()
+                )),
+            },
+        },
+        VettingPolicy::Vetted => {
+            if c.symlink {
+                return Verdict::Refuse(
+                    Status::Refused,
+                    "symbolic links are refused under policy 'vetted' (the link's target can change after vetting); put the file itself in the search path".into(),
+                );
+            }
+            if let Some(why) = &c.writable_by_others {
+                return Verdict::Refuse(
+                    Status::Refused,
+                    format!(
+                        "{why}, so it could be replaced after vetting; refused under policy 'vetted' (fix with chmod go-w)"
+                    ),
+                );
+            }
+            match pinned {
+                Some(_) => Verdict::Open { status: Status::Vetted, warning: None },
+                None => Verdict::Refuse(
+                    Status::Refused,
+                    format!(
+                        "not pinned in the lock file (sha256 {}); policy 'vetted' opens only pinned plugins: review it, then pin it with `ava plugins vet {}`",
+                        c.sha256,
+                        c.path.display()
+                    ),
+                ),
+            }
+        }
+    }
+}
+
+fn pin_mismatch(pin: &Pin, m: &Manifest) -> Option<String> {
+    (pin.name != m.name.as_str() || pin.version != m.version.as_str() || pin.kind != m.kind.as_str()).then(|| {
+        format!(
+            "the lock file pins these bytes as {} '{}' {}, but the library says {} '{}' {}; re-vet it",
+            pin.kind, pin.name, pin.version, m.kind, m.name, m.version
+        )
+    })
+}
+
+/// Opens one library for `ava plugins vet` / `info PATH`, with the checks that do not depend
+/// on a policy (modified pins are reported, not refused: vetting them is the fix).
+pub fn open_file(path: &Path) -> Result<Library, HostError> {
+    let candidate = Candidate::read(path)?;
+    load::open(&candidate)
+}
+
+/// Pins the library at `path` into the lock file at `lock_path`. Returns the new pin and the
+/// pins it replaced.
+pub fn vet_file(path: &Path, lock_path: &Path) -> Result<(Pin, Vec<Pin>), HostError> {
+    let lib = open_file(path)?;
+    let mut lock = LockFile::read(lock_path)?;
+    let pin = Pin {
+        name: lib.manifest.name.to_string(),
+        kind: lib.manifest.kind.as_str().to_string(),
+        version: lib.manifest.version.to_string(),
+        sha256: lib.sha256.clone(),
+        file: path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+    };
+    let replaced = lock.upsert(pin.clone());
+    lock.write(lock_path)?;
+    Ok((pin, replaced))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builtins_are_registered_once_each() {
+        let reg = Registry::builtins();
+        for (kind, name) in [
+            (PluginKind::Attention, "standard"),
+            (PluginKind::Optimizer, "adamw"),
+            (PluginKind::Optimizer, "sgd"),
+            (PluginKind::Checkpoint, "none"),
+            (PluginKind::Checkpoint, "full"),
+            (PluginKind::Offload, "ram"),
+            (PluginKind::Memory, "thresholds"),
+        ] {
+            let row = reg.row(kind, name).unwrap_or_else(|| panic!("missing builtin {kind} {name}"));
+            assert_eq!(row.status, Status::Builtin);
+        }
+    }
+
+    #[test]
+    fn unknown_and_wrong_kind_errors() {
+        let reg = Registry::builtins();
+        let e = reg.create(PluginKind::Optimizer, "adamww", "").unwrap_err().to_string();
+        assert_eq!(e, "unknown optimizer 'adamww' (did you mean 'adamw'?); installed: adamw, sgd");
+        let e = reg.create(PluginKind::Optimizer, "standard", "").unwrap_err().to_string();
+        assert_eq!(e, "'standard' is an attention kernel, not an optimizer; set it under plugins.attention instead");
+    }
+}
