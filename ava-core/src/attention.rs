@@ -81,6 +81,9 @@ impl AttnShape {
                 self.q_heads, self.kv_heads
             )));
         }
+        if self.kv_len == 0 && self.q_len > 0 {
+            return Err(PluginError::invalid_input("attention over zero keys (kv_len = 0) is undefined"));
+        }
         if self.causal && self.q_len > self.kv_len {
             return Err(PluginError::invalid_input(format!(
                 "causal attention needs q_len ({}) <= kv_len ({})",

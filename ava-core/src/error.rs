@@ -88,6 +88,11 @@ impl PluginError {
         Self::new(ErrorKind::Io, message)
     }
 
+    /// [`ErrorKind::OutOfMemory`].
+    pub fn out_of_memory(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::OutOfMemory, message)
+    }
+
     /// [`ErrorKind::Internal`].
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Internal, message)

@@ -151,11 +151,14 @@ impl<'a> StateBuf<'a> {
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone, Copy, PartialEq)]
 pub struct StepContext {
-    /// 1-based step number (after the update it is this many steps).
+    /// 1-based global step number, for schedules. An optimizer that needs a per-parameter
+    /// count (bias correction) keeps it in its own state, as torch does, so parameters that
+    /// start training later and resumed runs stay exact.
     pub step: u64,
     /// Learning rate for this step (after the schedule).
     pub lr: f64,
-    /// Decoupled weight decay for this parameter (0 for norms and biases).
+    /// Weight decay λ for this parameter (0 for norms, biases and embeddings by default);
+    /// each optimizer applies it its own way (AdamW and Lion decoupled, SGD as L2).
     pub weight_decay: f64,
     /// Threads the optimizer may use.
     pub threads: u32,

@@ -80,7 +80,7 @@ pub struct Pin {
 }
 
 /// The lock file's contents.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LockFile {
     /// Format version (1).
@@ -93,6 +93,12 @@ pub struct LockFile {
 
 fn one() -> u32 {
     1
+}
+
+impl Default for LockFile {
+    fn default() -> Self {
+        Self { version: 1, plugins: Vec::new() }
+    }
 }
 
 fn is_yaml(path: &Path) -> bool {

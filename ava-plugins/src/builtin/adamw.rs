@@ -1,1 +1,294 @@
-//! placeholder
+//! The built-in optimizer `adamw`: Adam with decoupled weight decay (Loshchilov & Hutter 2019,
+//! *Decoupled Weight Decay Regularization*), computed as `torch.optim.AdamW` does:
+//!
+//! ```text
+//! θ ← θ − lr·λ·θ                       decay first, scaled by lr (torch's convention)
+//! m ← β1·m + (1 − β1)·g
+//! v ← β2·v + (1 − β2)·g²
+//! v_max ← max(v_max, v)                 amsgrad only; then v_max replaces v below
+//! θ ← θ − lr·m̂ / (√v̂ + ε)              m̂ = m / (1 − β1ᵗ), v̂ = v / (1 − β2ᵗ)
+//! ```
+//!
+//! `lr`, `λ` and the 1-based step `t` come from the trainer each step. State per parameter:
+//! `exp_avg` and `exp_avg_sq` (f32, one per element), plus `max_exp_avg_sq` with amsgrad —
+//! 8 bytes per parameter (12 with amsgrad).
+
+use ava_core::{error::expect_len, prelude::*};
+
+/// AdamW's hyper-parameters (the state lives in the host's buffers).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdamW {
+    /// Decay of the first moment.
+    pub beta1: f64,
+    /// Decay of the second moment.
+    pub beta2: f64,
+    /// Added to the denominator for numerical stability.
+    pub eps: f64,
+    /// Use the running maximum of the second moment (Reddi et al. 2018).
+    pub amsgrad: bool,
+}
+
+impl Default for AdamW {
+    fn default() -> Self {
+        Self { beta1: 0.9, beta2: 0.999, eps: 1e-8, amsgrad: false }
+    }
+}
+
+impl Plugin for AdamW {
+    fn manifest() -> Manifest {
+        Manifest::new(
+            "adamw",
+            PluginKind::Optimizer,
+            env!("CARGO_PKG_VERSION"),
+            "AdamW: Adam with decoupled weight decay, as torch.optim.AdamW; two f32 state buffers per parameter",
+        )
+        .option(OptionSpec::float_list(
+            "betas",
+            &[0.9, 0.999],
+            "[β1, β2]: decay rates of the first and second moment estimates",
+        ))
+        .option(OptionSpec::float("eps", 1e-8, "added to the denominator √v̂ for numerical stability"))
+        .option(OptionSpec::bool(
+            "amsgrad",
+            false,
+            "use the running maximum of the second moment (AMSGrad); adds a third state buffer",
+        ))
+    }
+
+    fn from_options(mut options: Options) -> Result<Self, PluginError> {
+        let betas = options.float_list("betas");
+        let eps = options.float("eps");
+        options.check(betas.len() == 2, || format!("option 'betas': expected 2 values [β1, β2], got {}", betas.len()));
+        for (i, b) in betas.iter().enumerate() {
+            options.check((0.0..1.0).contains(b), || format!("option 'betas': β{} = {b} must be in [0, 1)", i + 1));
+        }
+        options.check(eps > 0.0, || format!("option 'eps': {eps} must be > 0"));
+        options.finish()?;
+        Ok(AdamW { beta1: betas[0], beta2: betas[1], eps, amsgrad: options.bool("amsgrad") })
+    }
+}
+
+impl Optimizer for AdamW {
+    fn state_layout(&self, param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
+        let n = param.numel();
+        let mut layout = vec![StateSpec::new("exp_avg", DType::F32, n), StateSpec::new("exp_avg_sq", DType::F32, n)];
+        if self.amsgrad {
+            layout.push(StateSpec::new("max_exp_avg_sq", DType::F32, n));
+        }
+        Ok(layout)
+    }
+
+    fn step(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &mut [f32],
+        grad: &[f32],
+        state: &mut [StateBuf<'_>],
+        ctx: &StepContext,
+    ) -> Result<(), PluginError> {
+        let n = param.numel();
+        expect_len("values", values.len(), n)?;
+        expect_len("grad", grad.len(), n)?;
+        if ctx.step == 0 {
+            // The bias corrections divide by 1 − βᵗ, which is 0 at t = 0.
+            return Err(PluginError::invalid_input("adamw: step numbers are 1-based, got step 0"));
+        }
+        let (m, v, v_max) = match state {
+            [m, v] if !self.amsgrad => (m.f32()?, v.f32()?, None),
+            [m, v, v_max] if self.amsgrad => (m.f32()?, v.f32()?, Some(v_max.f32()?)),
+            _ => {
+                return Err(PluginError::invalid_input(format!(
+                    "adamw expects {} state buffers, got {}",
+                    if self.amsgrad { 3 } else { 2 },
+                    state.len()
+                )));
+            }
+        };
+        expect_len("exp_avg", m.len(), n)?;
+        expect_len("exp_avg_sq", v.len(), n)?;
+
+        // Per-step scalars in f64 (torch computes them as Python floats), applied in f32.
+        let t = i32::try_from(ctx.step).unwrap_or(i32::MAX);
+        let step_size = (ctx.lr / (1.0 - self.beta1.powi(t))) as f32;
+        let bc2_sqrt = (1.0 - self.beta2.powi(t)).sqrt() as f32;
+        let decay = (1.0 - ctx.lr * ctx.weight_decay) as f32;
+        let (b1, b2, eps) = (self.beta1 as f32, self.beta2 as f32, self.eps as f32);
+
+        // θ ← θ·(1 − lr·λ) − lr/bc1 · m / (√v / √bc2 + ε), torch's arrangement of m̂/(√v̂ + ε).
+        let apply = |w: &mut f32, m: f32, v: f32| *w = *w * decay - step_size * m / (v.sqrt() / bc2_sqrt + eps);
+        match v_max {
+            None => {
+                for (((w, &g), m), v) in values.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+                    *m = b1 * *m + (1.0 - b1) * g;
+                    *v = b2 * *v + (1.0 - b2) * g * g;
+                    apply(w, *m, *v);
+                }
+            }
+            Some(v_max) => {
+                expect_len("max_exp_avg_sq", v_max.len(), n)?;
+                for ((((w, &g), m), v), vm) in
+                    values.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()).zip(v_max.iter_mut())
+                {
+                    *m = b1 * *m + (1.0 - b1) * g;
+                    *v = b2 * *v + (1.0 - b2) * g * g;
+                    *vm = vm.max(*v);
+                    apply(w, *m, *vm);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+inventory::submit! { crate::builtin::Builtin::optimizer::<AdamW>() }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn build(json: &str) -> Result<AdamW, PluginError> {
+        ava_core::ffi::build::<AdamW>(json, &HostContext::default())
+    }
+
+    /// One step on `w` with state buffers `bufs` (each `w.len()` f32s).
+    fn run(opt: &mut AdamW, w: &mut [f32], g: &[f32], bufs: &mut [Vec<f32>], step: u64, lr: f64, wd: f64) {
+        let shape = [w.len() as u64];
+        let info = ParamInfo::new("w", &shape);
+        let mut state: Vec<StateBuf<'_>> =
+            bufs.iter_mut().map(|b| StateBuf::new(DType::F32, bytemuck::cast_slice_mut(b))).collect();
+        let ctx = StepContext { step, lr, weight_decay: wd, threads: 1 };
+        opt.step(&info, w, g, &mut state, &ctx).unwrap();
+    }
+
+    fn close(got: &[f32], want: &[f64], tol: f64, what: &str) {
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            assert!((g as f64 - w).abs() < tol, "{what}[{i}] = {g}, want {w}");
+        }
+    }
+
+    /// Three steps by hand with β = (0.5, 0.75), lr = 0.1, θ = (1, −2); ε = 1e-8 moves θ by
+    /// < 1e-8, below the tolerance.
+    ///
+    /// step 1, λ = 0, g = (2, −1): m = 0.5g = (1, −0.5), v = 0.25g² = (1, 0.25);
+    ///   bc1 = 0.5, bc2 = 0.25 → m̂ = (2, −1), √v̂ = (2, 1) → θ = (1 − 0.1, −2 + 0.1) = (0.9, −1.9).
+    /// step 2, λ = 0.5, g = (−1, 3): θ·(1 − 0.05) = (0.855, −1.805);
+    ///   m = 0.5m + 0.5g = (0, 1.25), v = 0.75v + 0.25g² = (1, 2.4375);
+    ///   bc1 = 0.75, bc2 = 0.4375 → m̂ = (0, 5/3), v̂ = (16/7, 39/7)
+    ///   → θ = (0.855, −1.805 − 0.1·(5/3)/√(39/7)).
+    /// step 3, λ = 0.5, g = (0.5, 0): θ·0.95; m = (0.25, 0.625), v = (0.8125, 1.828125);
+    ///   bc1 = 0.875, bc2 = 0.578125 → m̂ = (2/7, 5/7), v̂ = (52/37, 117/37).
+    ///   With amsgrad v fell in both entries, so v_max stays (1, 2.4375) → v̂ = (64/37, 156/37).
+    #[test]
+    fn matches_hand_computed_steps() {
+        for amsgrad in [false, true] {
+            let mut opt = AdamW { beta1: 0.5, beta2: 0.75, eps: 1e-8, amsgrad };
+            let mut w = [1.0f32, -2.0];
+            let mut bufs = vec![vec![0.0f32; 2]; if amsgrad { 3 } else { 2 }];
+
+            run(&mut opt, &mut w, &[2.0, -1.0], &mut bufs, 1, 0.1, 0.0);
+            close(&w, &[0.9, -1.9], 1e-6, "step 1 θ");
+            close(&bufs[0], &[1.0, -0.5], 1e-7, "step 1 m");
+            close(&bufs[1], &[1.0, 0.25], 1e-7, "step 1 v");
+
+            run(&mut opt, &mut w, &[-1.0, 3.0], &mut bufs, 2, 0.1, 0.5);
+            let w2 = [0.855, -1.805 - 0.1 * (5.0 / 3.0) / (39.0f64 / 7.0).sqrt()];
+            close(&w, &w2, 1e-6, "step 2 θ");
+            close(&bufs[0], &[0.0, 1.25], 1e-7, "step 2 m");
+            close(&bufs[1], &[1.0, 2.4375], 1e-6, "step 2 v");
+
+            run(&mut opt, &mut w, &[0.5, 0.0], &mut bufs, 3, 0.1, 0.5);
+            let v_hat = if amsgrad { [64.0 / 37.0, 156.0 / 37.0] } else { [52.0 / 37.0, 117.0 / 37.0] };
+            let w3 = [
+                w2[0] * 0.95 - 0.1 * (2.0 / 7.0) / f64::sqrt(v_hat[0]),
+                w2[1] * 0.95 - 0.1 * (5.0 / 7.0) / f64::sqrt(v_hat[1]),
+            ];
+            close(&w, &w3, 1e-6, &format!("step 3 θ (amsgrad {amsgrad})"));
+            close(&bufs[0], &[0.25, 0.625], 1e-7, "step 3 m");
+            close(&bufs[1], &[0.8125, 1.828125], 1e-6, "step 3 v");
+            if amsgrad {
+                close(&bufs[2], &[1.0, 2.4375], 1e-6, "step 3 v_max keeps the maximum");
+            }
+        }
+    }
+
+    /// Default betas, step 1: m̂ = g and v̂ = g² exactly, so the update is lr·g/(|g| + ε):
+    /// lr·sign(g) up to ε. With λ = 0.1 and lr = 1e-3 the decay factor is 1 − 1e-4.
+    #[test]
+    fn first_step_is_signed_lr() {
+        let mut opt = build("").unwrap();
+        assert_eq!(opt, AdamW::default());
+        let mut w = [0.5f32, -0.5, 2.0];
+        let mut bufs = vec![vec![0.0f32; 3]; 2];
+        run(&mut opt, &mut w, &[1e-3, -4.0, 0.0], &mut bufs, 1, 1e-3, 0.1);
+        // g = 0 gives m̂ = 0: only the decay moves the third entry.
+        let want = [0.5 * (1.0 - 1e-4) - 1e-3, -0.5 * (1.0 - 1e-4) + 1e-3, 2.0 * (1.0 - 1e-4)];
+        close(&w, &want, 1e-7, "θ");
+    }
+
+    #[test]
+    fn state_layout_names_and_lengths() {
+        let shape = [3u64, 5];
+        let info = ParamInfo::new("model.layers.0.mlp.up_proj.weight", &shape);
+        let names = |o: &AdamW| -> Vec<(String, DType, u64)> {
+            o.state_layout(&info).unwrap().into_iter().map(|s| (s.name.to_string(), s.dtype, s.len)).collect()
+        };
+        assert_eq!(
+            names(&build("").unwrap()),
+            [("exp_avg".to_string(), DType::F32, 15), ("exp_avg_sq".to_string(), DType::F32, 15)]
+        );
+        let ams = build(r#"{"amsgrad": true}"#).unwrap();
+        assert_eq!(names(&ams)[2], ("max_exp_avg_sq".to_string(), DType::F32, 15));
+        assert_eq!(names(&ams).len(), 3);
+    }
+
+    #[test]
+    fn wrong_state_and_step_zero_are_refused() {
+        let mut opt = AdamW::default();
+        let shape = [2u64];
+        let info = ParamInfo::new("w", &shape);
+        let (mut w, g) = ([1.0f32, 2.0], [0.1f32, 0.2]);
+        let mut a = [0.0f32; 2];
+        let mut state = [StateBuf::new(DType::F32, bytemuck::cast_slice_mut(&mut a))];
+        let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1 };
+        let err = opt.step(&info, &mut w, &g, &mut state, &ctx).unwrap_err();
+        assert_eq!(err.message.as_str(), "adamw expects 2 state buffers, got 1");
+        let mut b = [0.0f32; 2];
+        let mut a = [0.0f32; 2];
+        let mut state = [
+            StateBuf::new(DType::F32, bytemuck::cast_slice_mut(&mut a)),
+            StateBuf::new(DType::F32, bytemuck::cast_slice_mut(&mut b)),
+        ];
+        let err = opt.step(&info, &mut w, &g, &mut state, &StepContext { step: 0, ..ctx }).unwrap_err();
+        assert_eq!(err.message.as_str(), "adamw: step numbers are 1-based, got step 0");
+        assert_eq!(w, [1.0, 2.0], "a refused step leaves the parameter alone");
+    }
+
+    #[test]
+    fn options_are_checked_all_at_once() {
+        let err = build(r#"{"betas": [1.0], "eps": 0, "amsgrad": "yes"}"#).unwrap_err();
+        assert_eq!(err.kind, ErrorKind::InvalidOptions);
+        let details: Vec<&str> = err.details().collect();
+        assert_eq!(
+            details,
+            [
+                "option 'amsgrad': expected bool, got a string (\"yes\")",
+                "option 'betas': expected 2 values [β1, β2], got 1",
+                "option 'betas': β1 = 1 must be in [0, 1)",
+                "option 'eps': 0 must be > 0",
+            ]
+        );
+        let ok = build(r#"{"betas": [0.8, 0.95], "eps": 1e-6, "amsgrad": true}"#).unwrap();
+        assert_eq!(ok, AdamW { beta1: 0.8, beta2: 0.95, eps: 1e-6, amsgrad: true });
+    }
+
+    #[test]
+    fn registered() {
+        let b = crate::builtin::all().find(|b| (b.manifest)().name.as_str() == "adamw").expect("registered");
+        let m = (b.manifest)();
+        m.validate().unwrap();
+        assert_eq!(m.kind, PluginKind::Optimizer);
+        let names: Vec<&str> = m.options.iter().map(|o| o.name.as_str()).collect();
+        assert_eq!(names, ["betas", "eps", "amsgrad"]);
+        assert_eq!((b.create)("", &HostContext::default()).unwrap().kind(), PluginKind::Optimizer);
+    }
+}
