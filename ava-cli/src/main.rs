@@ -1,1 +1,75 @@
-fn main() {}
+//! `ava`: train transformer language models that would not otherwise fit in memory.
+//!
+//! This binary only parses arguments, prints and reports progress; the logic lives in the
+//! library crates (`ava-train`, `ava-plugins`). One file per subcommand under `commands/`.
+
+mod cli;
+mod commands;
+mod context;
+mod output;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+use crate::{cli::Cli, output::Printer};
+
+/// A command's failure and the exit code it maps to.
+#[derive(Debug)]
+pub enum Failure {
+    /// Bad usage or configuration: exit code 2.
+    Usage(anyhow::Error),
+    /// Anything else: exit code 1.
+    Runtime(anyhow::Error),
+}
+
+impl<E: Into<anyhow::Error>> From<E> for Failure {
+    fn from(e: E) -> Self {
+        Failure::Runtime(e.into())
+    }
+}
+
+/// Marks an error as a usage/config error (exit code 2).
+pub trait UsageExt<T> {
+    /// Maps the error to [`Failure::Usage`].
+    fn usage(self) -> Result<T, Failure>;
+}
+
+impl<T, E: Into<anyhow::Error>> UsageExt<T> for Result<T, E> {
+    fn usage(self) -> Result<T, Failure> {
+        self.map_err(|e| Failure::Usage(e.into()))
+    }
+}
+
+/// What every command returns.
+pub type CmdResult = Result<(), Failure>;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let printer = Printer { format: cli.global.format, verbosity: cli.global.verbosity() };
+    match commands::run(cli.command, &printer) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            let (code, err) = match f {
+                Failure::Usage(e) => (2, e),
+                Failure::Runtime(e) => (1, e),
+            };
+            match printer.format {
+                output::Format::Json => {
+                    let chain: Vec<String> = err.chain().skip(1).map(|c| c.to_string()).collect();
+                    println!(
+                        "{}",
+                        serde_json::json!({"error": err.to_string(), "caused_by": chain, "exit_code": code})
+                    );
+                }
+                output::Format::Text => {
+                    eprintln!("error: {err}");
+                    for cause in err.chain().skip(1) {
+                        eprintln!("  caused by: {cause}");
+                    }
+                }
+            }
+            ExitCode::from(code)
+        }
+    }
+}

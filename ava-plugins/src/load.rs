@@ -124,23 +124,55 @@ fn check_version(header: &LibHeader, path: &std::path::Path) -> Result<(), HostE
 }
 
 /// One or two informative lines from abi_stable's (very long) layout report.
+///
+/// The report is pages of type layouts; each actual problem comes at the end of it as
+/// `Error:<what>` / `Expected:` / `<value>` / `Found:` / `<value>` (values indented), which
+/// becomes `<what>: expected <value>, found <value>`.
 pub(crate) fn summarize_layout_error(report: &str) -> String {
-    let interesting: Vec<String> = report
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .filter(|l| {
-            let l = l.to_ascii_lowercase();
-            l.contains("mismatch")
-                || l.contains("expected")
-                || l.contains("found")
-                || l.contains("field")
-                || l.contains("error")
-        })
+    #[derive(Default)]
+    struct Problem<'a> {
+        what: &'a str,
+        expected: Option<&'a str>,
+        found: Option<&'a str>,
+    }
+    #[derive(PartialEq)]
+    enum Want {
+        Nothing,
+        Expected,
+        Found,
+    }
+    let mut problems: Vec<Problem<'_>> = Vec::new();
+    let mut want = Want::Nothing;
+    for line in report.lines() {
+        if let Some(what) = line.strip_prefix("Error:") {
+            problems.push(Problem { what: what.trim(), ..Problem::default() });
+            want = Want::Nothing;
+        } else if line == "Expected:" || line == "Found:" {
+            want = if line == "Expected:" { Want::Expected } else { Want::Found };
+        } else if want != Want::Nothing && line.starts_with(' ') && !line.trim().is_empty() {
+            if let Some(p) = problems.last_mut() {
+                let slot = if want == Want::Expected { &mut p.expected } else { &mut p.found };
+                *slot = Some(line.trim());
+            }
+            want = Want::Nothing;
+        } else if !line.trim().is_empty() {
+            want = Want::Nothing;
+        }
+    }
+    let summaries: Vec<String> = problems
+        .iter()
+        .filter(|p| !p.what.is_empty() || p.expected.is_some())
         .take(2)
-        .map(|l| truncate(l, 160))
+        .map(|p| {
+            let what = if p.what.is_empty() { "layout mismatch" } else { p.what };
+            let text = match (p.expected, p.found) {
+                (Some(e), Some(f)) => format!("{what}: expected {e}, found {f}"),
+                _ => what.to_string(),
+            };
+            truncate(&text, 160)
+        })
         .collect();
-    if interesting.is_empty() { truncate(&first_line(report), 160) } else { interesting.join("; ") }
+    if summaries.is_empty() { truncate(&first_line(report), 160) } else { summaries.join("; ") }
 }
 
 fn first_line(s: &str) -> String {
@@ -149,4 +181,19 @@ fn first_line(s: &str) -> String {
 
 fn truncate(s: &str, max: usize) -> String {
     if s.chars().count() <= max { s.to_string() } else { format!("{}…", s.chars().take(max).collect::<String>()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_report_is_summarized_from_its_errors() {
+        let report = "Compared <this>:\n    --- Type Layout ---\n    data:\n        Struct with Fields:\n\n    Phantom fields:\n\n0 error(s).\n\n1 error(s)inside:\n    <other>\n\n    field_name:0\n\nLayout of expected type:\n    size:48\n\n\nError:mismatched package\nExpected:\n    ava-core\nFound:\n    ava-fixture-changed-layout\n\nError:incompatible type size\nExpected:\n    48\nFound:\n    16\n\nError:too many fields\nExpected:\n    6\nFound:\n    2\n";
+        assert_eq!(
+            summarize_layout_error(report),
+            "mismatched package: expected ava-core, found ava-fixture-changed-layout; incompatible type size: expected 48, found 16"
+        );
+        assert_eq!(summarize_layout_error("something else\nentirely"), "something else");
+    }
 }

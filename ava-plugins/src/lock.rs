@@ -41,6 +41,14 @@ impl VettingPolicy {
     /// All values, for messages.
     pub const ALL: [VettingPolicy; 3] = [Self::Open, Self::Warn, Self::Vetted];
 
+    /// The accepted config words, in order.
+    pub const NAMES: &'static [&'static str] = &["open", "warn", "vetted"];
+
+    /// Parses the config word.
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.as_str() == s)
+    }
+
     /// The config spelling.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -54,7 +62,7 @@ impl VettingPolicy {
 impl FromStr for VettingPolicy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL.into_iter().find(|p| p.as_str() == s).ok_or_else(|| format!("'{s}' is not one of open, warn, vetted"))
+        Self::parse(s).ok_or_else(|| format!("'{s}' is not one of open, warn, vetted"))
     }
 }
 

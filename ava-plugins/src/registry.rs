@@ -185,7 +185,8 @@ impl Registry {
         let mut builtins: Vec<&'static Builtin> = builtin::all().collect();
         builtins.sort_by_key(|b| {
             let m = (b.manifest)();
-            (m.kind, m.name.to_string())
+            // Config order (attention, optimizer, ...), then name.
+            (PluginKind::ALL.iter().position(|k| *k == m.kind), m.name.to_string())
         });
         for b in builtins {
             let manifest = (b.manifest)();
@@ -374,6 +375,21 @@ impl Registry {
             return Err(HostError::WrongKind { name: name.to_string(), wanted: kind, actual: *other });
         }
         if let Some(row) = self.rows.iter().find(|r| r.name() == Some(name) && r.kind() == Some(kind)) {
+            return Err(HostError::Unusable {
+                kind,
+                name: name.to_string(),
+                reason: row.reason.clone().unwrap_or_else(|| row.status.as_str().to_string()),
+            });
+        }
+        // A modified library is never opened, so its row has no manifest; the lock file's pin
+        // for its file name says which plugin it was.
+        if let Some(row) = self.rows.iter().find(|r| {
+            r.status == Status::Modified
+                && matches!(&r.source, Source::File(p) if p
+                    .file_name()
+                    .and_then(|f| self.lock.by_file(&f.to_string_lossy()))
+                    .is_some_and(|pin| pin.kind == kind.as_str() && pin.name == name))
+        }) {
             return Err(HostError::Unusable {
                 kind,
                 name: name.to_string(),

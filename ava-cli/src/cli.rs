@@ -1,0 +1,154 @@
+//! The command line, declared with clap. Kept in this crate only.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::output::Format;
+
+/// Train transformer language models that would not otherwise fit in memory.
+///
+/// Every memory technique is a plugin picked by name in a YAML config: attention kernels,
+/// optimizers, checkpoint policies, offload tiers and memory policies. Start with
+/// `ava plugins list` to see what is installed, and `ava config show` to see the effective
+/// configuration and where each value comes from.
+#[derive(Debug, Parser)]
+#[command(name = "ava", version, propagate_version = true, max_term_width = 100)]
+pub struct Cli {
+    /// Options every command takes.
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    /// The command.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options every command takes.
+#[derive(Debug, Args)]
+pub struct GlobalArgs {
+    /// Print only results and errors (no warnings or progress).
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    pub quiet: bool,
+    /// Print more detail (repeat for even more).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+    /// Output format of results: text for people, json for scripts.
+    #[arg(long, global = true, value_enum, default_value_t = Format::Text)]
+    pub format: Format,
+}
+
+impl GlobalArgs {
+    /// 0 quiet, 1 normal, 2+ verbose.
+    pub fn verbosity(&self) -> u8 {
+        if self.quiet { 0 } else { 1 + self.verbose }
+    }
+}
+
+/// Where the configuration comes from (for commands that read it).
+#[derive(Debug, Args, Clone, Default)]
+pub struct ConfigArgs {
+    /// Config file (YAML or TOML). Default: ./ava.yaml if it exists, else the built-in
+    /// defaults. Environment variables AVA__SECTION__KEY override the file.
+    #[arg(short, long, value_name = "FILE", env = "AVA_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Override one value, highest precedence: --set plugins.policy=vetted,
+    /// --set 'plugins.optimizer={name: lion, betas: [0.9, 0.98]}'. Repeatable.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// List, inspect, vet, enable and disable plugins.
+    #[command(subcommand)]
+    Plugins(PluginsCommand),
+    /// Show or validate the configuration.
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+/// `ava plugins ...`
+#[derive(Debug, Subcommand)]
+pub enum PluginsCommand {
+    /// Every plugin, built-in and found on disk, with its status and why.
+    ///
+    /// Statuses: builtin, loaded (policy open), vetted (pinned, bytes match), unvetted
+    /// (policy warn, not pinned), modified (pinned but the bytes changed: never loaded),
+    /// incompatible (another contract version, or not an Ava plugin), refused (by policy).
+    List {
+        /// Only plugins of this kind: attention, optimizer, checkpoint, offload, memory.
+        #[arg(long, value_name = "KIND")]
+        kind: Option<String>,
+        /// Where the configuration comes from.
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// A plugin's manifest: summary, options with defaults and docs, file, sha256, status.
+    Info {
+        /// Plugin name (e.g. lion) or path of a plugin library.
+        name: String,
+        /// Disambiguates a name used by several kinds.
+        #[arg(long, value_name = "KIND")]
+        kind: Option<String>,
+        /// Where the configuration comes from.
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Pin a plugin library in the lock file (name, version, sha256), vetting it for
+    /// `plugins.policy: vetted`. Opens the library to read its manifest.
+    Vet {
+        /// Path of the library, or the name of a plugin in the search paths.
+        path_or_name: String,
+        /// Lock file to write (default: plugins.lock_file from the config, ava-plugins.lock).
+        #[arg(long, value_name = "FILE")]
+        lock: Option<PathBuf>,
+        /// Where the configuration comes from.
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Select a plugin for its kind by writing it into the config file.
+    ///
+    /// Example: ava plugins enable optimizer lion --set betas=[0.9,0.98]
+    Enable {
+        /// attention, optimizer, checkpoint, offload or memory.
+        kind: String,
+        /// The plugin's name (see `ava plugins list`).
+        name: String,
+        /// Config file to edit (created if missing). Default: ./ava.yaml.
+        #[arg(short, long, value_name = "FILE", env = "AVA_CONFIG")]
+        config: Option<PathBuf>,
+        /// A plugin option, OPTION=VALUE (repeatable); checked by the plugin before writing.
+        #[arg(long = "set", value_name = "OPTION=VALUE")]
+        set: Vec<String>,
+    },
+    /// Return a kind to its built-in default by removing its selection from the config file.
+    Disable {
+        /// attention, optimizer, checkpoint, offload or memory.
+        kind: String,
+        /// Config file to edit. Default: ./ava.yaml.
+        #[arg(short, long, value_name = "FILE", env = "AVA_CONFIG")]
+        config: Option<PathBuf>,
+    },
+}
+
+/// `ava config ...`
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// The effective configuration, each value with where it came from
+    /// (default, file, environment variable, --set).
+    Show {
+        /// Where the configuration comes from.
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Check a config file: unknown keys, wrong types, out-of-range values, unknown plugins
+    /// and their options. Every problem is reported at once; exit code 2 if any.
+    Validate {
+        /// The file to check.
+        file: PathBuf,
+        /// Overrides applied on top, as in `ava config show`.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+    },
+}

@@ -1,0 +1,45 @@
+//! One file per subcommand; this module only dispatches.
+
+mod config_show;
+mod config_validate;
+mod plugins_disable;
+mod plugins_enable;
+mod plugins_info;
+mod plugins_list;
+mod plugins_vet;
+
+use ava_core::PluginKind;
+
+use crate::{
+    CmdResult, Failure,
+    cli::{Command, ConfigCommand, PluginsCommand},
+    output::Printer,
+};
+
+/// Runs a parsed command.
+pub fn run(command: Command, p: &Printer) -> CmdResult {
+    match command {
+        Command::Plugins(c) => match c {
+            PluginsCommand::List { kind, config } => plugins_list::run(p, kind.as_deref(), &config),
+            PluginsCommand::Info { name, kind, config } => plugins_info::run(p, &name, kind.as_deref(), &config),
+            PluginsCommand::Vet { path_or_name, lock, config } => plugins_vet::run(p, &path_or_name, lock, &config),
+            PluginsCommand::Enable { kind, name, config, set } => plugins_enable::run(p, &kind, &name, config, &set),
+            PluginsCommand::Disable { kind, config } => plugins_disable::run(p, &kind, config),
+        },
+        Command::Config(c) => match c {
+            ConfigCommand::Show { config } => config_show::run(p, &config),
+            ConfigCommand::Validate { file, set } => config_validate::run(p, &file, &set),
+        },
+    }
+}
+
+/// Parses a kind argument, with a clear error listing the kinds.
+pub fn parse_kind(s: &str) -> Result<PluginKind, Failure> {
+    PluginKind::parse(s).ok_or_else(|| {
+        let names: Vec<&str> = PluginKind::ALL.iter().map(|k| k.as_str()).collect();
+        let hint = ava_core::options::did_you_mean(s, names.iter().copied())
+            .map(|n| format!(" (did you mean '{n}'?)"))
+            .unwrap_or_default();
+        Failure::Usage(anyhow::anyhow!("unknown plugin kind '{s}'{hint}; kinds: {}", names.join(", ")))
+    })
+}

@@ -1,0 +1,86 @@
+//! The one printer every command writes through: results to stdout as text or JSON,
+//! messages (warnings, notes) to stderr, honouring `-q` / `-v`.
+
+use std::io::Write;
+
+use clap::ValueEnum;
+use serde_json::Value;
+
+/// `--format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Format {
+    /// Tables and sentences for people.
+    Text,
+    /// One JSON document on stdout, for scripts.
+    Json,
+}
+
+/// Writes results and messages.
+pub struct Printer {
+    /// Output format of results.
+    pub format: Format,
+    /// 0 = quiet, 1 = normal, 2+ = verbose.
+    pub verbosity: u8,
+}
+
+impl Printer {
+    /// Prints a result: `text` in text mode, `json` in JSON mode.
+    pub fn result(&self, text: impl FnOnce() -> String, json: impl FnOnce() -> Value) {
+        let mut out = std::io::stdout().lock();
+        let _ = match self.format {
+            Format::Text => {
+                let t = text();
+                if t.is_empty() { Ok(()) } else { writeln!(out, "{}", t.trim_end_matches('\n')) }
+            }
+            Format::Json => writeln!(out, "{}", serde_json::to_string_pretty(&json()).unwrap_or_default()),
+        };
+    }
+
+    /// A warning on stderr (shown unless `-q`).
+    pub fn warn(&self, msg: &str) {
+        if self.verbosity >= 1 {
+            eprintln!("warning: {msg}");
+        }
+    }
+
+    /// A note on stderr (shown unless `-q`; in JSON mode too, since stdout stays clean).
+    pub fn note(&self, msg: &str) {
+        if self.verbosity >= 1 {
+            eprintln!("{msg}");
+        }
+    }
+
+    /// A detail shown only with `-v`.
+    pub fn verbose(&self, msg: &str) {
+        if self.verbosity >= 2 {
+            eprintln!("{msg}");
+        }
+    }
+}
+
+/// Renders rows as an aligned table with a header line.
+pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (i, cell) in row.iter().enumerate() {
+            widths[i] = widths[i].max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut s = String::new();
+        for (i, c) in cells.iter().enumerate() {
+            if i + 1 == cells.len() {
+                s.push_str(c);
+            } else {
+                s.push_str(&format!("{c:<w$}  ", w = widths[i]));
+            }
+        }
+        s.trim_end().to_string()
+    };
+    let mut out = line(headers.to_vec());
+    for row in rows {
+        out.push('\n');
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
+    }
+    out
+}

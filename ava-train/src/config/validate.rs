@@ -1,0 +1,341 @@
+//! Checking the merged tree against the schema, and plugin selections against the installed
+//! plugins. Every problem is collected (nothing stops at the first), each with the full key
+//! path and the layer the value came from.
+
+use std::fmt;
+
+use ava_core::PluginKind;
+use ava_core::options::{did_you_mean, edit_distance};
+use serde_json::Value;
+
+use super::format::type_phrase;
+use super::schema::{self, Config, Field, Kind, MISSING_NAME, PluginSelection, SELECTION_EXPECTED};
+use super::tree::{Node, Origin};
+
+/// What validation needs to know about the installed plugins; the plugin registry
+/// implements it.
+pub trait PluginCatalog {
+    /// The names of the plugins of `kind` that can be selected.
+    fn names(&self, kind: PluginKind) -> Vec<String>;
+
+    /// Checks the options of plugin `name` (a JSON object as text, `{}` for none). Each
+    /// problem is a line such as `option 'critical': 1.5 must be in (0, 1]` or
+    /// `unknown option 'foo' (did you mean 'bar'?)`; those two shapes are reported at the key
+    /// path of the option (`plugins.memory.critical`), anything else at the selection.
+    fn check_options(&self, kind: PluginKind, name: &str, options_json: &str) -> Result<(), Vec<String>>;
+}
+
+/// One problem found in the configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigProblem {
+    /// The full key path, e.g. `plugins.optimizer` (empty when the problem is about no key).
+    pub path: String,
+    /// What is wrong, e.g. `unknown key (did you mean 'plugins.optimizer'?)`.
+    pub message: String,
+    /// Where the offending value came from, when known.
+    pub origin: Option<Origin>,
+}
+
+impl ConfigProblem {
+    pub(crate) fn new(path: impl Into<String>, message: impl Into<String>, origin: Option<&Origin>) -> Self {
+        Self { path: path.into(), message: message.into(), origin: origin.cloned() }
+    }
+}
+
+impl fmt::Display for ConfigProblem {
+    /// `plugins.policy: 'vetd' is not one of open, warn, vetted (did you mean 'vetted'?) [env AVA__PLUGINS__POLICY]`
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !self.path.is_empty() {
+            write!(f, "{}: ", self.path)?;
+        }
+        f.write_str(&self.message)?;
+        if let Some(origin) = &self.origin {
+            write!(f, " [{origin}]")?;
+        }
+        Ok(())
+    }
+}
+
+/// The closest candidate to a misspelled `word`: [`did_you_mean`], or failing that, the
+/// nearest candidate within half the word's length (`vetd` → `vetted`).
+pub(crate) fn suggest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    did_you_mean(word, candidates.iter().copied()).or_else(|| {
+        let limit = (word.chars().count() / 2).max(1);
+        candidates
+            .iter()
+            .map(|c| (edit_distance(word, c), *c))
+            .filter(|(d, _)| *d <= limit)
+            .min_by_key(|(d, _)| *d)
+            .map(|(_, c)| c)
+    })
+}
+
+fn join(path: &[String]) -> String {
+    path.join(".")
+}
+
+/// Checks the whole merged tree; with a catalog, also every plugin selection.
+pub(crate) fn check_tree(root: &Node, catalog: Option<&dyn PluginCatalog>, out: &mut Vec<ConfigProblem>) {
+    check_section(schema::ROOT, root, &mut Vec::new(), catalog, out);
+}
+
+fn check_section(
+    fields: &[Field],
+    node: &Node,
+    path: &mut Vec<String>,
+    catalog: Option<&dyn PluginCatalog>,
+    out: &mut Vec<ConfigProblem>,
+) {
+    match node {
+        // A section with every line commented out.
+        Node::Leaf { value: Value::Null, .. } => {}
+        Node::Leaf { value, origin } => {
+            let keys: Vec<&str> = fields.iter().map(|f| f.key).collect();
+            out.push(ConfigProblem::new(
+                join(path),
+                format!("expected a table of settings ({}), got {}", keys.join(", "), type_phrase(value)),
+                Some(origin),
+            ));
+        }
+        Node::Map { entries, .. } => {
+            for (key, child) in entries {
+                path.push(key.clone());
+                match fields.iter().find(|f| f.key == key) {
+                    Some(field) => check_value(&field.kind, child, path, catalog, out),
+                    None => out.push(unknown_key(fields, path, child.origin())),
+                }
+                path.pop();
+            }
+        }
+    }
+}
+
+fn unknown_key(siblings: &[Field], path: &[String], origin: &Origin) -> ConfigProblem {
+    let (key, parent) = path.split_last().expect("a key path has a key");
+    let prefix = if parent.is_empty() { String::new() } else { format!("{}.", join(parent)) };
+    let keys: Vec<&str> = siblings.iter().map(|f| f.key).collect();
+    let message = if let Some(near) = suggest(key, &keys) {
+        format!("unknown key (did you mean '{prefix}{near}'?)")
+    } else if let Some(elsewhere) = suggest_elsewhere(key, &prefix) {
+        format!("unknown key (did you mean '{elsewhere}'?)")
+    } else if keys.is_empty() {
+        "unknown key".to_string()
+    } else {
+        format!("unknown key (known keys here: {})", keys.join(", "))
+    };
+    ConfigProblem::new(join(path), message, Some(origin))
+}
+
+/// A known key of the same (or a close) name in another section: `optimizer` at the top
+/// level → `plugins.optimizer`.
+fn suggest_elsewhere(key: &str, prefix: &str) -> Option<String> {
+    let paths = schema::all_paths();
+    let others: Vec<&String> = paths
+        .iter()
+        .filter(|p| {
+            let parent_prefix = p.rsplit_once('.').map_or(String::new(), |(parent, _)| format!("{parent}."));
+            parent_prefix != prefix
+        })
+        .collect();
+    let last = |p: &str| p.rsplit('.').next().unwrap_or(p).to_string();
+    let lasts: Vec<String> = others.iter().map(|p| last(p)).collect();
+    let lasts_ref: Vec<&str> = lasts.iter().map(String::as_str).collect();
+    let near = suggest(key, &lasts_ref)?;
+    others.iter().find(|p| last(p) == near).map(|p| p.to_string())
+}
+
+fn check_value(
+    kind: &Kind,
+    node: &Node,
+    path: &mut Vec<String>,
+    catalog: Option<&dyn PluginCatalog>,
+    out: &mut Vec<ConfigProblem>,
+) {
+    let value = node.to_value();
+    let origin = node.origin();
+    let mut problem = |message: String| out.push(ConfigProblem::new(join(path), message, Some(origin)));
+    match kind {
+        Kind::Section(fields) => check_section(fields, node, path, catalog, out),
+        Kind::Selection(plugin_kind) => check_selection(*plugin_kind, node, path, catalog, out),
+        Kind::Path => match &value {
+            Value::String(s) if s.is_empty() => problem("the path is empty".into()),
+            Value::String(_) => {}
+            other => problem(format!("expected a path, got {}", type_phrase(other))),
+        },
+        Kind::PathList => match &value {
+            Value::Array(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    let at = format!("{}[{i}]", join(path));
+                    match item {
+                        Value::String(s) if !s.is_empty() => {}
+                        Value::String(_) => out.push(ConfigProblem::new(at, "the path is empty", Some(origin))),
+                        other => out.push(ConfigProblem::new(
+                            at,
+                            format!("expected a path, got {}", type_phrase(other)),
+                            Some(origin),
+                        )),
+                    }
+                }
+            }
+            Value::String(s) => problem(format!(
+                "expected a list of paths, got a string (write [{}] for a single path)",
+                super::format::yaml_string(s)
+            )),
+            other => problem(format!("expected a list of paths, got {}", type_phrase(other))),
+        },
+        Kind::OneOf(words) => match &value {
+            Value::String(s) if words.contains(&s.as_str()) => {}
+            Value::String(s) => {
+                let mut message = format!("'{s}' is not one of {}", words.join(", "));
+                if let Some(near) = suggest(s, words) {
+                    message.push_str(&format!(" (did you mean '{near}'?)"));
+                }
+                problem(message)
+            }
+            other => problem(format!("expected one of {}, got {}", words.join(", "), type_phrase(other))),
+        },
+    }
+}
+
+fn check_selection(
+    kind: PluginKind,
+    node: &Node,
+    path: &[String],
+    catalog: Option<&dyn PluginCatalog>,
+    out: &mut Vec<ConfigProblem>,
+) {
+    let at = join(path);
+    let name_node = match node {
+        Node::Leaf { value: Value::String(s), origin } => {
+            if s.trim().is_empty() {
+                out.push(ConfigProblem::new(at, "the plugin name is empty", Some(origin)));
+                return;
+            }
+            node
+        }
+        Node::Leaf { value, origin } => {
+            out.push(ConfigProblem::new(at, format!("{SELECTION_EXPECTED}, got {}", type_phrase(value)), Some(origin)));
+            return;
+        }
+        Node::Map { origin, .. } => match node.child("name") {
+            None => {
+                out.push(ConfigProblem::new(at, MISSING_NAME, Some(origin)));
+                return;
+            }
+            Some(Node::Leaf { value: Value::String(s), origin }) if s.trim().is_empty() => {
+                out.push(ConfigProblem::new(format!("{at}.name"), "the plugin name is empty", Some(origin)));
+                return;
+            }
+            Some(name @ Node::Leaf { value: Value::String(_), .. }) => name,
+            Some(other) => {
+                let message = format!("expected a plugin name, got {}", type_phrase(&other.to_value()));
+                out.push(ConfigProblem::new(format!("{at}.name"), message, Some(other.origin())));
+                return;
+            }
+        },
+    };
+    let Some(catalog) = catalog else { return };
+    let selection = match PluginSelection::from_value(&node.to_value()) {
+        Ok(selection) => selection,
+        Err(message) => {
+            out.push(ConfigProblem::new(at, message, Some(node.origin())));
+            return;
+        }
+    };
+    let origin_of = |option: Option<&str>| {
+        let option_node = option.and_then(|key| node.child(key));
+        Some(option_node.unwrap_or(name_node).origin().clone())
+    };
+    check_plugin(kind, &selection, &at, &origin_of, catalog, out);
+}
+
+/// Checks one selection against the catalog: is the plugin installed, are its options valid.
+/// `origin_of(None)` is where the name came from, `origin_of(Some(option))` an option.
+fn check_plugin(
+    kind: PluginKind,
+    selection: &PluginSelection,
+    at: &str,
+    origin_of: &dyn Fn(Option<&str>) -> Option<Origin>,
+    catalog: &dyn PluginCatalog,
+    out: &mut Vec<ConfigProblem>,
+) {
+    let mut names = catalog.names(kind);
+    names.sort();
+    names.dedup();
+    if !names.contains(&selection.name) {
+        let noun = kind.article_noun().split_once(' ').map_or(kind.as_str(), |(_, noun)| noun);
+        let mut message = format!("unknown {noun} '{}'", selection.name);
+        let candidates: Vec<&str> = names.iter().map(String::as_str).collect();
+        if let Some(near) = suggest(&selection.name, &candidates) {
+            message.push_str(&format!(" (did you mean '{near}'?)"));
+        }
+        if names.is_empty() {
+            message.push_str("; none installed");
+        } else {
+            message.push_str(&format!("; installed: {}", names.join(", ")));
+        }
+        out.push(ConfigProblem { path: at.to_string(), message, origin: origin_of(None) });
+        return;
+    }
+    let Err(messages) = catalog.check_options(kind, &selection.name, &selection.options_json()) else { return };
+    if messages.is_empty() {
+        let message = format!("the options of '{}' were refused", selection.name);
+        out.push(ConfigProblem { path: at.to_string(), message, origin: origin_of(None) });
+    }
+    for text in messages {
+        let (path, message, origin) = match split_option_message(&text) {
+            Some((key, message)) => (format!("{at}.{key}"), message, origin_of(Some(key))),
+            None => (at.to_string(), text.clone(), origin_of(None)),
+        };
+        out.push(ConfigProblem { path, message, origin });
+    }
+}
+
+/// `option 'X': msg` → (X, msg); `unknown option 'X' (...)` → (X, `unknown option (...)`).
+fn split_option_message(text: &str) -> Option<(&str, String)> {
+    if let Some(rest) = text.strip_prefix("option '") {
+        let (key, message) = rest.split_once("': ")?;
+        return Some((key, message.to_string()));
+    }
+    let rest = text.strip_prefix("unknown option '")?;
+    let (key, after) = rest.split_once('\'')?;
+    Some((key, format!("unknown option{after}")))
+}
+
+impl Config {
+    /// Checks every plugin selection against `catalog` (is the plugin installed, are its
+    /// options valid). The problems carry no origin;
+    /// [`LoadedConfig::validate_plugins`](super::LoadedConfig::validate_plugins) does the
+    /// same with origins.
+    pub fn validate_plugins(&self, catalog: &dyn PluginCatalog) -> Vec<ConfigProblem> {
+        let mut out = Vec::new();
+        for kind in PluginKind::ALL {
+            check_plugin(kind, self.selection(kind), &format!("plugins.{kind}"), &|_| None, catalog, &mut out);
+        }
+        out
+    }
+}
+
+/// Checks the plugin selections of a merged tree against `catalog`, with origins.
+pub(crate) fn check_tree_plugins(root: &Node, catalog: &dyn PluginCatalog) -> Vec<ConfigProblem> {
+    let mut out = Vec::new();
+    for kind in PluginKind::ALL {
+        let path = vec!["plugins".to_string(), kind.as_str().to_string()];
+        if let Some(node) = root.get(&path) {
+            check_selection(kind, node, &path, Some(catalog), &mut out);
+        }
+    }
+    out
+}
+
+/// The plugin registry is the catalog: its usable plugins, and options checked by
+/// constructing the plugin (so the plugin itself validates them).
+impl PluginCatalog for ava_plugins::Registry {
+    fn names(&self, kind: PluginKind) -> Vec<String> {
+        ava_plugins::Registry::names(self, kind)
+    }
+
+    fn check_options(&self, kind: PluginKind, name: &str, options_json: &str) -> Result<(), Vec<String>> {
+        ava_plugins::Registry::check_options(self, kind, name, options_json)
+    }
+}
