@@ -64,24 +64,40 @@ pub fn load_checked(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> {
         })?
         .usage()?;
     let host = host.expect("catalog was built");
-    report(&registry, p);
+    report(&registry, p, false);
     Ok(Ctx { registry, policy: host.policy, lock_file: host.lock_file })
 }
 
-fn report(registry: &Registry, p: &Printer) {
+/// Prints the searched directories (`-v`) and the registry's warnings. With
+/// `skip_row_reasons`, a warning that is already a row's reason is not repeated: `plugins list`
+/// prints every row's reason itself.
+fn report(registry: &Registry, p: &Printer, skip_row_reasons: bool) {
     for dir in registry.search_dirs() {
         p.verbose(&format!("searching {} ({})", dir.path.display(), dir.source.as_str()));
     }
     for w in registry.warnings() {
-        p.warn(w);
+        let shown_in_row = registry.rows().iter().filter_map(|r| r.reason.as_deref()).any(|reason| w.ends_with(reason));
+        if !(skip_row_reasons && shown_in_row) {
+            p.warn(w);
+        }
     }
 }
 
 /// Configuration plus registry; registry warnings go to stderr.
 pub fn load(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> {
+    load_inner(args, p, false)
+}
+
+/// Like [`load`], for commands that print every row with its reason (`plugins list`): only
+/// the warnings that no row explains go to stderr.
+pub fn load_for_listing(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> {
+    load_inner(args, p, true)
+}
+
+fn load_inner(args: &ConfigArgs, p: &Printer, skip_row_reasons: bool) -> Result<Ctx, Failure> {
     let loaded = load_config(args, p)?;
     let host = host_from(&loaded.config().plugins);
     let registry = Registry::load(&host)?;
-    report(&registry, p);
+    report(&registry, p, skip_row_reasons);
     Ok(Ctx { registry, policy: host.policy, lock_file: host.lock_file })
 }

@@ -173,8 +173,9 @@ impl LockFile {
 
     /// The file's text in the format its name asks for.
     pub fn render(&self, path: &Path) -> String {
-        let mut out = String::from(
-            "# ava-plugins.lock: plugin libraries vetted for this project, pinned by sha256.\n\
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let mut out = format!(
+            "# {name}: plugin libraries vetted for this project, pinned by sha256.\n\
              # Written by `ava plugins vet`. Under `plugins.policy: vetted` nothing else is opened.\n",
         );
         let q = |s: &str| serde_json::Value::from(s).to_string();

@@ -30,6 +30,9 @@ pub fn run(p: &Printer, name: &str, kind: Option<&str>, args: &ConfigArgs) -> Cm
         match found {
             Some(r) => r.clone(),
             None => {
+                if !path.exists() {
+                    return Err(Failure::Usage(anyhow!("{}: no such plugin file", path.display())));
+                }
                 p.note(&format!(
                     "{} is not in a search path; opening it directly to read its manifest",
                     path.display()

@@ -13,7 +13,7 @@ use crate::{
 
 pub fn run(p: &Printer, kind: Option<&str>, args: &ConfigArgs) -> CmdResult {
     let kind = kind.map(parse_kind).transpose()?;
-    let ctx = context::load(args, p)?;
+    let ctx = context::load_for_listing(args, p)?;
     // A file that was not opened has no kind: keep it in a filtered listing, since it may be
     // the plugin the user is looking for.
     let rows: Vec<&Row> =

@@ -92,9 +92,15 @@ impl Plugin for Thresholds {
                 format!("option '{name}': {x} must be in (0, 1] (a fraction of the budget)")
             });
         }
+        // Order is only checked between levels that are themselves in range, so one bad value
+        // is reported once, not again as a knock-on ordering problem.
+        let in_range = |x: f64| x > 0.0 && x <= 1.0;
         for i in 1..levels.len() {
             let (lo, hi) = ((names[i - 1], levels[i - 1]), (names[i], levels[i]));
-            options.check(hi.1 > lo.1, || format!("option '{}' ({}) must be above '{}' ({})", hi.0, hi.1, lo.0, lo.1));
+            if in_range(lo.1) && in_range(hi.1) {
+                options
+                    .check(hi.1 > lo.1, || format!("option '{}' ({}) must be above '{}' ({})", hi.0, hi.1, lo.0, lo.1));
+            }
         }
         let restore_after = options.int("restore_after");
         options.check(restore_after >= 1, || format!("option 'restore_after': {restore_after} must be >= 1"));
@@ -353,7 +359,6 @@ mod tests {
                 "option 'critical': 1.5 must be in (0, 1] (a fraction of the budget)",
                 "option 'emergency': 0 must be in (0, 1] (a fraction of the budget)",
                 "option 'warning' (0.9) must be above 'target' (0.95)",
-                "option 'emergency' (0) must be above 'critical' (1.5)",
                 "option 'restore_after': 0 must be >= 1",
                 "option 'min_micro_batch': -2 must be >= 1",
             ]

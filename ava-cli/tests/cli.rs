@@ -1,0 +1,1104 @@
+//! Golden tests for the `ava` command line: `plugins list`, `plugins info`, `plugins vet`,
+//! `plugins enable` / `disable` round trips, `config show` / `validate`, JSON errors, help.
+//!
+//! Every command runs in a fresh temporary directory (so no stray `./ava.yaml` or lock file is
+//! picked up) with every `AVA*` variable removed and `NO_COLOR=1`. Output is compared exactly,
+//! after replacing machine-specific parts: the temporary directory with `$TMP`, the target
+//! directory with `$TARGET`, the repository root with `$REPO` and the sha256 of the lion
+//! library with `$SHA` (other libraries' hashes get their own names, e.g. `$SIGN_SHA`).
+//!
+//! The `ava` binary searches its own directory for plugins, and the workspace plugins are built
+//! into that same directory (`<target>/debug`), so lion is always installed in these tests.
+
+use std::{
+    cell::RefCell,
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+    sync::OnceLock,
+};
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+// ---------------------------------------------------------------------------------------------
+// Harness
+// ---------------------------------------------------------------------------------------------
+
+/// Machine-specific paths and hashes, computed once.
+struct Setup {
+    target: PathBuf,
+    repo: PathBuf,
+    lion: PathBuf,
+    lion_sha: String,
+}
+
+fn canon(p: &Path) -> PathBuf {
+    fs::canonicalize(p).unwrap_or_else(|e| panic!("cannot canonicalize {}: {e}", p.display()))
+}
+
+fn sha256_file(path: &Path) -> String {
+    let bytes = fs::read(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Builds the workspace plugins next to the `ava` binary (once) and checks they are there.
+fn setup() -> &'static Setup {
+    static SETUP: OnceLock<Setup> = OnceLock::new();
+    SETUP.get_or_init(|| {
+        let plugins_dir = canon(&ava_tests::workspace_plugins_dir());
+        let exe = Path::new(env!("CARGO_BIN_EXE_ava"));
+        let exe_dir = canon(exe.parent().expect("the ava binary has a directory"));
+        assert_eq!(
+            exe_dir,
+            plugins_dir,
+            "the ava binary ({}) is not in the directory the workspace plugins are built into; \
+             run the tests with the dev profile (CARGO_TARGET_DIR is followed by both)",
+            exe.display()
+        );
+        let lion = ava_tests::workspace_plugin("lion");
+        assert!(lion.is_file(), "{} was not built", lion.display());
+        Setup {
+            target: canon(&ava_tests::main_target_dir()),
+            repo: canon(&ava_tests::repo_root()),
+            lion_sha: sha256_file(&lion),
+            lion,
+        }
+    })
+}
+
+/// What one run of `ava` printed, normalized.
+#[derive(Debug)]
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Out {
+    /// Asserts exit code 0 and an empty stderr; returns stdout.
+    #[track_caller]
+    fn success(&self) -> &str {
+        assert_eq!(self.code, 0, "expected success, got {self:#?}");
+        assert_golden(&self.stderr, "");
+        &self.stdout
+    }
+
+    /// Asserts exit code 2 (usage/config error) and an empty stdout; returns stderr.
+    #[track_caller]
+    fn usage_error(&self) -> &str {
+        assert_eq!(self.code, 2, "expected exit code 2, got {self:#?}");
+        assert_golden(&self.stdout, "");
+        &self.stderr
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("stdout is not JSON ({e}): {self:#?}"))
+    }
+}
+
+/// A fresh working directory to run `ava` in.
+struct Sandbox {
+    dir: tempfile::TempDir,
+    root: PathBuf,
+    /// Extra (text, placeholder) replacements, e.g. the sha256 of a fixture.
+    extra: RefCell<Vec<(String, String)>>,
+}
+
+impl Sandbox {
+    fn new() -> Self {
+        setup();
+        let dir = tempfile::tempdir().expect("cannot create a temporary directory");
+        let root = canon(dir.path());
+        Sandbox { dir, root, extra: RefCell::new(Vec::new()) }
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.root.join(rel)
+    }
+
+    fn write(&self, rel: &str, contents: &str) {
+        let path = self.path(rel);
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent).unwrap();
+        }
+        fs::write(&path, contents).unwrap_or_else(|e| panic!("cannot write {}: {e}", path.display()));
+    }
+
+    fn read(&self, rel: &str) -> String {
+        let path = self.path(rel);
+        fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
+    }
+
+    /// A subdirectory with mode 0700 (policy `vetted` refuses group- or world-writable places).
+    fn subdir(&self, rel: &str) -> PathBuf {
+        let dir = self.path(rel);
+        fs::create_dir_all(&dir).unwrap();
+        set_mode(&dir, 0o700);
+        dir
+    }
+
+    /// Copies a library into subdirectory `rel` with mode 0755; returns the copy.
+    fn copy_library(&self, lib: &Path, rel: &str) -> PathBuf {
+        let copy = ava_tests::copy_to_temp(lib, &self.subdir(rel));
+        set_mode(&copy, 0o755);
+        copy
+    }
+
+    /// Shows `text` as `placeholder` in normalized output.
+    fn name(&self, text: &str, placeholder: &str) {
+        self.extra.borrow_mut().push((text.to_string(), placeholder.to_string()));
+    }
+
+    fn ava(&self, args: &[&str]) -> Out {
+        self.ava_env(args, &[])
+    }
+
+    fn ava_env(&self, args: &[&str], env: &[(&str, &str)]) -> Out {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ava"));
+        cmd.args(args).current_dir(&self.root).env("NO_COLOR", "1");
+        for (key, _) in std::env::vars_os() {
+            if key.to_string_lossy().starts_with("AVA") {
+                cmd.env_remove(&key);
+            }
+        }
+        cmd.env_remove("AVA_PLUGIN_PATH").env_remove("AVA_CONFIG");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+        Out {
+            code: out.status.code().unwrap_or_else(|| panic!("ava was killed by a signal: {out:?}")),
+            stdout: self.normalize(&String::from_utf8_lossy(&out.stdout)),
+            stderr: self.normalize(&String::from_utf8_lossy(&out.stderr)),
+        }
+    }
+
+    fn normalize(&self, s: &str) -> String {
+        let setup = setup();
+        let mut pairs: Vec<(String, String)> = vec![
+            (self.root.display().to_string(), "$TMP".into()),
+            (self.dir.path().display().to_string(), "$TMP".into()),
+            (setup.target.display().to_string(), "$TARGET".into()),
+            (setup.repo.display().to_string(), "$REPO".into()),
+            (setup.lion_sha.clone(), "$SHA".into()),
+        ];
+        pairs.extend(self.extra.borrow().iter().cloned());
+        // Longest first, so a path inside another one is replaced by its own name.
+        pairs.sort_by_key(|(from, _)| std::cmp::Reverse(from.len()));
+        let mut s = s.to_string();
+        for (from, to) in pairs {
+            s = s.replace(&from, &to);
+        }
+        s
+    }
+}
+
+fn set_mode(path: &Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+        .unwrap_or_else(|e| panic!("chmod {mode:o} {}: {e}", path.display()));
+}
+
+/// Exact comparison; on failure, a line diff (`-` expected, `+` actual).
+#[track_caller]
+fn assert_golden(actual: &str, expected: &str) {
+    if actual == expected {
+        return;
+    }
+    let a: Vec<&str> = expected.split('\n').collect();
+    let b: Vec<&str> = actual.split('\n').collect();
+    // Longest common subsequence of lines, then walk it.
+    let mut lcs = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for i in (0..a.len()).rev() {
+        for j in (0..b.len()).rev() {
+            lcs[i][j] = if a[i] == b[j] { lcs[i + 1][j + 1] + 1 } else { lcs[i + 1][j].max(lcs[i][j + 1]) };
+        }
+    }
+    let mut diff = String::new();
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() || j < b.len() {
+        if i < a.len() && j < b.len() && a[i] == b[j] {
+            diff.push_str(&format!("  {}\n", a[i]));
+            i += 1;
+            j += 1;
+        } else if j < b.len() && (i == a.len() || lcs[i][j + 1] >= lcs[i + 1][j]) {
+            diff.push_str(&format!("+ {}⏎\n", b[j]));
+            j += 1;
+        } else {
+            diff.push_str(&format!("- {}⏎\n", a[i]));
+            i += 1;
+        }
+    }
+    panic!(
+        "output differs from the golden (- expected, + actual; ⏎ marks line ends):\n{diff}\n\
+         --- actual, verbatim ---\n{actual}--- end ---"
+    );
+}
+
+/// The listing's rows for the built-in plugins, as `plugins list` prints them.
+const BUILTIN_ROWS: &str = "\
+standard    attention   0.1.0    builtin  builtin
+adamw       optimizer   0.1.0    builtin  builtin
+sgd         optimizer   0.1.0    builtin  builtin
+full        checkpoint  0.1.0    builtin  builtin
+none        checkpoint  0.1.0    builtin  builtin
+ram         offload     0.1.0    builtin  builtin
+thresholds  memory      0.1.0    builtin  builtin
+";
+
+// ---------------------------------------------------------------------------------------------
+// The harness itself
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn golden_comparison_fails_on_any_difference() {
+    assert_golden("a\nb\n", "a\nb\n");
+    for (actual, expected) in [("a\nb\n", "a\nb"), ("a \n", "a\n"), ("a\nc\n", "a\nb\n"), ("", "x")] {
+        let r = std::panic::catch_unwind(|| assert_golden(actual, expected));
+        assert!(r.is_err(), "{actual:?} vs {expected:?} should differ");
+    }
+}
+
+#[test]
+fn lion_is_built_next_to_the_ava_binary_and_paths_are_normalized() {
+    let s = Sandbox::new();
+    let setup = setup();
+    assert_eq!(canon(setup.lion.parent().unwrap()), canon(Path::new(env!("CARGO_BIN_EXE_ava")).parent().unwrap()));
+    let text = format!("{} {} {}", s.dir.path().display(), setup.lion.display(), setup.lion_sha);
+    assert_golden(&s.normalize(&text), "$TMP $TARGET/debug/libava_plugin_lion.so $SHA");
+}
+
+// ---------------------------------------------------------------------------------------------
+// plugins list
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn plugins_list_text() {
+    let s = Sandbox::new();
+    let out = s.ava(&["plugins", "list"]);
+    assert_golden(
+        out.success(),
+        &format!(
+            "\
+NAME        KIND        VERSION  STATUS   SOURCE
+{BUILTIN_ROWS}lion        optimizer   0.1.0    loaded   $TARGET/debug/libava_plugin_lion.so
+
+policy: open   lock file: ava-plugins.lock
+"
+        ),
+    );
+}
+
+#[test]
+fn plugins_list_json() {
+    let s = Sandbox::new();
+    let out = s.ava(&["--format", "json", "plugins", "list"]);
+    out.success();
+    let rows = out.json();
+    let rows = rows.as_array().expect("an array of rows");
+    let cols = |key: &str| -> Vec<String> {
+        rows.iter().map(|r| r[key].as_str().unwrap_or_else(|| panic!("{key} in {r}")).to_string()).collect()
+    };
+    assert_eq!(cols("name"), ["standard", "adamw", "sgd", "full", "none", "ram", "thresholds", "lion"]);
+    assert_eq!(
+        cols("kind"),
+        ["attention", "optimizer", "optimizer", "checkpoint", "checkpoint", "offload", "memory", "optimizer"]
+    );
+    assert_eq!(cols("status"), ["builtin", "builtin", "builtin", "builtin", "builtin", "builtin", "builtin", "loaded"]);
+    assert_eq!(cols("version"), vec!["0.1.0"; 8]);
+    for r in &rows[..7] {
+        assert_eq!(r["source"], "builtin", "{r}");
+        assert_eq!(r["sha256"], Value::Null, "{r}");
+        assert_eq!(r["reason"], Value::Null, "{r}");
+    }
+    let lion = &rows[7];
+    assert_eq!(lion["source"], "$TARGET/debug/libava_plugin_lion.so");
+    assert_eq!(lion["sha256"], "$SHA");
+    assert_eq!(lion["reason"], Value::Null);
+    assert_eq!(
+        lion["summary"],
+        "Lion: sign of interpolated momentum; one state buffer per parameter (Chen et al. 2023)"
+    );
+    let mut keys: Vec<&String> = lion.as_object().unwrap().keys().collect();
+    keys.sort();
+    assert_eq!(keys, ["kind", "name", "reason", "sha256", "source", "status", "summary", "version"]);
+}
+
+#[test]
+fn plugins_list_kind_filter() {
+    let s = Sandbox::new();
+    let out = s.ava(&["plugins", "list", "--kind", "optimizer"]);
+    assert_golden(
+        out.success(),
+        "\
+NAME   KIND       VERSION  STATUS   SOURCE
+adamw  optimizer  0.1.0    builtin  builtin
+sgd    optimizer  0.1.0    builtin  builtin
+lion   optimizer  0.1.0    loaded   $TARGET/debug/libava_plugin_lion.so
+
+policy: open   lock file: ava-plugins.lock
+",
+    );
+}
+
+#[test]
+fn plugins_list_misspelled_kind_is_a_usage_error() {
+    let s = Sandbox::new();
+    let out = s.ava(&["plugins", "list", "--kind", "optimzer"]);
+    assert_golden(
+        out.usage_error(),
+        "error: unknown plugin kind 'optimzer' (did you mean 'optimizer'?); kinds: attention, optimizer, \
+         checkpoint, offload, memory\n",
+    );
+}
+
+#[test]
+fn plugins_list_warn_policy_explains_unvetted_once() {
+    let s = Sandbox::new();
+    let out = s.ava(&["plugins", "list", "--set", "plugins.policy=warn"]);
+    // The reason is in the listing; it is not repeated as a warning on stderr.
+    assert_golden(
+        out.success(),
+        &format!(
+            "\
+NAME        KIND        VERSION  STATUS    SOURCE
+{}lion        optimizer   0.1.0    unvetted  $TARGET/debug/libava_plugin_lion.so
+
+optimizer 'lion' (unvetted): $TARGET/debug/libava_plugin_lion.so is not pinned in the lock file; \
+policy 'vetted' would refuse it (pin it with `ava plugins vet $TARGET/debug/libava_plugin_lion.so`)
+
+policy: warn   lock file: ava-plugins.lock
+",
+            BUILTIN_ROWS.replace("builtin  builtin", "builtin   builtin")
+        ),
+    );
+}
+
+#[test]
+fn plugins_list_missing_search_path_warns() {
+    let s = Sandbox::new();
+    let out = s.ava(&["plugins", "list", "--kind", "memory", "--set", "plugins.search_paths=[nowhere]"]);
+    assert_eq!(out.code, 0, "{out:#?}");
+    assert_golden(
+        &out.stdout,
+        "\
+NAME        KIND    VERSION  STATUS   SOURCE
+thresholds  memory  0.1.0    builtin  builtin
+
+policy: open   lock file: ava-plugins.lock
+",
+    );
+    assert_golden(
+        &out.stderr,
+        "warning: plugins.search_paths: nowhere is not a directory (build the plugins first with \
+         `cargo build --release --workspace`, or fix the path)\n",
+    );
+    // -q silences warnings.
+    let quiet = s.ava(&["-q", "plugins", "list", "--kind", "memory", "--set", "plugins.search_paths=[nowhere]"]);
+    assert_golden(quiet.success(), &out.stdout);
+}
+
+// ---------------------------------------------------------------------------------------------
+// plugins info
+// ---------------------------------------------------------------------------------------------
+
+const LION_INFO: &str = "\
+lion (optimizer) 0.1.0
+  Lion: sign of interpolated momentum; one state buffer per parameter (Chen et al. 2023)
+
+  contract:  1
+  devices:   cpu
+  source:    $TARGET/debug/libava_plugin_lion.so
+  sha256:    $SHA
+  status:    loaded
+
+options (plugins.optimizer: {name: lion, ...}):
+  betas              list of numbers  default [0.9, 0.99]
+      [β1, β2]: β1 interpolates momentum and gradient for the update, β2 decays the momentum
+";
+
+#[test]
+fn plugins_info_lion_text() {
+    let s = Sandbox::new();
+    assert_golden(s.ava(&["plugins", "info", "lion"]).success(), LION_INFO);
+    // By path: the same row, since the file is in a search path.
+    let by_path = s.ava(&["plugins", "info", setup().lion.to_str().unwrap()]);
+    assert_golden(by_path.success(), LION_INFO);
+}
+
+#[test]
+fn plugins_info_lion_json() {
+    let s = Sandbox::new();
+    let out = s.ava(&["--format", "json", "plugins", "info", "lion"]);
+    out.success();
+    let v = out.json();
+    assert_eq!(v["name"], "lion");
+    assert_eq!(v["kind"], "optimizer");
+    assert_eq!(v["version"], "0.1.0");
+    assert_eq!(v["status"], "loaded");
+    assert_eq!(v["source"], "$TARGET/debug/libava_plugin_lion.so");
+    assert_eq!(v["sha256"], "$SHA");
+    assert_eq!(v["contract_version"], 1);
+    assert_eq!(v["devices"], serde_json::json!(["cpu"]));
+    assert_eq!(
+        v["options"],
+        serde_json::json!([{
+            "name": "betas",
+            "type": "list of numbers",
+            "default": [0.9, 0.99],
+            "doc": "[β1, β2]: β1 interpolates momentum and gradient for the update, β2 decays the momentum",
+        }])
+    );
+}
+
+#[test]
+fn plugins_info_misspelled_name_suggests() {
+    let s = Sandbox::new();
+    assert_golden(
+        s.ava(&["plugins", "info", "lino"]).usage_error(),
+        "error: no plugin named 'lino' (did you mean 'lion'?); `ava plugins list` shows what is installed\n",
+    );
+}
+
+#[test]
+fn plugins_info_builtin_and_missing_file() {
+    let s = Sandbox::new();
+    let out = s.ava(&["plugins", "info", "ram"]);
+    assert_golden(
+        out.success(),
+        "\
+ram (offload) 0.1.0
+  offload to host RAM: records in an in-process map, optionally capped
+
+  contract:  1
+  devices:   cpu
+  source:    builtin
+  status:    builtin
+
+options (plugins.offload: {name: ram, ...}):
+  capacity           byte size        default unset
+      most bytes the tier may hold (e.g. 16GiB); unset for no limit
+",
+    );
+    assert_golden(
+        s.ava(&["plugins", "info", "./missing.so"]).usage_error(),
+        "error: ./missing.so: no such plugin file\n",
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// plugins vet
+// ---------------------------------------------------------------------------------------------
+
+const LION_LOCK: &str = "\
+# ava-plugins.lock: plugin libraries vetted for this project, pinned by sha256.
+# Written by `ava plugins vet`. Under `plugins.policy: vetted` nothing else is opened.
+version = 1
+
+[[plugins]]
+name = \"lion\"
+kind = \"optimizer\"
+version = \"0.1.0\"
+sha256 = \"$SHA\"
+file = \"libava_plugin_lion.so\"
+";
+
+#[test]
+fn plugins_vet_lion_by_name_then_list_vetted() {
+    let s = Sandbox::new();
+    let out = s.ava(&["plugins", "vet", "lion"]);
+    assert_golden(
+        out.success(),
+        "\
+pinned optimizer 'lion' 0.1.0 in ava-plugins.lock
+  file:   $TARGET/debug/libava_plugin_lion.so
+  sha256: $SHA
+",
+    );
+    assert_golden(&s.normalize(&s.read("ava-plugins.lock")), LION_LOCK);
+
+    // Vetting the same bytes again changes nothing.
+    assert_golden(s.ava(&["plugins", "vet", "lion"]).success(), &out.stdout);
+    assert_golden(&s.normalize(&s.read("ava-plugins.lock")), LION_LOCK);
+
+    let out = s.ava(&["plugins", "list", "--set", "plugins.policy=vetted"]);
+    assert_golden(
+        out.success(),
+        &format!(
+            "\
+NAME        KIND        VERSION  STATUS   SOURCE
+{BUILTIN_ROWS}lion        optimizer   0.1.0    vetted   $TARGET/debug/libava_plugin_lion.so
+
+policy: vetted   lock file: ava-plugins.lock
+"
+        ),
+    );
+}
+
+#[test]
+fn plugins_vet_json() {
+    let s = Sandbox::new();
+    let out = s.ava(&["--format", "json", "plugins", "vet", "lion"]);
+    out.success();
+    assert_eq!(
+        out.json(),
+        serde_json::json!({
+            "lock_file": "ava-plugins.lock",
+            "file": "$TARGET/debug/libava_plugin_lion.so",
+            "pinned": {
+                "name": "lion", "kind": "optimizer", "version": "0.1.0", "sha256": "$SHA",
+                "file": "libava_plugin_lion.so",
+            },
+            "replaced": [],
+        })
+    );
+}
+
+#[test]
+fn vetted_policy_refuses_an_unpinned_library_until_it_is_vetted() {
+    let s = Sandbox::new();
+    let sign = s.copy_library(&ava_tests::fixture("sign-sgd"), "search");
+    s.name(&sha256_file(&sign), "$SIGN_SHA");
+    let list = ["plugins", "list", "--set", "plugins.policy=vetted", "--set", "plugins.search_paths=[search]"];
+
+    let out = s.ava(&list);
+    assert_golden(
+        out.success(),
+        &format!(
+            "\
+NAME        KIND        VERSION  STATUS   SOURCE
+{BUILTIN_ROWS}-           -           -        refused  search/libava_plugin_sign_sgd.so
+-           -           -        refused  $TARGET/debug/libava_plugin_lion.so
+
+search/libava_plugin_sign_sgd.so (refused): not pinned in the lock file (sha256 $SIGN_SHA); policy \
+'vetted' opens only pinned plugins: review it, then pin it with `ava plugins vet search/libava_plugin_sign_sgd.so`
+$TARGET/debug/libava_plugin_lion.so (refused): not pinned in the lock file (sha256 $SHA); policy \
+'vetted' opens only pinned plugins: review it, then pin it with `ava plugins vet $TARGET/debug/libava_plugin_lion.so`
+
+policy: vetted   lock file: ava-plugins.lock
+"
+        ),
+    );
+
+    // Vet it by path into a YAML lock file of another name.
+    let out = s.ava(&["plugins", "vet", "search/libava_plugin_sign_sgd.so", "--lock", "other.yaml"]);
+    assert_golden(
+        out.success(),
+        "\
+pinned optimizer 'sign-sgd' 0.1.0 in other.yaml
+  file:   search/libava_plugin_sign_sgd.so
+  sha256: $SIGN_SHA
+",
+    );
+    assert_golden(
+        &s.normalize(&s.read("other.yaml")),
+        "\
+# other.yaml: plugin libraries vetted for this project, pinned by sha256.
+# Written by `ava plugins vet`. Under `plugins.policy: vetted` nothing else is opened.
+version: 1
+plugins:
+  - name: \"sign-sgd\"
+    kind: \"optimizer\"
+    version: \"0.1.0\"
+    sha256: \"$SIGN_SHA\"
+    file: \"libava_plugin_sign_sgd.so\"
+",
+    );
+    assert!(!s.path("ava-plugins.lock").exists(), "--lock other.yaml must not write the default lock file");
+
+    // With that lock file, sign-sgd is vetted (and lion, not pinned there, refused).
+    let mut with_lock = list.to_vec();
+    with_lock.extend(["--set", "plugins.lock_file=other.yaml"]);
+    let out = s.ava(&with_lock);
+    assert_golden(
+        out.success(),
+        &format!(
+            "\
+NAME        KIND        VERSION  STATUS   SOURCE
+{BUILTIN_ROWS}sign-sgd    optimizer   0.1.0    vetted   search/libava_plugin_sign_sgd.so
+-           -           -        refused  $TARGET/debug/libava_plugin_lion.so
+
+$TARGET/debug/libava_plugin_lion.so (refused): not pinned in the lock file (sha256 $SHA); policy \
+'vetted' opens only pinned plugins: review it, then pin it with `ava plugins vet $TARGET/debug/libava_plugin_lion.so`
+
+policy: vetted   lock file: other.yaml
+"
+        ),
+    );
+}
+
+#[test]
+fn vetted_policy_reports_a_modified_library() {
+    let s = Sandbox::new();
+    let copy = s.copy_library(&setup().lion, "mine");
+    assert_golden(
+        s.ava(&["plugins", "vet", "mine/libava_plugin_lion.so"]).success(),
+        "\
+pinned optimizer 'lion' 0.1.0 in ava-plugins.lock
+  file:   mine/libava_plugin_lion.so
+  sha256: $SHA
+",
+    );
+    // Flip one byte of the pinned copy.
+    let mut bytes = fs::read(&copy).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    fs::write(&copy, &bytes).unwrap();
+    s.name(&sha256_file(&copy), "$MODIFIED_SHA");
+
+    let out = s.ava(&["plugins", "list", "--set", "plugins.policy=vetted", "--set", "plugins.search_paths=[mine]"]);
+    assert_golden(
+        out.success(),
+        &format!(
+            "\
+NAME        KIND        VERSION  STATUS    SOURCE
+{}-           -           -        modified  mine/libava_plugin_lion.so
+lion        optimizer   0.1.0    vetted    $TARGET/debug/libava_plugin_lion.so
+
+mine/libava_plugin_lion.so (modified): pinned as optimizer 'lion' 0.1.0 with sha256 $SHA, but the \
+file's sha256 is $MODIFIED_SHA; if the change is intended, re-vet it with `ava plugins vet mine/libava_plugin_lion.so`
+
+policy: vetted   lock file: ava-plugins.lock
+",
+            BUILTIN_ROWS.replace("builtin  builtin", "builtin   builtin")
+        ),
+    );
+}
+
+#[test]
+fn plugins_vet_unknown_names_and_files_are_usage_errors() {
+    let s = Sandbox::new();
+    assert_golden(
+        s.ava(&["plugins", "vet", "lino"]).usage_error(),
+        "error: no plugin library named 'lino' (did you mean 'lion'?) in the search paths ($TARGET/debug); \
+         give the library's path, or see `ava plugins list`\n",
+    );
+    assert_golden(
+        s.ava(&["plugins", "vet", "adamw"]).usage_error(),
+        "error: 'adamw' is a built-in optimizer, compiled into ava: there is no library to vet\n",
+    );
+    assert_golden(
+        s.ava(&["plugins", "vet", "nothing/here.so"]).usage_error(),
+        "error: nothing/here.so: no such plugin file\n",
+    );
+    assert!(!s.path("ava-plugins.lock").exists());
+}
+
+// ---------------------------------------------------------------------------------------------
+// plugins enable / disable
+// ---------------------------------------------------------------------------------------------
+
+const CREATED_HEADER: &str = "\
+# Ava configuration, created by `ava plugins enable`.
+# Settings not written here keep their built-in defaults; `ava config show` prints the
+# effective configuration and where each value comes from.
+";
+
+#[test]
+fn enable_disable_round_trip_in_an_empty_dir() {
+    let s = Sandbox::new();
+    let out = s.ava(&["plugins", "enable", "optimizer", "lion", "--set", "betas=[0.9,0.98]"]);
+    assert_golden(out.success(), "created ava.yaml with plugins.optimizer: {name: lion, betas: [0.9, 0.98]}\n");
+    assert_golden(
+        &s.read("ava.yaml"),
+        &format!("{CREATED_HEADER}plugins:\n  optimizer: {{name: lion, betas: [0.9, 0.98]}}\n"),
+    );
+
+    // ./ava.yaml is picked up by `config show`.
+    assert_golden(
+        s.ava(&["config", "show"]).success(),
+        "\
+# The effective Ava configuration: built-in defaults < config file < AVA__* environment < --set.
+plugins:
+  attention: standard          # from: default
+  optimizer:
+    name: lion                 # from: ava.yaml
+    betas: [0.9, 0.98]         # from: ava.yaml
+  checkpoint: none             # from: default
+  offload: ram                 # from: default
+  memory: thresholds           # from: default
+  search_paths: []             # from: default
+  policy: open                 # from: default
+  lock_file: ava-plugins.lock  # from: default
+",
+    );
+
+    // Enabling the same selection again changes nothing.
+    assert_golden(
+        s.ava(&["plugins", "enable", "optimizer", "lion", "--set", "betas=[0.9, 0.98]"]).success(),
+        "ava.yaml already has plugins.optimizer: {name: lion, betas: [0.9, 0.98]}\n",
+    );
+
+    assert_golden(
+        s.ava(&["plugins", "disable", "optimizer"]).success(),
+        "removed plugins.optimizer from ava.yaml; the built-in default 'adamw' applies\n",
+    );
+    assert_golden(&s.read("ava.yaml"), CREATED_HEADER);
+    assert_golden(
+        s.ava(&["plugins", "disable", "optimizer"]).success(),
+        "ava.yaml has no plugins.optimizer; the built-in default 'adamw' applies\n",
+    );
+    assert_golden(&s.read("ava.yaml"), CREATED_HEADER);
+
+    // The file exists now: enabling changes it.
+    assert_golden(
+        s.ava(&["plugins", "enable", "optimizer", "lion"]).success(),
+        "set plugins.optimizer: lion in ava.yaml\n",
+    );
+    assert_golden(&s.read("ava.yaml"), &format!("{CREATED_HEADER}plugins:\n  optimizer: lion\n"));
+}
+
+#[test]
+fn enable_disable_json() {
+    let s = Sandbox::new();
+    let out = s.ava(&["--format", "json", "plugins", "enable", "optimizer", "sgd", "--set", "momentum=0.9"]);
+    out.success();
+    assert_eq!(
+        out.json(),
+        serde_json::json!({
+            "file": "ava.yaml", "key": "plugins.optimizer",
+            "value": {"name": "sgd", "momentum": 0.9}, "outcome": "created",
+        })
+    );
+    let out = s.ava(&["--format", "json", "plugins", "disable", "optimizer"]);
+    out.success();
+    assert_eq!(
+        out.json(),
+        serde_json::json!({"file": "ava.yaml", "key": "plugins.optimizer", "default": "adamw", "outcome": "changed"})
+    );
+}
+
+const COMMENTED_YAML: &str = "\
+# My project's settings.
+plugins:
+  # attention kernel
+  attention: standard   # keep dense for now
+  policy: open
+
+# trailing comment
+";
+
+#[test]
+fn enable_then_disable_restores_a_commented_yaml_file_exactly() {
+    let s = Sandbox::new();
+    s.write("my.yaml", COMMENTED_YAML);
+    let out = s.ava(&["plugins", "enable", "optimizer", "lion", "--config", "my.yaml", "--set", "betas=[0.9,0.98]"]);
+    assert_golden(out.success(), "set plugins.optimizer: {name: lion, betas: [0.9, 0.98]} in my.yaml\n");
+    assert_golden(
+        &s.read("my.yaml"),
+        "\
+# My project's settings.
+plugins:
+  # attention kernel
+  attention: standard   # keep dense for now
+  policy: open
+  optimizer: {name: lion, betas: [0.9, 0.98]}
+
+# trailing comment
+",
+    );
+    let out = s.ava(&["plugins", "disable", "optimizer", "-c", "my.yaml"]);
+    assert_golden(out.success(), "removed plugins.optimizer from my.yaml; the built-in default 'adamw' applies\n");
+    assert_eq!(fs::read(s.path("my.yaml")).unwrap(), COMMENTED_YAML.as_bytes());
+    assert!(!s.path("ava.yaml").exists(), "--config my.yaml must not create ./ava.yaml");
+}
+
+#[test]
+fn enable_with_a_bad_option_changes_nothing() {
+    let s = Sandbox::new();
+    s.write("ava.yaml", COMMENTED_YAML);
+    let out = s.ava(&["plugins", "enable", "optimizer", "lion", "--set", "betas=[1.5]"]);
+    assert_golden(
+        out.usage_error(),
+        "\
+error: optimizer 'lion' ($TARGET/debug/libava_plugin_lion.so): 2 problems with the options
+  - option 'betas': expected 2 values [β1, β2], got 1
+  - option 'betas': β1 = 1.5 must be in [0, 1)
+",
+    );
+    assert_eq!(s.read("ava.yaml"), COMMENTED_YAML);
+
+    let out = s.ava(&["plugins", "enable", "optimizer", "lion", "--set", "betas"]);
+    assert_golden(out.usage_error(), "error: --set \"betas\": expected OPTION=VALUE, e.g. --set betas=[0.9,0.98]\n");
+    assert_eq!(s.read("ava.yaml"), COMMENTED_YAML);
+}
+
+#[test]
+fn enable_unknown_plugin_or_kind_suggests_and_writes_nothing() {
+    let s = Sandbox::new();
+    assert_golden(
+        s.ava(&["plugins", "enable", "optimizer", "lino"]).usage_error(),
+        "error: unknown optimizer 'lino' (did you mean 'lion'?); installed: adamw, lion, sgd\n",
+    );
+    assert_golden(
+        s.ava(&["plugins", "enable", "optimzer", "lion"]).usage_error(),
+        "error: unknown plugin kind 'optimzer' (did you mean 'optimizer'?); kinds: attention, optimizer, \
+         checkpoint, offload, memory\n",
+    );
+    assert_golden(
+        s.ava(&["plugins", "enable", "attention", "lion"]).usage_error(),
+        "error: 'lion' is an optimizer, not an attention kernel; set it under plugins.optimizer instead\n",
+    );
+    assert!(!s.path("ava.yaml").exists(), "a refused enable must not create ava.yaml");
+}
+
+#[test]
+fn enable_disable_with_a_toml_config() {
+    let s = Sandbox::new();
+    let original = "# toml settings\n[plugins]\npolicy = \"open\"\n";
+    s.write("ava.toml", original);
+    let out = s.ava(&["plugins", "enable", "optimizer", "lion", "--config", "ava.toml", "--set", "betas=[0.9,0.98]"]);
+    assert_golden(out.success(), "set plugins.optimizer: {name: lion, betas: [0.9, 0.98]} in ava.toml\n");
+    assert_golden(
+        &s.read("ava.toml"),
+        "\
+# toml settings
+[plugins]
+policy = \"open\"
+optimizer = { name = \"lion\", betas = [0.9, 0.98] }
+",
+    );
+    assert_golden(
+        s.ava(&["config", "show", "--config", "ava.toml"]).success(),
+        "\
+# The effective Ava configuration: built-in defaults < config file < AVA__* environment < --set.
+plugins:
+  attention: standard          # from: default
+  optimizer:
+    name: lion                 # from: ava.toml
+    betas: [0.9, 0.98]         # from: ava.toml
+  checkpoint: none             # from: default
+  offload: ram                 # from: default
+  memory: thresholds           # from: default
+  search_paths: []             # from: default
+  policy: open                 # from: ava.toml
+  lock_file: ava-plugins.lock  # from: default
+",
+    );
+    assert_golden(
+        s.ava(&["plugins", "disable", "optimizer", "--config", "ava.toml"]).success(),
+        "removed plugins.optimizer from ava.toml; the built-in default 'adamw' applies\n",
+    );
+    assert_eq!(s.read("ava.toml"), original);
+}
+
+// ---------------------------------------------------------------------------------------------
+// config validate / show
+// ---------------------------------------------------------------------------------------------
+
+/// `ava config validate FILE` on `yaml` must fail with exit code 2 and exactly `stderr`.
+#[track_caller]
+fn assert_invalid(yaml: &str, stderr: &str) {
+    let s = Sandbox::new();
+    s.write("bad.yaml", yaml);
+    assert_golden(s.ava(&["config", "validate", "bad.yaml"]).usage_error(), stderr);
+}
+
+#[test]
+fn config_validate_typo_in_a_nested_key() {
+    assert_invalid(
+        "plugins:\n  polcy: vetted\n",
+        "\
+error: bad.yaml: 1 problem in the configuration:
+  - plugins.polcy: unknown key (did you mean 'plugins.policy'?) [bad.yaml]
+",
+    );
+}
+
+#[test]
+fn config_validate_wrong_type() {
+    assert_invalid(
+        "plugins:\n  search_paths: 3\n",
+        "\
+error: bad.yaml: 1 problem in the configuration:
+  - plugins.search_paths: expected a list of paths, got an integer [bad.yaml]
+",
+    );
+}
+
+#[test]
+fn config_validate_out_of_range_threshold() {
+    assert_invalid(
+        "plugins:\n  memory: {name: thresholds, critical: 1.5}\n",
+        "\
+error: bad.yaml: 1 problem in the configuration:
+  - plugins.memory.critical: 1.5 must be in (0, 1] (a fraction of the budget) [bad.yaml]
+",
+    );
+}
+
+#[test]
+fn config_validate_unknown_plugin() {
+    assert_invalid(
+        "plugins:\n  optimizer: lino\n",
+        "\
+error: bad.yaml: 1 problem in the configuration:
+  - plugins.optimizer: unknown optimizer 'lino' (did you mean 'lion'?); installed: adamw, lion, sgd [bad.yaml]
+",
+    );
+}
+
+#[test]
+fn config_validate_bad_plugin_option() {
+    assert_invalid(
+        "plugins:\n  optimizer: {name: lion, bogus: 1}\n",
+        "\
+error: bad.yaml: 1 problem in the configuration:
+  - plugins.optimizer.bogus: unknown option (known: betas) [bad.yaml]
+",
+    );
+}
+
+#[test]
+fn config_validate_reports_every_problem_at_once() {
+    let s = Sandbox::new();
+    s.write(
+        "all.yaml",
+        "\
+# every kind of mistake at once
+plugins:
+  polcy: vetted
+  search_paths: 3
+  memory: {name: thresholds, critical: 1.5}
+  checkpoint: ful
+  optimizer: {name: lion, bogus: 1}
+",
+    );
+    // An absolute path: shown as given, so under $TMP.
+    let file = s.path("all.yaml");
+    let out = s.ava(&["config", "validate", file.to_str().unwrap()]);
+    assert_golden(
+        out.usage_error(),
+        "\
+error: $TMP/all.yaml: 5 problems in the configuration:
+  - plugins.polcy: unknown key (did you mean 'plugins.policy'?) [$TMP/all.yaml]
+  - plugins.search_paths: expected a list of paths, got an integer [$TMP/all.yaml]
+  - plugins.memory.critical: 1.5 must be in (0, 1] (a fraction of the budget) [$TMP/all.yaml]
+  - plugins.checkpoint: unknown checkpoint policy 'ful' (did you mean 'full'?); installed: full, none [$TMP/all.yaml]
+  - plugins.optimizer.bogus: unknown option (known: betas) [$TMP/all.yaml]
+",
+    );
+}
+
+#[test]
+fn config_validate_valid_file_and_missing_file() {
+    let s = Sandbox::new();
+    s.write("good.yaml", "plugins:\n  optimizer: {name: lion, betas: [0.9, 0.98]}\n  checkpoint: full\n");
+    assert_golden(s.ava(&["config", "validate", "good.yaml"]).success(), "good.yaml is valid\n");
+    assert_golden(
+        s.ava(&["config", "validate", "absent.yaml"]).usage_error(),
+        "error: absent.yaml: no such config file\n",
+    );
+}
+
+#[test]
+fn config_show_defaults_env_and_set_origins() {
+    let s = Sandbox::new();
+    s.write("ava.yaml", "plugins:\n  checkpoint: full\n");
+    let out =
+        s.ava_env(&["config", "show", "--set", "plugins.lock_file=team.lock"], &[("AVA__PLUGINS__POLICY", "warn")]);
+    assert_golden(
+        out.success(),
+        "\
+# The effective Ava configuration: built-in defaults < config file < AVA__* environment < --set.
+plugins:
+  attention: standard   # from: default
+  optimizer: adamw      # from: default
+  checkpoint: full      # from: ava.yaml
+  offload: ram          # from: default
+  memory: thresholds    # from: default
+  search_paths: []      # from: default
+  policy: warn          # from: env AVA__PLUGINS__POLICY
+  lock_file: team.lock  # from: --set plugins.lock_file=team.lock
+",
+    );
+}
+
+#[test]
+fn config_show_env_override_alone() {
+    let s = Sandbox::new();
+    let out = s.ava_env(&["config", "show"], &[("AVA__PLUGINS__POLICY", "warn")]);
+    assert_golden(
+        out.success(),
+        "\
+# The effective Ava configuration: built-in defaults < config file < AVA__* environment < --set.
+plugins:
+  attention: standard          # from: default
+  optimizer: adamw             # from: default
+  checkpoint: none             # from: default
+  offload: ram                 # from: default
+  memory: thresholds           # from: default
+  search_paths: []             # from: default
+  policy: warn                 # from: env AVA__PLUGINS__POLICY
+  lock_file: ava-plugins.lock  # from: default
+",
+    );
+}
+
+#[test]
+fn config_show_reads_ava_config_env() {
+    let s = Sandbox::new();
+    s.write("other.yaml", "plugins:\n  offload: ram\n");
+    let out = s.ava_env(&["config", "show"], &[("AVA_CONFIG", "other.yaml")]);
+    assert!(out.success().contains("  offload: ram                 # from: other.yaml\n"), "{out:#?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// JSON errors, help
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn json_errors_go_to_stdout_with_the_exit_code() {
+    let s = Sandbox::new();
+    let out = s.ava(&["--format", "json", "plugins", "info", "nope"]);
+    assert_eq!(out.code, 2, "{out:#?}");
+    assert_golden(&out.stderr, "");
+    assert_eq!(
+        out.json(),
+        serde_json::json!({
+            "error": "no plugin named 'nope' (did you mean 'none'?); `ava plugins list` shows what is installed",
+            "caused_by": [],
+            "exit_code": 2,
+        })
+    );
+    assert_golden(
+        &out.stdout,
+        "{\"error\":\"no plugin named 'nope' (did you mean 'none'?); `ava plugins list` shows what is installed\",\
+         \"caused_by\":[],\"exit_code\":2}\n",
+    );
+}
+
+#[test]
+fn help_mentions_every_subcommand() {
+    let s = Sandbox::new();
+    let top = s.ava(&["--help"]);
+    let top = top.success();
+    for word in ["plugins", "config", "--format", "--quiet", "--verbose"] {
+        assert!(top.contains(word), "`ava --help` does not mention {word}:\n{top}");
+    }
+    let plugins = s.ava(&["plugins", "--help"]);
+    let plugins = plugins.success();
+    for word in ["list", "info", "vet", "enable", "disable"] {
+        assert!(
+            plugins.lines().any(|l| l.trim_start().starts_with(word)),
+            "`ava plugins --help` lacks {word}:\n{plugins}"
+        );
+    }
+    let config = s.ava(&["config", "--help"]);
+    let config = config.success();
+    for word in ["show", "validate"] {
+        assert!(
+            config.lines().any(|l| l.trim_start().starts_with(word)),
+            "`ava config --help` lacks {word}:\n{config}"
+        );
+    }
+}
+
+#[test]
+fn unknown_subcommand_is_a_usage_error() {
+    let s = Sandbox::new();
+    let out = s.ava(&["plugins", "lst"]);
+    assert_eq!(out.code, 2, "{out:#?}");
+    assert!(out.stderr.contains("unrecognized subcommand 'lst'"), "{out:#?}");
+}
