@@ -68,18 +68,15 @@ pub fn load_checked(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> {
     Ok(Ctx { registry, policy: host.policy, lock_file: host.lock_file })
 }
 
-/// Prints the searched directories (`-v`) and the registry's warnings. With
-/// `skip_row_reasons`, a warning that is already a row's reason is not repeated: `plugins list`
-/// prints every row's reason itself.
-fn report(registry: &Registry, p: &Printer, skip_row_reasons: bool) {
+/// Prints the searched directories (`-v`) and the registry's warnings. `listing` commands
+/// print every row with its reason themselves, so they get only the warnings no row carries.
+fn report(registry: &Registry, p: &Printer, listing: bool) {
     for dir in registry.search_dirs() {
         p.verbose(&format!("searching {} ({})", dir.path.display(), dir.source.as_str()));
     }
-    for w in registry.warnings() {
-        let shown_in_row = registry.rows().iter().filter_map(|r| r.reason.as_deref()).any(|reason| w.ends_with(reason));
-        if !(skip_row_reasons && shown_in_row) {
-            p.warn(w);
-        }
+    let warnings = if listing { registry.warnings().to_vec() } else { registry.notices() };
+    for w in warnings {
+        p.warn(&w);
     }
 }
 
@@ -94,10 +91,10 @@ pub fn load_for_listing(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> 
     load_inner(args, p, true)
 }
 
-fn load_inner(args: &ConfigArgs, p: &Printer, skip_row_reasons: bool) -> Result<Ctx, Failure> {
+fn load_inner(args: &ConfigArgs, p: &Printer, listing: bool) -> Result<Ctx, Failure> {
     let loaded = load_config(args, p)?;
     let host = host_from(&loaded.config().plugins);
     let registry = Registry::load(&host)?;
-    report(&registry, p, skip_row_reasons);
+    report(&registry, p, listing);
     Ok(Ctx { registry, policy: host.policy, lock_file: host.lock_file })
 }

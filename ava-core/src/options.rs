@@ -140,6 +140,21 @@ impl Options {
             _ => Vec::new(),
         }
     }
+    /// A `[β1, β2]` pair of decay rates (Adam-style optimizers): exactly two values, each in
+    /// [0, 1). Problems are recorded; the returned pair is only meaningful when
+    /// [`finish`](Self::finish) succeeds.
+    pub fn betas(&mut self, name: &str) -> [f64; 2] {
+        let betas = self.float_list(name);
+        self.check(betas.len() == 2, || format!("option '{name}': expected 2 values [β1, β2], got {}", betas.len()));
+        for (i, b) in betas.iter().enumerate() {
+            self.check((0.0..1.0).contains(b), || format!("option '{name}': β{} = {b} must be in [0, 1)", i + 1));
+        }
+        match betas[..] {
+            [b1, b2] => [b1, b2],
+            _ => [0.0, 0.0],
+        }
+    }
+
     /// A byte-size option in bytes; `None` when unset.
     pub fn opt_size(&self, name: &str) -> Option<u64> {
         self.get(name, OptionType::Size).as_u64()

@@ -264,9 +264,6 @@ impl Registry {
             }
             Verdict::Open { status, warning } => match load::open(&candidate) {
                 Ok(lib) => {
-                    if let Some(w) = &warning {
-                        self.warnings.push(format!("plugin '{}': {w}", lib.manifest.name));
-                    }
                     let pin_problem = self.lock.by_sha(&lib.sha256).and_then(|pin| pin_mismatch(pin, &lib.manifest));
                     let (status, reason) = match pin_problem {
                         Some(p) => (Status::Refused, Some(p)),
@@ -328,9 +325,22 @@ impl Registry {
         &self.rows
     }
 
-    /// Warnings gathered while loading (unpinned plugins under `warn`, missing directories).
+    /// Warnings about the load itself that belong to no row (a configured search path that
+    /// is not a directory). Per-plugin warnings are the rows' reasons.
     pub fn warnings(&self) -> &[String] {
         &self.warnings
+    }
+
+    /// Everything a command that does not list the rows should warn about: [`warnings`]
+    /// plus each plugin loaded without a pin under policy `warn`.
+    ///
+    /// [`warnings`]: Self::warnings
+    pub fn notices(&self) -> Vec<String> {
+        let unvetted =
+            self.rows.iter().filter(|r| r.status == Status::Unvetted).map(|r| {
+                format!("plugin '{}': {}", r.name().unwrap_or("?"), r.reason.as_deref().unwrap_or("not pinned"))
+            });
+        self.warnings.iter().cloned().chain(unvetted).collect()
     }
 
     /// The directories that were searched.

@@ -56,15 +56,11 @@ impl Plugin for AdamW {
     }
 
     fn from_options(mut options: Options) -> Result<Self, PluginError> {
-        let betas = options.float_list("betas");
+        let [beta1, beta2] = options.betas("betas");
         let eps = options.float("eps");
-        options.check(betas.len() == 2, || format!("option 'betas': expected 2 values [β1, β2], got {}", betas.len()));
-        for (i, b) in betas.iter().enumerate() {
-            options.check((0.0..1.0).contains(b), || format!("option 'betas': β{} = {b} must be in [0, 1)", i + 1));
-        }
         options.check(eps > 0.0, || format!("option 'eps': {eps} must be > 0"));
         options.finish()?;
-        Ok(AdamW { beta1: betas[0], beta2: betas[1], eps, amsgrad: options.bool("amsgrad") })
+        Ok(AdamW { beta1, beta2, eps, amsgrad: options.bool("amsgrad") })
     }
 }
 

@@ -47,13 +47,9 @@ impl Plugin for Lion {
     }
 
     fn from_options(mut options: Options) -> Result<Self, PluginError> {
-        let betas = options.float_list("betas");
-        options.check(betas.len() == 2, || format!("option 'betas': expected 2 values [β1, β2], got {}", betas.len()));
-        for (i, b) in betas.iter().enumerate() {
-            options.check((0.0..1.0).contains(b), || format!("option 'betas': β{} = {b} must be in [0, 1)", i + 1));
-        }
+        let [beta1, beta2] = options.betas("betas");
         options.finish()?;
-        Ok(Lion { beta1: betas[0] as f32, beta2: betas[1] as f32 })
+        Ok(Lion { beta1: beta1 as f32, beta2: beta2 as f32 })
     }
 }
 
