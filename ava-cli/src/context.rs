@@ -56,16 +56,12 @@ fn loader(args: &ConfigArgs, p: &Printer) -> ConfigLoader<'static> {
 /// Configuration and registry, with every plugin selection checked by its plugin: unknown
 /// keys, wrong types and refused plugin options come in one report (exit code 2).
 pub fn load_checked(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> {
-    let mut host = None;
-    let (_loaded, registry) = loader(args, p)
-        .load_checked(|plugins| {
-            host = Some(host_from(plugins));
-            Registry::load(host.as_ref().expect("just set")).map_err(Box::new)
-        })?
-        .usage()?;
-    let host = host.expect("catalog was built");
+    let (loaded, registry) =
+        loader(args, p).load_checked(|plugins| Registry::load(&host_from(plugins)).map_err(Box::new))?.usage()?;
     report(&registry, p, false);
-    Ok(Ctx { registry, policy: host.policy, lock_file: host.lock_file })
+    // A valid configuration's host settings are the ones the registry was built from.
+    let plugins = &loaded.config().plugins;
+    Ok(Ctx { registry, policy: plugins.policy, lock_file: plugins.lock_file.clone() })
 }
 
 /// Prints the searched directories (`-v`) and the registry's warnings. `listing` commands

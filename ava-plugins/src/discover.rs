@@ -108,6 +108,8 @@ pub struct Candidate {
     pub symlink: bool,
     /// Why the file or its directory can be changed by other users, if it can.
     pub writable_by_others: Option<String>,
+    /// Whether the symbol table exports abi_stable's header, read once with the bytes.
+    header: Result<(), String>,
 }
 
 impl std::fmt::Debug for Candidate {
@@ -140,7 +142,8 @@ impl Candidate {
         let file_meta = file.metadata().map_err(|e| HostError::io(path, e))?;
         let writable_by_others = writable_by_others(path, &file_meta);
         let sha256 = hex::encode(Sha256::digest(&bytes));
-        Ok(Candidate { path: path.to_path_buf(), bytes, sha256, symlink, writable_by_others })
+        let header = exports_root_symbol(&bytes);
+        Ok(Candidate { path: path.to_path_buf(), bytes, sha256, symlink, writable_by_others, header })
     }
 
     /// The file name without directory.
@@ -150,7 +153,7 @@ impl Candidate {
 
     /// Whether the bytes are a shared library exporting abi_stable's root-module header.
     pub fn exports_plugin_header(&self) -> Result<(), String> {
-        exports_root_symbol(&self.bytes)
+        self.header.clone()
     }
 }
 
