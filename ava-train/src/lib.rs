@@ -1,7 +1,14 @@
 //! # ava-train: the training engine
 //!
-//! For now: configuration ([`config`]) — the layered, validated settings that pick the
-//! plugins and say where they are found. The model, data, trainer and memory accounting
-//! come next.
+//! - [`config`]: the layered, validated settings (model, data, training, checkpoints,
+//!   memory budget, plugins).
+//! - [`data`]: token sources (a synthetic corpus with a known entropy floor, text files,
+//!   `tokenizer.json`) and the background batch loader.
+//! - [`model`]: the Llama-style decoder on candle, the attention-kernel adapter and the
+//!   recompute mechanism behind checkpoint policies.
+//! - [`save`]: checkpoints on disk (atomic writes, manifests with sha256, keep-last-k).
 
 pub mod config;
+pub mod data;
+pub mod model;
+pub mod save;

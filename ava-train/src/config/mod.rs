@@ -30,6 +30,7 @@ mod error;
 mod format;
 mod load;
 mod schema;
+mod sections;
 mod show;
 mod tree;
 mod validate;
@@ -43,6 +44,10 @@ pub use error::ConfigError;
 pub use format::{parse_value, selection_yaml};
 pub use load::{ConfigLoader, ENV_PREFIX, LoadedConfig};
 pub use schema::{Config, DEFAULT_CONFIG_YAML, PluginSelection, PluginsConfig, VettingPolicy};
+pub use sections::{
+    ByteSize, CheckpointsConfig, DataConfig, DataSource, LossScaleConfig, MemoryConfig, ModelConfig, MoeConfig,
+    Precision, SyntheticConfig, TrainConfig,
+};
 pub use show::ConfigEntry;
 pub use tree::Origin;
 pub use validate::{ConfigProblem, PluginCatalog};

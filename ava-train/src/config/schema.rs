@@ -14,6 +14,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::{Map, Value};
 
 use super::format;
+use super::sections::*;
 
 /// The embedded default config: the lowest layer, and documentation of every setting.
 pub const DEFAULT_CONFIG_YAML: &str = include_str!("default.yaml");
@@ -32,6 +33,16 @@ pub(crate) enum Kind {
     PathList,
     /// One of a fixed set of words.
     OneOf(&'static [&'static str]),
+    /// A path, or `null` for none.
+    OptPath,
+    /// An integer in `[min, max]`.
+    Int(i64, i64),
+    /// A number in `[min, max]`.
+    Float(f64, f64),
+    /// `true` or `false`.
+    Bool,
+    /// A byte size: an integer number of bytes or a string such as `2GiB`, `512MB`.
+    Size,
 }
 
 /// One key of a section.
@@ -55,8 +66,90 @@ const PLUGINS: &[Field] = &[
     Field { key: "lock_file", kind: Kind::Path },
 ];
 
+/// The `model.moe` section.
+const MOE: &[Field] = &[
+    Field { key: "num_experts", kind: Kind::Int(0, 1024) },
+    Field { key: "top_k", kind: Kind::Int(1, 64) },
+    Field { key: "aux_loss_weight", kind: Kind::Float(0.0, 1e3) },
+];
+
+/// The `model` section.
+const MODEL: &[Field] = &[
+    Field { key: "from", kind: Kind::OptPath },
+    Field { key: "vocab_size", kind: Kind::Int(1, 1 << 24) },
+    Field { key: "hidden_size", kind: Kind::Int(1, 1 << 20) },
+    Field { key: "num_layers", kind: Kind::Int(1, 4096) },
+    Field { key: "num_heads", kind: Kind::Int(1, 4096) },
+    Field { key: "num_kv_heads", kind: Kind::Int(1, 4096) },
+    Field { key: "intermediate_size", kind: Kind::Int(1, 1 << 22) },
+    Field { key: "rope_theta", kind: Kind::Float(1.0, 1e12) },
+    Field { key: "rms_norm_eps", kind: Kind::Float(0.0, 1.0) },
+    Field { key: "tie_embeddings", kind: Kind::Bool },
+    Field { key: "init_std", kind: Kind::Float(0.0, 10.0) },
+    Field { key: "moe", kind: Kind::Section(MOE) },
+];
+
+/// The `data.synthetic` section.
+const SYNTHETIC: &[Field] = &[
+    Field { key: "alphabet", kind: Kind::Int(2, 255) },
+    Field { key: "order", kind: Kind::Int(1, 8) },
+    Field { key: "branching", kind: Kind::Int(1, 255) },
+];
+
+/// The `data` section.
+const DATA: &[Field] = &[
+    Field { key: "source", kind: Kind::OneOf(&["synthetic", "text"]) },
+    Field { key: "path", kind: Kind::OptPath },
+    Field { key: "tokenizer", kind: Kind::OptPath },
+    Field { key: "seq_len", kind: Kind::Int(1, 1 << 20) },
+    Field { key: "val_fraction", kind: Kind::Float(0.0, 0.9) },
+    Field { key: "num_workers", kind: Kind::Int(0, 64) },
+    Field { key: "prefetch_factor", kind: Kind::Int(1, 64) },
+    Field { key: "synthetic", kind: Kind::Section(SYNTHETIC) },
+];
+
+/// The `train.loss_scale` section.
+const LOSS_SCALE: &[Field] = &[
+    Field { key: "init", kind: Kind::Float(1.0, 1e30) },
+    Field { key: "growth_interval", kind: Kind::Int(1, 1 << 30) },
+];
+
+/// The `train` section.
+const TRAIN: &[Field] = &[
+    Field { key: "seed", kind: Kind::Int(0, i64::MAX) },
+    Field { key: "max_steps", kind: Kind::Int(0, i64::MAX) },
+    Field { key: "micro_batch_size", kind: Kind::Int(1, 1 << 20) },
+    Field { key: "gradient_accumulation_steps", kind: Kind::Int(1, 1 << 20) },
+    Field { key: "precision", kind: Kind::OneOf(Precision::NAMES) },
+    Field { key: "lr", kind: Kind::Float(0.0, 1e3) },
+    Field { key: "min_lr", kind: Kind::Float(0.0, 1e3) },
+    Field { key: "warmup_steps", kind: Kind::Int(0, i64::MAX) },
+    Field { key: "weight_decay", kind: Kind::Float(0.0, 1e3) },
+    Field { key: "grad_clip", kind: Kind::Float(0.0, 1e12) },
+    Field { key: "threads", kind: Kind::Int(0, 1024) },
+    Field { key: "eval_every", kind: Kind::Int(0, i64::MAX) },
+    Field { key: "eval_batches", kind: Kind::Int(1, 1 << 20) },
+    Field { key: "log_every", kind: Kind::Int(1, i64::MAX) },
+    Field { key: "out_dir", kind: Kind::Path },
+    Field { key: "loss_scale", kind: Kind::Section(LOSS_SCALE) },
+];
+
+/// The `checkpoints` section.
+const CHECKPOINTS: &[Field] =
+    &[Field { key: "every", kind: Kind::Int(0, i64::MAX) }, Field { key: "keep_last", kind: Kind::Int(1, 1 << 20) }];
+
+/// The `memory` section.
+const MEMORY: &[Field] = &[Field { key: "budget", kind: Kind::Size }];
+
 /// The top level: one entry per section.
-pub(crate) const ROOT: &[Field] = &[Field { key: "plugins", kind: Kind::Section(PLUGINS) }];
+pub(crate) const ROOT: &[Field] = &[
+    Field { key: "model", kind: Kind::Section(MODEL) },
+    Field { key: "data", kind: Kind::Section(DATA) },
+    Field { key: "train", kind: Kind::Section(TRAIN) },
+    Field { key: "checkpoints", kind: Kind::Section(CHECKPOINTS) },
+    Field { key: "memory", kind: Kind::Section(MEMORY) },
+    Field { key: "plugins", kind: Kind::Section(PLUGINS) },
+];
 
 /// The schema of the whole tree.
 pub(crate) const ROOT_KIND: Kind = Kind::Section(ROOT);
@@ -82,6 +175,16 @@ pub(crate) fn all_paths() -> Vec<String> {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// The model's architecture (or the Hugging Face folder it is loaded from).
+    pub model: ModelConfig,
+    /// The training data and its loader.
+    pub data: DataConfig,
+    /// The training loop.
+    pub train: TrainConfig,
+    /// Saving checkpoints.
+    pub checkpoints: CheckpointsConfig,
+    /// The memory budget.
+    pub memory: MemoryConfig,
     /// Which plugin provides each technique, and where plugins are found.
     pub plugins: PluginsConfig,
 }

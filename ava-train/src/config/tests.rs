@@ -80,7 +80,16 @@ fn file_error(name: &str, text: &str) -> String {
 #[test]
 fn defaults_load_and_are_complete() {
     let loaded = ConfigLoader::new().catalog(&FakeCatalog).load().unwrap();
+    let defaults = Config::default();
+    assert_eq!(defaults.model.hidden_size, 128);
+    assert_eq!(defaults.memory.budget, super::ByteSize(2 << 30));
+    assert_eq!(defaults.train.precision, super::Precision::Fp32);
     let expected = Config {
+        model: defaults.model.clone(),
+        data: defaults.data.clone(),
+        train: defaults.train.clone(),
+        checkpoints: defaults.checkpoints.clone(),
+        memory: defaults.memory.clone(),
         plugins: PluginsConfig {
             attention: PluginSelection::new("standard"),
             optimizer: PluginSelection::new("adamw"),
@@ -416,7 +425,12 @@ fn layers_override_in_order_and_keep_origins() {
     assert_eq!(plugins.lock_file, PathBuf::from("set.lock"));
     assert_eq!(plugins.search_paths, vec![PathBuf::from("from/file")]);
 
-    let origins: Vec<(String, String)> = loaded.entries().into_iter().map(|e| (e.path, e.origin.to_string())).collect();
+    let origins: Vec<(String, String)> = loaded
+        .entries()
+        .into_iter()
+        .filter(|e| e.path.starts_with("plugins."))
+        .map(|e| (e.path, e.origin.to_string()))
+        .collect();
     let file = path.display().to_string();
     let expect = |p: &str, o: &str| (p.to_string(), o.to_string());
     assert_eq!(
@@ -563,23 +577,27 @@ fn show_as_yaml_and_json() {
         .load()
         .unwrap();
     let yaml = loaded.to_yaml().replace(&dir.path().display().to_string(), "<dir>");
+    assert!(yaml.starts_with(
+        "# The effective Ava configuration: built-in defaults < config file < AVA__* environment < --set.\n"
+    ));
+    // The engine sections come first; the plugins section is the last.
+    let plugins = &yaml[yaml.find("\nplugins:").expect("a plugins section") + 1..];
     assert_eq!(
-        yaml,
+        plugins,
         "\
-# The effective Ava configuration: built-in defaults < config file < AVA__* environment < --set.
 plugins:
-  attention: standard   # from: default
+  attention: standard             # from: default
   optimizer:
-    name: lion          # from: <dir>/run.yaml
-    betas: [0.9, 0.98]  # from: <dir>/run.yaml
-  checkpoint: none      # from: default
-  offload: ram          # from: default
+    name: lion                    # from: <dir>/run.yaml
+    betas: [0.9, 0.98]            # from: <dir>/run.yaml
+  checkpoint: none                # from: default
+  offload: ram                    # from: default
   memory:
-    name: thresholds    # from: default
-    critical: 0.9       # from: --set plugins.memory.critical=0.9
-  search_paths: []      # from: default
-  policy: warn          # from: env AVA__PLUGINS__POLICY
-  lock_file: '1.0'      # from: --set plugins.lock_file='1.0'
+    name: thresholds              # from: default
+    critical: 0.9                 # from: --set plugins.memory.critical=0.9
+  search_paths: []                # from: default
+  policy: warn                    # from: env AVA__PLUGINS__POLICY
+  lock_file: '1.0'                # from: --set plugins.lock_file='1.0'
 "
     );
     // It reads back as the same configuration.
@@ -594,7 +612,7 @@ plugins:
     assert_eq!(json["plugins.attention"], json!({"value": "standard", "origin": "default", "layer": "default"}));
     assert_eq!(json["plugins.optimizer.betas"]["layer"], "file");
     let keys: Vec<&String> = json.as_object().unwrap().keys().collect();
-    assert_eq!(keys.first().map(|k| k.as_str()), Some("plugins.attention"));
+    assert_eq!(keys.first().map(|k| k.as_str()), Some("model.from"));
     assert_eq!(keys.len(), loaded.entries().len());
 }
 

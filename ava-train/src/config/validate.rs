@@ -194,6 +194,41 @@ fn check_value(
             }
             other => problem(format!("expected one of {}, got {}", words.join(", "), type_phrase(other))),
         },
+        Kind::OptPath => match &value {
+            Value::Null => {}
+            Value::String(s) if s.is_empty() => problem("the path is empty (write null for none)".into()),
+            Value::String(_) => {}
+            other => problem(format!("expected a path or null, got {}", type_phrase(other))),
+        },
+        Kind::Int(min, max) => match value.as_i64() {
+            Some(n) if (*min..=*max).contains(&n) => {}
+            Some(n) => problem(range_message(&n.to_string(), *min as f64, *max as f64)),
+            None => match &value {
+                Value::Number(n) if n.as_u64().is_some() => {
+                    problem(range_message(&n.to_string(), *min as f64, *max as f64))
+                }
+                other => problem(format!("expected an integer, got {}", type_phrase(other))),
+            },
+        },
+        Kind::Float(min, max) => match value.as_f64() {
+            Some(x) if x >= *min && x <= *max => {}
+            Some(x) => problem(range_message(&x.to_string(), *min, *max)),
+            None => problem(format!("expected a number, got {}", type_phrase(&value))),
+        },
+        Kind::Bool => {
+            if !value.is_boolean() {
+                problem(format!("expected true or false, got {}", type_phrase(&value)))
+            }
+        }
+        Kind::Size => match &value {
+            Value::Number(n) if n.as_u64().is_some() => {}
+            Value::String(s) => {
+                if let Err(e) = ava_core::options::parse_size(s) {
+                    problem(format!("{e}: write a byte count such as 2GiB, 512MiB or 1073741824"))
+                }
+            }
+            other => problem(format!("expected a byte size such as 2GiB, got {}", type_phrase(other))),
+        },
     }
 }
 
@@ -337,5 +372,15 @@ impl PluginCatalog for ava_plugins::Registry {
 
     fn check_options(&self, kind: PluginKind, name: &str, options_json: &str) -> Result<(), Vec<String>> {
         ava_plugins::Registry::check_options(self, kind, name, options_json)
+    }
+}
+
+/// `5000 is out of range: must be between 1 and 4096`.
+fn range_message(value: &str, min: f64, max: f64) -> String {
+    let show = |x: f64| if x.fract() == 0.0 && x.abs() < 1e15 { format!("{}", x as i64) } else { format!("{x}") };
+    if max >= i64::MAX as f64 || max >= 1e12 {
+        format!("{value} is out of range: must be at least {}", show(min))
+    } else {
+        format!("{value} is out of range: must be between {} and {}", show(min), show(max))
     }
 }

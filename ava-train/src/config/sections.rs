@@ -1,0 +1,244 @@
+//! The engine's config sections (`model`, `data`, `train`, `checkpoints`, `memory`), typed.
+//! Their keys, ranges and defaults are in the schema table and `default.yaml`; these structs
+//! are what the engine reads after validation.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// The `model` section: a Llama-style decoder.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// A local Hugging Face folder (`config.json` + `*.safetensors`) to start from; its
+    /// `config.json` then gives the architecture and the keys below are ignored.
+    pub from: Option<PathBuf>,
+    /// Vocabulary size V (256 for byte-level data).
+    pub vocab_size: usize,
+    /// Model width d.
+    pub hidden_size: usize,
+    /// Transformer blocks L.
+    pub num_layers: usize,
+    /// Query heads H (d must be a multiple of H).
+    pub num_heads: usize,
+    /// Key/value heads (H must be a multiple of it; fewer than H is grouped-query attention).
+    pub num_kv_heads: usize,
+    /// Hidden width of the SwiGLU MLP.
+    pub intermediate_size: usize,
+    /// RoPE base frequency θ.
+    pub rope_theta: f64,
+    /// RMSNorm ε.
+    pub rms_norm_eps: f64,
+    /// Share the token embedding with the LM head.
+    pub tie_embeddings: bool,
+    /// Standard deviation of the initial weights.
+    pub init_std: f64,
+    /// Mixture of experts in place of the dense MLP.
+    pub moe: MoeConfig,
+}
+
+/// The `model.moe` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeConfig {
+    /// Experts per block; 0 keeps the dense MLP.
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// Weight of the load-balancing loss (Switch Transformer's α).
+    pub aux_loss_weight: f64,
+}
+
+/// `data.source`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataSource {
+    /// The seeded Markov corpus with a known entropy floor.
+    Synthetic,
+    /// A local text file (`data.path`), byte-level or through `data.tokenizer`.
+    Text,
+}
+
+/// The `data` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// Where the tokens come from.
+    pub source: DataSource,
+    /// The text file (`source: text`).
+    pub path: Option<PathBuf>,
+    /// A Hugging Face `tokenizer.json`; without one, text is read as bytes.
+    pub tokenizer: Option<PathBuf>,
+    /// Tokens per training sequence T.
+    pub seq_len: usize,
+    /// Fraction of the data held out for validation.
+    pub val_fraction: f64,
+    /// Background threads preparing batches (0: prepared on the training thread).
+    pub num_workers: usize,
+    /// Finished batches each worker may queue ahead.
+    pub prefetch_factor: usize,
+    /// The synthetic corpus.
+    pub synthetic: SyntheticConfig,
+}
+
+/// The `data.synthetic` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SyntheticConfig {
+    /// Symbols of the source (mapped into the byte vocabulary).
+    pub alphabet: usize,
+    /// Markov order: how many previous symbols decide the next one.
+    pub order: usize,
+    /// Possible next symbols per context.
+    pub branching: usize,
+}
+
+/// `train.precision`: the compute type (master weights stay f32).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// f32 everywhere.
+    Fp32,
+    /// bfloat16 compute.
+    Bf16,
+    /// float16 compute with dynamic loss scaling.
+    F16,
+}
+
+impl Precision {
+    /// The names accepted in a config.
+    pub const NAMES: &'static [&'static str] = &["fp32", "bf16", "f16"];
+
+    /// The name as written in a config.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Fp32 => "fp32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        }
+    }
+
+    /// Bytes per element of the compute type.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::Fp32 => 4,
+            Self::Bf16 | Self::F16 => 2,
+        }
+    }
+}
+
+/// The `train` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Seeds the initial weights and the data order.
+    pub seed: u64,
+    /// Optimizer steps to run (`--max-steps`).
+    pub max_steps: u64,
+    /// Sequences per forward/backward pass.
+    pub micro_batch_size: usize,
+    /// Micro-batches whose gradients are summed before each optimizer step.
+    pub gradient_accumulation_steps: usize,
+    /// Compute precision.
+    pub precision: Precision,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Learning rate at the end of the cosine decay.
+    pub min_lr: f64,
+    /// Steps of linear warmup from 0 to `lr`.
+    pub warmup_steps: u64,
+    /// Decoupled weight decay for matrices (norm weights are not decayed).
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this (0: no clipping).
+    pub grad_clip: f64,
+    /// Compute threads (0: one per core).
+    pub threads: usize,
+    /// Evaluate every this many steps (0: only at the end).
+    pub eval_every: u64,
+    /// Validation batches per evaluation.
+    pub eval_batches: usize,
+    /// Write a metrics line every this many steps.
+    pub log_every: u64,
+    /// The run directory: metrics, checkpoints, the effective config.
+    pub out_dir: PathBuf,
+    /// Dynamic loss scaling (used with `precision: f16`).
+    pub loss_scale: LossScaleConfig,
+}
+
+impl TrainConfig {
+    /// Sequences per optimizer step.
+    pub fn effective_batch(&self) -> usize {
+        self.micro_batch_size * self.gradient_accumulation_steps
+    }
+}
+
+/// The `train.loss_scale` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LossScaleConfig {
+    /// The starting scale.
+    pub init: f64,
+    /// Steps without overflow before the scale doubles.
+    pub growth_interval: u64,
+}
+
+/// The `checkpoints` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointsConfig {
+    /// Save every this many steps (0: only at the end).
+    pub every: u64,
+    /// Checkpoints kept; older ones are deleted.
+    pub keep_last: usize,
+}
+
+/// The `memory` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryConfig {
+    /// What the run may use; the memory policy acts on fractions of it.
+    pub budget: ByteSize,
+}
+
+/// A number of bytes, written in a config as an integer or as `2GiB`, `512MB`, ...
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct ByteSize(pub u64);
+
+impl fmt::Display for ByteSize {
+    /// `2GiB`, `1.5GiB`, `512MiB`, `4096B`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [(&str, u64); 4] = [("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+        for (unit, size) in UNITS {
+            if self.0 >= size {
+                let value = self.0 as f64 / size as f64;
+                return if self.0 % size == 0 {
+                    write!(f, "{}{unit}", self.0 / size)
+                } else {
+                    write!(f, "{value:.2}{unit}")
+                };
+            }
+        }
+        write!(f, "{}B", self.0)
+    }
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        match serde_json::Value::deserialize(deserializer)? {
+            serde_json::Value::Number(n) => {
+                n.as_u64().map(ByteSize).ok_or_else(|| serde::de::Error::custom(format!("{n} is not a byte count")))
+            }
+            serde_json::Value::String(s) => {
+                ava_core::options::parse_size(&s).map(ByteSize).map_err(serde::de::Error::custom)
+            }
+            other => Err(serde::de::Error::custom(format!("expected a byte size, got {other}"))),
+        }
+    }
+}

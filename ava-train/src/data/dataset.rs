@@ -1,0 +1,59 @@
+//! The [`Dataset`] trait every data source implements, and [`Split`].
+
+use std::fmt;
+
+/// Which part of a data source: the training stream or the held-out validation stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Split {
+    /// The training split.
+    Train,
+    /// The validation split.
+    Validation,
+}
+
+impl Split {
+    /// A stream id for [`Rng::stream`](super::Rng::stream), distinct per split.
+    pub fn stream_id(self) -> u64 {
+        match self {
+            Split::Train => 1,
+            Split::Validation => 2,
+        }
+    }
+}
+
+impl fmt::Display for Split {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Split::Train => "train",
+            Split::Validation => "validation",
+        })
+    }
+}
+
+/// A source of token sequences. Sequences are pure functions of `(split, index, seq_len)`, so
+/// loaders can build them on any thread, in any order, and resume from any index.
+pub trait Dataset: Send + Sync {
+    /// Size of the token vocabulary; every token is below it.
+    fn vocab_size(&self) -> usize;
+
+    /// The `seq_len + 1` tokens of sequence `index` of `split` (inputs are `[0..seq_len]`,
+    /// targets `[1..seq_len + 1]`); deterministic.
+    ///
+    /// # Panics
+    /// If `seq_len` exceeds [`max_seq_len`](Self::max_seq_len).
+    fn sequence(&self, split: Split, index: u64, seq_len: usize) -> Vec<u32>;
+
+    /// The exact lower bound of the mean cross-entropy (nats/token) over all targets, when it is
+    /// known (synthetic sources); `None` for real text.
+    fn entropy_floor_nats(&self) -> Option<f64>;
+
+    /// One line describing the source, for the run header.
+    fn describe(&self) -> String;
+
+    /// The longest `seq_len` that `split` supports, if limited (a text split of `n` tokens
+    /// supports `n - 1`). The default is unlimited.
+    fn max_seq_len(&self, split: Split) -> Option<usize> {
+        let _ = split;
+        None
+    }
+}

@@ -1,0 +1,369 @@
+//! [`Loader`]: builds [`Batch`]es of a split on background threads and delivers them in order.
+//!
+//! Batch `i` holds sequences `i·B .. (i+1)·B`, so a batch is a pure function of its index: the
+//! stream is the same whatever the worker count, and a run resumes exactly from a saved
+//! [`Loader::position`]. With `W > 0` workers, worker `w` builds batches `start + w`,
+//! `start + w + W`, ...; a worker only starts batch `i` once `i < position + W·prefetch_factor`,
+//! so at most `W·prefetch_factor` finished batches wait in the queue (backpressure) and the
+//! batch the consumer needs next can always be built (no deadlock).
+
+use std::collections::BTreeMap;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::{self, JoinHandle};
+
+use super::dataset::{Dataset, Split};
+use super::error::DataError;
+
+/// `batch_size` sequences of `seq_len + 1` tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// Index of the batch in its split's stream.
+    pub index: u64,
+    /// Number of sequences `B`.
+    pub batch_size: usize,
+    /// Sequence length `T` (inputs and targets are `T` tokens each).
+    pub seq_len: usize,
+    /// `(B, T + 1)` tokens, row-major.
+    pub tokens: Vec<u32>,
+}
+
+impl Batch {
+    /// Builds batch `index` of `split`: sequences `index·batch_size .. (index+1)·batch_size`.
+    ///
+    /// # Panics
+    /// If the dataset returns a sequence that is not `seq_len + 1` tokens long.
+    pub fn build(dataset: &dyn Dataset, split: Split, index: u64, batch_size: usize, seq_len: usize) -> Self {
+        let mut tokens = Vec::with_capacity(batch_size * (seq_len + 1));
+        let first = index * batch_size as u64;
+        for row in 0..batch_size as u64 {
+            let sequence = dataset.sequence(split, first + row, seq_len);
+            assert_eq!(sequence.len(), seq_len + 1, "dataset returned a sequence of the wrong length");
+            tokens.extend_from_slice(&sequence);
+        }
+        Self { index, batch_size, seq_len, tokens }
+    }
+
+    /// The `seq_len + 1` tokens of row `b`.
+    pub fn row(&self, b: usize) -> &[u32] {
+        &self.tokens[b * (self.seq_len + 1)..][..self.seq_len + 1]
+    }
+
+    /// The `(B, T)` inputs, row-major: tokens `0..T` of each row.
+    pub fn inputs(&self) -> Vec<u32> {
+        self.tokens.chunks_exact(self.seq_len + 1).flat_map(|row| &row[..self.seq_len]).copied().collect()
+    }
+
+    /// The `(B, T)` targets, row-major: tokens `1..T+1` of each row.
+    pub fn targets(&self) -> Vec<u32> {
+        self.tokens.chunks_exact(self.seq_len + 1).flat_map(|row| &row[1..]).copied().collect()
+    }
+
+    /// Bytes of token data held (`B·(T+1)·4`).
+    pub fn size_bytes(&self) -> u64 {
+        (self.tokens.len() * size_of::<u32>()) as u64
+    }
+}
+
+/// The earliest failed batch: `next()` reports it on reaching it, and on every later call.
+#[derive(Debug, Clone)]
+struct Failure {
+    worker: Option<usize>,
+    batch: u64,
+    message: String,
+}
+
+impl Failure {
+    fn to_error(&self) -> DataError {
+        DataError::WorkerPanicked { worker: self.worker, batch: self.batch, message: self.message.clone() }
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    /// Finished batches by index; all in `[next, next + capacity)`.
+    ready: BTreeMap<u64, Batch>,
+    /// The index the consumer takes next.
+    next: u64,
+    stop: bool,
+    failure: Option<Failure>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    /// Signalled when the consumer takes a batch (workers wait on it) or on stop.
+    space: Condvar,
+    /// Signalled when a batch or a failure arrives (the consumer waits on it).
+    filled: Condvar,
+    queued_bytes: Arc<AtomicU64>,
+    /// Most finished batches the queue may hold.
+    capacity: u64,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Batches are built outside the lock, so a poisoned lock still holds consistent state.
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// What a worker builds batches from.
+struct Job {
+    dataset: Arc<dyn Dataset>,
+    split: Split,
+    batch_size: usize,
+    seq_len: usize,
+}
+
+/// An infinite, ordered stream of batches of one split, built synchronously or by workers.
+pub struct Loader {
+    job: Arc<Job>,
+    position: u64,
+    num_workers: usize,
+    prefetch_factor: usize,
+    queued_bytes: Arc<AtomicU64>,
+    shared: Option<Arc<Shared>>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Loader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loader")
+            .field("split", &self.job.split)
+            .field("batch_size", &self.job.batch_size)
+            .field("seq_len", &self.job.seq_len)
+            .field("position", &self.position)
+            .field("num_workers", &self.num_workers)
+            .field("prefetch_factor", &self.prefetch_factor)
+            .finish()
+    }
+}
+
+impl Loader {
+    /// A loader of `split` starting at batch `start_batch`. `num_workers = 0` builds each batch
+    /// in [`next`](Self::next); otherwise `num_workers` threads build ahead, holding at most
+    /// `num_workers · prefetch_factor` finished batches.
+    pub fn new(
+        dataset: Arc<dyn Dataset>,
+        split: Split,
+        batch_size: usize,
+        seq_len: usize,
+        start_batch: u64,
+        num_workers: usize,
+        prefetch_factor: usize,
+    ) -> Result<Self, DataError> {
+        let invalid =
+            |key, value: usize, reason: String| DataError::InvalidOption { key, value: value.to_string(), reason };
+        if batch_size == 0 {
+            return Err(invalid("train.batch_size", 0, "must be at least 1".into()));
+        }
+        if seq_len == 0 {
+            return Err(invalid("data.seq_len", 0, "must be at least 1".into()));
+        }
+        if let Some(max) = dataset.max_seq_len(split).filter(|&max| seq_len > max) {
+            return Err(invalid(
+                "data.seq_len",
+                seq_len,
+                format!("the {split} split of {} supports at most {max}", dataset.describe()),
+            ));
+        }
+        if num_workers > 0 && prefetch_factor == 0 {
+            return Err(invalid(
+                "data.prefetch_factor",
+                0,
+                "must be at least 1 when data.num_workers > 0 (batches queued per worker)".into(),
+            ));
+        }
+        let job = Arc::new(Job { dataset, split, batch_size, seq_len });
+        let queued_bytes = Arc::new(AtomicU64::new(0));
+        let mut loader = Self {
+            job,
+            position: start_batch,
+            num_workers,
+            prefetch_factor,
+            queued_bytes: queued_bytes.clone(),
+            shared: None,
+            workers: Vec::with_capacity(num_workers),
+        };
+        if num_workers == 0 {
+            return Ok(loader);
+        }
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State { ready: BTreeMap::new(), next: start_batch, stop: false, failure: None }),
+            space: Condvar::new(),
+            filled: Condvar::new(),
+            queued_bytes,
+            capacity: (num_workers * prefetch_factor) as u64,
+        });
+        loader.shared = Some(shared.clone());
+        for worker in 0..num_workers {
+            let (shared, job) = (shared.clone(), loader.job.clone());
+            let handle = thread::Builder::new()
+                .name(format!("ava-data-{worker}"))
+                .spawn(move || work(&shared, &job, worker, num_workers, start_batch + worker as u64))
+                // Dropping `loader` stops and joins the workers already started.
+                .map_err(|source| DataError::Spawn { source })?;
+            loader.workers.push(handle);
+        }
+        Ok(loader)
+    }
+
+    /// The next batch (the stream never ends). Errors on reaching a batch whose building
+    /// panicked, and on every later call.
+    #[allow(clippy::should_implement_trait)] // a fallible, infinite stream: `Option` would only add noise
+    pub fn next(&mut self) -> Result<Batch, DataError> {
+        let batch = match &self.shared {
+            None => {
+                let (job, index) = (&*self.job, self.position);
+                panic::catch_unwind(AssertUnwindSafe(|| {
+                    Batch::build(&*job.dataset, job.split, index, job.batch_size, job.seq_len)
+                }))
+                .map_err(|payload| DataError::WorkerPanicked {
+                    worker: None,
+                    batch: index,
+                    message: panic_message(&*payload),
+                })?
+            }
+            Some(shared) => {
+                let mut state = shared.lock();
+                loop {
+                    if let Some(batch) = state.ready.remove(&self.position) {
+                        state.next += 1;
+                        shared.queued_bytes.fetch_sub(batch.size_bytes(), Ordering::SeqCst);
+                        drop(state);
+                        shared.space.notify_all();
+                        break batch;
+                    }
+                    // Batches before the failed one are still delivered, in order.
+                    if let Some(failure) = state.failure.as_ref().filter(|f| f.batch <= self.position) {
+                        return Err(failure.to_error());
+                    }
+                    state = shared.filled.wait(state).unwrap_or_else(PoisonError::into_inner);
+                }
+            }
+        };
+        self.position += 1;
+        Ok(batch)
+    }
+
+    /// Index of the batch the next [`next`](Self::next) returns: what a checkpoint saves to
+    /// resume the stream.
+    pub fn position(&self) -> u64 {
+        self.position
+    }
+
+    /// Bytes of finished batches currently waiting in the queue.
+    pub fn queued_bytes(&self) -> u64 {
+        self.queued_bytes.load(Ordering::SeqCst)
+    }
+
+    /// A shared handle on [`queued_bytes`](Self::queued_bytes), for memory reporting from other
+    /// threads; it reads 0 once the loader is dropped.
+    pub fn queued_bytes_handle(&self) -> Arc<AtomicU64> {
+        self.queued_bytes.clone()
+    }
+
+    /// The most bytes the queue can hold: `W · prefetch_factor · B · (T+1) · 4` (0 without
+    /// workers). Batches being built or held by the consumer come on top.
+    pub fn capacity_bytes(&self) -> u64 {
+        let batch = (self.job.batch_size * (self.job.seq_len + 1) * size_of::<u32>()) as u64;
+        (self.num_workers * self.prefetch_factor) as u64 * batch
+    }
+
+    /// The split this loader reads.
+    pub fn split(&self) -> Split {
+        self.job.split
+    }
+
+    /// Sequences per batch.
+    pub fn batch_size(&self) -> usize {
+        self.job.batch_size
+    }
+
+    /// Tokens per input row.
+    pub fn seq_len(&self) -> usize {
+        self.job.seq_len
+    }
+
+    /// Number of worker threads (0 = synchronous).
+    pub fn num_workers(&self) -> usize {
+        self.num_workers
+    }
+}
+
+impl Drop for Loader {
+    fn drop(&mut self) {
+        if let Some(shared) = &self.shared {
+            let mut state = shared.lock();
+            state.stop = true;
+            state.ready.clear();
+            shared.queued_bytes.store(0, Ordering::SeqCst);
+            drop(state);
+            shared.space.notify_all();
+            shared.filled.notify_all();
+        }
+        // A worker finishes at most the batch it is building, then sees `stop`.
+        for handle in self.workers.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// Worker `worker` of `stride`: builds batches `first, first + stride, ...` until stopped.
+fn work(shared: &Shared, job: &Job, worker: usize, stride: usize, first: u64) {
+    let mut index = first;
+    loop {
+        {
+            let mut state = shared.lock();
+            // Wait until the batch fits the window; stop on drop, or once past a failed batch
+            // (the stream ends there; earlier batches are still wanted).
+            loop {
+                if state.stop || state.failure.as_ref().is_some_and(|f| index > f.batch) {
+                    return;
+                }
+                if index < state.next + shared.capacity {
+                    break;
+                }
+                state = shared.space.wait(state).unwrap_or_else(PoisonError::into_inner);
+            }
+        }
+        let built = panic::catch_unwind(AssertUnwindSafe(|| {
+            Batch::build(&*job.dataset, job.split, index, job.batch_size, job.seq_len)
+        }));
+        let mut state = shared.lock();
+        if state.stop {
+            return;
+        }
+        match built {
+            Ok(batch) => {
+                shared.queued_bytes.fetch_add(batch.size_bytes(), Ordering::SeqCst);
+                state.ready.insert(index, batch);
+            }
+            Err(payload) => {
+                let message = panic_message(&*payload);
+                // Keep the earliest failed batch: the stream ends there.
+                if state.failure.as_ref().is_none_or(|f| index < f.batch) {
+                    state.failure = Some(Failure { worker: Some(worker), batch: index, message });
+                }
+            }
+        }
+        let failed = state.failure.is_some();
+        drop(state);
+        shared.filled.notify_all();
+        if failed {
+            // Wake the workers waiting for room, so those past the failure exit.
+            shared.space.notify_all();
+        }
+        index += stride as u64;
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".to_string())
+}

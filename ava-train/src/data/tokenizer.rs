@@ -1,0 +1,75 @@
+//! [`TextTokenizer`]: a local Hugging Face `tokenizer.json`, used to encode a text file once.
+
+use std::path::{Path, PathBuf};
+
+use super::error::DataError;
+
+/// Text is encoded in chunks of about this many bytes, cut at line ends, to bound the
+/// tokenizer's intermediate memory on large files.
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// A loaded `tokenizer.json`.
+pub struct TextTokenizer {
+    path: PathBuf,
+    inner: tokenizers::Tokenizer,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer").field("path", &self.path).field("vocab_size", &self.vocab_size()).finish()
+    }
+}
+
+impl TextTokenizer {
+    /// Loads `path` (a Hugging Face `tokenizer.json`); errors name the file.
+    pub fn from_file(path: &Path) -> Result<Self, DataError> {
+        if !path.is_file() {
+            return Err(DataError::TokenizerNotFound { path: path.to_path_buf() });
+        }
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| DataError::Tokenizer { path: path.to_path_buf(), message: e.to_string() })?;
+        Ok(Self { path: path.to_path_buf(), inner })
+    }
+
+    /// The tokenizer file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Vocabulary size including added tokens: one more than the largest id, so that every id the
+    /// tokenizer can produce indexes the embedding table (ids need not be dense).
+    pub fn vocab_size(&self) -> usize {
+        let vocab = self.inner.get_vocab(true);
+        let max_id = vocab.values().max().map_or(0, |&id| id as usize + 1);
+        max_id.max(vocab.len())
+    }
+
+    /// Encodes `text` (the contents of `data_path`, named in errors) without adding special
+    /// tokens, in line-aligned chunks.
+    pub fn encode(&self, text: &str, data_path: &Path) -> Result<Vec<u32>, DataError> {
+        let mut ids = Vec::with_capacity(text.len() / 4);
+        let mut start = 0;
+        while start < text.len() {
+            let end = chunk_end(text, start);
+            let encoding = self.inner.encode_fast(&text[start..end], false).map_err(|e| DataError::Encode {
+                path: data_path.to_path_buf(),
+                tokenizer: self.path.clone(),
+                message: e.to_string(),
+            })?;
+            ids.extend_from_slice(encoding.get_ids());
+            start = end;
+        }
+        Ok(ids)
+    }
+}
+
+/// End of the chunk starting at `start`: just after the first newline at or past
+/// `start + CHUNK_BYTES`, or the end of the text.
+fn chunk_end(text: &str, start: usize) -> usize {
+    let min_end = start + CHUNK_BYTES;
+    if min_end >= text.len() {
+        return text.len();
+    }
+    // '\n' is ASCII, so the byte after it is always a char boundary.
+    text.as_bytes()[min_end..].iter().position(|&b| b == b'\n').map_or(text.len(), |i| min_end + i + 1)
+}

@@ -1,0 +1,88 @@
+//! Hugging Face folders: `config.json` + `*.safetensors` with Llama parameter names, read
+//! for fine-tuning and written at the end of training.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::save::{BufDType, NamedBuffer, to_safetensors};
+
+use super::{ModelError, ModelSpec, cerr};
+
+/// A tensor as a named little-endian buffer for the checkpoint writer.
+pub fn tensor_to_buffer(name: &str, t: &Tensor) -> Result<NamedBuffer, ModelError> {
+    let t = t.contiguous().map_err(cerr)?.flatten_all().map_err(cerr)?;
+    let (dtype, data): (BufDType, Vec<u8>) = match t.dtype() {
+        DType::F32 => (BufDType::F32, bytemuck::cast_slice(&t.to_vec1::<f32>().map_err(cerr)?).to_vec()),
+        DType::F64 => (BufDType::F64, bytemuck::cast_slice(&t.to_vec1::<f64>().map_err(cerr)?).to_vec()),
+        DType::U32 => (BufDType::U32, bytemuck::cast_slice(&t.to_vec1::<u32>().map_err(cerr)?).to_vec()),
+        DType::U8 => (BufDType::U8, t.to_vec1::<u8>().map_err(cerr)?),
+        other => return Err(ModelError::Candle(format!("{name}: saving {other:?} tensors is not supported"))),
+    };
+    Ok(NamedBuffer { name: name.to_string(), dtype, shape: Vec::new(), data })
+}
+
+/// safetensors bytes of named tensors (f32, f64, u32 or u8), deterministic.
+pub fn tensors_to_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, ModelError> {
+    let buffers = tensors
+        .iter()
+        .map(|(n, t)| Ok(NamedBuffer { shape: t.dims().to_vec(), ..tensor_to_buffer(n, t)? }))
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    to_safetensors(&buffers, None).map_err(|e| ModelError::Candle(e.to_string()))
+}
+
+/// Named tensors from safetensors bytes; `path` names the source in errors.
+pub fn tensors_from_safetensors(bytes: &[u8], path: &Path) -> Result<HashMap<String, Tensor>, ModelError> {
+    candle_core::safetensors::load_buffer(bytes, &Device::Cpu).map_err(|e| ModelError::Io {
+        path: path.to_path_buf(),
+        message: format!("not a readable safetensors file: {e}"),
+    })
+}
+
+/// Reads a folder's `config.json` and every `*.safetensors` in it (sharded checkpoints are
+/// several files).
+pub fn load_hf_folder(dir: &Path) -> Result<(ModelSpec, HashMap<String, Tensor>), ModelError> {
+    let io = |path: &Path, e: std::io::Error| ModelError::Io { path: path.to_path_buf(), message: e.to_string() };
+    let config = dir.join("config.json");
+    if !config.is_file() {
+        return Err(ModelError::HfConfig {
+            path: config,
+            message: "not found: model.from must name a folder holding config.json and *.safetensors".into(),
+        });
+    }
+    let spec = ModelSpec::from_hf_config(&config)?;
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| io(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(ModelError::Weights {
+            path: dir.to_path_buf(),
+            problems: vec!["no *.safetensors file in the folder".into()],
+        });
+    }
+    let mut tensors = HashMap::new();
+    for file in files {
+        let bytes = std::fs::read(&file).map_err(|e| io(&file, e))?;
+        tensors.extend(tensors_from_safetensors(&bytes, &file)?);
+    }
+    Ok((spec, tensors))
+}
+
+/// Writes `config.json` and `model.safetensors` into `dir` (created if needed), each
+/// atomically.
+pub fn save_hf_folder(dir: &Path, spec: &ModelSpec, tensors: &[(String, Tensor)]) -> Result<(), ModelError> {
+    let io = |path: &Path, e: std::io::Error| ModelError::Io { path: path.to_path_buf(), message: e.to_string() };
+    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let config = serde_json::to_vec_pretty(&spec.to_hf_config()).expect("a JSON value serializes");
+    let weights = tensors_to_safetensors(tensors)?;
+    for (name, bytes) in [("config.json", config), ("model.safetensors", weights)] {
+        let path = dir.join(name);
+        crate::save::write_atomic(&path, &bytes)
+            .map_err(|e| ModelError::Io { path: path.clone(), message: e.to_string() })?;
+    }
+    Ok(())
+}

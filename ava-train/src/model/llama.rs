@@ -1,0 +1,368 @@
+//! The Llama-style decoder: parameters as candle `Var`s (f32 master weights) and the
+//! forward pass split into embedding, blocks and head, so the engine can keep, recompute or
+//! offload each block (see `recompute`).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use ava_core::AttentionKernel;
+use candle_core::{D, DType, Device, Result as CResult, Tensor, Var};
+
+use super::attention::attention;
+use super::ops::{Rope, rms_norm, softmax_last};
+use super::spec::{ModelSpec, ParamDef, ParamRole};
+use super::{ModelError, cerr};
+
+/// One parameter: its definition and its f32 values.
+#[derive(Debug)]
+pub struct Param {
+    /// Name, shape, role.
+    pub def: ParamDef,
+    /// The f32 master weights.
+    pub var: Var,
+}
+
+/// Where a dense or MoE MLP's parameters are in [`Model::params`].
+#[derive(Debug, Clone)]
+enum MlpIndex {
+    Dense { gate: usize, up: usize, down: usize },
+    Moe { router: usize, experts: Vec<[usize; 3]>, top_k: usize },
+}
+
+/// Where one block's parameters are in [`Model::params`].
+#[derive(Debug, Clone)]
+struct BlockIndex {
+    attn_norm: usize,
+    q: usize,
+    k: usize,
+    v: usize,
+    o: usize,
+    mlp_norm: usize,
+    mlp: MlpIndex,
+}
+
+/// A block's output and, for a MoE block, its load-balancing loss (a scalar).
+pub struct BlockOut {
+    /// (B, T, d)
+    pub hidden: Tensor,
+    /// The unweighted load-balancing loss.
+    pub aux: Option<Tensor>,
+}
+
+/// The model: spec, parameters, rotary tables and the attention kernel.
+pub struct Model {
+    spec: ModelSpec,
+    params: Vec<Param>,
+    blocks: Vec<BlockIndex>,
+    head: usize,
+    final_norm: usize,
+    rope: Rope,
+    kernel: Arc<dyn AttentionKernel>,
+    kernel_name: String,
+    threads: usize,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("spec", &self.spec).field("kernel", &self.kernel_name).finish_non_exhaustive()
+    }
+}
+
+/// Deterministic N(0, 1) samples for a parameter: a SplitMix64 stream keyed by the seed and
+/// the parameter's name, so a parameter's initial values do not depend on the others.
+fn normal_samples(seed: u64, name: &str, n: usize) -> Vec<f32> {
+    let mut state =
+        seed ^ name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    let mut next = move || {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut out = Vec::with_capacity(n + 1);
+    while out.len() < n {
+        // Box–Muller: two uniforms to two normals.
+        let (u1, u2) = (next().max(f64::MIN_POSITIVE), next());
+        let r = (-2.0 * u1.ln()).sqrt();
+        out.push((r * (std::f64::consts::TAU * u2).cos()) as f32);
+        out.push((r * (std::f64::consts::TAU * u2).sin()) as f32);
+    }
+    out.truncate(n);
+    out
+}
+
+impl Model {
+    /// A freshly initialized model for sequences of up to `max_seq` tokens.
+    pub fn new(
+        spec: ModelSpec,
+        seed: u64,
+        max_seq: usize,
+        kernel: Arc<dyn AttentionKernel>,
+        kernel_name: &str,
+        threads: usize,
+    ) -> Result<Self, ModelError> {
+        let dev = Device::Cpu;
+        let residual_std = spec.init_std / (2.0 * spec.layers as f64).sqrt();
+        let params = spec
+            .params()
+            .into_iter()
+            .map(|def| {
+                let n = def.numel();
+                let values = match def.role {
+                    ParamRole::Norm => vec![1f32; n],
+                    role => {
+                        let std = if role == ParamRole::ResidualOut { residual_std } else { spec.init_std } as f32;
+                        normal_samples(seed, &def.name, n).into_iter().map(|x| x * std).collect()
+                    }
+                };
+                let var = Var::from_vec(values, def.shape.as_slice(), &dev).map_err(cerr)?;
+                Ok(Param { def, var })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Self::assemble(spec, params, max_seq, kernel, kernel_name, threads)
+    }
+
+    /// A model with the given f32 weights (by Hugging Face name), e.g. read from safetensors.
+    /// Every parameter of the spec must be present with its shape; extra tensors are errors.
+    pub fn from_tensors(
+        spec: ModelSpec,
+        mut tensors: HashMap<String, Tensor>,
+        source: &Path,
+        max_seq: usize,
+        kernel: Arc<dyn AttentionKernel>,
+        kernel_name: &str,
+        threads: usize,
+    ) -> Result<Self, ModelError> {
+        let mut problems = Vec::new();
+        let mut params = Vec::new();
+        for def in spec.params() {
+            match tensors.remove(&def.name) {
+                None => problems.push(format!("missing tensor {}", def.name)),
+                Some(t) if t.dims() != def.shape.as_slice() => {
+                    problems.push(format!("{} has shape {:?}, the config says {:?}", def.name, t.dims(), def.shape))
+                }
+                Some(t) => {
+                    let t = t.to_dtype(DType::F32).map_err(cerr)?;
+                    params.push(Param { def, var: Var::from_tensor(&t).map_err(cerr)? });
+                }
+            }
+        }
+        let mut extra: Vec<String> = tensors.into_keys().filter(|k| !k.ends_with("rotary_emb.inv_freq")).collect();
+        extra.sort();
+        problems.extend(extra.into_iter().map(|k| format!("unexpected tensor {k} (not part of this architecture)")));
+        if !problems.is_empty() {
+            return Err(ModelError::Weights { path: source.to_path_buf(), problems });
+        }
+        Self::assemble(spec, params, max_seq, kernel, kernel_name, threads)
+    }
+
+    fn assemble(
+        spec: ModelSpec,
+        params: Vec<Param>,
+        max_seq: usize,
+        kernel: Arc<dyn AttentionKernel>,
+        kernel_name: &str,
+        threads: usize,
+    ) -> Result<Self, ModelError> {
+        let find: HashMap<&str, usize> = params.iter().enumerate().map(|(i, p)| (p.def.name.as_str(), i)).collect();
+        let at = |name: String| find[name.as_str()];
+        let blocks = (0..spec.layers)
+            .map(|i| {
+                let pre = format!("model.layers.{i}");
+                let mlp = match spec.moe {
+                    None => MlpIndex::Dense {
+                        gate: at(format!("{pre}.mlp.gate_proj.weight")),
+                        up: at(format!("{pre}.mlp.up_proj.weight")),
+                        down: at(format!("{pre}.mlp.down_proj.weight")),
+                    },
+                    Some(moe) => MlpIndex::Moe {
+                        router: at(format!("{pre}.block_sparse_moe.gate.weight")),
+                        experts: (0..moe.experts)
+                            .map(|e| {
+                                let ex = format!("{pre}.block_sparse_moe.experts.{e}");
+                                [
+                                    at(format!("{ex}.w1.weight")),
+                                    at(format!("{ex}.w3.weight")),
+                                    at(format!("{ex}.w2.weight")),
+                                ]
+                            })
+                            .collect(),
+                        top_k: moe.top_k,
+                    },
+                };
+                BlockIndex {
+                    attn_norm: at(format!("{pre}.input_layernorm.weight")),
+                    q: at(format!("{pre}.self_attn.q_proj.weight")),
+                    k: at(format!("{pre}.self_attn.k_proj.weight")),
+                    v: at(format!("{pre}.self_attn.v_proj.weight")),
+                    o: at(format!("{pre}.self_attn.o_proj.weight")),
+                    mlp_norm: at(format!("{pre}.post_attention_layernorm.weight")),
+                    mlp,
+                }
+            })
+            .collect();
+        let head = if spec.tie_embeddings { 0 } else { at("lm_head.weight".into()) };
+        let final_norm = at("model.norm.weight".into());
+        let rope = Rope::new(max_seq, spec.head_dim(), spec.rope_theta, &Device::Cpu).map_err(cerr)?;
+        Ok(Self { spec, params, blocks, head, final_norm, rope, kernel, kernel_name: kernel_name.to_string(), threads })
+    }
+
+    /// The architecture.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The parameters, in [`ModelSpec::params`] order.
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+
+    /// Indices (into [`params`](Self::params)) of block `i`'s parameters.
+    pub fn block_params(&self, i: usize) -> Vec<usize> {
+        let b = &self.blocks[i];
+        let mut out = vec![b.attn_norm, b.q, b.k, b.v, b.o, b.mlp_norm];
+        match &b.mlp {
+            MlpIndex::Dense { gate, up, down } => out.extend([*gate, *up, *down]),
+            MlpIndex::Moe { router, experts, .. } => {
+                out.push(*router);
+                out.extend(experts.iter().flatten());
+            }
+        }
+        out
+    }
+
+    /// The weights as the forward pass uses them: the f32 `Var`s themselves, or casts of
+    /// them to `dtype` (inside the graph, so gradients flow back to the f32 masters).
+    pub fn weights(&self, dtype: DType) -> CResult<Vec<Tensor>> {
+        self.params
+            .iter()
+            .map(
+                |p| if dtype == DType::F32 { Ok(p.var.as_tensor().clone()) } else { p.var.as_tensor().to_dtype(dtype) },
+            )
+            .collect()
+    }
+
+    /// Token embedding: `tokens` (B, T) u32 → (B, T, d).
+    pub fn embed(&self, w: &[Tensor], tokens: &Tensor) -> CResult<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        w[0].index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, self.spec.hidden))
+    }
+
+    /// Block `i`: x + attn(norm(x)), then + mlp(norm(·)). x is (B, T, d).
+    pub fn block(&self, w: &[Tensor], i: usize, x: &Tensor) -> CResult<BlockOut> {
+        let bi = &self.blocks[i];
+        let s = &self.spec;
+        let (b, t, d) = x.dims3()?;
+        let (h, hkv, hd) = (s.heads, s.kv_heads, s.head_dim());
+        let n = b * t;
+
+        let normed = rms_norm(x, &w[bi.attn_norm], s.eps)?.reshape((n, d))?; // (B·T, d)
+        let heads = |proj: usize, count: usize| -> CResult<Tensor> {
+            linear(&normed, &w[proj])?.reshape((b, t, count, hd))?.transpose(1, 2)?.contiguous() // (B, heads, T, D)
+        };
+        let q = self.rope.apply(&heads(bi.q, h)?)?; // (B, H, T, D)
+        let k = self.rope.apply(&heads(bi.k, hkv)?)?; // (B, Hkv, T, D)
+        let v = heads(bi.v, hkv)?; // (B, Hkv, T, D)
+        let attn = attention(&self.kernel, &self.kernel_name, &q, &k, &v, self.threads)?; // (B, H, T, D)
+        let attn = attn.transpose(1, 2)?.reshape((n, h * hd))?; // (B·T, H·D)
+        let x = (x + linear(&attn, &w[bi.o])?.reshape((b, t, d))?)?; // (B, T, d)
+
+        let normed = rms_norm(&x, &w[bi.mlp_norm], s.eps)?.reshape((n, d))?; // (B·T, d)
+        let (mlp, aux) = match &bi.mlp {
+            MlpIndex::Dense { gate, up, down } => (swiglu(&normed, &w[*gate], &w[*up], &w[*down])?, None),
+            MlpIndex::Moe { router, experts, top_k } => {
+                let (out, aux) = moe(&normed, &w[*router], experts, *top_k, w)?;
+                (out, Some(aux))
+            }
+        };
+        Ok(BlockOut { hidden: (x + mlp.reshape((b, t, d))?)?, aux })
+    }
+
+    /// Final norm and LM head: (B, T, d) → logits (B·T, V).
+    pub fn head(&self, w: &[Tensor], x: &Tensor) -> CResult<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let normed = rms_norm(x, &w[self.final_norm], self.spec.eps)?.reshape((b * t, d))?; // (B·T, d)
+        linear(&normed, &w[self.head]) // (B·T, V)
+    }
+
+    /// Plain forward pass: logits (B·T, V) and the summed load-balancing losses.
+    pub fn forward(&self, w: &[Tensor], tokens: &Tensor) -> CResult<(Tensor, Option<Tensor>)> {
+        let mut x = self.embed(w, tokens)?;
+        let mut aux: Option<Tensor> = None;
+        for i in 0..self.spec.layers {
+            let out = self.block(w, i, &x)?;
+            x = out.hidden;
+            aux = add_opt(aux, out.aux)?;
+        }
+        Ok((self.head(w, &x)?, aux))
+    }
+
+    /// The weights as Hugging Face names → f32 tensors (for safetensors).
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        self.params.iter().map(|p| (p.def.name.clone(), p.var.as_tensor().clone())).collect()
+    }
+}
+
+/// `a + b` where either may be absent.
+pub(crate) fn add_opt(a: Option<Tensor>, b: Option<Tensor>) -> CResult<Option<Tensor>> {
+    Ok(match (a, b) {
+        (Some(a), Some(b)) => Some((a + b)?),
+        (a, None) => a,
+        (None, b) => b,
+    })
+}
+
+/// `x W^T`: x (N, in), w (out, in) → (N, out).
+fn linear(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
+    x.matmul(&w.t()?)
+}
+
+/// SwiGLU: down(silu(gate(x)) · up(x)). x (N, d) → (N, d).
+fn swiglu(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> CResult<Tensor> {
+    let hidden = (linear(x, gate)?.silu()? * linear(x, up)?)?; // (N, F)
+    linear(&hidden, down)
+}
+
+/// A top-k mixture of SwiGLU experts (Mixtral's routing: softmax over all experts, keep the
+/// top k, renormalize), and the Switch Transformer load-balancing loss
+/// `E · Σₑ fₑ · Pₑ` (fₑ: fraction of routed slots going to e, Pₑ: mean router probability).
+fn moe(x: &Tensor, router: &Tensor, experts: &[[usize; 3]], top_k: usize, w: &[Tensor]) -> CResult<(Tensor, Tensor)> {
+    let (n, d) = x.dims2()?;
+    let e_count = experts.len();
+    let probs = softmax_last(&linear(x, router)?.to_dtype(DType::F32)?)?; // (N, E) f32
+    let values = probs.detach().to_vec2::<f32>()?;
+    // Top-k per token (ties to the lower index, so the choice is deterministic).
+    let mut chosen = Vec::with_capacity(n * top_k); // (N, k) expert ids
+    let mut counts = vec![0usize; e_count];
+    for row in &values {
+        let mut order: Vec<usize> = (0..e_count).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        for &e in &order[..top_k] {
+            chosen.push(e as u32);
+            counts[e] += 1;
+        }
+    }
+    let chosen_t = Tensor::from_vec(chosen.clone(), (n, top_k), x.device())?;
+    let top = probs.gather(&chosen_t, 1)?; // (N, k)
+    let top = top.broadcast_div(&top.sum_keepdim(D::Minus1)?)?.flatten_all()?; // (N·k,)
+    let mut out = Tensor::zeros((n, d), x.dtype(), x.device())?; // (N, d)
+    for (e, [w1, w3, w2]) in experts.iter().enumerate() {
+        let slots: Vec<u32> =
+            chosen.iter().enumerate().filter(|(_, c)| **c as usize == e).map(|(s, _)| s as u32).collect();
+        if slots.is_empty() {
+            continue;
+        }
+        let rows: Vec<u32> = slots.iter().map(|s| s / top_k as u32).collect();
+        let rows = Tensor::from_vec(rows, slots.len(), x.device())?;
+        let gate = top.index_select(&Tensor::from_vec(slots.clone(), slots.len(), x.device())?, 0)?; // (n_e,)
+        let y = swiglu(&x.index_select(&rows, 0)?, &w[*w1], &w[*w3], &w[*w2])?; // (n_e, d)
+        let y = y.broadcast_mul(&gate.to_dtype(x.dtype())?.unsqueeze(1)?)?;
+        out = out.index_add(&rows, &y, 0)?;
+    }
+    let fractions: Vec<f32> = counts.iter().map(|&c| c as f32 / (n * top_k) as f32).collect();
+    let fractions = Tensor::from_vec(fractions, e_count, x.device())?;
+    let aux = (probs.mean(0)? * fractions)?.sum_all()?.affine(e_count as f64, 0.0)?;
+    Ok((out, aux))
+}

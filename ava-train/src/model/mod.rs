@@ -1,0 +1,66 @@
+//! The Llama-style decoder on candle: architecture ([`ModelSpec`]), differentiable ops,
+//! the attention-kernel adapter, the model, the recompute mechanism behind checkpoint
+//! policies, and Hugging Face folder loading and saving.
+
+mod attention;
+mod hf;
+mod llama;
+pub mod ops;
+mod recompute;
+mod spec;
+
+#[cfg(test)]
+mod tests;
+
+use std::path::PathBuf;
+
+pub use attention::attention;
+pub use hf::{load_hf_folder, save_hf_folder, tensor_to_buffer, tensors_from_safetensors, tensors_to_safetensors};
+pub use llama::{BlockOut, Model, Param};
+pub use recompute::{Grads, MicroLoss, forward_backward};
+pub use spec::{ModelSpec, MoeSpec, ParamDef, ParamRole};
+
+/// What can go wrong building, loading or running the model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The architecture numbers do not fit together.
+    #[error("invalid model architecture in {origin}:\n  - {}", problems.join("\n  - "))]
+    Spec {
+        /// `model` (the config section) or the config.json path.
+        origin: String,
+        /// Every problem found.
+        problems: Vec<String>,
+    },
+    /// A Hugging Face config.json that cannot be used.
+    #[error("{}: {message}", path.display())]
+    HfConfig {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// Weights that do not match the architecture.
+    #[error("the weights in {} do not match the model:\n  - {}", path.display(), problems.join("\n  - "))]
+    Weights {
+        /// The folder or file.
+        path: PathBuf,
+        /// Every mismatch.
+        problems: Vec<String>,
+    },
+    /// Reading or writing a file.
+    #[error("{}: {message}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        message: String,
+    },
+    /// A tensor operation failed.
+    #[error("tensor operation failed: {0}")]
+    Candle(String),
+}
+
+/// Wraps a candle error.
+pub(crate) fn cerr(e: candle_core::Error) -> ModelError {
+    ModelError::Candle(e.to_string())
+}

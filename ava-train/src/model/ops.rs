@@ -1,0 +1,218 @@
+//! Differentiable building blocks candle lacks or has only without a backward: RMSNorm,
+//! rotary embeddings, softmax, and a fused cross-entropy with its own backward.
+//!
+//! candle-nn's fused `rms_norm` and `softmax_last_dim` have no backward pass, so these are
+//! written either from candle's differentiable primitives or as custom ops that implement
+//! `bwd` (tested against the composed forms and finite differences).
+
+use candle_core::{CpuStorage, CustomOp1, D, DType, Layout, Result, Shape, Tensor, bail};
+
+/// RMSNorm over the last dimension: `x / sqrt(mean(x²) + ε) · w`, computed in f32 whatever
+/// the input type (as Hugging Face Llama does), returned in the input type.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(DType::F32)?;
+    let ms = xf.sqr()?.mean_keepdim(D::Minus1)?; // (.., 1)
+    let normed = xf.broadcast_div(&(ms + eps)?.sqrt()?)?;
+    normed.to_dtype(dtype)?.broadcast_mul(&weight.to_dtype(dtype)?)
+}
+
+/// Softmax over the last dimension from differentiable primitives.
+pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    // The max only shifts for stability; the result does not depend on it, so no gradient.
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+}
+
+/// Rotary position embedding tables for one sequence length.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    cos: Tensor, // (T, D)
+    sin: Tensor, // (T, D)
+}
+
+impl Rope {
+    /// Tables for positions `0..seq` and head size `head_dim` (even), frequencies
+    /// `θ^(-2i/D)`, laid out as Hugging Face Llama does: both halves of a head share the
+    /// frequencies, and the rotation pairs element `i` with `i + D/2`.
+    pub fn new(seq: usize, head_dim: usize, theta: f64, device: &candle_core::Device) -> Result<Self> {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(seq * head_dim);
+        let mut sin = Vec::with_capacity(seq * head_dim);
+        for t in 0..seq {
+            for j in 0..head_dim {
+                let i = j % half;
+                let freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
+                let angle = t as f64 * freq;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        Ok(Self {
+            cos: Tensor::from_vec(cos, (seq, head_dim), device)?,
+            sin: Tensor::from_vec(sin, (seq, head_dim), device)?,
+        })
+    }
+
+    /// Sequence length the tables cover.
+    pub fn seq_len(&self) -> usize {
+        self.cos.dims()[0]
+    }
+
+    /// Rotates `x` (B, H, T, D): `x·cos + rotate_half(x)·sin`, rotate_half(x) = [−x₂, x₁].
+    pub fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        let (_, _, t, d) = x.dims4()?;
+        if t > self.seq_len() {
+            bail!("sequence of {t} tokens is longer than the rotary tables ({})", self.seq_len());
+        }
+        let dtype = x.dtype();
+        let cos = self.cos.narrow(0, 0, t)?.to_dtype(dtype)?; // (T, D)
+        let sin = self.sin.narrow(0, 0, t)?.to_dtype(dtype)?; // (T, D)
+        let half = d / 2;
+        let x1 = x.narrow(D::Minus1, 0, half)?;
+        let x2 = x.narrow(D::Minus1, half, half)?;
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?; // (B, H, T, D)
+        x.broadcast_mul(&cos)?.add(&rotated.broadcast_mul(&sin)?)
+    }
+}
+
+/// Mean cross-entropy of `logits` (N, V) against `targets` (N token ids), in f32.
+///
+/// A custom op: forward computes each row's `logsumexp − logit[target]` without keeping the
+/// softmax; backward recomputes the softmax from the logits it already holds and returns
+/// `(softmax − onehot) · grad`. The composed form would keep four N×V tensors alive.
+///
+/// f64 logits (gradient checks) take the composed log-softmax path instead, in f64.
+pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    if logits.dtype() == DType::F64 {
+        return cross_entropy_composed(logits, targets);
+    }
+    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    let (n, _) = logits.dims2()?;
+    if targets.len() != n {
+        bail!("cross_entropy: {} targets for {n} rows", targets.len());
+    }
+    let rows = logits.apply_op1(CrossEntropy { targets: targets.to_vec() })?; // (N,)
+    rows.mean_all()
+}
+
+/// Mean cross-entropy from differentiable primitives (log-softmax, gather): the reference
+/// for the fused op, and the f64 path.
+fn cross_entropy_composed(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let lse = (logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?; // (N, 1)
+    let logp = logits.broadcast_sub(&lse)?; // (N, V)
+    let idx = Tensor::from_vec(targets.to_vec(), (targets.len(), 1), logits.device())?;
+    logp.gather(&idx, 1)?.neg()?.mean_all()
+}
+
+/// The per-row cross-entropy op (see [`cross_entropy`]).
+struct CrossEntropy {
+    targets: Vec<u32>,
+}
+
+/// `row` is one row of logits; returns (max, log Σ exp(x − max)).
+fn log_sum_exp(row: &[f32]) -> (f32, f32) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+    (max, sum.ln())
+}
+
+impl CustomOp1 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "cross-entropy"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = layout.shape().dims2()?;
+        let Some((start, end)) = layout.contiguous_offsets() else { bail!("cross-entropy: logits not contiguous") };
+        let CpuStorage::F32(data) = storage else { bail!("cross-entropy: logits must be f32") };
+        let data = &data[start..end];
+        let mut out = Vec::with_capacity(n);
+        for (row, &t) in data.chunks_exact(v).zip(&self.targets) {
+            let t = t as usize;
+            if t >= v {
+                bail!("cross-entropy: target token {t} is outside the vocabulary of {v}");
+            }
+            let (max, lse) = log_sum_exp(row);
+            out.push(max + lse - row[t]);
+        }
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let (n, v) = arg.dims2()?;
+        let logits = arg.detach().contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let grad_rows = grad_res.detach().to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let mut grad = vec![0f32; n * v]; // (N, V)
+        for (i, (row, g)) in logits.chunks_exact(v).zip(grad.chunks_exact_mut(v)).enumerate() {
+            let (max, lse) = log_sum_exp(row);
+            let scale = grad_rows[i];
+            for (gj, &x) in g.iter_mut().zip(row) {
+                *gj = (x - max - lse).exp() * scale;
+            }
+            g[self.targets[i] as usize] -= scale;
+        }
+        Ok(Some(Tensor::from_vec(grad, (n, v), arg.device())?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Var};
+
+    use super::*;
+
+    #[test]
+    fn fused_cross_entropy_matches_composed_value_and_gradient() -> Result<()> {
+        let dev = Device::Cpu;
+        let data: Vec<f32> = (0..5 * 7).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.7).collect();
+        let targets = [0u32, 6, 3, 3, 1];
+        let a = Var::from_vec(data.clone(), (5, 7), &dev)?;
+        let b = Var::from_vec(data, (5, 7), &dev)?;
+        let la = cross_entropy(a.as_tensor(), &targets)?;
+        let lb = cross_entropy_composed(b.as_tensor(), &targets)?;
+        let (va, vb) = (la.to_scalar::<f32>()?, lb.to_scalar::<f32>()?);
+        assert!((va - vb).abs() < 1e-5, "{va} vs {vb}");
+        let ga = la.backward()?.get(&a).unwrap().flatten_all()?.to_vec1::<f32>()?;
+        let gb = lb.backward()?.get(&b).unwrap().flatten_all()?.to_vec1::<f32>()?;
+        for (x, y) in ga.iter().zip(&gb) {
+            assert!((x - y).abs() < 1e-6, "{x} vs {y}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn rms_norm_and_softmax_values() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::new(&[[3f32, 4.0], [1.0, -1.0]], &dev)?;
+        let w = Tensor::new(&[2f32, 1.0], &dev)?;
+        let y = rms_norm(&x, &w, 0.0)?.to_vec2::<f32>()?;
+        let r = (12.5f32).sqrt();
+        assert!((y[0][0] - 6.0 / r).abs() < 1e-6 && (y[0][1] - 4.0 / r).abs() < 1e-6);
+        assert!((y[1][0] - 2.0).abs() < 1e-6 && (y[1][1] + 1.0).abs() < 1e-6);
+        let s = softmax_last(&Tensor::new(&[[0f32, 2f32.ln()]], &dev)?)?.to_vec2::<f32>()?;
+        assert!((s[0][0] - 1.0 / 3.0).abs() < 1e-6 && (s[0][1] - 2.0 / 3.0).abs() < 1e-6);
+        Ok(())
+    }
+
+    #[test]
+    fn rope_rotates_pairs_and_keeps_norms() -> Result<()> {
+        let dev = Device::Cpu;
+        let rope = Rope::new(3, 4, 10000.0, &dev)?;
+        let x = Tensor::new(&[1f32, 2.0, 3.0, 4.0], &dev)?.reshape((1, 1, 1, 4))?.repeat((1, 1, 3, 1))?;
+        let y = rope.apply(&x)?.reshape((3, 4))?.to_vec2::<f32>()?;
+        // Position 0 is unrotated.
+        assert_eq!(y[0], vec![1.0, 2.0, 3.0, 4.0]);
+        // Position 1, pair (x0, x2) rotated by 1 radian: frequency θ^0 = 1.
+        let (c, s) = (1f32.cos(), 1f32.sin());
+        assert!((y[1][0] - (1.0 * c - 3.0 * s)).abs() < 1e-6);
+        assert!((y[1][2] - (3.0 * c + 1.0 * s)).abs() < 1e-6);
+        for row in &y {
+            let n: f32 = row.iter().map(|v| v * v).sum();
+            assert!((n - 30.0).abs() < 1e-4);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,233 @@
+//! Forward and backward of one micro-batch under a checkpoint plan: the mechanism behind
+//! the `CheckpointPolicy` plugins' decisions.
+//!
+//! Blocks the policy keeps run inside the autograd graph as usual. A block it recomputes
+//! runs detached: only its input is kept, and its output becomes a fresh `Var` that starts
+//! the next stretch of graph. Backward walks the stretches in reverse: the last one by
+//! `loss.backward()`; each recomputed block by running it again with its input as a `Var`
+//! and back-propagating `(out · grad_out).sum()`; each kept stretch the same way from its
+//! end. Every kept gradient is detached and each grad store dropped at once, since a kept
+//! gradient would otherwise hold its whole graph alive. An `Offload` block is recomputed
+//! too, with its input parked in the offload tier between forward and backward.
+
+use std::sync::Arc;
+
+use ava_core::{BlockDecision, OffloadTier};
+use candle_core::{DType, Result, Tensor, Var, backprop::GradStore};
+
+use super::llama::{Model, add_opt};
+use super::ops::cross_entropy;
+
+/// A stretch of the forward graph between two recomputed blocks.
+struct Kept {
+    /// The `Var` the stretch starts from (None: it starts at the token embedding).
+    start: Option<Var>,
+    /// Its output, still attached to the graph.
+    end: Tensor,
+    /// Load-balancing losses of its MoE blocks.
+    aux: Option<Tensor>,
+    /// Blocks (indices) inside it (none for the embedding's own stretch).
+    blocks: Vec<usize>,
+}
+
+/// Where a recomputed block's input waits for backward.
+enum Input {
+    /// In memory (detached).
+    Held(Tensor),
+    /// In the offload tier under this key, with its shape and type.
+    Offloaded { key: String, dims: Vec<usize>, dtype: DType },
+}
+
+enum Stage {
+    Kept(Kept),
+    Recompute { block: usize, input: Input },
+}
+
+/// The loss of one micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MicroLoss {
+    /// Mean cross-entropy (nats per token).
+    pub ce: f64,
+    /// Summed load-balancing loss of the MoE blocks (unweighted; 0 for a dense model).
+    pub aux: f64,
+}
+
+/// Gradients of one micro-batch, by parameter index; `None` for a parameter the batch did
+/// not reach (an expert no token was routed to).
+pub type Grads = Vec<Option<Tensor>>;
+
+/// Runs forward and backward of one micro-batch with `plan[i]` deciding block `i`.
+///
+/// `tokens` and `targets` are (B, T). The loss back-propagated is
+/// `(ce + aux_weight · aux) · scale / divisor`: `scale` is the f16 loss scale (1 otherwise),
+/// `divisor` the number of micro-batches accumulated. `grads` receives the f32 gradients,
+/// added to what is there (gradient accumulation), in the same order of additions whatever
+/// the plan, so checkpointed and plain runs give identical gradients.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward(
+    model: &Model,
+    weights: &[Tensor],
+    tokens: &Tensor,
+    targets: &[u32],
+    plan: &[BlockDecision],
+    scale: f64,
+    divisor: f64,
+    offload: Option<&Arc<dyn OffloadTier>>,
+    grads: &mut Grads,
+) -> Result<MicroLoss> {
+    let aux_weight = model.spec().moe.map_or(0.0, |m| m.aux_weight);
+    // The embedding is always a stretch of its own. With tied embeddings the same weight is
+    // used by the embedding and the head, and keeping the two uses in separate graphs makes
+    // candle sum the gradients in the same order whatever the plan (in one graph the order
+    // depends on its shape, and the sums differed in the last bit).
+    let embedded = Kept { start: None, end: model.embed(weights, tokens)?, aux: None, blocks: vec![] };
+    let first = Var::from_tensor(&embedded.end.detach())?;
+    let mut stages: Vec<Stage> = vec![Stage::Kept(embedded)];
+    let mut current = Kept { end: first.as_tensor().clone(), start: Some(first), aux: None, blocks: vec![] };
+    let mut aux_total = 0.0;
+    for (i, decision) in plan.iter().enumerate() {
+        match decision {
+            BlockDecision::Keep => {
+                let out = model.block(weights, i, &current.end)?;
+                current.end = out.hidden;
+                current.aux = add_opt(current.aux.take(), out.aux)?;
+                current.blocks.push(i);
+            }
+            BlockDecision::Recompute | BlockDecision::Offload => {
+                let input = current.end.detach(); // (B, T, d)
+                let out = model.block(weights, i, &input)?;
+                let hidden = out.hidden.detach();
+                if let Some(a) = &out.aux {
+                    aux_total += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                }
+                drop(out); // frees the block's activations now
+                // A stretch that is only the Var of the previous recomputed block has nothing
+                // to back-propagate through; the gradient passes straight on.
+                if !current.blocks.is_empty() {
+                    if let Some(a) = &current.aux {
+                        aux_total += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                    }
+                    stages.push(Stage::Kept(current));
+                }
+                let input = match (decision, offload) {
+                    (BlockDecision::Offload, Some(tier)) => park(tier.as_ref(), i, &input)?,
+                    _ => Input::Held(input),
+                };
+                stages.push(Stage::Recompute { block: i, input });
+                let start = Var::from_tensor(&hidden)?;
+                current = Kept { end: start.as_tensor().clone(), start: Some(start), aux: None, blocks: vec![] };
+            }
+        }
+    }
+
+    // The last stretch ends in the loss.
+    let logits = model.head(weights, &current.end)?; // (B·T, V)
+    let ce = cross_entropy(&logits, targets)?;
+    let mut loss = ce.clone();
+    if let Some(aux) = &current.aux {
+        aux_total += aux.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        loss = (loss + aux.to_dtype(ce.dtype())?.affine(aux_weight, 0.0)?)?;
+    }
+    let ce_value = ce.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let store = loss.affine(scale / divisor, 0.0)?.backward()?;
+    drop((loss, ce, logits));
+    // This micro-batch's gradients are summed on their own first and then added to the
+    // accumulated ones, so the order of additions is the same whatever the plan.
+    let mut local: Grads = vec![None; grads.len()];
+    let mut grad_out = collect(model, &current.blocks, current.start.as_ref(), store, &mut local)?;
+    drop(current);
+
+    while let Some(stage) = stages.pop() {
+        let g = grad_out.take().expect("a stage after the first always receives a gradient");
+        match stage {
+            Stage::Recompute { block, input } => {
+                let input = match input {
+                    Input::Held(t) => t,
+                    Input::Offloaded { key, dims, dtype } => {
+                        fetch(offload.expect("offloaded with a tier"), &key, &dims, dtype)?
+                    }
+                };
+                let start = Var::from_tensor(&input)?;
+                drop(input);
+                let out = model.block(weights, block, start.as_tensor())?;
+                let surrogate = surrogate(&out.hidden, &g, out.aux.as_ref(), aux_weight * scale / divisor)?;
+                let store = surrogate.backward()?;
+                drop((surrogate, out));
+                grad_out = collect(model, &[block], Some(&start), store, &mut local)?;
+            }
+            Stage::Kept(kept) => {
+                let surrogate = surrogate(&kept.end, &g, kept.aux.as_ref(), aux_weight * scale / divisor)?;
+                let store = surrogate.backward()?;
+                drop(surrogate);
+                grad_out = collect(model, &kept.blocks, kept.start.as_ref(), store, &mut local)?;
+            }
+        }
+    }
+    for (acc, g) in grads.iter_mut().zip(local) {
+        if let Some(g) = g {
+            *acc = Some(match acc.take() {
+                Some(a) => (a + g)?,
+                None => g,
+            });
+        }
+    }
+    Ok(MicroLoss { ce: ce_value, aux: aux_total })
+}
+
+/// `(out · grad_out).sum() + aux_scale · aux`: its gradient with respect to `out` is exactly
+/// `grad_out` (the sum's gradient is 1, and x·1 is exact), which continues back-propagation
+/// from a stretch's end.
+fn surrogate(out: &Tensor, grad_out: &Tensor, aux: Option<&Tensor>, aux_scale: f64) -> Result<Tensor> {
+    let mut s = (out * grad_out.detach().to_dtype(out.dtype())?)?.sum_all()?.to_dtype(DType::F32)?;
+    if let Some(aux) = aux {
+        s = (s + aux.to_dtype(DType::F32)?.affine(aux_scale, 0.0)?)?;
+    }
+    Ok(s)
+}
+
+/// Moves the parameter gradients of a stretch (its `blocks`, plus the embedding, final norm
+/// and head when the store has them) into `grads`, detached and in f32, and returns the
+/// gradient of the stretch's `start`. The store is dropped before returning.
+fn collect(
+    model: &Model,
+    blocks: &[usize],
+    start: Option<&Var>,
+    mut store: GradStore,
+    grads: &mut Grads,
+) -> Result<Option<Tensor>> {
+    let all = model.params();
+    let outside_blocks = (0..all.len()).filter(|&i| all[i].def.block.is_none());
+    for i in blocks.iter().flat_map(|&b| model.block_params(b)).chain(outside_blocks) {
+        if let Some(g) = store.remove(all[i].var.as_tensor()) {
+            let g = g.detach().to_dtype(DType::F32)?;
+            grads[i] = Some(match grads[i].take() {
+                Some(acc) => (acc + g)?,
+                None => g,
+            });
+        }
+    }
+    let start = start.and_then(|v| store.remove(v.as_tensor())).map(|g| g.detach());
+    drop(store);
+    Ok(start)
+}
+
+/// Puts a block input into the offload tier.
+fn park(tier: &dyn OffloadTier, block: usize, input: &Tensor) -> Result<Input> {
+    let key = format!("activation/block-{block}");
+    let dims = input.dims().to_vec();
+    let dtype = input.dtype();
+    let values = input.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    tier.put(&key, bytemuck::cast_slice(&values))
+        .map_err(|e| candle_core::Error::Msg(format!("offload put {key}: {e}")))?;
+    Ok(Input::Offloaded { key, dims, dtype })
+}
+
+/// Takes a block input back from the offload tier.
+fn fetch(tier: &Arc<dyn OffloadTier>, key: &str, dims: &[usize], dtype: DType) -> Result<Tensor> {
+    let n: usize = dims.iter().product();
+    let mut values = vec![0f32; n];
+    tier.get(key, bytemuck::cast_slice_mut(&mut values))
+        .map_err(|e| candle_core::Error::Msg(format!("offload get {key}: {e}")))?;
+    tier.evict(key).map_err(|e| candle_core::Error::Msg(format!("offload evict {key}: {e}")))?;
+    Tensor::from_vec(values, dims, &candle_core::Device::Cpu)?.to_dtype(dtype)
+}

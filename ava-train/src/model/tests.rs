@@ -1,0 +1,332 @@
+//! Model tests: gradients against finite differences (f64) and against plain candle
+//! autograd (f32), checkpointed vs plain gradients, gradient accumulation, and the Hugging
+//! Face folder round trip.
+
+use std::sync::Arc;
+
+use ava_core::{AttentionKernel, BlockDecision, OffloadTier};
+use ava_plugins::Registry;
+use candle_core::{D, DType, Device, Tensor};
+
+use super::*;
+
+fn kernel() -> Arc<dyn AttentionKernel> {
+    Registry::builtins().attention("standard", "{}").unwrap()
+}
+
+fn spec(moe: Option<MoeSpec>, tie: bool) -> ModelSpec {
+    ModelSpec {
+        vocab: 11,
+        hidden: 8,
+        layers: 2,
+        heads: 2,
+        kv_heads: 1,
+        ffn: 12,
+        rope_theta: 10000.0,
+        eps: 1e-5,
+        tie_embeddings: tie,
+        init_std: 0.3, // large, so the gradients are far from zero and differences show
+        moe,
+    }
+}
+
+fn model(spec: ModelSpec, seed: u64) -> Model {
+    Model::new(spec, seed, 16, kernel(), "standard", 1).unwrap()
+}
+
+/// (B, T) tokens and the next-token targets, deterministic.
+fn batch(b: usize, t: usize, vocab: usize, salt: usize) -> (Tensor, Vec<u32>) {
+    let all: Vec<u32> = (0..b * (t + 1)).map(|i| ((i * 7 + salt * 3 + i / 3) % vocab) as u32).collect();
+    let mut inputs = Vec::new();
+    let mut targets = Vec::new();
+    for row in all.chunks(t + 1) {
+        inputs.extend_from_slice(&row[..t]);
+        targets.extend_from_slice(&row[1..]);
+    }
+    (Tensor::from_vec(inputs, (b, t), &Device::Cpu).unwrap(), targets)
+}
+
+fn grads_of(m: &Model, dtype: DType, tokens: &Tensor, targets: &[u32], plan: &[BlockDecision]) -> (MicroLoss, Grads) {
+    let w = m.weights(dtype).unwrap();
+    let mut grads = vec![None; m.params().len()];
+    let loss = forward_backward(m, &w, tokens, targets, plan, 1.0, 1.0, None, &mut grads).unwrap();
+    (loss, grads)
+}
+
+fn values(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1().unwrap()
+}
+
+/// The loss in f64 at the model's current weights.
+fn loss_f64(m: &Model, tokens: &Tensor, targets: &[u32]) -> f64 {
+    let w = m.weights(DType::F64).unwrap();
+    let (logits, aux) = m.forward(&w, tokens).unwrap();
+    let mut loss = ops::cross_entropy(&logits, targets).unwrap().to_scalar::<f64>().unwrap();
+    if let (Some(aux), Some(moe)) = (aux, m.spec().moe) {
+        loss += moe.aux_weight * aux.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
+    }
+    loss
+}
+
+/// Central differences in f64 on a few elements of every parameter. The attention kernel
+/// computes in f32 (the plugin contract), so the steps are large (1e-2 and 5e-3, combined by
+/// Richardson extrapolation) and its rounding stays far below the differences measured.
+fn check_finite_differences(m: &Model) {
+    let (tokens, targets) = batch(2, 5, m.spec().vocab, 1);
+    let (_, grads) = grads_of(m, DType::F64, &tokens, &targets, &vec![BlockDecision::Keep; m.spec().layers]);
+    let mut checked = 0;
+    for (i, p) in m.params().iter().enumerate() {
+        let g = values(grads[i].as_ref().unwrap_or_else(|| panic!("{} has no gradient", p.def.name)));
+        let n = p.def.numel();
+        for &j in &[0, n / 2, n - 1] {
+            let original = values(p.var.as_tensor());
+            let at = |x: f32| {
+                let mut v = original.clone();
+                v[j] = x;
+                p.var.set(&Tensor::from_vec(v, p.def.shape.as_slice(), &Device::Cpu).unwrap()).unwrap();
+                loss_f64(m, &tokens, &targets)
+            };
+            let central = |h: f32| {
+                let (plus, minus) = (original[j] + h, original[j] - h);
+                (at(plus) - at(minus)) / (plus as f64 - minus as f64)
+            };
+            // Richardson extrapolation of two step sizes cancels the h² error term.
+            let fd = (4.0 * central(5e-3) - central(1e-2)) / 3.0;
+            p.var.set(&Tensor::from_vec(original, p.def.shape.as_slice(), &Device::Cpu).unwrap()).unwrap();
+            let got = g[j] as f64;
+            assert!(
+                (got - fd).abs() <= 2e-4 + 2e-3 * fd.abs(),
+                "{}[{j}]: autograd {got}, finite differences {fd}",
+                p.def.name
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 3 * m.params().len());
+}
+
+#[test]
+fn gradients_match_finite_differences_in_f64() {
+    check_finite_differences(&model(spec(None, false), 1));
+}
+
+#[test]
+fn tied_embedding_gradients_match_finite_differences() {
+    check_finite_differences(&model(spec(None, true), 2));
+}
+
+#[test]
+fn moe_gradients_match_finite_differences() {
+    // top_k = num_experts: routing cannot flip under the perturbation, so the loss is smooth.
+    check_finite_differences(&model(spec(Some(MoeSpec { experts: 3, top_k: 3, aux_weight: 0.1 }), false), 3));
+}
+
+/// The same model written with candle's own ops only: composed softmax attention with a
+/// causal mask and grouped heads, composed cross-entropy.
+fn reference_loss(m: &Model, w: &[Tensor], tokens: &Tensor, targets: &[u32]) -> Tensor {
+    let s = m.spec();
+    let (b, t) = tokens.dims2().unwrap();
+    let (h, hkv, hd, d) = (s.heads, s.kv_heads, s.head_dim(), s.hidden);
+    let rope = ops::Rope::new(t, hd, s.rope_theta, &Device::Cpu).unwrap();
+    let by_name = |name: &str| {
+        let i = m.params().iter().position(|p| p.def.name == name).unwrap();
+        w[i].clone()
+    };
+    let lin = |x: &Tensor, wt: &Tensor| x.broadcast_matmul(&wt.t().unwrap()).unwrap();
+    let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+    let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu).unwrap();
+    let mut x = by_name("model.embed_tokens.weight").index_select(&tokens.flatten_all().unwrap(), 0).unwrap();
+    x = x.reshape((b, t, d)).unwrap();
+    for l in 0..s.layers {
+        let p = |n: &str| by_name(&format!("model.layers.{l}.{n}"));
+        let hn = ops::rms_norm(&x, &p("input_layernorm.weight"), s.eps).unwrap();
+        let split =
+            |y: Tensor, n: usize| y.reshape((b, t, n, hd)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
+        let q = rope.apply(&split(lin(&hn, &p("self_attn.q_proj.weight")), h)).unwrap();
+        let k = rope.apply(&split(lin(&hn, &p("self_attn.k_proj.weight")), hkv)).unwrap();
+        let v = split(lin(&hn, &p("self_attn.v_proj.weight")), hkv);
+        let group = h / hkv;
+        let k = Tensor::cat(&(0..hkv).flat_map(|j| vec![k.narrow(1, j, 1).unwrap(); group]).collect::<Vec<_>>(), 1)
+            .unwrap()
+            .contiguous()
+            .unwrap();
+        let v = Tensor::cat(&(0..hkv).flat_map(|j| vec![v.narrow(1, j, 1).unwrap(); group]).collect::<Vec<_>>(), 1)
+            .unwrap()
+            .contiguous()
+            .unwrap();
+        let scores = (q.matmul(&k.t().unwrap().contiguous().unwrap()).unwrap() / (hd as f64).sqrt())
+            .unwrap()
+            .broadcast_add(&mask)
+            .unwrap();
+        let probs = ops::softmax_last(&scores).unwrap();
+        let a = probs.matmul(&v).unwrap().transpose(1, 2).unwrap().reshape((b, t, h * hd)).unwrap();
+        x = (x + lin(&a, &p("self_attn.o_proj.weight"))).unwrap();
+        let hn = ops::rms_norm(&x, &p("post_attention_layernorm.weight"), s.eps).unwrap();
+        let gate = lin(&hn, &p("mlp.gate_proj.weight")).silu().unwrap();
+        let mlp = lin(&(gate * lin(&hn, &p("mlp.up_proj.weight"))).unwrap(), &p("mlp.down_proj.weight"));
+        x = (x + mlp).unwrap();
+    }
+    let hn = ops::rms_norm(&x, &by_name("model.norm.weight"), s.eps).unwrap().reshape((b * t, d)).unwrap();
+    let logits = lin(&hn, &by_name("lm_head.weight"));
+    let max = logits.max_keepdim(D::Minus1).unwrap().detach();
+    let lse = (logits.broadcast_sub(&max).unwrap().exp().unwrap().sum_keepdim(D::Minus1).unwrap().log().unwrap() + max)
+        .unwrap();
+    let logp = logits.broadcast_sub(&lse).unwrap();
+    let idx = Tensor::from_vec(targets.to_vec(), (targets.len(), 1), &Device::Cpu).unwrap();
+    logp.gather(&idx, 1).unwrap().neg().unwrap().mean_all().unwrap()
+}
+
+#[test]
+fn f32_gradients_match_plain_candle_autograd() {
+    let m = model(ModelSpec { vocab: 13, hidden: 16, heads: 4, kv_heads: 2, ffn: 20, ..spec(None, false) }, 4);
+    let (tokens, targets) = batch(2, 7, 13, 2);
+    let (loss, grads) = grads_of(&m, DType::F32, &tokens, &targets, &[BlockDecision::Keep; 2]);
+    let w = m.weights(DType::F32).unwrap();
+    let reference = reference_loss(&m, &w, &tokens, &targets);
+    assert!((loss.ce - reference.to_scalar::<f32>().unwrap() as f64).abs() < 1e-5);
+    let store = reference.backward().unwrap();
+    for (i, p) in m.params().iter().enumerate() {
+        let want = values(&store.get(p.var.as_tensor()).unwrap().clone());
+        let got = values(grads[i].as_ref().unwrap());
+        for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() <= 1e-4 + 1e-3 * b.abs(), "{}[{j}]: {a} vs candle {b}", p.def.name);
+        }
+    }
+}
+
+/// Max |a − b| over all gradients.
+fn max_diff(a: &Grads, b: &Grads) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            let (x, y) = (values(x.as_ref().unwrap()), values(y.as_ref().unwrap()));
+            x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max)
+        })
+        .fold(0f32, f32::max)
+}
+
+#[test]
+fn recomputed_blocks_give_identical_gradients() {
+    use BlockDecision::*;
+    for (moe, tie) in [(None, false), (None, true), (Some(MoeSpec { experts: 3, top_k: 2, aux_weight: 0.1 }), false)] {
+        let m = model(ModelSpec { layers: 3, ..spec(moe, tie) }, 5);
+        let (tokens, targets) = batch(2, 6, 11, 3);
+        let (plain_loss, plain) = grads_of(&m, DType::F32, &tokens, &targets, &[Keep, Keep, Keep]);
+        for plan in [[Recompute, Recompute, Recompute], [Keep, Recompute, Keep], [Recompute, Keep, Recompute]] {
+            let (loss, grads) = grads_of(&m, DType::F32, &tokens, &targets, &plan);
+            assert_eq!(loss.ce, plain_loss.ce, "{plan:?}");
+            assert!((loss.aux - plain_loss.aux).abs() < 1e-6, "{plan:?}");
+            // Exactly equal: the recompute runs the same ops on the same values, and the
+            // surrogate (out · g).sum() hands back g unchanged.
+            assert_eq!(max_diff(&grads, &plain), 0.0, "{plan:?}, moe {moe:?}, tied {tie}");
+        }
+    }
+}
+
+#[test]
+fn offloaded_block_inputs_give_identical_gradients() {
+    let m = model(spec(None, false), 6);
+    let (tokens, targets) = batch(2, 6, 11, 4);
+    let (_, plain) = grads_of(&m, DType::F32, &tokens, &targets, &[BlockDecision::Keep; 2]);
+    let tier: Arc<dyn OffloadTier> = Registry::builtins().offload("ram", "{}").unwrap();
+    let w = m.weights(DType::F32).unwrap();
+    let mut grads = vec![None; m.params().len()];
+    let plan = [BlockDecision::Offload, BlockDecision::Offload];
+    forward_backward(&m, &w, &tokens, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
+    assert_eq!(max_diff(&grads, &plain), 0.0);
+    assert_eq!(tier.used_bytes(), 0, "inputs are evicted after use");
+}
+
+#[test]
+fn accumulated_micro_batches_equal_one_large_batch() {
+    let m = model(spec(None, false), 7);
+    let (tokens, targets) = batch(4, 6, 11, 5);
+    let plan = [BlockDecision::Keep; 2];
+    let (_, whole) = grads_of(&m, DType::F32, &tokens, &targets, &plan);
+    let w = m.weights(DType::F32).unwrap();
+    let mut acc = vec![None; m.params().len()];
+    for k in 0..2 {
+        let part = tokens.narrow(0, 2 * k, 2).unwrap();
+        let part_targets = &targets[12 * k..12 * (k + 1)];
+        forward_backward(&m, &w, &part, part_targets, &plan, 1.0, 2.0, None, &mut acc).unwrap();
+    }
+    for (i, p) in m.params().iter().enumerate() {
+        let (a, b) = (values(acc[i].as_ref().unwrap()), values(whole[i].as_ref().unwrap()));
+        let scale = b.iter().map(|x| x.abs()).fold(0f32, f32::max);
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-5 * scale, "{}: {x} vs {y}", p.def.name);
+        }
+    }
+}
+
+#[test]
+fn hugging_face_folder_round_trip_gives_identical_logits() {
+    for s in
+        [spec(None, false), spec(None, true), spec(Some(MoeSpec { experts: 2, top_k: 1, aux_weight: 0.01 }), false)]
+    {
+        let m = model(s.clone(), 8);
+        let dir = tempfile::tempdir().unwrap();
+        save_hf_folder(dir.path(), m.spec(), &m.named_tensors()).unwrap();
+        let (loaded_spec, tensors) = load_hf_folder(dir.path()).unwrap();
+        assert_eq!(loaded_spec, s);
+        let back = Model::from_tensors(loaded_spec, tensors, dir.path(), 16, kernel(), "standard", 1).unwrap();
+        let (tokens, _) = batch(2, 5, 11, 6);
+        let a = values(&m.forward(&m.weights(DType::F32).unwrap(), &tokens).unwrap().0);
+        let b = values(&back.forward(&back.weights(DType::F32).unwrap(), &tokens).unwrap().0);
+        assert_eq!(a, b);
+    }
+}
+
+#[test]
+fn loading_mismatched_weights_lists_every_problem() {
+    let m = model(spec(None, false), 9);
+    let dir = tempfile::tempdir().unwrap();
+    let mut tensors = m.named_tensors();
+    tensors.retain(|(n, _)| n != "model.norm.weight");
+    tensors.push(("extra.weight".into(), Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap()));
+    save_hf_folder(dir.path(), m.spec(), &tensors).unwrap();
+    let (s, loaded) = load_hf_folder(dir.path()).unwrap();
+    let wider = ModelSpec { hidden: 10, ..s };
+    let err = Model::from_tensors(wider, loaded, dir.path(), 16, kernel(), "standard", 1).unwrap_err().to_string();
+    assert!(err.contains("missing tensor model.norm.weight"), "{err}");
+    assert!(err.contains("unexpected tensor extra.weight"), "{err}");
+    assert!(err.contains("model.embed_tokens.weight has shape [11, 8], the config says [11, 10]"), "{err}");
+}
+
+#[test]
+fn invalid_architectures_are_refused_with_every_reason() {
+    let bad = ModelSpec {
+        hidden: 10,
+        heads: 4,
+        kv_heads: 3,
+        moe: Some(MoeSpec { experts: 2, top_k: 3, aux_weight: 0.0 }),
+        ..spec(None, false)
+    };
+    let err = bad.validate("model").unwrap_err().to_string();
+    assert!(err.contains("hidden_size (10) must be a multiple of num_heads (4)"), "{err}");
+    assert!(err.contains("num_heads (4) must be a multiple of num_kv_heads (3)"), "{err}");
+    assert!(err.contains("moe.top_k (3) must be at most moe.num_experts (2)"), "{err}");
+}
+
+#[test]
+fn parameter_count_and_flops_follow_the_formulas() {
+    // The benchmark model: d 256, 4 layers, 4 heads, SwiGLU 704, V 256, untied.
+    let s = ModelSpec {
+        vocab: 256,
+        hidden: 256,
+        layers: 4,
+        heads: 4,
+        kv_heads: 4,
+        ffn: 704,
+        rope_theta: 1e4,
+        eps: 1e-5,
+        tie_embeddings: false,
+        init_std: 0.02,
+        moe: None,
+    };
+    let per_layer = 4 * 256 * 256 + 3 * 256 * 704 + 2 * 256;
+    assert_eq!(s.num_params(), 2 * 256 * 256 + 4 * per_layer + 256);
+    assert_eq!(s.matmul_params_per_token(), 4 * (4 * 256 * 256 + 3 * 256 * 704) + 256 * 256);
+    let flops = s.train_flops_per_token(256);
+    assert_eq!(flops, 6.0 * s.matmul_params_per_token() as f64 + 12.0 * 4.0 * 256.0 * 256.0);
+}

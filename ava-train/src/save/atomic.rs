@@ -1,0 +1,64 @@
+//! Durable file writes: [`write_atomic`] replaces a file so that after a crash it holds
+//! either the old or the new content, never a mix; [`fsync_dir`] makes a directory's entries
+//! (creations, renames) survive a power loss.
+
+use std::fs::{self, File};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::SaveError;
+use super::faults::{FaultInjector, durable, has_fired};
+
+/// Tells temp files of one process apart.
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// Replaces `path` with `bytes` atomically and durably: writes a temp file in the same
+/// directory (`.{name}.tmp-{pid}-{n}`), fsyncs it, renames it over `path`, fsyncs the directory.
+pub fn write_atomic(path: impl AsRef<Path>, bytes: &[u8]) -> Result<(), SaveError> {
+    write_atomic_with(path.as_ref(), bytes, None)
+}
+
+/// Fsyncs the directory `dir`, so that entries created, renamed or removed in it are durable.
+pub fn fsync_dir(dir: impl AsRef<Path>) -> Result<(), SaveError> {
+    fsync_dir_with(dir.as_ref(), None)
+}
+
+/// The parent directory of `path` (`.` for a bare file name).
+pub(crate) fn parent_dir(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
+}
+
+/// [`fsync_dir`], counted by `faults`.
+pub(crate) fn fsync_dir_with(dir: &Path, faults: Option<&FaultInjector>) -> Result<(), SaveError> {
+    durable(faults, "fsync directory", dir, || File::open(dir)?.sync_all())
+}
+
+/// Creates (or truncates) `path`, writes `bytes` and fsyncs it: two durable operations.
+pub(crate) fn write_synced(path: &Path, bytes: &[u8], faults: Option<&FaultInjector>) -> Result<(), SaveError> {
+    let file = durable(faults, "write", path, || {
+        let mut file = File::create(path)?;
+        file.write_all(bytes)?;
+        Ok(file)
+    })?;
+    durable(faults, "fsync", path, || file.sync_all())
+}
+
+/// [`write_atomic`], counted by `faults`.
+pub(crate) fn write_atomic_with(path: &Path, bytes: &[u8], faults: Option<&FaultInjector>) -> Result<(), SaveError> {
+    let dir = parent_dir(path);
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.tmp-{}-{n}", std::process::id()));
+    let result = write_synced(&tmp, bytes, faults)
+        .and_then(|()| durable(faults, &format!("rename {} to", tmp.display()), path, || fs::rename(&tmp, path)))
+        .and_then(|()| fsync_dir_with(&dir, faults));
+    if result.is_err() && !has_fired(faults) {
+        // A real error (not a simulated kill): do not leave the temp file behind.
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
