@@ -6,9 +6,11 @@
 //!   `tokenizer.json`) and the background batch loader.
 //! - [`model`]: the Llama-style decoder on candle, the attention-kernel adapter and the
 //!   recompute mechanism behind checkpoint policies.
+//! - [`memory`]: the counting allocator and the memory breakdown.
 //! - [`save`]: checkpoints on disk (atomic writes, manifests with sha256, keep-last-k).
 
 pub mod config;
 pub mod data;
+pub mod memory;
 pub mod model;
 pub mod save;

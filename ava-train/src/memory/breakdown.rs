@@ -1,0 +1,98 @@
+//! The memory breakdown of one step, measured or estimated, and its one-line rendering.
+
+use serde::Serialize;
+
+/// Bytes as GiB.
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+/// Where the bytes of a training step go.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Breakdown {
+    /// f32 master weights (plus compute-precision copies while a step runs).
+    pub params: u64,
+    /// Gradient accumulators.
+    pub grads: u64,
+    /// Optimizer state buffers.
+    pub optimizer: u64,
+    /// Batches queued by the loader.
+    pub data: u64,
+    /// Everything else at the peak: activations, saved attention buffers, workspace
+    /// (measured: peak minus the components above).
+    pub activations: u64,
+    /// The peak (the sum of the above).
+    pub peak: u64,
+    /// The budget from `memory.budget`.
+    pub budget: u64,
+    /// Resident set size reported by the OS, when known (measured only).
+    pub resident: Option<u64>,
+}
+
+impl Breakdown {
+    /// A measured breakdown: `activations` is what the peak holds beyond the known parts.
+    pub fn measured(peak: u64, params: u64, grads: u64, optimizer: u64, data: u64, budget: u64) -> Self {
+        let known = params + grads + optimizer + data;
+        Self {
+            params,
+            grads,
+            optimizer,
+            data,
+            activations: peak.saturating_sub(known),
+            peak: peak.max(known),
+            budget,
+            resident: super::resident_bytes(),
+        }
+    }
+
+    /// Fraction of the budget the peak uses.
+    pub fn fraction(&self) -> f64 {
+        if self.budget == 0 { 0.0 } else { self.peak as f64 / self.budget as f64 }
+    }
+
+    /// Resident bytes over allocated peak bytes (> 1: memory the allocator holds but we do
+    /// not use).
+    pub fn fragmentation(&self) -> Option<f64> {
+        self.resident.filter(|_| self.peak > 0).map(|r| r as f64 / self.peak as f64)
+    }
+
+    /// `memory 1.85/2.00 GiB (92%) warning — params 0.21, grads 0.21, optimizer 0.42,
+    /// data 0.00, activations 1.01`; `status` is the memory policy's pressure word.
+    pub fn line(&self, status: &str) -> String {
+        let mut s = format!(
+            "memory {:.2}/{:.2} GiB ({:.0}%) {status} — params {:.2}, grads {:.2}, optimizer {:.2}, data {:.2}, activations {:.2}",
+            gib(self.peak),
+            gib(self.budget),
+            100.0 * self.fraction(),
+            gib(self.params),
+            gib(self.grads),
+            gib(self.optimizer),
+            gib(self.data),
+            gib(self.activations),
+        );
+        if let Some(f) = self.fragmentation() {
+            s.push_str(&format!("; reserved {:.2} GiB ({f:.2}x allocated)", gib(self.resident.unwrap_or(0))));
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn measured_breakdown_attributes_the_rest_to_activations() {
+        let g = 1u64 << 30;
+        let mut b = Breakdown::measured(g * 2, g / 4, g / 4, g / 2, 0, g * 4);
+        b.resident = None;
+        assert_eq!(b.activations, g);
+        assert_eq!(b.fraction(), 0.5);
+        assert_eq!(
+            b.line("ok"),
+            "memory 2.00/4.00 GiB (50%) ok — params 0.25, grads 0.25, optimizer 0.50, data 0.00, activations 1.00"
+        );
+        // A peak below the known parts (measured before they were all allocated) is not negative.
+        assert_eq!(Breakdown::measured(10, 20, 0, 0, 0, 100).activations, 0);
+    }
+}

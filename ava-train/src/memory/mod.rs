@@ -1,0 +1,9 @@
+//! Memory accounting: the counting global allocator ([`CountingAlloc`]) and the per-step
+//! breakdown (parameters, gradients, optimizer state, data, activations) printed in the
+//! dashboard line `[step 100] memory 1.85/2.00 GiB (92%) warning — params 0.21, ...`.
+
+mod alloc;
+mod breakdown;
+
+pub use alloc::{CountingAlloc, current, installed, peak, reset_peak, resident_bytes};
+pub use breakdown::{Breakdown, gib};
