@@ -14,6 +14,10 @@ use clap::Parser;
 
 use crate::{cli::Cli, output::Printer};
 
+/// Every allocation is counted, so the memory breakdown is measured, not guessed from RSS.
+#[global_allocator]
+static ALLOCATOR: ava_train::memory::CountingAlloc = ava_train::memory::CountingAlloc;
+
 /// A command's failure and the exit code it maps to.
 #[derive(Debug)]
 pub enum Failure {

@@ -11,6 +11,9 @@
 
 pub mod config;
 pub mod data;
+pub mod estimate;
 pub mod memory;
 pub mod model;
+pub mod profile;
 pub mod save;
+pub mod train;

@@ -1,24 +1,31 @@
 //! One file per subcommand; this module only dispatches.
 
+mod bench_train;
 mod config_show;
 mod config_validate;
+mod estimate;
 mod plugins_disable;
 mod plugins_enable;
 mod plugins_info;
 mod plugins_list;
 mod plugins_vet;
+mod progress;
+mod train;
 
 use ava_core::PluginKind;
 
 use crate::{
     CmdResult, Failure,
-    cli::{Command, ConfigCommand, PluginsCommand},
+    cli::{BenchCommand, Command, ConfigCommand, PluginsCommand},
     output::Printer,
 };
 
 /// Runs a parsed command.
 pub fn run(command: Command, p: &Printer) -> CmdResult {
     match command {
+        Command::Train(args) => train::run(p, &args),
+        Command::Estimate { config } => estimate::run(p, &config),
+        Command::Bench(BenchCommand::Train { config, steps, warmup }) => bench_train::run(p, &config, steps, warmup),
         Command::Plugins(c) => match c {
             PluginsCommand::List { kind, config } => plugins_list::run(p, kind.as_deref(), &config),
             PluginsCommand::Info { name, kind, config } => plugins_info::run(p, &name, kind.as_deref(), &config),

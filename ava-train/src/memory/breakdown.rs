@@ -27,6 +27,8 @@ pub struct Breakdown {
     pub budget: u64,
     /// Resident set size reported by the OS, when known (measured only).
     pub resident: Option<u64>,
+    /// Bytes allocated when `resident` was read (measured only).
+    pub allocated: u64,
 }
 
 impl Breakdown {
@@ -42,6 +44,7 @@ impl Breakdown {
             peak: peak.max(known),
             budget,
             resident: super::resident_bytes(),
+            allocated: super::current(),
         }
     }
 
@@ -50,28 +53,31 @@ impl Breakdown {
         if self.budget == 0 { 0.0 } else { self.peak as f64 / self.budget as f64 }
     }
 
-    /// Resident bytes over allocated peak bytes (> 1: memory the allocator holds but we do
-    /// not use).
+    /// Resident bytes over the bytes allocated at the same moment (> 1: memory the
+    /// allocator holds that we do not use: fragmentation and freed pages kept).
     pub fn fragmentation(&self) -> Option<f64> {
-        self.resident.filter(|_| self.peak > 0).map(|r| r as f64 / self.peak as f64)
+        self.resident.filter(|_| self.allocated > 0).map(|r| r as f64 / self.allocated as f64)
     }
 
     /// `memory 1.85/2.00 GiB (92%) warning — params 0.21, grads 0.21, optimizer 0.42,
-    /// data 0.00, activations 1.01`; `status` is the memory policy's pressure word.
+    /// data 0.00, activations 1.01`; `status` is the memory policy's pressure word. Numbers
+    /// are in GiB, or in MiB when the budget is under 1 GiB.
     pub fn line(&self, status: &str) -> String {
+        let (unit, div) = if self.budget >= 1 << 30 { ("GiB", 1u64 << 30) } else { ("MiB", 1 << 20) };
+        let u = |b: u64| b as f64 / div as f64;
         let mut s = format!(
-            "memory {:.2}/{:.2} GiB ({:.0}%) {status} — params {:.2}, grads {:.2}, optimizer {:.2}, data {:.2}, activations {:.2}",
-            gib(self.peak),
-            gib(self.budget),
+            "memory {:.2}/{:.2} {unit} ({:.0}%) {status} — params {:.2}, grads {:.2}, optimizer {:.2}, data {:.2}, activations {:.2}",
+            u(self.peak),
+            u(self.budget),
             100.0 * self.fraction(),
-            gib(self.params),
-            gib(self.grads),
-            gib(self.optimizer),
-            gib(self.data),
-            gib(self.activations),
+            u(self.params),
+            u(self.grads),
+            u(self.optimizer),
+            u(self.data),
+            u(self.activations),
         );
-        if let Some(f) = self.fragmentation() {
-            s.push_str(&format!("; reserved {:.2} GiB ({f:.2}x allocated)", gib(self.resident.unwrap_or(0))));
+        if let (Some(f), Some(r)) = (self.fragmentation(), self.resident) {
+            s.push_str(&format!("; reserved {:.2} {unit} ({f:.2}x allocated)", u(r)));
         }
         s
     }

@@ -119,6 +119,7 @@ impl CustomOp3 for AttentionOp {
         let Some(saved) = self.saved.lock().expect("attention op lock").take() else {
             bail!("attention kernel '{}': backward ran twice over one forward (its saved buffer is gone)", self.name);
         };
+        let _span = crate::profile::scope("backward: attention kernel");
         let mut dq = vec![0f32; q.elem_count()]; // (B, H, T, D)
         let mut dk = vec![0f32; k.elem_count()]; // (B, Hkv, T, D)
         let mut dv = vec![0f32; v.elem_count()]; // (B, Hkv, T, D)

@@ -258,18 +258,30 @@ impl Model {
         let (h, hkv, hd) = (s.heads, s.kv_heads, s.head_dim());
         let n = b * t;
 
+        let span = crate::profile::scope("forward: rms_norm");
         let normed = rms_norm(x, &w[bi.attn_norm], s.eps)?.reshape((n, d))?; // (B·T, d)
+        drop(span);
         let heads = |proj: usize, count: usize| -> CResult<Tensor> {
             linear(&normed, &w[proj])?.reshape((b, t, count, hd))?.transpose(1, 2)?.contiguous() // (B, heads, T, D)
         };
-        let q = self.rope.apply(&heads(bi.q, h)?)?; // (B, H, T, D)
-        let k = self.rope.apply(&heads(bi.k, hkv)?)?; // (B, Hkv, T, D)
-        let v = heads(bi.v, hkv)?; // (B, Hkv, T, D)
+        let span = crate::profile::scope("forward: q/k/v projections");
+        let (q, k, v) = (heads(bi.q, h)?, heads(bi.k, hkv)?, heads(bi.v, hkv)?); // (B, H|Hkv, T, D)
+        drop(span);
+        let span = crate::profile::scope("forward: rope");
+        let (q, k) = (self.rope.apply(&q)?, self.rope.apply(&k)?);
+        drop(span);
+        let span = crate::profile::scope("forward: attention kernel");
         let attn = attention(&self.kernel, &self.kernel_name, &q, &k, &v, self.threads)?; // (B, H, T, D)
+        drop(span);
+        let span = crate::profile::scope("forward: o_proj + residual");
         let attn = attn.transpose(1, 2)?.reshape((n, h * hd))?; // (B·T, H·D)
         let x = (x + linear(&attn, &w[bi.o])?.reshape((b, t, d))?)?; // (B, T, d)
+        drop(span);
 
+        let span = crate::profile::scope("forward: rms_norm");
         let normed = rms_norm(&x, &w[bi.mlp_norm], s.eps)?.reshape((n, d))?; // (B·T, d)
+        drop(span);
+        let _span = crate::profile::scope("forward: mlp + residual");
         let (mlp, aux) = match &bi.mlp {
             MlpIndex::Dense { gate, up, down } => (swiglu(&normed, &w[*gate], &w[*up], &w[*down])?, None),
             MlpIndex::Moe { router, experts, top_k } => {
@@ -283,6 +295,7 @@ impl Model {
     /// Final norm and LM head: (B, T, d) → logits (B·T, V).
     pub fn head(&self, w: &[Tensor], x: &Tensor) -> CResult<Tensor> {
         let (b, t, d) = x.dims3()?;
+        let _span = crate::profile::scope("forward: final norm + lm_head");
         let normed = rms_norm(x, &w[self.final_norm], self.spec.eps)?.reshape((b * t, d))?; // (B·T, d)
         linear(&normed, &w[self.head]) // (B·T, V)
     }

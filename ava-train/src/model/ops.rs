@@ -93,6 +93,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     if targets.len() != n {
         bail!("cross_entropy: {} targets for {n} rows", targets.len());
     }
+    let _span = crate::profile::scope("forward: cross-entropy");
     let rows = logits.apply_op1(CrossEntropy { targets: targets.to_vec() })?; // (N,)
     rows.mean_all()
 }
@@ -142,6 +143,7 @@ impl CustomOp1 for CrossEntropy {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
+        let _span = crate::profile::scope("backward: cross-entropy");
         let (n, v) = arg.dims2()?;
         let logits = arg.detach().contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         let grad_rows = grad_res.detach().to_dtype(DType::F32)?.to_vec1::<f32>()?;

@@ -129,7 +129,9 @@ pub fn forward_backward(
         loss = (loss + aux.to_dtype(ce.dtype())?.affine(aux_weight, 0.0)?)?;
     }
     let ce_value = ce.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let span = crate::profile::scope("backward: autograd (all)");
     let store = loss.affine(scale / divisor, 0.0)?.backward()?;
+    drop(span);
     drop((loss, ce, logits));
     // This micro-batch's gradients are summed on their own first and then added to the
     // accumulated ones, so the order of additions is the same whatever the plan.
@@ -151,13 +153,17 @@ pub fn forward_backward(
                 drop(input);
                 let out = model.block(weights, block, start.as_tensor())?;
                 let surrogate = surrogate(&out.hidden, &g, out.aux.as_ref(), aux_weight * scale / divisor)?;
+                let span = crate::profile::scope("backward: autograd (all)");
                 let store = surrogate.backward()?;
+                drop(span);
                 drop((surrogate, out));
                 grad_out = collect(model, &[block], Some(&start), store, &mut local)?;
             }
             Stage::Kept(kept) => {
                 let surrogate = surrogate(&kept.end, &g, kept.aux.as_ref(), aux_weight * scale / divisor)?;
+                let span = crate::profile::scope("backward: autograd (all)");
                 let store = surrogate.backward()?;
+                drop(span);
                 drop(surrogate);
                 grad_out = collect(model, &kept.blocks, kept.start.as_ref(), store, &mut local)?;
             }

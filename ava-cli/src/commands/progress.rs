@@ -1,0 +1,120 @@
+//! The training reporter of the CLI: a progress bar (indicatif, shown on a terminal) with
+//! loss, tokens/s and memory, and the dashboard lines through the printer.
+
+use std::path::Path;
+
+use ava_train::memory::gib;
+use ava_train::train::{EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::output::{Format, Printer};
+
+/// Reports a run on stderr.
+pub struct CliReporter<'a> {
+    printer: &'a Printer,
+    bar: Option<ProgressBar>,
+    log_every: u64,
+}
+
+impl<'a> CliReporter<'a> {
+    /// A reporter printing a dashboard line every `log_every` steps.
+    pub fn new(printer: &'a Printer, log_every: u64) -> Self {
+        Self { printer, bar: None, log_every: log_every.max(1) }
+    }
+
+    fn line(&self, text: &str) {
+        match &self.bar {
+            Some(bar) if !bar.is_hidden() => bar.println(text),
+            _ => self.printer.note(text),
+        }
+    }
+}
+
+impl Reporter for CliReporter<'_> {
+    fn start(&mut self, h: &RunHeader) {
+        let mut lines = vec![format!(
+            "training {:.2}M parameters on {} — effective batch {} sequences ({} tokens/step), {} threads",
+            h.params as f64 / 1e6,
+            h.data,
+            h.effective_batch,
+            h.tokens_per_step,
+            h.threads
+        )];
+        let plugins: Vec<String> = h.plugins.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        lines.push(format!("plugins: {}", plugins.join(", ")));
+        lines.push(format!("checkpoint plan: {}", h.plan.join(" ")));
+        if let Some(floor) = h.entropy_floor {
+            lines.push(format!("entropy floor of the data: {floor:.4} nats/token (the best possible loss)"));
+        }
+        if let Some(from) = &h.resumed_from {
+            lines.push(format!("resumed from {from}: continuing at step {}", h.first_step));
+        }
+        lines.push(format!("run directory: {}", h.out_dir));
+        for l in lines {
+            self.printer.note(&l);
+        }
+        if self.printer.verbosity >= 1 && self.printer.format == Format::Text && h.max_steps >= h.first_step {
+            let bar = ProgressBar::new(h.max_steps);
+            bar.set_style(
+                ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
+                    .expect("a valid template"),
+            );
+            bar.set_position(h.first_step - 1);
+            self.bar = Some(bar);
+        }
+    }
+
+    fn step(&mut self, r: &StepRecord) {
+        if let Some(bar) = &self.bar {
+            bar.set_position(r.step);
+            bar.set_message(format!(
+                "loss {:.4} | {:.0} tok/s | mem {:.2} GiB",
+                r.loss,
+                r.tokens_per_sec,
+                gib(r.memory.peak)
+            ));
+        }
+        if r.step % self.log_every == 0 || r.step == 1 {
+            let skipped = if r.skipped {
+                format!(" (skipped: overflow, loss scale now {})", r.loss_scale)
+            } else {
+                String::new()
+            };
+            self.line(&format!(
+                "[step {}] loss {:.4} lr {:.2e} grad-norm {:.3} {:.0} tok/s{skipped}\n[step {}] {}",
+                r.step,
+                r.loss,
+                r.lr,
+                r.grad_norm,
+                r.tokens_per_sec,
+                r.step,
+                r.memory.line(&r.memory_status)
+            ));
+        }
+    }
+
+    fn eval(&mut self, r: &EvalRecord) {
+        let gap = match (r.entropy_floor, r.gap) {
+            (Some(f), Some(g)) => format!(" — floor {f:.4}, {:.1}% above it", 100.0 * g),
+            _ => String::new(),
+        };
+        self.line(&format!("[step {}] validation loss {:.4}{gap}", r.step, r.val_loss));
+    }
+
+    fn checkpoint(&mut self, step: u64, dir: &Path) {
+        self.line(&format!("[step {step}] checkpoint {}", dir.display()));
+    }
+
+    fn warn(&mut self, message: &str) {
+        match &self.bar {
+            Some(bar) if !bar.is_hidden() => bar.println(format!("warning: {message}")),
+            _ => self.printer.warn(message),
+        }
+    }
+
+    fn finish(&mut self, _summary: &RunSummary) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! `ava train` end to end, each run a fresh process: exact resume (N steps straight vs N/2,
+//! a new process, N/2 more), refusal to resume with a changed model, detection of a
+//! corrupted checkpoint, and switching the optimizer plugin by name.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// A very small run: 2 blocks of width 32 on the synthetic corpus.
+const SMALL: &[&str] = &[
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "data.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.gradient_accumulation_steps=2",
+    "train.warmup_steps=2",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "checkpoints.every=2",
+    "checkpoints.keep_last=10",
+];
+
+fn ava(dir: &Path, out: &str, extra: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ava"));
+    cmd.current_dir(dir).env("NO_COLOR", "1").arg("train");
+    for (key, _) in std::env::vars() {
+        if key.starts_with("AVA") {
+            cmd.env_remove(key);
+        }
+    }
+    for s in SMALL {
+        cmd.args(["--set", s]);
+    }
+    cmd.args(["--set", &format!("train.out_dir={out}")]);
+    cmd.args(extra);
+    cmd.output().expect("ava runs")
+}
+
+fn ok(o: Output) -> Output {
+    assert!(
+        o.status.success(),
+        "ava failed ({}):\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+/// The step losses in metrics.jsonl, by step.
+fn losses(run: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v["type"] == "step")
+        .map(|v| (v["data"]["step"].as_u64().unwrap(), v["data"]["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+fn checkpoint(run: &Path, step: u64) -> PathBuf {
+    run.join("checkpoints").join(format!("step-{step:08}"))
+}
+
+#[test]
+fn resume_in_a_fresh_process_continues_bit_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    ok(ava(dir.path(), "straight", &["--max-steps", "6"]));
+    ok(ava(dir.path(), "split", &["--max-steps", "6", "--steps", "3"]));
+    let out = ok(ava(dir.path(), "split", &["--max-steps", "6", "--resume", "latest"]));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("continuing at step 4"));
+
+    let (a, b) = (dir.path().join("straight"), dir.path().join("split"));
+    for file in ["model.safetensors", "optimizer.safetensors", "trainer.json"] {
+        let x = std::fs::read(checkpoint(&a, 6).join(file)).unwrap();
+        let y = std::fs::read(checkpoint(&b, 6).join(file)).unwrap();
+        assert!(x == y, "{file} differs between the straight and the resumed run");
+    }
+    let (la, lb) = (losses(&a), losses(&b));
+    assert_eq!(la.len(), 6);
+    assert_eq!(la, lb, "losses differ");
+    // The final weights are also written as a Hugging Face folder.
+    assert!(a.join("model/config.json").is_file() && a.join("model/model.safetensors").is_file());
+}
+
+#[test]
+fn resume_with_a_different_model_is_refused_unless_forced() {
+    let dir = tempfile::tempdir().unwrap();
+    ok(ava(dir.path(), "run", &["--max-steps", "2"]));
+    let out = ava(dir.path(), "run", &["--max-steps", "4", "--resume", "latest", "--set", "plugins.optimizer=sgd"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("refusing to resume from"), "{err}");
+    assert!(err.contains("plugins.optimizer: \"adamw\" -> \"sgd\""), "{err}");
+    assert!(err.contains("--force"), "{err}");
+    // A changed model shape cannot be forced: the weights do not fit.
+    let out =
+        ava(dir.path(), "run", &["--max-steps", "4", "--resume", "latest", "--force", "--set", "model.hidden_size=48"]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("has shape"));
+}
+
+#[test]
+fn a_flipped_byte_in_a_checkpoint_is_detected() {
+    let dir = tempfile::tempdir().unwrap();
+    ok(ava(dir.path(), "run", &["--max-steps", "2"]));
+    let file = checkpoint(&dir.path().join("run"), 2).join("optimizer.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let i = bytes.len() - 5;
+    bytes[i] ^= 0x01;
+    std::fs::write(&file, bytes).unwrap();
+    let out = ava(dir.path(), "run", &["--max-steps", "4", "--resume", "latest"]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("optimizer.safetensors is corrupted"), "{err}");
+}
+
+#[test]
+fn switching_the_optimizer_to_lion_just_works() {
+    // lion is a dynamically loaded plugin: built next to the ava binary, where it is found.
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let out = ok(ava(dir.path(), "lion", &["--max-steps", "3", "--set", "plugins.optimizer=lion", "--format", "json"]));
+    let summary: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["step"], 3);
+    assert!(summary["loss"].as_f64().unwrap().is_finite());
+    // Lion keeps one f32 buffer per parameter: its checkpoint holds exactly that.
+    let ckpt = checkpoint(&dir.path().join("lion"), 3).join("optimizer.safetensors");
+    let bytes = std::fs::read(ckpt).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let names: Vec<&String> = header.as_object().unwrap().keys().filter(|k| *k != "__metadata__").collect();
+    assert!(names.iter().all(|n| n.ends_with(".exp_avg")), "{names:?}");
+}

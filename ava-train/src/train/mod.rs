@@ -1,0 +1,85 @@
+//! The training loop: micro-batches with gradient accumulation, mixed precision with f32
+//! master weights, warmup + cosine learning rate, gradient clipping, evaluation, memory
+//! accounting against the budget with the memory policy in the loop, checkpoints and exact
+//! resume. Progress goes to a [`Reporter`]; metrics to `metrics.jsonl`.
+
+mod optim;
+mod reporter;
+mod schedule;
+mod trainer;
+
+use std::path::PathBuf;
+
+pub use optim::{OptimizerState, StateBuffer, step_param};
+pub use reporter::{EvalRecord, Reporter, RunHeader, RunSummary, Silent, StepRecord};
+pub use schedule::{LossScaler, learning_rate};
+pub use trainer::{TrainOptions, Trainer, data_options, model_spec, resolve_threads};
+
+/// What can stop a training run.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The data could not be opened or read.
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
+    /// The model could not be built or loaded.
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    /// A checkpoint could not be written or read.
+    #[error(transparent)]
+    Save(#[from] crate::save::SaveError),
+    /// A plugin could not be created.
+    #[error(transparent)]
+    Host(#[from] ava_plugins::HostError),
+    /// A plugin returned an error.
+    #[error("plugin '{plugin}' failed in {what}: {message}")]
+    Plugin {
+        /// The plugin's name.
+        plugin: String,
+        /// The call.
+        what: &'static str,
+        /// Its error.
+        message: String,
+    },
+    /// The settings cannot work together.
+    #[error("{0}")]
+    Invalid(String),
+    /// A checkpoint's optimizer state does not fit the optimizer.
+    #[error("the checkpoint's optimizer state does not match the optimizer:\n  - {}", problems.join("\n  - "))]
+    OptimizerState {
+        /// Every mismatch.
+        problems: Vec<String>,
+    },
+    /// Resuming with a config that changes the model or the plugins.
+    #[error(
+        "refusing to resume from {}: the config differs from the one it was trained with:\n  - {}\n\
+         resume with the checkpoint's settings (its ava-config.json), or pass --force to resume anyway",
+        checkpoint.display(),
+        differences.join("\n  - ")
+    )]
+    ConfigChanged {
+        /// The checkpoint.
+        checkpoint: PathBuf,
+        /// `key: saved -> current` lines.
+        differences: Vec<String>,
+    },
+    /// Writing the run directory.
+    #[error("{}: {message}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        message: String,
+    },
+    /// A tensor operation failed.
+    #[error("tensor operation failed: {0}")]
+    Candle(String),
+}
+
+impl TrainError {
+    pub(crate) fn candle(e: candle_core::Error) -> Self {
+        Self::Candle(e.to_string())
+    }
+    pub(crate) fn io(path: impl Into<PathBuf>, e: impl std::fmt::Display) -> Self {
+        Self::Io { path: path.into(), message: e.to_string() }
+    }
+}

@@ -1,0 +1,128 @@
+//! How the trainer tells the outside world what it is doing: the [`Reporter`] trait (the
+//! CLI implements it with a progress bar and the printer) and the metrics records it
+//! receives, which are also the JSON lines of `metrics.jsonl`.
+
+use serde::Serialize;
+
+use crate::memory::Breakdown;
+
+/// One optimizer step, as reported and logged.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepRecord {
+    /// 1-based step.
+    pub step: u64,
+    /// Mean training cross-entropy over the step's micro-batches (nats/token).
+    pub loss: f64,
+    /// Load-balancing loss (MoE), unweighted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Whether the update was skipped (f16 overflow).
+    pub skipped: bool,
+    /// Loss scale (f16), 1 otherwise.
+    pub loss_scale: f64,
+    /// Tokens processed per second in this step.
+    pub tokens_per_sec: f64,
+    /// Wall time of the step in seconds.
+    pub step_seconds: f64,
+    /// The memory breakdown measured over the step.
+    pub memory: Breakdown,
+    /// The memory policy's pressure word (normal, target, warning, critical, emergency).
+    pub memory_status: String,
+    /// Micro-batch size in effect (the policy may shrink it).
+    pub micro_batch: usize,
+}
+
+/// One evaluation.
+#[derive(Debug, Clone, Serialize)]
+pub struct EvalRecord {
+    /// After this step.
+    pub step: u64,
+    /// Mean validation cross-entropy (nats/token).
+    pub val_loss: f64,
+    /// The data's entropy floor, when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entropy_floor: Option<f64>,
+    /// `val_loss / entropy_floor − 1`, when the floor is known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gap: Option<f64>,
+}
+
+/// What a run is about to do: printed before the first step.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunHeader {
+    /// Model parameters.
+    pub params: usize,
+    /// The data source, one line.
+    pub data: String,
+    /// Sequences per step (micro-batch × accumulation).
+    pub effective_batch: usize,
+    /// Tokens per step.
+    pub tokens_per_step: usize,
+    /// First step to run (1, or after the resumed one).
+    pub first_step: u64,
+    /// Last step.
+    pub max_steps: u64,
+    /// Plugins by kind: `attention standard`, ...
+    pub plugins: Vec<(String, String)>,
+    /// The checkpoint plan, one word per block.
+    pub plan: Vec<String>,
+    /// The run directory.
+    pub out_dir: String,
+    /// Resumed from this checkpoint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resumed_from: Option<String>,
+    /// The entropy floor of the data (nats/token), when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entropy_floor: Option<f64>,
+    /// Compute threads.
+    pub threads: usize,
+}
+
+/// Receives the trainer's progress. Every method has a default that does nothing.
+pub trait Reporter {
+    /// Before the first step.
+    fn start(&mut self, _header: &RunHeader) {}
+    /// After each step.
+    fn step(&mut self, _record: &StepRecord) {}
+    /// After each evaluation.
+    fn eval(&mut self, _record: &EvalRecord) {}
+    /// After a checkpoint was written.
+    fn checkpoint(&mut self, _step: u64, _dir: &std::path::Path) {}
+    /// Something the user should know (memory policy messages, skipped steps).
+    fn warn(&mut self, _message: &str) {}
+    /// At the end.
+    fn finish(&mut self, _summary: &RunSummary) {}
+}
+
+/// A reporter that ignores everything.
+#[derive(Debug, Default)]
+pub struct Silent;
+
+impl Reporter for Silent {}
+
+/// What a finished run did.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunSummary {
+    /// The last step completed.
+    pub step: u64,
+    /// The last training loss.
+    pub loss: f64,
+    /// The last validation loss.
+    pub val_loss: Option<f64>,
+    /// The entropy floor, when known.
+    pub entropy_floor: Option<f64>,
+    /// Mean tokens/s over the run's steps (after the first).
+    pub tokens_per_sec: f64,
+    /// The highest peak memory of any step.
+    pub peak_bytes: u64,
+    /// The last checkpoint written.
+    pub checkpoint: Option<String>,
+    /// The Hugging Face folder with the final weights.
+    pub model_dir: Option<String>,
+    /// Why the run stopped early, if it did (memory policy).
+    pub stopped: Option<String>,
+}

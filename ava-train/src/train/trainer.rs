@@ -1,0 +1,681 @@
+//! [`Trainer`]: builds the run from a config (data, model, plugins, state), runs the steps,
+//! evaluates, measures memory, saves checkpoints and resumes from them exactly.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use ava_core::{
+    BlockDecision, CheckpointContext, MemoryAction, MemoryPolicy, MemoryStats, OffloadTier, Optimizer, Phase,
+    PluginKind, StepContext,
+};
+use ava_plugins::Registry;
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::TrainError;
+use super::optim::{OptimizerState, step_param};
+use super::reporter::{EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
+use super::schedule::{LossScaler, learning_rate};
+use crate::config::{Config, DataSource, Precision};
+use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Source, Split};
+use crate::memory::{self, Breakdown};
+use crate::model::{self, Grads, Model, ModelSpec, ParamRole, forward_backward};
+use crate::save::{CheckpointStore, LoadedCheckpoint, differing_keys, from_safetensors, to_safetensors};
+
+/// How a run starts.
+#[derive(Debug, Clone, Default)]
+pub struct TrainOptions {
+    /// Resume from `latest` or a checkpoint directory.
+    pub resume: Option<String>,
+    /// Resume even when the config changes the model or plugins.
+    pub force: bool,
+    /// Run at most this many steps in this invocation (the schedule still ends at
+    /// `train.max_steps`), e.g. to split a run into sessions.
+    pub steps: Option<u64>,
+}
+
+/// The trainer's own state in a checkpoint (`trainer.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct TrainerState {
+    /// Steps completed.
+    step: u64,
+    /// Next training batch index of the loader.
+    data_position: u64,
+    /// The seed of the data order and initial weights. The data order has no other random
+    /// state: batch i of a split is a pure function of (seed, split, i).
+    seed: u64,
+    /// Loss scaling.
+    loss_scale: LossScaler,
+    /// How many pieces the memory policy split each micro-batch into.
+    micro_batch_split: usize,
+}
+
+/// Files of a checkpoint directory.
+const MODEL_FILE: &str = "model.safetensors";
+const HF_CONFIG_FILE: &str = "config.json";
+const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+const TRAINER_FILE: &str = "trainer.json";
+const AVA_CONFIG_FILE: &str = "ava-config.json";
+
+/// The config keys whose change makes a checkpoint's state meaningless.
+const STRUCTURAL_KEYS: &[&str] = &[
+    "model",
+    "plugins.attention",
+    "plugins.optimizer",
+    "plugins.checkpoint",
+    "plugins.offload",
+    "plugins.memory",
+    "data.source",
+    "data.path",
+    "data.tokenizer",
+    "data.seq_len",
+    "data.synthetic",
+    "train.seed",
+    "train.micro_batch_size",
+    "train.gradient_accumulation_steps",
+    "train.precision",
+];
+
+/// A training run.
+pub struct Trainer {
+    config: Config,
+    model: Model,
+    optimizer: Box<dyn Optimizer>,
+    state: OptimizerState,
+    plan: Vec<BlockDecision>,
+    offload: Option<Arc<dyn OffloadTier>>,
+    memory_policy: Box<dyn MemoryPolicy>,
+    dataset: Arc<dyn Dataset>,
+    loader: Loader,
+    store: CheckpointStore,
+    step: u64,
+    scaler: LossScaler,
+    split: usize,
+    compute: DType,
+    threads: usize,
+    resumed_from: Option<PathBuf>,
+    out_dir: PathBuf,
+}
+
+impl std::fmt::Debug for Trainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer").field("step", &self.step).field("out_dir", &self.out_dir).finish_non_exhaustive()
+    }
+}
+
+/// The compute threads a config asks for (0: one per core).
+pub fn resolve_threads(threads: usize) -> usize {
+    if threads > 0 { threads } else { std::thread::available_parallelism().map_or(1, |n| n.get()) }
+}
+
+/// The data options of a config.
+pub fn data_options(config: &Config) -> Result<DataOptions, TrainError> {
+    let d = &config.data;
+    let source = match d.source {
+        DataSource::Synthetic => Source::Synthetic(MarkovSpec {
+            alphabet: d.synthetic.alphabet,
+            order: d.synthetic.order,
+            branching: d.synthetic.branching,
+            seed: config.train.seed,
+        }),
+        DataSource::Text => Source::Text {
+            path: d.path.clone().ok_or_else(|| {
+                TrainError::Invalid("data.source is text but data.path is not set: set data.path to a text file".into())
+            })?,
+            tokenizer: d.tokenizer.clone(),
+        },
+    };
+    Ok(DataOptions { source, seq_len: d.seq_len, val_fraction: d.val_fraction, seed: config.train.seed })
+}
+
+/// The model architecture a config describes (from `model.from`'s config.json if set).
+pub fn model_spec(config: &Config) -> Result<ModelSpec, TrainError> {
+    Ok(match &config.model.from {
+        Some(dir) => ModelSpec::from_hf_config(&dir.join(HF_CONFIG_FILE))?,
+        None => ModelSpec::from_config(&config.model)?,
+    })
+}
+
+fn compute_dtype(p: Precision) -> DType {
+    match p {
+        Precision::Fp32 => DType::F32,
+        Precision::Bf16 => DType::BF16,
+        Precision::F16 => DType::F16,
+    }
+}
+
+impl Trainer {
+    /// Builds a run: opens the data, creates the plugins, builds or loads the model,
+    /// allocates the optimizer state, asks the checkpoint policy for its plan, and, when
+    /// resuming, restores everything from the checkpoint.
+    pub fn new(config: &Config, registry: &Registry, options: &TrainOptions) -> Result<Self, TrainError> {
+        let config = config.clone();
+        let threads = resolve_threads(config.train.threads);
+        let plugin = |kind: PluginKind| config.selection(kind);
+
+        let dataset = data::open(&data_options(&config)?)?;
+        let spec = model_spec(&config)?;
+        if dataset.vocab_size() > spec.vocab {
+            return Err(TrainError::Invalid(format!(
+                "the data has {} distinct token ids but model.vocab_size is {}: set model.vocab_size to at least {}",
+                dataset.vocab_size(),
+                spec.vocab,
+                dataset.vocab_size()
+            )));
+        }
+
+        let attention_sel = plugin(PluginKind::Attention);
+        let kernel = registry.attention(&attention_sel.name, &attention_sel.options_json())?;
+        if !kernel.supports_backward() {
+            return Err(TrainError::Invalid(format!(
+                "attention kernel '{}' has no backward pass, so it cannot train: pick one that has (e.g. plugins.attention: standard)",
+                attention_sel.name
+            )));
+        }
+        let opt_sel = plugin(PluginKind::Optimizer);
+        let optimizer = registry.optimizer(&opt_sel.name, &opt_sel.options_json())?;
+        let ckpt_sel = plugin(PluginKind::Checkpoint);
+        let policy = registry.checkpoint(&ckpt_sel.name, &ckpt_sel.options_json())?;
+        let off_sel = plugin(PluginKind::Offload);
+        let offload = registry.offload(&off_sel.name, &off_sel.options_json())?;
+        let mem_sel = plugin(PluginKind::Memory);
+        let memory_policy = registry.memory(&mem_sel.name, &mem_sel.options_json())?;
+
+        let seq = config.data.seq_len;
+        let out_dir = config.train.out_dir.clone();
+        let store = CheckpointStore::new(out_dir.join("checkpoints"), config.checkpoints.keep_last);
+
+        // Resuming: the checkpoint's weights replace the initial ones.
+        let resume = match &options.resume {
+            Some(spec_text) => {
+                let dir = store.resolve(spec_text)?;
+                Some(CheckpointStore::load(&dir)?)
+            }
+            None => None,
+        };
+        let model = match (&resume, &config.model.from) {
+            (Some(ckpt), _) => {
+                let tensors = model::tensors_from_safetensors(ckpt.file(MODEL_FILE)?, &ckpt.dir.join(MODEL_FILE))?;
+                Model::from_tensors(spec, tensors, &ckpt.dir, seq, kernel.clone(), &attention_sel.name, threads)?
+            }
+            (None, Some(dir)) => {
+                let (hf_spec, tensors) = model::load_hf_folder(dir)?;
+                Model::from_tensors(hf_spec, tensors, dir, seq, kernel.clone(), &attention_sel.name, threads)?
+            }
+            (None, None) => Model::new(spec, config.train.seed, seq, kernel.clone(), &attention_sel.name, threads)?,
+        };
+        let mut state = OptimizerState::allocate(optimizer.as_ref(), model.params(), &opt_sel.name)?;
+
+        // The checkpoint plan: the policy decides per block from the facts.
+        let facts = crate::estimate::block_facts(
+            model.spec(),
+            config.train.micro_batch_size,
+            seq,
+            config.train.precision,
+            kernel.as_ref(),
+        )
+        .map_err(|e| TrainError::Invalid(e.to_string()))?;
+        let ctx = CheckpointContext { budget_bytes: config.memory.budget.0, offload_available: true };
+        let plan = policy.decide(&facts, &ctx).map_err(|e| TrainError::Plugin {
+            plugin: ckpt_sel.name.clone(),
+            what: "decide",
+            message: e.to_string(),
+        })?;
+        if plan.len() != model.spec().layers {
+            return Err(TrainError::Plugin {
+                plugin: ckpt_sel.name.clone(),
+                what: "decide",
+                message: format!("returned {} decisions for {} blocks", plan.len(), model.spec().layers),
+            });
+        }
+
+        let mut trainer_state = TrainerState {
+            step: 0,
+            data_position: 0,
+            seed: config.train.seed,
+            loss_scale: LossScaler::new(
+                config.train.precision == Precision::F16,
+                config.train.loss_scale.init,
+                config.train.loss_scale.growth_interval,
+            ),
+            micro_batch_split: 1,
+        };
+        let mut resumed_from = None;
+        if let Some(ckpt) = resume {
+            check_config(&ckpt, &config, options.force)?;
+            let (buffers, _) = from_safetensors(ckpt.file(OPTIMIZER_FILE)?)?;
+            state.load_buffers(model.params(), buffers)?;
+            trainer_state = serde_json::from_slice(ckpt.file(TRAINER_FILE)?).map_err(|e| {
+                TrainError::Invalid(format!("{}: unreadable trainer state: {e}", ckpt.dir.join(TRAINER_FILE).display()))
+            })?;
+            resumed_from = Some(ckpt.dir.clone());
+        }
+
+        let loader = Loader::new(
+            dataset.clone(),
+            Split::Train,
+            config.train.micro_batch_size,
+            seq,
+            trainer_state.data_position,
+            config.data.num_workers,
+            config.data.prefetch_factor,
+        )?;
+        std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::io(&out_dir, e))?;
+        let compute = compute_dtype(config.train.precision);
+        Ok(Self {
+            model,
+            optimizer,
+            state,
+            plan,
+            offload: Some(offload),
+            memory_policy,
+            dataset,
+            loader,
+            store,
+            step: trainer_state.step,
+            scaler: trainer_state.loss_scale,
+            split: trainer_state.micro_batch_split.max(1),
+            compute,
+            threads,
+            resumed_from,
+            out_dir,
+            config,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Steps completed.
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The optimizer state.
+    pub fn optimizer_state(&self) -> &OptimizerState {
+        &self.state
+    }
+
+    /// The checkpoint plan in effect.
+    pub fn plan(&self) -> &[BlockDecision] {
+        &self.plan
+    }
+
+    /// What the run is about to do.
+    pub fn header(&self) -> RunHeader {
+        let t = &self.config.train;
+        RunHeader {
+            params: self.model.spec().num_params(),
+            data: self.dataset.describe(),
+            effective_batch: t.effective_batch(),
+            tokens_per_step: t.effective_batch() * self.config.data.seq_len,
+            first_step: self.step + 1,
+            max_steps: t.max_steps,
+            plugins: PluginKind::ALL
+                .iter()
+                .map(|k| (k.as_str().to_string(), self.config.selection(*k).to_string()))
+                .collect(),
+            plan: self.plan.iter().map(|d| d.as_str().to_string()).collect(),
+            out_dir: self.out_dir.display().to_string(),
+            resumed_from: self.resumed_from.as_ref().map(|p| p.display().to_string()),
+            entropy_floor: self.dataset.entropy_floor_nats(),
+            threads: self.threads,
+        }
+    }
+
+    /// Runs until `train.max_steps` (or `options.steps` more steps), evaluating and saving
+    /// checkpoints on the way, and writes the final weights as a Hugging Face folder.
+    pub fn run(&mut self, options: &TrainOptions, reporter: &mut dyn Reporter) -> Result<RunSummary, TrainError> {
+        let t = self.config.train.clone();
+        let last = match options.steps {
+            Some(n) => (self.step + n).min(t.max_steps),
+            None => t.max_steps,
+        };
+        let mut metrics = self.open_metrics()?;
+        reporter.start(&self.header());
+        let mut summary = RunSummary {
+            step: self.step,
+            loss: f64::NAN,
+            val_loss: None,
+            entropy_floor: self.dataset.entropy_floor_nats(),
+            tokens_per_sec: 0.0,
+            peak_bytes: 0,
+            checkpoint: None,
+            model_dir: None,
+            stopped: None,
+        };
+        let mut timed = (0.0f64, 0usize);
+        let mut first = true;
+        let mut saved_at = None;
+        while self.step < last {
+            let mut record = self.train_step()?;
+            let stop = self.apply_memory_policy(&mut record, reporter);
+            summary.step = record.step;
+            summary.loss = record.loss;
+            summary.peak_bytes = summary.peak_bytes.max(record.memory.peak);
+            // The first step of a run warms up caches and threads; it is left out of the mean.
+            if !first {
+                timed.0 += record.step_seconds;
+                timed.1 += t.effective_batch() * self.config.data.seq_len;
+            }
+            first = false;
+            if record.step % t.log_every == 0 || record.step == last {
+                write_line(&mut metrics, &self.metrics_path(), &serde_json::json!({"type": "step", "data": record}))?;
+            }
+            reporter.step(&record);
+            if (t.eval_every > 0 && record.step % t.eval_every == 0) || record.step == last {
+                let eval = self.evaluate()?;
+                summary.val_loss = Some(eval.val_loss);
+                write_line(&mut metrics, &self.metrics_path(), &serde_json::json!({"type": "eval", "data": eval}))?;
+                reporter.eval(&eval);
+            }
+            let every = self.config.checkpoints.every;
+            if (every > 0 && record.step % every == 0) || record.step == last || stop.is_some() {
+                let dir = self.save_checkpoint()?;
+                reporter.checkpoint(record.step, &dir);
+                summary.checkpoint = Some(dir.display().to_string());
+                saved_at = Some(record.step);
+            }
+            if let Some(reason) = stop {
+                summary.stopped = Some(reason);
+                break;
+            }
+        }
+        if self.step > 0 && saved_at != Some(self.step) && summary.stopped.is_none() && options.steps.is_none() {
+            // Nothing ran (already at max_steps): still point at the latest checkpoint.
+            summary.checkpoint = self.store.latest()?.map(|p| p.display().to_string());
+        }
+        if self.step == t.max_steps && summary.stopped.is_none() {
+            let dir = self.out_dir.join("model");
+            model::save_hf_folder(&dir, self.model.spec(), &self.model.named_tensors())?;
+            summary.model_dir = Some(dir.display().to_string());
+        }
+        summary.tokens_per_sec = if timed.0 > 0.0 { timed.1 as f64 / timed.0 } else { 0.0 };
+        reporter.finish(&summary);
+        Ok(summary)
+    }
+
+    fn metrics_path(&self) -> PathBuf {
+        self.out_dir.join("metrics.jsonl")
+    }
+
+    /// Opens `metrics.jsonl` for appending; a resumed run first drops the records of steps
+    /// after the checkpoint (they belong to the abandoned continuation).
+    fn open_metrics(&self) -> Result<std::fs::File, TrainError> {
+        let path = self.metrics_path();
+        if self.step == 0 || self.resumed_from.is_some() {
+            let kept: Vec<String> = std::fs::read_to_string(&path)
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| {
+                    self.step > 0
+                        && serde_json::from_str::<Value>(l)
+                            .ok()
+                            .and_then(|v| v["data"]["step"].as_u64())
+                            .is_some_and(|s| s <= self.step)
+                })
+                .map(|l| format!("{l}\n"))
+                .collect();
+            std::fs::write(&path, kept.concat()).map_err(|e| TrainError::io(&path, e))?;
+        }
+        std::fs::OpenOptions::new().append(true).create(true).open(&path).map_err(|e| TrainError::io(&path, e))
+    }
+
+    /// One optimizer step over `gradient_accumulation_steps` micro-batches.
+    pub fn train_step(&mut self) -> Result<StepRecord, TrainError> {
+        let started = Instant::now();
+        let t = &self.config.train;
+        let step = self.step + 1;
+        let lr = learning_rate(step, t.lr, t.min_lr, t.warmup_steps, t.max_steps);
+        let params_bytes = (self.model.spec().num_params() * 4) as u64;
+        let optimizer_bytes = self.state.bytes();
+        let baseline = memory::current();
+        memory::reset_peak();
+
+        let weights = self.model.weights(self.compute).map_err(TrainError::candle)?;
+        let mut grads: Grads = vec![None; self.model.params().len()];
+        let accumulation = t.gradient_accumulation_steps;
+        let pieces = accumulation * self.split;
+        let (mut ce, mut aux) = (0.0, 0.0);
+        for _ in 0..accumulation {
+            let span = crate::profile::scope("data: waiting for a batch");
+            let batch = self.loader.next()?;
+            drop(span);
+            for (tokens, targets) in split_batch(&batch, self.split)? {
+                let loss = forward_backward(
+                    &self.model,
+                    &weights,
+                    &tokens,
+                    &targets,
+                    &self.plan,
+                    self.scaler.scale,
+                    pieces as f64,
+                    self.offload.as_ref(),
+                    &mut grads,
+                )
+                .map_err(TrainError::candle)?;
+                ce += loss.ce / pieces as f64;
+                aux += loss.aux / pieces as f64;
+            }
+        }
+        drop(weights);
+        let grads_bytes = grads.iter().flatten().map(|g| (g.elem_count() * 4) as u64).sum::<u64>();
+
+        // Global norm of the unscaled gradients; a non-finite one is an f16 overflow.
+        let mut sumsq = 0f64;
+        for g in grads.iter().flatten() {
+            sumsq += g.sqr().and_then(|s| s.sum_all()).and_then(|s| s.to_scalar::<f32>()).map_err(TrainError::candle)?
+                as f64;
+        }
+        let norm = sumsq.sqrt() / self.scaler.scale;
+        let finite = norm.is_finite();
+        let scale = self.scaler.scale; // the gradients carry this one; update may change it
+        let applied = self.scaler.update(finite);
+        if applied {
+            let clip = if t.grad_clip > 0.0 && norm > t.grad_clip { t.grad_clip / (norm + 1e-6) } else { 1.0 };
+            let factor = clip / scale;
+            let opt_name = self.config.plugins.optimizer.name.clone();
+            let _span = crate::profile::scope("optimizer step");
+            for (i, g) in grads.iter_mut().enumerate() {
+                let Some(g) = g.take() else { continue };
+                let g = if factor != 1.0 { g.affine(factor, 0.0).map_err(TrainError::candle)? } else { g };
+                let param = &self.model.params()[i];
+                let wd = match param.def.role {
+                    ParamRole::Matrix | ParamRole::ResidualOut => t.weight_decay,
+                    ParamRole::Embedding | ParamRole::Norm => 0.0,
+                };
+                let ctx = StepContext { step, lr, weight_decay: wd, threads: self.threads as u32 };
+                step_param(self.optimizer.as_mut(), &opt_name, param, &g, &mut self.state.buffers[i], ctx)?;
+            }
+        }
+        drop(grads);
+        self.step = step;
+
+        let peak = memory::peak();
+        let data_bytes = baseline.saturating_sub(params_bytes + optimizer_bytes);
+        let breakdown = Breakdown::measured(
+            peak,
+            params_bytes,
+            grads_bytes,
+            optimizer_bytes,
+            data_bytes,
+            self.config.memory.budget.0,
+        );
+        let seconds = started.elapsed().as_secs_f64();
+        let tokens = self.config.train.effective_batch() * self.config.data.seq_len;
+        Ok(StepRecord {
+            step,
+            loss: ce,
+            aux_loss: self.model.spec().moe.map(|_| aux),
+            lr,
+            grad_norm: norm,
+            skipped: !applied,
+            loss_scale: self.scaler.scale,
+            tokens_per_sec: tokens as f64 / seconds.max(1e-9),
+            step_seconds: seconds,
+            memory: breakdown,
+            memory_status: String::new(),
+            micro_batch: self.config.train.micro_batch_size / self.split,
+        })
+    }
+
+    /// Lets the memory policy see the step's numbers and applies its action; returns a
+    /// reason when the run must stop.
+    fn apply_memory_policy(&mut self, record: &mut StepRecord, reporter: &mut dyn Reporter) -> Option<String> {
+        let configured = self.config.train.micro_batch_size;
+        let stats = MemoryStats {
+            current: memory::current(),
+            peak: record.memory.peak,
+            budget: self.config.memory.budget.0,
+            phase: Phase::OptimizerStep,
+            step: record.step,
+            micro_batch: (configured / self.split) as u32,
+            configured_micro_batch: configured as u32,
+        };
+        let decision = match self.memory_policy.observe(&stats) {
+            Ok(d) => d,
+            Err(e) => {
+                reporter.warn(&format!("memory policy '{}' failed: {e}", self.config.plugins.memory.name));
+                return None;
+            }
+        };
+        let message = decision.message.to_string();
+        record.memory_status = decision.pressure.as_str().to_string();
+        match decision.action {
+            MemoryAction::Continue => {}
+            MemoryAction::Warn => reporter.warn(&message),
+            MemoryAction::ShrinkMicroBatch => {
+                if configured / self.split > 1 && configured % (self.split * 2) == 0 {
+                    self.split *= 2;
+                    reporter.warn(&format!(
+                        "{message}; micro-batch {} -> {} (the global batch stays {})",
+                        configured / (self.split / 2),
+                        configured / self.split,
+                        self.config.train.effective_batch()
+                    ));
+                } else {
+                    reporter.warn(&format!("{message}; the micro-batch cannot shrink further"));
+                }
+            }
+            MemoryAction::RestoreMicroBatch => {
+                if self.split > 1 {
+                    self.split /= 2;
+                    reporter.warn(&format!("{message}; micro-batch back to {}", configured / self.split));
+                }
+            }
+            MemoryAction::ClearCaches => {
+                reporter.warn(&format!("{message} (the CPU engine holds no caches to clear)"));
+            }
+            MemoryAction::StopWithCheckpoint => {
+                return Some(format!("memory policy: {message}"));
+            }
+        }
+        None
+    }
+
+    /// Mean validation loss over `train.eval_batches` batches (the same batches every
+    /// time), without building a graph.
+    pub fn evaluate(&mut self) -> Result<EvalRecord, TrainError> {
+        let seq = self.config.data.seq_len;
+        let batch = self.config.train.micro_batch_size;
+        let mut loader = Loader::new(self.dataset.clone(), Split::Validation, batch, seq, 0, 0, 1)?;
+        let weights: Vec<Tensor> =
+            self.model.weights(self.compute).map_err(TrainError::candle)?.into_iter().map(|w| w.detach()).collect();
+        let n = self.config.train.eval_batches;
+        let mut total = 0.0;
+        for _ in 0..n {
+            let b = loader.next()?;
+            let (tokens, targets) = tensors(&b)?;
+            let (logits, _) = self.model.forward(&weights, &tokens).map_err(TrainError::candle)?;
+            let loss = model::ops::cross_entropy(&logits, &targets)
+                .and_then(|l| l.to_dtype(DType::F64))
+                .and_then(|l| l.to_scalar::<f64>())
+                .map_err(TrainError::candle)?;
+            total += loss / n as f64;
+        }
+        let floor = self.dataset.entropy_floor_nats();
+        Ok(EvalRecord { step: self.step, val_loss: total, entropy_floor: floor, gap: floor.map(|f| total / f - 1.0) })
+    }
+
+    /// Writes a checkpoint of the current step; returns its directory.
+    pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
+        let named = self.model.named_tensors();
+        let weights = model::tensors_to_safetensors(&named)?;
+        let optimizer = to_safetensors(&self.state.to_buffers(self.model.params()), None)?;
+        let trainer = TrainerState {
+            step: self.step,
+            data_position: self.loader.position(),
+            seed: self.config.train.seed,
+            loss_scale: self.scaler,
+            micro_batch_split: self.split,
+        };
+        let files = vec![
+            (HF_CONFIG_FILE.to_string(), json_bytes(&self.model.spec().to_hf_config())),
+            (MODEL_FILE.to_string(), weights),
+            (OPTIMIZER_FILE.to_string(), optimizer),
+            (TRAINER_FILE.to_string(), json_bytes(&serde_json::to_value(&trainer).expect("serializable"))),
+            (AVA_CONFIG_FILE.to_string(), json_bytes(&serde_json::to_value(&self.config).expect("serializable"))),
+        ];
+        Ok(self.store.save(self.step, &files)?)
+    }
+
+    /// The checkpoint store of this run.
+    pub fn store(&self) -> &CheckpointStore {
+        &self.store
+    }
+}
+
+/// Pretty JSON bytes of a value, with a final newline.
+fn json_bytes(value: &Value) -> Vec<u8> {
+    let mut v = serde_json::to_vec_pretty(value).expect("a JSON value serializes");
+    v.push(b'\n');
+    v
+}
+
+/// Refuses a resume whose config changes what the checkpoint's state means.
+fn check_config(ckpt: &LoadedCheckpoint, config: &Config, force: bool) -> Result<(), TrainError> {
+    let saved: Value = serde_json::from_slice(ckpt.file(AVA_CONFIG_FILE)?).map_err(|e| {
+        TrainError::Invalid(format!("{}: unreadable config: {e}", ckpt.dir.join(AVA_CONFIG_FILE).display()))
+    })?;
+    let current = serde_json::to_value(config).expect("the config serializes");
+    let differences = differing_keys(&saved, &current, STRUCTURAL_KEYS);
+    if differences.is_empty() || force {
+        return Ok(());
+    }
+    Err(TrainError::ConfigChanged { checkpoint: ckpt.dir.clone(), differences })
+}
+
+/// A batch as (B, T) input ids and the flat targets.
+fn tensors(batch: &Batch) -> Result<(Tensor, Vec<u32>), TrainError> {
+    let tokens = Tensor::from_vec(batch.inputs(), (batch.batch_size, batch.seq_len), &Device::Cpu)
+        .map_err(TrainError::candle)?;
+    Ok((tokens, batch.targets()))
+}
+
+/// A batch split into `pieces` equal micro-batches (the memory policy's shrink).
+fn split_batch(batch: &Batch, pieces: usize) -> Result<Vec<(Tensor, Vec<u32>)>, TrainError> {
+    let (tokens, targets) = tensors(batch)?;
+    if pieces == 1 {
+        return Ok(vec![(tokens, targets)]);
+    }
+    let rows = batch.batch_size / pieces;
+    let per = rows * batch.seq_len;
+    (0..pieces)
+        .map(|i| {
+            let t = tokens.narrow(0, i * rows, rows).map_err(TrainError::candle)?;
+            Ok((t, targets[i * per..(i + 1) * per].to_vec()))
+        })
+        .collect()
+}
+
+/// Appends one JSON line and flushes it (so a killed run keeps its metrics).
+fn write_line(file: &mut std::fs::File, path: &Path, value: &Value) -> Result<(), TrainError> {
+    let mut line = serde_json::to_string(value).expect("a JSON value serializes");
+    line.push('\n');
+    file.write_all(line.as_bytes()).and_then(|_| file.flush()).map_err(|e| TrainError::io(path, e))
+}
