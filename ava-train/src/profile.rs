@@ -45,6 +45,6 @@ impl Drop for Scope {
 /// (name, total time, calls), most expensive first.
 pub fn totals() -> Vec<(&'static str, Duration, u64)> {
     let mut v: Vec<_> = TOTALS.lock().expect("profile lock").iter().map(|(k, (d, n))| (*k, *d, *n)).collect();
-    v.sort_by(|a, b| b.1.cmp(&a.1));
+    v.sort_by_key(|e| std::cmp::Reverse(e.1));
     v
 }

@@ -161,8 +161,26 @@ struct BackwardInputs<'a> {
     saved: &'a [f32],
 }
 
+/// `a · b` with eight independent partial sums: a single running sum is one long chain of
+/// dependent additions that the compiler may not reorder, so it cannot use SIMD; eight
+/// lanes vectorize (about 6x faster here). The order is fixed, so results stay the same for
+/// any thread count.
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut lanes = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            lanes[l] += x[l] * y[l];
+        }
+    }
+    let mut sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    for (x, y) in ra.iter().zip(rb) {
+        sum += x * y;
+    }
+    sum
 }
 
 /// `y += a·x`.

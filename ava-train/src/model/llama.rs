@@ -328,7 +328,13 @@ pub(crate) fn add_opt(a: Option<Tensor>, b: Option<Tensor>) -> CResult<Option<Te
 }
 
 /// `x W^T`: x (N, in), w (out, in) → (N, out).
+///
+/// candle's CPU backend has no bf16 matmul; bf16 operands are multiplied in f32 and the
+/// product rounded back to bf16 (what bf16 autocast does on hardware: f32 accumulation).
 fn linear(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
+    if x.dtype() == DType::BF16 && x.device().is_cpu() {
+        return x.to_dtype(DType::F32)?.matmul(&w.to_dtype(DType::F32)?.t()?)?.to_dtype(DType::BF16);
+    }
     x.matmul(&w.t()?)
 }
 

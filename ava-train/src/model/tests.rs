@@ -330,3 +330,27 @@ fn parameter_count_and_flops_follow_the_formulas() {
     let flops = s.train_flops_per_token(256);
     assert_eq!(flops, 6.0 * s.matmul_params_per_token() as f64 + 12.0 * 4.0 * 256.0 * 256.0);
 }
+
+#[test]
+fn half_precision_gradients_are_close_to_f32() {
+    let m = model(ModelSpec { hidden: 16, heads: 2, ffn: 24, ..spec(None, false) }, 10);
+    let (tokens, targets) = batch(2, 6, 11, 7);
+    let plan = [BlockDecision::Keep; 2];
+    let (l32, g32) = grads_of(&m, DType::F32, &tokens, &targets, &plan);
+    for dtype in [DType::BF16, DType::F16] {
+        let (l, g) = grads_of(&m, dtype, &tokens, &targets, &plan);
+        assert!((l.ce - l32.ce).abs() < 0.05 * l32.ce, "{dtype:?}: loss {} vs {}", l.ce, l32.ce);
+        for (i, p) in m.params().iter().enumerate() {
+            let (a, b) = (values(g[i].as_ref().unwrap()), values(g32[i].as_ref().unwrap()));
+            assert_eq!(g[i].as_ref().unwrap().dtype(), DType::F32, "master gradients are f32");
+            let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+            let diff: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x - y).collect();
+            assert!(
+                norm(&diff) <= 0.1 * norm(&b) + 1e-4,
+                "{dtype:?} {}: relative error {}",
+                p.def.name,
+                norm(&diff) / norm(&b)
+            );
+        }
+    }
+}

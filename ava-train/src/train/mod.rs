@@ -20,16 +20,16 @@ pub use trainer::{TrainOptions, Trainer, data_options, model_spec, resolve_threa
 pub enum TrainError {
     /// The data could not be opened or read.
     #[error(transparent)]
-    Data(#[from] crate::data::DataError),
+    Data(Box<crate::data::DataError>),
     /// The model could not be built or loaded.
     #[error(transparent)]
-    Model(#[from] crate::model::ModelError),
+    Model(Box<crate::model::ModelError>),
     /// A checkpoint could not be written or read.
     #[error(transparent)]
-    Save(#[from] crate::save::SaveError),
+    Save(Box<crate::save::SaveError>),
     /// A plugin could not be created.
     #[error(transparent)]
-    Host(#[from] ava_plugins::HostError),
+    Host(Box<ava_plugins::HostError>),
     /// A plugin returned an error.
     #[error("plugin '{plugin}' failed in {what}: {message}")]
     Plugin {
@@ -74,6 +74,19 @@ pub enum TrainError {
     #[error("tensor operation failed: {0}")]
     Candle(String),
 }
+
+/// The wrapped errors are boxed: they are large, and `TrainError` travels through every
+/// `Result` of the training loop.
+macro_rules! boxed_from {
+    ($($variant:ident: $ty:ty),*) => {$(
+        impl From<$ty> for TrainError {
+            fn from(e: $ty) -> Self {
+                Self::$variant(Box::new(e))
+            }
+        }
+    )*};
+}
+boxed_from!(Data: crate::data::DataError, Model: crate::model::ModelError, Save: crate::save::SaveError, Host: ava_plugins::HostError);
 
 impl TrainError {
     pub(crate) fn candle(e: candle_core::Error) -> Self {
