@@ -136,3 +136,50 @@ fn switching_the_optimizer_to_lion_just_works() {
     let names: Vec<&String> = header.as_object().unwrap().keys().filter(|k| *k != "__metadata__").collect();
     assert!(names.iter().all(|n| n.ends_with(".exp_avg")), "{names:?}");
 }
+
+fn json_of(o: &Output) -> Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&o.stdout)))
+}
+
+/// `ava` with the embedded default model (tens of MB per step, so the process's fixed
+/// few hundred KB — registry, config, data tables — do not matter) and no `SMALL` settings.
+fn ava_default(dir: &Path, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ava"));
+    cmd.current_dir(dir).env("NO_COLOR", "1").args(["--format", "json"]);
+    for (key, _) in std::env::vars() {
+        if key.starts_with("AVA") {
+            cmd.env_remove(key);
+        }
+    }
+    ok(cmd.args(args).output().expect("ava runs"))
+}
+
+#[test]
+fn estimate_predicts_the_measured_peak_within_15_percent() {
+    let dir = tempfile::tempdir().unwrap();
+    let configs: [&[&str]; 3] = [
+        &["--set", "train.micro_batch_size=8"],
+        &["--set", "train.micro_batch_size=4", "--set", "data.seq_len=256", "--set", "plugins.checkpoint=full"],
+        &[
+            "--set",
+            "train.micro_batch_size=16",
+            "--set",
+            "train.gradient_accumulation_steps=2",
+            "--set",
+            "model.num_kv_heads=1",
+        ],
+    ];
+    for (i, extra) in configs.iter().enumerate() {
+        let mut est = vec!["estimate"];
+        est.extend(extra.iter());
+        let predicted = json_of(&ava_default(dir.path(), &est))["breakdown"]["peak"].as_u64().unwrap();
+        let out_dir = format!("train.out_dir=run{i}");
+        let mut train = vec!["train", "--max-steps", "2", "--set", "train.eval_every=0", "--set", &out_dir];
+        train.extend(extra.iter());
+        let measured = json_of(&ava_default(dir.path(), &train))["peak_bytes"].as_u64().unwrap();
+        let ratio = predicted as f64 / measured as f64;
+        println!("config {i}: estimated {predicted}, measured {measured}, ratio {ratio:.4}");
+        assert!((0.85..=1.15).contains(&ratio), "config {i} {extra:?}: estimated {predicted} vs measured {measured}");
+    }
+}

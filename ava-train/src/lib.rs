@@ -4,9 +4,13 @@
 //!   memory budget, plugins).
 //! - [`data`]: token sources (a synthetic corpus with a known entropy floor, text files,
 //!   `tokenizer.json`) and the background batch loader.
+//! - [`estimate`]: `ava estimate`, the peak memory of a training step predicted from the config
+//!   alone (closed formulas, and a replay of the model on byte-counting shadow tensors).
 //! - [`model`]: the Llama-style decoder on candle, the attention-kernel adapter and the
 //!   recompute mechanism behind checkpoint policies.
 //! - [`memory`]: the counting allocator and the memory breakdown.
+//! - [`profile`]: named wall-clock scopes for `ava bench`.
+//! - [`train`]: the training loop, checkpoints and exact resume.
 //! - [`save`]: checkpoints on disk (atomic writes, manifests with sha256, keep-last-k).
 
 pub mod config;

@@ -1,15 +1,253 @@
-//! Placeholder replaced by the estimator work in progress.
-use ava_core::{AttentionKernel, AttnShape, BlockFacts};
+//! `ava estimate`: the peak memory of one training step, predicted from the config alone
+//! before anything is allocated, as parameters / gradients / optimizer state / data /
+//! activations, with the formula behind every term.
+//!
+//! The plugins are asked only for their declared sizes: the optimizer's
+//! [`state_layout`](ava_core::Optimizer::state_layout) per parameter (names and shapes, no
+//! buffers), the attention kernel's [`saved_len`](ava_core::AttentionKernel::saved_len) for the
+//! step's shape, and the checkpoint policy's [`decide`](ava_core::CheckpointPolicy::decide) on
+//! per-block facts ([`block_facts`]). Nothing model-sized is allocated, so a 7B model can be
+//! estimated on a laptop.
+//!
+//! Parameters, gradients, optimizer state and data are closed formulas. Activations are not:
+//! what candle keeps alive depends on which op outputs the graph references and on how its
+//! backward pass holds gradients, so the estimator replays the model's forward pass and
+//! `forward_backward` on shadow tensors that count bytes instead of holding them (`sim`: candle's
+//! allocation rules and its `backward`, transcribed; `replay`: `Model::block`, `Model::head` and
+//! `forward_backward`, statement by statement). The peak of that replay is the activation
+//! term, broken down by what holds the bytes at that moment; the per-op terms of one kept block
+//! are printed as formulas (`block`). `tests/estimate_vs_measured.rs` checks the replay against
+//! the counting allocator on real steps.
+//!
+//! Files: `sim` (shadow tensors and candle's backward), `replay` (the model on them), `block`
+//! (per-block formulas), `render` (the text report).
 
-use crate::config::Precision;
+mod block;
+mod render;
+mod replay;
+mod sim;
+
+#[cfg(test)]
+mod tests;
+
+use ava_core::{AttentionKernel, AttnShape, BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy, Optimizer};
+use ava_core::{ParamInfo, StateSpec};
+use serde::{Serialize, Serializer};
+
+use self::block::Dims;
+use self::replay::Replay;
+use self::sim::{Cat, Dt};
+use crate::config::{Config, Precision};
+use crate::memory::Breakdown;
 use crate::model::ModelSpec;
 
-/// Estimation errors.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct EstimateError(String);
+/// What a term counts towards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Component {
+    /// f32 master weights, compute-type copies, rotary tables.
+    Parameters,
+    /// Gradient accumulators.
+    Gradients,
+    /// Optimizer state buffers.
+    Optimizer,
+    /// Batches queued by the loader and the batch in use.
+    Data,
+    /// What the forward and backward pass of a micro-batch hold at the peak.
+    Activations,
+}
 
-/// Per-block facts for the checkpoint policy.
+impl Component {
+    /// In report order.
+    pub const ALL: [Component; 5] =
+        [Component::Parameters, Component::Gradients, Component::Optimizer, Component::Data, Component::Activations];
+
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Component::Parameters => "parameters",
+            Component::Gradients => "gradients",
+            Component::Optimizer => "optimizer",
+            Component::Data => "data",
+            Component::Activations => "activations",
+        }
+    }
+}
+
+/// One line of the estimate: what, how it is computed, how many bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Term {
+    /// The component it counts towards.
+    pub component: Component,
+    /// e.g. `f32 master weights`.
+    pub name: String,
+    /// e.g. `4 · N = 4 · 3,277,056`.
+    pub formula: String,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// The plugins whose declared sizes the estimate uses.
+#[derive(Clone, Copy)]
+pub struct Plugins<'a> {
+    /// Asked for `state_layout` of every parameter.
+    pub optimizer: &'a dyn Optimizer,
+    /// Asked for `saved_len` of the step's attention shape.
+    pub attention: &'a dyn AttentionKernel,
+    /// Asked to `decide` on the block facts.
+    pub checkpoint: &'a dyn CheckpointPolicy,
+}
+
+impl std::fmt::Debug for Plugins<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Plugins").finish_non_exhaustive()
+    }
+}
+
+/// The predicted peak of one training step.
+#[derive(Debug, Clone, Serialize)]
+pub struct Estimate {
+    /// Sequences per micro-batch B.
+    pub batch: usize,
+    /// Tokens per sequence T.
+    pub seq_len: usize,
+    /// The compute precision.
+    pub precision: Precision,
+    /// Micro-batches per optimizer step.
+    pub accumulation: usize,
+    /// Parameters N.
+    pub num_params: u64,
+    /// Every term, grouped by component in [`Component::ALL`] order; each component's terms
+    /// sum to its field of [`breakdown`](Self::breakdown).
+    pub terms: Vec<Term>,
+    /// What one kept block holds for backward, op by op (sums to
+    /// `block_facts[i].activation_bytes`).
+    pub block_terms: Vec<Term>,
+    /// The components at the peak, against `memory.budget`.
+    pub breakdown: Breakdown,
+    /// The checkpoint policy's decision per block.
+    #[serde(serialize_with = "plan_names")]
+    pub plan: Vec<BlockDecision>,
+    /// The facts the policy decided on.
+    #[serde(serialize_with = "facts_table")]
+    pub block_facts: Vec<BlockFacts>,
+    /// Peak growth of memory across one micro-batch's `forward_backward` (gradients and
+    /// activations; with accumulation, above the accumulators already held).
+    pub micro_batch_peak: u64,
+    /// Where in the step the peak happens, e.g. `backward: block 0 (recomputed), in silu`.
+    pub peak_at: String,
+    /// `ok`, `warning`, `critical` or `over budget` (`no budget` when none is set).
+    pub status: String,
+}
+
+fn plan_names<S: Serializer>(plan: &[BlockDecision], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(plan.iter().map(|d| d.as_str()))
+}
+
+fn facts_table<S: Serializer>(facts: &[BlockFacts], s: S) -> Result<S::Ok, S::Error> {
+    #[derive(Serialize)]
+    struct Row {
+        index: u32,
+        activation_bytes: u64,
+        input_bytes: u64,
+        parameter_bytes: u64,
+        forward_flops: u64,
+    }
+    s.collect_seq(facts.iter().map(|f| Row {
+        index: f.index,
+        activation_bytes: f.activation_bytes,
+        input_bytes: f.input_bytes,
+        parameter_bytes: f.parameter_bytes,
+        forward_flops: f.forward_flops,
+    }))
+}
+
+/// Why an estimate could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum EstimateError {
+    /// A size in the config is zero.
+    #[error("{key} is 0; the estimate needs at least 1 (set it in the config or with --set {key}=N)")]
+    Zero {
+        /// The config key.
+        key: &'static str,
+    },
+    /// The attention kernel refused the step's shape.
+    #[error(
+        "the attention kernel (plugins.attention) refused the shape {shape}: {message}\n  \
+         pick a kernel that supports it (`ava plugins list`), or change data.seq_len or the model's heads"
+    )]
+    Attention {
+        /// The shape, as B, heads, T, D.
+        shape: String,
+        /// The kernel's error.
+        message: String,
+    },
+    /// The optimizer could not describe its state for a parameter.
+    #[error(
+        "the optimizer (plugins.optimizer) failed in state_layout for {param} {shape:?}: {message}\n  \
+         its state cannot be sized; check the optimizer's options (`ava plugins info NAME`)"
+    )]
+    Optimizer {
+        /// The parameter's Hugging Face name.
+        param: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// The plugin's error.
+        message: String,
+    },
+    /// The checkpoint policy failed.
+    #[error("the checkpoint policy (plugins.checkpoint) failed in decide: {message}")]
+    Checkpoint {
+        /// The plugin's error.
+        message: String,
+    },
+    /// The checkpoint policy returned the wrong number of decisions.
+    #[error(
+        "the checkpoint policy (plugins.checkpoint) returned {got} decisions for {want} blocks; \
+         a policy must decide once per block"
+    )]
+    PlanLength {
+        /// Decisions returned.
+        got: usize,
+        /// Blocks.
+        want: usize,
+    },
+}
+
+/// The shadow replay's element type for a precision.
+fn dt(precision: Precision) -> Dt {
+    match precision {
+        Precision::Fp32 => Dt::F32,
+        Precision::Bf16 | Precision::F16 => Dt::Half,
+    }
+}
+
+/// The attention kernel's saved f32s for one call of the step's shape.
+fn saved_len(
+    spec: &ModelSpec,
+    batch: usize,
+    seq: usize,
+    attention: &dyn AttentionKernel,
+) -> Result<u64, EstimateError> {
+    let shape = AttnShape::self_attention(batch, spec.heads, spec.kv_heads, seq, spec.head_dim(), true);
+    attention.saved_len(&shape).map_err(|e| EstimateError::Attention {
+        shape: format!("B={batch}, H={}, Hkv={}, T={seq}, D={}", spec.heads, spec.kv_heads, spec.head_dim()),
+        message: e.to_string(),
+    })
+}
+
+/// Forward FLOPs of one block for `batch · seq` tokens: 2 per matmul parameter a token visits,
+/// plus the attention scores and weighted sum (4·d·T per token, without the causal halving,
+/// as [`ModelSpec::train_flops_per_token`] counts them).
+fn block_forward_flops(spec: &ModelSpec, batch: usize, seq: usize) -> u64 {
+    let per_token_matmul = (spec.matmul_params_per_token() - spec.vocab * spec.hidden) / spec.layers;
+    let tokens = (batch * seq) as u64;
+    tokens * (2 * per_token_matmul as u64 + 4 * (spec.hidden * seq) as u64)
+}
+
+/// Per-block facts for the checkpoint policy: the bytes a kept block holds for backward (its
+/// activations, the attention kernel's saved buffer and its output), the bytes a recomputed
+/// block keeps instead (its (B, T, d) input), its f32 parameter bytes and its forward FLOPs.
 pub fn block_facts(
     spec: &ModelSpec,
     batch: usize,
@@ -17,43 +255,363 @@ pub fn block_facts(
     precision: Precision,
     attention: &dyn AttentionKernel,
 ) -> Result<Vec<BlockFacts>, EstimateError> {
-    let shape = AttnShape::self_attention(batch, spec.heads, spec.kv_heads, seq, spec.head_dim(), true);
-    let saved = attention.saved_len(&shape).map_err(|e| EstimateError(e.to_string()))? * 4;
-    let bt = (batch * seq) as u64;
-    let input = bt * spec.hidden as u64 * precision.bytes() as u64;
+    if batch == 0 {
+        return Err(EstimateError::Zero { key: "train.micro_batch_size" });
+    }
+    if seq == 0 {
+        return Err(EstimateError::Zero { key: "data.seq_len" });
+    }
+    let saved = saved_len(spec, batch, seq, attention)?;
+    let replay = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved);
+    let activation_bytes = replay.block_activation_bytes();
+    let input_bytes = (batch * seq * spec.hidden * precision.bytes()) as u64;
+    let defs = spec.params();
+    let flops = block_forward_flops(spec, batch, seq);
     Ok((0..spec.layers)
         .map(|i| BlockFacts {
             index: i as u32,
-            activation_bytes: saved + 20 * input,
-            input_bytes: input,
-            parameter_bytes: 0,
-            forward_flops: 0,
+            activation_bytes,
+            input_bytes,
+            parameter_bytes: 4 * defs.iter().filter(|d| d.block == Some(i)).map(|d| d.numel() as u64).sum::<u64>(),
+            forward_flops: flops,
         })
         .collect())
 }
 
-/// Plugins the estimate asks for their sizes.
-pub struct Plugins<'a> {
-    /// Optimizer.
-    pub optimizer: &'a dyn ava_core::Optimizer,
-    /// Attention.
-    pub attention: &'a dyn AttentionKernel,
-    /// Checkpoint policy.
-    pub checkpoint: &'a dyn ava_core::CheckpointPolicy,
+/// The modeled peak of one micro-batch's forward and backward pass.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MicroBatch {
+    /// Peak growth of memory across the call, above what was held before it (parameters,
+    /// casts, accumulators and the batch are held before).
+    pub peak_bytes: u64,
+    /// Of those, the bytes of this micro-batch's parameter gradients alive at the peak.
+    pub gradient_bytes: u64,
+    /// Where the peak happens, e.g. `backward: block 0 (recomputed), in silu`.
+    pub peak_at: String,
 }
 
-/// An estimate.
-#[derive(Debug, serde::Serialize)]
-pub struct Estimate {}
+/// Replays one micro-batch's `model::forward_backward` of `spec` on `batch` sequences of `seq`
+/// tokens in `precision`, under `plan` (one decision per block), on byte-counting shadow
+/// tensors. With `accumulating`, gradient accumulators from an earlier micro-batch are held
+/// and this micro-batch's gradients are added to them at the end (the additions count).
+pub fn micro_batch(
+    spec: &ModelSpec,
+    batch: usize,
+    seq: usize,
+    precision: Precision,
+    attention: &dyn AttentionKernel,
+    plan: &[BlockDecision],
+    accumulating: bool,
+) -> Result<MicroBatch, EstimateError> {
+    if batch == 0 {
+        return Err(EstimateError::Zero { key: "train.micro_batch_size" });
+    }
+    if seq == 0 {
+        return Err(EstimateError::Zero { key: "data.seq_len" });
+    }
+    if plan.len() != spec.layers {
+        return Err(EstimateError::PlanLength { got: plan.len(), want: spec.layers });
+    }
+    let saved = saved_len(spec, batch, seq, attention)?;
+    let peak = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved)
+        .forward_backward(plan, accumulating);
+    Ok(MicroBatch {
+        peak_bytes: peak.bytes,
+        gradient_bytes: peak.by_cat[Cat::ParamGrads as usize],
+        peak_at: if peak.op.is_empty() { peak.phase } else { format!("{}, in {}", peak.phase, peak.op) },
+    })
+}
 
-impl Estimate {
-    /// Text.
-    pub fn render(&self) -> String {
-        String::new()
+/// `1234567` → `1,234,567`.
+pub(crate) fn grouped(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Bytes of one cached gemm packing slab per compute thread: gemm keeps an L2-sized buffer per
+/// thread after its first matmul. Read from sysfs; 1 MiB where it cannot be read.
+fn l2_bytes() -> u64 {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index2/size").unwrap_or_default();
+    let text = text.trim();
+    let parsed = if let Some(k) = text.strip_suffix('K') {
+        k.parse::<u64>().ok().map(|k| k << 10)
+    } else if let Some(m) = text.strip_suffix('M') {
+        m.parse::<u64>().ok().map(|m| m << 20)
+    } else {
+        text.parse().ok()
+    };
+    parsed.unwrap_or(1 << 20)
+}
+
+/// The memory policy's words for a fraction of the budget (the `thresholds` defaults: target
+/// 0.90, critical 0.95).
+fn status(fraction: f64, budget: u64) -> &'static str {
+    match fraction {
+        _ if budget == 0 => "no budget",
+        f if f < 0.90 => "ok",
+        f if f < 0.95 => "warning",
+        f if f <= 1.0 => "critical",
+        _ => "over budget",
     }
 }
 
-/// Estimates.
-pub fn estimate(_: &ModelSpec, _: &crate::config::Config, _: &Plugins) -> Result<Estimate, EstimateError> {
-    Err(EstimateError("not yet".into()))
+/// Predicts the peak memory of one training step of `spec` under `config` with `plugins`.
+pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Result<Estimate, EstimateError> {
+    let (batch, seq) = (config.train.micro_batch_size, config.data.seq_len);
+    let precision = config.train.precision;
+    let accumulation = config.train.gradient_accumulation_steps.max(1);
+    let x = Dims::new(spec, batch, seq, precision.bytes());
+    let defs = spec.params();
+    let n_params: u64 = defs.iter().map(|d| d.numel() as u64).sum();
+    let mut terms = Vec::new();
+    fn add(terms: &mut Vec<Term>, component: Component, name: &str, formula: String, bytes: u64) {
+        terms.push(Term { component, name: name.to_string(), formula, bytes });
+    }
+
+    // Parameters.
+    let n = grouped(n_params);
+    add(&mut terms, Component::Parameters, "f32 master weights", format!("4 · N = 4 · {n}"), 4 * n_params);
+    if precision != Precision::Fp32 {
+        add(
+            &mut terms,
+            Component::Parameters,
+            &format!("{} copy of the weights (cast in the graph)", precision.as_str()),
+            format!("2 · N = 2 · {n}"),
+            2 * n_params,
+        );
+    }
+    let rope = 2 * x.t * x.hd * 4;
+    add(
+        &mut terms,
+        Component::Parameters,
+        "rotary tables (cos, sin)",
+        format!("2 · T·D·4 = 2 · {}·{}·4", x.t, x.hd),
+        rope,
+    );
+
+    // Optimizer state, from the plugin's layout, summed per state name.
+    struct State {
+        name: String,
+        bytes: u64,
+        /// Every buffer of this name has one element per parameter element, of one type.
+        per_element: bool,
+        dtype: ava_core::DType,
+    }
+    let mut states: Vec<State> = Vec::new();
+    for def in &defs {
+        let shape: Vec<u64> = def.shape.iter().map(|&s| s as u64).collect();
+        let layout: Vec<StateSpec> =
+            plugins.optimizer.state_layout(&ParamInfo::new(&def.name, &shape)).map_err(|e| {
+                EstimateError::Optimizer { param: def.name.clone(), shape: def.shape.clone(), message: e.to_string() }
+            })?;
+        for spec in layout {
+            let per_element = spec.len == def.numel() as u64;
+            match states.iter_mut().find(|s| *s.name == *spec.name) {
+                Some(s) => {
+                    s.bytes += spec.bytes();
+                    s.per_element &= per_element && s.dtype == spec.dtype;
+                }
+                None => states.push(State {
+                    name: spec.name.to_string(),
+                    bytes: spec.bytes(),
+                    per_element,
+                    dtype: spec.dtype,
+                }),
+            }
+        }
+    }
+    for s in &states {
+        let (size, dtype) = (s.dtype.size(), s.dtype.as_str());
+        // One element per parameter element, for every parameter: size · N.
+        let formula = if s.per_element && s.bytes == size as u64 * n_params {
+            format!("{size} · N = {size} · {n} ({dtype})")
+        } else {
+            format!("Σ over parameters of the state_layout bytes ({dtype})")
+        };
+        add(&mut terms, Component::Optimizer, &s.name, formula, s.bytes);
+    }
+    if states.is_empty() {
+        add(&mut terms, Component::Optimizer, "no state", "state_layout is empty for every parameter".into(), 0);
+    }
+
+    // Data: the loader's queue and the batch in use.
+    let (workers, prefetch) = (config.data.num_workers as u64, config.data.prefetch_factor as u64);
+    let batch_bytes = x.b * (x.t + 1) * 4;
+    if workers > 0 {
+        add(
+            &mut terms,
+            Component::Data,
+            "loader queue",
+            format!("W · prefetch · B·(T+1)·4 = {workers} · {prefetch} · {}·{}·4", x.b, x.t + 1),
+            workers * prefetch * batch_bytes,
+        );
+    }
+    add(
+        &mut terms,
+        Component::Data,
+        "batch in use, its inputs and targets",
+        format!("B·(T+1)·4 + 2 · B·T·4 = {}·{}·4 + 2 · {}·4", x.b, x.t + 1, x.n()),
+        batch_bytes + 2 * x.n() * 4,
+    );
+
+    // The checkpoint policy decides on the block facts, with the budget left for activations.
+    let facts = block_facts(spec, batch, seq, precision, plugins.attention)?;
+    let saved = saved_len(spec, batch, seq, plugins.attention)?;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let workspace = threads * l2_bytes();
+    let fixed: u64 =
+        terms.iter().map(|t| t.bytes).sum::<u64>() + 4 * n_params * if accumulation > 1 { 2 } else { 1 } + workspace;
+    let budget = config.memory.budget.0;
+    let ctx = CheckpointContext {
+        // 0 would mean "no budget"; a budget already spent leaves the smallest one.
+        budget_bytes: if budget == 0 { 0 } else { budget.saturating_sub(fixed).max(1) },
+        offload_available: false,
+    };
+    let plan =
+        plugins.checkpoint.decide(&facts, &ctx).map_err(|e| EstimateError::Checkpoint { message: e.to_string() })?;
+    if plan.len() != facts.len() {
+        return Err(EstimateError::PlanLength { got: plan.len(), want: facts.len() });
+    }
+
+    // Activations: the replay of one micro-batch.
+    let replay = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved);
+    let peak = replay.forward_backward(&plan, accumulation > 1);
+    drop(replay);
+    let at = |c: Cat| peak.by_cat[c as usize];
+    if accumulation > 1 {
+        add(
+            &mut terms,
+            Component::Gradients,
+            "f32 gradient accumulators (earlier micro-batches)",
+            format!("4 · N = 4 · {n}"),
+            4 * n_params,
+        );
+    }
+    let grads_now = at(Cat::ParamGrads);
+    let label = if accumulation > 1 { "this micro-batch's f32 gradients" } else { "f32 gradients (the accumulators)" };
+    let formula = if grads_now == 4 * n_params {
+        format!("4 · N = 4 · {n} (all: the peak comes after the backward)")
+    } else {
+        format!("4 · {} of N = {n} elements (produced by the backward before the peak)", grouped(grads_now / 4))
+    };
+    add(&mut terms, Component::Gradients, label, formula, grads_now + at(Cat::Accumulators));
+
+    let block = block::block_terms(&x, saved, spec.moe.map(|m| (m.experts as u64, m.top_k as u64)));
+    let block_bytes = facts.first().map_or(0, |f| f.activation_bytes);
+    let per_block = block_bytes.saturating_sub(saved * 4).max(1);
+    let nd_p = x.n() * x.d * x.p;
+    let count = |bytes: u64, unit: u64| bytes as f64 / unit.max(1) as f64;
+    let activation_terms = [
+        (
+            Cat::Embedding,
+            "embedding rows and their Var copy".to_string(),
+            format!("2 · B·T·d·p = 2 · {}·{}·{}", x.n(), x.d, x.p),
+        ),
+        (
+            Cat::Blocks,
+            "activations of kept blocks".to_string(),
+            format!(
+                "{:.2} × {} per kept block (per-block terms below, without the saved buffer)",
+                count(at(Cat::Blocks), per_block),
+                render::bytes(per_block)
+            ),
+        ),
+        (
+            Cat::AttnSaved,
+            "attention kernel's saved buffers".to_string(),
+            format!(
+                "{:.0} × saved_len · 4 = {:.0} × {} · 4",
+                count(at(Cat::AttnSaved), saved * 4),
+                count(at(Cat::AttnSaved), saved * 4),
+                grouped(saved)
+            ),
+        ),
+        (
+            Cat::Inputs,
+            "inputs of recomputed blocks".to_string(),
+            format!(
+                "{:.0} × B·T·d·p = {:.0} × {}·{}·{}",
+                count(at(Cat::Inputs), nd_p),
+                count(at(Cat::Inputs), nd_p),
+                x.n(),
+                x.d,
+                x.p
+            ),
+        ),
+        (
+            Cat::Recompute,
+            "activations of the block being recomputed".to_string(),
+            "one block's activations while it runs detached or is recomputed (per-block terms)".to_string(),
+        ),
+        (
+            Cat::Head,
+            "head: final norm, logits, loss".to_string(),
+            format!(
+                "norm (~3 · B·T·d·4) + B·T·V·p{} = 3 · {}·{}·4 + {}·{}·{}{}",
+                if x.cast() { " + B·T·V·4 (f32 logits)" } else { "" },
+                x.n(),
+                x.d,
+                x.n(),
+                x.v,
+                x.p,
+                if x.cast() { format!(" + {}·{}·4", x.n(), x.v) } else { String::new() }
+            ),
+        ),
+        (
+            Cat::Backward,
+            "backward: intermediate gradients and what they hold".to_string(),
+            "candle's backward replayed: gradients not yet consumed, the expressions tracked gradients keep alive, \
+             zeros from or_insert, op temporaries"
+                .to_string(),
+        ),
+    ];
+    for (cat, name, formula) in activation_terms {
+        if at(cat) > 0 {
+            add(&mut terms, Component::Activations, &name, formula, at(cat));
+        }
+    }
+    add(
+        &mut terms,
+        Component::Activations,
+        "matmul workspace (gemm packing slab per thread)",
+        format!("threads · L2 = {threads} · {}", render::bytes(l2_bytes())),
+        workspace,
+    );
+
+    let sum = |c: Component| terms.iter().filter(|t| t.component == c).map(|t| t.bytes).sum::<u64>();
+    let mut breakdown = Breakdown {
+        params: sum(Component::Parameters),
+        grads: sum(Component::Gradients),
+        optimizer: sum(Component::Optimizer),
+        data: sum(Component::Data),
+        activations: sum(Component::Activations),
+        peak: 0,
+        budget,
+        resident: None,
+        allocated: 0,
+    };
+    breakdown.peak = breakdown.params + breakdown.grads + breakdown.optimizer + breakdown.data + breakdown.activations;
+    let peak_at = if peak.op.is_empty() { peak.phase.clone() } else { format!("{}, in {}", peak.phase, peak.op) };
+    Ok(Estimate {
+        batch,
+        seq_len: seq,
+        precision,
+        accumulation,
+        num_params: n_params,
+        terms,
+        block_terms: block,
+        status: status(breakdown.fraction(), budget).to_string(),
+        breakdown,
+        plan,
+        block_facts: facts,
+        micro_batch_peak: peak.bytes,
+        peak_at,
+    })
 }

@@ -1,0 +1,207 @@
+//! What one kept transformer block holds for backward, op by op, as formulas: the terms
+//! `ava estimate` prints under "per kept block" and whose sum is the `activation_bytes` the
+//! checkpoint policy sees. A unit test checks the sum against the shadow replay of
+//! `Model::block`, so the formulas cannot drift from the code they describe.
+
+use super::{Component, Term};
+use crate::model::ModelSpec;
+
+/// The sizes the formulas are written in.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Dims {
+    /// Micro-batch B.
+    pub b: u64,
+    /// Sequence length T.
+    pub t: u64,
+    /// Width d.
+    pub d: u64,
+    /// Query heads H.
+    pub h: u64,
+    /// Key/value heads.
+    pub hkv: u64,
+    /// Head size D.
+    pub hd: u64,
+    /// SwiGLU width F.
+    pub f: u64,
+    /// Vocabulary V.
+    pub v: u64,
+    /// Bytes per element of the compute type (4, or 2 for bf16/f16).
+    pub p: u64,
+}
+
+impl Dims {
+    /// The sizes of `spec` at micro-batch `b`, sequence `t`, `p` bytes per element.
+    pub(crate) fn new(spec: &ModelSpec, b: usize, t: usize, p: usize) -> Self {
+        Self {
+            b: b as u64,
+            t: t as u64,
+            d: spec.hidden as u64,
+            h: spec.heads as u64,
+            hkv: spec.kv_heads as u64,
+            hd: spec.head_dim() as u64,
+            f: spec.ffn as u64,
+            v: spec.vocab as u64,
+            p: p as u64,
+        }
+    }
+
+    /// Tokens per micro-batch, B·T.
+    pub(crate) fn n(&self) -> u64 {
+        self.b * self.t
+    }
+
+    /// Whether the compute type differs from f32 (so casts exist).
+    pub(crate) fn cast(&self) -> bool {
+        self.p != 4
+    }
+}
+
+fn term(name: &str, formula: String, bytes: u64) -> Term {
+    Term { component: Component::Activations, name: name.to_string(), formula, bytes }
+}
+
+/// The activation terms of one kept block; `saved_len` is the attention kernel's declared
+/// saved f32s for one call, `moe` the (experts, top_k) of a mixture-of-experts block.
+pub(crate) fn block_terms(x: &Dims, saved_len: u64, moe: Option<(u64, u64)>) -> Vec<Term> {
+    let (n, d, p) = (x.n(), x.d, x.p);
+    let qkv = x.h + 2 * x.hkv;
+    let mut out = Vec::new();
+    if x.cast() {
+        out.push(term("norms (2): f32 copy of the input", format!("2 · B·T·d·4 = 2 · {n}·{d}·4"), 2 * n * d * 4));
+    }
+    out.push(term("norms (2): x² and x / rms, in f32", format!("2 · 2 · B·T·d·4 = 4 · {n}·{d}·4"), 4 * n * d * 4));
+    if x.cast() {
+        out.push(term("norms (2): cast back", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
+    }
+    out.push(term("norms (2): times the weight", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
+    out.push(term(
+        "norms (2): row statistics (sum, mean, +ε, sqrt)",
+        format!("2 · 4 · B·T·4 = 8 · {n}·4"),
+        2 * 4 * n * 4,
+    ));
+    out.push(term("q, k, v projections", format!("B·T·(H + 2·Hkv)·D·p = {n}·{qkv}·{}·{p}", x.hd), n * qkv * x.hd * p));
+    // A transpose that only moves a dimension of size 1 stays contiguous: no copy then.
+    let moved = |heads: u64| if heads > 1 && x.t > 1 { heads } else { 0 };
+    let copied = moved(x.h) + 2 * moved(x.hkv);
+    if copied > 0 {
+        out.push(term(
+            "q, k, v as (B, heads, T, D), contiguous copies",
+            format!("B·T·{}·D·p = {n}·{copied}·{}·{p}", copies_formula(moved(x.h) > 0, moved(x.hkv) > 0), x.hd),
+            n * copied * x.hd * p,
+        ));
+    }
+    let roped = x.h + x.hkv;
+    out.push(term(
+        "RoPE on q and k: −x₂, cat, x·cos, rot·sin, sum",
+        format!("4.5 · B·T·(H + Hkv)·D·p = 4.5 · {n}·{roped}·{}·{p}", x.hd),
+        9 * n * roped * x.hd * p / 2,
+    ));
+    if x.cast() {
+        out.push(term(
+            "RoPE: cos and sin cast, per call (q and k)",
+            format!("2 · 2 · T·D·p = 4 · {}·{}·{p}", x.t, x.hd),
+            4 * x.t * x.hd * p,
+        ));
+        out.push(term(
+            "attention inputs as f32 (the kernel computes in f32)",
+            format!("B·T·(H + 2·Hkv)·D·4 = {n}·{qkv}·{}·4", x.hd),
+            n * qkv * x.hd * 4,
+        ));
+    }
+    out.push(term("attention output (f32)", format!("B·H·T·D·4 = {n}·{}·{}·4", x.h, x.hd), n * x.h * x.hd * 4));
+    out.push(term(
+        "attention kernel's saved buffer",
+        format!("saved_len · 4 = {saved_len} · 4 (the kernel's declaration)"),
+        saved_len * 4,
+    ));
+    if x.cast() {
+        out.push(term(
+            "attention output cast back",
+            format!("B·H·T·D·p = {n}·{}·{}·{p}", x.h, x.hd),
+            n * x.h * x.hd * p,
+        ));
+    }
+    if moved(x.h) > 0 {
+        out.push(term(
+            "heads merged to (B·T, H·D) (a transpose copy)",
+            format!("B·T·H·D·p = {n}·{}·{}·{p}", x.h, x.hd),
+            n * x.h * x.hd * p,
+        ));
+    }
+    out.push(term("o_proj output and residual sum", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
+    match moe {
+        None => {
+            out.push(term(
+                "SwiGLU: gate, silu, up, gate·up",
+                format!("4 · B·T·F·p = 4 · {n}·{}·{p}", x.f),
+                4 * n * x.f * p,
+            ));
+            out.push(term(
+                "down_proj output and residual sum",
+                format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"),
+                2 * n * d * p,
+            ));
+        }
+        Some((e, k)) => out.extend(moe_terms(x, e, k)),
+    }
+    out
+}
+
+/// The mixture-of-experts part of a block, with the B·T·k routed rows spread evenly over
+/// the experts.
+fn moe_terms(x: &Dims, e: u64, k: u64) -> Vec<Term> {
+    let (n, d, p, f) = (x.n(), x.d, x.p, x.f);
+    let used = e.min(n * k);
+    let c = u64::from(x.cast());
+    let router = n * e * p + c * n * e * 4 + 3 * n * e * 4 + 2 * n * 4;
+    let routing = 3 * n * k * 4 + n * 4 + 4 * e * 4 + 8;
+    vec![
+        term(
+            "MoE router: logits, f32 softmax (max, sub, exp, sum, div)",
+            format!(
+                "B·T·E·p{} + 3 · B·T·E·4 + 2 · B·T·4 = {n}·{e}·{p}{} + 3 · {n}·{e}·4 + 2 · {n}·4",
+                cast_f(c),
+                cast_v(c, n, e)
+            ),
+            router,
+        ),
+        term(
+            "MoE routing: chosen ids, top-k weights, load-balancing loss",
+            format!("3 · B·T·k·4 + B·T·4 + 4 · E·4 + 8 = 3 · {n}·{k}·4 + {n}·4 + 4 · {e}·4 + 8"),
+            routing,
+        ),
+        term(
+            "MoE experts on B·T·k rows: ids, gate, rows, SwiGLU, scaled output",
+            format!(
+                "B·T·k·(3·4 + (3·d + 4·F{})·p) = {n}·{k}·(12 + (3·{d} + 4·{f}{})·{p})",
+                if c == 1 { " + 1" } else { "" },
+                if c == 1 { " + 1" } else { "" }
+            ),
+            n * k * (12 + (3 * d + 4 * f + c) * p),
+        ),
+        term(
+            "MoE output: zeros and one index_add sum per expert",
+            format!("(E_used + 1) · B·T·d·p = {} · {n}·{d}·{p}", used + 1),
+            (used + 1) * n * d * p,
+        ),
+        term("residual sum", format!("B·T·d·p = {n}·{d}·{p}"), n * d * p),
+    ]
+}
+
+/// `(H + 2·Hkv)`, or the part of it whose transpose is a copy.
+fn copies_formula(q: bool, kv: bool) -> &'static str {
+    match (q, kv) {
+        (true, true) => "(H + 2·Hkv)",
+        (true, false) => "H",
+        (false, true) => "2·Hkv",
+        (false, false) => "0",
+    }
+}
+
+fn cast_f(c: u64) -> &'static str {
+    if c == 1 { " + B·T·E·4" } else { "" }
+}
+
+fn cast_v(c: u64, n: u64, e: u64) -> String {
+    if c == 1 { format!(" + {n}·{e}·4") } else { String::new() }
+}

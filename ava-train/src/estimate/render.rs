@@ -1,0 +1,79 @@
+//! The text report of an [`Estimate`]: terms grouped by component with subtotals, the
+//! per-block terms the checkpoint policy saw, and the breakdown line.
+
+use std::fmt::Write as _;
+
+use ava_core::BlockDecision;
+
+use super::{Component, Estimate, Term};
+
+/// Bytes in the largest binary unit that keeps the number at least 1 (`13.25 MiB`).
+pub(crate) fn bytes(b: u64) -> String {
+    const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    for (unit, size) in UNITS {
+        if b >= size {
+            return format!("{:.2} {unit}", b as f64 / size as f64);
+        }
+    }
+    format!("{b} B")
+}
+
+/// `keep ×2, recompute ×30` (runs of equal decisions).
+fn plan_summary(plan: &[BlockDecision]) -> String {
+    let mut runs: Vec<(BlockDecision, usize)> = Vec::new();
+    for &d in plan {
+        match runs.last_mut() {
+            Some((last, n)) if *last == d => *n += 1,
+            _ => runs.push((d, 1)),
+        }
+    }
+    runs.iter().map(|(d, n)| format!("{} ×{n}", d.as_str())).collect::<Vec<_>>().join(", ")
+}
+
+fn line(out: &mut String, t: &Term) {
+    let _ = writeln!(out, "    {:<52} {:>12}  {}", t.name, bytes(t.bytes), t.formula);
+}
+
+impl Estimate {
+    /// The report: each term with its bytes and formula, grouped by component with subtotals,
+    /// the per-block terms, and the breakdown line with its status.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "Memory estimate for one training step: N = {} parameters, micro-batch B = {} × T = {} tokens, {}{}",
+            super::grouped(self.num_params),
+            self.batch,
+            self.seq_len,
+            self.precision.as_str(),
+            if self.accumulation > 1 {
+                format!(", {} micro-batches per step", self.accumulation)
+            } else {
+                String::new()
+            },
+        );
+        let _ = writeln!(out, "checkpoint plan: {}", plan_summary(&self.plan));
+        let _ = writeln!(out, "peak: {}", self.peak_at);
+        for component in Component::ALL {
+            let terms: Vec<&Term> = self.terms.iter().filter(|t| t.component == component).collect();
+            let total: u64 = terms.iter().map(|t| t.bytes).sum();
+            let _ = writeln!(out, "  {:<54} {:>12}", component.as_str(), bytes(total));
+            for t in terms {
+                line(&mut out, t);
+            }
+        }
+        let per_block: u64 = self.block_terms.iter().map(|t| t.bytes).sum();
+        let input = self.block_facts.first().map_or(0, |f| f.input_bytes);
+        let _ = writeln!(
+            out,
+            "  per kept block (activation_bytes for the checkpoint policy; a recomputed block keeps its input, {})",
+            bytes(input)
+        );
+        for t in &self.block_terms {
+            line(&mut out, t);
+        }
+        let _ = writeln!(out, "    {:<52} {:>12}", "total per kept block", bytes(per_block));
+        let _ = writeln!(out, "{}", self.breakdown.line(&self.status));
+        out
+    }
+}

@@ -1,0 +1,469 @@
+//! The model's forward pass (`model::llama`) and one micro-batch's `forward_backward`
+//! (`model::recompute`), replayed statement by statement on the shadow tensors of `sim`, so the
+//! meter sees the same allocations, in the same order and with the same lifetimes, as the
+//! counting allocator sees in a real step. Keep this file in step with those two: a change
+//! there (an extra cast, a copy, a tensor kept longer) is a change in memory that the estimate
+//! will only see once it is mirrored here. The calibration tests in
+//! `tests/estimate_vs_measured.rs` compare the two.
+
+use std::rc::Rc;
+
+use ava_core::BlockDecision;
+
+use super::sim::{self, Cat, Dt, GradStore, Meter, T, backward, cat};
+use crate::model::{ModelSpec, ParamDef};
+
+/// Where one block's parameters are (indices into [`ModelSpec::params`]).
+#[derive(Debug, Clone)]
+struct BlockIdx {
+    attn_norm: usize,
+    q: usize,
+    k: usize,
+    v: usize,
+    o: usize,
+    mlp_norm: usize,
+    /// Dense: `[gate, up, down]`; MoE: the router and `[w1, w3, w2]` per expert.
+    mlp: Mlp,
+    all: Vec<usize>,
+}
+
+#[derive(Debug, Clone)]
+enum Mlp {
+    Dense([usize; 3]),
+    Moe { router: usize, experts: Vec<[usize; 3]>, top_k: usize },
+}
+
+/// A block's output and its load-balancing loss (MoE).
+struct BlockOut {
+    hidden: T,
+    aux: Option<T>,
+}
+
+/// A stretch of graph between recomputed blocks (`recompute::Kept`).
+struct Kept {
+    start: Option<T>,
+    end: T,
+    aux: Option<T>,
+    blocks: Vec<usize>,
+}
+
+enum Stage {
+    Kept(Kept),
+    Recompute { block: usize, input: T },
+}
+
+/// What one replayed micro-batch cost.
+#[derive(Debug, Clone)]
+pub(crate) struct MicroBatchPeak {
+    /// Peak bytes above what was held before the call.
+    pub bytes: u64,
+    /// The same, per category.
+    pub by_cat: [u64; sim::CATS],
+    /// Where the peak happened.
+    pub phase: String,
+    /// The backward op being processed at the peak, if any.
+    pub op: &'static str,
+}
+
+/// The model on shadow tensors: parameters, their compute-type casts, rotary tables.
+pub(crate) struct Replay<'a> {
+    spec: &'a ModelSpec,
+    meter: Rc<Meter>,
+    batch: usize,
+    seq: usize,
+    dtype: Dt,
+    f32_matmul: bool,
+    saved_len: u64,
+    defs: Vec<ParamDef>,
+    vars: Vec<T>,
+    weights: Vec<T>,
+    cos: T,
+    sin: T,
+    blocks: Vec<BlockIdx>,
+    final_norm: usize,
+    head: usize,
+}
+
+fn add_opt(a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.add(&b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
+
+/// `x W^T` (`llama::linear`): with `f32_matmul` (bf16 on CPU) both operands are cast to
+/// f32, multiplied, and the product cast back.
+fn linear_as(x: &T, w: &T, f32_matmul: bool) -> T {
+    if f32_matmul {
+        let dtype = x.dtype();
+        return x.to_dtype(Dt::F32).matmul(&w.to_dtype(Dt::F32).t()).to_dtype(dtype);
+    }
+    x.matmul(&w.t())
+}
+
+/// `ops::softmax_last`.
+fn softmax_last(x: &T) -> T {
+    let max = x.max_keepdim_last_detached();
+    let e = x.broadcast_sub(&max).exp();
+    e.broadcast_div(&e.sum_keepdim(&[e.dims().len() - 1]))
+}
+
+impl<'a> Replay<'a> {
+    /// The model for micro-batches of `batch` sequences of `seq` tokens in `dtype`, with an
+    /// attention kernel that saves `saved_len` f32s per call. Parameters, casts and rotary
+    /// tables are counted under [`Cat::Params`].
+    /// `f32_matmul`: the compute type is bf16, whose matmuls run in f32 on CPU.
+    pub(crate) fn new(
+        spec: &'a ModelSpec,
+        batch: usize,
+        seq: usize,
+        dtype: Dt,
+        f32_matmul: bool,
+        saved_len: u64,
+    ) -> Self {
+        let meter = Meter::new();
+        meter.set_cat(Cat::Params);
+        let defs = spec.params();
+        let vars: Vec<T> = defs.iter().map(|d| T::param(&meter, &d.shape)).collect();
+        // Model::weights: the Vars themselves in f32, casts (inside the graph) otherwise.
+        let weights = vars.iter().map(|v| v.to_dtype(dtype)).collect();
+        let head_dim = spec.head_dim();
+        let cos = T::new(&meter, &[seq, head_dim], Dt::F32); // (T, D)
+        let sin = T::new(&meter, &[seq, head_dim], Dt::F32); // (T, D)
+        let find = |name: String| defs.iter().position(|d| d.name == name).expect("spec parameter");
+        let blocks = (0..spec.layers)
+            .map(|i| {
+                let pre = format!("model.layers.{i}");
+                let mlp = match spec.moe {
+                    None => Mlp::Dense([
+                        find(format!("{pre}.mlp.gate_proj.weight")),
+                        find(format!("{pre}.mlp.up_proj.weight")),
+                        find(format!("{pre}.mlp.down_proj.weight")),
+                    ]),
+                    Some(moe) => Mlp::Moe {
+                        router: find(format!("{pre}.block_sparse_moe.gate.weight")),
+                        experts: (0..moe.experts)
+                            .map(|e| {
+                                let ex = format!("{pre}.block_sparse_moe.experts.{e}");
+                                [
+                                    find(format!("{ex}.w1.weight")),
+                                    find(format!("{ex}.w3.weight")),
+                                    find(format!("{ex}.w2.weight")),
+                                ]
+                            })
+                            .collect(),
+                        top_k: moe.top_k,
+                    },
+                };
+                BlockIdx {
+                    attn_norm: find(format!("{pre}.input_layernorm.weight")),
+                    q: find(format!("{pre}.self_attn.q_proj.weight")),
+                    k: find(format!("{pre}.self_attn.k_proj.weight")),
+                    v: find(format!("{pre}.self_attn.v_proj.weight")),
+                    o: find(format!("{pre}.self_attn.o_proj.weight")),
+                    mlp_norm: find(format!("{pre}.post_attention_layernorm.weight")),
+                    mlp,
+                    all: (0..defs.len()).filter(|&j| defs[j].block == Some(i)).collect(),
+                }
+            })
+            .collect();
+        let final_norm = find("model.norm.weight".into());
+        let head = if spec.tie_embeddings { 0 } else { find("lm_head.weight".into()) };
+        Self {
+            spec,
+            meter,
+            batch,
+            seq,
+            dtype,
+            f32_matmul,
+            saved_len,
+            defs,
+            vars,
+            weights,
+            cos,
+            sin,
+            blocks,
+            final_norm,
+            head,
+        }
+    }
+
+    /// The meter.
+    #[cfg(test)]
+    pub(crate) fn meter(&self) -> &Rc<Meter> {
+        &self.meter
+    }
+
+    /// `ops::rms_norm`: in f32, back to the input type.
+    fn rms_norm(&self, x: &T, w: &T) -> T {
+        let dtype = x.dtype();
+        let xf = x.to_dtype(Dt::F32);
+        let ms = xf.sqr().mean_keepdim_last(); // (.., 1)
+        let normed = xf.broadcast_div(&ms.affine(1.0).sqrt());
+        normed.to_dtype(dtype).broadcast_mul(&w.to_dtype(dtype))
+    }
+
+    /// `Rope::apply` on (B, heads, T, D).
+    fn rope(&self, x: &T) -> T {
+        let (t, d) = (x.dims()[2], x.dims()[3]);
+        let dtype = x.dtype();
+        let cos = self.cos.narrow(0, 0, t).to_dtype(dtype); // (T, D)
+        let sin = self.sin.narrow(0, 0, t).to_dtype(dtype); // (T, D)
+        let half = d / 2;
+        let x1 = x.narrow(3, 0, half);
+        let x2 = x.narrow(3, half, half);
+        let rotated = cat(&[&x2.neg(), &x1], 3); // (B, heads, T, D)
+        x.broadcast_mul(&cos).add(&rotated.broadcast_mul(&sin))
+    }
+
+    /// `model::attention`: f32 contiguous copies, the kernel op, back to the compute type.
+    fn attention(&self, q: &T, k: &T, v: &T) -> T {
+        let dtype = q.dtype();
+        let f32c = |x: &T| x.to_dtype(Dt::F32).contiguous();
+        T::attention(&f32c(q), &f32c(k), &f32c(v), self.saved_len).to_dtype(dtype)
+    }
+
+    fn swiglu(&self, x: &T, gate: usize, up: usize, down: usize) -> T {
+        let w = &self.weights;
+        let hidden = linear_as(x, &w[gate], self.f32_matmul).silu().mul(&linear_as(x, &w[up], self.f32_matmul)); // (N, F)
+        linear_as(&hidden, &w[down], self.f32_matmul)
+    }
+
+    /// `llama::moe`, with tokens spread evenly over the experts (the routing is data-dependent;
+    /// an even spread is what the load-balancing loss aims for).
+    fn moe(&self, x: &T, router: usize, experts: &[[usize; 3]], top_k: usize) -> (T, T) {
+        let (n, d) = (x.dims()[0], x.dims()[1]);
+        let e_count = experts.len();
+        let m = &self.meter;
+        let probs = softmax_last(&linear_as(x, &self.weights[router], self.f32_matmul).to_dtype(Dt::F32)); // (N, E) f32
+        // probs.to_vec2 (rows of E f32 plus a Vec header each), the chosen ids, the counts.
+        let _values = sim::raw(m, (n * e_count * 4 + n * 24) as u64);
+        let _chosen = sim::raw(m, (n * top_k * 4) as u64);
+        let chosen_t = T::new(m, &[n, top_k], Dt::U32);
+        let top = probs.gather(&chosen_t, 1); // (N, k)
+        let top = top.broadcast_div(&top.sum_keepdim(&[1])).reshape(&[n * top_k]); // (N·k,)
+        let mut out = T::new(m, &[n, d], x.dtype()); // (N, d)
+        let slots = n * top_k;
+        for (e, [w1, w3, w2]) in experts.iter().enumerate() {
+            let count = slots / e_count + usize::from(e < slots % e_count);
+            if count == 0 {
+                continue;
+            }
+            let _slots = sim::raw(m, count as u64 * 4);
+            let rows = T::new(m, &[count], Dt::U32);
+            let gate = top.index_select(&T::new(m, &[count], Dt::U32), 0); // (n_e,)
+            let y = self.swiglu(&x.index_select(&rows, 0), *w1, *w3, *w2); // (n_e, d)
+            let y = y.broadcast_mul(&gate.to_dtype(x.dtype()).unsqueeze(1));
+            out = out.index_add(&rows, &y, 0);
+        }
+        let fractions = T::new(m, &[e_count], Dt::F32);
+        let mean = probs.sum_keepdim(&[0]).reshape(&[e_count]).affine(1.0);
+        let aux = mean.mul(&fractions).sum_all().affine(e_count as f64);
+        (out, aux)
+    }
+
+    /// `Model::embed`: (B, T) ids → (B, T, d).
+    fn embed(&self, tokens: &T) -> T {
+        let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
+        self.weights[0].index_select(&tokens.reshape(&[b * t]), 0).reshape(&[b, t, self.spec.hidden])
+    }
+
+    /// `Model::block`.
+    fn block(&self, i: usize, x: &T) -> BlockOut {
+        let bi = &self.blocks[i];
+        let s = self.spec;
+        let w = &self.weights;
+        let (b, t, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
+        let (h, hkv, hd) = (s.heads, s.kv_heads, s.head_dim());
+        let n = b * t;
+        let normed = self.rms_norm(x, &w[bi.attn_norm]).reshape(&[n, d]); // (B·T, d)
+        let heads = |proj: usize, count: usize| {
+            linear_as(&normed, &w[proj], self.f32_matmul).reshape(&[b, t, count, hd]).transpose(1, 2).contiguous()
+        };
+        let q = self.rope(&heads(bi.q, h)); // (B, H, T, D)
+        let k = self.rope(&heads(bi.k, hkv)); // (B, Hkv, T, D)
+        let v = heads(bi.v, hkv); // (B, Hkv, T, D)
+        let attn = self.attention(&q, &k, &v); // (B, H, T, D)
+        let attn = attn.transpose(1, 2).reshape(&[n, h * hd]); // (B·T, H·D)
+        let x = x.add(&linear_as(&attn, &w[bi.o], self.f32_matmul).reshape(&[b, t, d])); // (B, T, d)
+        let normed = self.rms_norm(&x, &w[bi.mlp_norm]).reshape(&[n, d]); // (B·T, d)
+        let (mlp, aux) = match &bi.mlp {
+            Mlp::Dense([gate, up, down]) => (self.swiglu(&normed, *gate, *up, *down), None),
+            Mlp::Moe { router, experts, top_k } => {
+                let (out, aux) = self.moe(&normed, *router, experts, *top_k);
+                (out, Some(aux))
+            }
+        };
+        BlockOut { hidden: x.add(&mlp.reshape(&[b, t, d])), aux }
+    }
+
+    /// `Model::head`: final norm and LM head, (B, T, d) → (B·T, V).
+    fn head(&self, x: &T) -> T {
+        let (b, t, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
+        let normed = self.rms_norm(x, &self.weights[self.final_norm]).reshape(&[b * t, d]);
+        linear_as(&normed, &self.weights[self.head], self.f32_matmul)
+    }
+
+    /// Bytes a kept block adds to the graph (its activations, the kernel's saved buffer and its
+    /// output), measured on a fresh input.
+    pub(crate) fn block_activation_bytes(&self) -> u64 {
+        let x = T::new(&self.meter, &[self.batch, self.seq, self.spec.hidden], self.dtype).make_var();
+        let before = self.meter.current();
+        let out = self.block(0, &x);
+        let bytes = self.meter.current() - before;
+        drop((out.hidden, out.aux, x));
+        bytes
+    }
+
+    /// `recompute::surrogate`.
+    fn surrogate(out: &T, grad_out: &T, aux: Option<&T>) -> T {
+        let mut s = out.mul(&grad_out.detach().to_dtype(out.dtype())).sum_all().to_dtype(Dt::F32);
+        if let Some(aux) = aux {
+            s = s.add(&aux.to_dtype(Dt::F32).affine(1.0));
+        }
+        s
+    }
+
+    /// `recompute::collect`: the stretch's parameter gradients into `local`, the gradient of
+    /// its start out; the store is dropped.
+    fn collect(&self, blocks: &[usize], start: Option<&T>, mut store: GradStore, local: &mut [Option<T>]) -> Option<T> {
+        self.meter.set_cat(Cat::ParamGrads);
+        let outside = (0..self.defs.len()).filter(|&i| self.defs[i].block.is_none());
+        let indices: Vec<usize> = blocks.iter().flat_map(|&b| self.blocks[b].all.clone()).chain(outside).collect();
+        for i in indices {
+            if let Some(g) = store.remove(&self.vars[i]) {
+                let g = g.detach().to_dtype(Dt::F32);
+                local[i] = Some(match local[i].take() {
+                    Some(acc) => acc.add(&g),
+                    None => g,
+                });
+            }
+        }
+        let start = start.and_then(|v| store.remove(v)).map(|g| g.detach());
+        drop(store);
+        self.meter.set_cat(Cat::Backward);
+        start
+    }
+
+    /// `recompute::forward_backward` for one micro-batch under `plan` (an `Offload` block
+    /// without an offload tier keeps its input in memory, as the engine does). With
+    /// `accumulating`, gradient accumulators from an earlier micro-batch are held throughout
+    /// and this micro-batch's gradients are added to them at the end. Returns the peak above
+    /// what was held before the call (parameters, casts, accumulators, the batch).
+    pub(crate) fn forward_backward(&self, plan: &[BlockDecision], accumulating: bool) -> MicroBatchPeak {
+        let m = &self.meter;
+        let (b, t) = (self.batch, self.seq);
+        m.set_cat(Cat::Accumulators);
+        let mut accumulators: Vec<Option<T>> =
+            self.defs.iter().map(|d| accumulating.then(|| T::new(m, &d.shape, Dt::F32))).collect();
+        m.set_cat(Cat::Params);
+        let tokens = T::new(m, &[b, t], Dt::U32); // the caller's (B, T) ids
+        let before = m.current_by_cat();
+        m.reset_peak();
+
+        m.set_phase("forward: embedding".into());
+        m.set_cat(Cat::Embedding);
+        let embedded = self.embed(&tokens);
+        let first = embedded.detach().make_var();
+        let mut stages = vec![Stage::Kept(Kept { start: None, end: embedded, aux: None, blocks: vec![] })];
+        let mut current = Kept { end: first.clone(), start: Some(first), aux: None, blocks: vec![] };
+        for (i, decision) in plan.iter().enumerate() {
+            match decision {
+                BlockDecision::Keep => {
+                    m.set_phase(format!("forward: block {i} (keep)"));
+                    m.set_cat(Cat::Blocks);
+                    let out = self.block(i, &current.end);
+                    current.end = out.hidden;
+                    current.aux = add_opt(current.aux.take(), out.aux);
+                    current.blocks.push(i);
+                }
+                BlockDecision::Recompute | BlockDecision::Offload => {
+                    m.set_phase(format!("forward: block {i} (run detached, recomputed in backward)"));
+                    m.set_cat(Cat::Recompute);
+                    let input = current.end.detach(); // (B, T, d)
+                    let out = self.block(i, &input);
+                    let hidden = out.hidden.detach();
+                    drop(out);
+                    if !current.blocks.is_empty() {
+                        stages.push(Stage::Kept(current));
+                    }
+                    stages.push(Stage::Recompute { block: i, input });
+                    m.set_cat(Cat::Inputs);
+                    let start = hidden.make_var();
+                    current = Kept { end: start.clone(), start: Some(start), aux: None, blocks: vec![] };
+                    drop(hidden);
+                }
+            }
+        }
+
+        m.set_phase("forward: head and loss".into());
+        m.set_cat(Cat::Head);
+        let logits = self.head(&current.end); // (B·T, V)
+        let ce = logits.to_dtype(Dt::F32).contiguous().cross_entropy_rows().sum_all().affine(1.0);
+        let mut loss = ce.clone();
+        if let Some(aux) = &current.aux {
+            loss = loss.add(&aux.to_dtype(Dt::F32).affine(1.0));
+        }
+        m.set_phase(format!("backward: loss, head and {}", stretch_name(&current.blocks)));
+        m.set_cat(Cat::Backward);
+        let root = loss.affine(1.0);
+        let store = backward(&root);
+        drop((root, loss, ce, logits));
+        let mut local: Vec<Option<T>> = vec![None; self.defs.len()];
+        let mut grad_out = self.collect(&current.blocks, current.start.as_ref(), store, &mut local);
+        drop(current);
+
+        while let Some(stage) = stages.pop() {
+            let g = grad_out.take().expect("a stage after the first receives a gradient");
+            match stage {
+                Stage::Recompute { block, input } => {
+                    m.set_phase(format!("backward: block {block} (recomputed)"));
+                    m.set_cat(Cat::Inputs);
+                    let start = input.make_var();
+                    drop(input);
+                    m.set_cat(Cat::Recompute);
+                    let out = self.block(block, &start);
+                    m.set_cat(Cat::Backward);
+                    let surrogate = Self::surrogate(&out.hidden, &g, out.aux.as_ref());
+                    let store = backward(&surrogate);
+                    drop((surrogate, out));
+                    grad_out = self.collect(&[block], Some(&start), store, &mut local);
+                }
+                Stage::Kept(kept) => {
+                    m.set_phase(format!("backward: {}", stretch_name(&kept.blocks)));
+                    m.set_cat(Cat::Backward);
+                    let surrogate = Self::surrogate(&kept.end, &g, kept.aux.as_ref());
+                    let store = backward(&surrogate);
+                    drop(surrogate);
+                    grad_out = self.collect(&kept.blocks, kept.start.as_ref(), store, &mut local);
+                }
+            }
+        }
+        m.set_phase("adding the gradients to the accumulators".into());
+        m.set_cat(Cat::Accumulators);
+        for (acc, g) in accumulators.iter_mut().zip(local) {
+            if let Some(g) = g {
+                *acc = Some(match acc.take() {
+                    Some(a) => a.add(&g),
+                    None => g,
+                });
+            }
+        }
+        let peak = m.peak();
+        let mut by_cat = peak.by_cat;
+        for (c, b) in by_cat.iter_mut().zip(before) {
+            *c = c.saturating_sub(b);
+        }
+        drop(accumulators);
+        MicroBatchPeak { bytes: peak.bytes - before.iter().sum::<u64>(), by_cat, phase: peak.phase, op: peak.op }
+    }
+}
+
+fn stretch_name(blocks: &[usize]) -> String {
+    match blocks {
+        [] => "embedding".into(),
+        [one] => format!("kept block {one}"),
+        [first, .., last] => format!("kept blocks {first}..={last}"),
+    }
+}

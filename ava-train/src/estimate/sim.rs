@@ -1,0 +1,924 @@
+//! A shadow of candle 0.9's CPU tensors that allocates nothing but counts bytes: each shadow
+//! tensor has a shape, strides, a type, a reference-counted buffer and, like a candle tensor,
+//! the op that made it (holding its inputs alive). The ops the model uses allocate exactly where
+//! candle allocates (views share their buffer, `contiguous` and `to_dtype` are no-ops when
+//! nothing changes), and [`backward`] transcribes candle's `Tensor::backward`: the same
+//! topological order, the same `or_insert` of zeros, and the same gradient expressions, so a
+//! gradient computed from a tracked tensor keeps its whole expression alive, as it does in
+//! candle. Dropping a shadow tensor frees its bytes when the last reference goes.
+//!
+//! The estimator runs the model's forward and `forward_backward` on these shadows (see
+//! `replay`) and reads the peak off the [`Meter`]. Buffers carry a [`Cat`] so the peak can be
+//! broken down by what holds the bytes.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// Element type of a shadow tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dt {
+    /// f32.
+    F32,
+    /// bf16 or f16 (2 bytes).
+    Half,
+    /// u32 token ids and indices.
+    U32,
+}
+
+impl Dt {
+    /// Bytes per element.
+    pub(crate) fn size(self) -> u64 {
+        match self {
+            Dt::F32 | Dt::U32 => 4,
+            Dt::Half => 2,
+        }
+    }
+}
+
+/// What a buffer is, for the breakdown of the peak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) enum Cat {
+    /// Parameters, their compute-type casts, rotary tables (outside the micro-batch).
+    Params,
+    /// Gradient accumulators from earlier micro-batches.
+    Accumulators,
+    /// The embedding stretch: the looked-up rows and their `Var` copy.
+    Embedding,
+    /// Forward activations of kept blocks (without the attention kernel's saved buffers).
+    Blocks,
+    /// The attention kernel's saved buffers.
+    AttnSaved,
+    /// Inputs of recomputed blocks (the `Var` copies that start each stretch).
+    Inputs,
+    /// Activations of a block run detached or recomputed in backward.
+    Recompute,
+    /// Final norm, logits and loss.
+    Head,
+    /// Gradients of intermediate tensors, the expressions they keep alive, and backward
+    /// temporaries.
+    Backward,
+    /// This micro-batch's parameter gradients.
+    ParamGrads,
+}
+
+/// Number of [`Cat`] values.
+pub(crate) const CATS: usize = 10;
+
+/// Where the peak happened and what held the bytes then.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PeakInfo {
+    /// Bytes at the peak.
+    pub bytes: u64,
+    /// Bytes per [`Cat`] at the peak.
+    pub by_cat: [u64; CATS],
+    /// The phase of the replay (set by the driver).
+    pub phase: String,
+    /// The backward op being processed, if any.
+    pub op: &'static str,
+}
+
+/// Counts the bytes the shadow buffers hold.
+#[derive(Debug, Default)]
+pub(crate) struct Meter {
+    cur: Cell<u64>,
+    by_cat: RefCell<[u64; CATS]>,
+    peak: RefCell<PeakInfo>,
+    cat: Cell<Option<Cat>>,
+    phase: RefCell<String>,
+    op: Cell<&'static str>,
+    next_id: Cell<usize>,
+}
+
+impl Meter {
+    /// A meter at zero.
+    pub(crate) fn new() -> Rc<Self> {
+        Rc::new(Self::default())
+    }
+
+    /// Bytes held now.
+    pub(crate) fn current(&self) -> u64 {
+        self.cur.get()
+    }
+
+    /// Bytes held now, per category.
+    pub(crate) fn current_by_cat(&self) -> [u64; CATS] {
+        *self.by_cat.borrow()
+    }
+
+    /// The peak since the last [`reset_peak`](Self::reset_peak).
+    pub(crate) fn peak(&self) -> PeakInfo {
+        self.peak.borrow().clone()
+    }
+
+    /// Starts a new peak measurement from the current level.
+    pub(crate) fn reset_peak(&self) {
+        *self.peak.borrow_mut() = PeakInfo {
+            bytes: self.cur.get(),
+            by_cat: *self.by_cat.borrow(),
+            phase: self.phase.borrow().clone(),
+            op: "",
+        };
+    }
+
+    /// New buffers are counted under `cat`.
+    pub(crate) fn set_cat(&self, cat: Cat) {
+        self.cat.set(Some(cat));
+    }
+
+    /// Names what the driver is doing, for the peak report.
+    pub(crate) fn set_phase(&self, phase: String) {
+        *self.phase.borrow_mut() = phase;
+        self.op.set("");
+    }
+
+    fn id(&self) -> usize {
+        let id = self.next_id.get();
+        self.next_id.set(id + 1);
+        id
+    }
+
+    fn alloc(self: &Rc<Self>, bytes: u64, cat: Option<Cat>) -> Rc<Buf> {
+        let cat = cat.or(self.cat.get()).unwrap_or(Cat::Backward);
+        let now = self.cur.get() + bytes;
+        self.cur.set(now);
+        self.by_cat.borrow_mut()[cat as usize] += bytes;
+        if now > self.peak.borrow().bytes {
+            *self.peak.borrow_mut() = PeakInfo {
+                bytes: now,
+                by_cat: *self.by_cat.borrow(),
+                phase: self.phase.borrow().clone(),
+                op: self.op.get(),
+            };
+        }
+        Rc::new(Buf { bytes, cat: Cell::new(cat), meter: self.clone() })
+    }
+}
+
+/// A host buffer: its bytes are counted while it lives.
+#[derive(Debug)]
+pub(crate) struct Buf {
+    bytes: u64,
+    cat: Cell<Cat>,
+    meter: Rc<Meter>,
+}
+
+impl Buf {
+    /// Counts the buffer under another category from now on.
+    fn retag(&self, cat: Cat) {
+        let old = self.cat.replace(cat);
+        let mut by = self.meter.by_cat.borrow_mut();
+        by[old as usize] -= self.bytes;
+        by[cat as usize] += self.bytes;
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        self.meter.cur.set(self.meter.cur.get() - self.bytes);
+        self.meter.by_cat.borrow_mut()[self.cat.get() as usize] -= self.bytes;
+    }
+}
+
+/// A plain allocation (a `Vec` a kernel or op fills), counted while it lives.
+pub(crate) fn raw(meter: &Rc<Meter>, bytes: u64) -> Rc<Buf> {
+    meter.alloc(bytes, None)
+}
+
+/// The op that made a tensor, holding its inputs (candle's `Op`, for the ops the model uses).
+#[derive(Debug)]
+enum Op {
+    Add(T, T),
+    Sub(T, T),
+    Mul(T, T),
+    Div(T, T),
+    Matmul(T, T),
+    Transpose(T, usize, usize),
+    Reshape(T),
+    Copy(T),
+    ToDType(T),
+    Broadcast(T),
+    Narrow(T, usize, usize, usize),
+    Cat(Vec<T>, usize),
+    Neg(T),
+    Exp(T),
+    Recip(T),
+    Sqr(T),
+    Sqrt(T),
+    Silu(T),
+    Affine(T, f64),
+    /// Sum over dims; the keepdim shape of the result.
+    Sum(T, Vec<usize>),
+    /// The fused cross-entropy; it holds a copy of the targets.
+    CrossEntropy(T, #[allow(dead_code)] Rc<Buf>), // the buffer is held only to be counted
+    /// The attention kernel; it holds the kernel's saved buffer until backward takes it.
+    Attention(T, T, T, RefCell<Option<Rc<Buf>>>),
+    IndexSelect(T, T, usize),
+    IndexAdd(T, T, T, usize),
+    Gather(T, T, usize),
+}
+
+impl Op {
+    fn name(&self) -> &'static str {
+        match self {
+            Op::Add(..) => "add",
+            Op::Sub(..) => "sub",
+            Op::Mul(..) => "mul",
+            Op::Div(..) => "div",
+            Op::Matmul(..) => "matmul",
+            Op::Transpose(..) => "transpose",
+            Op::Reshape(..) => "reshape",
+            Op::Copy(..) => "copy",
+            Op::ToDType(..) => "to_dtype",
+            Op::Broadcast(..) => "broadcast",
+            Op::Narrow(..) => "narrow",
+            Op::Cat(..) => "cat",
+            Op::Neg(..) => "neg",
+            Op::Exp(..) => "exp",
+            Op::Recip(..) => "recip",
+            Op::Sqr(..) => "sqr",
+            Op::Sqrt(..) => "sqrt",
+            Op::Silu(..) => "silu",
+            Op::Affine(..) => "affine",
+            Op::Sum(..) => "sum",
+            Op::CrossEntropy(..) => "cross-entropy",
+            Op::Attention(..) => "attention",
+            Op::IndexSelect(..) => "index_select",
+            Op::IndexAdd(..) => "index_add",
+            Op::Gather(..) => "gather",
+        }
+    }
+
+    /// The inputs in the order candle's `sorted_nodes` walks them.
+    fn args(&self) -> Vec<&T> {
+        match self {
+            Op::Add(a, b) | Op::Sub(a, b) | Op::Mul(a, b) | Op::Div(a, b) | Op::Matmul(a, b) => vec![a, b],
+            Op::IndexSelect(a, b, _) | Op::Gather(a, b, _) => vec![a, b],
+            Op::Attention(a, b, c, _) | Op::IndexAdd(a, b, c, _) => vec![a, b, c],
+            Op::Cat(args, _) => args.iter().collect(),
+            // Affine with a zero factor would stop the walk; the model never uses one.
+            Op::Transpose(a, ..)
+            | Op::Reshape(a)
+            | Op::Copy(a)
+            | Op::ToDType(a)
+            | Op::Broadcast(a)
+            | Op::Narrow(a, ..)
+            | Op::Neg(a)
+            | Op::Exp(a)
+            | Op::Recip(a)
+            | Op::Sqr(a)
+            | Op::Sqrt(a)
+            | Op::Silu(a)
+            | Op::Affine(a, _)
+            | Op::Sum(a, _)
+            | Op::CrossEntropy(a, _) => vec![a],
+        }
+    }
+}
+
+/// A shadow tensor (cheap to clone, like a candle `Tensor`).
+#[derive(Debug, Clone)]
+pub(crate) struct T(Rc<Inner>);
+
+#[derive(Debug)]
+struct Inner {
+    id: usize,
+    dims: Vec<usize>,
+    strides: Vec<usize>,
+    dtype: Dt,
+    buf: Rc<Buf>,
+    op: Option<Op>,
+    var: bool,
+    param: bool,
+}
+
+fn contiguous_strides(dims: &[usize]) -> Vec<usize> {
+    let mut strides = vec![1; dims.len()];
+    for i in (0..dims.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1] * dims[i + 1];
+    }
+    strides
+}
+
+fn numel(dims: &[usize]) -> u64 {
+    dims.iter().map(|&d| d as u64).product()
+}
+
+impl T {
+    /// A fresh contiguous tensor with its own buffer.
+    fn fresh(meter: &Rc<Meter>, dims: Vec<usize>, dtype: Dt, op: Option<Op>, var: bool, cat: Option<Cat>) -> T {
+        let buf = meter.alloc(numel(&dims) * dtype.size(), cat);
+        let strides = contiguous_strides(&dims);
+        T(Rc::new(Inner { id: meter.id(), dims, strides, dtype, buf, op, var, param: false }))
+    }
+
+    /// A view on this tensor's buffer.
+    fn view(&self, dims: Vec<usize>, strides: Vec<usize>, op: Option<Op>) -> T {
+        let m = &self.0.buf.meter;
+        T(Rc::new(Inner {
+            id: m.id(),
+            dims,
+            strides,
+            dtype: self.0.dtype,
+            buf: self.0.buf.clone(),
+            op,
+            var: false,
+            param: false,
+        }))
+    }
+
+    /// An untracked tensor (`Tensor::zeros`, `Tensor::from_vec`, ...).
+    pub(crate) fn new(meter: &Rc<Meter>, dims: &[usize], dtype: Dt) -> T {
+        T::fresh(meter, dims.to_vec(), dtype, None, false, None)
+    }
+
+    /// A model parameter: an f32 `Var`, counted under [`Cat::Params`].
+    pub(crate) fn param(meter: &Rc<Meter>, dims: &[usize]) -> T {
+        let t = T::fresh(meter, dims.to_vec(), Dt::F32, None, true, Some(Cat::Params));
+        let mut inner = Rc::try_unwrap(t.0).expect("fresh tensor");
+        inner.param = true;
+        T(Rc::new(inner))
+    }
+
+    /// `Var::from_tensor` of a tensor that is not a `Var`: a copy that is a `Var`.
+    pub(crate) fn make_var(&self) -> T {
+        if self.0.var {
+            return self.clone();
+        }
+        T::fresh(&self.0.buf.meter, self.0.dims.clone(), self.0.dtype, None, true, None)
+    }
+
+    fn meter(&self) -> &Rc<Meter> {
+        &self.0.buf.meter
+    }
+
+    /// The dimensions.
+    pub(crate) fn dims(&self) -> &[usize] {
+        &self.0.dims
+    }
+
+    /// The element type.
+    pub(crate) fn dtype(&self) -> Dt {
+        self.0.dtype
+    }
+
+    fn elem_count(&self) -> u64 {
+        numel(&self.0.dims)
+    }
+
+    /// candle's rule: strides match row-major order on every dimension larger than 1.
+    fn is_contiguous(&self) -> bool {
+        let mut acc = 1;
+        for (&stride, &dim) in self.0.strides.iter().zip(&self.0.dims).rev() {
+            if dim > 1 && stride != acc {
+                return false;
+            }
+            acc *= dim;
+        }
+        true
+    }
+
+    fn tracks(&self) -> bool {
+        self.0.var || self.0.op.is_some()
+    }
+
+    /// `Some(op)` when any input tracks gradients (candle's `BackpropOp::new`).
+    fn op_if(args: &[&T], op: impl FnOnce() -> Op) -> Option<Op> {
+        args.iter().any(|a| a.tracks()).then(op)
+    }
+
+    fn out(&self, dims: Vec<usize>, dtype: Dt, op: Option<Op>) -> T {
+        T::fresh(self.meter(), dims, dtype, op, false, None)
+    }
+
+    /// `detach`: the same buffer, no op.
+    pub(crate) fn detach(&self) -> T {
+        if self.0.op.is_none() && !self.0.var {
+            return self.clone();
+        }
+        self.view(self.0.dims.clone(), self.0.strides.clone(), None)
+    }
+
+    pub(crate) fn reshape(&self, dims: &[usize]) -> T {
+        let op = T::op_if(&[self], || Op::Reshape(self.clone()));
+        if self.is_contiguous() {
+            self.view(dims.to_vec(), contiguous_strides(dims), op)
+        } else {
+            self.out(dims.to_vec(), self.0.dtype, op)
+        }
+    }
+
+    pub(crate) fn transpose(&self, a: usize, b: usize) -> T {
+        if a == b {
+            return self.clone();
+        }
+        let (mut dims, mut strides) = (self.0.dims.clone(), self.0.strides.clone());
+        dims.swap(a, b);
+        strides.swap(a, b);
+        let op = T::op_if(&[self], || Op::Transpose(self.clone(), a, b));
+        self.view(dims, strides, op)
+    }
+
+    /// Transpose of the last two dimensions.
+    pub(crate) fn t(&self) -> T {
+        let r = self.0.dims.len();
+        self.transpose(r - 2, r - 1)
+    }
+
+    pub(crate) fn narrow(&self, dim: usize, start: usize, len: usize) -> T {
+        if start == 0 && len == self.0.dims[dim] {
+            return self.clone();
+        }
+        let mut dims = self.0.dims.clone();
+        dims[dim] = len;
+        let op = T::op_if(&[self], || Op::Narrow(self.clone(), dim, start, len));
+        self.view(dims, self.0.strides.clone(), op)
+    }
+
+    pub(crate) fn broadcast_as(&self, dims: &[usize]) -> T {
+        let left = dims.len() - self.0.dims.len();
+        let mut strides = vec![0; dims.len()];
+        for (i, (&d, &s)) in self.0.dims.iter().zip(&self.0.strides).enumerate() {
+            strides[left + i] = if d == 1 && dims[left + i] != 1 { 0 } else { s };
+        }
+        let op = T::op_if(&[self], || Op::Broadcast(self.clone()));
+        self.view(dims.to_vec(), strides, op)
+    }
+
+    /// `unsqueeze`: a reshape view.
+    pub(crate) fn unsqueeze(&self, dim: usize) -> T {
+        let mut dims = self.0.dims.clone();
+        dims.insert(dim, 1);
+        let mut strides = self.0.strides.clone();
+        let stride = if dim < strides.len() { strides[dim] } else { 1 };
+        strides.insert(dim, stride);
+        let op = T::op_if(&[self], || Op::Reshape(self.clone()));
+        self.view(dims, strides, op)
+    }
+
+    pub(crate) fn contiguous(&self) -> T {
+        if self.is_contiguous() {
+            return self.clone();
+        }
+        let op = T::op_if(&[self], || Op::Copy(self.clone()));
+        self.out(self.0.dims.clone(), self.0.dtype, op)
+    }
+
+    pub(crate) fn to_dtype(&self, dtype: Dt) -> T {
+        if dtype == self.0.dtype {
+            return self.clone();
+        }
+        let op = T::op_if(&[self], || Op::ToDType(self.clone()));
+        self.out(self.0.dims.clone(), dtype, op)
+    }
+
+    fn unary(&self, op: impl FnOnce(T) -> Op) -> T {
+        let op = T::op_if(&[self], || op(self.clone()));
+        self.out(self.0.dims.clone(), self.0.dtype, op)
+    }
+
+    pub(crate) fn neg(&self) -> T {
+        self.unary(Op::Neg)
+    }
+    pub(crate) fn exp(&self) -> T {
+        self.unary(Op::Exp)
+    }
+    pub(crate) fn recip(&self) -> T {
+        self.unary(Op::Recip)
+    }
+    pub(crate) fn sqr(&self) -> T {
+        self.unary(Op::Sqr)
+    }
+    pub(crate) fn sqrt(&self) -> T {
+        self.unary(Op::Sqrt)
+    }
+    pub(crate) fn silu(&self) -> T {
+        self.unary(Op::Silu)
+    }
+    /// `x · mul + add` (also `x + f64`, `x · f64`, `f64 − x`).
+    pub(crate) fn affine(&self, mul: f64) -> T {
+        self.unary(|a| Op::Affine(a, mul))
+    }
+
+    fn binary(&self, rhs: &T, op: impl FnOnce(T, T) -> Op) -> T {
+        debug_assert_eq!(self.0.dims, rhs.0.dims, "binary op shapes");
+        let op = T::op_if(&[self, rhs], || op(self.clone(), rhs.clone()));
+        self.out(self.0.dims.clone(), self.0.dtype, op)
+    }
+
+    pub(crate) fn add(&self, rhs: &T) -> T {
+        self.binary(rhs, Op::Add)
+    }
+    pub(crate) fn sub(&self, rhs: &T) -> T {
+        self.binary(rhs, Op::Sub)
+    }
+    pub(crate) fn mul(&self, rhs: &T) -> T {
+        self.binary(rhs, Op::Mul)
+    }
+    pub(crate) fn div(&self, rhs: &T) -> T {
+        self.binary(rhs, Op::Div)
+    }
+
+    fn broadcast_binary(&self, rhs: &T, f: fn(&T, &T) -> T) -> T {
+        let (l, r) = (&self.0.dims, &rhs.0.dims);
+        let rank = l.len().max(r.len());
+        let at = |d: &[usize], i: usize| if i + d.len() >= rank { d[i + d.len() - rank] } else { 1 };
+        let shape: Vec<usize> = (0..rank).map(|i| at(l, i).max(at(r, i))).collect();
+        match (&shape != l, &shape != r) {
+            (true, true) => f(&self.broadcast_as(&shape), &rhs.broadcast_as(&shape)),
+            (false, true) => f(self, &rhs.broadcast_as(&shape)),
+            (true, false) => f(&self.broadcast_as(&shape), rhs),
+            (false, false) => f(self, rhs),
+        }
+    }
+
+    pub(crate) fn broadcast_mul(&self, rhs: &T) -> T {
+        self.broadcast_binary(rhs, T::mul)
+    }
+    pub(crate) fn broadcast_div(&self, rhs: &T) -> T {
+        self.broadcast_binary(rhs, T::div)
+    }
+    pub(crate) fn broadcast_sub(&self, rhs: &T) -> T {
+        self.broadcast_binary(rhs, T::sub)
+    }
+
+    /// 2-D matmul: (m, k) × (k, n) → (m, n).
+    pub(crate) fn matmul(&self, rhs: &T) -> T {
+        let (m, n) = (self.0.dims[0], rhs.0.dims[1]);
+        let op = T::op_if(&[self, rhs], || Op::Matmul(self.clone(), rhs.clone()));
+        self.out(vec![m, n], self.0.dtype, op)
+    }
+
+    pub(crate) fn sum_keepdim(&self, dims: &[usize]) -> T {
+        let mut out = self.0.dims.clone();
+        for &d in dims {
+            out[d] = 1;
+        }
+        let op = T::op_if(&[self], || Op::Sum(self.clone(), out.clone()));
+        self.out(out, self.0.dtype, op)
+    }
+
+    /// `mean_keepdim` over the last dimension: a sum and a scale.
+    pub(crate) fn mean_keepdim_last(&self) -> T {
+        self.sum_keepdim(&[self.0.dims.len() - 1]).affine(1.0)
+    }
+
+    /// `sum_all`: a keepdim sum squeezed to a scalar.
+    pub(crate) fn sum_all(&self) -> T {
+        let all: Vec<usize> = (0..self.0.dims.len()).collect();
+        self.sum_keepdim(&all).reshape(&[])
+    }
+
+    /// `max_keepdim(D::Minus1).detach()`: the row maxima, untracked.
+    pub(crate) fn max_keepdim_last_detached(&self) -> T {
+        let mut dims = self.0.dims.clone();
+        *dims.last_mut().expect("rank ≥ 1") = 1;
+        T::new(self.meter(), &dims, self.0.dtype)
+    }
+
+    pub(crate) fn zeros_like(&self) -> T {
+        T::new(self.meter(), &self.0.dims, self.0.dtype)
+    }
+
+    pub(crate) fn index_select(&self, ids: &T, dim: usize) -> T {
+        let mut dims = self.0.dims.clone();
+        dims[dim] = ids.0.dims[0];
+        let op = T::op_if(&[self, ids], || Op::IndexSelect(self.clone(), ids.clone(), dim));
+        self.out(dims, self.0.dtype, op)
+    }
+
+    pub(crate) fn index_add(&self, ids: &T, src: &T, dim: usize) -> T {
+        let op = T::op_if(&[self, ids, src], || Op::IndexAdd(self.clone(), ids.clone(), src.clone(), dim));
+        self.out(self.0.dims.clone(), self.0.dtype, op)
+    }
+
+    pub(crate) fn gather(&self, ids: &T, dim: usize) -> T {
+        let op = T::op_if(&[self, ids], || Op::Gather(self.clone(), ids.clone(), dim));
+        self.out(ids.0.dims.clone(), self.0.dtype, op)
+    }
+
+    /// `scatter_add` onto a copy of `self` (only in backward, untracked there).
+    fn scatter_add(&self, _ids: &T, _src: &T, _dim: usize) -> T {
+        self.out(self.0.dims.clone(), self.0.dtype, None)
+    }
+
+    /// The fused cross-entropy op on (N, V) f32 logits: (N,) per-row losses; the op keeps a
+    /// copy of the targets (N u32).
+    pub(crate) fn cross_entropy_rows(&self) -> T {
+        let n = self.0.dims[0];
+        let targets = raw(self.meter(), n as u64 * 4);
+        let op = T::op_if(&[self], || Op::CrossEntropy(self.clone(), targets));
+        self.out(vec![n], Dt::F32, op)
+    }
+
+    /// The attention op on contiguous f32 q, k, v: the output (q's shape) and the kernel's
+    /// saved buffer of `saved_len` f32s (counted under [`Cat::AttnSaved`]), held by the op.
+    pub(crate) fn attention(q: &T, k: &T, v: &T, saved_len: u64) -> T {
+        let m = q.meter();
+        // cpu_fwd allocates `out` first, then `saved`.
+        let out_buf = m.alloc(q.elem_count() * 4, None);
+        let saved = m.alloc(saved_len * 4, Some(Cat::AttnSaved));
+        let op = T::op_if(&[q, k, v], || Op::Attention(q.clone(), k.clone(), v.clone(), RefCell::new(Some(saved))));
+        let dims = q.0.dims.clone();
+        T(Rc::new(Inner {
+            id: m.id(),
+            strides: contiguous_strides(&dims),
+            dims,
+            dtype: Dt::F32,
+            buf: out_buf,
+            op,
+            var: false,
+            param: false,
+        }))
+    }
+}
+
+/// `Tensor::cat` (candle's three paths: all contiguous, along dim 0, or by transposing to 0).
+pub(crate) fn cat(args: &[&T], dim: usize) -> T {
+    let arg0 = args[0];
+    if args.len() == 1 {
+        return arg0.clone();
+    }
+    let total: usize = args.iter().map(|a| a.0.dims[dim]).sum();
+    if args.iter().all(|a| a.is_contiguous()) || dim == 0 {
+        let mut dims = arg0.0.dims.clone();
+        dims[dim] = total;
+        let op = T::op_if(args, || Op::Cat(args.iter().map(|a| (*a).clone()).collect(), dim));
+        return arg0.out(dims, arg0.0.dtype, op);
+    }
+    let moved: Vec<T> = args.iter().map(|a| a.transpose(0, dim)).collect();
+    let refs: Vec<&T> = moved.iter().collect();
+    cat(&refs, 0).transpose(0, dim)
+}
+
+/// Gradients by tensor id (candle's `GradStore`).
+#[derive(Debug, Default)]
+pub(crate) struct GradStore(HashMap<usize, T>);
+
+impl GradStore {
+    /// Removes and returns the gradient of `t`.
+    pub(crate) fn remove(&mut self, t: &T) -> Option<T> {
+        self.0.remove(&t.0.id)
+    }
+
+    /// `*or_insert(arg) = f(old)`: zeros first when absent (as candle's `or_insert`), then the
+    /// new sum replaces the old. A parameter's gradient is counted under [`Cat::ParamGrads`].
+    fn accumulate(&mut self, arg: &T, f: impl FnOnce(&T) -> T) {
+        let old = match self.0.remove(&arg.0.id) {
+            Some(g) => g,
+            None => arg.zeros_like(),
+        };
+        let new = f(&old);
+        if arg.0.param {
+            new.0.buf.retag(Cat::ParamGrads);
+        }
+        self.0.insert(arg.0.id, new);
+        drop(old);
+    }
+}
+
+/// candle's `sorted_nodes`: a depth-first walk from `root` over the tensors that lead to a
+/// `Var`, in post-order, reversed (iterative, so deep graphs do not exhaust the stack).
+fn sorted_nodes(root: &T) -> Vec<T> {
+    struct Frame {
+        node: T,
+        next: usize,
+        track: bool,
+    }
+    let mut seen: HashMap<usize, bool> = HashMap::new();
+    let mut nodes = Vec::new();
+    let mut stack = vec![Frame { node: root.clone(), next: 0, track: root.0.var }];
+    while let Some(frame) = stack.last_mut() {
+        let node = frame.node.clone();
+        // Vars are leaves; integer tensors do not take part.
+        let args: Vec<&T> = match (&node.0.op, node.0.var, node.0.dtype) {
+            (Some(op), false, Dt::F32 | Dt::Half) => op.args(),
+            _ => Vec::new(),
+        };
+        if frame.next < args.len() {
+            let child = args[frame.next].clone();
+            frame.next += 1;
+            match seen.get(&child.0.id) {
+                Some(&tg) => frame.track |= tg,
+                None => stack.push(Frame { track: child.0.var, node: child, next: 0 }),
+            }
+            continue;
+        }
+        let done = stack.pop().expect("non-empty");
+        seen.insert(done.node.0.id, done.track);
+        if done.track {
+            nodes.push(done.node.clone());
+        }
+        if let Some(parent) = stack.last_mut() {
+            parent.track |= done.track;
+        }
+    }
+    nodes.reverse();
+    nodes
+}
+
+/// candle's `Tensor::backward` for the ops the model uses, with the same allocations and the
+/// same lifetimes (see the module docs).
+pub(crate) fn backward(root: &T) -> GradStore {
+    let meter = root.meter().clone();
+    let sorted = sorted_nodes(root);
+    let mut grads = GradStore::default();
+    grads.0.insert(root.0.id, root.zeros_like()); // ones_like().contiguous()
+    for node in &sorted {
+        if node.0.var {
+            continue;
+        }
+        let grad0 = grads.remove(node).expect("gradient populated in topological order");
+        let grad = grad0.detach();
+        let Some(op) = &node.0.op else { continue };
+        meter.op.set(op.name());
+        match op {
+            Op::Add(lhs, rhs) => {
+                grads.accumulate(lhs, |s| s.add(&grad));
+                grads.accumulate(rhs, |s| s.add(&grad));
+            }
+            Op::Sub(lhs, rhs) => {
+                grads.accumulate(lhs, |s| s.add(&grad));
+                grads.accumulate(rhs, |s| s.sub(&grad));
+            }
+            Op::Mul(lhs, rhs) => {
+                let lhs_grad = grad.mul(rhs);
+                grads.accumulate(lhs, |s| s.add(&lhs_grad));
+                let rhs_grad = grad.mul(lhs);
+                grads.accumulate(rhs, |s| s.add(&rhs_grad));
+            }
+            Op::Div(lhs, rhs) => {
+                let lhs_grad = grad.div(rhs);
+                grads.accumulate(lhs, |s| s.add(&lhs_grad));
+                let rhs_grad = grad.mul(lhs).div(&rhs.sqr());
+                grads.accumulate(rhs, |s| s.sub(&rhs_grad));
+            }
+            Op::Matmul(lhs, rhs) => {
+                let lhs_grad = grad.matmul(&rhs.t());
+                grads.accumulate(lhs, |s| s.add(&lhs_grad));
+                let rhs_grad = lhs.t().matmul(&grad);
+                grads.accumulate(rhs, |s| s.add(&rhs_grad));
+            }
+            Op::Cat(args, dim) => {
+                let mut start = 0;
+                for arg in args {
+                    let len = arg.0.dims[*dim];
+                    let arg_grad = grad.narrow(*dim, start, len);
+                    grads.accumulate(arg, |s| s.add(&arg_grad));
+                    start += len;
+                }
+            }
+            Op::Broadcast(arg) => {
+                let (a, n) = (&arg.0.dims, &node.0.dims);
+                let left = n.len() - a.len();
+                let mut sum_dims: Vec<usize> = (0..left).collect();
+                sum_dims.extend((0..a.len()).filter(|&i| n[left + i] != a[i]).map(|i| i + left));
+                let mut arg_grad = grad.sum_keepdim(&sum_dims);
+                for _ in 0..left {
+                    arg_grad = arg_grad.reshape(&arg_grad.0.dims[1..]);
+                }
+                grads.accumulate(arg, |s| s.add(&arg_grad.broadcast_as(&s.0.dims)));
+            }
+            Op::Sum(arg, reduced) => {
+                let g = if arg.0.dims.len() == node.0.dims.len() {
+                    grad.broadcast_as(&arg.0.dims)
+                } else {
+                    grad.reshape(reduced).broadcast_as(&arg.0.dims)
+                };
+                grads.accumulate(arg, |s| s.add(&g));
+            }
+            Op::ToDType(arg) => grads.accumulate(arg, |s| s.add(&grad.to_dtype(arg.0.dtype))),
+            Op::Copy(arg) => grads.accumulate(arg, |s| s.add(&grad)),
+            Op::Affine(arg, mul) => {
+                let arg_grad = grad.affine(*mul);
+                grads.accumulate(arg, |s| s.add(&arg_grad));
+            }
+            Op::Exp(arg) => grads.accumulate(arg, |s| s.add(&grad.mul(node))),
+            Op::Neg(arg) => grads.accumulate(arg, |s| s.sub(&grad)),
+            Op::Recip(arg) => {
+                let zeros_first = grads.remove(arg).unwrap_or_else(|| arg.zeros_like());
+                let g = grad.div(&arg.sqr());
+                grads.0.insert(arg.0.id, zeros_first);
+                grads.accumulate(arg, |s| s.sub(&g));
+            }
+            Op::Narrow(arg, dim, start, len) => {
+                let arg_grad = {
+                    let mut parts: Vec<T> = Vec::new();
+                    let pad = |n: usize| {
+                        let mut dims = arg.0.dims.clone();
+                        dims[*dim] = n;
+                        T::new(&meter, &dims, grad.0.dtype)
+                    };
+                    let right = arg.0.dims[*dim] - start - len;
+                    let left_pad = (*start > 0).then(|| pad(*start));
+                    let right_pad = (right > 0).then(|| pad(right));
+                    parts.extend(left_pad);
+                    parts.push(grad.clone());
+                    parts.extend(right_pad);
+                    let refs: Vec<&T> = parts.iter().collect();
+                    cat(&refs, *dim)
+                };
+                grads.accumulate(arg, |s| s.add(&arg_grad));
+            }
+            Op::Reshape(arg) => {
+                let arg_grad = grad.reshape(&arg.0.dims);
+                grads.accumulate(arg, |s| s.add(&arg_grad));
+            }
+            Op::Transpose(arg, a, b) => {
+                let arg_grad = grad.transpose(*a, *b);
+                grads.accumulate(arg, |s| s.add(&arg_grad));
+            }
+            Op::Silu(arg) => {
+                // or_insert first, then sigmoid(x) · (1 − silu) + silu, all tracked through
+                // `arg` and `node`, so the sum keeps every intermediate alive.
+                let zeros_first = grads.remove(arg).unwrap_or_else(|| arg.zeros_like());
+                let sigmoid = arg.neg().exp().affine(1.0).recip();
+                let silu_grad = sigmoid.mul(&node.affine(-1.0)).add(node);
+                let g = grad.mul(&silu_grad);
+                grads.0.insert(arg.0.id, zeros_first);
+                grads.accumulate(arg, |s| s.add(&g));
+            }
+            Op::Sqr(arg) => {
+                let arg_grad = arg.mul(&grad).affine(2.0);
+                grads.accumulate(arg, |s| s.add(&arg_grad));
+            }
+            Op::Sqrt(arg) => {
+                let arg_grad = grad.div(node).affine(0.5);
+                grads.accumulate(arg, |s| s.add(&arg_grad));
+            }
+            Op::CrossEntropy(arg, _) => {
+                // bwd: a copy of the logits (to_vec1), the (N, V) gradient; the copy is freed
+                // when bwd returns.
+                let arg_grad = {
+                    let _logits_copy = raw(&meter, arg.elem_count() * 4);
+                    T::new(&meter, &arg.0.dims, Dt::F32)
+                };
+                grads.accumulate(arg, |s| s.add(&arg_grad));
+            }
+            Op::Attention(q, k, v, saved) => {
+                let (dq, dk, dv) = {
+                    let saved = saved.borrow_mut().take();
+                    let dq = T::new(&meter, &q.0.dims, Dt::F32);
+                    let dk = T::new(&meter, &k.0.dims, Dt::F32);
+                    let dv = T::new(&meter, &v.0.dims, Dt::F32);
+                    drop(saved);
+                    (dq, dk, dv)
+                };
+                grads.accumulate(q, |s| s.add(&dq));
+                grads.accumulate(k, |s| s.add(&dk));
+                grads.accumulate(v, |s| s.add(&dv));
+            }
+            Op::IndexSelect(arg, ids, dim) => grads.accumulate(arg, |s| s.index_add(ids, &grad, *dim)),
+            Op::IndexAdd(init, ids, src, dim) => {
+                grads.accumulate(init, |s| s.add(&grad));
+                let src_grad = grad.index_select(ids, *dim);
+                grads.accumulate(src, |s| s.add(&src_grad));
+            }
+            Op::Gather(arg, ids, dim) => grads.accumulate(arg, |s| s.scatter_add(ids, &grad, *dim)),
+        }
+    }
+    meter.op.set("");
+    grads
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_share_and_copies_count() {
+        let m = Meter::new();
+        let x = T::param(&m, &[4, 8]);
+        assert_eq!(m.current(), 128);
+        let y = x.reshape(&[2, 16]).transpose(0, 1);
+        assert_eq!(m.current(), 128, "views allocate nothing");
+        let z = y.contiguous();
+        assert_eq!(m.current(), 256, "a strided tensor made contiguous is a copy");
+        assert_eq!(z.contiguous().0.id, z.0.id, "contiguous of a contiguous tensor is itself");
+        drop((y, z));
+        assert_eq!(m.current(), 128);
+        // A transpose that swaps a size-1 dimension stays contiguous (candle's rule).
+        let w = T::param(&m, &[3, 1, 5]);
+        assert!(w.transpose(0, 1).is_contiguous());
+    }
+
+    #[test]
+    fn backward_keeps_a_tracked_gradient_expression_alive_until_its_node_is_processed() {
+        let m = Meter::new();
+        let w = T::param(&m, &[2, 2]);
+        let x = T::param(&m, &[3, 2]);
+        let h = x.matmul(&w.t()).silu(); // (3, 2)
+        let loss = h.sum_all();
+        let base = m.current();
+        m.reset_peak();
+        let grads = backward(&loss);
+        // Left: the two parameter gradients, and what x's gradient holds: it is
+        // zeros + grad·w, and grad·w is tracked through w, so the zeros, the product and the
+        // matmul's output gradient stay alive with it (3 more (3, 2) buffers).
+        assert_eq!(m.current() - base, 2 * 2 * 4 + 3 * 2 * 4 + 3 * 24);
+        // The silu gradient expression alone is 10 buffers of (3, 2) f32 alive together.
+        assert!(m.peak().bytes - base >= 10 * 24);
+        drop(grads);
+        assert_eq!(m.current(), base);
+    }
+}

@@ -1,0 +1,59 @@
+//! Unit tests: the per-block formulas against the replay, the replay's own invariants.
+
+use ava_core::BlockDecision;
+
+use super::block::{Dims, block_terms};
+use super::replay::Replay;
+use super::sim::Dt;
+use crate::model::{ModelSpec, MoeSpec};
+
+fn spec(kv_heads: usize, moe: Option<MoeSpec>) -> ModelSpec {
+    ModelSpec {
+        vocab: 97,
+        hidden: 48,
+        layers: 3,
+        heads: 4,
+        kv_heads,
+        ffn: 80,
+        rope_theta: 1e4,
+        eps: 1e-5,
+        tie_embeddings: false,
+        init_std: 0.02,
+        moe,
+    }
+}
+
+/// The printed formulas add up to exactly what the replay of `Model::block` keeps.
+#[test]
+fn block_formulas_sum_to_the_replayed_block() {
+    let moe = MoeSpec { experts: 4, top_k: 2, aux_weight: 0.01 };
+    for (s, dt, p) in [
+        (spec(4, None), Dt::F32, 4),
+        (spec(2, None), Dt::F32, 4),
+        (spec(1, None), Dt::Half, 2),
+        (spec(2, Some(moe)), Dt::F32, 4),
+        (spec(2, Some(moe)), Dt::Half, 2),
+    ] {
+        let (b, t) = (3, 10);
+        let saved = (b * s.heads * t * t) as u64;
+        let replayed = Replay::new(&s, b, t, dt, false, saved).block_activation_bytes();
+        let terms = block_terms(&Dims::new(&s, b, t, p), saved, s.moe.map(|m| (m.experts as u64, m.top_k as u64)));
+        let sum: u64 = terms.iter().map(|t| t.bytes).sum();
+        assert_eq!(sum, replayed, "kv_heads {} moe {:?} {dt:?}: {terms:#?}", s.kv_heads, s.moe);
+    }
+}
+
+/// Everything the replayed micro-batch allocates is freed again except its gradients, and
+/// recomputing every block keeps less than keeping them.
+#[test]
+fn replay_frees_all_but_the_gradients_and_recompute_saves_memory() {
+    let s = spec(2, None);
+    let n: u64 = s.params().iter().map(|d| d.numel() as u64).sum();
+    let replay = Replay::new(&s, 2, 16, Dt::F32, false, (2 * 4 * 16 * 16) as u64);
+    let before = replay.meter().current();
+    let keep = replay.forward_backward(&[BlockDecision::Keep; 3], false);
+    assert_eq!(replay.meter().current(), before, "the replay drops its gradients at the end");
+    let full = replay.forward_backward(&[BlockDecision::Recompute; 3], false);
+    assert!(full.bytes < keep.bytes, "{} vs {}", full.bytes, keep.bytes);
+    assert!(keep.bytes >= 4 * n, "the gradients alone are 4·N");
+}

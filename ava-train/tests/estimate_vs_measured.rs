@@ -1,0 +1,315 @@
+//! The estimator against the counting allocator: the replayed peak of one micro-batch's
+//! `forward_backward` against the peak measured on a real one, for plans, shapes and
+//! precisions that differ; the 7B estimate without model-sized allocations; the checkpoint
+//! policy's decisions reaching the activation term.
+
+#[global_allocator]
+static A: ava_train::memory::CountingAlloc = ava_train::memory::CountingAlloc;
+
+use std::sync::Arc;
+
+use ava_core::{AttentionKernel, BlockDecision};
+use ava_plugins::Registry;
+use ava_train::config::{Config, ConfigLoader, Precision};
+use ava_train::estimate::{self, Component, Plugins};
+use ava_train::memory;
+use ava_train::model::{Model, ModelSpec, MoeSpec, forward_backward};
+use candle_core::{DType, Device, Tensor};
+
+/// The allocator is process-wide: tests that measure must not overlap.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn spec(vocab: usize, hidden: usize, layers: usize, heads: usize, kv_heads: usize, ffn: usize) -> ModelSpec {
+    ModelSpec {
+        vocab,
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        ffn,
+        rope_theta: 1e4,
+        eps: 1e-5,
+        tie_embeddings: false,
+        init_std: 0.02,
+        moe: None,
+    }
+}
+
+fn kernel() -> Arc<dyn AttentionKernel> {
+    Registry::builtins().attention("standard", "{}").unwrap()
+}
+
+fn dtype(p: Precision) -> DType {
+    match p {
+        Precision::Fp32 => DType::F32,
+        Precision::Bf16 => DType::BF16,
+        Precision::F16 => DType::F16,
+    }
+}
+
+/// Peak growth of memory across one `forward_backward` with empty gradients, after a warm-up
+/// call (gemm keeps a packing buffer per thread after its first matmul; the estimate counts
+/// it as workspace, outside the micro-batch).
+fn measure(
+    spec: &ModelSpec,
+    b: usize,
+    t: usize,
+    precision: Precision,
+    plan: &[BlockDecision],
+    accumulating: bool,
+) -> u64 {
+    let model = Model::new(spec.clone(), 7, t, kernel(), "standard", 1).unwrap();
+    let w = model.weights(dtype(precision)).unwrap();
+    let all: Vec<u32> = (0..b * (t + 1)).map(|i| ((i * 7 + i / 3) % spec.vocab) as u32).collect();
+    let (mut inputs, mut targets) = (Vec::new(), Vec::new());
+    for row in all.chunks(t + 1) {
+        inputs.extend_from_slice(&row[..t]);
+        targets.extend_from_slice(&row[1..]);
+    }
+    let tokens = Tensor::from_vec(inputs, (b, t), &Device::Cpu).unwrap();
+    let run = |mut grads| {
+        forward_backward(&model, &w, &tokens, &targets, plan, 1.0, 2.0, None, &mut grads).unwrap();
+        grads
+    };
+    let empty = || vec![None; model.params().len()];
+    // With accumulation the warm-up's gradients are the accumulators of the measured call.
+    let start = if accumulating {
+        run(empty())
+    } else {
+        drop(run(empty()));
+        empty()
+    };
+    let before = memory::current();
+    memory::reset_peak();
+    let grads = run(start);
+    let peak = memory::peak() - before;
+    drop(grads);
+    peak
+}
+
+struct Case {
+    name: &'static str,
+    spec: ModelSpec,
+    b: usize,
+    t: usize,
+    precision: Precision,
+    plan: Vec<BlockDecision>,
+    accumulating: bool,
+}
+
+fn plan(layers: usize, d: BlockDecision) -> Vec<BlockDecision> {
+    vec![d; layers]
+}
+
+#[test]
+fn estimated_micro_batch_peak_is_within_15_percent_of_the_measured_one() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    assert!(memory::installed(), "the counting allocator must be the global allocator of this test binary");
+    use BlockDecision::{Keep, Recompute};
+    let base = spec(256, 128, 2, 4, 4, 352);
+    let gqa = spec(256, 64, 3, 4, 2, 176);
+    let wide = spec(512, 256, 4, 8, 8, 688);
+    let mut moe = spec(256, 64, 2, 4, 2, 128);
+    moe.moe = Some(MoeSpec { experts: 4, top_k: 2, aux_weight: 0.01 });
+    let mut tied = spec(256, 128, 3, 4, 1, 352);
+    tied.tie_embeddings = true;
+    let (f32, f16, bf16) = (Precision::Fp32, Precision::F16, Precision::Bf16);
+    let case = |name, spec: &ModelSpec, b, t, precision, plan: Vec<BlockDecision>, accumulating| Case {
+        name,
+        spec: spec.clone(),
+        b,
+        t,
+        precision,
+        plan,
+        accumulating,
+    };
+    let cases = [
+        case("d128 L2 MHA", &base, 4, 128, f32, plan(2, Keep), false),
+        case("d128 L2 MHA", &base, 4, 128, f32, plan(2, Recompute), false),
+        case("d64 L3 GQA 4/2", &gqa, 8, 64, f32, plan(3, Keep), false),
+        case("d64 L3 GQA 4/2", &gqa, 8, 64, f32, plan(3, Recompute), false),
+        case("d256 L4 MHA", &wide, 2, 256, f32, plan(4, Keep), false),
+        case("d256 L4 MHA", &wide, 2, 256, f32, vec![Keep, Recompute, Keep, Recompute], false),
+        case("d128 L2 MHA", &base, 4, 128, f16, plan(2, Keep), false),
+        case("d128 L2 MHA", &base, 4, 128, f16, plan(2, Recompute), false),
+        case("d128 L2 MHA", &base, 4, 128, bf16, plan(2, Keep), false),
+        case("d128 L2 MHA", &base, 4, 128, bf16, plan(2, Recompute), false),
+        case("d64 L2 MoE 4×top2", &moe, 4, 64, f32, plan(2, Keep), false),
+        case("d128 L3 MQA tied", &tied, 4, 96, f32, vec![Recompute, Keep, Keep], false),
+        case("d128 L3 MQA tied", &tied, 4, 96, f32, vec![Recompute, Keep, Keep], true),
+    ];
+    let k = kernel();
+    let mut failures = Vec::new();
+    println!(
+        "\n{:<18} {:>2} {:>4} {:>5} {:<14} {:>12} {:>12} {:>7}  peak at (estimated)",
+        "model", "B", "T", "prec", "plan", "measured", "estimated", "ratio"
+    );
+    for c in &cases {
+        let measured = measure(&c.spec, c.b, c.t, c.precision, &c.plan, c.accumulating);
+        let est = estimate::micro_batch(&c.spec, c.b, c.t, c.precision, k.as_ref(), &c.plan, c.accumulating).unwrap();
+        let ratio = est.peak_bytes as f64 / measured as f64;
+        let mut plan: String = c.plan.iter().map(|d| &d.as_str()[..1]).collect();
+        if c.accumulating {
+            plan.push_str(" +acc");
+        }
+        println!(
+            "{:<18} {:>2} {:>4} {:>5} {:<14} {:>12} {:>12} {:>7.3}  {}",
+            c.name,
+            c.b,
+            c.t,
+            c.precision.as_str(),
+            plan,
+            measured,
+            est.peak_bytes,
+            ratio,
+            est.peak_at
+        );
+        if !(0.85..=1.15).contains(&ratio) {
+            failures.push(format!("{} {:?}: estimated {} vs measured {measured}", c.name, c.plan, est.peak_bytes));
+        }
+    }
+    assert!(failures.is_empty(), "estimates off by more than 15%:\n{}", failures.join("\n"));
+}
+
+fn config(sets: &[&str]) -> Config {
+    ConfigLoader::new().sets(sets.iter().copied()).load().unwrap().into_config()
+}
+
+fn llama_7b() -> ModelSpec {
+    spec(32000, 4096, 32, 32, 32, 11008)
+}
+
+/// A 7B Llama on a 24 GiB budget: fast, without model-sized allocations, N exact, AdamW at
+/// 8 bytes per parameter.
+#[test]
+fn estimate_of_a_7b_llama_allocates_nothing_model_sized() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = config(&[
+        "model.vocab_size=32000",
+        "model.hidden_size=4096",
+        "model.num_layers=32",
+        "model.num_heads=32",
+        "model.num_kv_heads=32",
+        "model.intermediate_size=11008",
+        "data.seq_len=4096",
+        "train.micro_batch_size=1",
+        "train.precision=bf16",
+        "plugins.optimizer=adamw",
+        "plugins.checkpoint=full",
+        "memory.budget=24GiB",
+    ]);
+    let spec = ModelSpec::from_config(&cfg.model).unwrap();
+    assert_eq!(spec, llama_7b());
+    let reg = Registry::builtins();
+    let (opt, att, ck) = (
+        reg.optimizer("adamw", "{}").unwrap(),
+        reg.attention("standard", "{}").unwrap(),
+        reg.checkpoint("full", "{}").unwrap(),
+    );
+    let plugins = Plugins { optimizer: opt.as_ref(), attention: att.as_ref(), checkpoint: ck.as_ref() };
+
+    let before = memory::current();
+    memory::reset_peak();
+    let started = std::time::Instant::now();
+    let est = estimate::estimate(&spec, &cfg, &plugins).unwrap();
+    let elapsed = started.elapsed();
+    let grown = memory::peak() - before;
+    println!("{}", est.render());
+    println!("estimate took {elapsed:?}, memory grew by at most {grown} bytes");
+    assert!(grown < 100 << 20, "the estimate allocated {grown} bytes");
+    assert!(elapsed.as_secs_f64() < 20.0, "the estimate took {elapsed:?}");
+
+    // N from the architecture: embedding and head V·d each, per block 4·d² (H = Hkv) + 3·d·F
+    // + 2·d (norms), the final norm d.
+    let (v, d, l, f) = (32000u64, 4096u64, 32u64, 11008u64);
+    let n = 2 * v * d + l * (4 * d * d + 3 * d * f + 2 * d) + d;
+    assert_eq!(n, 6_738_415_616);
+    assert_eq!(est.num_params, n);
+    let term = |name: &str| est.terms.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no term {name}"));
+    assert_eq!(term("f32 master weights").bytes, 4 * n);
+    assert_eq!(term("bf16 copy of the weights (cast in the graph)").bytes, 2 * n);
+    let optimizer: u64 = est.terms.iter().filter(|t| t.component == Component::Optimizer).map(|t| t.bytes).sum();
+    assert_eq!(optimizer, 8 * n);
+    assert_eq!(est.breakdown.optimizer, 8 * n);
+    assert!(est.plan.iter().all(|d| *d == BlockDecision::Recompute));
+    // The components add up, and 7B with AdamW is far over 24 GiB.
+    let b = &est.breakdown;
+    assert_eq!(b.peak, b.params + b.grads + b.optimizer + b.data + b.activations);
+    assert_eq!(est.status, "over budget");
+    assert!(est.render().contains("over budget"));
+    let json = serde_json::to_value(&est).unwrap();
+    assert_eq!(json["plan"][0], "recompute");
+    assert_eq!(json["terms"][0]["component"], "parameters");
+}
+
+/// A policy that records the facts it is given and recomputes the first `recompute` blocks.
+struct Recorder {
+    recompute: usize,
+    seen: std::sync::Mutex<Vec<ava_core::BlockFacts>>,
+}
+
+impl ava_core::CheckpointPolicy for Recorder {
+    fn decide(
+        &self,
+        blocks: &[ava_core::BlockFacts],
+        _ctx: &ava_core::CheckpointContext,
+    ) -> Result<Vec<BlockDecision>, ava_core::PluginError> {
+        *self.seen.lock().unwrap() = blocks.to_vec();
+        Ok((0..blocks.len())
+            .map(|i| if i < self.recompute { BlockDecision::Recompute } else { BlockDecision::Keep })
+            .collect())
+    }
+}
+
+/// The policy sees one fact per block, and its decisions move the activation term: full
+/// checkpointing < half < none, and the breakdown follows.
+#[test]
+fn estimate_activation_term_follows_checkpoint_decisions() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = config(&[
+        "model.hidden_size=128",
+        "model.num_layers=4",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        "data.seq_len=128",
+        "train.micro_batch_size=4",
+    ]);
+    let spec = ModelSpec::from_config(&cfg.model).unwrap();
+    let reg = Registry::builtins();
+    let (opt, att) = (reg.optimizer("adamw", "{}").unwrap(), reg.attention("standard", "{}").unwrap());
+    let run = |recompute: usize| {
+        let policy = Recorder { recompute, seen: std::sync::Mutex::new(Vec::new()) };
+        let plugins = Plugins { optimizer: opt.as_ref(), attention: att.as_ref(), checkpoint: &policy };
+        let est = estimate::estimate(&spec, &cfg, &plugins).unwrap();
+        let seen = policy.seen.into_inner().unwrap();
+        assert_eq!(seen, est.block_facts);
+        assert_eq!(seen.len(), 4);
+        for (i, f) in seen.iter().enumerate() {
+            assert_eq!(f.index as usize, i);
+            assert_eq!(f.input_bytes, 4 * 128 * 128 * 4, "(B, T, d) f32");
+            assert!(f.activation_bytes > 20 * f.input_bytes, "{f:?}");
+            assert!(f.parameter_bytes > 0 && f.forward_flops > 0);
+        }
+        let sum: u64 = est.block_terms.iter().map(|t| t.bytes).sum();
+        assert_eq!(sum, seen[0].activation_bytes, "the printed per-block terms add up to the fact");
+        est
+    };
+    let (none, half, full) = (run(0), run(2), run(4));
+    println!("{}", half.render());
+    let act = |e: &estimate::Estimate| e.breakdown.activations;
+    println!("activations: none {}, half {}, full {}", act(&none), act(&half), act(&full));
+    assert!(act(&full) < act(&half) && act(&half) < act(&none));
+    assert!(full.breakdown.peak < none.breakdown.peak);
+    assert_eq!(none.breakdown.params, full.breakdown.params);
+    assert_eq!(none.breakdown.optimizer, full.breakdown.optimizer);
+    // Each component's terms sum to its breakdown field.
+    for est in [&none, &half, &full] {
+        let sum = |c: Component| est.terms.iter().filter(|t| t.component == c).map(|t| t.bytes).sum::<u64>();
+        let b = &est.breakdown;
+        assert_eq!(
+            [sum(Component::Parameters), sum(Component::Gradients), sum(Component::Optimizer), sum(Component::Data)],
+            [b.params, b.grads, b.optimizer, b.data]
+        );
+        assert_eq!(sum(Component::Activations), b.activations);
+    }
+}
