@@ -325,16 +325,16 @@ impl<'a> Replay<'a> {
         s
     }
 
-    /// `recompute::collect`: the stretch's parameter gradients into `local`, the gradient of
+    /// `recompute::collect`: the stretch's parameter gradients into the accumulators, the gradient of
     /// its start out; the store is dropped.
-    fn collect(&self, blocks: &[usize], start: Option<&T>, mut store: GradStore, local: &mut [Option<T>]) -> Option<T> {
+    fn collect(&self, blocks: &[usize], start: Option<&T>, mut store: GradStore, grads: &mut [Option<T>]) -> Option<T> {
         self.meter.set_cat(Cat::ParamGrads);
         let outside = (0..self.defs.len()).filter(|&i| self.defs[i].block.is_none());
         let indices: Vec<usize> = blocks.iter().flat_map(|&b| self.blocks[b].all.clone()).chain(outside).collect();
         for i in indices {
             if let Some(g) = store.remove(&self.vars[i]) {
                 let g = g.detach().to_dtype(Dt::F32);
-                local[i] = Some(match local[i].take() {
+                grads[i] = Some(match grads[i].take() {
                     Some(acc) => acc.add(&g),
                     None => g,
                 });
@@ -410,8 +410,7 @@ impl<'a> Replay<'a> {
         let root = loss.affine(1.0);
         let store = backward(&root);
         drop((root, loss, ce, logits));
-        let mut local: Vec<Option<T>> = vec![None; self.defs.len()];
-        let mut grad_out = self.collect(&current.blocks, current.start.as_ref(), store, &mut local);
+        let mut grad_out = self.collect(&current.blocks, current.start.as_ref(), store, &mut accumulators);
         drop(current);
 
         while let Some(stage) = stages.pop() {
@@ -428,7 +427,7 @@ impl<'a> Replay<'a> {
                     let surrogate = Self::surrogate(&out.hidden, &g, out.aux.as_ref());
                     let store = backward(&surrogate);
                     drop((surrogate, out));
-                    grad_out = self.collect(&[block], Some(&start), store, &mut local);
+                    grad_out = self.collect(&[block], Some(&start), store, &mut accumulators);
                 }
                 Stage::Kept(kept) => {
                     m.set_phase(format!("backward: {}", stretch_name(&kept.blocks)));
@@ -436,18 +435,8 @@ impl<'a> Replay<'a> {
                     let surrogate = Self::surrogate(&kept.end, &g, kept.aux.as_ref());
                     let store = backward(&surrogate);
                     drop(surrogate);
-                    grad_out = self.collect(&kept.blocks, kept.start.as_ref(), store, &mut local);
+                    grad_out = self.collect(&kept.blocks, kept.start.as_ref(), store, &mut accumulators);
                 }
-            }
-        }
-        m.set_phase("adding the gradients to the accumulators".into());
-        m.set_cat(Cat::Accumulators);
-        for (acc, g) in accumulators.iter_mut().zip(local) {
-            if let Some(g) = g {
-                *acc = Some(match acc.take() {
-                    Some(a) => a.add(&g),
-                    None => g,
-                });
             }
         }
         let peak = m.peak();

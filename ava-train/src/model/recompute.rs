@@ -133,10 +133,11 @@ pub fn forward_backward(
     let store = loss.affine(scale / divisor, 0.0)?.backward()?;
     drop(span);
     drop((loss, ce, logits));
-    // This micro-batch's gradients are summed on their own first and then added to the
-    // accumulated ones, so the order of additions is the same whatever the plan.
-    let mut local: Grads = vec![None; grads.len()];
-    let mut grad_out = collect(model, &current.blocks, current.start.as_ref(), store, &mut local)?;
+    // Gradients go straight into the accumulators, stretch by stretch, so no second copy of
+    // them is held. The additions happen in the same order whatever the plan: every
+    // parameter belongs to one stretch, except a tied embedding, whose head use is always
+    // collected (last stretch) before its embedding use (first stretch).
+    let mut grad_out = collect(model, &current.blocks, current.start.as_ref(), store, grads)?;
     drop(current);
 
     while let Some(stage) = stages.pop() {
@@ -157,7 +158,7 @@ pub fn forward_backward(
                 let store = surrogate.backward()?;
                 drop(span);
                 drop((surrogate, out));
-                grad_out = collect(model, &[block], Some(&start), store, &mut local)?;
+                grad_out = collect(model, &[block], Some(&start), store, grads)?;
             }
             Stage::Kept(kept) => {
                 let surrogate = surrogate(&kept.end, &g, kept.aux.as_ref(), aux_weight * scale / divisor)?;
@@ -165,16 +166,8 @@ pub fn forward_backward(
                 let store = surrogate.backward()?;
                 drop(span);
                 drop(surrogate);
-                grad_out = collect(model, &kept.blocks, kept.start.as_ref(), store, &mut local)?;
+                grad_out = collect(model, &kept.blocks, kept.start.as_ref(), store, grads)?;
             }
-        }
-    }
-    for (acc, g) in grads.iter_mut().zip(local) {
-        if let Some(g) = g {
-            *acc = Some(match acc.take() {
-                Some(a) => (a + g)?,
-                None => g,
-            });
         }
     }
     Ok(MicroLoss { ce: ce_value, aux: aux_total })
