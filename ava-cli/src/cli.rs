@@ -70,6 +70,7 @@ pub enum Command {
     ///   ava train
     ///   ava train -c configs/small.yaml --set plugins.optimizer=lion --max-steps 200
     ///   ava train --resume latest
+    #[command(verbatim_doc_comment)]
     Train(TrainArgs),
     /// Predict peak memory (parameters, gradients, optimizer state, data, activations)
     /// from the config alone, before anything is allocated; prints every formula term.
