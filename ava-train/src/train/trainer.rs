@@ -386,7 +386,7 @@ impl Trainer {
                 break;
             }
         }
-        if self.step > 0 && saved_at != Some(self.step) && summary.stopped.is_none() && options.steps.is_none() {
+        if saved_at.is_none() && self.step > 0 {
             // Nothing ran (already at max_steps): still point at the latest checkpoint.
             summary.checkpoint = self.store.latest()?.map(|p| p.display().to_string());
         }
