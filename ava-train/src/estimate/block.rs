@@ -66,76 +66,50 @@ pub(crate) fn block_terms(x: &Dims, saved_len: u64, moe: Option<(u64, u64)>) -> 
     let (n, d, p) = (x.n(), x.d, x.p);
     let qkv = x.h + 2 * x.hkv;
     let mut out = Vec::new();
+    // Each fused op keeps its inputs and output; in a half compute type its inputs are f32
+    // copies and its output is cast back.
     if x.cast() {
-        out.push(term("norms (2): f32 copy of the input", format!("2 · B·T·d·4 = 2 · {n}·{d}·4"), 2 * n * d * 4));
+        out.push(term(
+            "norms (2): f32 copies of the input and weight",
+            format!("2 · (B·T·d + d)·4 = 2 · ({n}·{d} + {d})·4"),
+            2 * (n * d + d) * 4,
+        ));
     }
-    out.push(term("norms (2): x² and x / rms, in f32", format!("2 · 2 · B·T·d·4 = 4 · {n}·{d}·4"), 4 * n * d * 4));
+    out.push(term("norms (2): fused RMSNorm output, f32", format!("2 · B·T·d·4 = 2 · {n}·{d}·4"), 2 * n * d * 4));
     if x.cast() {
         out.push(term("norms (2): cast back", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
     }
-    out.push(term("norms (2): times the weight", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
-    out.push(term(
-        "norms (2): row statistics (sum, mean, +ε, sqrt)",
-        format!("2 · 4 · B·T·4 = 8 · {n}·4"),
-        2 * 4 * n * 4,
-    ));
     out.push(term("q, k, v projections", format!("B·T·(H + 2·Hkv)·D·p = {n}·{qkv}·{}·{p}", x.hd), n * qkv * x.hd * p));
-    // A transpose that only moves a dimension of size 1 stays contiguous: no copy then.
-    let moved = |heads: u64| if heads > 1 && x.t > 1 { heads } else { 0 };
-    let copied = moved(x.h) + 2 * moved(x.hkv);
-    if copied > 0 {
-        out.push(term(
-            "q, k, v as (B, heads, T, D), contiguous copies",
-            format!("B·T·{}·D·p = {n}·{copied}·{}·{p}", copies_formula(moved(x.h) > 0, moved(x.hkv) > 0), x.hd),
-            n * copied * x.hd * p,
-        ));
-    }
-    let roped = x.h + x.hkv;
-    out.push(term(
-        "RoPE on q and k: −x₂, cat, x·cos, rot·sin, sum",
-        format!("4.5 · B·T·(H + Hkv)·D·p = 4.5 · {n}·{roped}·{}·{p}", x.hd),
-        9 * n * roped * x.hd * p / 2,
-    ));
     if x.cast() {
         out.push(term(
-            "RoPE: cos and sin cast, per call (q and k)",
-            format!("2 · 2 · T·D·p = 4 · {}·{}·{p}", x.t, x.hd),
-            4 * x.t * x.hd * p,
-        ));
-        out.push(term(
-            "attention inputs as f32 (the kernel computes in f32)",
+            "q, k, v as f32 (the kernel computes in f32)",
             format!("B·T·(H + 2·Hkv)·D·4 = {n}·{qkv}·{}·4", x.hd),
             n * qkv * x.hd * 4,
         ));
     }
+    out.push(term(
+        "q, k, v split into heads (B, heads, T, D), RoPE on q and k, f32",
+        format!("B·T·(H + 2·Hkv)·D·4 = {n}·{qkv}·{}·4", x.hd),
+        n * qkv * x.hd * 4,
+    ));
     out.push(term("attention output (f32)", format!("B·H·T·D·4 = {n}·{}·{}·4", x.h, x.hd), n * x.h * x.hd * 4));
     out.push(term(
         "attention kernel's saved buffer",
         format!("saved_len · 4 = {saved_len} · 4 (the kernel's declaration)"),
         saved_len * 4,
     ));
+    out.push(term(
+        "heads merged to (B·T, H·D), f32",
+        format!("B·T·H·D·4 = {n}·{}·{}·4", x.h, x.hd),
+        n * x.h * x.hd * 4,
+    ));
     if x.cast() {
-        out.push(term(
-            "attention output cast back",
-            format!("B·H·T·D·p = {n}·{}·{}·{p}", x.h, x.hd),
-            n * x.h * x.hd * p,
-        ));
-    }
-    if moved(x.h) > 0 {
-        out.push(term(
-            "heads merged to (B·T, H·D) (a transpose copy)",
-            format!("B·T·H·D·p = {n}·{}·{}·{p}", x.h, x.hd),
-            n * x.h * x.hd * p,
-        ));
+        out.push(term("merged heads cast back", format!("B·T·H·D·p = {n}·{}·{}·{p}", x.h, x.hd), n * x.h * x.hd * p));
     }
     out.push(term("o_proj output and residual sum", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
     match moe {
         None => {
-            out.push(term(
-                "SwiGLU: gate, silu, up, gate·up",
-                format!("4 · B·T·F·p = 4 · {n}·{}·{p}", x.f),
-                4 * n * x.f * p,
-            ));
+            out.extend(swiglu_terms(x, n));
             out.push(term(
                 "down_proj output and residual sum",
                 format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"),
@@ -144,6 +118,21 @@ pub(crate) fn block_terms(x: &Dims, saved_len: u64, moe: Option<(u64, u64)>) -> 
         }
         Some((e, k)) => out.extend(moe_terms(x, e, k)),
     }
+    out
+}
+
+/// A SwiGLU MLP's gate, up and fused gate product on `rows` rows.
+fn swiglu_terms(x: &Dims, rows: u64) -> Vec<Term> {
+    let (f, p) = (x.f, x.p);
+    let mut out = vec![term("SwiGLU: gate and up", format!("2 · rows·F·p = 2 · {rows}·{f}·{p}"), 2 * rows * f * p)];
+    if x.cast() {
+        out.push(term(
+            "SwiGLU: gate and up as f32, the f32 product cast back",
+            format!("rows·F·(2·4 + p) = {rows}·{f}·(8 + {p})"),
+            rows * f * (8 + p),
+        ));
+    }
+    out.push(term("SwiGLU: fused silu(gate)·up, f32", format!("rows·F·4 = {rows}·{f}·4"), rows * f * 4));
     out
 }
 
@@ -171,13 +160,13 @@ fn moe_terms(x: &Dims, e: u64, k: u64) -> Vec<Term> {
             routing,
         ),
         term(
-            "MoE experts on B·T·k rows: ids, gate, rows, SwiGLU, scaled output",
-            format!(
-                "B·T·k·(3·4 + (3·d + 4·F{})·p) = {n}·{k}·(12 + (3·{d} + 4·{f}{})·{p})",
-                if c == 1 { " + 1" } else { "" },
-                if c == 1 { " + 1" } else { "" }
-            ),
-            n * k * (12 + (3 * d + 4 * f + c) * p),
+            "MoE experts on B·T·k rows: ids, gate, rows, SwiGLU (fused), scaled output",
+            if c == 1 {
+                format!("B·T·k·(3·4 + (3·d + 1)·p + F·(3·p + 12)) = {n}·{k}·(12 + (3·{d} + 1)·{p} + {f}·(3·{p} + 12))")
+            } else {
+                format!("B·T·k·(3·4 + 3·d·p + 3·F·4) = {n}·{k}·(12 + 3·{d}·{p} + 3·{f}·4)")
+            },
+            n * k * (12 + (3 * d + c) * p + if c == 1 { f * (3 * p + 12) } else { 3 * f * 4 }),
         ),
         term(
             "MoE output: zeros and one index_add sum per expert",
@@ -186,16 +175,6 @@ fn moe_terms(x: &Dims, e: u64, k: u64) -> Vec<Term> {
         ),
         term("residual sum", format!("B·T·d·p = {n}·{d}·{p}"), n * d * p),
     ]
-}
-
-/// `(H + 2·Hkv)`, or the part of it whose transpose is a copy.
-fn copies_formula(q: bool, kv: bool) -> &'static str {
-    match (q, kv) {
-        (true, true) => "(H + 2·Hkv)",
-        (true, false) => "H",
-        (false, true) => "2·Hkv",
-        (false, false) => "0",
-    }
 }
 
 fn cast_f(c: u64) -> &'static str {

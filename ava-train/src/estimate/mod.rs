@@ -387,13 +387,12 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
             2 * n_params,
         );
     }
-    let rope = 2 * x.t * x.hd * 4;
     add(
         &mut terms,
         Component::Parameters,
-        "rotary tables (cos, sin)",
-        format!("2 · T·D·4 = 2 · {}·{}·4", x.t, x.hd),
-        rope,
+        "rotary tables (cos, sin in f32 and f64)",
+        format!("T·D·(2·4 + 2·8) = {}·{}·24", x.t, x.hd),
+        crate::model::fused::RopeTables::bytes(x.t as usize, x.hd as usize),
     );
 
     // Optimizer state, from the plugin's layout, summed per state name.

@@ -10,7 +10,8 @@ use std::rc::Rc;
 
 use ava_core::BlockDecision;
 
-use super::sim::{self, Cat, Dt, GradStore, Meter, T, backward, cat};
+use super::sim::{self, Buf, Cat, Dt, Fused, GradStore, Meter, T, backward};
+use crate::model::fused::RopeTables;
 use crate::model::{ModelSpec, ParamDef};
 
 /// Where one block's parameters are (indices into [`ModelSpec::params`]).
@@ -77,8 +78,8 @@ pub(crate) struct Replay<'a> {
     defs: Vec<ParamDef>,
     vars: Vec<T>,
     weights: Vec<T>,
-    cos: T,
-    sin: T,
+    /// The rotary tables (f32 and f64), held with the parameters.
+    _rope: Rc<Buf>,
     blocks: Vec<BlockIdx>,
     final_norm: usize,
     head: usize,
@@ -92,14 +93,16 @@ fn add_opt(a: Option<T>, b: Option<T>) -> Option<T> {
     }
 }
 
-/// `x W^T` (`llama::linear`): with `f32_matmul` (bf16 on CPU) both operands are cast to
-/// f32, multiplied, and the product cast back.
+/// `fused::linear`: x (N, in) · wᵀ, w (out, in); with `f32_matmul` (bf16 on CPU) both
+/// operands are cast to f32, multiplied, and the product cast back.
 fn linear_as(x: &T, w: &T, f32_matmul: bool) -> T {
+    let dims = [x.dims()[0], w.dims()[0]];
     if f32_matmul {
         let dtype = x.dtype();
-        return x.to_dtype(Dt::F32).matmul(&w.to_dtype(Dt::F32).t()).to_dtype(dtype);
+        let (xf, wf) = (x.to_dtype(Dt::F32).contiguous(), w.to_dtype(Dt::F32).contiguous());
+        return T::fused(Fused::Linear, &[&xf, &wf], &dims).to_dtype(dtype);
     }
-    x.matmul(&w.t())
+    T::fused(Fused::Linear, &[&x.contiguous(), &w.contiguous()], &dims)
 }
 
 /// `ops::softmax_last`.
@@ -128,9 +131,7 @@ impl<'a> Replay<'a> {
         let vars: Vec<T> = defs.iter().map(|d| T::param(&meter, &d.shape)).collect();
         // Model::weights: the Vars themselves in f32, casts (inside the graph) otherwise.
         let weights = vars.iter().map(|v| v.to_dtype(dtype)).collect();
-        let head_dim = spec.head_dim();
-        let cos = T::new(&meter, &[seq, head_dim], Dt::F32); // (T, D)
-        let sin = T::new(&meter, &[seq, head_dim], Dt::F32); // (T, D)
+        let _rope = sim::raw(&meter, RopeTables::bytes(seq, spec.head_dim()));
         let find = |name: String| defs.iter().position(|d| d.name == name).expect("spec parameter");
         let blocks = (0..spec.layers)
             .map(|i| {
@@ -181,8 +182,7 @@ impl<'a> Replay<'a> {
             defs,
             vars,
             weights,
-            cos,
-            sin,
+            _rope,
             blocks,
             final_norm,
             head,
@@ -195,26 +195,25 @@ impl<'a> Replay<'a> {
         &self.meter
     }
 
-    /// `ops::rms_norm`: in f32, back to the input type.
+    /// `fused::rms_norm`: in f32, back to the input type.
     fn rms_norm(&self, x: &T, w: &T) -> T {
         let dtype = x.dtype();
-        let xf = x.to_dtype(Dt::F32);
-        let ms = xf.sqr().mean_keepdim_last(); // (.., 1)
-        let normed = xf.broadcast_div(&ms.affine(1.0).sqrt());
-        normed.to_dtype(dtype).broadcast_mul(&w.to_dtype(dtype))
+        let (xc, wc) = (x.to_dtype(Dt::F32).contiguous(), w.to_dtype(Dt::F32).contiguous());
+        T::fused(Fused::RmsNorm, &[&xc, &wc], x.dims()).to_dtype(dtype)
     }
 
-    /// `Rope::apply` on (B, heads, T, D).
-    fn rope(&self, x: &T) -> T {
-        let (t, d) = (x.dims()[2], x.dims()[3]);
-        let dtype = x.dtype();
-        let cos = self.cos.narrow(0, 0, t).to_dtype(dtype); // (T, D)
-        let sin = self.sin.narrow(0, 0, t).to_dtype(dtype); // (T, D)
-        let half = d / 2;
-        let x1 = x.narrow(3, 0, half);
-        let x2 = x.narrow(3, half, half);
-        let rotated = cat(&[&x2.neg(), &x1], 3); // (B, heads, T, D)
-        x.broadcast_mul(&cos).add(&rotated.broadcast_mul(&sin))
+    /// `fused::split_heads`: (B·T, C·D) → (B, C, T, D) in f32.
+    fn split_heads(&self, p: &T, c: usize) -> T {
+        let pc = p.to_dtype(Dt::F32).contiguous();
+        T::fused(Fused::SplitHeads, &[&pc], &[self.batch, c, self.seq, self.spec.head_dim()])
+    }
+
+    /// `fused::merge_heads`: (B, C, T, D) → (B·T, C·D) in f32.
+    fn merge_heads(x: &T) -> T {
+        let d = x.dims();
+        let (b, c, t, hd) = (d[0], d[1], d[2], d[3]);
+        let xc = x.to_dtype(Dt::F32).contiguous();
+        T::fused(Fused::MergeHeads, &[&xc], &[b * t, c * hd])
     }
 
     /// `model::attention`: f32 contiguous copies, the kernel op, back to the compute type.
@@ -226,7 +225,10 @@ impl<'a> Replay<'a> {
 
     fn swiglu(&self, x: &T, gate: usize, up: usize, down: usize) -> T {
         let w = &self.weights;
-        let hidden = linear_as(x, &w[gate], self.f32_matmul).silu().mul(&linear_as(x, &w[up], self.f32_matmul)); // (N, F)
+        let (g, u) = (linear_as(x, &w[gate], self.f32_matmul), linear_as(x, &w[up], self.f32_matmul)); // (N, F)
+        let dtype = g.dtype();
+        let (gc, uc) = (g.to_dtype(Dt::F32).contiguous(), u.to_dtype(Dt::F32).contiguous());
+        let hidden = T::fused(Fused::SwiGlu, &[&gc, &uc], g.dims()).to_dtype(dtype); // (N, F)
         linear_as(&hidden, &w[down], self.f32_matmul)
     }
 
@@ -275,17 +277,20 @@ impl<'a> Replay<'a> {
         let s = self.spec;
         let w = &self.weights;
         let (b, t, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
-        let (h, hkv, hd) = (s.heads, s.kv_heads, s.head_dim());
+        let (h, hkv) = (s.heads, s.kv_heads);
         let n = b * t;
         let normed = self.rms_norm(x, &w[bi.attn_norm]).reshape(&[n, d]); // (B·T, d)
-        let heads = |proj: usize, count: usize| {
-            linear_as(&normed, &w[proj], self.f32_matmul).reshape(&[b, t, count, hd]).transpose(1, 2).contiguous()
-        };
-        let q = self.rope(&heads(bi.q, h)); // (B, H, T, D)
-        let k = self.rope(&heads(bi.k, hkv)); // (B, Hkv, T, D)
-        let v = heads(bi.v, hkv); // (B, Hkv, T, D)
+        let (q, k, v) = (
+            linear_as(&normed, &w[bi.q], self.f32_matmul),
+            linear_as(&normed, &w[bi.k], self.f32_matmul),
+            linear_as(&normed, &w[bi.v], self.f32_matmul),
+        );
+        let q = self.split_heads(&q, h); // (B, H, T, D)
+        let k = self.split_heads(&k, hkv); // (B, Hkv, T, D)
+        let v = self.split_heads(&v, hkv); // (B, Hkv, T, D)
         let attn = self.attention(&q, &k, &v); // (B, H, T, D)
-        let attn = attn.transpose(1, 2).reshape(&[n, h * hd]); // (B·T, H·D)
+        drop((q, k, v));
+        let attn = Self::merge_heads(&attn).to_dtype(x.dtype()); // (B·T, H·D)
         let x = x.add(&linear_as(&attn, &w[bi.o], self.f32_matmul).reshape(&[b, t, d])); // (B, T, d)
         let normed = self.rms_norm(&x, &w[bi.mlp_norm]).reshape(&[n, d]); // (B·T, d)
         let (mlp, aux) = match &bi.mlp {

@@ -10,7 +10,8 @@ use ava_core::AttentionKernel;
 use candle_core::{D, DType, Device, Result as CResult, Tensor, Var};
 
 use super::attention::attention;
-use super::ops::{Rope, rms_norm, softmax_last};
+use super::fused::{RopeTables, linear, merge_heads, rms_norm, split_heads, swiglu_gate};
+use super::ops::softmax_last;
 use super::spec::{ModelSpec, ParamDef, ParamRole};
 use super::{ModelError, cerr};
 
@@ -57,7 +58,7 @@ pub struct Model {
     blocks: Vec<BlockIndex>,
     head: usize,
     final_norm: usize,
-    rope: Rope,
+    rope: Arc<RopeTables>,
     kernel: Arc<dyn AttentionKernel>,
     kernel_name: String,
     threads: usize,
@@ -205,7 +206,7 @@ impl Model {
             .collect();
         let head = if spec.tie_embeddings { 0 } else { at("lm_head.weight".into()) };
         let final_norm = at("model.norm.weight".into());
-        let rope = Rope::new(max_seq, spec.head_dim(), spec.rope_theta, &Device::Cpu).map_err(cerr)?;
+        let rope = RopeTables::new(max_seq, spec.head_dim(), spec.rope_theta).map_err(cerr)?;
         Ok(Self { spec, params, blocks, head, final_norm, rope, kernel, kernel_name: kernel_name.to_string(), threads })
     }
 
@@ -255,27 +256,30 @@ impl Model {
         let bi = &self.blocks[i];
         let s = &self.spec;
         let (b, t, d) = x.dims3()?;
-        let (h, hkv, hd) = (s.heads, s.kv_heads, s.head_dim());
+        let (h, hkv) = (s.heads, s.kv_heads);
         let n = b * t;
 
         let span = crate::profile::scope("forward: rms_norm");
         let normed = rms_norm(x, &w[bi.attn_norm], s.eps)?.reshape((n, d))?; // (B·T, d)
         drop(span);
-        let heads = |proj: usize, count: usize| -> CResult<Tensor> {
-            linear(&normed, &w[proj])?.reshape((b, t, count, hd))?.transpose(1, 2)?.contiguous() // (B, heads, T, D)
-        };
+        // q and k rotated on their way into heads; all three in the kernel's f32 (f64 in
+        // the gradient checks), whatever the compute type.
         let span = crate::profile::scope("forward: q/k/v projections");
-        let (q, k, v) = (heads(bi.q, h)?, heads(bi.k, hkv)?, heads(bi.v, hkv)?); // (B, H|Hkv, T, D)
+        let th = self.threads;
+        let (q, k, v) =
+            (linear(&normed, &w[bi.q], th)?, linear(&normed, &w[bi.k], th)?, linear(&normed, &w[bi.v], th)?);
         drop(span);
-        let span = crate::profile::scope("forward: rope");
-        let (q, k) = (self.rope.apply(&q)?, self.rope.apply(&k)?);
+        let span = crate::profile::scope("forward: head split + rope");
+        let q = split_heads(&q, b, t, h, Some(&self.rope))?; // (B, H, T, D)
+        let k = split_heads(&k, b, t, hkv, Some(&self.rope))?; // (B, Hkv, T, D)
+        let v = split_heads(&v, b, t, hkv, None)?; // (B, Hkv, T, D)
         drop(span);
         let span = crate::profile::scope("forward: attention kernel");
         let attn = attention(&self.kernel, &self.kernel_name, &q, &k, &v, self.threads)?; // (B, H, T, D)
-        drop(span);
+        drop((span, q, k, v));
         let span = crate::profile::scope("forward: o_proj + residual");
-        let attn = attn.transpose(1, 2)?.reshape((n, h * hd))?; // (B·T, H·D)
-        let x = (x + linear(&attn, &w[bi.o])?.reshape((b, t, d))?)?; // (B, T, d)
+        let attn = merge_heads(&attn)?.to_dtype(x.dtype())?; // (B·T, H·D)
+        let x = (x + linear(&attn, &w[bi.o], th)?.reshape((b, t, d))?)?; // (B, T, d)
         drop(span);
 
         let span = crate::profile::scope("forward: rms_norm");
@@ -283,9 +287,9 @@ impl Model {
         drop(span);
         let _span = crate::profile::scope("forward: mlp + residual");
         let (mlp, aux) = match &bi.mlp {
-            MlpIndex::Dense { gate, up, down } => (swiglu(&normed, &w[*gate], &w[*up], &w[*down])?, None),
+            MlpIndex::Dense { gate, up, down } => (swiglu(&normed, &w[*gate], &w[*up], &w[*down], th)?, None),
             MlpIndex::Moe { router, experts, top_k } => {
-                let (out, aux) = moe(&normed, &w[*router], experts, *top_k, w)?;
+                let (out, aux) = moe(&normed, &w[*router], experts, *top_k, w, th)?;
                 (out, Some(aux))
             }
         };
@@ -297,7 +301,7 @@ impl Model {
         let (b, t, d) = x.dims3()?;
         let _span = crate::profile::scope("forward: final norm + lm_head");
         let normed = rms_norm(x, &w[self.final_norm], self.spec.eps)?.reshape((b * t, d))?; // (B·T, d)
-        linear(&normed, &w[self.head]) // (B·T, V)
+        linear(&normed, &w[self.head], self.threads) // (B·T, V)
     }
 
     /// Plain forward pass: logits (B·T, V) and the summed load-balancing losses.
@@ -327,30 +331,26 @@ pub(crate) fn add_opt(a: Option<Tensor>, b: Option<Tensor>) -> CResult<Option<Te
     })
 }
 
-/// `x W^T`: x (N, in), w (out, in) → (N, out).
-///
-/// candle's CPU backend has no bf16 matmul; bf16 operands are multiplied in f32 and the
-/// product rounded back to bf16 (what bf16 autocast does on hardware: f32 accumulation).
-fn linear(x: &Tensor, w: &Tensor) -> CResult<Tensor> {
-    if x.dtype() == DType::BF16 && x.device().is_cpu() {
-        return x.to_dtype(DType::F32)?.matmul(&w.to_dtype(DType::F32)?.t()?)?.to_dtype(DType::BF16);
-    }
-    x.matmul(&w.t()?)
-}
-
 /// SwiGLU: down(silu(gate(x)) · up(x)). x (N, d) → (N, d).
-fn swiglu(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> CResult<Tensor> {
-    let hidden = (linear(x, gate)?.silu()? * linear(x, up)?)?; // (N, F)
-    linear(&hidden, down)
+fn swiglu(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor, threads: usize) -> CResult<Tensor> {
+    let hidden = swiglu_gate(&linear(x, gate, threads)?, &linear(x, up, threads)?)?; // (N, F)
+    linear(&hidden, down, threads)
 }
 
 /// A top-k mixture of SwiGLU experts (Mixtral's routing: softmax over all experts, keep the
 /// top k, renormalize), and the Switch Transformer load-balancing loss
 /// `E · Σₑ fₑ · Pₑ` (fₑ: fraction of routed slots going to e, Pₑ: mean router probability).
-fn moe(x: &Tensor, router: &Tensor, experts: &[[usize; 3]], top_k: usize, w: &[Tensor]) -> CResult<(Tensor, Tensor)> {
+fn moe(
+    x: &Tensor,
+    router: &Tensor,
+    experts: &[[usize; 3]],
+    top_k: usize,
+    w: &[Tensor],
+    threads: usize,
+) -> CResult<(Tensor, Tensor)> {
     let (n, d) = x.dims2()?;
     let e_count = experts.len();
-    let probs = softmax_last(&linear(x, router)?.to_dtype(DType::F32)?)?; // (N, E) f32
+    let probs = softmax_last(&linear(x, router, threads)?.to_dtype(DType::F32)?)?; // (N, E) f32
     let values = probs.detach().to_vec2::<f32>()?;
     // Top-k per token (ties to the lower index, so the choice is deterministic).
     let mut chosen = Vec::with_capacity(n * top_k); // (N, k) expert ids
@@ -376,7 +376,7 @@ fn moe(x: &Tensor, router: &Tensor, experts: &[[usize; 3]], top_k: usize, w: &[T
         let rows: Vec<u32> = slots.iter().map(|s| s / top_k as u32).collect();
         let rows = Tensor::from_vec(rows, slots.len(), x.device())?;
         let gate = top.index_select(&Tensor::from_vec(slots.clone(), slots.len(), x.device())?, 0)?; // (n_e,)
-        let y = swiglu(&x.index_select(&rows, 0)?, &w[*w1], &w[*w3], &w[*w2])?; // (n_e, d)
+        let y = swiglu(&x.index_select(&rows, 0)?, &w[*w1], &w[*w3], &w[*w2], threads)?; // (n_e, d)
         let y = y.broadcast_mul(&gate.to_dtype(x.dtype())?.unsqueeze(1)?)?;
         out = out.index_add(&rows, &y, 0)?;
     }

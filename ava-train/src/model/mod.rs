@@ -3,6 +3,7 @@
 //! policies, and Hugging Face folder loading and saving.
 
 mod attention;
+pub mod fused;
 mod hf;
 mod llama;
 pub mod ops;

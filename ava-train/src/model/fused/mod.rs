@@ -1,0 +1,59 @@
+//! The model's ops written as single candle custom ops with their own backward: the linear
+//! layer, RMSNorm, the head split with the rotary embedding (and its inverse, the head
+//! merge), and the SwiGLU gate.
+//!
+//! Why: each is a chain of 5–10 candle primitives, and candle's backward gives every node of
+//! a chain a zero-filled gradient plus an addition, computes gradients for untracked inputs
+//! (the rotary tables) and keeps tracked gradient expressions alive. On the benchmark model
+//! those passes were most of the step. Each op here reads its inputs once and writes its
+//! output once, keeps nothing but its inputs, and returns detached gradients.
+//!
+//! The ops compute in f32 for f32, f16 and bf16 inputs (half inputs are cast around the op)
+//! and in f64 for f64 inputs (the finite-difference checks). Work is split into fixed chunks
+//! on candle's rayon pool, and every reduction adds its chunks in a fixed order, so results
+//! do not depend on the thread count. The composed forms in `ops` stay as the reference the
+//! tests compare against.
+
+mod linear;
+mod norm;
+mod rope;
+mod swiglu;
+
+#[cfg(test)]
+mod tests;
+
+use candle_core::{CpuStorage, DType, Layout, Result, Storage, Tensor, WithDType, bail};
+
+pub use linear::linear;
+pub use norm::rms_norm;
+pub use rope::{RopeTables, merge_heads, split_heads};
+pub use swiglu::swiglu_gate;
+
+/// The element types the fused ops compute in.
+pub(crate) trait Real: WithDType + num_traits::Float + std::ops::AddAssign + Send + Sync {}
+impl Real for f32 {}
+impl Real for f64 {}
+
+/// Rows per task: small enough to spread 2k-row batches over a few threads, large enough
+/// that a task is worth scheduling. Fixed, so reductions add partial sums in one order.
+pub(crate) const ROWS_PER_TASK: usize = 64;
+
+/// The contiguous values of a CPU storage of element type `F`.
+pub(crate) fn values<'a, F: WithDType>(storage: &'a CpuStorage, layout: &Layout, op: &str) -> Result<&'a [F]> {
+    let Some((start, end)) = layout.contiguous_offsets() else { bail!("{op}: input is not contiguous") };
+    Ok(&F::cpu_storage_as_slice(storage)?[start..end])
+}
+
+/// Runs `f` on a tensor's contiguous values of type `F` (the tensor is made contiguous
+/// first if it is not; backward's incoming gradients usually are).
+pub(crate) fn with_values<F: WithDType, R>(t: &Tensor, op: &str, f: impl FnOnce(&[F]) -> Result<R>) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else { bail!("{op}: only the CPU is supported") };
+    f(values::<F>(cpu, layout, op)?)
+}
+
+/// The compute type for a tensor of type `dtype`: f64 stays f64, everything else is f32.
+pub(crate) fn compute_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 { DType::F64 } else { DType::F32 }
+}

@@ -1,0 +1,220 @@
+//! The head split with the rotary embedding, and the head merge, as single passes.
+//!
+//! `split_heads` turns a projection's output (B·T, C·D) into heads (B, C, T, D), rotating
+//! each head row by its position's angles on the way (Hugging Face Llama's rotate-half
+//! layout: element `i` pairs with `i + D/2`). Its backward is the transposed rotation on the
+//! way back. `merge_heads` is the plain inverse transposition, (B, C, T, D) → (B·T, C·D).
+//! candle's form of the same (transpose, contiguous copy, narrow, negate, concatenate, two
+//! broadcast products, a sum, and the reverse in backward, plus gradients for the tables)
+//! was ten passes over q and k.
+
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
+use rayon::prelude::*;
+
+use super::{Real, compute_dtype, values, with_values};
+
+/// Rotary tables for positions `0..seq` and a head size: `cos`/`sin` of `t · θ^(-2i/D)`,
+/// both halves of a head sharing the frequencies. Kept in f32 and f64 (the gradient checks).
+#[derive(Debug)]
+pub struct RopeTables {
+    seq: usize,
+    head_dim: usize,
+    cos32: Vec<f32>, // (T, D)
+    sin32: Vec<f32>, // (T, D)
+    cos64: Vec<f64>, // (T, D)
+    sin64: Vec<f64>, // (T, D)
+}
+
+impl RopeTables {
+    /// Tables for `seq` positions, head size `head_dim` (even) and base `theta`.
+    pub fn new(seq: usize, head_dim: usize, theta: f64) -> Result<Arc<Self>> {
+        if head_dim % 2 != 0 {
+            bail!("rotary embedding needs an even head size, got {head_dim}");
+        }
+        let half = head_dim / 2;
+        let (mut cos64, mut sin64) = (Vec::with_capacity(seq * head_dim), Vec::with_capacity(seq * head_dim));
+        for t in 0..seq {
+            for j in 0..head_dim {
+                let angle = t as f64 * theta.powf(-2.0 * (j % half) as f64 / head_dim as f64);
+                cos64.push(angle.cos());
+                sin64.push(angle.sin());
+            }
+        }
+        let cos32 = cos64.iter().map(|&v| v as f32).collect();
+        let sin32 = sin64.iter().map(|&v| v as f32).collect();
+        Ok(Arc::new(Self { seq, head_dim, cos32, sin32, cos64, sin64 }))
+    }
+
+    /// Positions covered.
+    pub fn seq_len(&self) -> usize {
+        self.seq
+    }
+
+    /// Bytes the tables hold (for the estimate).
+    pub fn bytes(seq: usize, head_dim: usize) -> u64 {
+        (seq * head_dim * (2 * 4 + 2 * 8)) as u64
+    }
+}
+
+/// The tables in a compute type.
+trait Tabled: Real {
+    fn tables(r: &RopeTables) -> (&[Self], &[Self]);
+}
+
+impl Tabled for f32 {
+    fn tables(r: &RopeTables) -> (&[f32], &[f32]) {
+        (&r.cos32, &r.sin32)
+    }
+}
+
+impl Tabled for f64 {
+    fn tables(r: &RopeTables) -> (&[f64], &[f64]) {
+        (&r.cos64, &r.sin64)
+    }
+}
+
+/// Which way the op moves data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    /// (B·T, C·D) → (B, C, T, D).
+    Split,
+    /// (B, C, T, D) → (B·T, C·D).
+    Merge,
+}
+
+struct Heads {
+    dir: Dir,
+    b: usize,
+    t: usize,
+    c: usize,
+    d: usize,
+    rope: Option<Arc<RopeTables>>,
+}
+
+/// Splits `p` (B·T, C·D) into heads (B, C, T, D), rotated by `rope` when given (q and k)
+/// or not (v). Returns f32 (f64 for f64 input): the attention kernel's type.
+pub fn split_heads(p: &Tensor, b: usize, t: usize, c: usize, rope: Option<&Arc<RopeTables>>) -> Result<Tensor> {
+    let (n, cd) = p.dims2()?;
+    if n != b * t || cd % c != 0 {
+        bail!("split_heads: ({n}, {cd}) is not (B·T, C·D) for B {b}, T {t}, C {c}");
+    }
+    let d = cd / c;
+    if let Some(r) = rope {
+        if t > r.seq || d != r.head_dim {
+            bail!("sequence of {t} tokens is longer than the rotary tables ({}) or head size {d} differs", r.seq);
+        }
+    }
+    let p = p.to_dtype(compute_dtype(p.dtype()))?.contiguous()?;
+    p.apply_op1(Heads { dir: Dir::Split, b, t, c, d, rope: rope.cloned() })
+}
+
+/// Merges heads (B, C, T, D) into rows (B·T, C·D), in f32 (f64 for f64 input).
+pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
+    let (b, c, t, d) = x.dims4()?;
+    let x = x.to_dtype(compute_dtype(x.dtype()))?.contiguous()?;
+    x.apply_op1(Heads { dir: Dir::Merge, b, t, c, d, rope: None })
+}
+
+/// One head row: copy, or rotate (`transposed`: by the transposed rotation, for backward).
+#[inline]
+fn row<F: Real>(src: &[F], dst: &mut [F], tables: Option<(&[F], &[F])>, transposed: bool) {
+    let Some((cos, sin)) = tables else {
+        dst.copy_from_slice(src);
+        return;
+    };
+    let h = src.len() / 2;
+    let (s1, s2) = src.split_at(h);
+    let (d1, d2) = dst.split_at_mut(h);
+    let (c1, c2) = cos.split_at(h);
+    let (n1, n2) = sin.split_at(h);
+    for j in 0..h {
+        if transposed {
+            d1[j] = s1[j] * c1[j] + s2[j] * n2[j];
+            d2[j] = s2[j] * c2[j] - s1[j] * n1[j];
+        } else {
+            d1[j] = s1[j] * c1[j] - s2[j] * n1[j];
+            d2[j] = s2[j] * c2[j] + s1[j] * n2[j];
+        }
+    }
+}
+
+impl Heads {
+    /// Moves `src` to the layout `to`, rotating with the tables (transposed or not).
+    fn run<F: Tabled>(&self, src: &[F], to: Dir, transposed: bool) -> Vec<F> {
+        let (t, c, d) = (self.t, self.c, self.d);
+        let tables = self.rope.as_ref().map(|r| F::tables(r));
+        let at = |pos: usize| tables.map(|(cos, sin)| (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]));
+        let mut dst = vec![F::zero(); src.len()];
+        match to {
+            // dst (B, C, T, D): one task per (b, c), reading rows (b, t, c) of src (B, T, C, D).
+            Dir::Split => dst.par_chunks_mut(t * d).enumerate().for_each(|(i, out)| {
+                let (bb, cc) = (i / c, i % c);
+                for (tt, o) in out.chunks_exact_mut(d).enumerate() {
+                    let s = ((bb * t + tt) * c + cc) * d;
+                    row(&src[s..s + d], o, at(tt), transposed);
+                }
+            }),
+            // dst (B, T, C, D): one task per (b, t), reading rows (b, c, t) of src (B, C, T, D).
+            Dir::Merge => dst.par_chunks_mut(c * d).enumerate().for_each(|(i, out)| {
+                let (bb, tt) = (i / t, i % t);
+                for (cc, o) in out.chunks_exact_mut(d).enumerate() {
+                    let s = ((bb * c + cc) * t + tt) * d;
+                    row(&src[s..s + d], o, at(tt), transposed);
+                }
+            }),
+        }
+        dst
+    }
+
+    fn out_shape(&self, dir: Dir) -> Shape {
+        match dir {
+            Dir::Split => Shape::from((self.b, self.c, self.t, self.d)),
+            Dir::Merge => Shape::from((self.b * self.t, self.c * self.d)),
+        }
+    }
+
+    fn other(&self) -> Dir {
+        match self.dir {
+            Dir::Split => Dir::Merge,
+            Dir::Merge => Dir::Split,
+        }
+    }
+}
+
+impl CustomOp1 for Heads {
+    fn name(&self) -> &'static str {
+        match self.dir {
+            Dir::Split => "split-heads",
+            Dir::Merge => "merge-heads",
+        }
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let name = self.name();
+        let out = match storage {
+            CpuStorage::F32(_) => CpuStorage::F32(self.run(values::<f32>(storage, layout, name)?, self.dir, false)),
+            CpuStorage::F64(_) => CpuStorage::F64(self.run(values::<f64>(storage, layout, name)?, self.dir, false)),
+            _ => bail!("{name}: input must be f32 or f64"),
+        };
+        Ok((out, self.out_shape(self.dir)))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let _span = crate::profile::scope("backward: heads split/merge + rope");
+        let back = self.other();
+        let grad = grad.to_dtype(arg.dtype())?;
+        let dx = match arg.dtype() {
+            candle_core::DType::F64 => {
+                let v = with_values::<f64, _>(&grad, self.name(), |g| Ok(self.run(g, back, true)))?;
+                Tensor::from_vec(v, self.out_shape(back), arg.device())?
+            }
+            _ => {
+                let v = with_values::<f32, _>(&grad, self.name(), |g| Ok(self.run(g, back, true)))?;
+                Tensor::from_vec(v, self.out_shape(back), arg.device())?
+            }
+        };
+        Ok(Some(dx))
+    }
+}

@@ -1,0 +1,263 @@
+//! The fused ops against candle's composed forms (values and autograd gradients in f32),
+//! against central differences in f64, and for independence from the thread count.
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use super::*;
+use crate::model::ops;
+
+/// Deterministic values in about [-2, 2].
+fn data(n: usize, salt: u64) -> Vec<f64> {
+    let mut s = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 11) as f64 / (1u64 << 53) as f64 * 4.0 - 2.0
+        })
+        .collect()
+}
+
+fn tensor(n_shape: &[usize], salt: u64, dtype: DType) -> Tensor {
+    let n = n_shape.iter().product();
+    Tensor::from_vec(data(n, salt), n_shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
+}
+
+fn flat(t: &Tensor) -> Vec<f64> {
+    t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+}
+
+fn assert_close(what: &str, got: &[f64], want: &[f64], atol: f64, rtol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= atol + rtol * w.abs(), "{what}[{i}]: {g} vs {w}");
+    }
+}
+
+/// Runs `f` on fresh `Var`s made from `inputs`, back-propagates `(f(..) · probe).sum()`,
+/// and returns the output and each input's gradient.
+fn value_and_grads(inputs: &[Tensor], probe: &Tensor, f: impl Fn(&[Tensor]) -> Tensor) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let vars: Vec<Var> = inputs.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+    let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let out = f(&ts);
+    let loss = (out.to_dtype(probe.dtype()).unwrap() * probe).unwrap().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let g = vars.iter().map(|v| flat(grads.get(v.as_tensor()).expect("input has a gradient"))).collect();
+    (flat(&out), g)
+}
+
+/// Compares the fused `f` with the composed `reference` in f32 (values and gradients).
+fn against_reference(
+    shapes: &[&[usize]],
+    out_shape: &[usize],
+    f: impl Fn(&[Tensor]) -> Tensor,
+    reference: impl Fn(&[Tensor]) -> Tensor,
+) {
+    let inputs: Vec<Tensor> = shapes.iter().enumerate().map(|(i, s)| tensor(s, i as u64 + 1, DType::F32)).collect();
+    let probe = tensor(out_shape, 99, DType::F32);
+    let (v1, g1) = value_and_grads(&inputs, &probe, &f);
+    let (v2, g2) = value_and_grads(&inputs, &probe, &reference);
+    assert_close("value", &v1, &v2, 1e-5, 1e-5);
+    for (i, (a, b)) in g1.iter().zip(&g2).enumerate() {
+        assert_close(&format!("gradient of input {i}"), a, b, 1e-4, 1e-3);
+    }
+}
+
+/// f64 gradients of `(f(..) · probe).sum()` against central differences on every element.
+fn against_finite_differences(shapes: &[&[usize]], out_shape: &[usize], f: impl Fn(&[Tensor]) -> Tensor) {
+    let inputs: Vec<Tensor> = shapes.iter().enumerate().map(|(i, s)| tensor(s, i as u64 + 7, DType::F64)).collect();
+    let probe = tensor(out_shape, 98, DType::F64);
+    let (_, grads) = value_and_grads(&inputs, &probe, &f);
+    let loss = |xs: &[Tensor]| -> f64 { (f(xs) * &probe).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap() };
+    let h = 1e-5;
+    for (i, input) in inputs.iter().enumerate() {
+        let base = flat(input);
+        for j in 0..base.len() {
+            let at = |delta: f64| {
+                let mut v = base.clone();
+                v[j] += delta;
+                let mut xs = inputs.clone();
+                xs[i] = Tensor::from_vec(v, input.dims(), &Device::Cpu).unwrap();
+                loss(&xs)
+            };
+            let fd = (at(h) - at(-h)) / (2.0 * h);
+            let got = grads[i][j];
+            assert!((got - fd).abs() <= 1e-7 + 1e-6 * fd.abs(), "input {i}[{j}]: autograd {got}, differences {fd}");
+        }
+    }
+}
+
+#[test]
+fn linear_matches_candle_matmul() {
+    // Odd sizes; more threads than rows in the last case.
+    for (n, k, out, threads) in [(7, 5, 3, 2), (64, 33, 17, 3), (2, 8, 4, 4)] {
+        against_reference(
+            &[&[n, k], &[out, k]],
+            &[n, out],
+            |x| linear(&x[0], &x[1], threads).unwrap(),
+            |x| x[0].matmul(&x[1].t().unwrap()).unwrap(),
+        );
+    }
+}
+
+#[test]
+fn linear_gradients_match_finite_differences() {
+    against_finite_differences(&[&[4, 3], &[5, 3]], &[4, 5], |x| linear(&x[0], &x[1], 2).unwrap());
+}
+
+#[test]
+fn linear_in_half_types_and_bad_shapes() {
+    let x = tensor(&[4, 8], 1, DType::F32);
+    let w = tensor(&[3, 8], 2, DType::F32);
+    let want = flat(&x.matmul(&w.t().unwrap()).unwrap());
+    for dt in [DType::F16, DType::BF16] {
+        let y = linear(&x.to_dtype(dt).unwrap(), &w.to_dtype(dt).unwrap(), 2).unwrap();
+        assert_eq!(y.dtype(), dt);
+        assert_close(&format!("{dt:?} linear"), &flat(&y), &want, 0.1, 2e-2);
+    }
+    let err = linear(&x, &tensor(&[3, 7], 2, DType::F32), 1).unwrap_err().to_string();
+    assert!(err.contains("input rows of 8 for a weight of shape [3, 7]"), "{err}");
+}
+
+#[test]
+fn rms_norm_matches_composed_form() {
+    for d in [8, 13, 64] {
+        against_reference(
+            &[&[3, 5, d], &[d]],
+            &[3, 5, d],
+            |x| rms_norm(&x[0], &x[1], 1e-5).unwrap(),
+            |x| ops::rms_norm(&x[0], &x[1], 1e-5).unwrap(),
+        );
+    }
+}
+
+#[test]
+fn rms_norm_gradients_match_finite_differences() {
+    against_finite_differences(&[&[2, 3, 6], &[6]], &[2, 3, 6], |x| rms_norm(&x[0], &x[1], 1e-5).unwrap());
+}
+
+/// (B·T, C·D) rows → (B, C, T, D) heads, composed: reshape, transpose, copy, rotate.
+fn composed_split(p: &Tensor, b: usize, t: usize, c: usize, rope: Option<&ops::Rope>) -> Tensor {
+    let d = p.dims()[1] / c;
+    let heads = p.reshape((b, t, c, d)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
+    match rope {
+        Some(r) => r.apply(&heads).unwrap(),
+        None => heads,
+    }
+}
+
+#[test]
+fn split_heads_with_rope_matches_composed_form() {
+    // T below the tables' length, odd head count, and D = 2 (one pair per head).
+    for (b, t, c, d) in [(2, 5, 3, 8), (1, 7, 2, 2), (3, 4, 1, 16)] {
+        let tables = RopeTables::new(9, d, 10000.0).unwrap();
+        let rope = ops::Rope::new(9, d, 10000.0, &Device::Cpu).unwrap();
+        against_reference(
+            &[&[b * t, c * d]],
+            &[b, c, t, d],
+            |x| split_heads(&x[0], b, t, c, Some(&tables)).unwrap(),
+            |x| composed_split(&x[0], b, t, c, Some(&rope)),
+        );
+        against_reference(
+            &[&[b * t, c * d]],
+            &[b, c, t, d],
+            |x| split_heads(&x[0], b, t, c, None).unwrap(),
+            |x| composed_split(&x[0], b, t, c, None),
+        );
+    }
+}
+
+#[test]
+fn merge_heads_matches_composed_form() {
+    let (b, c, t, d) = (2, 3, 5, 4);
+    against_reference(
+        &[&[b, c, t, d]],
+        &[b * t, c * d],
+        |x| merge_heads(&x[0]).unwrap(),
+        |x| x[0].transpose(1, 2).unwrap().reshape((b * t, c * d)).unwrap(),
+    );
+}
+
+#[test]
+fn head_ops_gradients_match_finite_differences() {
+    let tables = RopeTables::new(6, 4, 100.0).unwrap();
+    against_finite_differences(&[&[2 * 3, 2 * 4]], &[2, 2, 3, 4], |x| {
+        split_heads(&x[0], 2, 3, 2, Some(&tables)).unwrap()
+    });
+    against_finite_differences(&[&[2, 2, 3, 4]], &[6, 8], |x| merge_heads(&x[0]).unwrap());
+}
+
+#[test]
+fn split_heads_refuses_sequences_longer_than_the_tables() {
+    let tables = RopeTables::new(4, 4, 100.0).unwrap();
+    let p = tensor(&[5, 8], 1, DType::F32);
+    let err = split_heads(&p, 1, 5, 2, Some(&tables)).unwrap_err().to_string();
+    assert!(err.contains("longer than the rotary tables (4)"), "{err}");
+    assert!(RopeTables::new(4, 5, 100.0).unwrap_err().to_string().contains("even head size"));
+}
+
+#[test]
+fn swiglu_matches_composed_form() {
+    against_reference(
+        &[&[7, 33], &[7, 33]],
+        &[7, 33],
+        |x| swiglu_gate(&x[0], &x[1]).unwrap(),
+        |x| (x[0].silu().unwrap() * &x[1]).unwrap(),
+    );
+}
+
+#[test]
+fn swiglu_gradients_match_finite_differences() {
+    against_finite_differences(&[&[3, 5], &[3, 5]], &[3, 5], |x| swiglu_gate(&x[0], &x[1]).unwrap());
+}
+
+#[test]
+fn half_inputs_come_back_in_their_type() {
+    let x = tensor(&[4, 8], 3, DType::BF16);
+    let w = tensor(&[8], 4, DType::BF16);
+    let y = rms_norm(&x, &w, 1e-5).unwrap();
+    assert_eq!(y.dtype(), DType::BF16);
+    let want = ops::rms_norm(&x.to_dtype(DType::F32).unwrap(), &w.to_dtype(DType::F32).unwrap(), 1e-5).unwrap();
+    assert_close("bf16 rms_norm", &flat(&y), &flat(&want), 2e-2, 1e-2);
+    assert_eq!(swiglu_gate(&x, &x).unwrap().dtype(), DType::BF16);
+    assert_eq!(split_heads(&x, 1, 4, 2, None).unwrap().dtype(), DType::F32, "heads are in the kernel's f32");
+}
+
+#[test]
+fn thread_count_does_not_change_bits() {
+    // Enough rows for several tasks (ROWS_PER_TASK and the element chunks).
+    let x = tensor(&[300, 96], 5, DType::F32);
+    let w = tensor(&[96], 6, DType::F32);
+    let probe = tensor(&[300, 96], 7, DType::F32);
+    let tables = RopeTables::new(100, 16, 10000.0).unwrap();
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let mut out = Vec::new();
+            let (v, g) = value_and_grads(&[x.clone(), w.clone()], &probe, |t| rms_norm(&t[0], &t[1], 1e-5).unwrap());
+            out.push(v);
+            out.extend(g);
+            let (v, g) = value_and_grads(&[x.clone(), x.clone()], &probe, |t| swiglu_gate(&t[0], &t[1]).unwrap());
+            out.push(v);
+            out.extend(g);
+            let (v, g) = value_and_grads(std::slice::from_ref(&x), &probe.reshape((3, 6, 100, 16)).unwrap(), |t| {
+                split_heads(&t[0], 3, 100, 6, Some(&tables)).unwrap()
+            });
+            out.push(v);
+            out.extend(g);
+            out
+        })
+    };
+    let one = run(1);
+    assert_eq!(one, run(3));
+    // The linear layer splits its rows by its own thread count.
+    let wl = tensor(&[40, 96], 8, DType::F32);
+    let lin = |threads: usize| {
+        let (v, g) = value_and_grads(&[x.clone(), wl.clone()], &tensor(&[300, 40], 9, DType::F32), |t| {
+            linear(&t[0], &t[1], threads).unwrap()
+        });
+        (v, g)
+    };
+    assert_eq!(lin(1), lin(3));
+}
