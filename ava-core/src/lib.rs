@@ -74,6 +74,7 @@ pub mod error;
 mod export;
 pub mod ffi;
 pub mod manifest;
+pub mod math;
 pub mod memory;
 pub mod offload;
 pub mod optimizer;

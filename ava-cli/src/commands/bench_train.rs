@@ -1,11 +1,12 @@
 //! `ava bench train`: training throughput on a config. Measures tokens/s over a number of
 //! steps after a warmup, converts to model FLOP/s (6·N_matmul + 12·L·d·T per token), and
-//! compares with this machine's candle f32 matmul rate measured on the spot (MFU). Also
+//! compares with this machine's candle f32 matmul rate sampled between the steps (MFU). Also
 //! prints the memory breakdown of the last step and where step time went.
 
 use std::time::Instant;
 
 use ava_train::memory::gib;
+use ava_train::model::fused::linear;
 use ava_train::profile;
 use ava_train::train::{TrainOptions, Trainer};
 use candle_core::{Device, Tensor};
@@ -15,19 +16,49 @@ use crate::{CmdResult, Failure, cli::ConfigArgs, context, output::Printer};
 
 use super::train::{failure, set_threads};
 
-/// GFLOP/s of candle's f32 matmul at n×n×n (best of several runs).
-fn matmul_gflops(n: usize) -> Result<f64, candle_core::Error> {
-    let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-    let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?;
-    let _ = a.matmul(&b)?;
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        let start = Instant::now();
-        let c = a.matmul(&b)?;
-        best = best.min(start.elapsed().as_secs_f64());
-        drop(c);
+/// The two matmul rates the bench compares against, sampled between the measured steps so
+/// they see the same machine as the steps do (on a shared 2-core VM the rate swings by
+/// 2× from one minute to the next; a rate measured once says little about the steps). The
+/// operands live only during a sample, so the step's memory breakdown does not see them.
+struct MatmulProbe {
+    threads: usize,
+    candle: Vec<f64>,
+    engine: Vec<f64>,
+}
+
+impl MatmulProbe {
+    const N: usize = 1024;
+
+    fn new(threads: usize) -> Result<Self, candle_core::Error> {
+        let mut probe = Self { threads, candle: Vec::new(), engine: Vec::new() };
+        probe.sample()?; // warm up both paths
+        probe.candle.clear();
+        probe.engine.clear();
+        Ok(probe)
     }
-    Ok(2.0 * (n * n * n) as f64 / best / 1e9)
+
+    /// One GFLOP/s sample of candle's matmul and of the engine's linear op (rows split
+    /// over the threads), n×n×n each.
+    fn sample(&mut self) -> Result<(), candle_core::Error> {
+        let n = Self::N;
+        let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?; // (n, n)
+        let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu)?; // (n, n)
+        let flops = 2.0 * (n as f64).powi(3);
+        let start = Instant::now();
+        drop(a.matmul(&b)?);
+        self.candle.push(flops / start.elapsed().as_secs_f64() / 1e9);
+        let start = Instant::now();
+        drop(linear(&a, &b, self.threads)?);
+        self.engine.push(flops / start.elapsed().as_secs_f64() / 1e9);
+        Ok(())
+    }
+}
+
+/// The median of some samples.
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
 }
 
 pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult {
@@ -54,21 +85,30 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
     for _ in 0..warmup {
         trainer.train_step().map_err(failure)?;
     }
+    let mut probe = MatmulProbe::new(header.threads)?;
     profile::reset();
-    profile::enable(true);
-    let start = Instant::now();
+    let mut seconds = 0.0;
+    let mut step_times = Vec::new();
     let mut last = None;
     for _ in 0..steps {
+        profile::enable(true);
+        let start = Instant::now();
         last = Some(trainer.train_step().map_err(failure)?);
+        let t = start.elapsed().as_secs_f64();
+        profile::enable(false);
+        seconds += t;
+        step_times.push(t);
+        probe.sample()?;
     }
-    let seconds = start.elapsed().as_secs_f64();
-    profile::enable(false);
     let last = last.expect("at least one step");
 
     let tokens_per_sec = (header.tokens_per_step as u64 * steps) as f64 / seconds;
     let flops_per_token = trainer.model().spec().train_flops_per_token(config.data.seq_len);
     let model_gflops = tokens_per_sec * flops_per_token / 1e9;
-    let matmul = matmul_gflops(1024)?;
+    let matmul = median(&probe.candle);
+    let engine_matmul = median(&probe.engine);
+    let fastest = step_times.iter().copied().fold(f64::INFINITY, f64::min);
+    let slowest = step_times.iter().copied().fold(0.0, f64::max);
     let step_seconds = seconds / steps as f64;
     let ops: Vec<(String, f64, f64)> = profile::totals()
         .into_iter()
@@ -78,11 +118,20 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
     let text = || {
         let mut lines = vec![
             format!("tokens/s           {tokens_per_sec:.0}"),
-            format!("step time          {:.1} ms", 1e3 * step_seconds),
+            format!(
+                "step time          {:.1} ms (fastest {:.1}, slowest {:.1})",
+                1e3 * step_seconds,
+                1e3 * fastest,
+                1e3 * slowest
+            ),
             format!("model FLOPs/token  {:.1} M (6·N_matmul + 12·L·d·T)", flops_per_token / 1e6),
             format!("model GFLOP/s      {model_gflops:.1}"),
-            format!("candle f32 matmul  {matmul:.1} GFLOP/s (1024³, this machine, now)"),
-            format!("MFU                {:.1}%", 100.0 * model_gflops / matmul),
+            format!("candle f32 matmul  {matmul:.1} GFLOP/s (1024³, median of samples between the steps)"),
+            format!(
+                "engine linear op   {engine_matmul:.1} GFLOP/s (1024³, rows split over {} threads)",
+                header.threads
+            ),
+            format!("MFU                {:.1}% of candle's matmul rate", 100.0 * model_gflops / matmul),
             format!(
                 "peak memory        {:.3} GiB — params {:.3}, grads {:.3}, optimizer {:.3}, data {:.3}, activations {:.3}",
                 gib(m.peak),
@@ -106,6 +155,9 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
             "flops_per_token": flops_per_token,
             "model_gflops": model_gflops,
             "matmul_gflops": matmul,
+            "engine_linear_gflops": engine_matmul,
+            "step_seconds_fastest": fastest,
+            "step_seconds_slowest": slowest,
             "mfu": model_gflops / matmul,
             "memory": m,
             "profile": ops.iter().map(|(n, s, f)| json!({"scope": n, "seconds_per_step": s, "share": f})).collect::<Vec<_>>(),

@@ -101,11 +101,12 @@ impl Dims {
                 let row = &mut p[r * tk..][..tk]; // (Tk,)
                 let max = row[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 // Subtracting the row max keeps exp() from overflowing; it cancels in the ratio.
-                let mut sum = 0.0f32;
+                // The exps and the sum are separate loops so the first vectorizes; the sum
+                // runs in 8 lanes for the same reason.
                 for s in &mut row[..n] {
-                    *s = (*s - max).exp();
-                    sum += *s;
+                    *s = ava_core::math::exp(*s - max);
                 }
+                let sum = lane_sum(&row[..n]);
                 let inv = 1.0 / sum;
                 for x in &mut row[..n] {
                     *x *= inv;
@@ -263,6 +264,18 @@ fn probs_len(shape: &AttnShape) -> Result<u64, PluginError> {
         .ok_or_else(|| {
             PluginError::invalid_input(format!("attention probabilities for {shape:?} do not fit in memory"))
         })
+}
+
+/// Σ x, summed in 8 interleaved lanes (vectorizes; a fixed order, so deterministic).
+fn lane_sum(x: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l += v;
+        }
+    }
+    lanes.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
 }
 
 /// Runs `work` on every item, splitting the items into at most `threads` contiguous runs, one

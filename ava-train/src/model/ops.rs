@@ -116,7 +116,7 @@ struct CrossEntropy {
 /// `row` is one row of logits; returns (max, log Σ exp(x − max)).
 fn log_sum_exp(row: &[f32]) -> (f32, f32) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+    let sum: f32 = row.iter().map(|&x| ava_core::math::exp(x - max)).sum();
     (max, sum.ln())
 }
 
@@ -152,7 +152,7 @@ impl CustomOp1 for CrossEntropy {
             let (max, lse) = log_sum_exp(row);
             let scale = grad_rows[i];
             for (gj, &x) in g.iter_mut().zip(row) {
-                *gj = (x - max - lse).exp() * scale;
+                *gj = ava_core::math::exp(x - max - lse) * scale;
             }
             g[self.targets[i] as usize] -= scale;
         }

@@ -11,6 +11,8 @@
 //! directly in the layout of their input, so no transposed views or strided additions
 //! follow, as they do after candle's `x.matmul(&w.t())`.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType, bail};
 use half::f16;
 use rayon::prelude::*;
@@ -58,27 +60,40 @@ struct Operand<'a, T> {
     col_stride: usize,
 }
 
-/// `dst (m, n) = a (m, k) · b (k, n)`, with `dst` row-major and contiguous, the rows of `dst`
-/// (and `a`) split into `parts` single-threaded `gemm` calls run on the rayon pool.
-fn matmul<T: Gemm>(dst: &mut [T], m: usize, n: usize, k: usize, a: Operand<'_, T>, b: Operand<'_, T>, parts: usize) {
+/// `a (m, k) · b (k, n)`, row-major and contiguous, with the rows split into `parts`
+/// single-threaded `gemm` calls run on the rayon pool.
+fn matmul<T: Gemm>(m: usize, n: usize, k: usize, a: Operand<'_, T>, b: Operand<'_, T>, parts: usize) -> Vec<T> {
     if m == 0 || n == 0 || k == 0 {
-        return; // dst is already zeros
+        return vec![T::from_f64(0.0); m * n];
     }
     let rows = m.div_ceil(parts.min(m));
+    // SAFETY: every row chunk is written whole by its gemm call (read_dst is false).
+    unsafe { super::filled(m * n, |dst| matmul_into(dst, n, k, a, b, rows)) }
+}
+
+/// The gemm calls of [`matmul`], one per chunk of `rows` rows of `dst`.
+fn matmul_into<T: Gemm>(
+    dst: &mut [MaybeUninit<T>],
+    n: usize,
+    k: usize,
+    a: Operand<'_, T>,
+    b: Operand<'_, T>,
+    rows: usize,
+) {
     dst.par_chunks_mut(rows * n).enumerate().for_each(|(i, out)| {
         let part_rows = out.len() / n;
         let a_part = &a.data[i * rows * a.row_stride..];
         debug_assert!(a_part.len() > (part_rows - 1) * a.row_stride + (k - 1) * a.col_stride);
         debug_assert!(b.data.len() > (k - 1) * b.row_stride + (n - 1) * b.col_stride);
-        // SAFETY: `out` holds part_rows × n elements written with row stride n; `a_part`
-        // and `b.data` cover every element the strides address (checked above in debug
-        // builds, guaranteed by the shapes the callers pass).
+        // SAFETY: `out` holds part_rows × n elements, all written (read_dst is false) with
+        // row stride n; `a_part` and `b.data` cover every element the strides address
+        // (checked above in debug builds, guaranteed by the shapes the callers pass).
         unsafe {
             gemm::gemm(
                 part_rows,
                 n,
                 k,
-                out.as_mut_ptr(),
+                out.as_mut_ptr().cast::<T>(),
                 1,
                 n as isize,
                 false,
@@ -102,24 +117,20 @@ fn matmul<T: Gemm>(dst: &mut [T], m: usize, n: usize, k: usize, a: Operand<'_, T
 impl Linear {
     fn fwd<T: Gemm>(&self, x: &[T], w: &[T], n_rows: usize, k: usize) -> Vec<T> {
         let out_dim = w.len() / k;
-        let mut y = vec![T::from_f64(0.0); n_rows * out_dim]; // (N, out)
         let a = Operand { data: x, row_stride: k, col_stride: 1 };
         let b = Operand { data: w, row_stride: 1, col_stride: k }; // Wᵀ: (in, out)
-        matmul(&mut y, n_rows, out_dim, k, a, b, self.threads);
-        y
+        matmul(n_rows, out_dim, k, a, b, self.threads) // (N, out)
     }
 
     /// (dx, dw) for x (N, in), w (out, in) and g (N, out).
     fn bwd_values<T: Gemm>(&self, x: &[T], w: &[T], g: &[T], n_rows: usize, k: usize) -> (Vec<T>, Vec<T>) {
         let out_dim = w.len() / k;
-        let mut dx = vec![T::from_f64(0.0); n_rows * k]; // (N, in)
         let a = Operand { data: g, row_stride: out_dim, col_stride: 1 };
         let b = Operand { data: w, row_stride: k, col_stride: 1 };
-        matmul(&mut dx, n_rows, k, out_dim, a, b, self.threads);
-        let mut dw = vec![T::from_f64(0.0); out_dim * k]; // (out, in)
+        let dx = matmul(n_rows, k, out_dim, a, b, self.threads); // (N, in)
         let a = Operand { data: g, row_stride: 1, col_stride: out_dim }; // gᵀ: (out, N)
         let b = Operand { data: x, row_stride: k, col_stride: 1 };
-        matmul(&mut dw, out_dim, k, n_rows, a, b, self.threads);
+        let dw = matmul(out_dim, k, n_rows, a, b, self.threads); // (out, in)
         (dx, dw)
     }
 }

@@ -22,6 +22,8 @@ mod swiglu;
 #[cfg(test)]
 mod tests;
 
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, DType, Layout, Result, Storage, Tensor, WithDType, bail};
 
 pub use linear::linear;
@@ -30,9 +32,25 @@ pub use rope::{RopeTables, merge_heads, split_heads};
 pub use swiglu::swiglu_gate;
 
 /// The element types the fused ops compute in.
-pub(crate) trait Real: WithDType + num_traits::Float + std::ops::AddAssign + Send + Sync {}
-impl Real for f32 {}
-impl Real for f64 {}
+pub(crate) trait Real: WithDType + num_traits::Float + std::ops::AddAssign + Send + Sync {
+    /// `e^self`: the vectorizable `ava_core::math::exp` in f32, libm's in f64 (the
+    /// gradient checks want every digit).
+    fn fast_exp(self) -> Self;
+}
+
+impl Real for f32 {
+    #[inline(always)]
+    fn fast_exp(self) -> f32 {
+        ava_core::math::exp(self)
+    }
+}
+
+impl Real for f64 {
+    #[inline(always)]
+    fn fast_exp(self) -> f64 {
+        self.exp()
+    }
+}
 
 /// Rows per task: small enough to spread 2k-row batches over a few threads, large enough
 /// that a task is worth scheduling. Fixed, so reductions add partial sums in one order.
@@ -51,6 +69,19 @@ pub(crate) fn with_values<F: WithDType, R>(t: &Tensor, op: &str, f: impl FnOnce(
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else { bail!("{op}: only the CPU is supported") };
     f(values::<F>(cpu, layout, op)?)
+}
+
+/// A vector of `len` elements written by `fill`, without zeroing them first (outputs are
+/// large, and a memset per op was a measurable share of the step).
+///
+/// # Safety
+/// `fill` must write every element of the slice it is given.
+pub(crate) unsafe fn filled<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
+    let mut v = Vec::with_capacity(len);
+    fill(&mut v.spare_capacity_mut()[..len]);
+    // SAFETY: the caller's `fill` wrote all `len` elements.
+    unsafe { v.set_len(len) };
+    v
 }
 
 /// The compute type for a tensor of type `dtype`: f64 stays f64, everything else is f32.

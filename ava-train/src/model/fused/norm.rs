@@ -4,10 +4,12 @@
 //! `dx = r · (g∘w) − x · r³ · Σ(g∘w∘x) / d` and `dw = Σ_rows g∘x·r`, the latter summed per
 //! fixed chunk of rows and the chunks added in order.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
-use super::{ROWS_PER_TASK, Real, compute_dtype, values, with_values};
+use super::{ROWS_PER_TASK, Real, compute_dtype, filled, values, with_values};
 
 /// RMSNorm over the last dimension of `x` with weight `w` (its size), computed in f32 (f64
 /// for f64 input, for the gradient checks) and returned in `x`'s type, as Hugging Face Llama
@@ -49,16 +51,18 @@ impl RmsNorm {
     fn fwd<F: Real>(&self, x: &[F], w: &[F]) -> Vec<F> {
         let d = w.len();
         let eps = F::from_f64(self.eps);
-        let mut y = vec![F::zero(); x.len()]; // (N, d)
-        y.par_chunks_mut(d * ROWS_PER_TASK).zip(x.par_chunks(d * ROWS_PER_TASK)).for_each(|(ys, xs)| {
-            for (yr, xr) in ys.chunks_exact_mut(d).zip(xs.chunks_exact(d)) {
-                let r = inv_rms(xr, eps);
-                for ((o, &v), &wj) in yr.iter_mut().zip(xr).zip(w) {
-                    *o = v * r * wj;
+        let fill = |y: &mut [MaybeUninit<F>]| {
+            y.par_chunks_mut(d * ROWS_PER_TASK).zip(x.par_chunks(d * ROWS_PER_TASK)).for_each(|(ys, xs)| {
+                for (yr, xr) in ys.chunks_exact_mut(d).zip(xs.chunks_exact(d)) {
+                    let r = inv_rms(xr, eps);
+                    for ((o, &v), &wj) in yr.iter_mut().zip(xr).zip(w) {
+                        o.write(v * r * wj);
+                    }
                 }
-            }
-        });
-        y
+            })
+        };
+        // SAFETY: x has whole rows of d, so the row chunks cover y and write all of it.
+        unsafe { filled(x.len(), fill) } // (N, d)
     }
 
     /// (dx, dw) for input `x`, weight `w` and incoming gradient `g`.
@@ -66,27 +70,31 @@ impl RmsNorm {
         let d = w.len();
         let eps = F::from_f64(self.eps);
         let inv_d = F::one() / F::from_f64(d as f64);
-        let mut dx = vec![F::zero(); x.len()]; // (N, d)
-        let partial: Vec<Vec<F>> = dx
-            .par_chunks_mut(d * ROWS_PER_TASK)
-            .zip(x.par_chunks(d * ROWS_PER_TASK).zip(g.par_chunks(d * ROWS_PER_TASK)))
-            .map(|(dxs, (xs, gs))| {
-                let mut dw = vec![F::zero(); d]; // (d,) this chunk's share
-                for ((dr, xr), gr) in dxs.chunks_exact_mut(d).zip(xs.chunks_exact(d)).zip(gs.chunks_exact(d)) {
-                    let r = inv_rms(xr, eps);
-                    let mut s = F::zero();
-                    for ((&gj, &wj), &xj) in gr.iter().zip(w).zip(xr) {
-                        s += gj * wj * xj;
+        let mut partial: Vec<Vec<F>> = Vec::new();
+        let fill = |dx: &mut [MaybeUninit<F>]| {
+            partial = dx
+                .par_chunks_mut(d * ROWS_PER_TASK)
+                .zip(x.par_chunks(d * ROWS_PER_TASK).zip(g.par_chunks(d * ROWS_PER_TASK)))
+                .map(|(dxs, (xs, gs))| {
+                    let mut dw = vec![F::zero(); d]; // (d,) this chunk's share
+                    for ((dr, xr), gr) in dxs.chunks_exact_mut(d).zip(xs.chunks_exact(d)).zip(gs.chunks_exact(d)) {
+                        let r = inv_rms(xr, eps);
+                        let mut s = F::zero();
+                        for ((&gj, &wj), &xj) in gr.iter().zip(w).zip(xr) {
+                            s += gj * wj * xj;
+                        }
+                        let c = r * r * r * s * inv_d;
+                        for ((((o, &gj), &wj), &xj), acc) in dr.iter_mut().zip(gr).zip(w).zip(xr).zip(dw.iter_mut()) {
+                            o.write(r * gj * wj - xj * c);
+                            *acc += gj * xj * r;
+                        }
                     }
-                    let c = r * r * r * s * inv_d;
-                    for ((((o, &gj), &wj), &xj), acc) in dr.iter_mut().zip(gr).zip(w).zip(xr).zip(dw.iter_mut()) {
-                        *o = r * gj * wj - xj * c;
-                        *acc += gj * xj * r;
-                    }
-                }
-                dw
-            })
-            .collect();
+                    dw
+                })
+                .collect();
+        };
+        // SAFETY: x has whole rows of d, so the row chunks cover dx and write all of it.
+        let dx = unsafe { filled(x.len(), fill) }; // (N, d)
         let mut dw = vec![F::zero(); d];
         for p in &partial {
             for (a, &b) in dw.iter_mut().zip(p) {

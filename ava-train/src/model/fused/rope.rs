@@ -8,12 +8,13 @@
 //! broadcast products, a sum, and the reverse in backward, plus gradients for the tables)
 //! was ten passes over q and k.
 
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
-use super::{Real, compute_dtype, values, with_values};
+use super::{Real, compute_dtype, filled, values, with_values};
 
 /// Rotary tables for positions `0..seq` and a head size: `cos`/`sin` of `t · θ^(-2i/D)`,
 /// both halves of a head sharing the frequencies. Kept in f32 and f64 (the gradient checks).
@@ -119,9 +120,11 @@ pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
 
 /// One head row: copy, or rotate (`transposed`: by the transposed rotation, for backward).
 #[inline]
-fn row<F: Real>(src: &[F], dst: &mut [F], tables: Option<(&[F], &[F])>, transposed: bool) {
+fn row<F: Real>(src: &[F], dst: &mut [MaybeUninit<F>], tables: Option<(&[F], &[F])>, transposed: bool) {
     let Some((cos, sin)) = tables else {
-        dst.copy_from_slice(src);
+        for (o, &v) in dst.iter_mut().zip(src) {
+            o.write(v);
+        }
         return;
     };
     let h = src.len() / 2;
@@ -131,11 +134,11 @@ fn row<F: Real>(src: &[F], dst: &mut [F], tables: Option<(&[F], &[F])>, transpos
     let (n1, n2) = sin.split_at(h);
     for j in 0..h {
         if transposed {
-            d1[j] = s1[j] * c1[j] + s2[j] * n2[j];
-            d2[j] = s2[j] * c2[j] - s1[j] * n1[j];
+            d1[j].write(s1[j] * c1[j] + s2[j] * n2[j]);
+            d2[j].write(s2[j] * c2[j] - s1[j] * n1[j]);
         } else {
-            d1[j] = s1[j] * c1[j] - s2[j] * n1[j];
-            d2[j] = s2[j] * c2[j] + s1[j] * n2[j];
+            d1[j].write(s1[j] * c1[j] - s2[j] * n1[j]);
+            d2[j].write(s2[j] * c2[j] + s1[j] * n2[j]);
         }
     }
 }
@@ -146,8 +149,7 @@ impl Heads {
         let (t, c, d) = (self.t, self.c, self.d);
         let tables = self.rope.as_ref().map(|r| F::tables(r));
         let at = |pos: usize| tables.map(|(cos, sin)| (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]));
-        let mut dst = vec![F::zero(); src.len()];
-        match to {
+        let fill = |dst: &mut [MaybeUninit<F>]| match to {
             // dst (B, C, T, D): one task per (b, c), reading rows (b, t, c) of src (B, T, C, D).
             Dir::Split => dst.par_chunks_mut(t * d).enumerate().for_each(|(i, out)| {
                 let (bb, cc) = (i / c, i % c);
@@ -164,8 +166,10 @@ impl Heads {
                     row(&src[s..s + d], o, at(tt), transposed);
                 }
             }),
-        }
-        dst
+        };
+        // SAFETY: every chunk of dst is a whole (b, c) or (b, t) block, each of its rows
+        // written by `row`.
+        unsafe { filled(src.len(), fill) }
     }
 
     fn out_shape(&self, dir: Dir) -> Shape {

@@ -4,10 +4,12 @@
 //! form computes SiLU's derivative from half a dozen tracked intermediates and keeps about
 //! ten (N, F) buffers alive at once; this one keeps g and u (the op's inputs) only.
 
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
-use super::{Real, compute_dtype, values, with_values};
+use super::{Real, compute_dtype, filled, values, with_values};
 
 /// Elements per task.
 const CHUNK: usize = 16 * 1024;
@@ -27,33 +29,43 @@ pub fn swiglu_gate(g: &Tensor, u: &Tensor) -> Result<Tensor> {
 
 struct SwiGlu;
 
+#[inline(always)]
 fn sigmoid<F: Real>(x: F) -> F {
-    F::one() / (F::one() + (-x).exp())
+    F::one() / (F::one() + (-x).fast_exp())
 }
 
 fn fwd<F: Real>(g: &[F], u: &[F]) -> Vec<F> {
-    let mut h = vec![F::zero(); g.len()]; // (N, F)
-    h.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK))).for_each(|(hs, (gs, us))| {
-        for ((o, &gv), &uv) in hs.iter_mut().zip(gs).zip(us) {
-            *o = gv * sigmoid(gv) * uv;
-        }
-    });
-    h
+    let fill = |h: &mut [MaybeUninit<F>]| {
+        h.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK))).for_each(|(hs, (gs, us))| {
+            for ((o, &gv), &uv) in hs.iter_mut().zip(gs).zip(us) {
+                o.write(gv * sigmoid(gv) * uv);
+            }
+        })
+    };
+    // SAFETY: the chunks cover the output and every element of each is written.
+    unsafe { filled(g.len(), fill) } // (N, F)
 }
 
 fn bwd_values<F: Real>(g: &[F], u: &[F], dh: &[F]) -> (Vec<F>, Vec<F>) {
-    let mut dg = vec![F::zero(); g.len()]; // (N, F)
-    let mut du = vec![F::zero(); g.len()]; // (N, F)
-    dg.par_chunks_mut(CHUNK)
-        .zip(du.par_chunks_mut(CHUNK))
-        .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)).zip(dh.par_chunks(CHUNK)))
-        .for_each(|((dgs, dus), ((gs, us), dhs))| {
-            for ((((dgv, duv), &gv), &uv), &d) in dgs.iter_mut().zip(dus.iter_mut()).zip(gs).zip(us).zip(dhs) {
-                let s = sigmoid(gv);
-                *dgv = d * uv * s * (F::one() + gv * (F::one() - s));
-                *duv = d * gv * s;
-            }
-        });
+    let mut du = Vec::new();
+    let fill_dg = |dg: &mut [MaybeUninit<F>]| {
+        let fill_both = |du: &mut [MaybeUninit<F>]| {
+            dg.par_chunks_mut(CHUNK)
+                .zip(du.par_chunks_mut(CHUNK))
+                .zip(g.par_chunks(CHUNK).zip(u.par_chunks(CHUNK)).zip(dh.par_chunks(CHUNK)))
+                .for_each(|((dgs, dus), ((gs, us), dhs))| {
+                    for ((((dgv, duv), &gv), &uv), &d) in dgs.iter_mut().zip(dus.iter_mut()).zip(gs).zip(us).zip(dhs) {
+                        let s = sigmoid(gv);
+                        dgv.write(d * uv * s * (F::one() + gv * (F::one() - s)));
+                        duv.write(d * gv * s);
+                    }
+                })
+        };
+        // SAFETY: the chunks cover both outputs and every element of each is written.
+        du = unsafe { filled(g.len(), fill_both) }; // (N, F)
+    };
+    // SAFETY: as above.
+    let dg = unsafe { filled(g.len(), fill_dg) }; // (N, F)
     (dg, du)
 }
 
