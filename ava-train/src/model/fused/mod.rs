@@ -8,11 +8,13 @@
 //! those passes were most of the step. Each op here reads its inputs once and writes its
 //! output once, keeps nothing but its inputs, and returns detached gradients.
 //!
-//! The ops compute in f32 for f32, f16 and bf16 inputs (half inputs are cast around the op)
-//! and in f64 for f64 inputs (the finite-difference checks). Work is split into fixed chunks
-//! on candle's rayon pool, and every reduction adds its chunks in a fixed order, so results
-//! do not depend on the thread count. The composed forms in `ops` stay as the reference the
-//! tests compare against.
+//! The element-wise ops compute in f32 for f32, f16 and bf16 inputs (half inputs are cast
+//! around the op) and in f64 for f64 inputs (the finite-difference checks); the linear op
+//! multiplies f32, f64 and f16 natively and bf16 in f32. The element-wise ops split their
+//! work into fixed chunks on candle's rayon pool and add partial sums in a fixed order; the
+//! linear op splits rows, which leaves each element's summation unchanged. Either way the
+//! results do not depend on the thread count. The composed forms in `ops` stay as the
+//! reference the tests compare against.
 
 mod linear;
 mod norm;
