@@ -12,27 +12,7 @@ use ava_core::BlockDecision;
 
 use super::sim::{self, Buf, Cat, Dt, Fused, GradStore, Meter, T, backward};
 use crate::model::fused::RopeTables;
-use crate::model::{ModelSpec, ParamDef};
-
-/// Where one block's parameters are (indices into [`ModelSpec::params`]).
-#[derive(Debug, Clone)]
-struct BlockIdx {
-    attn_norm: usize,
-    q: usize,
-    k: usize,
-    v: usize,
-    o: usize,
-    mlp_norm: usize,
-    /// Dense: `[gate, up, down]`; MoE: the router and `[w1, w3, w2]` per expert.
-    mlp: Mlp,
-    all: Vec<usize>,
-}
-
-#[derive(Debug, Clone)]
-enum Mlp {
-    Dense([usize; 3]),
-    Moe { router: usize, experts: Vec<[usize; 3]>, top_k: usize },
-}
+use crate::model::{BlockIndex, MlpIndex, ModelSpec, ParamDef, ParamIndex};
 
 /// A block's output and its load-balancing loss (MoE).
 struct BlockOut {
@@ -80,7 +60,8 @@ pub(crate) struct Replay<'a> {
     weights: Vec<T>,
     /// The rotary tables (f32 and f64), held with the parameters.
     _rope: Rc<Buf>,
-    blocks: Vec<BlockIdx>,
+    blocks: Vec<BlockIndex>,
+    block_all: Vec<Vec<usize>>,
     final_norm: usize,
     head: usize,
 }
@@ -132,45 +113,10 @@ impl<'a> Replay<'a> {
         // Model::weights: the Vars themselves in f32, casts (inside the graph) otherwise.
         let weights = vars.iter().map(|v| v.to_dtype(dtype)).collect();
         let _rope = sim::raw(&meter, RopeTables::bytes(seq, spec.head_dim()));
-        let find = |name: String| defs.iter().position(|d| d.name == name).expect("spec parameter");
-        let blocks = (0..spec.layers)
-            .map(|i| {
-                let pre = format!("model.layers.{i}");
-                let mlp = match spec.moe {
-                    None => Mlp::Dense([
-                        find(format!("{pre}.mlp.gate_proj.weight")),
-                        find(format!("{pre}.mlp.up_proj.weight")),
-                        find(format!("{pre}.mlp.down_proj.weight")),
-                    ]),
-                    Some(moe) => Mlp::Moe {
-                        router: find(format!("{pre}.block_sparse_moe.gate.weight")),
-                        experts: (0..moe.experts)
-                            .map(|e| {
-                                let ex = format!("{pre}.block_sparse_moe.experts.{e}");
-                                [
-                                    find(format!("{ex}.w1.weight")),
-                                    find(format!("{ex}.w3.weight")),
-                                    find(format!("{ex}.w2.weight")),
-                                ]
-                            })
-                            .collect(),
-                        top_k: moe.top_k,
-                    },
-                };
-                BlockIdx {
-                    attn_norm: find(format!("{pre}.input_layernorm.weight")),
-                    q: find(format!("{pre}.self_attn.q_proj.weight")),
-                    k: find(format!("{pre}.self_attn.k_proj.weight")),
-                    v: find(format!("{pre}.self_attn.v_proj.weight")),
-                    o: find(format!("{pre}.self_attn.o_proj.weight")),
-                    mlp_norm: find(format!("{pre}.post_attention_layernorm.weight")),
-                    mlp,
-                    all: (0..defs.len()).filter(|&j| defs[j].block == Some(i)).collect(),
-                }
-            })
-            .collect();
-        let final_norm = find("model.norm.weight".into());
-        let head = if spec.tie_embeddings { 0 } else { find("lm_head.weight".into()) };
+        let ParamIndex { blocks, head, final_norm } = spec.param_index();
+        // Each block's parameters in `params()` order, for `collect`.
+        let block_all =
+            (0..spec.layers).map(|i| (0..defs.len()).filter(|&j| defs[j].block == Some(i)).collect()).collect();
         Self {
             spec,
             meter,
@@ -184,6 +130,7 @@ impl<'a> Replay<'a> {
             weights,
             _rope,
             blocks,
+            block_all,
             final_norm,
             head,
         }
@@ -294,8 +241,8 @@ impl<'a> Replay<'a> {
         let x = x.add(&linear_as(&attn, &w[bi.o], self.f32_matmul).reshape(&[b, t, d])); // (B, T, d)
         let normed = self.rms_norm(&x, &w[bi.mlp_norm]).reshape(&[n, d]); // (B·T, d)
         let (mlp, aux) = match &bi.mlp {
-            Mlp::Dense([gate, up, down]) => (self.swiglu(&normed, *gate, *up, *down), None),
-            Mlp::Moe { router, experts, top_k } => {
+            MlpIndex::Dense { gate, up, down } => (self.swiglu(&normed, *gate, *up, *down), None),
+            MlpIndex::Moe { router, experts, top_k } => {
                 let (out, aux) = self.moe(&normed, *router, experts, *top_k);
                 (out, Some(aux))
             }
@@ -335,7 +282,7 @@ impl<'a> Replay<'a> {
     fn collect(&self, blocks: &[usize], start: Option<&T>, mut store: GradStore, grads: &mut [Option<T>]) -> Option<T> {
         self.meter.set_cat(Cat::ParamGrads);
         let outside = (0..self.defs.len()).filter(|&i| self.defs[i].block.is_none());
-        let indices: Vec<usize> = blocks.iter().flat_map(|&b| self.blocks[b].all.clone()).chain(outside).collect();
+        let indices: Vec<usize> = blocks.iter().flat_map(|&b| self.block_all[b].clone()).chain(outside).collect();
         for i in indices {
             if let Some(g) = store.remove(&self.vars[i]) {
                 let g = g.detach().to_dtype(Dt::F32);

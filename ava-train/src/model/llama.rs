@@ -12,7 +12,7 @@ use candle_core::{D, DType, Device, Result as CResult, Tensor, Var};
 use super::attention::attention;
 use super::fused::{RopeTables, linear, merge_heads, rms_norm, split_heads, swiglu_gate};
 use super::ops::softmax_last;
-use super::spec::{ModelSpec, ParamDef, ParamRole};
+use super::spec::{BlockIndex, MlpIndex, ModelSpec, ParamDef, ParamIndex, ParamRole};
 use super::{ModelError, cerr};
 
 /// One parameter: its definition and its f32 values.
@@ -22,25 +22,6 @@ pub struct Param {
     pub def: ParamDef,
     /// The f32 master weights.
     pub var: Var,
-}
-
-/// Where a dense or MoE MLP's parameters are in [`Model::params`].
-#[derive(Debug, Clone)]
-enum MlpIndex {
-    Dense { gate: usize, up: usize, down: usize },
-    Moe { router: usize, experts: Vec<[usize; 3]>, top_k: usize },
-}
-
-/// Where one block's parameters are in [`Model::params`].
-#[derive(Debug, Clone)]
-struct BlockIndex {
-    attn_norm: usize,
-    q: usize,
-    k: usize,
-    v: usize,
-    o: usize,
-    mlp_norm: usize,
-    mlp: MlpIndex,
 }
 
 /// A block's output and, for a MoE block, its load-balancing loss (a scalar).
@@ -167,45 +148,8 @@ impl Model {
         kernel_name: &str,
         threads: usize,
     ) -> Result<Self, ModelError> {
-        let find: HashMap<&str, usize> = params.iter().enumerate().map(|(i, p)| (p.def.name.as_str(), i)).collect();
-        let at = |name: String| find[name.as_str()];
-        let blocks = (0..spec.layers)
-            .map(|i| {
-                let pre = format!("model.layers.{i}");
-                let mlp = match spec.moe {
-                    None => MlpIndex::Dense {
-                        gate: at(format!("{pre}.mlp.gate_proj.weight")),
-                        up: at(format!("{pre}.mlp.up_proj.weight")),
-                        down: at(format!("{pre}.mlp.down_proj.weight")),
-                    },
-                    Some(moe) => MlpIndex::Moe {
-                        router: at(format!("{pre}.block_sparse_moe.gate.weight")),
-                        experts: (0..moe.experts)
-                            .map(|e| {
-                                let ex = format!("{pre}.block_sparse_moe.experts.{e}");
-                                [
-                                    at(format!("{ex}.w1.weight")),
-                                    at(format!("{ex}.w3.weight")),
-                                    at(format!("{ex}.w2.weight")),
-                                ]
-                            })
-                            .collect(),
-                        top_k: moe.top_k,
-                    },
-                };
-                BlockIndex {
-                    attn_norm: at(format!("{pre}.input_layernorm.weight")),
-                    q: at(format!("{pre}.self_attn.q_proj.weight")),
-                    k: at(format!("{pre}.self_attn.k_proj.weight")),
-                    v: at(format!("{pre}.self_attn.v_proj.weight")),
-                    o: at(format!("{pre}.self_attn.o_proj.weight")),
-                    mlp_norm: at(format!("{pre}.post_attention_layernorm.weight")),
-                    mlp,
-                }
-            })
-            .collect();
-        let head = if spec.tie_embeddings { 0 } else { at("lm_head.weight".into()) };
-        let final_norm = at("model.norm.weight".into());
+        // `params` are in `spec.params()` order (both constructors build them so).
+        let ParamIndex { blocks, head, final_norm } = spec.param_index();
         let rope = RopeTables::new(max_seq, spec.head_dim(), spec.rope_theta).map_err(cerr)?;
         Ok(Self { spec, params, blocks, head, final_norm, rope, kernel, kernel_name: kernel_name.to_string(), threads })
     }

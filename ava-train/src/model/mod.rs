@@ -19,6 +19,7 @@ pub use attention::attention;
 pub use hf::{load_hf_folder, save_hf_folder, tensor_to_buffer, tensors_from_safetensors, tensors_to_safetensors};
 pub use llama::{BlockOut, Model, Param};
 pub use recompute::{Grads, MicroLoss, forward_backward};
+pub(crate) use spec::{BlockIndex, MlpIndex, ParamIndex};
 pub use spec::{ModelSpec, MoeSpec, ParamDef, ParamRole};
 
 /// What can go wrong building, loading or running the model.

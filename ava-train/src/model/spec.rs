@@ -81,7 +81,84 @@ impl ParamDef {
     }
 }
 
+/// Where a dense or MoE MLP's parameters are in [`ModelSpec::params`].
+#[derive(Debug, Clone)]
+pub(crate) enum MlpIndex {
+    /// SwiGLU projections.
+    Dense { gate: usize, up: usize, down: usize },
+    /// The router and `[w1, w3, w2]` per expert.
+    Moe { router: usize, experts: Vec<[usize; 3]>, top_k: usize },
+}
+
+/// Where one block's parameters are in [`ModelSpec::params`] (shared by the model and the
+/// estimator's replay, so the two cannot disagree on which weight is which).
+#[derive(Debug, Clone)]
+pub(crate) struct BlockIndex {
+    pub attn_norm: usize,
+    pub q: usize,
+    pub k: usize,
+    pub v: usize,
+    pub o: usize,
+    pub mlp_norm: usize,
+    pub mlp: MlpIndex,
+}
+
+/// Where the parameters outside the blocks are in [`ModelSpec::params`].
+#[derive(Debug, Clone)]
+pub(crate) struct ParamIndex {
+    pub blocks: Vec<BlockIndex>,
+    /// The LM head (the embedding, index 0, when tied).
+    pub head: usize,
+    pub final_norm: usize,
+}
+
 impl ModelSpec {
+    /// Indices into [`params`](Self::params) of every block's weights, the head and the
+    /// final norm, looked up by their Hugging Face names.
+    pub(crate) fn param_index(&self) -> ParamIndex {
+        let defs = self.params();
+        let find: std::collections::HashMap<&str, usize> =
+            defs.iter().enumerate().map(|(i, d)| (d.name.as_str(), i)).collect();
+        let at = |name: String| find[name.as_str()];
+        let blocks = (0..self.layers)
+            .map(|i| {
+                let pre = format!("model.layers.{i}");
+                let mlp = match self.moe {
+                    None => MlpIndex::Dense {
+                        gate: at(format!("{pre}.mlp.gate_proj.weight")),
+                        up: at(format!("{pre}.mlp.up_proj.weight")),
+                        down: at(format!("{pre}.mlp.down_proj.weight")),
+                    },
+                    Some(moe) => MlpIndex::Moe {
+                        router: at(format!("{pre}.block_sparse_moe.gate.weight")),
+                        experts: (0..moe.experts)
+                            .map(|e| {
+                                let ex = format!("{pre}.block_sparse_moe.experts.{e}");
+                                [
+                                    at(format!("{ex}.w1.weight")),
+                                    at(format!("{ex}.w3.weight")),
+                                    at(format!("{ex}.w2.weight")),
+                                ]
+                            })
+                            .collect(),
+                        top_k: moe.top_k,
+                    },
+                };
+                BlockIndex {
+                    attn_norm: at(format!("{pre}.input_layernorm.weight")),
+                    q: at(format!("{pre}.self_attn.q_proj.weight")),
+                    k: at(format!("{pre}.self_attn.k_proj.weight")),
+                    v: at(format!("{pre}.self_attn.v_proj.weight")),
+                    o: at(format!("{pre}.self_attn.o_proj.weight")),
+                    mlp_norm: at(format!("{pre}.post_attention_layernorm.weight")),
+                    mlp,
+                }
+            })
+            .collect();
+        let head = if self.tie_embeddings { 0 } else { at("lm_head.weight".into()) };
+        ParamIndex { blocks, head, final_norm: at("model.norm.weight".into()) }
+    }
+
     /// The spec of the `model` config section.
     pub fn from_config(config: &ModelConfig) -> Result<Self, ModelError> {
         let spec = Self {
