@@ -1,0 +1,387 @@
+//! Tiled attention that saves one logsumexp per query row: FlashAttention-2 on the CPU.
+//!
+//! Forward, for each tile of `Tiles::q` query rows (Dao 2023, Algorithm 1):
+//!
+//! ```text
+//! m = −∞, l = 0, O = 0                             running max, running sum, unnormalized output
+//! for each key tile j the mask does not hide:
+//!     S = scale · Q_i K_jᵀ, −∞ where masked        (q_tile, k_tile), in cache
+//!     m' = max(m, rowmax S);  P = exp(S − m')
+//!     l = l · exp(m − m') + rowsum P;  O = O · exp(m − m') + P V_j;  m = m'
+//! O = O / l;  L = m + ln l                          saved: L, B·H·Tq f32
+//! ```
+//!
+//! Backward, for each key tile j (owning dK_j, dV_j) and each query tile i that sees it:
+//!
+//! ```text
+//! Δ = rowsum(dO ∘ O)                                once per query row
+//! S = scale · Q_i K_jᵀ;  P = exp(S − L)             recomputed, never stored whole
+//! dV_j += Pᵀ dO_i;  dP = dO_i V_jᵀ;  dS = P ∘ (dP − Δ)
+//! dQ_i += scale · dS K_j;  dK_j += scale · dSᵀ Q_i
+//! ```
+//!
+//! Tiles the mask hides are skipped, and only tiles it cuts through are masked element by
+//! element. Forward runs one task per (batch, head, query tile), the longest first.
+//! Backward runs one task per (batch, kv head) with all the query heads of its group; when
+//! there are fewer such groups than threads, each group's key tiles are split into runs of
+//! equal work, and the runs after the first write dQ into scratch copies summed at the end
+//! (so results then depend on the thread count; with B·Hkv ≥ threads they do not).
+
+use ava_core::{AttnShape, PluginError};
+
+use super::{
+    Dims, Mask, Tile, check_forward, check_grads, count,
+    matmul::{Mat, matmul},
+};
+use crate::{parallel, rows};
+
+/// Tile sizes: query rows and keys per tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tiles {
+    /// Query rows per tile.
+    pub q: usize,
+    /// Keys per tile.
+    pub k: usize,
+}
+
+impl Tiles {
+    /// The sizes measured fastest on a 2-core AVX2 machine (32 KiB L1d, 512 KiB L2 per core)
+    /// with `ava bench attention`: a 64 × 64 score tile (16 KiB) and the Q, K, V, O tiles
+    /// of a head stay in L1/L2 while gemm still runs near its full rate.
+    pub fn tuned(head_dim: usize) -> Self {
+        let _ = head_dim;
+        Self { q: 64, k: 64 }
+    }
+}
+
+/// Saved f32s: one logsumexp per query row, B·H·Tq.
+pub fn saved_len(shape: &AttnShape) -> Result<u64, PluginError> {
+    Dims::new(shape)?;
+    count(shape, &[shape.batch, shape.q_heads, shape.q_len], "logsumexp rows")
+}
+
+/// Computes `out` (B, H, Tq, D) and the logsumexp `lse` (B, H, Tq).
+#[allow(clippy::too_many_arguments)] // q, k, v, out, saved, mask, tiles, shape, threads
+pub fn forward(
+    shape: &AttnShape,
+    mask: &Mask,
+    tiles: Tiles,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+    threads: u32,
+) -> Result<(), PluginError> {
+    let x = check_forward(shape, mask, (q, k, v, out), lse.len(), saved_len(shape)?)?;
+    check_tiles(tiles)?;
+    if x.tq == 0 {
+        return Ok(());
+    }
+    // One task per (batch, head, query tile): its output rows (rows, D) and lse (rows,).
+    let mut tasks = Vec::new();
+    for (bh, (out, lse)) in out.chunks_mut(x.tq * x.d).zip(lse.chunks_mut(x.tq)).enumerate() {
+        for (t, (out, lse)) in out.chunks_mut(tiles.q * x.d).zip(lse.chunks_mut(tiles.q)).enumerate() {
+            let i0 = t * tiles.q;
+            let cost = key_tiles(mask, tiles, i0, i0 + lse.len()).count();
+            tasks.push((cost, bh, i0, out, lse));
+        }
+    }
+    tasks.sort_by_key(|t| std::cmp::Reverse(t.0)); // longest first: the queue balances the rest
+    parallel::run(
+        tasks,
+        threads,
+        || vec![0.0f32; tiles.q * tiles.k], // (q_tile, k_tile) scores
+        |s, (_, bh, i0, out, lse)| forward_tile(&x, mask, tiles, bh, i0, q, k, v, out, lse, s),
+    );
+    Ok(())
+}
+
+/// Writes `dq`, `dk`, `dv` from `dout`, the output and the saved logsumexp.
+#[allow(clippy::too_many_arguments)] // the kernel signature
+pub fn backward(
+    shape: &AttnShape,
+    mask: &Mask,
+    tiles: Tiles,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &[f32],
+    dout: &[f32],
+    lse: &[f32],
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    threads: u32,
+) -> Result<(), PluginError> {
+    let x = check_forward(shape, mask, (q, k, v, out), lse.len(), saved_len(shape)?)?;
+    check_grads(shape, dout.len(), dq.len(), dk.len(), dv.len())?;
+    check_tiles(tiles)?;
+    if x.tq == 0 {
+        dk.fill(0.0);
+        dv.fill(0.0);
+        return Ok(());
+    }
+    let (tq, tk, d, group) = (x.tq, x.tk, x.d, x.group);
+    let groups = dk.len() / (tk * d); // B·Hkv
+    let k_tiles = tk.div_ceil(tiles.k);
+    let runs = runs_per_group(groups, threads as usize, k_tiles);
+    // Key-tile boundaries of the runs, equal in work (the same for every group).
+    let bounds = split_by_work(mask, tiles, k_tiles, runs);
+    // dQ of runs 1.. : (runs − 1, B·Hkv, group, Tq, D); run 0 writes `dq` itself.
+    let mut extra = vec![0.0f32; (runs - 1) * groups * group * tq * d];
+    let mut extra_slices: Vec<Option<&mut [f32]>> = extra.chunks_mut((group * tq * d).max(1)).map(Some).collect();
+    let mut tasks = Vec::with_capacity(groups * runs);
+    for (g, ((dq, dk), dv)) in
+        dq.chunks_mut(group * tq * d).zip(dk.chunks_mut(tk * d)).zip(dv.chunks_mut(tk * d)).enumerate()
+    {
+        let (mut dk, mut dv) = (dk, dv);
+        let mut dq = Some(dq);
+        for run in 0..runs {
+            let (t0, t1) = (bounds[run], bounds[run + 1]);
+            let len = ((t1 * tiles.k).min(tk) - t0 * tiles.k) * d;
+            let (dk_run, dk_rest) = dk.split_at_mut(len);
+            let (dv_run, dv_rest) = dv.split_at_mut(len);
+            (dk, dv) = (dk_rest, dv_rest);
+            let dq_run = if run == 0 { dq.take() } else { extra_slices[(run - 1) * groups + g].take() };
+            let dq_run = dq_run.expect("each dQ slice is handed out once");
+            tasks.push((g, t0, t1, dq_run, dk_run, dv_run));
+        }
+    }
+    let inputs = Inputs { q, k, v, out, dout, lse };
+    parallel::run(
+        tasks,
+        threads,
+        || Scratch::new(tiles),
+        |s, (g, t0, t1, dq, dk, dv)| backward_run(&x, mask, tiles, g, (t0, t1), &inputs, dq, dk, dv, s),
+    );
+    // Sum the runs' dQ in run order.
+    for part in extra.chunks(groups * group * tq * d) {
+        for (a, b) in dq.iter_mut().zip(part) {
+            *a += b;
+        }
+    }
+    Ok(())
+}
+
+fn check_tiles(tiles: Tiles) -> Result<(), PluginError> {
+    if tiles.q == 0 || tiles.k == 0 {
+        return Err(PluginError::invalid_input(format!("tile sizes must be at least 1, got {tiles:?}")));
+    }
+    Ok(())
+}
+
+/// The key tiles (`j0..j1`, kind) rows `i0..i1` must visit, in order.
+fn key_tiles(mask: &Mask, tiles: Tiles, i0: usize, i1: usize) -> impl Iterator<Item = (usize, usize, Tile)> + '_ {
+    let (lo, hi) = mask.key_span(i0, i1);
+    let tk = mask.kv_len();
+    (lo / tiles.k * tiles.k..hi).step_by(tiles.k).filter_map(move |j0| {
+        let j1 = (j0 + tiles.k).min(tk);
+        let kind = mask.tile(i0, i1, j0, j1);
+        (kind != Tile::Skip).then_some((j0, j1, kind))
+    })
+}
+
+/// The query tiles (`i0..i1`, kind) that see keys `j0..j1`, in order.
+fn query_tiles(mask: &Mask, tiles: Tiles, j0: usize, j1: usize) -> impl Iterator<Item = (usize, usize, Tile)> + '_ {
+    let (lo, hi) = mask.row_span(j0, j1);
+    let tq = mask.q_len();
+    (lo / tiles.q * tiles.q..hi).step_by(tiles.q).filter_map(move |i0| {
+        let i1 = (i0 + tiles.q).min(tq);
+        let kind = mask.tile(i0, i1, j0, j1);
+        (kind != Tile::Skip).then_some((i0, i1, kind))
+    })
+}
+
+/// Key-tile runs per (batch, kv head) in backward: 1 when the groups already keep every
+/// thread busy, otherwise enough for an even share (each extra run costs a dQ copy).
+fn runs_per_group(groups: usize, threads: usize, k_tiles: usize) -> usize {
+    let threads = threads.max(1);
+    let runs = if groups % threads == 0 || groups >= 4 * threads { 1 } else { threads.div_ceil(groups).max(2) };
+    runs.min(k_tiles).max(1)
+}
+
+/// Splits key tiles `0..k_tiles` into `runs` contiguous runs of about equal work (query
+/// tiles visited); returns the `runs + 1` boundaries.
+fn split_by_work(mask: &Mask, tiles: Tiles, k_tiles: usize, runs: usize) -> Vec<usize> {
+    let work: Vec<usize> = (0..k_tiles)
+        .map(|t| {
+            let j0 = t * tiles.k;
+            query_tiles(mask, tiles, j0, (j0 + tiles.k).min(mask.kv_len())).count() + 1
+        })
+        .collect();
+    let total: usize = work.iter().sum();
+    let mut bounds = vec![0];
+    let mut acc = 0;
+    for (t, w) in work.iter().enumerate() {
+        acc += w;
+        // Close a run once it reaches its share, leaving at least one tile per later run.
+        let made = bounds.len();
+        if made < runs && acc * runs >= total * made && k_tiles - (t + 1) >= runs - made {
+            bounds.push(t + 1);
+        }
+    }
+    while bounds.len() < runs {
+        // Only when a share could not be reached before the tiles ran out.
+        bounds.push(*bounds.last().expect("starts with 0"));
+    }
+    bounds.push(k_tiles);
+    bounds
+}
+
+/// One (batch, head, query tile): online softmax over the visible key tiles.
+#[allow(clippy::too_many_arguments)]
+fn forward_tile(
+    x: &Dims,
+    mask: &Mask,
+    tiles: Tiles,
+    bh: usize,
+    i0: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+    s: &mut [f32],
+) {
+    let (tq, tk, d) = (x.tq, x.tk, x.d);
+    let rows = lse.len();
+    let kv = x.kv_of(bh);
+    let q = Mat::rows(&q[(bh * tq + i0) * d..][..rows * d], d); // (rows, D)
+    let k = &k[kv * tk * d..][..tk * d]; // (Tk, D)
+    let v = &v[kv * tk * d..][..tk * d]; // (Tk, D)
+    let mut m = vec![f32::NEG_INFINITY; rows]; // (rows,) running max
+    let mut l = vec![0.0f32; rows]; // (rows,) running sum
+    out.fill(0.0); // (rows, D) unnormalized output
+    for (j0, j1, kind) in key_tiles(mask, tiles, i0, i0 + rows) {
+        let cols = j1 - j0;
+        let s = &mut s[..rows * cols]; // (rows, cols)
+        matmul(rows, cols, d, s, cols, q, Mat::transposed(&k[j0 * d..j1 * d], d), x.scale, false);
+        if kind == Tile::Partial {
+            for (r, row) in s.chunks_exact_mut(cols).enumerate() {
+                mask.mask_row(i0 + r, j0, row);
+            }
+        }
+        rows::online_softmax(s, cols, &mut m, &mut l, out, d);
+        matmul(rows, d, cols, out, d, Mat::rows(s, cols), Mat::rows(&v[j0 * d..j1 * d], d), 1.0, true);
+    }
+    for (r, o) in out.chunks_exact_mut(d).enumerate() {
+        // Every row sees at least its own position (checked by `Mask::new`), so l > 0.
+        let inv = 1.0 / l[r];
+        for o in o.iter_mut() {
+            *o *= inv;
+        }
+        lse[r] = m[r] + l[r].ln();
+    }
+}
+
+/// The read-only buffers of a backward call.
+struct Inputs<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    out: &'a [f32],
+    dout: &'a [f32],
+    lse: &'a [f32],
+}
+
+/// A backward thread's buffers.
+struct Scratch {
+    p: Vec<f32>,     // (q_tile, k_tile) probabilities
+    ds: Vec<f32>,    // (q_tile, k_tile) dP, then dS in place
+    delta: Vec<f32>, // (group, Tq) rowsum(dO ∘ O)
+}
+
+impl Scratch {
+    fn new(tiles: Tiles) -> Self {
+        Self { p: vec![0.0; tiles.q * tiles.k], ds: vec![0.0; tiles.q * tiles.k], delta: Vec::new() }
+    }
+}
+
+/// One run of key tiles `t0..t1` of group `g = b·Hkv + kh`: its dK, dV rows and its
+/// contribution to the group's dQ (group, Tq, D).
+#[allow(clippy::too_many_arguments)]
+fn backward_run(
+    x: &Dims,
+    mask: &Mask,
+    tiles: Tiles,
+    g: usize,
+    (t0, t1): (usize, usize),
+    inp: &Inputs<'_>,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    s: &mut Scratch,
+) {
+    let (tq, tk, d, group) = (x.tq, x.tk, x.d, x.group);
+    dq.fill(0.0); // (group, Tq, D)
+    dk.fill(0.0); // (run keys, D)
+    dv.fill(0.0); // (run keys, D)
+    if t0 == t1 {
+        return;
+    }
+    let heads = g * group * tq * d..(g + 1) * group * tq * d;
+    let (q, dout, out) = (&inp.q[heads.clone()], &inp.dout[heads.clone()], &inp.out[heads]); // (group, Tq, D)
+    let lse = &inp.lse[g * group * tq..][..group * tq]; // (group, Tq)
+    s.delta.resize(group * tq, 0.0);
+    rows::row_dots(dout, out, d, &mut s.delta);
+    let k = &inp.k[g * tk * d..][..tk * d]; // (Tk, D)
+    let v = &inp.v[g * tk * d..][..tk * d]; // (Tk, D)
+    let key0 = t0 * tiles.k;
+    for t in t0..t1 {
+        let (j0, j1) = (t * tiles.k, ((t + 1) * tiles.k).min(tk));
+        let cols = j1 - j0;
+        let k_j = &k[j0 * d..j1 * d]; // (cols, D)
+        let v_j = &v[j0 * d..j1 * d]; // (cols, D)
+        let dk_j = &mut dk[(j0 - key0) * d..(j1 - key0) * d]; // (cols, D)
+        let dv_j = &mut dv[(j0 - key0) * d..(j1 - key0) * d]; // (cols, D)
+        for (i0, i1, kind) in query_tiles(mask, tiles, j0, j1) {
+            let rows = i1 - i0;
+            let (p, ds) = (&mut s.p[..rows * cols], &mut s.ds[..rows * cols]); // (rows, cols)
+            for r in 0..group {
+                let at = (r * tq + i0) * d..(r * tq + i1) * d;
+                let q_i = Mat::rows(&q[at.clone()], d); // (rows, D)
+                let do_i = Mat::rows(&dout[at.clone()], d); // (rows, D)
+                // P = exp(scale · Q_i K_jᵀ − L), masked entries 0.
+                matmul(rows, cols, d, p, cols, q_i, Mat::transposed(k_j, d), x.scale, false);
+                if kind == Tile::Partial {
+                    for (row, p_row) in p.chunks_exact_mut(cols).enumerate() {
+                        mask.mask_row(i0 + row, j0, p_row);
+                    }
+                }
+                rows::exp_minus_lse(p, cols, &lse[r * tq + i0..r * tq + i1]);
+                // dV_j += Pᵀ dO_i.
+                matmul(cols, d, rows, dv_j, d, Mat::transposed(p, cols), do_i, 1.0, true);
+                // dP = dO_i V_jᵀ;  dS = P ∘ (dP − Δ).
+                matmul(rows, cols, d, ds, cols, do_i, Mat::transposed(v_j, d), 1.0, false);
+                rows::softmax_grad(p, ds, cols, &s.delta[r * tq + i0..r * tq + i1]);
+                // dQ_i += scale · dS K_j;  dK_j += scale · dSᵀ Q_i.
+                matmul(rows, d, cols, &mut dq[at], d, Mat::rows(ds, cols), Mat::rows(k_j, d), x.scale, true);
+                matmul(cols, d, rows, dk_j, d, Mat::transposed(ds, cols), q_i, x.scale, true);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::Pattern;
+
+    #[test]
+    fn runs_split_the_work_evenly() {
+        let mask = Mask::new(Pattern::Causal, 256, 256).unwrap();
+        let tiles = Tiles { q: 16, k: 16 };
+        // Causal: key tile t is seen by 16 − t query tiles, so the first runs are shorter.
+        let b = split_by_work(&mask, tiles, 16, 2);
+        assert_eq!(b.len(), 3);
+        assert!(b[1] > 2 && b[1] < 8, "{b:?}");
+        assert_eq!(split_by_work(&mask, tiles, 16, 1), [0, 16]);
+        // More runs than tiles never happens (runs_per_group caps it); equal shares with 16 runs.
+        assert_eq!(split_by_work(&mask, tiles, 16, 16), (0..=16).collect::<Vec<_>>());
+        assert_eq!(runs_per_group(8, 2, 100), 1);
+        assert_eq!(runs_per_group(3, 2, 100), 2);
+        assert_eq!(runs_per_group(1, 16, 100), 16);
+        assert_eq!(runs_per_group(1, 16, 3), 3);
+    }
+}

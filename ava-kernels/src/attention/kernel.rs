@@ -1,0 +1,182 @@
+//! [`Kernel`]: an algorithm and a masking rule as a complete [`AttentionKernel`], so a
+//! plugin crate is its options plus [`delegate_attention!`](crate::delegate_attention).
+
+use ava_core::{AttentionKernel, AttnShape, KernelContext, PluginError};
+
+use super::{BlockPattern, Mask, Pattern, dense, flash, flash::Tiles};
+
+/// Which keys a query sees; the shape's `causal` flag completes it into a [`Pattern`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Masking {
+    /// Causal or full attention.
+    Plain,
+    /// A band of this many positions (causal: looking back only).
+    Window(usize),
+    /// Block-sparse: see [`BlockPattern`].
+    Blocks {
+        /// Positions per block.
+        block: usize,
+        /// Local block distance.
+        local: usize,
+        /// Global blocks at the start.
+        global: usize,
+        /// Strided block distance (0: off).
+        stride: usize,
+    },
+}
+
+impl Masking {
+    /// The pattern for a call with this `causal` flag.
+    pub fn pattern(self, causal: bool) -> Pattern {
+        match (self, causal) {
+            (Masking::Plain, true) => Pattern::Causal,
+            (Masking::Plain, false) => Pattern::Full,
+            (Masking::Window(window), causal) => Pattern::Window { window, causal },
+            (Masking::Blocks { block, local, global, stride }, causal) => {
+                Pattern::Blocks(BlockPattern { block, local, global, stride, causal })
+            }
+        }
+    }
+
+    /// The mask for `shape`.
+    pub fn mask(self, shape: &AttnShape) -> Result<Mask, PluginError> {
+        Mask::new(self.pattern(shape.causal), shape.q_len as usize, shape.kv_len as usize)
+    }
+}
+
+/// How the scores are computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Algorithm {
+    /// [`dense`]: saves the probabilities.
+    Dense,
+    /// [`flash`]: saves the logsumexp; `None` picks [`Tiles::tuned`].
+    Flash(Option<Tiles>),
+}
+
+/// A masking rule computed by an algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kernel {
+    /// Which keys each query sees.
+    pub masking: Masking,
+    /// Dense or tiled.
+    pub algorithm: Algorithm,
+}
+
+impl Kernel {
+    /// Tiled (flash) attention under `masking` with the tuned tile sizes.
+    pub fn flash(masking: Masking) -> Self {
+        Self { masking, algorithm: Algorithm::Flash(None) }
+    }
+
+    /// Dense attention under `masking`.
+    pub fn dense(masking: Masking) -> Self {
+        Self { masking, algorithm: Algorithm::Dense }
+    }
+}
+
+impl AttentionKernel for Kernel {
+    fn saved_len(&self, shape: &AttnShape) -> Result<u64, PluginError> {
+        self.masking.mask(shape)?;
+        match self.algorithm {
+            Algorithm::Dense => dense::saved_len(shape),
+            Algorithm::Flash(_) => flash::saved_len(shape),
+        }
+    }
+
+    fn forward(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        saved: &mut [f32],
+        ctx: &KernelContext,
+    ) -> Result<(), PluginError> {
+        let mask = self.masking.mask(shape)?;
+        match self.algorithm {
+            Algorithm::Dense => dense::forward(shape, &mask, q, k, v, out, saved, ctx.threads),
+            Algorithm::Flash(tiles) => {
+                let tiles = tiles.unwrap_or_else(|| Tiles::tuned(shape.head_dim as usize));
+                flash::forward(shape, &mask, tiles, q, k, v, out, saved, ctx.threads)
+            }
+        }
+    }
+
+    fn supports_backward(&self) -> bool {
+        true
+    }
+
+    fn backward(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &[f32],
+        dout: &[f32],
+        saved: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+        ctx: &KernelContext,
+    ) -> Result<(), PluginError> {
+        let mask = self.masking.mask(shape)?;
+        match self.algorithm {
+            Algorithm::Dense => dense::backward(shape, &mask, q, k, v, out, dout, saved, dq, dk, dv, ctx.threads),
+            Algorithm::Flash(tiles) => {
+                let tiles = tiles.unwrap_or_else(|| Tiles::tuned(shape.head_dim as usize));
+                flash::backward(shape, &mask, tiles, q, k, v, out, dout, saved, dq, dk, dv, ctx.threads)
+            }
+        }
+    }
+}
+
+/// Implements [`AttentionKernel`] for a plugin type by forwarding to a [`Kernel`] it holds
+/// (plugin types must be local to their crate to implement `Plugin`).
+///
+/// ```ignore
+/// pub struct Flash(ava_kernels::attention::Kernel);
+/// ava_kernels::delegate_attention!(Flash, 0);
+/// ```
+#[macro_export]
+macro_rules! delegate_attention {
+    ($ty:ty, $field:tt) => {
+        impl ::ava_core::AttentionKernel for $ty {
+            fn saved_len(&self, shape: &::ava_core::AttnShape) -> Result<u64, ::ava_core::PluginError> {
+                self.$field.saved_len(shape)
+            }
+            fn forward(
+                &self,
+                shape: &::ava_core::AttnShape,
+                q: &[f32],
+                k: &[f32],
+                v: &[f32],
+                out: &mut [f32],
+                saved: &mut [f32],
+                ctx: &::ava_core::KernelContext,
+            ) -> Result<(), ::ava_core::PluginError> {
+                self.$field.forward(shape, q, k, v, out, saved, ctx)
+            }
+            fn supports_backward(&self) -> bool {
+                self.$field.supports_backward()
+            }
+            fn backward(
+                &self,
+                shape: &::ava_core::AttnShape,
+                q: &[f32],
+                k: &[f32],
+                v: &[f32],
+                out: &[f32],
+                dout: &[f32],
+                saved: &[f32],
+                dq: &mut [f32],
+                dk: &mut [f32],
+                dv: &mut [f32],
+                ctx: &::ava_core::KernelContext,
+            ) -> Result<(), ::ava_core::PluginError> {
+                self.$field.backward(shape, q, k, v, out, dout, saved, dq, dk, dv, ctx)
+            }
+        }
+    };
+}

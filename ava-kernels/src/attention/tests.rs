@@ -1,0 +1,180 @@
+//! The algorithms against each other and against the f64 definition, over every pattern.
+
+use ava_core::{AttentionKernel, AttnShape, KernelContext};
+
+use super::*;
+use crate::testing::{self, Rng, shape};
+
+/// (B, H, Hkv, Tq, Tk, D): T = 1, odd lengths, head_dim 16/64/128, GQA 1/2/4, decoding
+/// (Tq < Tk).
+const SHAPES: &[(u32, u32, u32, u32, u32, u32)] = &[
+    (1, 1, 1, 1, 1, 16),
+    (2, 4, 4, 7, 7, 16),
+    (1, 4, 2, 13, 13, 64),
+    (2, 8, 2, 5, 5, 16),
+    (1, 4, 1, 37, 37, 16),
+    (1, 2, 2, 70, 70, 128),
+    (1, 4, 1, 3, 10, 16),
+    (2, 2, 1, 1, 9, 64),
+    (1, 4, 4, 129, 129, 16),
+];
+
+fn maskings() -> Vec<Masking> {
+    vec![
+        Masking::Plain,
+        Masking::Window(1),
+        Masking::Window(3),
+        Masking::Window(16),
+        Masking::Window(1000),
+        Masking::Blocks { block: 4, local: 2, global: 1, stride: 0 },
+        Masking::Blocks { block: 3, local: 1, global: 0, stride: 2 },
+        Masking::Blocks { block: 16, local: 1, global: 1, stride: 3 },
+    ]
+}
+
+/// Tiles that cut every shape above mid-tile, the tuned ones, and a lopsided pair.
+const TILES: [Tiles; 3] = [Tiles { q: 4, k: 3 }, Tiles { q: 64, k: 64 }, Tiles { q: 16, k: 32 }];
+
+/// Dense attention under every mask matches the f64 definition (this is the reference the
+/// plugins are compared with), and its gradients match finite differences.
+#[test]
+fn dense_matches_the_definition() {
+    for masking in maskings() {
+        let kernel = Kernel::dense(masking);
+        for (n, &(b, h, hkv, tq, tk, d)) in SHAPES.iter().enumerate().filter(|(_, s)| s.3 <= 40) {
+            for causal in [true, false] {
+                let s = shape(b, h, hkv, tq, tk, d, causal);
+                let Ok(mask) = masking.mask(&s) else { continue };
+                check_forward_against_f64(&kernel, &s, &mask, n as u64, false);
+            }
+        }
+        let s = shape(1, 4, 2, 5, 5, 3, true);
+        testing::finite_differences(&kernel, &s, &masking.mask(&s).unwrap(), 11).unwrap();
+    }
+}
+
+/// Out (and, when the kernel saves it, the logsumexp) against the f64 reference.
+fn check_forward_against_f64(kernel: &dyn AttentionKernel, s: &AttnShape, mask: &Mask, seed: u64, saves_lse: bool) {
+    let mut rng = Rng(seed);
+    let (q, k, v) = (rng.vec(s.q_numel()), rng.vec(s.kv_numel()), rng.vec(s.kv_numel()));
+    let mut out = vec![f32::NAN; s.q_numel()];
+    let mut saved = vec![f32::NAN; kernel.saved_len(s).unwrap() as usize];
+    kernel.forward(s, &q, &k, &v, &mut out, &mut saved, &KernelContext { threads: 2, ..Default::default() }).unwrap();
+    let f64s = |x: &[f32]| x.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    let (want, lse) = testing::reference(s, mask, &f64s(&q), &f64s(&k), &f64s(&v));
+    for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
+        // D <= 128 products of numbers in [-1, 1): f32 rounding stays below ~1e-5.
+        assert!((got as f64 - want).abs() < 2e-5, "{:?} {s:?} out[{i}] = {got}, reference {want}", mask.pattern());
+    }
+    if saves_lse {
+        for (i, (&got, &want)) in saved.iter().zip(&lse).enumerate() {
+            assert!((got as f64 - want).abs() < 1e-5, "{:?} {s:?} lse[{i}] = {got}, reference {want}", mask.pattern());
+        }
+    }
+}
+
+/// The tiled kernel equals the dense one under the same mask (out, dq, dk, dv within
+/// atol 1e-4, rtol 1e-3) for every shape, mask, causal flag, tile size and thread count.
+#[test]
+fn flash_matches_dense_everywhere() {
+    for masking in maskings() {
+        for tiles in TILES {
+            let kernel = Kernel { masking, algorithm: Algorithm::Flash(Some(tiles)) };
+            for (n, &(b, h, hkv, tq, tk, d)) in SHAPES.iter().enumerate() {
+                for causal in [true, false] {
+                    let s = shape(b, h, hkv, tq, tk, d, causal);
+                    let Ok(mask) = masking.mask(&s) else { continue };
+                    for threads in [1, 3] {
+                        testing::against_dense(&kernel, &s, &mask, threads, n as u64)
+                            .unwrap_or_else(|e| panic!("{masking:?} {tiles:?}: {e}"));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Flash forward against the f64 definition directly, logsumexp included.
+#[test]
+fn flash_forward_and_logsumexp_match_the_definition() {
+    for masking in maskings() {
+        let kernel = Kernel { masking, algorithm: Algorithm::Flash(Some(Tiles { q: 4, k: 3 })) };
+        for (n, &(b, h, hkv, tq, tk, d)) in SHAPES.iter().enumerate() {
+            let s = shape(b, h, hkv, tq, tk, d, true);
+            check_forward_against_f64(&kernel, &s, &masking.mask(&s).unwrap(), n as u64, true);
+        }
+    }
+}
+
+/// Finite differences in f64 through the tiled kernel, tiles smaller than the shape.
+#[test]
+fn flash_gradients_match_finite_differences() {
+    for masking in [Masking::Plain, Masking::Window(2), Masking::Blocks { block: 2, local: 1, global: 1, stride: 2 }] {
+        let kernel = Kernel { masking, algorithm: Algorithm::Flash(Some(Tiles { q: 2, k: 3 })) };
+        for (s, seed) in [
+            (shape(1, 4, 2, 7, 7, 3, true), 1),
+            (shape(2, 2, 1, 3, 6, 4, true), 2),
+            (shape(1, 2, 2, 5, 5, 2, false), 3),
+        ] {
+            testing::finite_differences(&kernel, &s, &masking.mask(&s).unwrap(), seed)
+                .unwrap_or_else(|e| panic!("{masking:?}: {e}"));
+        }
+    }
+}
+
+/// A window at least as long as the sequence is causal attention, bit for bit.
+#[test]
+fn a_window_covering_the_sequence_is_causal_attention() {
+    let s = shape(1, 4, 2, 100, 100, 16, true);
+    let mut rng = Rng(5);
+    let inputs = (rng.vec(s.q_numel()), rng.vec(s.kv_numel()), rng.vec(s.kv_numel()), rng.vec(s.q_numel()));
+    let inputs = (&inputs.0[..], &inputs.1[..], &inputs.2[..], &inputs.3[..]);
+    let causal = testing::run(&Kernel::flash(Masking::Plain), &s, inputs, 2).unwrap();
+    for window in [100, 101, 4096] {
+        let windowed = testing::run(&Kernel::flash(Masking::Window(window)), &s, inputs, 2).unwrap();
+        assert_eq!(windowed, causal, "window {window}");
+    }
+}
+
+/// With at least as many (batch, kv head) groups as threads, results do not depend on the
+/// thread count.
+#[test]
+fn thread_count_does_not_change_bits() {
+    let s = shape(2, 4, 2, 45, 45, 16, true);
+    let mut rng = Rng(9);
+    let inputs = (rng.vec(s.q_numel()), rng.vec(s.kv_numel()), rng.vec(s.kv_numel()), rng.vec(s.q_numel()));
+    let inputs = (&inputs.0[..], &inputs.1[..], &inputs.2[..], &inputs.3[..]);
+    for kernel in [Kernel::flash(Masking::Plain), Kernel::dense(Masking::Plain)] {
+        let one = testing::run(&kernel, &s, inputs, 1).unwrap();
+        for threads in [2, 4] {
+            assert_eq!(testing::run(&kernel, &s, inputs, threads).unwrap(), one, "{kernel:?} threads {threads}");
+        }
+    }
+}
+
+#[test]
+fn saved_lengths() {
+    let s = shape(2, 8, 2, 5, 7, 16, true);
+    assert_eq!(Kernel::dense(Masking::Plain).saved_len(&s).unwrap(), 2 * 8 * 5 * 7);
+    assert_eq!(Kernel::flash(Masking::Plain).saved_len(&s).unwrap(), 2 * 8 * 5);
+    assert_eq!(Kernel::flash(Masking::Window(3)).saved_len(&s).unwrap(), 2 * 8 * 5);
+    // Refused: q_len > kv_len under a mask, a zero window.
+    let err = Kernel::flash(Masking::Window(3)).saved_len(&shape(1, 1, 1, 4, 2, 8, false)).unwrap_err();
+    assert!(err.message.contains("q_len (4) <= kv_len (2)"), "{err}");
+    let err = Kernel::flash(Masking::Window(0)).saved_len(&s).unwrap_err();
+    assert_eq!(err.message.as_str(), "window must be at least 1");
+}
+
+#[test]
+fn wrong_buffers_are_named() {
+    let s = shape(1, 2, 1, 3, 3, 4, true);
+    let k = Kernel::flash(Masking::Plain);
+    let ctx = KernelContext::default();
+    let (q, kv) = (vec![0.0; s.q_numel()], vec![0.0; s.kv_numel()]);
+    let (mut out, mut saved) = (vec![0.0; s.q_numel()], vec![0.0; 6]);
+    let err = k.forward(&s, &q, &kv, &kv, &mut out, &mut saved[1..], &ctx).unwrap_err();
+    assert_eq!(err.message.as_str(), "saved has 5 elements, expected 6");
+    let (mut dq, mut dk, mut dv) = (vec![0.0; s.q_numel()], vec![0.0; s.kv_numel()], vec![0.0; s.kv_numel() + 1]);
+    let err = k.backward(&s, &q, &kv, &kv, &out, &q, &saved, &mut dq, &mut dk, &mut dv, &ctx).unwrap_err();
+    assert_eq!(err.message.as_str(), "dv has 13 elements, expected 12");
+}
