@@ -91,8 +91,9 @@ pub fn forward(
     parallel::run(
         tasks,
         threads,
-        || vec![0.0f32; tiles.q * tiles.k], // (q_tile, k_tile) scores
-        |s, (_, bh, i0, out, lse)| forward_tile(&x, mask, tiles, bh, i0, q, k, v, out, lse, s),
+        // (q_tile, k_tile) scores and (D, k_tile) transposed keys
+        || (vec![0.0f32; tiles.q * tiles.k], vec![0.0f32; x.d * tiles.k]),
+        |(s, kt), (_, bh, i0, out, lse)| forward_tile(&x, mask, tiles, bh, i0, (q, k, v), out, lse, s, kt),
     );
     Ok(())
 }
@@ -152,7 +153,7 @@ pub fn backward(
     parallel::run(
         tasks,
         threads,
-        || Scratch::new(tiles),
+        || Scratch::new(tiles, x.d),
         |s, (g, t0, t1, dq, dk, dv)| backward_run(&x, mask, tiles, g, (t0, t1), &inputs, dq, dk, dv, s),
     );
     // Sum the runs' dQ in run order.
@@ -237,12 +238,11 @@ fn forward_tile(
     tiles: Tiles,
     bh: usize,
     i0: usize,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    (q, k, v): (&[f32], &[f32], &[f32]),
     out: &mut [f32],
     lse: &mut [f32],
     s: &mut [f32],
+    kt: &mut [f32],
 ) {
     let (tq, tk, d) = (x.tq, x.tk, x.d);
     let rows = lse.len();
@@ -256,7 +256,8 @@ fn forward_tile(
     for (j0, j1, kind) in key_tiles(mask, tiles, i0, i0 + rows) {
         let cols = j1 - j0;
         let s = &mut s[..rows * cols]; // (rows, cols)
-        matmul(rows, cols, d, s, cols, q, Mat::transposed(&k[j0 * d..j1 * d], d), x.scale, false);
+        let kt = transpose(&k[j0 * d..j1 * d], d, &mut kt[..d * cols]); // (D, cols)
+        matmul(rows, cols, d, s, cols, q, Mat::rows(kt, cols), x.scale, false);
         if kind == Tile::Partial {
             for (r, row) in s.chunks_exact_mut(cols).enumerate() {
                 mask.mask_row(i0 + r, j0, row);
@@ -289,13 +290,29 @@ struct Inputs<'a> {
 struct Scratch {
     p: Vec<f32>,     // (q_tile, k_tile) probabilities
     ds: Vec<f32>,    // (q_tile, k_tile) dP, then dS in place
+    kt: Vec<f32>,    // (D, k_tile) K_jᵀ
+    vt: Vec<f32>,    // (D, k_tile) V_jᵀ
     delta: Vec<f32>, // (group, Tq) rowsum(dO ∘ O)
 }
 
 impl Scratch {
-    fn new(tiles: Tiles) -> Self {
-        Self { p: vec![0.0; tiles.q * tiles.k], ds: vec![0.0; tiles.q * tiles.k], delta: Vec::new() }
+    fn new(tiles: Tiles, d: usize) -> Self {
+        let tile = vec![0.0; tiles.q * tiles.k];
+        let kt = vec![0.0; d * tiles.k];
+        Self { p: tile.clone(), ds: tile, kt: kt.clone(), vt: kt, delta: Vec::new() }
     }
+}
+
+/// Writes the transpose of `src` (rows × `cols`, row-major) into `dst` (`cols` × rows) and
+/// returns it, so products against Kᵀ and Vᵀ read contiguous rows.
+fn transpose<'a>(src: &[f32], cols: usize, dst: &'a mut [f32]) -> &'a [f32] {
+    let rows = src.len() / cols;
+    for (r, row) in src.chunks_exact(cols).enumerate() {
+        for (c, &x) in row.iter().enumerate() {
+            dst[c * rows + r] = x;
+        }
+    }
+    dst
 }
 
 /// One run of key tiles `t0..t1` of group `g = b·Hkv + kh`: its dK, dV rows and its
@@ -335,6 +352,8 @@ fn backward_run(
         let v_j = &v[j0 * d..j1 * d]; // (cols, D)
         let dk_j = &mut dk[(j0 - key0) * d..(j1 - key0) * d]; // (cols, D)
         let dv_j = &mut dv[(j0 - key0) * d..(j1 - key0) * d]; // (cols, D)
+        let k_t = transpose(k_j, d, &mut s.kt[..d * cols]); // (D, cols)
+        let v_t = transpose(v_j, d, &mut s.vt[..d * cols]); // (D, cols)
         for (i0, i1, kind) in query_tiles(mask, tiles, j0, j1) {
             let rows = i1 - i0;
             let (p, ds) = (&mut s.p[..rows * cols], &mut s.ds[..rows * cols]); // (rows, cols)
@@ -343,7 +362,7 @@ fn backward_run(
                 let q_i = Mat::rows(&q[at.clone()], d); // (rows, D)
                 let do_i = Mat::rows(&dout[at.clone()], d); // (rows, D)
                 // P = exp(scale · Q_i K_jᵀ − L), masked entries 0.
-                matmul(rows, cols, d, p, cols, q_i, Mat::transposed(k_j, d), x.scale, false);
+                matmul(rows, cols, d, p, cols, q_i, Mat::rows(k_t, cols), x.scale, false);
                 if kind == Tile::Partial {
                     for (row, p_row) in p.chunks_exact_mut(cols).enumerate() {
                         mask.mask_row(i0 + row, j0, p_row);
@@ -353,7 +372,7 @@ fn backward_run(
                 // dV_j += Pᵀ dO_i.
                 matmul(cols, d, rows, dv_j, d, Mat::transposed(p, cols), do_i, 1.0, true);
                 // dP = dO_i V_jᵀ;  dS = P ∘ (dP − Δ).
-                matmul(rows, cols, d, ds, cols, do_i, Mat::transposed(v_j, d), 1.0, false);
+                matmul(rows, cols, d, ds, cols, do_i, Mat::rows(v_t, cols), 1.0, false);
                 rows::softmax_grad(p, ds, cols, &s.delta[r * tq + i0..r * tq + i1]);
                 // dQ_i += scale · dS K_j;  dK_j += scale · dSᵀ Q_i.
                 matmul(rows, d, cols, &mut dq[at], d, Mat::rows(ds, cols), Mat::rows(k_j, d), x.scale, true);
