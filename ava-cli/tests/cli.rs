@@ -3,12 +3,15 @@
 //!
 //! Every command runs in a fresh temporary directory (so no stray `./ava.yaml` or lock file is
 //! picked up) with every `AVA*` variable removed and `NO_COLOR=1`. Output is compared exactly,
-//! after replacing machine-specific parts: the temporary directory with `$TMP`, the target
-//! directory with `$TARGET`, the repository root with `$REPO` and the sha256 of the lion
-//! library with `$SHA` (other libraries' hashes get their own names, e.g. `$SIGN_SHA`).
+//! after replacing machine-specific parts: the temporary directory with `$TMP`, the directory
+//! the `ava` binary runs from with `$BIN`, the target directory with `$TARGET`, the repository
+//! root with `$REPO` and the sha256 of the lion library with `$SHA` (other libraries' hashes
+//! get their own names, e.g. `$SIGN_SHA`).
 //!
-//! The `ava` binary searches its own directory for plugins, and the workspace plugins are built
-//! into that same directory (`<target>/debug`), so lion is always installed in these tests.
+//! The `ava` binary searches its own directory for plugins. These tests run it from `$BIN`
+//! (`<target>/cli-golden`), which holds links to the freshly built `ava` and lion and nothing
+//! else, so the listings show lion as the one installed plugin however many plugins the
+//! workspace builds next to the real binary.
 
 use std::{
     cell::RefCell,
@@ -29,6 +32,11 @@ use sha2::{Digest, Sha256};
 struct Setup {
     target: PathBuf,
     repo: PathBuf,
+    /// The directory the tests run `ava` from: it and lion, nothing else.
+    bin: PathBuf,
+    /// `ava` in `bin`.
+    exe: PathBuf,
+    /// Lion in `bin`.
     lion: PathBuf,
     lion_sha: String,
 }
@@ -42,26 +50,37 @@ fn sha256_file(path: &Path) -> String {
     Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Builds the workspace plugins next to the `ava` binary (once) and checks they are there.
+/// Puts `file` into `dir` under its own name: a hard link (cheap; `current_exe` of a hard link
+/// is the link, unlike a symlink), or a copy where linking fails. Replaces what was there.
+fn install(file: &Path, dir: &Path) -> PathBuf {
+    let dest = dir.join(file.file_name().expect("a file name"));
+    let _ = fs::remove_file(&dest);
+    if fs::hard_link(file, &dest).is_err() {
+        fs::copy(file, &dest).unwrap_or_else(|e| panic!("cannot copy {} to {}: {e}", file.display(), dest.display()));
+    }
+    dest
+}
+
+/// Builds the workspace plugins (once), then makes `<target>/cli-golden` hold the current
+/// `ava` binary and lion library and nothing else.
 fn setup() -> &'static Setup {
     static SETUP: OnceLock<Setup> = OnceLock::new();
     SETUP.get_or_init(|| {
-        let plugins_dir = canon(&ava_tests::workspace_plugins_dir());
-        let exe = Path::new(env!("CARGO_BIN_EXE_ava"));
-        let exe_dir = canon(exe.parent().expect("the ava binary has a directory"));
-        assert_eq!(
-            exe_dir,
-            plugins_dir,
-            "the ava binary ({}) is not in the directory the workspace plugins are built into; \
-             run the tests with the dev profile (CARGO_TARGET_DIR is followed by both)",
-            exe.display()
-        );
-        let lion = ava_tests::workspace_plugin("lion");
-        assert!(lion.is_file(), "{} was not built", lion.display());
+        let built_lion = ava_tests::workspace_plugin("lion");
+        assert!(built_lion.is_file(), "{} was not built", built_lion.display());
+        let target = canon(&ava_tests::main_target_dir());
+        let bin = target.join("cli-golden");
+        // Emptied first: a stray library left here would show up in every listing.
+        let _ = fs::remove_dir_all(&bin);
+        fs::create_dir_all(&bin).unwrap_or_else(|e| panic!("cannot create {}: {e}", bin.display()));
+        let exe = install(Path::new(env!("CARGO_BIN_EXE_ava")), &bin);
+        let lion = install(&built_lion, &bin);
         Setup {
-            target: canon(&ava_tests::main_target_dir()),
             repo: canon(&ava_tests::repo_root()),
+            bin: canon(&bin),
             lion_sha: sha256_file(&lion),
+            target,
+            exe,
             lion,
         }
     })
@@ -155,7 +174,7 @@ impl Sandbox {
     }
 
     fn ava_env(&self, args: &[&str], env: &[(&str, &str)]) -> Out {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ava"));
+        let mut cmd = Command::new(&setup().exe);
         cmd.args(args).current_dir(&self.root).env("NO_COLOR", "1");
         for (key, _) in std::env::vars_os() {
             if key.to_string_lossy().starts_with("AVA") {
@@ -179,6 +198,7 @@ impl Sandbox {
         let mut pairs: Vec<(String, String)> = vec![
             (self.root.display().to_string(), "$TMP".into()),
             (self.dir.path().display().to_string(), "$TMP".into()),
+            (setup.bin.display().to_string(), "$BIN".into()),
             (setup.target.display().to_string(), "$TARGET".into()),
             (setup.repo.display().to_string(), "$REPO".into()),
             (setup.lion_sha.clone(), "$SHA".into()),
@@ -277,12 +297,16 @@ fn golden_comparison_fails_on_any_difference() {
 }
 
 #[test]
-fn lion_is_built_next_to_the_ava_binary_and_paths_are_normalized() {
+fn ava_runs_beside_lion_alone_and_paths_are_normalized() {
     let s = Sandbox::new();
     let setup = setup();
-    assert_eq!(canon(setup.lion.parent().unwrap()), canon(Path::new(env!("CARGO_BIN_EXE_ava")).parent().unwrap()));
+    let mut files: Vec<String> =
+        fs::read_dir(&setup.bin).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    files.sort();
+    assert_eq!(files, ["ava", "libava_plugin_lion.so"]);
+    assert_eq!(sha256_file(&setup.lion), sha256_file(&ava_tests::workspace_plugin("lion")), "a stale lion in $BIN");
     let text = format!("{} {} {}", s.dir.path().display(), setup.lion.display(), setup.lion_sha);
-    assert_golden(&s.normalize(&text), "$TMP $TARGET/debug/libava_plugin_lion.so $SHA");
+    assert_golden(&s.normalize(&text), "$TMP $BIN/libava_plugin_lion.so $SHA");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -298,7 +322,7 @@ fn plugins_list_text() {
         &format!(
             "\
 NAME        KIND        VERSION  STATUS   SOURCE
-{BUILTIN_ROWS}lion        optimizer   0.1.0    loaded   $TARGET/debug/libava_plugin_lion.so
+{BUILTIN_ROWS}lion        optimizer   0.1.0    loaded   $BIN/libava_plugin_lion.so
 
 policy: open   lock file: ava-plugins.lock
 "
@@ -329,7 +353,7 @@ fn plugins_list_json() {
         assert_eq!(r["reason"], Value::Null, "{r}");
     }
     let lion = &rows[7];
-    assert_eq!(lion["source"], "$TARGET/debug/libava_plugin_lion.so");
+    assert_eq!(lion["source"], "$BIN/libava_plugin_lion.so");
     assert_eq!(lion["sha256"], "$SHA");
     assert_eq!(lion["reason"], Value::Null);
     assert_eq!(
@@ -351,7 +375,7 @@ fn plugins_list_kind_filter() {
 NAME   KIND       VERSION  STATUS   SOURCE
 adamw  optimizer  0.1.0    builtin  builtin
 sgd    optimizer  0.1.0    builtin  builtin
-lion   optimizer  0.1.0    loaded   $TARGET/debug/libava_plugin_lion.so
+lion   optimizer  0.1.0    loaded   $BIN/libava_plugin_lion.so
 
 policy: open   lock file: ava-plugins.lock
 ",
@@ -379,10 +403,10 @@ fn plugins_list_warn_policy_explains_unvetted_once() {
         &format!(
             "\
 NAME        KIND        VERSION  STATUS    SOURCE
-{}lion        optimizer   0.1.0    unvetted  $TARGET/debug/libava_plugin_lion.so
+{}lion        optimizer   0.1.0    unvetted  $BIN/libava_plugin_lion.so
 
-optimizer 'lion' (unvetted): $TARGET/debug/libava_plugin_lion.so is not pinned in the lock file; \
-policy 'vetted' would refuse it (pin it with `ava plugins vet $TARGET/debug/libava_plugin_lion.so`)
+optimizer 'lion' (unvetted): $BIN/libava_plugin_lion.so is not pinned in the lock file; \
+policy 'vetted' would refuse it (pin it with `ava plugins vet $BIN/libava_plugin_lion.so`)
 
 policy: warn   lock file: ava-plugins.lock
 ",
@@ -425,7 +449,7 @@ lion (optimizer) 0.1.0
 
   contract:  1
   devices:   cpu
-  source:    $TARGET/debug/libava_plugin_lion.so
+  source:    $BIN/libava_plugin_lion.so
   sha256:    $SHA
   status:    loaded
 
@@ -453,7 +477,7 @@ fn plugins_info_lion_json() {
     assert_eq!(v["kind"], "optimizer");
     assert_eq!(v["version"], "0.1.0");
     assert_eq!(v["status"], "loaded");
-    assert_eq!(v["source"], "$TARGET/debug/libava_plugin_lion.so");
+    assert_eq!(v["source"], "$BIN/libava_plugin_lion.so");
     assert_eq!(v["sha256"], "$SHA");
     assert_eq!(v["contract_version"], 1);
     assert_eq!(v["devices"], serde_json::json!(["cpu"]));
@@ -528,7 +552,7 @@ fn plugins_vet_lion_by_name_then_list_vetted() {
         out.success(),
         "\
 pinned optimizer 'lion' 0.1.0 in ava-plugins.lock
-  file:   $TARGET/debug/libava_plugin_lion.so
+  file:   $BIN/libava_plugin_lion.so
   sha256: $SHA
 ",
     );
@@ -544,7 +568,7 @@ pinned optimizer 'lion' 0.1.0 in ava-plugins.lock
         &format!(
             "\
 NAME        KIND        VERSION  STATUS   SOURCE
-{BUILTIN_ROWS}lion        optimizer   0.1.0    vetted   $TARGET/debug/libava_plugin_lion.so
+{BUILTIN_ROWS}lion        optimizer   0.1.0    vetted   $BIN/libava_plugin_lion.so
 
 policy: vetted   lock file: ava-plugins.lock
 "
@@ -561,7 +585,7 @@ fn plugins_vet_json() {
         out.json(),
         serde_json::json!({
             "lock_file": "ava-plugins.lock",
-            "file": "$TARGET/debug/libava_plugin_lion.so",
+            "file": "$BIN/libava_plugin_lion.so",
             "pinned": {
                 "name": "lion", "kind": "optimizer", "version": "0.1.0", "sha256": "$SHA",
                 "file": "libava_plugin_lion.so",
@@ -585,12 +609,12 @@ fn vetted_policy_refuses_an_unpinned_library_until_it_is_vetted() {
             "\
 NAME        KIND        VERSION  STATUS   SOURCE
 {BUILTIN_ROWS}-           -           -        refused  search/libava_plugin_sign_sgd.so
--           -           -        refused  $TARGET/debug/libava_plugin_lion.so
+-           -           -        refused  $BIN/libava_plugin_lion.so
 
 search/libava_plugin_sign_sgd.so (refused): not pinned in the lock file (sha256 $SIGN_SHA); policy \
 'vetted' opens only pinned plugins: review it, then pin it with `ava plugins vet search/libava_plugin_sign_sgd.so`
-$TARGET/debug/libava_plugin_lion.so (refused): not pinned in the lock file (sha256 $SHA); policy \
-'vetted' opens only pinned plugins: review it, then pin it with `ava plugins vet $TARGET/debug/libava_plugin_lion.so`
+$BIN/libava_plugin_lion.so (refused): not pinned in the lock file (sha256 $SHA); policy \
+'vetted' opens only pinned plugins: review it, then pin it with `ava plugins vet $BIN/libava_plugin_lion.so`
 
 policy: vetted   lock file: ava-plugins.lock
 "
@@ -633,10 +657,10 @@ plugins:
             "\
 NAME        KIND        VERSION  STATUS   SOURCE
 {BUILTIN_ROWS}sign-sgd    optimizer   0.1.0    vetted   search/libava_plugin_sign_sgd.so
--           -           -        refused  $TARGET/debug/libava_plugin_lion.so
+-           -           -        refused  $BIN/libava_plugin_lion.so
 
-$TARGET/debug/libava_plugin_lion.so (refused): not pinned in the lock file (sha256 $SHA); policy \
-'vetted' opens only pinned plugins: review it, then pin it with `ava plugins vet $TARGET/debug/libava_plugin_lion.so`
+$BIN/libava_plugin_lion.so (refused): not pinned in the lock file (sha256 $SHA); policy \
+'vetted' opens only pinned plugins: review it, then pin it with `ava plugins vet $BIN/libava_plugin_lion.so`
 
 policy: vetted   lock file: other.yaml
 "
@@ -670,7 +694,7 @@ pinned optimizer 'lion' 0.1.0 in ava-plugins.lock
             "\
 NAME        KIND        VERSION  STATUS    SOURCE
 {}-           -           -        modified  mine/libava_plugin_lion.so
-lion        optimizer   0.1.0    vetted    $TARGET/debug/libava_plugin_lion.so
+lion        optimizer   0.1.0    vetted    $BIN/libava_plugin_lion.so
 
 mine/libava_plugin_lion.so (modified): pinned as optimizer 'lion' 0.1.0 with sha256 $SHA, but the \
 file's sha256 is $MODIFIED_SHA; if the change is intended, re-vet it with `ava plugins vet mine/libava_plugin_lion.so`
@@ -687,7 +711,7 @@ fn plugins_vet_unknown_names_and_files_are_usage_errors() {
     let s = Sandbox::new();
     assert_golden(
         s.ava(&["plugins", "vet", "lino"]).usage_error(),
-        "error: no plugin library named 'lino' (did you mean 'lion'?) in the search paths ($TARGET/debug); \
+        "error: no plugin library named 'lino' (did you mean 'lion'?) in the search paths ($BIN); \
          give the library's path, or see `ava plugins list`\n",
     );
     assert_golden(
@@ -830,7 +854,7 @@ fn enable_with_a_bad_option_changes_nothing() {
     assert_golden(
         out.usage_error(),
         "\
-error: optimizer 'lion' ($TARGET/debug/libava_plugin_lion.so): 2 problems with the options
+error: optimizer 'lion' ($BIN/libava_plugin_lion.so): 2 problems with the options
   - option 'betas': expected 2 values [β1, β2], got 1
   - option 'betas': β1 = 1.5 must be in [0, 1)
 ",
