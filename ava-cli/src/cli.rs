@@ -131,6 +131,91 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 2, value_name = "N")]
         warmup: u64,
     },
+    /// Attention kernels head to head: time, saved-for-backward memory, peak memory and
+    /// accuracy against the dense kernel with the same mask, per sequence length.
+    ///
+    /// For each T and kernel it makes random q, k, v and dout (the same for every kernel),
+    /// then runs forward and backward --repeats times, each time allocating out, saved and
+    /// dq, dk, dv afresh as the training engine does every step. Columns:
+    ///   fwd ms       forward, allocation of out and saved included (median of the repeats)
+    ///   fwd+bwd ms   forward plus backward, allocation of dq, dk, dv included (median)
+    ///   ×standard    fwd+bwd time divided by standard's at the same T
+    ///   saved        bytes the kernel keeps from forward for backward (saved_len · 4)
+    ///   ×standard    saved bytes divided by standard's (its B·H·T² probabilities)
+    ///   host peak    the most bytes the host allocator held during forward + backward above
+    ///                what it held before: out, saved, dq, dk, dv, plus what a built-in
+    ///                kernel allocates itself. A plugin library allocates its scratch with
+    ///                its own allocator, which this count does not see.
+    ///   max err      largest |difference| of out, dq, dk, dv from the dense kernel under the
+    ///                same mask: causal (or full) for standard and flash, the band of
+    ///                sliding-window, the blocks of block-sparse, each with the options given;
+    ///                another kernel is assumed plain causal (marked *). '-' when that dense
+    ///                reference's T² probabilities would need over 4 GiB
+    ///
+    /// Examples:
+    ///   ava bench attention
+    ///   ava bench attention --kernels flash,sliding-window --seq 8192 --set sliding-window.window=512
+    ///   ava bench attention --seq 1024 --heads 8 --kv-heads 2 --set block-sparse.stride=8 --format json
+    #[command(verbatim_doc_comment)]
+    Attention(BenchAttentionArgs),
+}
+
+/// `ava bench attention` options.
+#[derive(Debug, Args)]
+pub struct BenchAttentionArgs {
+    /// Attention kernels to compare, by plugin name (see `ava plugins list --kind attention`).
+    #[arg(
+        long,
+        value_name = "NAME,...",
+        value_delimiter = ',',
+        default_value = "standard,flash,sliding-window,block-sparse"
+    )]
+    pub kernels: Vec<String>,
+    /// Sequence lengths T to measure.
+    #[arg(long, value_name = "T,...", value_delimiter = ',', default_value = "256,1024,2048,4096", value_parser = parse_seq)]
+    pub seq: Vec<u32>,
+    /// Query heads H.
+    #[arg(long, default_value_t = 4, value_name = "H", value_parser = clap::value_parser!(u32).range(1..))]
+    pub heads: u32,
+    /// Key/value heads (grouped-query attention; must divide --heads). Default: --heads.
+    #[arg(long, value_name = "H", value_parser = clap::value_parser!(u32).range(1..))]
+    pub kv_heads: Option<u32>,
+    /// Head dimension D.
+    #[arg(long, default_value_t = 64, value_name = "D", value_parser = clap::value_parser!(u32).range(1..))]
+    pub head_dim: u32,
+    /// Batch size B.
+    #[arg(long, default_value_t = 1, value_name = "B", value_parser = clap::value_parser!(u32).range(1..))]
+    pub batch: u32,
+    /// Causal (true) or full (false) attention.
+    #[arg(long, default_value_t = true, value_name = "BOOL", action = clap::ArgAction::Set)]
+    pub causal: bool,
+    /// Threads each kernel may use. Default (or 0): one per core, as training uses.
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+    /// Forward + backward runs per kernel and T; times are their median.
+    #[arg(long, default_value_t = 3, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeats: u32,
+    /// A kernel option, KERNEL.OPTION=VALUE (repeatable), checked by the kernel; e.g.
+    /// --set sliding-window.window=512 --set block-sparse.stride=8. Options not given take
+    /// the kernel's defaults (see `ava plugins info NAME`).
+    #[arg(long = "set", value_name = "KERNEL.OPTION=VALUE")]
+    pub set: Vec<String>,
+    /// Config file whose `plugins` section (search paths, vetting policy) says where kernels
+    /// come from. Default: ./ava.yaml if it exists.
+    #[arg(short, long, value_name = "FILE", env = "AVA_CONFIG")]
+    pub config: Option<PathBuf>,
+}
+
+/// Parses one sequence length of `--seq`.
+fn parse_seq(s: &str) -> Result<u32, String> {
+    match s.trim().parse::<u64>() {
+        Ok(0) => Err("a sequence length must be at least 1".into()),
+        Ok(t) => u32::try_from(t).map_err(|_| format!("a sequence length must be at most {}", u32::MAX)),
+        Err(_) if s.trim().is_empty() => {
+            Err("expected sequence lengths separated by commas, e.g. --seq 256,1024; got an empty one".into())
+        }
+        Err(_) => Err("expected a sequence length (a whole number >= 1)".into()),
+    }
 }
 
 /// `ava plugins ...`
