@@ -1,6 +1,8 @@
-//! Which flash tile sizes are fastest here? Forward + backward of causal attention, B=1,
-//! H=4, T=2048, for head sizes 64 and 128, over a grid of (query rows, keys) per tile. The
-//! winner is what `Tiles::tuned` returns; rerun this on a new CPU before changing it.
+//! Which flash tile sizes are fastest here? Forward and backward of causal attention
+//! (B=1, H=4) timed apart, since they keep different working sets: D=64 at T=4096 and
+//! D=128 at T=2048, over a grid of (query rows, keys) per tile. The winners are what
+//! `Tiles::tuned_forward` and `Tiles::tuned_backward` return; rerun this on a new CPU
+//! before changing them. On a shared machine read the fastest sample, not the median.
 //!
 //! `cargo bench -p ava-kernels --bench tiles`
 
@@ -15,54 +17,79 @@ fn main() {
 }
 
 /// (query rows, keys) per tile.
-const TILES: [(usize, usize); 6] = [(32, 64), (64, 32), (64, 64), (64, 128), (128, 64), (128, 128)];
+const TILES: [(usize, usize); 7] = [(32, 32), (32, 64), (64, 32), (64, 64), (128, 32), (128, 64), (256, 64)];
 
-/// Inputs for one head size; allocated once, outside the timed region.
+/// Inputs and the forward's results for one head size, made outside the timed region.
 struct Case {
     shape: AttnShape,
+    kernel: Kernel,
+    ctx: KernelContext,
     q: Vec<f32>,    // (B, H, T, D)
     k: Vec<f32>,    // (B, H, T, D)
     v: Vec<f32>,    // (B, H, T, D)
     dout: Vec<f32>, // (B, H, T, D)
+    out: Vec<f32>,  // (B, H, T, D)
+    lse: Vec<f32>,  // (B, H, T)
 }
 
-fn case(head_dim: u32) -> Case {
-    let shape = shape(1, 4, 4, 2048, 2048, head_dim, true);
+fn case(head_dim: u32, (tq, tk): (usize, usize)) -> Case {
+    let seq = if head_dim <= 64 { 4096 } else { 2048 };
+    let shape = shape(1, 4, 4, seq, seq, head_dim, true);
     let mut rng = Rng(7);
-    Case {
-        q: rng.vec(shape.q_numel()),
-        k: rng.vec(shape.kv_numel()),
-        v: rng.vec(shape.kv_numel()),
-        dout: rng.vec(shape.q_numel()),
-        shape,
-    }
-}
-
-fn run(bencher: divan::Bencher, head_dim: u32, (tq, tk): (usize, usize)) {
-    let c = case(head_dim);
-    let s = &c.shape;
     let kernel = Kernel { masking: Masking::Plain, algorithm: Algorithm::Flash(Some(Tiles { q: tq, k: tk })) };
     let ctx = KernelContext {
         threads: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
         ..Default::default()
     };
-    let mut out = vec![0f32; s.q_numel()]; // (B, H, T, D)
-    let mut lse = vec![0f32; kernel.saved_len(s).expect("saved_len") as usize]; // (B, H, T)
-    let mut dq = vec![0f32; s.q_numel()]; // (B, H, T, D)
-    let mut dk = vec![0f32; s.kv_numel()]; // (B, H, T, D)
-    let mut dv = vec![0f32; s.kv_numel()]; // (B, H, T, D)
+    let mut c = Case {
+        q: rng.vec(shape.q_numel()),
+        k: rng.vec(shape.kv_numel()),
+        v: rng.vec(shape.kv_numel()),
+        dout: rng.vec(shape.q_numel()),
+        out: vec![0f32; shape.q_numel()],
+        lse: vec![0f32; kernel.saved_len(&shape).expect("saved_len") as usize],
+        shape,
+        kernel,
+        ctx,
+    };
+    c.kernel.forward(&c.shape, &c.q, &c.k, &c.v, &mut c.out, &mut c.lse, &c.ctx).expect("forward");
+    c
+}
+
+fn forward(bencher: divan::Bencher, head_dim: u32, tiles: (usize, usize)) {
+    let mut c = case(head_dim, tiles);
     bencher.bench_local(|| {
-        kernel.forward(s, &c.q, &c.k, &c.v, &mut out, &mut lse, &ctx).expect("forward");
-        kernel.backward(s, &c.q, &c.k, &c.v, &out, &c.dout, &lse, &mut dq, &mut dk, &mut dv, &ctx).expect("backward");
+        c.kernel.forward(&c.shape, &c.q, &c.k, &c.v, &mut c.out, &mut c.lse, &c.ctx).expect("forward");
+    });
+}
+
+fn backward(bencher: divan::Bencher, head_dim: u32, tiles: (usize, usize)) {
+    let c = case(head_dim, tiles);
+    let mut dq = vec![0f32; c.shape.q_numel()]; // (B, H, T, D)
+    let mut dk = vec![0f32; c.shape.kv_numel()]; // (B, H, T, D)
+    let mut dv = vec![0f32; c.shape.kv_numel()]; // (B, H, T, D)
+    bencher.bench_local(|| {
+        let (s, x) = (&c.shape, &c.kernel);
+        x.backward(s, &c.q, &c.k, &c.v, &c.out, &c.dout, &c.lse, &mut dq, &mut dk, &mut dv, &c.ctx).expect("backward");
     });
 }
 
 #[divan::bench(args = TILES, sample_count = 10, sample_size = 1)]
-fn d64(bencher: divan::Bencher, tiles: (usize, usize)) {
-    run(bencher, 64, tiles);
+fn forward_d64(bencher: divan::Bencher, tiles: (usize, usize)) {
+    forward(bencher, 64, tiles);
 }
 
 #[divan::bench(args = TILES, sample_count = 10, sample_size = 1)]
-fn d128(bencher: divan::Bencher, tiles: (usize, usize)) {
-    run(bencher, 128, tiles);
+fn backward_d64(bencher: divan::Bencher, tiles: (usize, usize)) {
+    backward(bencher, 64, tiles);
+}
+
+#[divan::bench(args = TILES, sample_count = 10, sample_size = 1)]
+fn forward_d128(bencher: divan::Bencher, tiles: (usize, usize)) {
+    forward(bencher, 128, tiles);
+}
+
+#[divan::bench(args = TILES, sample_count = 10, sample_size = 1)]
+fn backward_d128(bencher: divan::Bencher, tiles: (usize, usize)) {
+    backward(bencher, 128, tiles);
 }

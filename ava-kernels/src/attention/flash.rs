@@ -45,17 +45,32 @@ pub struct Tiles {
 }
 
 impl Tiles {
-    /// Sizes for head size `head_dim`: a Q (and O) tile of 32 KiB and K, V tiles of 16 KiB
-    /// each, so a task's working set stays in a 512 KiB L2 next to its score tile. Measured
-    /// with `cargo bench -p ava-kernels --bench tiles` on a 2-core AVX2 machine (causal,
-    /// T=2048, median of 20): D=64 runs 128 × 64 tiles in 53 ms against 63 ms for 64 × 64;
-    /// D=128 runs 64 × 32 in 142 ms against 151 ms for 64 × 64. Both stay multiples of the
-    /// 4 × 16 tile kernel's block and at most 256 keys, which it needs.
-    pub fn tuned(head_dim: usize) -> Self {
-        let d = head_dim.max(1);
-        let fit = |floats: usize, max: usize| (floats / d).clamp(32, max) / 16 * 16;
-        Self { q: fit(8192, 128), k: fit(4096, 64) }
+    /// Forward tiles for head size `head_dim`: a Q (and O) tile of 32 KiB and K, V tiles
+    /// of 16 KiB each, so a task's working set stays in a 512 KiB L2 next to its score
+    /// tile. Both stay multiples of the 4 × 16 tile kernel's block and at most 256 keys,
+    /// which it needs.
+    ///
+    /// Measured with `cargo bench -p ava-kernels --bench tiles` (causal, B=1, H=4, fastest
+    /// of 10 samples, 2-core Zen 3): D=64 T=4096 forward 128 × 64 in 82 ms against 87
+    /// for 128 × 32 and 90 for 64 × 64. At D=128 the tiles' differences were smaller than
+    /// the machine's run-to-run swings; the rule's 64 × 32 was within 10% of the fastest.
+    pub fn tuned_forward(head_dim: usize) -> Self {
+        Self { q: fit(head_dim, 8192, 128), k: fit(head_dim, 4096, 64) }
     }
+
+    /// Backward tiles for head size `head_dim`: Q and K tiles of 16 KiB each. Backward
+    /// keeps two score-sized tiles (P and dS) per thread where forward keeps one, and
+    /// smaller query tiles keep them in L1 next to the rows they multiply. Same bench:
+    /// D=64 T=4096 backward 64 × 64 in 141 ms against 155 for 128 × 64 (the forward
+    /// tiles); at D=128 T=2048 32-row query tiles were the fastest in both runs.
+    pub fn tuned_backward(head_dim: usize) -> Self {
+        Self { q: fit(head_dim, 4096, 64), k: fit(head_dim, 4096, 64) }
+    }
+}
+
+/// `floats / head_dim` rounded down to a multiple of 16 in `32..=max`.
+fn fit(head_dim: usize, floats: usize, max: usize) -> usize {
+    (floats / head_dim.max(1)).clamp(32, max) / 16 * 16
 }
 
 /// Saved f32s: one logsumexp per query row, B·H·Tq.
@@ -393,17 +408,21 @@ mod tests {
 
     #[test]
     fn tuned_tiles_follow_the_head_size_and_suit_the_tile_kernel() {
-        let t = |d| {
-            let t = Tiles::tuned(d);
-            (t.q, t.k)
+        let pairs = |f: fn(usize) -> Tiles| {
+            [64, 128, 16, 256, 1000, 0].map(|d| {
+                let t = f(d);
+                (t.q, t.k)
+            })
         };
-        assert_eq!(
-            [t(64), t(128), t(16), t(256), t(1000), t(0)],
-            [(128, 64), (64, 32), (128, 64), (32, 32), (32, 32), (128, 64)]
-        );
+        assert_eq!(pairs(Tiles::tuned_forward), [(128, 64), (64, 32), (128, 64), (32, 32), (32, 32), (128, 64)]);
+        assert_eq!(pairs(Tiles::tuned_backward), [(64, 64), (32, 32), (64, 64), (32, 32), (32, 32), (64, 64)]);
         for d in 1..600 {
-            let Tiles { q, k } = Tiles::tuned(d);
-            assert!(q % 16 == 0 && k % 16 == 0 && (32..=128).contains(&q) && (32..=64).contains(&k), "D={d}: {q}x{k}");
+            for Tiles { q, k } in [Tiles::tuned_forward(d), Tiles::tuned_backward(d)] {
+                assert!(
+                    q % 16 == 0 && k % 16 == 0 && (32..=128).contains(&q) && (32..=64).contains(&k),
+                    "D={d}: {q}x{k}"
+                );
+            }
         }
     }
 

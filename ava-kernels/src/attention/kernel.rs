@@ -49,7 +49,8 @@ impl Masking {
 pub enum Algorithm {
     /// [`dense`]: saves the probabilities.
     Dense,
-    /// [`flash`]: saves the logsumexp; `None` picks [`Tiles::tuned`].
+    /// [`flash`]: saves the logsumexp; `None` picks [`Tiles::tuned_forward`] and
+    /// [`Tiles::tuned_backward`], `Some` uses the same tiles both ways.
     Flash(Option<Tiles>),
 }
 
@@ -97,7 +98,7 @@ impl AttentionKernel for Kernel {
         match self.algorithm {
             Algorithm::Dense => dense::forward(shape, &mask, q, k, v, out, saved, ctx.threads),
             Algorithm::Flash(tiles) => {
-                let tiles = tiles.unwrap_or_else(|| Tiles::tuned(shape.head_dim as usize));
+                let tiles = tiles.unwrap_or_else(|| Tiles::tuned_forward(shape.head_dim as usize));
                 flash::forward(shape, &mask, tiles, q, k, v, out, saved, ctx.threads)
             }
         }
@@ -125,7 +126,7 @@ impl AttentionKernel for Kernel {
         match self.algorithm {
             Algorithm::Dense => dense::backward(shape, &mask, q, k, v, out, dout, saved, dq, dk, dv, ctx.threads),
             Algorithm::Flash(tiles) => {
-                let tiles = tiles.unwrap_or_else(|| Tiles::tuned(shape.head_dim as usize));
+                let tiles = tiles.unwrap_or_else(|| Tiles::tuned_backward(shape.head_dim as usize));
                 flash::backward(shape, &mask, tiles, q, k, v, out, dout, saved, dq, dk, dv, ctx.threads)
             }
         }

@@ -32,8 +32,10 @@ fn maskings() -> Vec<Masking> {
     ]
 }
 
-/// Tiles that cut every shape above mid-tile, the tuned ones, and a lopsided pair.
-const TILES: [Tiles; 3] = [Tiles { q: 4, k: 3 }, Tiles { q: 64, k: 64 }, Tiles { q: 16, k: 32 }];
+/// Tiles that cut every shape above mid-tile, the tuned ones (D=64 forward and backward),
+/// and a lopsided pair.
+const TILES: [Tiles; 4] =
+    [Tiles { q: 4, k: 3 }, Tiles { q: 128, k: 64 }, Tiles { q: 64, k: 64 }, Tiles { q: 16, k: 32 }];
 
 /// Dense attention under every mask matches the f64 definition (this is the reference the
 /// plugins are compared with), and its gradients match finite differences.

@@ -19,7 +19,8 @@ use ava_core::prelude::*;
 use ava_kernels::attention::{Kernel, Masking};
 
 /// Tiled causal (or full) attention saving the logsumexp. No options: the tile sizes are
-/// tuned per head size ([`ava_kernels::attention::Tiles::tuned`]).
+/// tuned per head size and direction ([`ava_kernels::attention::Tiles::tuned_forward`],
+/// [`ava_kernels::attention::Tiles::tuned_backward`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Flash(Kernel);
 
