@@ -136,7 +136,8 @@ pub enum BenchCommand {
     ///
     /// For each T and kernel it makes random q, k, v and dout (the same for every kernel),
     /// then runs forward and backward --repeats times, each time allocating out, saved and
-    /// dq, dk, dv afresh as the training engine does every step. Columns:
+    /// dq, dk, dv afresh as the training engine does every step. Repeats take turns across
+    /// the kernels, so a slow spell of a shared machine slows them all alike. Columns:
     ///   fwd ms       forward, allocation of out and saved included (median of the repeats)
     ///   fwd+bwd ms   forward plus backward, allocation of dq, dk, dv included (median)
     ///   ×standard    fwd+bwd time divided by standard's at the same T
@@ -192,7 +193,8 @@ pub struct BenchAttentionArgs {
     /// Threads each kernel may use. Default (or 0): one per core, as training uses.
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
-    /// Forward + backward runs per kernel and T; times are their median.
+    /// Forward + backward runs per kernel and T, taking turns across kernels; times are
+    /// their median.
     #[arg(long, default_value_t = 3, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub repeats: u32,
     /// A kernel option, KERNEL.OPTION=VALUE (repeatable), checked by the kernel; e.g.

@@ -113,9 +113,9 @@ fn every_kernel_matches_the_dense_reference_and_declares_its_saved_bytes() {
             ("block-sparse", "causal blocks of 64: 4 local, 1 global, stride 0"),
         ]
     );
-    // One progress line per (T, kernel) on stderr.
+    // One progress line per (T, repeat) on stderr: every kernel runs in each repeat.
     let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(stderr.contains("[T=37] block-sparse: 1 × forward + backward"), "{stderr}");
+    assert!(stderr.contains("[T=37] repeat 1/1: every kernel once"), "{stderr}");
 }
 
 /// Options from --set reach the kernel and its reference mask, which therefore cuts

@@ -4,6 +4,9 @@
 //! call, and the largest difference of out, dq, dk, dv from the dense kernel under the same
 //! mask.
 //!
+//! The repeats are interleaved: repeat r of every kernel runs before repeat r + 1 of any,
+//! so a slow spell of a shared machine slows every kernel alike and the ratios hold.
+//!
 //! Every repeat allocates out, saved and dq, dk, dv afresh and inside the timed region, as
 //! the training engine does every step (`ava-train/src/model/attention.rs`), so allocation and
 //! first-touch costs are part of the times. q, k, v and dout exist before the call and are
@@ -119,20 +122,25 @@ pub fn run(p: &Printer, args: &BenchAttentionArgs) -> CmdResult {
         let dout = rng.vec(shape.q_numel());
         let inputs = Inputs { q: &q, k: &k, v: &v, dout: &dout };
         let mut references: Vec<(Masking, Reference)> = Vec::new();
-        for (i, bench) in benches.iter().enumerate() {
+        for bench in &benches {
             if !references.iter().any(|(m, _)| *m == bench.masking) {
                 let reference = reference(p, &shape, bench.masking, inputs, &kctx, REFERENCE_CAP_BYTES);
                 references.push((bench.masking, reference));
             }
-            let reference = &references.iter().find(|(m, _)| *m == bench.masking).expect("just computed").1;
-            p.note(&format!(
-                "[T={seq}] {}: {} × forward{}",
-                bench.name,
-                args.repeats,
-                if bench.backward { " + backward" } else { " (no backward)" }
-            ));
-            let outcome = measure(bench, &shape, inputs, &kctx, args.repeats, reference)?;
-            rows.push(Row { seq, kernel: i, outcome });
+        }
+        let mut runs: Vec<Result<Samples, String>> =
+            benches.iter().map(|bench| prepare(bench, &shape)).collect::<Result<_, _>>()?;
+        for r in 0..args.repeats {
+            p.note(&format!("[T={seq}] repeat {}/{}: every kernel once", r + 1, args.repeats));
+            for (bench, run) in benches.iter().zip(&mut runs) {
+                if let Ok(run) = run {
+                    run.once(bench, &shape, inputs, &kctx, r + 1 == args.repeats)?;
+                }
+            }
+        }
+        for (i, (bench, run)) in benches.iter().zip(runs).enumerate() {
+            let reference = &references.iter().find(|(m, _)| *m == bench.masking).expect("computed above").1;
+            rows.push(Row { seq, kernel: i, outcome: run.map(|run| run.finish(bench, reference)) });
         }
     }
 
@@ -311,27 +319,22 @@ fn available_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Runs one kernel `repeats` times; `Ok(Err(why))` when it was skipped, `Err` when the
-/// kernel failed.
-fn measure(
-    bench: &Bench,
-    shape: &AttnShape,
-    x: Inputs,
-    ctx: &KernelContext,
-    repeats: u32,
-    reference: &Reference,
-) -> Result<Result<Measured, String>, Failure> {
-    let failed = |what: &str, e: PluginError| {
-        Failure::Runtime(anyhow::anyhow!(
-            "attention kernel '{}' failed in {what} at T={} (B={}, H={}, Hkv={}, D={}): {e}",
-            bench.name,
-            shape.q_len,
-            shape.batch,
-            shape.q_heads,
-            shape.kv_heads,
-            shape.head_dim
-        ))
-    };
+/// The error a kernel's failure becomes.
+fn failed(bench: &Bench, shape: &AttnShape, what: &str, e: PluginError) -> Failure {
+    Failure::Runtime(anyhow::anyhow!(
+        "attention kernel '{}' failed in {what} at T={} (B={}, H={}, Hkv={}, D={}): {e}",
+        bench.name,
+        shape.q_len,
+        shape.batch,
+        shape.q_heads,
+        shape.kv_heads,
+        shape.head_dim
+    ))
+}
+
+/// Checks that a kernel takes the shape and that its buffers fit in memory: `Ok(Err(why))`
+/// when it is skipped.
+fn prepare(bench: &Bench, shape: &AttnShape) -> Result<Result<Samples, String>, Failure> {
     let saved_len = match bench.kernel.saved_len(shape) {
         Ok(n) => n,
         Err(e) => return Ok(Err(format!("refuses the shape: {}", e.message))),
@@ -347,22 +350,36 @@ fn measure(
             fmt_bytes(available)
         )));
     }
-    let saved_len = usize::try_from(saved_len).map_err(|_| failed("saved_len", PluginError::internal("too large")))?;
-    // Reserved up front, so that the only host allocations inside the measured region are
-    // the call's own buffers and whatever a built-in kernel allocates.
-    let (mut fwd_ms, mut total_ms) = (Vec::with_capacity(repeats as usize), Vec::with_capacity(repeats as usize));
-    let mut peak_bytes = 0u64;
-    let mut last = None;
-    for r in 0..repeats {
+    let saved_len = usize::try_from(saved_len)
+        .map_err(|_| failed(bench, shape, "saved_len", PluginError::internal("too large")))?;
+    Ok(Ok(Samples { saved_len, fwd_ms: Vec::new(), total_ms: Vec::new(), peak_bytes: 0, last: None }))
+}
+
+/// One kernel's repeats at one T, gathered one at a time.
+struct Samples {
+    saved_len: usize,
+    fwd_ms: Vec<f64>,
+    total_ms: Vec<f64>,
+    peak_bytes: u64,
+    /// The last repeat's out and (with a backward) dq, dk, dv, for the error.
+    last: Option<(Vec<f32>, Option<[Vec<f32>; 3]>)>,
+}
+
+impl Samples {
+    /// Runs forward (and backward) once; keeps the results when `keep`.
+    fn once(&mut self, bench: &Bench, shape: &AttnShape, x: Inputs, ctx: &KernelContext, keep: bool) -> CmdResult {
         // Exact to within a few hundred bytes: threads a kernel started in an earlier call
         // may still be freeing their last bytes (thread-local storage) during this one.
         let before = memory::current();
         memory::reset_peak();
         let start = Instant::now();
         let mut out = vec![0f32; shape.q_numel()]; // (B, H, T, D)
-        let mut saved = vec![0f32; saved_len]; // as the kernel declared
-        bench.kernel.forward(shape, x.q, x.k, x.v, &mut out, &mut saved, ctx).map_err(|e| failed("forward", e))?;
-        fwd_ms.push(start.elapsed().as_secs_f64() * 1e3);
+        let mut saved = vec![0f32; self.saved_len]; // as the kernel declared
+        bench
+            .kernel
+            .forward(shape, x.q, x.k, x.v, &mut out, &mut saved, ctx)
+            .map_err(|e| failed(bench, shape, "forward", e))?;
+        self.fwd_ms.push(start.elapsed().as_secs_f64() * 1e3);
         let grads = if bench.backward {
             let mut dq = vec![0f32; shape.q_numel()]; // (B, H, T, D)
             let mut dk = vec![0f32; shape.kv_numel()]; // (B, Hkv, T, D)
@@ -370,30 +387,33 @@ fn measure(
             bench
                 .kernel
                 .backward(shape, x.q, x.k, x.v, &out, x.dout, &saved, &mut dq, &mut dk, &mut dv, ctx)
-                .map_err(|e| failed("backward", e))?;
-            total_ms.push(start.elapsed().as_secs_f64() * 1e3);
+                .map_err(|e| failed(bench, shape, "backward", e))?;
+            self.total_ms.push(start.elapsed().as_secs_f64() * 1e3);
             Some([dq, dk, dv])
         } else {
             None
         };
-        peak_bytes = peak_bytes.max(memory::peak().saturating_sub(before));
+        self.peak_bytes = self.peak_bytes.max(memory::peak().saturating_sub(before));
         drop(saved);
-        if r + 1 == repeats {
-            last = Some((out, grads));
+        self.last = keep.then_some((out, grads));
+        Ok(())
+    }
+
+    /// The measurement, with the last repeat's errors against `reference`.
+    fn finish(self, bench: &Bench, reference: &Reference) -> Measured {
+        let (out, grads) = self.last.expect("at least one repeat");
+        let errors = reference.as_ref().map_err(Clone::clone).map(|[r_out, r_dq, r_dk, r_dv]| {
+            let g = |i: usize, r: &[f32]| grads.as_ref().map(|g| max_abs_diff(&g[i], r));
+            [Some(max_abs_diff(&out, r_out)), g(0, r_dq), g(1, r_dk), g(2, r_dv)]
+        });
+        Measured {
+            fwd_ms: self.fwd_ms,
+            total_ms: bench.backward.then_some(self.total_ms),
+            saved_bytes: self.saved_len as u64 * 4,
+            peak_bytes: self.peak_bytes,
+            errors,
         }
     }
-    let (out, grads) = last.expect("at least one repeat");
-    let errors = reference.as_ref().map_err(Clone::clone).map(|[r_out, r_dq, r_dk, r_dv]| {
-        let g = |i: usize, r: &[f32]| grads.as_ref().map(|g| max_abs_diff(&g[i], r));
-        [Some(max_abs_diff(&out, r_out)), g(0, r_dq), g(1, r_dk), g(2, r_dv)]
-    });
-    Ok(Ok(Measured {
-        fwd_ms,
-        total_ms: bench.backward.then_some(total_ms),
-        saved_bytes: saved_len as u64 * 4,
-        peak_bytes,
-        errors,
-    }))
 }
 
 /// The largest |a − b|; NaN if any difference is NaN (a NaN must not hide behind `max`).
