@@ -129,7 +129,7 @@ pub fn run(p: &Printer, args: &BenchAttentionArgs) -> CmdResult {
             }
         }
         let mut runs: Vec<Result<Samples, String>> =
-            benches.iter().map(|bench| prepare(bench, &shape)).collect::<Result<_, _>>()?;
+            benches.iter().map(|bench| prepare(bench, &shape, args.repeats)).collect::<Result<_, _>>()?;
         for r in 0..args.repeats {
             p.note(&format!("[T={seq}] repeat {}/{}: every kernel once", r + 1, args.repeats));
             for (bench, run) in benches.iter().zip(&mut runs) {
@@ -334,7 +334,7 @@ fn failed(bench: &Bench, shape: &AttnShape, what: &str, e: PluginError) -> Failu
 
 /// Checks that a kernel takes the shape and that its buffers fit in memory: `Ok(Err(why))`
 /// when it is skipped.
-fn prepare(bench: &Bench, shape: &AttnShape) -> Result<Result<Samples, String>, Failure> {
+fn prepare(bench: &Bench, shape: &AttnShape, repeats: u32) -> Result<Result<Samples, String>, Failure> {
     let saved_len = match bench.kernel.saved_len(shape) {
         Ok(n) => n,
         Err(e) => return Ok(Err(format!("refuses the shape: {}", e.message))),
@@ -352,7 +352,10 @@ fn prepare(bench: &Bench, shape: &AttnShape) -> Result<Result<Samples, String>, 
     }
     let saved_len = usize::try_from(saved_len)
         .map_err(|_| failed(bench, shape, "saved_len", PluginError::internal("too large")))?;
-    Ok(Ok(Samples { saved_len, fwd_ms: Vec::new(), total_ms: Vec::new(), peak_bytes: 0, last: None }))
+    // Reserved up front, so that the only host allocations inside the measured region are
+    // the call's own buffers and whatever a built-in kernel allocates.
+    let (fwd_ms, total_ms) = (Vec::with_capacity(repeats as usize), Vec::with_capacity(repeats as usize));
+    Ok(Ok(Samples { saved_len, fwd_ms, total_ms, peak_bytes: 0, last: None }))
 }
 
 /// One kernel's repeats at one T, gathered one at a time.
