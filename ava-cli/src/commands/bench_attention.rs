@@ -364,9 +364,12 @@ struct Samples {
     fwd_ms: Vec<f64>,
     total_ms: Vec<f64>,
     peak_bytes: u64,
-    /// The last repeat's out and (with a backward) dq, dk, dv, for the error.
-    last: Option<(Vec<f32>, Option<[Vec<f32>; 3]>)>,
+    /// The last repeat's outputs, for the error.
+    last: Option<Outputs>,
 }
+
+/// A call's out and, with a backward, its dq, dk, dv.
+type Outputs = (Vec<f32>, Option<[Vec<f32>; 3]>);
 
 impl Samples {
     /// Runs forward (and backward) once; keeps the results when `keep`.
