@@ -12,10 +12,11 @@ pub fn run(p: &Printer, args: &ConfigArgs) -> CmdResult {
     let config = context::load_config(args, p)?.into_config();
     let sel = |k: PluginKind| config.selection(k).clone();
     let (o, a, c) = (sel(PluginKind::Optimizer), sel(PluginKind::Attention), sel(PluginKind::Checkpoint));
-    let optimizer = ctx.registry.optimizer(&o.name, &o.options_json())?;
+    let spec = ava_train::train::model_spec(&config).usage()?;
+    let optimizer_options = ava_train::train::optimizer_options(&ctx.registry, &o, &spec).usage()?;
+    let optimizer = ctx.registry.optimizer(&o.name, &optimizer_options)?;
     let attention = ctx.registry.attention(&a.name, &a.options_json())?;
     let checkpoint = ctx.registry.checkpoint(&c.name, &c.options_json())?;
-    let spec = ava_train::train::model_spec(&config).usage()?;
     let plugins =
         Plugins { optimizer: optimizer.as_ref(), attention: attention.as_ref(), checkpoint: checkpoint.as_ref() };
     let est = estimate(&spec, &config, &plugins).usage()?;

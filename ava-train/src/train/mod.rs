@@ -10,7 +10,7 @@ mod trainer;
 
 use std::path::PathBuf;
 
-pub use optim::{OptimizerState, StateBuffer, step_param};
+pub use optim::{MODEL_OPTIONS, OptimizerState, StateBuffer, optimizer_options, step_param};
 pub use reporter::{EvalRecord, Reporter, RunHeader, RunSummary, Silent, StepRecord};
 pub use schedule::{LossScaler, learning_rate};
 pub use trainer::{TrainOptions, Trainer, data_options, model_spec, resolve_threads};

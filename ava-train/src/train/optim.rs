@@ -1,6 +1,7 @@
-//! The optimizer plugin applied to the model: state buffers allocated by the engine from
-//! the plugin's declared layout, and an in-place candle op that hands each parameter, its
-//! gradient and its state to the plugin's `step`.
+//! The optimizer plugin applied to the model: the options the engine fills in from the
+//! model, state buffers allocated by the engine from the plugin's declared layout, and an
+//! in-place candle op that hands each parameter, its gradient and its state to the plugin's
+//! `step`.
 
 use std::cell::RefCell;
 
@@ -8,8 +9,46 @@ use ava_core::{DType as StateDType, Optimizer, ParamInfo, StateBuf, StateSpec, S
 use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor};
 
 use super::TrainError;
-use crate::model::Param;
+use crate::config::PluginSelection;
+use crate::model::{ModelSpec, Param};
 use crate::save::{BufDType, NamedBuffer};
+
+/// Options an optimizer may declare and the engine fills in from the model, so the two
+/// cannot disagree: `head_dim`, the width of one attention head (`hidden_size / num_heads`),
+/// which an optimizer that treats each head of `q_proj`/`k_proj` as a block needs (Adam-mini).
+pub const MODEL_OPTIONS: [&str; 1] = ["head_dim"];
+
+/// The optimizer selection's options as JSON, with the [`MODEL_OPTIONS`] the plugin's
+/// manifest declares filled in from `spec`. A value the config sets must agree with the model.
+pub fn optimizer_options(
+    registry: &ava_plugins::Registry,
+    selection: &PluginSelection,
+    spec: &ModelSpec,
+) -> Result<String, TrainError> {
+    let declared = |option: &str| {
+        registry
+            .row(ava_core::PluginKind::Optimizer, &selection.name)
+            .and_then(|row| row.manifest.as_ref())
+            .is_some_and(|m| m.option_spec(option).is_some())
+    };
+    let mut options = selection.options.clone();
+    if declared("head_dim") {
+        let head_dim = spec.head_dim();
+        match options.get("head_dim") {
+            Some(given) if given.as_u64() != Some(head_dim as u64) => {
+                return Err(TrainError::Invalid(format!(
+                    "plugins.optimizer.head_dim is {given} but the model's heads are {head_dim} wide \
+                     (model.hidden_size {} / model.num_heads {}): remove the option, the engine fills it in",
+                    spec.hidden, spec.heads
+                )));
+            }
+            _ => {
+                options.insert("head_dim".into(), serde_json::Value::from(head_dim));
+            }
+        }
+    }
+    Ok(serde_json::Value::Object(options).to_string())
+}
 
 /// One state buffer: its spec and its bytes, 8-byte aligned (stored as u64 words) and
 /// zero-filled, as the contract promises.

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::TrainError;
-use super::optim::{OptimizerState, step_param};
+use super::optim::{OptimizerState, optimizer_options, step_param};
 use super::reporter::{EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
 use super::schedule::{LossScaler, learning_rate};
 use crate::config::{Config, DataSource, Precision};
@@ -176,7 +176,6 @@ impl Trainer {
             )));
         }
         let opt_sel = plugin(PluginKind::Optimizer);
-        let optimizer = registry.optimizer(&opt_sel.name, &opt_sel.options_json())?;
         let ckpt_sel = plugin(PluginKind::Checkpoint);
         let policy = registry.checkpoint(&ckpt_sel.name, &ckpt_sel.options_json())?;
         let off_sel = plugin(PluginKind::Offload);
@@ -207,6 +206,8 @@ impl Trainer {
             }
             (None, None) => Model::new(spec, config.train.seed, seq, kernel.clone(), &attention_sel.name, threads)?,
         };
+        // Created once the model is known: some options come from its shape.
+        let optimizer = registry.optimizer(&opt_sel.name, &optimizer_options(registry, opt_sel, model.spec())?)?;
         let mut state = OptimizerState::allocate(optimizer.as_ref(), model.params(), &opt_sel.name)?;
 
         // The checkpoint plan: the policy decides per block from the facts.
