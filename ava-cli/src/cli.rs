@@ -159,6 +159,76 @@ pub enum BenchCommand {
     ///   ava bench attention --seq 1024 --heads 8 --kv-heads 2 --set block-sparse.stride=8 --format json
     #[command(verbatim_doc_comment)]
     Attention(BenchAttentionArgs),
+    /// Optimizers head to head on the tensors of a Llama-shaped model: bytes of state per
+    /// parameter and step time.
+    ///
+    /// It builds a model of about --params parameters (byte vocabulary, 4 blocks, width d
+    /// chosen to fit, heads of 64, SwiGLU 8d/3), one random gradient per tensor, and each
+    /// optimizer's state as training does (the buffers its plugin declares, allocated by
+    /// the engine). Then every optimizer steps every tensor --steps times through the
+    /// engine's step op, after one untimed step; steps take turns across the optimizers,
+    /// so a slow spell of a shared machine slows them all alike. Columns:
+    ///   declared B/param  bytes of state the plugin's layout declares, per parameter
+    ///   measured B/param  bytes the host allocator handed out while allocating that state
+    ///   matrices B/param  declared bytes of the 2-D tensors only, per parameter of theirs
+    ///   ms/step           one step over every tensor (median of --steps)
+    ///   ms per M params   that divided by the millions of parameters
+    ///   ×adamw            step time divided by adamw's (when adamw is in --names)
+    ///   host peak         the most bytes allocated above the state during a step; a plugin
+    ///                     library's own allocations are not seen by this count
+    ///
+    /// Examples:
+    ///   ava bench optimizer
+    ///   ava bench optimizer --names adamw,adam-8bit --params 100M --threads 1
+    ///   ava bench optimizer --names adam-8bit --set adam-8bit.block_size=2048 --format json
+    #[command(verbatim_doc_comment)]
+    Optimizer(BenchOptimizerArgs),
+}
+
+/// `ava bench optimizer` options.
+#[derive(Debug, Args)]
+pub struct BenchOptimizerArgs {
+    /// Optimizers to compare, by plugin name (see `ava plugins list --kind optimizer`).
+    #[arg(
+        long,
+        value_name = "NAME,...",
+        value_delimiter = ',',
+        default_value = "adamw,adam-8bit,adafactor,adam-mini,lion"
+    )]
+    pub names: Vec<String>,
+    /// Parameters of the model whose tensors are stepped: a count with an optional K, M or B
+    /// suffix (powers of 1000), e.g. 8M or 1.5B.
+    #[arg(long, default_value = "8M", value_name = "N", value_parser = parse_count)]
+    pub params: u64,
+    /// Timed steps per optimizer, taking turns across optimizers; times are their median.
+    #[arg(long, default_value_t = 5, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub steps: u32,
+    /// Threads each optimizer may use. Default (or 0): one per core, as training uses.
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+    /// An optimizer option, OPTIMIZER.OPTION=VALUE (repeatable), checked by the optimizer;
+    /// e.g. --set adam-8bit.block_size=2048 --set adafactor.beta1=0.9.
+    #[arg(long = "set", value_name = "OPTIMIZER.OPTION=VALUE")]
+    pub set: Vec<String>,
+    /// Config file whose `plugins` section (search paths, vetting policy) says where
+    /// optimizers come from. Default: ./ava.yaml if it exists.
+    #[arg(short, long, value_name = "FILE", env = "AVA_CONFIG")]
+    pub config: Option<PathBuf>,
+}
+
+/// Parses a parameter count: digits with an optional K, M or B suffix (powers of 1000).
+fn parse_count(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (number, scale) = match t.char_indices().last() {
+        Some((i, c)) if c.eq_ignore_ascii_case(&'k') => (&t[..i], 1e3),
+        Some((i, c)) if c.eq_ignore_ascii_case(&'m') => (&t[..i], 1e6),
+        Some((i, c)) if c.eq_ignore_ascii_case(&'b') => (&t[..i], 1e9),
+        _ => (t, 1.0),
+    };
+    match number.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v * scale <= 1e12 => Ok((v * scale).round() as u64),
+        _ => Err(format!("expected a parameter count such as 8M, 250K or 1.5B, got '{s}'")),
+    }
 }
 
 /// `ava bench attention` options.

@@ -12,7 +12,7 @@
 //! first-touch costs are part of the times. q, k, v and dout exist before the call and are
 //! not counted in the peak.
 
-use std::{collections::BTreeMap, sync::Arc, time::Instant};
+use std::{sync::Arc, time::Instant};
 
 use ava_core::{AttentionKernel, AttnShape, KernelContext, Manifest, OptionType, Options, PluginError, PluginKind};
 use ava_kernels::{
@@ -21,6 +21,8 @@ use ava_kernels::{
 };
 use ava_train::memory;
 use serde_json::{Map, Value, json};
+
+use super::bench_args::{self, Flag, median, min};
 
 use crate::{
     CmdResult, Failure,
@@ -31,6 +33,14 @@ use crate::{
 
 /// The dense reference is skipped when its probabilities (B·H·T² f32) would exceed this.
 const REFERENCE_CAP_BYTES: u64 = 4 << 30;
+
+/// How this bench names the kernels it compares.
+const KERNELS: Flag = Flag {
+    name: "--kernels",
+    noun: "attention kernel",
+    example_list: "standard,flash",
+    example_set: "sliding-window.window=512",
+};
 
 /// The kernel every ratio is relative to.
 const BASELINE: &str = "standard";
@@ -83,8 +93,8 @@ pub fn run(p: &Printer, args: &BenchAttentionArgs) -> CmdResult {
     if args.seq.is_empty() {
         return Err(Failure::Usage(anyhow::anyhow!("--seq needs at least one sequence length, e.g. --seq 256,1024")));
     }
-    let names = kernel_names(&args.kernels)?;
-    let options = parse_sets(&args.set, &names)?;
+    let names = bench_args::names(&KERNELS, &args.kernels)?;
+    let options = bench_args::parse_sets(&KERNELS, &args.set, &names)?;
     let threads = ava_train::train::resolve_threads(args.threads.unwrap_or(0));
 
     let ctx = context::load(&ConfigArgs { config: args.config.clone(), set: Vec::new() }, p)?;
@@ -151,62 +161,6 @@ pub fn run(p: &Printer, args: &BenchAttentionArgs) -> CmdResult {
 /// The divisors of `n`, for the --kv-heads hint.
 fn divisors(n: u32) -> impl Iterator<Item = u32> {
     (1..=n).filter(move |d| n % d == 0)
-}
-
-/// The kernel names of `--kernels`, trimmed, without repeats, none empty.
-fn kernel_names(list: &[String]) -> Result<Vec<String>, Failure> {
-    let mut names: Vec<String> = Vec::new();
-    for name in list.iter().map(|n| n.trim()) {
-        if name.is_empty() {
-            return Err(Failure::Usage(anyhow::anyhow!(
-                "--kernels has an empty name; give attention kernel names separated by commas, e.g. --kernels standard,flash"
-            )));
-        }
-        if !names.iter().any(|n| n == name) {
-            names.push(name.to_string());
-        }
-    }
-    if names.is_empty() {
-        return Err(Failure::Usage(anyhow::anyhow!(
-            "--kernels needs at least one attention kernel, e.g. --kernels flash"
-        )));
-    }
-    Ok(names)
-}
-
-/// `--set KERNEL.OPTION=VALUE` → per kernel, its options as a JSON object. VALUE is read as
-/// JSON when it is (512, true, [1,2]), else as text; the kernel checks the types.
-fn parse_sets(sets: &[String], kernels: &[String]) -> Result<BTreeMap<String, Map<String, Value>>, Failure> {
-    let mut out: BTreeMap<String, Map<String, Value>> = BTreeMap::new();
-    for set in sets {
-        let malformed = |why: &str| {
-            Failure::Usage(anyhow::anyhow!(
-                "--set '{set}': {why}; expected KERNEL.OPTION=VALUE, e.g. --set sliding-window.window=512"
-            ))
-        };
-        let (key, value) = set.split_once('=').ok_or_else(|| malformed("no '='"))?;
-        let (kernel, option) =
-            key.trim().split_once('.').ok_or_else(|| malformed("no '.' between kernel and option"))?;
-        let (kernel, option, value) = (kernel.trim(), option.trim(), value.trim());
-        if kernel.is_empty() {
-            return Err(malformed("the kernel name is empty"));
-        }
-        if option.is_empty() {
-            return Err(malformed("the option name is empty"));
-        }
-        if value.is_empty() {
-            return Err(malformed("the value is empty"));
-        }
-        if !kernels.iter().any(|k| k == kernel) {
-            return Err(Failure::Usage(anyhow::anyhow!(
-                "--set '{set}': '{kernel}' is not one of the kernels benchmarked ({}); --set here sets an option of a kernel in --kernels",
-                kernels.join(", ")
-            )));
-        }
-        let value = serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.to_string()));
-        out.entry(kernel.to_string()).or_default().insert(option.to_string(), value);
-    }
-    Ok(out)
 }
 
 /// Builds one kernel through the registry and works out the mask of its reference.
@@ -436,17 +390,6 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f64 {
         max = max.max(d);
     }
     max
-}
-
-/// The median of some samples (the upper one of an even count).
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
-}
-
-fn min(v: &[f64]) -> f64 {
-    v.iter().copied().fold(f64::INFINITY, f64::min)
 }
 
 impl Measured {
@@ -704,17 +647,6 @@ fn fmt_err(e: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sets_are_parsed_per_kernel() {
-        let kernels = vec!["flash".to_string(), "sliding-window".to_string()];
-        let sets = vec!["sliding-window.window=512".to_string(), "sliding-window.name = x".to_string()];
-        let parsed = parse_sets(&sets, &kernels).unwrap_or_else(|_| panic!("parses"));
-        assert_eq!(Value::Object(parsed["sliding-window"].clone()), json!({"window": 512, "name": "x"}));
-        for bad in ["window=3", "sliding-window.window", ".window=3", "sliding-window.=3", "sliding-window.window="] {
-            assert!(parse_sets(&[bad.to_string()], &kernels).is_err(), "{bad}");
-        }
-    }
 
     #[test]
     fn max_abs_diff_does_not_hide_nan() {

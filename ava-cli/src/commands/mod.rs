@@ -1,6 +1,8 @@
 //! One file per subcommand; this module only dispatches.
 
+mod bench_args;
 mod bench_attention;
+mod bench_optimizer;
 mod bench_train;
 mod config_show;
 mod config_validate;
@@ -28,6 +30,7 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
         Command::Estimate { config } => estimate::run(p, &config),
         Command::Bench(BenchCommand::Train { config, steps, warmup }) => bench_train::run(p, &config, steps, warmup),
         Command::Bench(BenchCommand::Attention(args)) => bench_attention::run(p, &args),
+        Command::Bench(BenchCommand::Optimizer(args)) => bench_optimizer::run(p, &args),
         Command::Plugins(c) => match c {
             PluginsCommand::List { kind, config } => plugins_list::run(p, kind.as_deref(), &config),
             PluginsCommand::Info { name, kind, config } => plugins_info::run(p, &name, kind.as_deref(), &config),
