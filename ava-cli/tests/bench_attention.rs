@@ -5,48 +5,21 @@
 //! The plugin kernels (`flash`, `sliding-window`, `block-sparse`) are dynamically loaded
 //! libraries built next to the `ava` binary, where it finds them.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
+use std::path::Path;
+use std::process::Output;
+
+use common::{json_of, ok, usage_error};
 use serde_json::Value;
 
 /// Runs `ava bench attention ARGS` in a fresh directory (no stray ./ava.yaml) without any
 /// `AVA*` variable.
 fn bench(dir: &Path, args: &[&str]) -> Output {
     ava_tests::workspace_plugins_dir();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ava"));
-    cmd.current_dir(dir).env("NO_COLOR", "1").args(["bench", "attention"]);
-    for (key, _) in std::env::vars() {
-        if key.starts_with("AVA") {
-            cmd.env_remove(key);
-        }
-    }
-    cmd.args(args).output().expect("ava runs")
-}
-
-fn ok(o: Output) -> Output {
-    assert!(
-        o.status.success(),
-        "ava failed ({}):\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
-}
-
-fn json_of(o: &Output) -> Value {
-    serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&o.stdout)))
-}
-
-/// Exit code 2 and the stderr text.
-#[track_caller]
-fn usage_error(o: Output) -> String {
-    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert_eq!(o.status.code(), Some(2), "expected a usage error, got {}:\n{stderr}", o.status);
-    assert!(o.stdout.is_empty(), "stdout: {}", String::from_utf8_lossy(&o.stdout));
-    stderr
+    let mut all = vec!["bench", "attention"];
+    all.extend(args);
+    common::ava(dir, &all)
 }
 
 /// The row of `kernel` at `seq`.

@@ -2,68 +2,17 @@
 //! a new process, N/2 more), refusal to resume with a changed model, detection of a
 //! corrupted checkpoint, and switching the optimizer plugin by name.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
+use std::process::Output;
 
 use serde_json::Value;
 
-/// A very small run: 2 blocks of width 32 on the synthetic corpus.
-const SMALL: &[&str] = &[
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "data.seq_len=32",
-    "train.micro_batch_size=4",
-    "train.gradient_accumulation_steps=2",
-    "train.warmup_steps=2",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.eval_batches=1",
-    "checkpoints.every=2",
-    "checkpoints.keep_last=10",
-];
+mod common;
+
+use common::{checkpoint, json_of, losses, ok};
 
 fn ava(dir: &Path, out: &str, extra: &[&str]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ava"));
-    cmd.current_dir(dir).env("NO_COLOR", "1").arg("train");
-    for (key, _) in std::env::vars() {
-        if key.starts_with("AVA") {
-            cmd.env_remove(key);
-        }
-    }
-    for s in SMALL {
-        cmd.args(["--set", s]);
-    }
-    cmd.args(["--set", &format!("train.out_dir={out}")]);
-    cmd.args(extra);
-    cmd.output().expect("ava runs")
-}
-
-fn ok(o: Output) -> Output {
-    assert!(
-        o.status.success(),
-        "ava failed ({}):\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
-}
-
-/// The step losses in metrics.jsonl, by step.
-fn losses(run: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|v| v["type"] == "step")
-        .map(|v| (v["data"]["step"].as_u64().unwrap(), v["data"]["loss"].as_f64().unwrap()))
-        .collect()
-}
-
-fn checkpoint(run: &Path, step: u64) -> PathBuf {
-    run.join("checkpoints").join(format!("step-{step:08}"))
+    common::train_small(dir, out, extra)
 }
 
 #[test]
@@ -129,30 +78,16 @@ fn switching_the_optimizer_to_lion_just_works() {
     assert_eq!(summary["step"], 3);
     assert!(summary["loss"].as_f64().unwrap().is_finite());
     // Lion keeps one f32 buffer per parameter: its checkpoint holds exactly that.
-    let ckpt = checkpoint(&dir.path().join("lion"), 3).join("optimizer.safetensors");
-    let bytes = std::fs::read(ckpt).unwrap();
-    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
-    let names: Vec<&String> = header.as_object().unwrap().keys().filter(|k| *k != "__metadata__").collect();
+    let names = common::safetensors_names(&checkpoint(&dir.path().join("lion"), 3).join("optimizer.safetensors"));
     assert!(names.iter().all(|n| n.ends_with(".exp_avg")), "{names:?}");
-}
-
-fn json_of(o: &Output) -> Value {
-    serde_json::from_slice(&o.stdout)
-        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&o.stdout)))
 }
 
 /// `ava` with the embedded default model (tens of MB per step, so the process's fixed
 /// few hundred KB — registry, config, data tables — do not matter) and no `SMALL` settings.
 fn ava_default(dir: &Path, args: &[&str]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ava"));
-    cmd.current_dir(dir).env("NO_COLOR", "1").args(["--format", "json"]);
-    for (key, _) in std::env::vars() {
-        if key.starts_with("AVA") {
-            cmd.env_remove(key);
-        }
-    }
-    ok(cmd.args(args).output().expect("ava runs"))
+    let mut all = vec!["--format", "json"];
+    all.extend(args);
+    ok(common::ava(dir, &all))
 }
 
 #[test]
