@@ -143,3 +143,46 @@ fn bench_options_and_names_are_checked() {
     let err = usage_error(ava(dir.path(), &["bench", "optimizer", "--params", "lots"]));
     assert!(err.contains("expected a parameter count such as 8M, 250K or 1.5B, got 'lots'"), "{err}");
 }
+
+/// The main job (the tiny config, the embedded default: 300 steps, seed 0) with each
+/// optimizer. Final validation loss within 2% of adamw's for adam-8bit and adam-mini, within
+/// 5% for adafactor.
+///
+/// Measured (2026-11-23): adamw 1.1908, adam-8bit 1.1926 (+0.15%), adam-mini 1.1973
+/// (+0.55%). Adafactor at Hugging Face's defaults reaches 1.3046 (+9.6%): its relative step
+/// ignores the config's lr and warmup. Following the config's schedule (`relative_step:
+/// false, scale_parameter: false`, β1 0.9, as commonly done for fine-tuning) it reaches
+/// 1.1805 (−0.9%); that is what the test runs. At 100 steps adam-mini is still 17% behind (one learning
+/// rate per head or row moves slower early on), so the comparison needs the full run:
+/// ~75 s per optimizer.
+#[test]
+fn the_main_job_trains_as_well_with_each_optimizer() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let run = |name: &str| {
+        let out = ok(ava(
+            dir.path(),
+            &[
+                "--format",
+                "json",
+                "train",
+                "--set",
+                &format!("plugins.optimizer={name}"),
+                "--set",
+                &format!("train.out_dir=run{}", name.len()),
+            ],
+        ));
+        json_of(&out)["val_loss"].as_f64().unwrap_or_else(|| panic!("no val_loss for {name}"))
+    };
+    let adamw = run("adamw");
+    let adafactor = "{name: adafactor, relative_step: false, scale_parameter: false, beta1: 0.9}";
+    for (name, tolerance) in [("adam-8bit", 0.02), ("adam-mini", 0.02), (adafactor, 0.05)] {
+        let loss = run(name);
+        println!("{name}: validation loss {loss:.4}, adamw {adamw:.4}");
+        assert!(
+            (loss - adamw) / adamw < tolerance,
+            "{name}: validation loss {loss} is more than {}% above adamw's {adamw}",
+            100.0 * tolerance
+        );
+    }
+}
