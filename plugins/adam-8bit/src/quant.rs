@@ -17,6 +17,8 @@
 //! `j`-th of `k` equal bins of `[0.1, 1]`. Taking upper ends (bitsandbytes takes the bin
 //! middles and appends 1.0 in place of −0) puts ±1 in the map, so each block's absmax element
 //! is stored exactly, and keeps the signed map symmetric: `values[i] = −values[255 − i]`.
+//! The values are evaluated in f32 as `10^-e·0.1 + (10^-e·0.9/k)·(j + 1)`, an expression a
+//! vectorized decoder can repeat bit for bit ([`Tree`]).
 //!
 //! A code is an index into the sorted values. Encoding finds the nearest value with one
 //! table lookup on the float's top 16 bits (exponent and 7 mantissa bits, a bucket 0.8%
@@ -55,6 +57,8 @@ pub struct QuantMap {
     /// value if that midpoint lies in the bucket (its top 16 bits are then the bucket's),
     /// else [`NO_MID`].
     lut: Box<[u32; BUCKETS]>,
+    /// The arithmetic form of the values, for a vectorized decoder.
+    tree: Tree,
 }
 
 impl std::fmt::Debug for QuantMap {
@@ -66,28 +70,25 @@ impl std::fmt::Debug for QuantMap {
 impl QuantMap {
     /// The signed dynamic tree map (for Adam's first moment).
     pub fn signed() -> Self {
+        let tree = Tree::new(6);
         let mut values = Vec::with_capacity(CODES);
-        for e in 0..=6 {
-            for v in decade(e, 1 << (6 - e)) {
-                values.push(v);
-                values.push(-v);
-            }
+        for k in 1..128 {
+            values.push(tree.magnitude(k));
+            values.push(-tree.magnitude(k));
         }
         values.extend([0.0, -0.0]);
-        Self::from_values(values, true)
+        Self::from_values(values, true, tree)
     }
 
     /// The unsigned dynamic tree map (for Adam's second moment, which is never negative).
     pub fn unsigned() -> Self {
-        let mut values = Vec::with_capacity(CODES);
-        for e in 0..=7 {
-            values.extend(decade(e, 1 << (7 - e)));
-        }
+        let tree = Tree::new(7);
+        let mut values: Vec<f32> = (1..256).map(|k| tree.magnitude(k)).collect();
         values.push(0.0);
-        Self::from_values(values, false)
+        Self::from_values(values, false, tree)
     }
 
-    fn from_values(mut list: Vec<f32>, signed: bool) -> Self {
+    fn from_values(mut list: Vec<f32>, signed: bool, tree: Tree) -> Self {
         assert_eq!(list.len(), CODES, "a dynamic map has 256 values");
         list.sort_by(f32::total_cmp); // −0 before +0
         let mut values = [0f32; CODES];
@@ -116,7 +117,7 @@ impl QuantMap {
             let low = if inside == 1 { mids[nearest].to_bits() & 0xFFFF } else { NO_MID };
             lut[b] = (nearest as u32) << 16 | low;
         }
-        Self { values, signed, zero: zero as u8, lut }
+        Self { values, signed, zero: zero as u8, lut, tree }
     }
 
     /// The 256 values, sorted; a code is an index into them.
@@ -162,6 +163,11 @@ impl QuantMap {
         (&self.values, &self.lut)
     }
 
+    /// The values' arithmetic form, for a vectorized decoder.
+    pub(crate) fn tree(&self) -> &Tree {
+        &self.tree
+    }
+
     /// The largest distance between neighbouring values: twice the worst rounding error of
     /// a normalized value in `[−1, 1]` (or `[0, 1]`).
     pub fn max_gap(&self) -> f32 {
@@ -180,10 +186,47 @@ pub(crate) fn bucket(a: f32) -> usize {
 /// bucket's top bits, and the last bucket (1.0's).
 pub(crate) const BUCKET_BITS: (u32, u32, u32) = (BUCKET_SHIFT, LOW, (BUCKETS - 1) as u32);
 
-/// The `k` levels of decade `e`: `10^-e · (0.1 + 0.9·(j + 1)/k)` for `j` in `0..k`.
-fn decade(e: i32, k: usize) -> impl Iterator<Item = f32> {
-    let scale = 10f64.powi(-e);
-    (0..k).map(move |j| (scale * (0.1 + 0.9 * (j + 1) as f64 / k as f64)) as f32)
+/// The dynamic tree's values as arithmetic, so that decoding needs no 256-entry table.
+///
+/// Sorted by size, the non-zero magnitudes `k = 1, 2, …` of a tree with `top + 1` decades
+/// fill the decades from the smallest up, decade `e = top − L` holding the `2^L` magnitudes
+/// with `L = ⌊log2 k⌋`. So magnitude `k` is level `j + 1 = k − 2^L + 1` of `2^L`:
+///
+/// ```text
+/// magnitude(k) = first[L] + step[L]·(j + 1)    first[L] = 10^-e·0.1, step[L] = 10^-e·0.9 / 2^L
+/// ```
+///
+/// evaluated in f32 (a product, then a sum). The map's values are made by this very
+/// expression, so a decoder that evaluates it (eight at a time, with `L` read from the
+/// exponent of `k` as a float) gives the table's bits exactly.
+#[derive(Debug, Clone)]
+pub(crate) struct Tree {
+    /// `first[L]` at slot `(127 + L) mod 8`: the biased exponent of `k` as an f32, mod 8.
+    pub first: [f32; 8],
+    /// `step[L]`, in the same slots.
+    pub step: [f32; 8],
+}
+
+impl Tree {
+    /// A tree with decades `0..=top` (at most 7: eight slots).
+    fn new(top: i32) -> Self {
+        assert!((0..8).contains(&top));
+        let (mut first, mut step) = ([0f32; 8], [0f32; 8]);
+        for l in 0..=top {
+            let scale = 10f64.powi(l - top);
+            let slot = (127 + l as usize) % 8;
+            first[slot] = (scale * 0.1) as f32;
+            step[slot] = (scale * 0.9 / f64::from(1u32 << l)) as f32;
+        }
+        Self { first, step }
+    }
+
+    /// Non-zero magnitude `k` (1-based, in increasing order).
+    fn magnitude(&self, k: u32) -> f32 {
+        let l = 31 - k.leading_zeros();
+        let slot = (127 + l as usize) % 8;
+        self.first[slot] + self.step[slot] * (k - (1 << l) + 1) as f32
+    }
 }
 
 /// Block-wise quantization of `x` with `map`: one absmax per `block` elements, written to
