@@ -84,6 +84,20 @@ pub enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Put runs side by side: one metric by step from each run's metrics.jsonl, as a table,
+    /// JSON (--format json) or a CSV file to plot.
+    ///
+    /// Metrics are the fields of the step and eval records: val_loss (default), gap, loss,
+    /// lr, grad_norm, tokens_per_sec, step_seconds, micro_batch, and memory.peak,
+    /// memory.optimizer, memory.activations, ... (bytes).
+    ///
+    /// Examples:
+    ///   ava report runs/adamw runs/adam-8bit runs/adafactor
+    ///   ava report runs/* --metric loss --csv loss.csv
+    ///
+    /// The CSV plots with any tool, e.g. pandas: read_csv('loss.csv', index_col='step').plot()
+    #[command(verbatim_doc_comment)]
+    Report(ReportArgs),
     /// List, inspect, vet, enable and disable plugins.
     #[command(subcommand)]
     Plugins(PluginsCommand),
@@ -112,6 +126,22 @@ pub struct TrainArgs {
     /// Resume even if the config changes the model, the data or the plugins.
     #[arg(long, requires = "resume")]
     pub force: bool,
+}
+
+/// `ava report` options.
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// Run directories (train.out_dir) or metrics.jsonl files; each becomes a column named
+    /// after its directory.
+    #[arg(required = true, value_name = "RUN")]
+    pub runs: Vec<PathBuf>,
+    /// The metric to compare: a field of the records, dotted for nested ones (memory.peak).
+    #[arg(long, default_value = "val_loss", value_name = "NAME")]
+    pub metric: String,
+    /// Also write the table as CSV to FILE: a `step` column, then one column per run
+    /// (empty where a run has no value at that step).
+    #[arg(long, value_name = "FILE")]
+    pub csv: Option<PathBuf>,
 }
 
 /// `ava bench ...`

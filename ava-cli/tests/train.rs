@@ -1,6 +1,7 @@
 //! `ava train` end to end, each run a fresh process: exact resume (N steps straight vs N/2,
 //! a new process, N/2 more), refusal to resume with a changed model, detection of a
-//! corrupted checkpoint, and switching the optimizer plugin by name.
+//! corrupted checkpoint, switching the optimizer plugin by name, and `ava report` on the
+//! runs' metrics.
 
 use std::path::Path;
 use std::process::Output;
@@ -34,6 +35,25 @@ fn resume_in_a_fresh_process_continues_bit_exactly() {
     assert_eq!(la, lb, "losses differ");
     // The final weights are also written as a Hugging Face folder.
     assert!(a.join("model/config.json").is_file() && a.join("model/model.safetensors").is_file());
+
+    // `ava report` puts the two runs side by side: the same loss at every step.
+    let csv = dir.path().join("loss.csv");
+    let csv_arg = csv.to_str().unwrap();
+    ok(common::ava(dir.path(), &["report", "straight", "split", "--metric", "loss", "--csv", csv_arg]));
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("step,straight,split"));
+    let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+    assert_eq!(rows.len(), 6, "{text}");
+    for (row, (step, loss)) in rows.iter().zip(&la) {
+        assert_eq!(row[0], step.to_string());
+        assert_eq!(row[1].parse::<f64>().unwrap(), *loss, "{text}");
+        assert_eq!(row[1], row[2], "{text}");
+    }
+    // Every problem at once: a missing run and a metric the records do not have.
+    let err = common::usage_error(common::ava(dir.path(), &["report", "straight", "nowhere", "--metric", "los"]));
+    assert!(err.contains("no record has a numeric 'los'; its records have: ") && err.contains("loss"), "{err}");
+    assert!(err.contains("nowhere: not found: give a run directory"), "{err}");
 }
 
 #[test]

@@ -13,6 +13,7 @@ mod plugins_info;
 mod plugins_list;
 mod plugins_vet;
 mod progress;
+mod report;
 mod train;
 
 use ava_core::PluginKind;
@@ -28,6 +29,7 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
     match command {
         Command::Train(args) => train::run(p, &args),
         Command::Estimate { config } => estimate::run(p, &config),
+        Command::Report(args) => report::run(p, &args),
         Command::Bench(BenchCommand::Train { config, steps, warmup }) => bench_train::run(p, &config, steps, warmup),
         Command::Bench(BenchCommand::Attention(args)) => bench_attention::run(p, &args),
         Command::Bench(BenchCommand::Optimizer(args)) => bench_optimizer::run(p, &args),

@@ -3,6 +3,7 @@
 //! accounting against the budget with the memory policy in the loop, checkpoints and exact
 //! resume. Progress goes to a [`Reporter`]; metrics to `metrics.jsonl`.
 
+pub mod metrics;
 mod optim;
 mod reporter;
 mod schedule;

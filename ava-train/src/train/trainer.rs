@@ -402,7 +402,7 @@ impl Trainer {
     }
 
     fn metrics_path(&self) -> PathBuf {
-        self.out_dir.join("metrics.jsonl")
+        self.out_dir.join(super::metrics::METRICS_FILE)
     }
 
     /// Opens `metrics.jsonl` for appending; a resumed run first drops the records of steps
