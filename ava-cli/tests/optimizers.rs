@@ -148,7 +148,7 @@ fn bench_options_and_names_are_checked() {
 /// optimizer. adamw within 15% of the data's entropy floor; final validation loss within 2%
 /// of adamw's for adam-8bit and adam-mini, within 5% for adafactor.
 ///
-/// Measured (2026-11-23): adamw 1.1908, adam-8bit 1.1914 (+0.05%), adam-mini 1.1973
+/// Measured (2026-11-23): adamw 1.1908, adam-8bit 1.1934 (+0.22%), adam-mini 1.1973
 /// (+0.55%). Adafactor at Hugging Face's defaults reaches 1.3046 (+9.6%): its relative step
 /// ignores the config's lr and warmup. Following the config's schedule (`relative_step:
 /// false, scale_parameter: false`, β1 0.9, as commonly done for fine-tuning) it reaches

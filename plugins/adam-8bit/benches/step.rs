@@ -4,7 +4,7 @@
 //!
 //! Run: `cargo bench -p ava-plugin-adam-8bit --bench step`. Sizes: 256K elements (state in
 //! the L2 cache: compute alone) and 4M (30+ MB streamed from memory, as a model's matrices
-//! are). Divide a time by the size for ns per parameter.
+//! are), on one thread and on two. Divide a time by the size for ns per parameter.
 
 use ava_core::{Optimizer, ParamInfo, StateBuf, StateSpec, StepContext};
 use ava_plugin_adam_8bit::Adam8bit;
@@ -44,7 +44,7 @@ impl Setup {
         Self { specs, words, w: vec![0.01; n], g }
     }
 
-    fn step(&mut self, opt: &mut dyn Optimizer, step: u64) {
+    fn step(&mut self, opt: &mut dyn Optimizer, step: u64, threads: u32) {
         let shape = [self.w.len() as u64];
         let info = ParamInfo::new("layers.0.mlp.up_proj.weight", &shape);
         let mut bufs: Vec<StateBuf<'_>> = self
@@ -53,32 +53,38 @@ impl Setup {
             .zip(&mut self.words)
             .map(|(s, w)| StateBuf::new(s.dtype, &mut bytemuck::cast_slice_mut(w)[..s.bytes() as usize]))
             .collect();
-        let ctx = StepContext { step, lr: 1e-3, weight_decay: 0.01, threads: 1 };
+        let ctx = StepContext { step, lr: 1e-3, weight_decay: 0.01, threads };
         opt.step(&info, &mut self.w, &self.g, &mut bufs, &ctx).unwrap();
     }
 }
 
-fn run(bencher: Bencher, mut opt: Box<dyn Optimizer>, n: usize) {
+fn run(bencher: Bencher, mut opt: Box<dyn Optimizer>, n: usize, threads: u32) {
     let mut setup = Setup::new(opt.as_ref(), n);
     // A few steps first, so the moments (and the 8-bit codes) are not all zero.
     for t in 1..=3 {
-        setup.step(opt.as_mut(), t);
+        setup.step(opt.as_mut(), t, threads);
     }
     let mut t = 3;
     bencher.counter(divan::counter::ItemsCount::new(n)).bench_local(|| {
         t += 1;
-        setup.step(opt.as_mut(), t);
+        setup.step(opt.as_mut(), t, threads);
     });
 }
 
-/// The built-in fp32 AdamW: 8 bytes of state per parameter.
+/// The built-in fp32 AdamW: 8 bytes of state per parameter (it runs on one thread).
 #[divan::bench(args = SIZES, sample_count = 30)]
 fn adamw(bencher: Bencher, n: usize) {
-    run(bencher, Box::new(AdamW::default()), n);
+    run(bencher, Box::new(AdamW::default()), n, 1);
 }
 
 /// Block-wise 8-bit AdamW (block 256), one thread: ~2 bytes of state per parameter.
 #[divan::bench(args = SIZES, sample_count = 30)]
 fn adam_8bit(bencher: Bencher, n: usize) {
-    run(bencher, Box::new(Adam8bit::default()), n);
+    run(bencher, Box::new(Adam8bit::default()), n, 1);
+}
+
+/// The same on two threads (whole blocks per thread), as training runs it on two cores.
+#[divan::bench(args = SIZES, sample_count = 30)]
+fn adam_8bit_2_threads(bencher: Bencher, n: usize) {
+    run(bencher, Box::new(Adam8bit::default()), n, 2);
 }

@@ -21,6 +21,10 @@ pub(crate) struct Scalars {
     pub eps: f32,
     pub step_size: f32,
     pub bc2_sqrt: f32,
+    /// `step_size·bc2_sqrt` and `eps·bc2_sqrt`: the 8-bit path's update with one division
+    /// per element instead of two (see [`Scalars::adam_8bit`]).
+    pub step_bc2: f32,
+    pub eps_bc2: f32,
     pub decay: f32,
     /// Percentile clipping's factor on the gradient (1 when off or not needed).
     pub clip: f32,
@@ -34,6 +38,19 @@ impl Scalars {
         let m = self.b1 * m + (1.0 - self.b1) * g;
         let v = self.b2 * v + (1.0 - self.b2) * g * g;
         *w = *w * self.decay - self.step_size * m / (v.sqrt() / self.bc2_sqrt + self.eps);
+        (m, v)
+    }
+
+    /// The same update as [`Scalars::adam`], rearranged for the 8-bit path:
+    /// `step·m / (√v/√bc2 + ε) = (step·√bc2)·m / (√v + ε·√bc2)`. One division instead of
+    /// two (the divider is what bounds this loop), at the cost of torch's exact rounding,
+    /// which the quantized moments do not keep anyway.
+    #[inline(always)]
+    pub fn adam_8bit(&self, w: &mut f32, g: f32, m: f32, v: f32) -> (f32, f32) {
+        let g = g * self.clip;
+        let m = self.b1 * m + (1.0 - self.b1) * g;
+        let v = self.b2 * v + (1.0 - self.b2) * g * g;
+        *w = *w * self.decay - self.step_bc2 * m / (v.sqrt() + self.eps_bc2);
         (m, v)
     }
 }
@@ -98,7 +115,7 @@ fn update_scalar(
     let (mut max_m, mut max_v) = max;
     let items = w.iter_mut().zip(g).zip(mc).zip(vc).zip(ms.iter_mut()).zip(vs.iter_mut());
     for (((((w, &g), &mc), &vc), m), v) in items {
-        (*m, *v) = s.adam(w, g, signed.decode(mc) * am, unsigned.decode(vc) * av);
+        (*m, *v) = s.adam_8bit(w, g, signed.decode(mc) * am, unsigned.decode(vc) * av);
         max_m = max_m.max(m.abs());
         max_v = max_v.max(*v);
     }
@@ -220,13 +237,8 @@ mod x86 {
         let one_b1 = _mm256_set1_ps(1.0 - s.b1);
         let b2 = _mm256_set1_ps(s.b2);
         let one_b2 = _mm256_set1_ps(1.0 - s.b2);
-        let (eps, step, bc2, decay, clip) = (
-            _mm256_set1_ps(s.eps),
-            _mm256_set1_ps(s.step_size),
-            _mm256_set1_ps(s.bc2_sqrt),
-            _mm256_set1_ps(s.decay),
-            _mm256_set1_ps(s.clip),
-        );
+        let (eps, step, decay, clip) =
+            (_mm256_set1_ps(s.eps_bc2), _mm256_set1_ps(s.step_bc2), _mm256_set1_ps(s.decay), _mm256_set1_ps(s.clip));
         let (amv, avv) = (_mm256_set1_ps(am), _mm256_set1_ps(av));
         let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
         let (mut max_m, mut max_v) = (_mm256_setzero_ps(), _mm256_setzero_ps());
@@ -240,8 +252,8 @@ mod x86 {
                 // The scalar order: b1·m + (1 − b1)·g ; b2·v + ((1 − b2)·g)·g
                 let m = _mm256_add_ps(_mm256_mul_ps(b1, m_old), _mm256_mul_ps(one_b1, gv));
                 let v = _mm256_add_ps(_mm256_mul_ps(b2, v_old), _mm256_mul_ps(_mm256_mul_ps(one_b2, gv), gv));
-                // w·decay − (step·m) / (√v / bc2 + ε)
-                let den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bc2), eps);
+                // w·decay − (step·√bc2·m) / (√v + ε·√bc2), as Scalars::adam_8bit
+                let den = _mm256_add_ps(_mm256_sqrt_ps(v), eps);
                 let wp = w.as_mut_ptr().add(i);
                 let wv = _mm256_sub_ps(
                     _mm256_mul_ps(_mm256_loadu_ps(wp), decay),
@@ -429,7 +441,17 @@ mod tests {
     #[test]
     fn vector_and_scalar_passes_agree_bit_for_bit() {
         let (signed, unsigned) = (QuantMap::signed(), QuantMap::unsigned());
-        let s = Scalars { b1: 0.9, b2: 0.999, eps: 1e-8, step_size: 1e-3, bc2_sqrt: 0.05, decay: 0.9999, clip: 0.75 };
+        let s = Scalars {
+            b1: 0.9,
+            b2: 0.999,
+            eps: 1e-8,
+            step_size: 1e-3,
+            bc2_sqrt: 0.05,
+            step_bc2: 5e-5,
+            eps_bc2: 5e-10,
+            decay: 0.9999,
+            clip: 0.75,
+        };
         let mut state = 99u64;
         let mut u = || {
             state ^= state << 13;

@@ -10,11 +10,13 @@
 //! ```text
 //! m = signed[m_code]·absmax_m          v = unsigned[v_code]·absmax_v      dequantize
 //! m ← β1·m + (1 − β1)·g                v ← β2·v + (1 − β2)·g²             fp32 Adam
-//! θ ← θ·(1 − lr·λ) − lr/bc1 · m / (√v/√bc2 + ε)                           AdamW (torch's arithmetic)
+//! θ ← θ·(1 − lr·λ) − (lr/bc1·√bc2)·m / (√v + ε·√bc2)                     AdamW
 //! absmax_m = max|m|  absmax_v = max v  m_code = nearest(m/absmax_m)  ...  requantize
 //! ```
 //!
-//! The update uses the fresh fp32 moments; only what is kept between steps is 8-bit. The
+//! The update uses the fresh fp32 moments; only what is kept between steps is 8-bit. It is
+//! torch's `lr/bc1 · m / (√v/√bc2 + ε)` with √bc2 moved out of the denominator: one
+//! division per element instead of two. (The fp32 path below keeps torch's exact form.) The
 //! maps are the dynamic tree maps of [`quant`]: signed for m, unsigned for v (which is never
 //! negative, so the sign bit buys one more bit of fraction).
 //!
@@ -302,12 +304,15 @@ enum Moments<'a> {
 impl Scalars {
     fn new(o: &Adam8bit, t: u32, ctx: &StepContext, clip: f32) -> Self {
         let t = i32::try_from(t).unwrap_or(i32::MAX);
+        let bc2_sqrt = (1.0 - o.beta2.powi(t)).sqrt();
         Self {
             b1: o.beta1 as f32,
             b2: o.beta2 as f32,
             eps: o.eps as f32,
             step_size: (ctx.lr / (1.0 - o.beta1.powi(t))) as f32,
-            bc2_sqrt: (1.0 - o.beta2.powi(t)).sqrt() as f32,
+            bc2_sqrt: bc2_sqrt as f32,
+            step_bc2: (ctx.lr / (1.0 - o.beta1.powi(t)) * bc2_sqrt) as f32,
+            eps_bc2: (o.eps * bc2_sqrt) as f32,
             decay: (1.0 - ctx.lr * ctx.weight_decay) as f32,
             clip,
         }
