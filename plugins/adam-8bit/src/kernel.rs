@@ -306,10 +306,12 @@ mod x86 {
     }
 
     impl<'a> Encoder<'a> {
+        /// # Safety
+        /// AVX2 must be available (the constants are AVX2 registers).
         #[inline(always)]
-        fn new(map: &'a QuantMap) -> Self {
+        unsafe fn new(map: &'a QuantMap) -> Self {
             let (shift, low, last) = quant::BUCKET_BITS;
-            // SAFETY: register-only AVX2 operations; callers run with AVX2 enabled.
+            // SAFETY: register-only AVX2 operations; the caller guarantees AVX2.
             unsafe {
                 Self {
                     lut: map.tables().1,
@@ -367,7 +369,8 @@ mod x86 {
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn encode_block(map: &QuantMap, x: &[f32], inv: f32, codes: &mut [u8]) {
         let full = x.len() / 8 * 8;
-        let encoder = Encoder::new(map);
+        // SAFETY: this function runs with AVX2.
+        let encoder = unsafe { Encoder::new(map) };
         let invv = _mm256_set1_ps(inv);
         for i in (0..full).step_by(8) {
             // SAFETY: i + 8 <= len of both.
@@ -395,7 +398,8 @@ mod x86 {
         v_codes: &mut [u8],
     ) {
         let full = m.len() / 8 * 8;
-        let (em, ev) = (Encoder::new(signed), Encoder::new(unsigned));
+        // SAFETY: this function runs with AVX2.
+        let (em, ev) = unsafe { (Encoder::new(signed), Encoder::new(unsigned)) };
         let (im, iv) = (_mm256_set1_ps(inv_m), _mm256_set1_ps(inv_v));
         for i in (0..full).step_by(8) {
             // SAFETY: i + 8 <= len of all four; the two gathers are independent, so they
