@@ -131,6 +131,10 @@ pub struct Estimate {
     /// The facts the policy decided on.
     #[serde(serialize_with = "facts_table")]
     pub block_facts: Vec<BlockFacts>,
+    /// The activation budget the policy was given: `memory.budget` less everything that is
+    /// not activations (parameters, gradients, optimizer state, data, workspace); 0 when no
+    /// budget is set. The trainer gives a policy the same, so both plan alike.
+    pub activation_budget: u64,
     /// Peak growth of memory across one micro-batch's `forward_backward` (gradients and
     /// activations; with accumulation, above the accumulators already held).
     pub micro_batch_peak: u64,
@@ -610,6 +614,7 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         breakdown,
         plan,
         block_facts: facts,
+        activation_budget: ctx.budget_bytes,
         micro_batch_peak: peak.bytes,
         peak_at,
     })

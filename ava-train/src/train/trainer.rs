@@ -219,7 +219,21 @@ impl Trainer {
             kernel.as_ref(),
         )
         .map_err(|e| TrainError::Invalid(e.to_string()))?;
-        let ctx = CheckpointContext { budget_bytes: config.memory.budget.0, offload_available: true };
+        // With a memory budget, the policy gets what is left of it for activations, computed
+        // by the estimator (`ava estimate` shows the same plan); without one, no budget.
+        let budget_bytes = if config.memory.budget.0 == 0 {
+            0
+        } else {
+            let plugins = crate::estimate::Plugins {
+                optimizer: optimizer.as_ref(),
+                attention: kernel.as_ref(),
+                checkpoint: policy.as_ref(),
+            };
+            crate::estimate::estimate(model.spec(), &config, &plugins)
+                .map_err(|e| TrainError::Invalid(e.to_string()))?
+                .activation_budget
+        };
+        let ctx = CheckpointContext { budget_bytes, offload_available: true };
         let plan = policy.decide(&facts, &ctx).map_err(|e| TrainError::Plugin {
             plugin: ckpt_sel.name.clone(),
             what: "decide",

@@ -1,0 +1,87 @@
+//! The `selective` checkpoint plugin through `ava`: with a memory budget, training plans
+//! exactly as `ava estimate` predicts (both give the policy the budget left for
+//! activations), and the budget mode recomputes the fewest blocks that fit.
+
+use std::path::Path;
+use std::process::Output;
+
+mod common;
+
+use common::{ava, json_of, ok};
+
+/// A 4-block model of width 32, small enough to train a step in a second.
+const MODEL: &[&str] = &[
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.num_layers=4",
+    "data.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.gradient_accumulation_steps=1",
+    "checkpoints.every=0",
+];
+
+fn with_sets(head: &[&str], sets: &[String]) -> Vec<String> {
+    let mut args: Vec<String> = head.iter().map(|s| s.to_string()).collect();
+    for s in MODEL.iter().map(|s| s.to_string()).chain(sets.iter().cloned()) {
+        args.extend(["--set".to_string(), s]);
+    }
+    args
+}
+
+fn run(dir: &Path, head: &[&str], sets: &[String]) -> Output {
+    let args = with_sets(head, sets);
+    ava(dir, &args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+#[test]
+fn budgeted_training_plans_as_the_estimate_predicts() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let selective = "plugins.checkpoint=selective".to_string();
+
+    // What the budget leaves for activations, and the blocks' facts, from a roomy budget.
+    let roomy = json_of(&ok(run(
+        dir.path(),
+        &["--format", "json", "estimate"],
+        &[selective.clone(), "memory.budget=1GiB".into()],
+    )));
+    assert_eq!(roomy["plan"], serde_json::json!(["keep", "keep", "keep", "keep"]));
+    let fixed = (1u64 << 30) - roomy["activation_budget"].as_u64().unwrap();
+    let block = &roomy["block_facts"][0];
+    let a = block["activation_bytes"].as_u64().unwrap();
+
+    // One byte short of keeping all four blocks (3 below the top + the top's own): block 0
+    // is recomputed, and nothing more.
+    let budget = format!("memory.budget={}", fixed + 4 * a - 1);
+    let sets = [selective, budget];
+    let est = json_of(&ok(run(dir.path(), &["--format", "json", "estimate"], &sets)));
+    assert_eq!(est["plan"], serde_json::json!(["recompute", "keep", "keep", "keep"]));
+    assert_eq!(est["activation_budget"].as_u64().unwrap(), 4 * a - 1);
+
+    let mut train_sets = sets.to_vec();
+    train_sets.push("train.out_dir=run".into());
+    let out = ok(run(dir.path(), &["train", "--max-steps", "1"], &train_sets));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("checkpoint plan: recompute keep keep keep"), "{stderr}");
+}
+
+#[test]
+fn every_and_layers_plan_through_the_host() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    for (sel, plan) in [
+        ("plugins.checkpoint={name: selective, every: 2}", "recompute keep recompute keep"),
+        ("plugins.checkpoint={name: selective, layers: [3]}", "keep keep keep recompute"),
+    ] {
+        let est = json_of(&ok(run(dir.path(), &["--format", "json", "estimate"], &[sel.to_string()])));
+        let words: Vec<&str> = est["plan"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+        assert_eq!(words.join(" "), plan, "{sel}");
+    }
+    // A block the model does not have: the plugin's message, naming the option.
+    let out = run(dir.path(), &["estimate"], &["plugins.checkpoint={name: selective, layers: [4]}".to_string()]);
+    assert_ne!(out.status.code(), Some(0));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("option 'layers': the model has 4 blocks (0..=3), so block 4 does not exist"), "{err}");
+}
