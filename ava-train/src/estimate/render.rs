@@ -52,7 +52,12 @@ impl Estimate {
                 String::new()
             },
         );
-        let _ = writeln!(out, "checkpoint plan: {}", plan_summary(&self.plan));
+        let budget = if self.activation_budget > 0 {
+            format!(" (the policy was given {} for activations)", bytes(self.activation_budget))
+        } else {
+            String::new()
+        };
+        let _ = writeln!(out, "checkpoint plan: {}{budget}", plan_summary(&self.plan));
         let _ = writeln!(out, "peak: {}", self.peak_at);
         for component in Component::ALL {
             let terms: Vec<&Term> = self.terms.iter().filter(|t| t.component == component).collect();
