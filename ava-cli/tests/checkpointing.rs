@@ -137,3 +137,16 @@ fn more_recomputed_blocks_hold_less_and_train_identically() {
     let (b012, all) = (peaks[3].1 as f64, peaks[4].1 as f64);
     assert!((all - b012).abs() <= 0.01 * b012, "{peaks:?}");
 }
+
+/// A budget the rest of the step already uses up: the policy's refusal, and where the
+/// budget went.
+#[test]
+fn a_budget_smaller_than_the_step_says_where_it_went() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(dir.path(), &["estimate"], &["plugins.checkpoint=selective".into(), "memory.budget=64KiB".into()]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("the activation budget 1 B cannot be met"), "{err}");
+    assert!(err.contains("memory.budget (64.00 KiB) does not even cover the rest of the step"), "{err}");
+}

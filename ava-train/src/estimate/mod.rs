@@ -477,8 +477,19 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         budget_bytes: if budget == 0 { 0 } else { budget.saturating_sub(fixed).max(1) },
         offload_available: false,
     };
-    let plan =
-        plugins.checkpoint.decide(&facts, &ctx).map_err(|e| EstimateError::Checkpoint { message: e.to_string() })?;
+    let plan = plugins.checkpoint.decide(&facts, &ctx).map_err(|e| {
+        let mut message = e.to_string();
+        if budget > 0 && budget <= fixed {
+            // The 1 byte passed above: say where the budget went.
+            message.push_str(&format!(
+                ". memory.budget ({}) does not even cover the rest of the step (parameters, gradients, optimizer \
+                 state, data and workspace: {}); raise it",
+                render::bytes(budget),
+                render::bytes(fixed)
+            ));
+        }
+        EstimateError::Checkpoint { message }
+    })?;
     if plan.len() != facts.len() {
         return Err(EstimateError::PlanLength { got: plan.len(), want: facts.len() });
     }
