@@ -107,8 +107,8 @@ pub fn workspace_plugin_packages() -> Vec<String> {
     names
 }
 
-/// Builds every crate under `plugins/` (`cargo build -p ava-plugin-lion -p ...`) once per
-/// process into the main target directory ([`main_target_dir`]) and returns the directory
+/// Builds every crate under `plugins/` (`cargo build -p ava-plugin-lion -p ... -p ava-cli`)
+/// once per process into the main target directory ([`main_target_dir`]) and returns the directory
 /// holding the libraries (`<target>/debug`). Panics with cargo's output if the build fails.
 pub fn workspace_plugins_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
@@ -122,6 +122,11 @@ pub fn workspace_plugins_dir() -> PathBuf {
         for p in &packages {
             cmd.arg("-p").arg(p);
         }
+        // With the ava binary in the same build, the plugins' dependencies (serde, half,
+        // gemm, ...) get the features `cargo test --workspace` resolved for them (candle's
+        // among them), so this build reuses the test build's artifacts. Alone, the plugins
+        // resolved other features and recompiled ~40 crates, a minute or two of CI.
+        cmd.arg("-p").arg("ava-cli");
         run_build(cmd, &format!("the workspace plugins ({})", packages.join(", ")));
         target.join("debug")
     })
