@@ -87,7 +87,7 @@ pub use manifest::{Device, Manifest, OptionSpec, OptionType, PluginKind};
 pub use memory::{MemoryAction, MemoryDecision, MemoryPolicy, MemoryStats, Phase, Pressure};
 pub use offload::OffloadTier;
 pub use optimizer::{DType, Optimizer, ParamInfo, StateBuf, StateSpec, StepContext};
-pub use options::{Options, parse_size};
+pub use options::{Options, format_size, parse_size};
 
 /// Version of the contract this crate defines.
 ///

@@ -293,6 +293,18 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
+/// A byte count for people, in the largest binary unit up to GiB that keeps the number at
+/// least 1: `512 B`, `64.00 KiB`, `1.50 GiB` (what [`parse_size`] reads back).
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    for (unit, size) in UNITS {
+        if bytes >= size {
+            return format!("{:.2} {unit}", bytes as f64 / size as f64);
+        }
+    }
+    format!("{bytes} B")
+}
+
 /// Edit distance between two strings, counting a swap of two neighbours as one edit
 /// (optimal string alignment), by characters.
 pub fn edit_distance(a: &str, b: &str) -> usize {

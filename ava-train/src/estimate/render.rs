@@ -8,15 +8,7 @@ use ava_core::BlockDecision;
 use super::{Component, Estimate, Term};
 
 /// Bytes in the largest binary unit that keeps the number at least 1 (`13.25 MiB`).
-pub(crate) fn bytes(b: u64) -> String {
-    const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
-    for (unit, size) in UNITS {
-        if b >= size {
-            return format!("{:.2} {unit}", b as f64 / size as f64);
-        }
-    }
-    format!("{b} B")
-}
+pub(crate) use ava_core::format_size as bytes;
 
 /// `keep ×2, recompute ×30` (runs of equal decisions).
 fn plan_summary(plan: &[BlockDecision]) -> String {

@@ -122,8 +122,10 @@ fn update_scalar(
     (max_m, max_v)
 }
 
-/// Pass 2: `codes[i] = map.encode(x[i]·inv)`.
-pub(crate) fn encode_block(map: &QuantMap, x: &[f32], inv: f32, codes: &mut [u8]) {
+/// Pass 2 for one moment: `codes[i] = map.encode(x[i]·inv)`. A step encodes both moments
+/// with [`encode_moments`]; the tests check the vectorized single-map encoder with this.
+#[cfg(test)]
+fn encode_block(map: &QuantMap, x: &[f32], inv: f32, codes: &mut [u8]) {
     assert_eq!(x.len(), codes.len());
     #[cfg(target_arch = "x86_64")]
     if avx2() {
@@ -155,8 +157,10 @@ pub(crate) fn encode_moments(
         // SAFETY: AVX2 is present, and the four slices have n elements (checked above).
         return unsafe { x86::encode_moments(signed, m, inv_m, m_codes, unsigned, v, inv_v, v_codes) };
     }
-    encode_block(signed, m, inv_m, m_codes);
-    encode_block(unsigned, v, inv_v, v_codes);
+    for i in 0..n {
+        m_codes[i] = signed.encode(m[i] * inv_m);
+        v_codes[i] = unsigned.encode(v[i] * inv_v);
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -366,6 +370,7 @@ mod x86 {
     ///
     /// # Safety
     /// AVX2 must be available and `codes` must have `x.len()` elements.
+    #[cfg(test)]
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn encode_block(map: &QuantMap, x: &[f32], inv: f32, codes: &mut [u8]) {
         let full = x.len() / 8 * 8;

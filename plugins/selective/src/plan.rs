@@ -14,7 +14,7 @@
 //! at once. This leaves out the gradients in flight and the logits, which do not depend on
 //! the plan.
 
-use ava_core::prelude::*;
+use ava_core::{format_size, prelude::*};
 
 /// What block `j` holds for backward under `decision`.
 fn held(b: &BlockFacts, decision: BlockDecision) -> u64 {
@@ -61,8 +61,8 @@ pub fn fewest_recomputed(blocks: &[BlockFacts], budget: u64) -> Result<Vec<Block
                     "the activation budget {} cannot be met: recomputing every block that helps still needs {} \
                      (block {i} holds its activations while the blocks below hold their inputs). \
                      Raise the budget, or lower train.micro_batch_size or data.seq_len",
-                    human(budget),
-                    human(below.saturating_add(b.activation_bytes))
+                    format_size(budget),
+                    format_size(below.saturating_add(b.activation_bytes))
                 )));
             };
             plan[j] = BlockDecision::Recompute;
@@ -71,19 +71,4 @@ pub fn fewest_recomputed(blocks: &[BlockFacts], budget: u64) -> Result<Vec<Block
         below = below.saturating_add(held(b, plan[i]));
     }
     Ok(plan)
-}
-
-/// Bytes as `1.50 GiB`, `12.0 MiB`, `512 B`.
-pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
-    if bytes < 1024 {
-        return format!("{bytes} B");
-    }
-    let mut v = bytes as f64 / 1024.0;
-    let mut unit = 0;
-    while v >= 1024.0 && unit + 1 < UNITS.len() {
-        v /= 1024.0;
-        unit += 1;
-    }
-    format!("{v:.2} {}", UNITS[unit])
 }
