@@ -45,6 +45,11 @@ pub enum BlockDecision {
     Recompute = 1,
     /// Like `Recompute`, with the block input moved to the offload tier.
     Offload = 2,
+    /// Part of the segment that the block below starts (Chen et al. 2016): keeps nothing,
+    /// not even its input. In backward the whole segment is run again from its first
+    /// block's input, so its blocks' activations are all held at once while it is
+    /// back-propagated. Allowed only above a `Recompute`, `Offload` or `Segment` block.
+    Segment = 3,
 }
 
 impl BlockDecision {
@@ -54,8 +59,35 @@ impl BlockDecision {
             Self::Keep => "keep",
             Self::Recompute => "recompute",
             Self::Offload => "offload",
+            Self::Segment => "segment",
         }
     }
+
+    /// Whether the block is run detached in forward and again in backward.
+    pub fn is_recomputed(self) -> bool {
+        self != Self::Keep
+    }
+}
+
+/// Checks a policy's plan for `blocks` blocks: one decision per block, and every `Segment`
+/// above a recomputed block. The message says what is wrong, for the policy's author.
+pub fn check_plan(plan: &[BlockDecision], blocks: usize) -> Result<(), String> {
+    if plan.len() != blocks {
+        return Err(format!("returned {} decisions for {blocks} blocks; a policy decides once per block", plan.len()));
+    }
+    for (i, pair) in plan.windows(2).enumerate() {
+        if pair[1] == BlockDecision::Segment && pair[0] == BlockDecision::Keep {
+            return Err(format!(
+                "block {} is 'segment' but block {i} below it is 'keep': a segment starts at a 'recompute' \
+                 or 'offload' block",
+                i + 1
+            ));
+        }
+    }
+    if plan.first() == Some(&BlockDecision::Segment) {
+        return Err("block 0 is 'segment', which needs a recomputed block below it: start it with 'recompute'".into());
+    }
+    Ok(())
 }
 
 /// A checkpointing policy.
@@ -96,9 +128,27 @@ pub struct ForeignCheckpoint(pub CheckpointBox);
 impl CheckpointPolicy for ForeignCheckpoint {
     fn decide(&self, blocks: &[BlockFacts], ctx: &CheckpointContext) -> Result<Vec<BlockDecision>, PluginError> {
         let out = self.0.decide(blocks.into(), *ctx).into_result()?.into_vec();
-        if out.len() != blocks.len() {
-            return Err(PluginError::internal(format!("returned {} decisions for {} blocks", out.len(), blocks.len())));
-        }
+        check_plan(&out, blocks.len()).map_err(PluginError::internal)?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{BlockDecision::*, check_plan};
+
+    #[test]
+    fn a_plan_has_a_decision_per_block_and_segments_above_recomputed_blocks() {
+        assert_eq!(check_plan(&[Keep, Recompute, Segment, Offload, Segment, Segment], 6), Ok(()));
+        assert_eq!(check_plan(&[], 0), Ok(()));
+        assert_eq!(
+            check_plan(&[Keep; 3], 4).unwrap_err(),
+            "returned 3 decisions for 4 blocks; a policy decides once per block"
+        );
+        assert_eq!(
+            check_plan(&[Recompute, Keep, Segment], 3).unwrap_err(),
+            "block 2 is 'segment' but block 1 below it is 'keep': a segment starts at a 'recompute' or 'offload' block"
+        );
+        assert!(check_plan(&[Segment, Recompute], 2).unwrap_err().starts_with("block 0 is 'segment'"));
     }
 }

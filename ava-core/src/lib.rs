@@ -81,7 +81,7 @@ pub mod optimizer;
 pub mod options;
 
 pub use attention::{AttentionKernel, AttnShape, KernelContext};
-pub use checkpoint::{BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy};
+pub use checkpoint::{BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy, check_plan};
 pub use error::{ErrorKind, PluginError};
 pub use manifest::{Device, Manifest, OptionSpec, OptionType, PluginKind};
 pub use memory::{MemoryAction, MemoryDecision, MemoryPolicy, MemoryStats, Phase, Pressure};

@@ -1,6 +1,7 @@
 //! Activation checkpointing saves memory: the same micro-batch with every block recomputed
 //! (`full`) peaks lower than with every block kept (`none`), measured with the counting
-//! allocator, while the gradients stay identical.
+//! allocator, while the gradients stay identical. Segments of two blocks (`sqrt` for four
+//! blocks) fall in between: half the inputs kept, but two blocks rebuilt at once.
 
 use std::sync::Arc;
 
@@ -28,7 +29,7 @@ fn measure(model: &Model, plan: &[BlockDecision]) -> (u64, Grads) {
 }
 
 #[test]
-fn full_recompute_peaks_lower_with_identical_gradients() {
+fn full_recompute_and_segments_peak_lower_with_identical_gradients() {
     assert!(memory::installed() || memory::current() > 0, "the counting allocator is installed");
     let spec = ModelSpec {
         vocab: 256,
@@ -52,7 +53,11 @@ fn full_recompute_peaks_lower_with_identical_gradients() {
         kept as f64 / recomputed as f64
     );
     assert!(recomputed * 3 < kept * 2, "full recompute should save at least a third: {recomputed} vs {kept} bytes");
-    for (a, b) in g_kept.iter().zip(&g_rec) {
+    use BlockDecision::{Recompute as R, Segment as S};
+    let (segments, g_seg) = measure(&model, &[R, S, R, S]);
+    println!("segments of two blocks: {segments} bytes");
+    assert!(recomputed < segments && segments < kept, "{recomputed} < {segments} < {kept} bytes");
+    for (a, b) in [&g_rec, &g_seg].into_iter().flat_map(|g| g_kept.iter().zip(g)) {
         let (a, b) = (a.as_ref().unwrap(), b.as_ref().unwrap());
         let diff = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert_eq!(diff, 0.0);

@@ -105,7 +105,7 @@ fn plan(layers: usize, d: BlockDecision) -> Vec<BlockDecision> {
 fn estimated_micro_batch_peak_is_within_15_percent_of_the_measured_one() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     assert!(memory::installed(), "the counting allocator must be the global allocator of this test binary");
-    use BlockDecision::{Keep, Recompute};
+    use BlockDecision::{Keep, Recompute, Segment};
     let base = spec(256, 128, 2, 4, 4, 352);
     let gqa = spec(256, 64, 3, 4, 2, 176);
     let wide = spec(512, 256, 4, 8, 8, 688);
@@ -130,6 +130,7 @@ fn estimated_micro_batch_peak_is_within_15_percent_of_the_measured_one() {
         case("d64 L3 GQA 4/2", &gqa, 8, 64, f32, plan(3, Recompute), false),
         case("d256 L4 MHA", &wide, 2, 256, f32, plan(4, Keep), false),
         case("d256 L4 MHA", &wide, 2, 256, f32, vec![Keep, Recompute, Keep, Recompute], false),
+        case("d256 L4 MHA", &wide, 2, 256, f32, vec![Recompute, Segment, Recompute, Segment], false),
         case("d128 L2 MHA", &base, 4, 128, f16, plan(2, Keep), false),
         case("d128 L2 MHA", &base, 4, 128, f16, plan(2, Recompute), false),
         case("d128 L2 MHA", &base, 4, 128, bf16, plan(2, Keep), false),

@@ -132,8 +132,11 @@ pub struct Estimate {
     #[serde(serialize_with = "facts_table")]
     pub block_facts: Vec<BlockFacts>,
     /// The activation budget the policy was given: `memory.budget` less everything that is
-    /// not activations (parameters, gradients, optimizer state, data, workspace); 0 when no
-    /// budget is set. The trainer gives a policy the same, so both plan alike.
+    /// not activations (parameters, gradients, optimizer state, data, workspace), calibrated
+    /// against the replay: the largest budget whose plan the replay fits in `memory.budget`
+    /// (more or less than that remainder, as the policy's block model is under or over the
+    /// replay); 0 when no budget is set. The trainer gives a policy the same, so both plan
+    /// alike.
     pub activation_budget: u64,
     /// Peak growth of memory across one micro-batch's `forward_backward` (gradients and
     /// activations; with accumulation, above the accumulators already held).
@@ -205,16 +208,11 @@ pub enum EstimateError {
         /// The plugin's error.
         message: String,
     },
-    /// The checkpoint policy returned the wrong number of decisions.
-    #[error(
-        "the checkpoint policy (plugins.checkpoint) returned {got} decisions for {want} blocks; \
-         a policy must decide once per block"
-    )]
-    PlanLength {
-        /// Decisions returned.
-        got: usize,
-        /// Blocks.
-        want: usize,
+    /// The checkpoint policy returned a plan the engine cannot carry out.
+    #[error("the checkpoint policy (plugins.checkpoint) {message}")]
+    Plan {
+        /// What is wrong with it ([`ava_core::check_plan`]).
+        message: String,
     },
 }
 
@@ -313,9 +311,7 @@ pub fn micro_batch(
     if seq == 0 {
         return Err(EstimateError::Zero { key: "data.seq_len" });
     }
-    if plan.len() != spec.layers {
-        return Err(EstimateError::PlanLength { got: plan.len(), want: spec.layers });
-    }
+    ava_core::check_plan(plan, spec.layers).map_err(|message| EstimateError::Plan { message })?;
     let saved = saved_len(spec, batch, seq, attention)?;
     let peak = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved)
         .forward_backward(plan, accumulating);
@@ -469,34 +465,93 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
     let saved = saved_len(spec, batch, seq, plugins.attention)?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     let workspace = threads * l2_bytes();
-    let fixed: u64 =
-        terms.iter().map(|t| t.bytes).sum::<u64>() + 4 * n_params * if accumulation > 1 { 2 } else { 1 } + workspace;
+    // Held through the micro-batch: every term so far, the accumulators, the workspace.
+    let outside_micro_batch =
+        terms.iter().map(|t| t.bytes).sum::<u64>() + if accumulation > 1 { 4 * n_params } else { 0 } + workspace;
+    // What is not activations: the above and this micro-batch's gradients.
+    let fixed = outside_micro_batch + 4 * n_params;
     let budget = config.memory.budget.0;
-    let ctx = CheckpointContext {
-        // 0 would mean "no budget"; a budget already spent leaves the smallest one.
-        budget_bytes: if budget == 0 { 0 } else { budget.saturating_sub(fixed).max(1) },
-        offload_available: false,
-    };
-    let plan = plugins.checkpoint.decide(&facts, &ctx).map_err(|e| {
-        let mut message = e.to_string();
-        if budget > 0 && budget <= fixed {
-            // The 1 byte passed above: say where the budget went.
-            message.push_str(&format!(
-                ". memory.budget ({}) does not even cover the rest of the step (parameters, gradients, optimizer \
-                 state, data and workspace: {}); raise it",
-                render::bytes(budget),
-                render::bytes(fixed)
-            ));
-        }
-        EstimateError::Checkpoint { message }
-    })?;
-    if plan.len() != facts.len() {
-        return Err(EstimateError::PlanLength { got: plan.len(), want: facts.len() });
-    }
-
-    // Activations: the replay of one micro-batch.
+    // 0 would mean "no budget"; a budget already spent leaves the smallest one.
+    let target = if budget == 0 { 0 } else { budget.saturating_sub(fixed).max(1) };
+    // Both the trainer and the estimate offer the offload tier (there always is one, `ram`
+    // by default); the replay counts an offloaded input as held, which is what `ram` does.
+    let mut ctx = CheckpointContext { budget_bytes: target, offload_available: true };
     let replay = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved);
-    let peak = replay.forward_backward(&plan, accumulation > 1);
+    // The policy predicts the blocks' memory from their facts; the logits, the loss and the
+    // gradients in flight are not in them, and its model is coarser than the replay. So the
+    // budget it is given is calibrated against the replay: the largest budget whose plan
+    // the replay fits in memory.budget, found by bisection (a larger budget gives a plan
+    // that holds more). If no plan fits, the policy refuses the largest budget that does not
+    // give one too large, and says why. A policy that ignores the budget (its plan for
+    // 1 byte is the same) is asked once, and the estimate says "over budget" if it is.
+    let decide = |budget_bytes: u64| {
+        let plan = plugins.checkpoint.decide(&facts, &CheckpointContext { budget_bytes, ..ctx });
+        let plan = plan.map_err(|e| EstimateError::Checkpoint { message: e.to_string() })?;
+        ava_core::check_plan(&plan, facts.len()).map_err(|message| EstimateError::Plan { message })?;
+        let peak = replay.forward_backward(&plan, accumulation > 1);
+        // The estimate's peak, as the breakdown below adds it up.
+        let fits = outside_micro_batch + peak.bytes <= budget;
+        Ok((plan, peak, fits))
+    };
+    // `lo` does not give a plan too large (it fits, or is refused), `hi` does: the largest
+    // such budget and its outcome.
+    let bisect = |mut lo: u64, mut at_lo: Result<_, EstimateError>, mut hi: u64| {
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            match decide(mid) {
+                Ok((_, _, false)) => hi = mid,
+                other => (lo, at_lo) = (mid, other),
+            }
+        }
+        (lo, at_lo)
+    };
+    let mut outcome = decide(target);
+    let same_plan = |a: &Result<_, EstimateError>, b: &Result<(Vec<BlockDecision>, _, _), EstimateError>| matches!((a, b), (Ok((p, _, _)), Ok((q, _, _))) if p == q);
+    if target > 0 && outcome.is_ok() && !same_plan(&outcome, &decide(1)) {
+        // Any budget above all the blocks' activations keeps them all.
+        let all_kept = facts.iter().map(|f| f.activation_bytes + f.input_bytes).sum::<u64>() + 1;
+        match &outcome {
+            Ok((_, _, false)) => {
+                let at_one = decide(1);
+                if !matches!(at_one, Ok((_, _, false))) {
+                    (ctx.budget_bytes, outcome) = bisect(1, at_one, target);
+                }
+            }
+            Ok((_, _, true)) if all_kept > target => {
+                let at_top = decide(all_kept);
+                match at_top {
+                    Ok((_, _, true)) => (ctx.budget_bytes, outcome) = (all_kept, at_top),
+                    _ => (ctx.budget_bytes, outcome) = bisect(target, outcome, all_kept),
+                }
+            }
+            _ => {}
+        }
+    }
+    let (plan, peak) = match outcome {
+        Ok((plan, peak, _)) => (plan, peak),
+        Err(EstimateError::Checkpoint { mut message }) => {
+            if budget > 0 && budget <= fixed {
+                // The 1 byte passed above: say where the budget went.
+                message.push_str(&format!(
+                    ". memory.budget ({}) does not even cover the rest of the step (parameters, gradients, \
+                     optimizer state, data and workspace: {}); raise it",
+                    render::bytes(budget),
+                    render::bytes(fixed)
+                ));
+            } else if ctx.budget_bytes < target {
+                message.push_str(&format!(
+                    ". That is what memory.budget ({}) leaves for activations ({}) less {} for the logits, loss \
+                     and gradients in flight, which the block facts do not include: with more, the policy's plan \
+                     would not fit. Raise memory.budget, or lower train.micro_batch_size or data.seq_len",
+                    render::bytes(budget),
+                    render::bytes(target),
+                    render::bytes(target - ctx.budget_bytes)
+                ));
+            }
+            return Err(EstimateError::Checkpoint { message });
+        }
+        Err(e) => return Err(e),
+    };
     drop(replay);
     let at = |c: Cat| peak.by_cat[c as usize];
     if accumulation > 1 {

@@ -30,7 +30,11 @@ struct Kept {
 
 enum Stage {
     Kept(Kept),
-    Recompute { block: usize, input: T },
+    /// One recomputed block, or a segment of them run again from the first one's input.
+    Recompute {
+        blocks: Vec<usize>,
+        input: T,
+    },
 }
 
 /// What one replayed micro-batch cost.
@@ -330,6 +334,21 @@ impl<'a> Replay<'a> {
                     current.aux = add_opt(current.aux.take(), out.aux);
                     current.blocks.push(i);
                 }
+                BlockDecision::Segment => {
+                    m.set_phase(format!("forward: block {i} (run detached, recomputed with its segment)"));
+                    m.set_cat(Cat::Recompute);
+                    match stages.last_mut() {
+                        Some(Stage::Recompute { blocks, .. }) => blocks.push(i),
+                        _ => panic!("block {i} is 'segment' with no recomputed block below (check_plan refuses it)"),
+                    }
+                    let out = self.block(i, &current.end.detach());
+                    let hidden = out.hidden.detach();
+                    drop(out);
+                    m.set_cat(Cat::Inputs);
+                    let start = hidden.make_var();
+                    current = Kept { end: start.clone(), start: Some(start), aux: None, blocks: vec![] };
+                    drop(hidden);
+                }
                 BlockDecision::Recompute | BlockDecision::Offload => {
                     m.set_phase(format!("forward: block {i} (run detached, recomputed in backward)"));
                     m.set_cat(Cat::Recompute);
@@ -340,7 +359,7 @@ impl<'a> Replay<'a> {
                     if !current.blocks.is_empty() {
                         stages.push(Stage::Kept(current));
                     }
-                    stages.push(Stage::Recompute { block: i, input });
+                    stages.push(Stage::Recompute { blocks: vec![i], input });
                     m.set_cat(Cat::Inputs);
                     let start = hidden.make_var();
                     current = Kept { end: start.clone(), start: Some(start), aux: None, blocks: vec![] };
@@ -368,18 +387,27 @@ impl<'a> Replay<'a> {
         while let Some(stage) = stages.pop() {
             let g = grad_out.take().expect("a stage after the first receives a gradient");
             match stage {
-                Stage::Recompute { block, input } => {
-                    m.set_phase(format!("backward: block {block} (recomputed)"));
+                Stage::Recompute { blocks, input } => {
+                    m.set_phase(match blocks.as_slice() {
+                        [one] => format!("backward: block {one} (recomputed)"),
+                        [first, .., last] => format!("backward: segment of blocks {first}..={last} (recomputed)"),
+                        [] => unreachable!("a recompute stage has its first block"),
+                    });
                     m.set_cat(Cat::Inputs);
                     let start = input.make_var();
                     drop(input);
                     m.set_cat(Cat::Recompute);
-                    let out = self.block(block, &start);
+                    let (mut hidden, mut aux) = (start.clone(), None);
+                    for &block in &blocks {
+                        let out = self.block(block, &hidden);
+                        hidden = out.hidden;
+                        aux = add_opt(aux, out.aux);
+                    }
                     m.set_cat(Cat::Backward);
-                    let surrogate = Self::surrogate(&out.hidden, &g, out.aux.as_ref());
+                    let surrogate = Self::surrogate(&hidden, &g, aux.as_ref());
                     let store = backward(&surrogate);
-                    drop((surrogate, out));
-                    grad_out = self.collect(&[block], Some(&start), store, &mut accumulators);
+                    drop((surrogate, hidden, aux));
+                    grad_out = self.collect(&blocks, Some(&start), store, &mut accumulators);
                 }
                 Stage::Kept(kept) => {
                     m.set_phase(format!("backward: {}", stretch_name(&kept.blocks)));

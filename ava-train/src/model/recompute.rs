@@ -8,7 +8,9 @@
 //! and back-propagating `(out · grad_out).sum()`; each kept stretch the same way from its
 //! end. Every kept gradient is detached and each grad store dropped at once, since a kept
 //! gradient would otherwise hold its whole graph alive. An `Offload` block is recomputed
-//! too, with its input parked in the offload tier between forward and backward.
+//! too, with its input parked in the offload tier between forward and backward. `Segment`
+//! blocks join the recomputed block below them: the segment keeps only its first block's
+//! input and is run again, all of it, in backward (Chen et al. 2016).
 
 use std::sync::Arc;
 
@@ -40,7 +42,11 @@ enum Input {
 
 enum Stage {
     Kept(Kept),
-    Recompute { block: usize, input: Input },
+    /// Blocks run again in backward from `input`: one, or a segment of consecutive blocks.
+    Recompute {
+        blocks: Vec<usize>,
+        input: Input,
+    },
 }
 
 /// The loss of one micro-batch.
@@ -93,6 +99,21 @@ pub fn forward_backward(
                 current.aux = add_opt(current.aux.take(), out.aux)?;
                 current.blocks.push(i);
             }
+            BlockDecision::Segment => {
+                // The block below was recomputed, so `current` is only the Var of its output.
+                let Some(Stage::Recompute { blocks, .. }) = stages.last_mut() else {
+                    candle_core::bail!("block {i} is 'segment' with no recomputed block below it");
+                };
+                blocks.push(i);
+                let out = model.block(weights, i, &current.end.detach())?;
+                let hidden = out.hidden.detach();
+                if let Some(a) = &out.aux {
+                    aux_total += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                }
+                drop(out);
+                let start = Var::from_tensor(&hidden)?;
+                current = Kept { end: start.as_tensor().clone(), start: Some(start), aux: None, blocks: vec![] };
+            }
             BlockDecision::Recompute | BlockDecision::Offload => {
                 let input = current.end.detach(); // (B, T, d)
                 let out = model.block(weights, i, &input)?;
@@ -113,7 +134,7 @@ pub fn forward_backward(
                     (BlockDecision::Offload, Some(tier)) => park(tier.as_ref(), i, &input)?,
                     _ => Input::Held(input),
                 };
-                stages.push(Stage::Recompute { block: i, input });
+                stages.push(Stage::Recompute { blocks: vec![i], input });
                 let start = Var::from_tensor(&hidden)?;
                 current = Kept { end: start.as_tensor().clone(), start: Some(start), aux: None, blocks: vec![] };
             }
@@ -143,7 +164,7 @@ pub fn forward_backward(
     while let Some(stage) = stages.pop() {
         let g = grad_out.take().expect("a stage after the first always receives a gradient");
         match stage {
-            Stage::Recompute { block, input } => {
+            Stage::Recompute { blocks, input } => {
                 let input = match input {
                     Input::Held(t) => t,
                     Input::Offloaded { key, dims, dtype } => {
@@ -152,13 +173,18 @@ pub fn forward_backward(
                 };
                 let start = Var::from_tensor(&input)?;
                 drop(input);
-                let out = model.block(weights, block, start.as_tensor())?;
-                let surrogate = surrogate(&out.hidden, &g, out.aux.as_ref(), aux_weight * scale / divisor)?;
+                let (mut hidden, mut aux) = (start.as_tensor().clone(), None);
+                for &block in &blocks {
+                    let out = model.block(weights, block, &hidden)?;
+                    hidden = out.hidden;
+                    aux = add_opt(aux, out.aux)?;
+                }
+                let surrogate = surrogate(&hidden, &g, aux.as_ref(), aux_weight * scale / divisor)?;
                 let span = crate::profile::scope("backward: autograd (all)");
                 let store = surrogate.backward()?;
                 drop(span);
-                drop((surrogate, out));
-                grad_out = collect(model, &[block], Some(&start), store, grads)?;
+                drop((surrogate, hidden, aux));
+                grad_out = collect(model, &blocks, Some(&start), store, grads)?;
             }
             Stage::Kept(kept) => {
                 let surrogate = surrogate(&kept.end, &g, kept.aux.as_ref(), aux_weight * scale / divisor)?;

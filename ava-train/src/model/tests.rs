@@ -212,7 +212,16 @@ fn recomputed_blocks_give_identical_gradients() {
         let m = model(ModelSpec { layers: 3, ..spec(moe, tie) }, 5);
         let (tokens, targets) = batch(2, 6, 11, 3);
         let (plain_loss, plain) = grads_of(&m, DType::F32, &tokens, &targets, &[Keep, Keep, Keep]);
-        for plan in [[Recompute, Recompute, Recompute], [Keep, Recompute, Keep], [Recompute, Keep, Recompute]] {
+        for plan in [
+            [Recompute, Recompute, Recompute],
+            [Keep, Recompute, Keep],
+            [Recompute, Keep, Recompute],
+            // Segments: rebuilt from their first block's input in backward.
+            [Recompute, Segment, Segment],
+            [Recompute, Segment, Keep],
+            [Keep, Recompute, Segment],
+            [Offload, Segment, Recompute],
+        ] {
             let (loss, grads) = grads_of(&m, DType::F32, &tokens, &targets, &plan);
             assert_eq!(loss.ce, plain_loss.ce, "{plan:?}");
             assert!((loss.aux - plain_loss.aux).abs() < 1e-6, "{plan:?}");

@@ -239,13 +239,11 @@ impl Trainer {
             what: "decide",
             message: e.to_string(),
         })?;
-        if plan.len() != model.spec().layers {
-            return Err(TrainError::Plugin {
-                plugin: ckpt_sel.name.clone(),
-                what: "decide",
-                message: format!("returned {} decisions for {} blocks", plan.len(), model.spec().layers),
-            });
-        }
+        ava_core::check_plan(&plan, model.spec().layers).map_err(|message| TrainError::Plugin {
+            plugin: ckpt_sel.name.clone(),
+            what: "decide",
+            message,
+        })?;
 
         let mut trainer_state = TrainerState {
             step: 0,

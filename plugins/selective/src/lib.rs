@@ -2,12 +2,14 @@
 //!
 //! Decides, per transformer block, whether the block keeps its activations for backward
 //! ([`BlockDecision::Keep`]) or keeps only its input and is recomputed in backward
-//! ([`BlockDecision::Recompute`]). The engine carries the decisions out. Modes, one per
+//! ([`BlockDecision::Recompute`]), alone or as the start of a segment whose other blocks keep
+//! nothing ([`BlockDecision::Segment`]). The engine carries the decisions out. Modes, one per
 //! config:
 //!
 //! ```yaml
 //! plugins.checkpoint: {name: selective, every: 2}          # blocks 0, 2, 4, ... recomputed
 //! plugins.checkpoint: {name: selective, layers: [0, 4, 8]} # exactly these blocks
+//! plugins.checkpoint: {name: selective, sqrt: true}       # segments of ⌈√L⌉ blocks (Chen et al.)
 //! plugins.checkpoint: {name: selective, budget: 1.5GiB}    # fewest blocks that fit 1.5 GiB
 //! plugins.checkpoint: selective                            # budget mode, with memory.budget
 //! ```
@@ -16,6 +18,13 @@
 //! block's activation bytes `A` and input bytes `I`) with the model in [`plan`], and
 //! recomputes the fewest blocks for which the prediction fits
 //! ([`plan::fewest_recomputed`]).
+//!
+//! `sqrt` is Chen et al. 2016's schedule: L blocks in segments of k = ⌈√L⌉, only each
+//! segment's input kept, a segment rebuilt whole in backward, so about `L/k · I + k · A`.
+//! Chen et al. apply it to layers whose activations are about their input's size; a
+//! transformer block's activations are 20–35 times its input, so at block granularity
+//! `every: 1` (`L · I + A`) holds less for the same recompute, and `sqrt` is there to
+//! measure that trade, not as the default.
 
 pub mod plan;
 
@@ -28,6 +37,8 @@ pub enum Mode {
     Every(u32),
     /// Exactly these block indices.
     Layers(Vec<u32>),
+    /// Segments of ⌈√L⌉ blocks, each kept only as its first block's input.
+    Sqrt,
     /// The fewest blocks whose predicted activation memory fits this many bytes; `None`:
     /// the activation budget the engine derives from `memory.budget`.
     Budget(Option<u64>),
@@ -59,17 +70,26 @@ impl Plugin for Selective {
             "recompute exactly these blocks, 0-based, e.g. [0, 4, 8]",
         ))
         .option(OptionSpec::optional(
+            "sqrt",
+            OptionType::Bool,
+            "true: segments of ceil(sqrt(L)) blocks, each keeping only its input and rebuilt whole in backward \
+             (Chen et al. 2016). Memory: L/k inputs plus one segment's activations",
+        ))
+        .option(OptionSpec::optional(
             "budget",
             OptionType::Size,
-            "recompute the fewest blocks whose predicted activation memory fits this, e.g. 1.5GiB. With no mode given, the activation budget left by memory.budget is used",
+            "recompute the fewest blocks whose activations, predicted from the block facts, fit this, e.g. 1.5GiB \
+             (blocks only: not the logits or gradients in flight). With no mode given, memory.budget is used, \
+             and the engine fits the whole step's replayed peak under it",
         ))
     }
 
     fn from_options(mut options: Options) -> Result<Self, PluginError> {
-        let given: Vec<&str> = ["every", "layers", "budget"].into_iter().filter(|k| options.is_set(k)).collect();
+        let given: Vec<&str> =
+            ["every", "layers", "sqrt", "budget"].into_iter().filter(|k| options.is_set(k)).collect();
         options.check(given.len() <= 1, || {
             format!(
-                "options {} each choose a mode: give one of them (every: N, layers: [..] or budget: SIZE)",
+                "options {} each choose a mode: give one of them (every: N, layers: [..], sqrt: true or budget: SIZE)",
                 given.iter().map(|g| format!("'{g}'")).collect::<Vec<_>>().join(" and ")
             )
         });
@@ -89,6 +109,11 @@ impl Plugin for Selective {
             }
             out.sort_unstable();
             Mode::Layers(out)
+        } else if options.is_set("sqrt") {
+            options.check(options.bool("sqrt"), || {
+                "option 'sqrt': false chooses no mode; leave it out, or give sqrt: true".into()
+            });
+            Mode::Sqrt
         } else {
             let budget = options.opt_size("budget");
             options.check(budget != Some(0), || "option 'budget': must be more than 0 bytes, e.g. 1.5GiB".into());
@@ -118,6 +143,13 @@ impl CheckpointPolicy for Selective {
                 }
                 Ok(recompute(&|i| layers.contains(&i)))
             }
+            Mode::Sqrt => {
+                let k = sqrt_segment(n) as u32;
+                Ok(blocks
+                    .iter()
+                    .map(|b| if b.index % k == 0 { BlockDecision::Recompute } else { BlockDecision::Segment })
+                    .collect())
+            }
             Mode::Budget(budget) => {
                 let budget = match (budget, ctx.budget_bytes) {
                     (Some(b), _) => *b,
@@ -133,6 +165,19 @@ impl CheckpointPolicy for Selective {
             }
         }
     }
+}
+
+/// Blocks per segment in `sqrt` mode: ⌈√L⌉ (at least 1).
+pub fn sqrt_segment(layers: usize) -> usize {
+    let mut k = (layers as f64).sqrt().ceil() as usize;
+    // Exact for any L: the float root can be one off for large squares.
+    while k > 1 && (k - 1) * (k - 1) >= layers {
+        k -= 1;
+    }
+    while k * k < layers {
+        k += 1;
+    }
+    k.max(1)
 }
 
 ava_core::export_plugin!(checkpoint: Selective);

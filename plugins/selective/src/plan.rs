@@ -11,8 +11,10 @@
 //! ```
 //!
 //! Recomputing the top block therefore never lowers the peak: its activations are needed
-//! at once. This leaves out the gradients in flight and the logits, which do not depend on
-//! the plan.
+//! at once. A segment (a recomputed block and the `Segment` blocks above it) holds only its
+//! first block's input, but is rebuilt whole in backward, so it also peaks at
+//! `Σ_{j<first} held_j + Σ_{k in segment} A_k`. This leaves out the gradients in flight and
+//! the logits, which do not depend on the plan.
 
 use ava_core::{format_size, prelude::*};
 
@@ -21,20 +23,44 @@ fn held(b: &BlockFacts, decision: BlockDecision) -> u64 {
     match decision {
         BlockDecision::Keep => b.activation_bytes,
         BlockDecision::Recompute | BlockDecision::Offload => b.input_bytes,
+        BlockDecision::Segment => 0,
     }
 }
 
-/// The predicted activation peak of `plan` and the block where it happens.
+/// The predicted activation peak of `plan` and the block where it happens (a segment's
+/// first block when its rebuild in backward is the peak).
 pub fn peak(blocks: &[BlockFacts], plan: &[BlockDecision]) -> (u64, usize) {
     let mut below = 0u64;
     let mut best = (0u64, 0usize);
+    // The open segment: its first block, what was held below it, its blocks' activations.
+    let mut segment: Option<(usize, u64, u64)> = None;
+    let close = |segment: &mut Option<(usize, u64, u64)>, best: &mut (u64, usize)| {
+        if let Some((first, under, rebuilt)) = segment.take() {
+            if under.saturating_add(rebuilt) > best.0 {
+                *best = (under.saturating_add(rebuilt), first);
+            }
+        }
+    };
     for (i, (b, &d)) in blocks.iter().zip(plan).enumerate() {
         let here = below.saturating_add(b.activation_bytes);
         if here > best.0 {
             best = (here, i);
         }
+        match d {
+            BlockDecision::Segment => {
+                if let Some((_, _, rebuilt)) = &mut segment {
+                    *rebuilt = rebuilt.saturating_add(b.activation_bytes);
+                }
+            }
+            BlockDecision::Recompute | BlockDecision::Offload => {
+                close(&mut segment, &mut best);
+                segment = Some((i, below, b.activation_bytes));
+            }
+            BlockDecision::Keep => close(&mut segment, &mut best),
+        }
         below = below.saturating_add(held(b, d));
     }
+    close(&mut segment, &mut best);
     best
 }
 

@@ -4,7 +4,7 @@
 use super::*;
 use crate::plan::{fewest_recomputed, peak};
 
-use BlockDecision::{Keep as K, Recompute as R};
+use BlockDecision::{Keep as K, Recompute as R, Segment as S};
 
 fn build(json: &str) -> Result<Selective, PluginError> {
     ava_core::ffi::build::<Selective>(json, &HostContext::default())
@@ -36,6 +36,42 @@ fn every_and_layers_pick_their_blocks() {
     assert_eq!(layers.decide(&blocks, &NO_BUDGET).unwrap(), [K, R, K, R, K]);
     let none = build(r#"{"layers": []}"#).unwrap();
     assert_eq!(none.decide(&blocks, &NO_BUDGET).unwrap(), [K; 5]);
+}
+
+#[test]
+fn sqrt_cuts_segments_of_the_ceiling_of_the_root() {
+    assert_eq!([1, 2, 3, 4, 5, 8, 9, 10, 16, 17].map(sqrt_segment), [1, 2, 2, 2, 3, 3, 3, 4, 4, 5]);
+    assert_eq!(sqrt_segment(0), 1);
+    let sqrt = build(r#"{"sqrt": true}"#).unwrap();
+    assert_eq!(sqrt.mode, Mode::Sqrt);
+    assert_eq!(sqrt.decide(&uniform(8, 100, 10), &NO_BUDGET).unwrap(), [R, S, S, R, S, S, R, S]);
+    assert_eq!(sqrt.decide(&uniform(4, 100, 10), &NO_BUDGET).unwrap(), [R, S, R, S]);
+    assert_eq!(sqrt.decide(&uniform(1, 100, 10), &NO_BUDGET).unwrap(), [R]);
+    for n in 1..40 {
+        let plan = sqrt.decide(&uniform(n, 100, 10), &NO_BUDGET).unwrap();
+        ava_core::check_plan(&plan, n as usize).unwrap();
+    }
+    let e = build(r#"{"sqrt": false}"#).unwrap_err().to_string();
+    assert!(e.contains("option 'sqrt': false chooses no mode"), "{e}");
+    let e = build(r#"{"sqrt": true, "every": 2}"#).unwrap_err().to_string();
+    assert!(e.contains("options 'every' and 'sqrt' each choose a mode"), "{e}");
+}
+
+/// A segment holds nothing above its input, and is rebuilt whole in backward: with blocks
+/// of 100 and inputs of 10, segments of 3 peak at what is below the top segment plus 300,
+/// more than recomputing each block alone (inputs below plus 100).
+#[test]
+fn a_segment_peaks_when_it_is_rebuilt() {
+    let blocks = uniform(8, 100, 10);
+    // [R S S] [R S S] [R S]: held below the segments 0, 10, 20.
+    assert_eq!(peak(&blocks, &[R, S, S, R, S, S, R, S]), (310, 3));
+    assert_eq!(peak(&blocks, &[R; 8]), (170, 7));
+    // The last segment can be the peak: [R] [R S S S S S S] rebuilds 700 above 10.
+    assert_eq!(peak(&blocks, &[R, R, S, S, S, S, S, S]), (710, 1));
+    // A kept stretch ends a segment: [R S] K K peaks at the top block over 10 + 100 held,
+    // above the segment's rebuild (200).
+    assert_eq!(peak(&blocks[..4], &[R, S, K, K]), (210, 3));
+    assert_eq!(peak(&blocks[..3], &[R, S, K]), (200, 0));
 }
 
 #[test]
