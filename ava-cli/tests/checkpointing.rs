@@ -1,6 +1,7 @@
 //! The `selective` checkpoint plugin through `ava`: with a memory budget, training plans
 //! exactly as `ava estimate` predicts and stays under the budget; every, layers and sqrt
-//! plans; identical weights and a falling activation peak as more blocks are recomputed.
+//! plans; identical weights and a falling activation peak as more blocks are recomputed;
+//! `memory.hard_limit`'s back-off and stop.
 
 use std::path::Path;
 use std::process::Output;
@@ -202,4 +203,61 @@ fn a_budget_smaller_than_the_step_says_where_it_went() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("the activation budget 1 B cannot be met"), "{err}");
     assert!(err.contains("memory.budget (64.00 KiB) does not even cover the rest of the step"), "{err}");
+}
+
+/// Each step's record of a run: (micro-batch, peak, back-offs).
+fn steps(run_dir: &Path) -> Vec<(u64, u64, usize)> {
+    let metrics = std::fs::read_to_string(run_dir.join("metrics.jsonl")).unwrap();
+    metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["type"] == "step")
+        .map(|v| {
+            let d = &v["data"];
+            let backoffs = d["backoffs"].as_array().map_or(0, Vec::len);
+            (d["micro_batch"].as_u64().unwrap(), d["memory"]["peak"].as_u64().unwrap(), backoffs)
+        })
+        .collect()
+}
+
+/// `memory.hard_limit` through `ava train`: a limit micro-batch 4 crosses but 1 does not
+/// makes the first step back off and retry, and the later steps peak under the limit; a
+/// limit the parameters and optimizer state alone cross stops the run with what to change.
+#[test]
+fn a_hard_limit_backs_off_the_micro_batch_or_stops_saying_what_to_change() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let peak = |micro: &str| {
+        let out = format!("peak-{micro}");
+        let sets = wide(&[&format!("train.micro_batch_size={micro}"), &format!("train.out_dir={out}")]);
+        ok(run(dir.path(), &["train", "--max-steps", "2"], &sets));
+        steps(&dir.path().join(out))[1].1 // the second step: past the first step's warm-up
+    };
+    let (p4, p1) = (peak("4"), peak("1"));
+    assert!(p1 < p4, "{p1} {p4}");
+    let limit = (p1 + p4) / 2;
+    let sets = wide(&["memory.budget=0", &format!("memory.hard_limit={limit}"), "train.out_dir=limited"]);
+    let out = ok(run(dir.path(), &["train", "--max-steps", "3"], &sets));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("out of memory at step 1 (an allocation took the count to"), "{stderr}");
+    assert!(stderr.contains("the micro-step was abandoned and the step retried at micro-batch 4 -> 2"), "{stderr}");
+    let records = steps(&dir.path().join("limited"));
+    println!("limit {limit} (micro-batch 4 peaks at {p4}, 1 at {p1}): {records:?}");
+    assert_eq!(records.len(), 3);
+    assert!(records[0].2 >= 1 && records[0].0 < 4, "{records:?}");
+    for &(micro, peak, backoffs) in &records[1..] {
+        assert!(micro < 4 && backoffs == 0 && peak <= limit, "{records:?}");
+    }
+
+    // Parameters and optimizer state alone are over 5 MB: nothing fits, nothing is trained.
+    let sets = wide(&["memory.budget=0", "memory.hard_limit=5MB", "train.out_dir=none-fits"]);
+    let out = run(dir.path(), &["train", "--max-steps", "3"], &sets);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("training stopped early: out of memory at step 1: an allocation took the count to")
+            && stderr.contains("with the micro-batch at 1, the smallest it can be halved to; lower data.seq_len")
+            && stderr.contains("no step completed, so there is nothing to resume"),
+        "{stderr}"
+    );
 }

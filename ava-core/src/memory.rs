@@ -95,6 +95,9 @@ pub enum MemoryAction {
     ClearCaches = 4,
     /// Save a checkpoint and stop with the message.
     StopWithCheckpoint = 5,
+    /// Save a checkpoint (so running out of memory loses nothing), then halve the
+    /// micro-batch as `ShrinkMicroBatch` does.
+    CheckpointAndShrink = 6,
 }
 
 impl MemoryAction {
@@ -107,6 +110,7 @@ impl MemoryAction {
             Self::RestoreMicroBatch => "restore-micro-batch",
             Self::ClearCaches => "clear-caches",
             Self::StopWithCheckpoint => "stop-with-checkpoint",
+            Self::CheckpointAndShrink => "checkpoint-and-shrink",
         }
     }
 }

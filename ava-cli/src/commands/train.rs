@@ -35,7 +35,8 @@ pub fn run(p: &Printer, args: &TrainArgs) -> CmdResult {
     let ctx = context::load_checked(&config_args, p)?;
     let config = context::load_config(&config_args, p)?.into_config();
     set_threads(config.train.threads);
-    let options = TrainOptions { resume: args.resume.clone(), force: args.force, steps: args.steps };
+    let options =
+        TrainOptions { resume: args.resume.clone(), force: args.force, steps: args.steps, ..Default::default() };
     let mut trainer = Trainer::new(&config, &ctx.registry, &options).map_err(failure)?;
     let mut reporter = CliReporter::new(p, config.train.log_every);
     let summary = trainer.run(&options, &mut reporter).map_err(failure)?;
@@ -55,9 +56,6 @@ pub fn run(p: &Printer, args: &TrainArgs) -> CmdResult {
             summary.tokens_per_sec,
             ava_train::memory::gib(summary.peak_bytes)
         ));
-        if let Some(reason) = &summary.stopped {
-            lines.push(format!("stopped early: {reason}"));
-        }
         if let Some(c) = &summary.checkpoint {
             lines.push(format!("checkpoint: {c} (continue with: ava train --resume latest)"));
         }
@@ -68,10 +66,15 @@ pub fn run(p: &Printer, args: &TrainArgs) -> CmdResult {
     };
     p.result(text, || json!(summary));
     if let Some(reason) = summary.stopped {
-        return Err(Failure::Runtime(anyhow::anyhow!(
-            "training stopped early ({reason}); lower memory use (train.micro_batch_size, plugins.checkpoint: full) \
-             or raise memory.budget, then continue with: ava train --resume latest"
-        )));
+        // The reason says what to change; the changes it names are to settings a checkpoint
+        // records, so resuming after them takes --force.
+        let then = if summary.checkpoint.is_some() {
+            "after the change, continue from the checkpoint with: ava train --resume latest --force \
+             (--force: the checkpoint was trained with the old settings)"
+        } else {
+            "no step completed, so there is nothing to resume: start again after the change"
+        };
+        return Err(Failure::Runtime(anyhow::anyhow!("training stopped early: {reason}; {then}")));
     }
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! The built-in memory policy `thresholds`: four fractions of the memory budget, each with an
-//! action, and hysteresis before undoing one.
+//! action, and hysteresis before undoing one. "Memory" is the step's peak, which the
+//! micro-batch moves (activations scale with it).
 //!
 //! | memory / budget | pressure | action |
 //! |---|---|---|
@@ -7,14 +8,22 @@
 //! | ≥ target | target | continue (and restart the count above) |
 //! | ≥ warning (0.92) | warning | warn |
 //! | ≥ critical (0.95) | critical | halve the micro-batch, or stop with a checkpoint when it is at its minimum |
-//! | ≥ emergency (0.97) | emergency | stop with a checkpoint |
+//! | ≥ emergency (0.97) | emergency | save a checkpoint first, then halve the micro-batch (stop at its minimum) |
 //!
 //! Without the hysteresis a run whose memory sits just above `critical` at micro-batch `m`
 //! and below `target` at `m/2` would shrink and restore on alternate observations; with it a
 //! restore needs `restore_after` consecutive observations below target, so the number of
 //! shrink/restore actions is at most about `2·observations / restore_after`.
+//!
+//! It also watches the memory held between steps (what the next step starts from, with no
+//! gradients or activations alive): when it has grown at every one of `leak_window`
+//! observations in a row, by at least `LEAK_MIN_BYTES` in all, something is probably kept
+//! from each step, and the policy warns once per such window.
 
-use ava_core::prelude::*;
+use ava_core::{format_size, prelude::*};
+
+/// Growth over a leak window below this is noise (a lazily grown cache), not a leak.
+pub const LEAK_MIN_BYTES: u64 = 64 << 10;
 
 /// The `thresholds` policy: its options and its below-target counter.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,8 +40,17 @@ pub struct Thresholds {
     pub restore_after: u64,
     /// The micro-batch is never halved below this.
     pub min_micro_batch: u32,
+    /// Observations of steadily growing held memory that make a probable leak (0: never).
+    pub leak_window: u64,
     /// Consecutive below-target observations so far with a shrunk micro-batch.
     below_target: u64,
+    /// Held memory at the last observation, the observations in a row it grew at, and
+    /// where that run of growth started.
+    held: Option<u64>,
+    growing: u64,
+    growth_from: u64,
+    /// A leak message waiting for an observation without another action.
+    leak: Option<String>,
 }
 
 impl Default for Thresholds {
@@ -44,7 +62,12 @@ impl Default for Thresholds {
             emergency: 0.97,
             restore_after: 50,
             min_micro_batch: 1,
+            leak_window: 20,
             below_target: 0,
+            held: None,
+            growing: 0,
+            growth_from: 0,
+            leak: None,
         }
     }
 }
@@ -82,6 +105,11 @@ impl Plugin for Thresholds {
             i64::from(d.min_micro_batch),
             "never halve the micro-batch below this",
         ))
+        .option(OptionSpec::int(
+            "leak_window",
+            d.leak_window as i64,
+            "warn of a probable leak when the memory held between steps grows at this many observations in a row (0: never)",
+        ))
     }
 
     fn from_options(mut options: Options) -> Result<Self, PluginError> {
@@ -109,6 +137,8 @@ impl Plugin for Thresholds {
         options.check(min_micro_batch <= i64::from(u32::MAX), || {
             format!("option 'min_micro_batch': {min_micro_batch} is larger than any micro-batch")
         });
+        let leak_window = options.int("leak_window");
+        options.check(leak_window >= 0, || format!("option 'leak_window': {leak_window} must be >= 0 (0: never warn)"));
         options.finish()?;
         let [target, warning, critical, emergency] = levels;
         Ok(Thresholds {
@@ -118,7 +148,8 @@ impl Plugin for Thresholds {
             emergency,
             restore_after: restore_after as u64,
             min_micro_batch: min_micro_batch as u32,
-            below_target: 0,
+            leak_window: leak_window as u64,
+            ..Thresholds::default()
         })
     }
 }
@@ -139,12 +170,37 @@ impl Thresholds {
     }
 }
 
-impl MemoryPolicy for Thresholds {
-    fn observe(&mut self, stats: &MemoryStats) -> Result<MemoryDecision, PluginError> {
-        if stats.budget == 0 {
-            return Ok(MemoryDecision::proceed(Pressure::Normal)); // no budget, nothing to compare
+impl Thresholds {
+    /// Follows the held memory; sets `leak` when a window of steady growth completes.
+    fn watch_for_leak(&mut self, held: u64) {
+        if self.leak_window == 0 {
+            return;
         }
-        let ratio = stats.current as f64 / stats.budget as f64;
+        match self.held {
+            Some(last) if held > last => self.growing += 1,
+            _ => (self.growing, self.growth_from) = (0, held),
+        }
+        self.held = Some(held);
+        if self.growing >= self.leak_window && held - self.growth_from >= LEAK_MIN_BYTES {
+            self.leak = Some(format!(
+                "probable memory leak: the memory held between steps grew at each of the last {} observations, \
+                 from {} to {} (+{}); something is kept from every step (a tensor stored in a list, a growing \
+                 cache); plugins' allocations are counted too",
+                self.growing,
+                format_size(self.growth_from),
+                format_size(held),
+                format_size(held - self.growth_from)
+            ));
+            (self.growing, self.growth_from) = (0, held);
+        }
+    }
+
+    fn pressure(&mut self, stats: &MemoryStats) -> MemoryDecision {
+        if stats.budget == 0 {
+            return MemoryDecision::proceed(Pressure::Normal); // no budget, nothing to compare
+        }
+        // The step's peak: what the micro-batch changes, and what runs out first.
+        let ratio = stats.peak.max(stats.current) as f64 / stats.budget as f64;
         let pressure = self.classify(ratio);
         let at = |level: &str, fraction: f64| {
             format!("memory at {:.1}% of budget ({level} {}%)", ratio * 100.0, pct(fraction))
@@ -153,11 +209,25 @@ impl MemoryPolicy for Thresholds {
             self.below_target = 0; // the restore needs consecutive observations below target
         }
         let (micro, min) = (stats.micro_batch, self.min_micro_batch);
-        Ok(match pressure {
+        match pressure {
+            Pressure::Emergency if micro / 2 >= min => MemoryDecision::new(
+                MemoryAction::CheckpointAndShrink,
+                pressure,
+                format!(
+                    "{}: saving a checkpoint, then halving the micro-batch from {micro} to {}",
+                    at("emergency", self.emergency),
+                    micro / 2
+                ),
+            ),
             Pressure::Emergency => MemoryDecision::new(
                 MemoryAction::StopWithCheckpoint,
                 pressure,
-                format!("{}: saving a checkpoint and stopping", at("emergency", self.emergency)),
+                format!(
+                    "{} and the micro-batch is at its minimum ({micro}, min_micro_batch {min}): saving a checkpoint \
+                     and stopping; to go on, raise the memory budget, enable activation checkpointing \
+                     (checkpoint: full), or pick an optimizer with less state (e.g. sgd)",
+                    at("emergency", self.emergency)
+                ),
             ),
             Pressure::Critical if micro / 2 >= min => MemoryDecision::new(
                 MemoryAction::ShrinkMicroBatch,
@@ -204,7 +274,21 @@ impl MemoryPolicy for Thresholds {
                 self.below_target = 0; // nothing to restore
                 MemoryDecision::proceed(pressure)
             }
-        })
+        }
+    }
+}
+
+impl MemoryPolicy for Thresholds {
+    fn observe(&mut self, stats: &MemoryStats) -> Result<MemoryDecision, PluginError> {
+        self.watch_for_leak(stats.current);
+        let decision = self.pressure(stats);
+        // A leak warning waits for an observation with nothing else to do.
+        if decision.action == MemoryAction::Continue {
+            if let Some(message) = self.leak.take() {
+                return Ok(MemoryDecision::new(MemoryAction::Warn, decision.pressure, message));
+            }
+        }
+        Ok(decision)
     }
 }
 
@@ -249,8 +333,15 @@ mod tests {
              (gradient accumulation doubles, global batch unchanged)"
         );
         let d = p.observe(&stats(973, 4, 8)).unwrap();
+        assert_eq!((d.action, d.pressure), (MemoryAction::CheckpointAndShrink, Pressure::Emergency));
+        assert_eq!(
+            d.message.as_str(),
+            "memory at 97.3% of budget (emergency 97%): saving a checkpoint, then halving the micro-batch from 4 to 2"
+        );
+        // At the minimum there is nothing left to halve.
+        let d = p.observe(&stats(973, 1, 8)).unwrap();
         assert_eq!((d.action, d.pressure), (MemoryAction::StopWithCheckpoint, Pressure::Emergency));
-        assert_eq!(d.message.as_str(), "memory at 97.3% of budget (emergency 97%): saving a checkpoint and stopping");
+        assert!(d.message.as_str().starts_with("memory at 97.3% of budget (emergency 97%) and the micro-batch is at its minimum (1, min_micro_batch 1): saving a checkpoint and stopping"), "{d}");
         // Over the budget is still an emergency.
         assert_eq!(p.observe(&stats(1500, 4, 8)).unwrap().pressure, Pressure::Emergency);
     }
@@ -381,7 +472,64 @@ mod tests {
         let m = (b.manifest)();
         m.validate().unwrap();
         let names: Vec<&str> = m.options.iter().map(|o| o.name.as_str()).collect();
-        assert_eq!(names, ["target", "warning", "critical", "emergency", "restore_after", "min_micro_batch"]);
+        assert_eq!(
+            names,
+            ["target", "warning", "critical", "emergency", "restore_after", "min_micro_batch", "leak_window"]
+        );
         assert_eq!((b.create)("", &HostContext::default()).unwrap().kind(), PluginKind::Memory);
+    }
+
+    /// Held memory growing at every one of `leak_window` observations, by 64 KiB or more,
+    /// warns once per window, with or without a budget; a plateau, noise, or a pressure
+    /// action in the way do not lose or fake it.
+    #[test]
+    fn steadily_growing_held_memory_warns_of_a_leak() {
+        let observe = |p: &mut Thresholds, current: u64, budget: u64| {
+            let s = MemoryStats { current, peak: current, budget, ..stats(0, 8, 8) };
+            p.observe(&s).unwrap()
+        };
+        let mut p = build(r#"{"leak_window": 5}"#).unwrap();
+        let base = 100 << 20;
+        // 20 KiB a step: the fifth growth completes the window, 100 KiB in all.
+        let mut warned = Vec::new();
+        for i in 0..=12u64 {
+            let d = observe(&mut p, base + i * (20 << 10), 0);
+            if d.action == MemoryAction::Warn {
+                warned.push((i, d.message.to_string()));
+            }
+        }
+        assert_eq!(warned.iter().map(|w| w.0).collect::<Vec<_>>(), [5, 10], "{warned:?}");
+        assert_eq!(
+            warned[0].1,
+            "probable memory leak: the memory held between steps grew at each of the last 5 observations, from \
+             100.00 MiB to 100.10 MiB (+100.00 KiB); something is kept from every step (a tensor stored in a list, \
+             a growing cache); plugins' allocations are counted too"
+        );
+        // Growth of 1 KiB a step is below the noise floor; a dip restarts the count.
+        let mut p = build(r#"{"leak_window": 5}"#).unwrap();
+        for i in 0..50u64 {
+            let jitter = if i % 7 == 6 { 0 } else { i * (1 << 10) };
+            assert_eq!(observe(&mut p, base + jitter, 0).action, MemoryAction::Continue, "observation {i}");
+        }
+        let mut p = build(r#"{"leak_window": 3}"#).unwrap();
+        for i in 0..6u64 {
+            let held = if i % 2 == 0 { base } else { base + (1 << 20) };
+            assert_eq!(observe(&mut p, held, 0).action, MemoryAction::Continue, "oscillation {i}");
+        }
+        // The window ends at a critical observation: the shrink comes first, the warning next.
+        let mut p = build(r#"{"leak_window": 2}"#).unwrap();
+        let budget = 200 << 20;
+        assert_eq!(observe(&mut p, 100 << 20, budget).action, MemoryAction::Continue);
+        assert_eq!(observe(&mut p, 101 << 20, budget).action, MemoryAction::Continue);
+        assert_eq!(observe(&mut p, 192 << 20, budget).action, MemoryAction::ShrinkMicroBatch);
+        let d = observe(&mut p, 150 << 20, budget);
+        assert_eq!(d.action, MemoryAction::Warn);
+        assert!(d.message.starts_with("probable memory leak"), "{d}");
+        // leak_window 0 never warns.
+        let mut p = build(r#"{"leak_window": 0}"#).unwrap();
+        for i in 0..100u64 {
+            assert_eq!(observe(&mut p, base + i * (1 << 20), 0).action, MemoryAction::Continue);
+        }
+        assert!(build(r#"{"leak_window": -1}"#).unwrap_err().to_string().contains("option 'leak_window'"));
     }
 }

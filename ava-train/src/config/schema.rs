@@ -139,7 +139,7 @@ const CHECKPOINTS: &[Field] =
     &[Field { key: "every", kind: Kind::Int(0, i64::MAX) }, Field { key: "keep_last", kind: Kind::Int(1, 1 << 20) }];
 
 /// The `memory` section.
-const MEMORY: &[Field] = &[Field { key: "budget", kind: Kind::Size }];
+const MEMORY: &[Field] = &[Field { key: "budget", kind: Kind::Size }, Field { key: "hard_limit", kind: Kind::Size }];
 
 /// The top level: one entry per section.
 pub(crate) const ROOT: &[Field] = &[

@@ -199,6 +199,10 @@ pub struct CheckpointsConfig {
 pub struct MemoryConfig {
     /// What the run may use; the memory policy acts on fractions of it.
     pub budget: ByteSize,
+    /// Where memory runs out (0: nowhere). On CPU nothing fails: the micro-step whose
+    /// allocations cross it is abandoned and retried at half the micro-batch, as a device
+    /// out-of-memory error would be.
+    pub hard_limit: ByteSize,
 }
 
 /// A number of bytes, written in a config as an integer or as `2GiB`, `512MB`, ...

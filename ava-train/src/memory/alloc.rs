@@ -4,12 +4,22 @@
 //! RSS only grows. The `ava` binary (and the tests that measure memory) install
 //! [`CountingAlloc`] as `#[global_allocator]`; without it the counters stay at zero and
 //! [`installed`] says so.
+//!
+//! It also stands in for a device running out of memory (`memory.hard_limit`). Rust aborts
+//! the process when an allocation fails, so the limit does not fail anything: the first
+//! allocation that takes the count over it is remembered ([`take_crossed`]), and the engine
+//! checks between micro-steps and abandons the one that crossed, as if it had failed.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 static CURRENT: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
+/// The hard limit in bytes; 0: none.
+static LIMIT: AtomicU64 = AtomicU64::new(0);
+/// Bytes in use just after the first allocation that crossed the limit; 0: none since the
+/// last [`take_crossed`].
+static CROSSED: AtomicU64 = AtomicU64::new(0);
 
 /// The system allocator, counting. Install it in a binary with
 /// `#[global_allocator] static A: ava_train::memory::CountingAlloc = ava_train::memory::CountingAlloc;`.
@@ -20,6 +30,11 @@ pub struct CountingAlloc;
 fn grew(bytes: u64) {
     let now = CURRENT.fetch_add(bytes, Relaxed) + bytes;
     PEAK.fetch_max(now, Relaxed);
+    let limit = LIMIT.load(Relaxed);
+    if limit != 0 && now > limit {
+        // Only the first crossing is kept; later ones find it set.
+        let _ = CROSSED.compare_exchange(0, now, Relaxed, Relaxed);
+    }
 }
 
 // SAFETY: every method forwards to `System` with the same arguments and only adds counting.
@@ -77,6 +92,24 @@ pub fn peak() -> u64 {
 /// Starts a new peak measurement from the current level; returns the old peak.
 pub fn reset_peak() -> u64 {
     PEAK.swap(CURRENT.load(Relaxed), Relaxed)
+}
+
+/// Sets the hard limit (`None`: no limit) and forgets any earlier crossing. The limit is
+/// process-wide: one run at a time sets it.
+pub fn set_limit(limit: Option<u64>) {
+    LIMIT.store(limit.unwrap_or(0), Relaxed);
+    CROSSED.store(0, Relaxed);
+}
+
+/// The hard limit, if one is set.
+pub fn limit() -> Option<u64> {
+    Some(LIMIT.load(Relaxed)).filter(|&l| l != 0)
+}
+
+/// If an allocation crossed the hard limit since the last call, the bytes in use just after
+/// it; the crossing is then forgotten.
+pub fn take_crossed() -> Option<u64> {
+    Some(CROSSED.swap(0, Relaxed)).filter(|&b| b != 0)
 }
 
 /// Whether the counting allocator is the global allocator (any allocation was counted).

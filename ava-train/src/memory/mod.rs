@@ -5,5 +5,5 @@
 mod alloc;
 mod breakdown;
 
-pub use alloc::{CountingAlloc, current, installed, peak, reset_peak, resident_bytes};
+pub use alloc::{CountingAlloc, current, installed, limit, peak, reset_peak, resident_bytes, set_limit, take_crossed};
 pub use breakdown::{Breakdown, gib};

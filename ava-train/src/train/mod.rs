@@ -12,7 +12,7 @@ mod trainer;
 use std::path::PathBuf;
 
 pub use optim::{MODEL_OPTIONS, OptimizerState, StateBuffer, optimizer_options, step_param};
-pub use reporter::{EvalRecord, Reporter, RunHeader, RunSummary, Silent, StepRecord};
+pub use reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Silent, StepRecord};
 pub use schedule::{LossScaler, learning_rate};
 pub use trainer::{TrainOptions, Trainer, data_options, model_spec, resolve_threads};
 
@@ -44,6 +44,25 @@ pub enum TrainError {
     /// The settings cannot work together.
     #[error("{0}")]
     Invalid(String),
+    /// Out of memory at the smallest micro-batch: nothing left to back off to.
+    #[error(
+        "out of memory at step {step}: an allocation took the count to {} over memory.hard_limit ({}) with the \
+         micro-batch at {micro_batch}, the smallest it can be halved to; lower data.seq_len, recompute \
+         activations (plugins.checkpoint: full), pick an optimizer with less state (e.g. adam-8bit), or raise \
+         memory.hard_limit",
+        ava_core::format_size(*at),
+        ava_core::format_size(*limit)
+    )]
+    OutOfMemory {
+        /// The step that could not run.
+        step: u64,
+        /// Its micro-batch.
+        micro_batch: usize,
+        /// The limit.
+        limit: u64,
+        /// Bytes in use after the crossing allocation.
+        at: u64,
+    },
     /// A checkpoint's optimizer state does not fit the optimizer.
     #[error("the checkpoint's optimizer state does not match the optimizer:\n  - {}", problems.join("\n  - "))]
     OptimizerState {

@@ -34,6 +34,28 @@ pub struct StepRecord {
     pub memory_status: String,
     /// Micro-batch size in effect (the policy may shrink it).
     pub micro_batch: usize,
+    /// Micro-steps abandoned for running out of memory, each followed by a retry of the
+    /// step at half the micro-batch.
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub backoffs: Vec<Backoff>,
+    /// The memory policy's decisions at this step, as logged (empty when it said nothing).
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub memory_events: Vec<String>,
+}
+
+/// A step's attempt abandoned because an allocation crossed `memory.hard_limit`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Backoff {
+    /// The micro-batch of the abandoned attempt.
+    pub micro_batch: usize,
+    /// The micro-batch of the retry.
+    pub retry_micro_batch: usize,
+    /// Bytes in use just after the allocation that crossed the limit.
+    pub crossed_at: u64,
+    /// Bytes in use before the attempt's first micro-step.
+    pub held_before: u64,
+    /// Bytes in use once the attempt's partial gradients and graph were dropped.
+    pub held_after: u64,
 }
 
 /// One evaluation.

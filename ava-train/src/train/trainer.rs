@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use super::TrainError;
 use super::optim::{OptimizerState, optimizer_options, step_param};
-use super::reporter::{EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
+use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
 use super::schedule::{LossScaler, learning_rate};
 use crate::config::{Config, DataSource, Precision};
 use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Source, Split};
@@ -35,6 +35,9 @@ pub struct TrainOptions {
     /// Run at most this many steps in this invocation (the schedule still ends at
     /// `train.max_steps`), e.g. to split a run into sessions.
     pub steps: Option<u64>,
+    /// Test hook: the first micro-step of this step runs out of memory, as if an allocation
+    /// had crossed `memory.hard_limit` (needs the counting allocator).
+    pub oom_at_step: Option<u64>,
 }
 
 /// The trainer's own state in a checkpoint (`trainer.json`).
@@ -98,6 +101,31 @@ pub struct Trainer {
     threads: usize,
     resumed_from: Option<PathBuf>,
     out_dir: PathBuf,
+    /// The loader's position after the last completed step (what a checkpoint records: a
+    /// step that ran out of memory at its smallest micro-batch has read its batches).
+    data_position: u64,
+    /// `memory.hard_limit`, if set.
+    hard_limit: Option<u64>,
+    /// [`TrainOptions::oom_at_step`], until it fires.
+    oom_at_step: Option<u64>,
+}
+
+/// How a step's micro-steps ended.
+enum MicroSteps {
+    /// All ran: the accumulated gradients and the mean losses.
+    Done { grads: Grads, ce: f64, aux: f64 },
+    /// One crossed the hard limit, with this many bytes in use; its partial gradients are
+    /// dropped.
+    OutOfMemory { at: u64 },
+}
+
+/// What the memory policy's decision asks of the run loop.
+#[derive(Debug, Default)]
+struct PolicyOutcome {
+    /// Save a checkpoint now.
+    checkpoint: bool,
+    /// Stop, for this reason (after saving).
+    stop: Option<String>,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -278,6 +306,26 @@ impl Trainer {
         )?;
         std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::io(&out_dir, e))?;
         let compute = compute_dtype(config.train.precision);
+        let hard_limit = Some(config.memory.hard_limit.0).filter(|&l| l > 0);
+        if let Some(limit) = hard_limit {
+            let budget = config.memory.budget.0;
+            if budget > limit {
+                return Err(TrainError::Invalid(format!(
+                    "memory.hard_limit ({}) is below memory.budget ({}): the memory policy acts at fractions of the \
+                     budget, so memory would run out before it could; lower memory.budget or raise memory.hard_limit",
+                    config.memory.hard_limit, config.memory.budget
+                )));
+            }
+            if !memory::installed() {
+                return Err(TrainError::Invalid(
+                    "memory.hard_limit needs the counting allocator, which this program does not install (the ava \
+                     binary does): remove memory.hard_limit, or install ava_train::memory::CountingAlloc as the \
+                     #[global_allocator]"
+                        .into(),
+                ));
+            }
+        }
+        memory::set_limit(hard_limit);
         Ok(Self {
             model,
             optimizer,
@@ -295,6 +343,9 @@ impl Trainer {
             threads,
             resumed_from,
             out_dir,
+            data_position: trainer_state.data_position,
+            hard_limit,
+            oom_at_step: options.oom_at_step,
             config,
         })
     }
@@ -307,6 +358,16 @@ impl Trainer {
     /// Steps completed.
     pub fn step(&self) -> u64 {
         self.step
+    }
+
+    /// The micro-batch in effect.
+    pub fn micro_batch(&self) -> usize {
+        self.config.train.micro_batch_size / self.split
+    }
+
+    /// The loader's position (training batches read) after the last completed step.
+    pub fn data_position(&self) -> u64 {
+        self.data_position
     }
 
     /// The optimizer state.
@@ -366,8 +427,35 @@ impl Trainer {
         let mut first = true;
         let mut saved_at = None;
         while self.step < last {
-            let mut record = self.train_step()?;
-            let stop = self.apply_memory_policy(&mut record, reporter);
+            let mut record = match self.train_step() {
+                Ok(record) => record,
+                Err(e @ TrainError::OutOfMemory { .. }) => {
+                    // Nothing of the step was applied: save what the last step left, and stop.
+                    if self.step > 0 && saved_at != Some(self.step) {
+                        let dir = self.save_checkpoint()?;
+                        reporter.checkpoint(self.step, &dir);
+                        summary.checkpoint = Some(dir.display().to_string());
+                    }
+                    summary.stopped = Some(e.to_string());
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
+            for b in &record.backoffs {
+                let event = format!(
+                    "out of memory at step {} (an allocation took the count to {} over memory.hard_limit): the \
+                     micro-step was abandoned and the step retried at micro-batch {} -> {}, gradient accumulation \
+                     doubled, the same samples",
+                    record.step,
+                    ava_core::format_size(b.crossed_at),
+                    b.micro_batch,
+                    b.retry_micro_batch
+                );
+                reporter.warn(&event);
+                record.memory_events.push(event);
+            }
+            let policy = self.apply_memory_policy(&mut record, reporter);
+            let stop = policy.stop;
             summary.step = record.step;
             summary.loss = record.loss;
             summary.peak_bytes = summary.peak_bytes.max(record.memory.peak);
@@ -388,7 +476,7 @@ impl Trainer {
                 reporter.eval(&eval);
             }
             let every = self.config.checkpoints.every;
-            if (every > 0 && record.step % every == 0) || record.step == last || stop.is_some() {
+            if (every > 0 && record.step % every == 0) || record.step == last || stop.is_some() || policy.checkpoint {
                 let dir = self.save_checkpoint()?;
                 reporter.checkpoint(record.step, &dir);
                 summary.checkpoint = Some(dir.display().to_string());
@@ -442,7 +530,7 @@ impl Trainer {
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.
     pub fn train_step(&mut self) -> Result<StepRecord, TrainError> {
         let started = Instant::now();
-        let t = &self.config.train;
+        let t = self.config.train.clone();
         let step = self.step + 1;
         let lr = learning_rate(step, t.lr, t.min_lr, t.warmup_steps, t.max_steps);
         let params_bytes = (self.model.spec().num_params() * 4) as u64;
@@ -451,31 +539,46 @@ impl Trainer {
         memory::reset_peak();
 
         let weights = self.model.weights(self.compute).map_err(TrainError::candle)?;
-        let mut grads: Grads = vec![None; self.model.params().len()];
-        let accumulation = t.gradient_accumulation_steps;
-        let pieces = accumulation * self.split;
-        let (mut ce, mut aux) = (0.0, 0.0);
-        for _ in 0..accumulation {
-            let span = crate::profile::scope("data: waiting for a batch");
-            let batch = self.loader.next()?;
-            drop(span);
-            for (tokens, targets) in split_batch(&batch, self.split)? {
-                let loss = forward_backward(
-                    &self.model,
-                    &weights,
-                    &tokens,
-                    &targets,
-                    &self.plan,
-                    self.scaler.scale,
-                    pieces as f64,
-                    self.offload.as_ref(),
-                    &mut grads,
-                )
-                .map_err(TrainError::candle)?;
-                ce += loss.ce / pieces as f64;
-                aux += loss.aux / pieces as f64;
-            }
+        // The step's batches, read once: a retry after running out of memory trains on the
+        // same samples, and the loader moves on exactly as without one.
+        let mut batches = Vec::with_capacity(t.gradient_accumulation_steps);
+        for _ in 0..t.gradient_accumulation_steps {
+            let _span = crate::profile::scope("data: waiting for a batch");
+            batches.push(self.loader.next()?);
         }
+        let mut backoffs = Vec::new();
+        let (mut grads, ce, aux) = loop {
+            let held_before = memory::current();
+            let inject = self.oom_at_step == Some(step);
+            if inject {
+                self.oom_at_step = None;
+                memory::set_limit(Some(held_before + 1)); // the next allocation crosses it
+            }
+            let outcome = self.micro_steps(&weights, &batches);
+            if inject {
+                memory::set_limit(self.hard_limit);
+            }
+            match outcome? {
+                MicroSteps::Done { grads, ce, aux } => break (grads, ce, aux),
+                MicroSteps::OutOfMemory { at } => {
+                    let micro_batch = t.micro_batch_size / self.split;
+                    let limit = if inject { held_before + 1 } else { self.hard_limit.unwrap_or(0) };
+                    if !self.shrink_micro_batch() {
+                        return Err(TrainError::OutOfMemory { step, micro_batch, limit, at });
+                    }
+                    backoffs.push(Backoff {
+                        micro_batch,
+                        retry_micro_batch: t.micro_batch_size / self.split,
+                        crossed_at: at,
+                        held_before,
+                        held_after: memory::current(),
+                    });
+                    // The step's peak is the attempt that ran (the crossing is in `backoffs`),
+                    // so the memory policy does not shrink again for the abandoned one.
+                    memory::reset_peak();
+                }
+            }
+        };
         drop(weights);
         let grads_bytes = grads.iter().flatten().map(|g| (g.elem_count() * 4) as u64).sum::<u64>();
 
@@ -508,6 +611,7 @@ impl Trainer {
         }
         drop(grads);
         self.step = step;
+        self.data_position = self.loader.position();
 
         let peak = memory::peak();
         let data_bytes = baseline.saturating_sub(params_bytes + optimizer_bytes);
@@ -534,12 +638,59 @@ impl Trainer {
             memory: breakdown,
             memory_status: String::new(),
             micro_batch: self.config.train.micro_batch_size / self.split,
+            backoffs,
+            memory_events: Vec::new(),
         })
     }
 
-    /// Lets the memory policy see the step's numbers and applies its action; returns a
-    /// reason when the run must stop.
-    fn apply_memory_policy(&mut self, record: &mut StepRecord, reporter: &mut dyn Reporter) -> Option<String> {
+    /// Forward and backward of every micro-batch of the step's `batches` (each split into
+    /// `self.split` pieces), accumulating gradients; stops at the first micro-step during
+    /// which an allocation crossed the hard limit, dropping what it accumulated.
+    fn micro_steps(&self, weights: &[Tensor], batches: &[Batch]) -> Result<MicroSteps, TrainError> {
+        let mut grads: Grads = vec![None; self.model.params().len()];
+        let pieces = batches.len() * self.split;
+        let (mut ce, mut aux) = (0.0, 0.0);
+        memory::take_crossed(); // a crossing before the micro-steps is not theirs
+        for batch in batches {
+            for (tokens, targets) in split_batch(batch, self.split)? {
+                let loss = forward_backward(
+                    &self.model,
+                    weights,
+                    &tokens,
+                    &targets,
+                    &self.plan,
+                    self.scaler.scale,
+                    pieces as f64,
+                    self.offload.as_ref(),
+                    &mut grads,
+                )
+                .map_err(TrainError::candle)?;
+                if let Some(at) = memory::take_crossed() {
+                    return Ok(MicroSteps::OutOfMemory { at });
+                }
+                ce += loss.ce / pieces as f64;
+                aux += loss.aux / pieces as f64;
+            }
+        }
+        Ok(MicroSteps::Done { grads, ce, aux })
+    }
+
+    /// Halves the micro-batch (each loaded batch is split into twice the pieces, so the
+    /// samples and the effective batch stay the same); false when it cannot be halved. The
+    /// memory policy and the out-of-memory back-off act through it.
+    pub fn shrink_micro_batch(&mut self) -> bool {
+        let configured = self.config.train.micro_batch_size;
+        if configured / self.split > 1 && configured % (self.split * 2) == 0 {
+            self.split *= 2;
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Lets the memory policy see the step's numbers and applies its action. Each decision
+    /// that does something is logged and kept in the step's record.
+    fn apply_memory_policy(&mut self, record: &mut StepRecord, reporter: &mut dyn Reporter) -> PolicyOutcome {
         let configured = self.config.train.micro_batch_size;
         let stats = MemoryStats {
             current: memory::current(),
@@ -554,41 +705,49 @@ impl Trainer {
             Ok(d) => d,
             Err(e) => {
                 reporter.warn(&format!("memory policy '{}' failed: {e}", self.config.plugins.memory.name));
-                return None;
+                return PolicyOutcome::default();
             }
         };
         let message = decision.message.to_string();
         record.memory_status = decision.pressure.as_str().to_string();
-        match decision.action {
-            MemoryAction::Continue => {}
-            MemoryAction::Warn => reporter.warn(&message),
-            MemoryAction::ShrinkMicroBatch => {
-                if configured / self.split > 1 && configured % (self.split * 2) == 0 {
-                    self.split *= 2;
-                    reporter.warn(&format!(
-                        "{message}; micro-batch {} -> {} (the global batch stays {})",
-                        configured / (self.split / 2),
-                        configured / self.split,
-                        self.config.train.effective_batch()
-                    ));
-                } else {
-                    reporter.warn(&format!("{message}; the micro-batch cannot shrink further"));
-                }
+        let mut outcome = PolicyOutcome::default();
+        let shrink = |this: &mut Self| {
+            let from = configured / this.split;
+            if this.shrink_micro_batch() {
+                format!(
+                    "{message}; micro-batch {from} -> {} (the global batch stays {})",
+                    configured / this.split,
+                    this.config.train.effective_batch()
+                )
+            } else {
+                format!("{message}; the micro-batch cannot shrink further")
             }
-            MemoryAction::RestoreMicroBatch => {
-                if self.split > 1 {
-                    self.split /= 2;
-                    reporter.warn(&format!("{message}; micro-batch back to {}", configured / self.split));
-                }
+        };
+        let event = match decision.action {
+            MemoryAction::Continue => None,
+            MemoryAction::Warn => Some(message.clone()),
+            MemoryAction::ShrinkMicroBatch => Some(shrink(self)),
+            MemoryAction::CheckpointAndShrink => {
+                outcome.checkpoint = true;
+                Some(shrink(self))
             }
-            MemoryAction::ClearCaches => {
-                reporter.warn(&format!("{message} (the CPU engine holds no caches to clear)"));
-            }
+            MemoryAction::RestoreMicroBatch => (self.split > 1).then(|| {
+                self.split /= 2;
+                format!("{message}; micro-batch back to {}", configured / self.split)
+            }),
+            MemoryAction::ClearCaches => Some(format!("{message} (the CPU engine holds no caches to clear)")),
             MemoryAction::StopWithCheckpoint => {
-                return Some(format!("memory policy: {message}"));
+                outcome.stop = Some(format!("memory policy: {message}"));
+                Some(message.clone())
             }
+        };
+        if let Some(event) = event {
+            if decision.action != MemoryAction::StopWithCheckpoint {
+                reporter.warn(&event); // a stop is reported by the summary
+            }
+            record.memory_events.push(event);
         }
-        None
+        outcome
     }
 
     /// Mean validation loss over `train.eval_batches` batches (the same batches every
@@ -622,7 +781,7 @@ impl Trainer {
         let optimizer = to_safetensors(&self.state.to_buffers(self.model.params()), None)?;
         let trainer = TrainerState {
             step: self.step,
-            data_position: self.loader.position(),
+            data_position: self.data_position,
             seed: self.config.train.seed,
             loss_scale: self.scaler,
             micro_batch_split: self.split,
