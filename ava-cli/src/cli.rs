@@ -84,18 +84,20 @@ pub enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Put runs side by side: one metric by step from each run's metrics.jsonl, as a table,
-    /// JSON (--format json) or a CSV file to plot.
+    /// Report on runs from their metrics.jsonl. One run: a summary (loss, validation loss
+    /// against the entropy floor, peak memory by component, micro-batch changes and memory
+    /// events) and charts of its loss and memory, as SVG and PNG in RUN/report. Several
+    /// runs: one metric by step side by side, as a table, JSON (--format json), a CSV file
+    /// or a chart.
     ///
     /// Metrics are the fields of the step and eval records: val_loss (default), gap, loss,
     /// lr, grad_norm, tokens_per_sec, step_seconds, micro_batch, and memory.peak,
     /// memory.optimizer, memory.activations, ... (bytes).
     ///
     /// Examples:
+    ///   ava report runs/small                              # summary, runs/small/report/*.svg|png
     ///   ava report runs/adamw runs/adam-8bit runs/adafactor
-    ///   ava report runs/* --metric loss --csv loss.csv
-    ///
-    /// The CSV plots with any tool, e.g. pandas: read_csv('loss.csv', index_col='step').plot()
+    ///   ava report runs/* --metric loss --csv loss.csv --plots charts
     #[command(verbatim_doc_comment)]
     Report(ReportArgs),
     /// List, inspect, vet, enable and disable plugins.
@@ -136,12 +138,17 @@ pub struct ReportArgs {
     #[arg(required = true, value_name = "RUN")]
     pub runs: Vec<PathBuf>,
     /// The metric to compare: a field of the records, dotted for nested ones (memory.peak).
-    #[arg(long, default_value = "val_loss", value_name = "NAME")]
-    pub metric: String,
+    /// Default val_loss. With one run and no --metric, the run's summary and charts instead.
+    #[arg(long, value_name = "NAME")]
+    pub metric: Option<String>,
     /// Also write the table as CSV to FILE: a `step` column, then one column per run
     /// (empty where a run has no value at that step).
     #[arg(long, value_name = "FILE")]
     pub csv: Option<PathBuf>,
+    /// Where the charts go (SVG and PNG). One run: loss.* and memory.*, by default in
+    /// RUN/report. Several runs: METRIC.*, only when this is given.
+    #[arg(long, value_name = "DIR")]
+    pub plots: Option<PathBuf>,
 }
 
 /// `ava bench ...`

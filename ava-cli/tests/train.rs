@@ -50,6 +50,39 @@ fn resume_in_a_fresh_process_continues_bit_exactly() {
         assert_eq!(row[1].parse::<f64>().unwrap(), *loss, "{text}");
         assert_eq!(row[1], row[2], "{text}");
     }
+    // One run: its summary, and its charts as SVG and PNG in the run's report directory.
+    let out = ok(common::ava(dir.path(), &["report", "straight"]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let want = [
+        "run straight (straight/metrics.jsonl): 6 steps",
+        &format!("loss {:.4} at step 1 -> {:.4} at step 6", la[0].1, la[5].1),
+        "validation loss: best ",
+        "nats/token, ",
+        "peak memory ",
+        "micro-batch 4 throughout",
+        "charts: straight/report/loss.svg, straight/report/loss.png, straight/report/memory.svg, straight/report/memory.png",
+    ];
+    for w in want {
+        assert!(text.contains(w), "{w:?} not in:\n{text}");
+    }
+    for chart in ["loss", "memory"] {
+        let svg = std::fs::read_to_string(a.join(format!("report/{chart}.svg"))).unwrap();
+        assert!(svg.starts_with("<svg") && svg.contains("step"), "{chart}.svg");
+        let png = std::fs::read(a.join(format!("report/{chart}.png"))).unwrap();
+        assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000, "{chart}.png: {} bytes", png.len());
+    }
+    let json = json_of(&ok(common::ava(dir.path(), &["--format", "json", "report", "straight"])));
+    assert_eq!(json["steps"], 6);
+    assert_eq!(json["micro_batch_changes"], serde_json::json!([]));
+    assert_eq!(json["last_loss"][1].as_f64().unwrap(), la[5].1);
+    // Several runs and --plots: the metric's chart.
+    let charts = dir.path().join("charts");
+    ok(common::ava(
+        dir.path(),
+        &["report", "straight", "split", "--metric", "loss", "--plots", charts.to_str().unwrap()],
+    ));
+    assert!(charts.join("loss.svg").is_file() && charts.join("loss.png").is_file());
+
     // Every problem at once: a missing run and a metric the records do not have.
     let err = common::usage_error(common::ava(dir.path(), &["report", "straight", "nowhere", "--metric", "los"]));
     assert!(err.contains("no record has a numeric 'los'; its records have: ") && err.contains("loss"), "{err}");

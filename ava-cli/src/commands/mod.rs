@@ -14,6 +14,7 @@ mod plugins_list;
 mod plugins_vet;
 mod progress;
 mod report;
+mod report_plot;
 mod train;
 
 use ava_core::PluginKind;

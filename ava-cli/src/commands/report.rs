@@ -1,13 +1,17 @@
-//! `ava report`: one metric of several runs side by side, by step, as a table, JSON or a
-//! CSV file to plot (e.g. the validation loss curves of one config under each optimizer).
+//! `ava report`: one run's summary and charts (loss, memory by component, micro-batch
+//! changes), or one metric of several runs side by side, by step, as a table, JSON, a CSV
+//! file or a chart (e.g. the validation loss curves of one config under each optimizer).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
     path::{Path, PathBuf},
 };
 
-use ava_train::train::metrics::{metrics_file, read_series};
+use ava_core::format_size;
+use ava_train::train::metrics::{RunMetrics, metrics_file, read_run, read_series};
 use serde_json::json;
+
+use super::report_plot::{self, Series};
 
 use crate::{CmdResult, Failure, cli::ReportArgs, output::Printer};
 
@@ -19,22 +23,22 @@ struct Run {
 }
 
 pub fn run(p: &Printer, args: &ReportArgs) -> CmdResult {
+    if let ([run], None, None) = (args.runs.as_slice(), &args.metric, &args.csv) {
+        return summary(p, run, args.plots.clone().unwrap_or_else(|| run_dir(run).join("report")));
+    }
+    let metric = args.metric.as_deref().unwrap_or("val_loss");
     // Read every run first and report every problem at once.
     let mut runs = Vec::new();
     let mut problems = Vec::new();
     for path in &args.runs {
         let file = metrics_file(path);
-        match read_series(&file, &args.metric) {
+        match read_series(&file, metric) {
             Ok(points) => runs.push(Run { name: column_name(path), file, points: points.into_iter().collect() }),
             Err(e) => problems.push(e.to_string()),
         }
     }
     if !problems.is_empty() {
-        return Err(Failure::Usage(anyhow::anyhow!(
-            "cannot report '{}':\n  - {}",
-            args.metric,
-            problems.join("\n  - ")
-        )));
+        return Err(Failure::Usage(anyhow::anyhow!("cannot report '{}':\n  - {}", metric, problems.join("\n  - "))));
     }
     // Two runs in directories of the same name are told apart by the paths given.
     let names: Vec<String> = runs.iter().map(|r| r.name.clone()).collect();
@@ -50,11 +54,21 @@ pub fn run(p: &Printer, args: &ReportArgs) -> CmdResult {
             .map_err(|e| Failure::Runtime(anyhow::anyhow!("cannot write {}: {e}", csv.display())))?;
         p.note(&format!("wrote {} ({} steps × {} runs)", csv.display(), steps.len(), runs.len()));
     }
+    let mut charts = Vec::new();
+    if let Some(dir) = &args.plots {
+        let series = runs
+            .iter()
+            .map(|r| Series { label: r.name.clone(), points: r.points.iter().map(|(&s, &v)| (s as f64, v)).collect() });
+        let stem: String = metric.chars().map(|c| if c.is_alphanumeric() || c == '_' { c } else { '-' }).collect();
+        charts = report_plot::metric_chart(metric, series.collect(), dir, &stem).map_err(chart_failure)?;
+        p.note(&format!("wrote {}", file_list(&charts)));
+    }
     p.result(
-        || render(&args.metric, &runs, &steps),
+        || render(metric, &runs, &steps),
         || {
             json!({
-                "metric": args.metric,
+                "metric": metric,
+                "charts": charts.iter().map(|c| c.display().to_string()).collect::<Vec<_>>(),
                 "runs": runs.iter().map(|r| json!({
                     "name": r.name,
                     "file": r.file.display().to_string(),
@@ -66,6 +80,146 @@ pub fn run(p: &Printer, args: &ReportArgs) -> CmdResult {
         },
     );
     Ok(())
+}
+
+fn chart_failure(message: String) -> Failure {
+    Failure::Runtime(anyhow::anyhow!("cannot write the charts: {message}"))
+}
+
+fn file_list(files: &[PathBuf]) -> String {
+    files.iter().map(|f| f.display().to_string()).collect::<Vec<_>>().join(", ")
+}
+
+/// The directory of a run given as a directory or as its metrics file.
+fn run_dir(run: &Path) -> PathBuf {
+    if run.is_dir() { run.to_path_buf() } else { run.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf) }
+}
+
+/// One run: its summary, and its charts written to `plots`.
+fn summary(p: &Printer, run: &Path, plots: PathBuf) -> CmdResult {
+    let file = metrics_file(run);
+    let metrics = read_run(&file).map_err(|e| Failure::Usage(anyhow::anyhow!("cannot report: {e}")))?;
+    if metrics.steps.is_empty() {
+        return Err(Failure::Usage(anyhow::anyhow!(
+            "cannot report: {} has no step records yet; train first (ava train), or wait for the first logged step",
+            file.display()
+        )));
+    }
+    let name = column_name(run);
+    let charts = report_plot::run_charts(&metrics, &name, &plots).map_err(chart_failure)?;
+    let facts = Facts::of(&metrics);
+    p.result(
+        || {
+            let mut lines = facts.lines(&name, &file);
+            lines.push(format!("charts: {}", file_list(&charts)));
+            lines.join("\n")
+        },
+        || {
+            json!({
+                "run": name,
+                "file": file.display().to_string(),
+                "steps": facts.steps,
+                "first_loss": facts.first_loss,
+                "last_loss": facts.last_loss,
+                "best_val_loss": facts.best_val.map(|(s, v)| json!({"step": s, "value": v})),
+                "entropy_floor": facts.floor,
+                "peak_bytes": facts.peak.1,
+                "peak_step": facts.peak.0,
+                "budget": facts.budget,
+                "micro_batch_changes": facts.changes.iter().map(|&(s, f, t)| json!({"step": s, "from": f, "to": t})).collect::<Vec<_>>(),
+                "memory_events": facts.events.iter().map(|(s, m)| json!({"step": s, "message": m})).collect::<Vec<_>>(),
+                "charts": charts.iter().map(|c| c.display().to_string()).collect::<Vec<_>>(),
+            })
+        },
+    );
+    Ok(())
+}
+
+/// What the summary says of a run.
+struct Facts {
+    steps: u64,
+    first_loss: (u64, f64),
+    last_loss: (u64, f64),
+    best_val: Option<(u64, f64)>,
+    floor: Option<f64>,
+    /// (step, bytes) of the highest peak.
+    peak: (u64, u64),
+    budget: u64,
+    /// The components at the highest peak: params, grads, optimizer, data, activations.
+    at_peak: [u64; 5],
+    micro_batch: u64,
+    changes: Vec<(u64, u64, u64)>,
+    events: Vec<(u64, String)>,
+}
+
+impl Facts {
+    /// `run` has at least one step.
+    fn of(run: &RunMetrics) -> Self {
+        let (first, last) = (&run.steps[0], &run.steps[run.steps.len() - 1]);
+        let top = run.steps.iter().fold(first, |a, b| if b.memory.peak > a.memory.peak { b } else { a });
+        let m = &top.memory;
+        Self {
+            steps: last.step,
+            first_loss: (first.step, first.loss),
+            last_loss: (last.step, last.loss),
+            best_val: run.evals.iter().map(|e| (e.step, e.val_loss)).fold(None, |best, (s, v)| match best {
+                Some((_, b)) if b <= v => best,
+                _ => Some((s, v)),
+            }),
+            floor: run.evals.iter().find_map(|e| e.entropy_floor),
+            peak: (top.step, m.peak),
+            budget: last.memory.budget,
+            at_peak: [m.params, m.grads, m.optimizer, m.data, m.activations],
+            micro_batch: first.micro_batch,
+            changes: report_plot::micro_batch_changes(run),
+            events: run.steps.iter().flat_map(|s| s.memory_events.iter().map(|m| (s.step, m.clone()))).collect(),
+        }
+    }
+
+    fn lines(&self, name: &str, file: &Path) -> Vec<String> {
+        let mut lines = vec![format!("run {name} ({}): {} steps", file.display(), self.steps)];
+        lines.push(format!(
+            "loss {:.4} at step {} -> {:.4} at step {}",
+            self.first_loss.1, self.first_loss.0, self.last_loss.1, self.last_loss.0
+        ));
+        match (self.best_val, self.floor) {
+            (Some((s, v)), Some(f)) => lines.push(format!(
+                "validation loss: best {v:.4} at step {s}; entropy floor {f:.4} nats/token, {:.1}% above it",
+                100.0 * (v / f - 1.0)
+            )),
+            (Some((s, v)), None) => lines.push(format!("validation loss: best {v:.4} at step {s}")),
+            _ => lines.push("validation loss: no evaluation logged".into()),
+        }
+        let [params, grads, optimizer, data, activations] = self.at_peak.map(format_size);
+        let budget = if self.budget > 0 {
+            format!(
+                " ({:.0}% of memory.budget {})",
+                100.0 * self.peak.1 as f64 / self.budget as f64,
+                format_size(self.budget)
+            )
+        } else {
+            String::new()
+        };
+        lines.push(format!(
+            "peak memory {} at step {}{budget}: params {params}, grads {grads}, optimizer {optimizer}, data {data}, \
+             activations {activations}",
+            format_size(self.peak.1),
+            self.peak.0
+        ));
+        if self.changes.is_empty() {
+            lines.push(format!("micro-batch {} throughout", self.micro_batch));
+        } else {
+            let changes: Vec<String> = self.changes.iter().map(|(s, f, t)| format!("step {s}: {f} -> {t}")).collect();
+            lines.push(format!("micro-batch changes ({}): {}", changes.len(), changes.join(", ")));
+        }
+        for (step, message) in self.events.iter().take(5) {
+            lines.push(format!("  [step {step}] {message}"));
+        }
+        if self.events.len() > 5 {
+            lines.push(format!("  ... {} more memory events in the metrics file", self.events.len() - 5));
+        }
+        lines
+    }
 }
 
 /// A run's column name: its directory's name (for a metrics file, the directory holding it).

@@ -1,6 +1,7 @@
 //! Reading a run's `metrics.jsonl` back: one metric's values by step, so runs can be put
-//! side by side (`ava report`). Each line is `{"type": "step"|"eval", "data": {...}}`, the
-//! data being a [`StepRecord`](super::StepRecord) or an [`EvalRecord`](super::EvalRecord).
+//! side by side, or a whole run's steps and evaluations ([`read_run`]) for its report
+//! (`ava report`). Each line is `{"type": "step"|"eval", "data": {...}}`, the data being a
+//! [`StepRecord`](super::StepRecord) or an [`EvalRecord`](super::EvalRecord).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -57,15 +58,7 @@ pub fn metrics_file(run: &Path) -> PathBuf {
 /// The values of `metric` (a field of the step or eval records; `memory.peak` reaches into
 /// nested ones) by step, sorted by step. A step logged twice keeps its last value.
 pub fn read_series(file: &Path, metric: &str) -> Result<Vec<(u64, f64)>, MetricsError> {
-    let text = std::fs::read_to_string(file).map_err(|e| MetricsError::Io {
-        path: file.to_path_buf(),
-        message: match e.kind() {
-            std::io::ErrorKind::NotFound => {
-                format!("not found: give a run directory (train.out_dir) holding {METRICS_FILE}, or the file itself")
-            }
-            _ => e.to_string(),
-        },
-    })?;
+    let text = read(file)?;
     let mut by_step = BTreeMap::new();
     let mut available = BTreeSet::new();
     for (i, line) in text.lines().enumerate() {
@@ -92,6 +85,103 @@ pub fn read_series(file: &Path, metric: &str) -> Result<Vec<(u64, f64)>, Metrics
         });
     }
     Ok(by_step.into_iter().collect())
+}
+
+/// A step as the report needs it.
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+pub struct StepPoint {
+    /// 1-based step.
+    pub step: u64,
+    /// Training loss.
+    pub loss: f64,
+    /// The micro-batch it ran at.
+    pub micro_batch: u64,
+    /// Measured memory by component.
+    pub memory: MemoryPoint,
+    /// What the memory policy and the out-of-memory back-off did at this step.
+    #[serde(default)]
+    pub memory_events: Vec<String>,
+}
+
+/// A step's measured memory (bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+pub struct MemoryPoint {
+    /// Parameters.
+    pub params: u64,
+    /// Gradients.
+    pub grads: u64,
+    /// Optimizer state.
+    pub optimizer: u64,
+    /// Data.
+    pub data: u64,
+    /// Activations and everything else at the peak.
+    pub activations: u64,
+    /// The peak.
+    pub peak: u64,
+    /// `memory.budget` (0: none).
+    pub budget: u64,
+}
+
+/// An evaluation as the report needs it.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+pub struct EvalPoint {
+    /// After this step.
+    pub step: u64,
+    /// Validation loss.
+    pub val_loss: f64,
+    /// The data's entropy floor, when known.
+    #[serde(default)]
+    pub entropy_floor: Option<f64>,
+}
+
+/// A run's steps and evaluations, in file order (a step logged twice, by a resumed run,
+/// keeps its last record).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunMetrics {
+    /// The logged steps, by step.
+    pub steps: Vec<StepPoint>,
+    /// The evaluations, by step.
+    pub evals: Vec<EvalPoint>,
+}
+
+/// Reads every step and eval record of a metrics file.
+pub fn read_run(file: &Path) -> Result<RunMetrics, MetricsError> {
+    let text = read(file)?;
+    let (mut steps, mut evals) = (BTreeMap::new(), BTreeMap::new());
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let parse = |message: String| MetricsError::Parse { path: file.to_path_buf(), line: i + 1, message };
+        let record: Value = serde_json::from_str(line).map_err(|e| parse(format!("not JSON ({e})")))?;
+        let data = record["data"].clone();
+        match record["type"].as_str() {
+            Some("step") => {
+                let p: StepPoint =
+                    serde_json::from_value(data).map_err(|e| parse(format!("not a step record ({e})")))?;
+                steps.insert(p.step, p);
+            }
+            Some("eval") => {
+                let p: EvalPoint =
+                    serde_json::from_value(data).map_err(|e| parse(format!("not an eval record ({e})")))?;
+                evals.insert(p.step, p);
+            }
+            _ => return Err(parse("its type is neither \"step\" nor \"eval\"".into())),
+        }
+    }
+    Ok(RunMetrics { steps: steps.into_values().collect(), evals: evals.into_values().collect() })
+}
+
+fn read(file: &Path) -> Result<String, MetricsError> {
+    std::fs::read_to_string(file).map_err(|e| MetricsError::Io {
+        path: file.to_path_buf(),
+        message: match e.kind() {
+            std::io::ErrorKind::NotFound => {
+                format!("not found: give a run directory (train.out_dir) holding {METRICS_FILE}, or the file itself")
+            }
+            _ => e.to_string(),
+        },
+    })
 }
 
 /// Adds the dotted names of `v`'s numeric leaves under `prefix` to `out`.
@@ -136,6 +226,30 @@ mod tests {
         assert_eq!(read_series(&path, "val_loss").unwrap(), vec![(2, 4.25)]);
         assert_eq!(read_series(&path, "loss").unwrap(), vec![(1, 5.5), (2, 4.0), (3, 3.25)]);
         assert_eq!(read_series(&path, "memory.peak").unwrap(), vec![(1, 100.0), (2, 120.0), (3, 90.0)]);
+    }
+
+    #[test]
+    fn a_whole_run_reads_back_with_its_memory_and_events() {
+        let memory = r#""memory":{"params":1,"grads":2,"optimizer":3,"data":4,"activations":5,"peak":15,"budget":0}"#;
+        let (_dir, path) = file_with(&[
+            &format!(r#"{{"type":"step","data":{{"step":1,"loss":5.5,"micro_batch":8,{memory}}}}}"#),
+            &format!(
+                r#"{{"type":"step","data":{{"step":2,"loss":4.5,"micro_batch":4,{memory},"memory_events":["shrink"]}}}}"#
+            ),
+            r#"{"type":"eval","data":{"step":2,"val_loss":4.25,"entropy_floor":1.5}}"#,
+            &format!(r#"{{"type":"step","data":{{"step":2,"loss":4.0,"micro_batch":4,{memory}}}}}"#),
+        ]);
+        let run = read_run(&path).unwrap();
+        assert_eq!(
+            run.steps.iter().map(|s| (s.step, s.loss, s.micro_batch)).collect::<Vec<_>>(),
+            [(1, 5.5, 8), (2, 4.0, 4)]
+        );
+        assert_eq!(run.steps[0].memory.activations, 5);
+        assert!(run.steps[1].memory_events.is_empty(), "the last record of step 2 wins");
+        assert_eq!(run.evals, [EvalPoint { step: 2, val_loss: 4.25, entropy_floor: Some(1.5) }]);
+        let (_dir, path) = file_with(&[r#"{"type":"step","data":{"step":1}}"#]);
+        let e = read_run(&path).unwrap_err().to_string();
+        assert!(e.contains(":1: not a step record (missing field `loss`"), "{e}");
     }
 
     #[test]
