@@ -84,6 +84,22 @@ pub enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Find configurations that fit a memory budget: searches the micro-batch (gradient
+    /// accumulation keeps the effective batch), precision, checkpoint policy, attention
+    /// kernel and optimizer among the installed plugins, estimates each (as `ava estimate`)
+    /// and ranks those that fit by predicted step time.
+    ///
+    /// Step time is predicted from FLOPs: three passes of the blocks and head, one more
+    /// forward of each recomputed block, the scores a flash-style kernel recomputes in
+    /// backward, this CPU engine's measured cost of bf16 (2.2x) and each optimizer's step
+    /// cost; it is relative to the config as given. Offload is not searched yet.
+    ///
+    /// Examples:
+    ///   ava plan --budget 24GiB -c configs/small.yaml
+    ///   ava plan --budget rtx-4090-24gb --model llama-7b
+    ///   ava plan --budget 200MiB -c configs/small.yaml --write small-200m.yaml && ava train -c small-200m.yaml
+    #[command(verbatim_doc_comment)]
+    Plan(PlanArgs),
     /// Report on runs from their metrics.jsonl. One run: a summary (loss, validation loss
     /// against the entropy floor, peak memory by component, micro-batch changes and memory
     /// events) and charts of its loss and memory, as SVG and PNG in RUN/report. Several
@@ -106,6 +122,28 @@ pub enum Command {
     /// Show or validate the configuration.
     #[command(subcommand)]
     Config(ConfigCommand),
+}
+
+/// `ava plan` options.
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    /// Where the configuration comes from (the model, data and effective batch to plan for).
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Memory to fit: a size (24GiB, 512MB; 3% is kept back for the estimate's error) or a
+    /// device: rtx-3060-12gb, rtx-4090-24gb, a100-40gb, a100-80gb, h100-80gb (10% kept back
+    /// for the runtime), m2-16gb (65% usable: memory shared with the OS).
+    #[arg(long, value_name = "SIZE|DEVICE")]
+    pub budget: String,
+    /// A model preset instead of the config's model section: tiny, small, llama-7b.
+    #[arg(long, value_name = "PRESET")]
+    pub model: Option<String>,
+    /// How many of the configurations that fit to list, fastest first.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub top: usize,
+    /// Write the fastest configuration that fits to FILE (YAML), ready for `ava train -c FILE`.
+    #[arg(long, value_name = "FILE")]
+    pub write: Option<PathBuf>,
 }
 
 /// `ava train` options.

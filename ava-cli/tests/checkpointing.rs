@@ -261,3 +261,59 @@ fn a_hard_limit_backs_off_the_micro_batch_or_stops_saying_what_to_change() {
         "{stderr}"
     );
 }
+
+/// `ava plan` for a budget the naive config exceeds: the configuration it writes trains 20
+/// steps under the budget (measured), planning as the plan said; a budget nothing fits and
+/// a budget that is not one are refused with what to do.
+#[test]
+fn plan_picks_a_config_that_trains_under_the_budget() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let naive = estimated_peak(dir.path(), "plugins.checkpoint=none");
+    let budget = naive * 4 / 5; // 80% of what the config as given needs
+    let plan_args = |extra: &[&str]| {
+        let mut head = vec!["--format", "json", "plan"];
+        head.extend_from_slice(extra);
+        head.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let budget_arg = budget.to_string();
+    let head = plan_args(&["--budget", &budget_arg, "--write", "planned.yaml"]);
+    let head: Vec<&str> = head.iter().map(String::as_str).collect();
+    let plan = json_of(&ok(run(dir.path(), &head, &wide(&[]))));
+    let best = &plan["configs"][0];
+    println!("budget {budget} (naive {naive}): {best}");
+    assert!(best["peak"].as_u64().unwrap() < budget, "{plan}");
+    let expected: Vec<&str> = best["plan"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+
+    let args = [
+        "train",
+        "-c",
+        "planned.yaml",
+        "--max-steps",
+        "20",
+        "--set",
+        "train.out_dir=planned",
+        "--set",
+        "train.log_every=1",
+    ];
+    let out = ok(common::ava(dir.path(), &args));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("checkpoint plan: {}", expected.join(" "))), "{stderr}");
+    assert!(!stderr.contains("warning: memory"), "the memory policy acted on a planned run: {stderr}");
+    let records = steps(&dir.path().join("planned"));
+    assert_eq!(records.len(), 20);
+    let measured = records.iter().map(|r| r.1).max().unwrap();
+    println!("measured peak over 20 steps: {measured}");
+    assert!(measured <= budget, "the planned run peaked at {measured} bytes, over the budget {budget}");
+
+    let out = run(dir.path(), &["plan", "--budget", "1MB"], &wide(&[]));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no configuration fits") && err.contains("the smallest peak is"), "{err}");
+    let out = run(dir.path(), &["plan", "--budget", "lots"], &wide(&[]));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--budget \"lots\" is neither a size (e.g. 24GiB, 512MB) nor a device: rtx-3060-12gb"),
+        "{err}"
+    );
+}

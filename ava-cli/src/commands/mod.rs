@@ -7,6 +7,7 @@ mod bench_train;
 mod config_show;
 mod config_validate;
 mod estimate;
+mod plan;
 mod plugins_disable;
 mod plugins_enable;
 mod plugins_info;
@@ -30,6 +31,7 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
     match command {
         Command::Train(args) => train::run(p, &args),
         Command::Estimate { config } => estimate::run(p, &config),
+        Command::Plan(args) => plan::run(p, &args),
         Command::Report(args) => report::run(p, &args),
         Command::Bench(BenchCommand::Train { config, steps, warmup }) => bench_train::run(p, &config, steps, warmup),
         Command::Bench(BenchCommand::Attention(args)) => bench_attention::run(p, &args),

@@ -1,0 +1,498 @@
+//! `ava plan`: searches the micro-batch (gradient accumulation keeps the effective batch),
+//! the precision, the checkpoint policy, the attention kernel and the optimizer among the
+//! installed plugins, estimates each combination with the estimator, and ranks those that
+//! fit the budget by predicted step time. `--write FILE` writes the best as a config.
+//!
+//! The time model counts FLOPs: `accumulation · (3·F + R)` with F the forward FLOPs of the
+//! blocks and the head and R those of the blocks the plan recomputes (one more forward
+//! each), plus the scores a kernel that keeps no T×T probabilities recomputes in backward,
+//! times the precision's cost on this CPU engine, plus each optimizer's per-parameter cost.
+//! The constants are this engine's measurements (README: `ava bench train`, `ava bench
+//! optimizer` on this project's CI machine); times are relative to the config as given.
+
+use std::path::PathBuf;
+
+use ava_core::{AttentionKernel, AttnShape, PluginKind, format_size, parse_size};
+use ava_train::config::{Config, PluginSelection, Precision};
+use ava_train::estimate::{Estimate, Plugins, estimate};
+use ava_train::model::ModelSpec;
+use serde_json::json;
+
+use crate::{CmdResult, Failure, UsageExt, cli::PlanArgs, context, output::Printer};
+
+/// Device presets: (name, bytes on the device, bytes the plan may use).
+pub const DEVICES: &[(&str, u64, f64)] = &[
+    // GPUs: 10% back for the CUDA context, the allocator's caching and fragmentation.
+    ("rtx-3060-12gb", 12 << 30, 0.90),
+    ("rtx-4090-24gb", 24 << 30, 0.90),
+    ("a100-40gb", 40 << 30, 0.90),
+    ("a100-80gb", 80 << 30, 0.90),
+    ("h100-80gb", 80 << 30, 0.90),
+    // Unified memory shared with the OS and other programs.
+    ("m2-16gb", 16 << 30, 0.65),
+];
+
+/// A byte budget keeps this back: the estimate's measured error is under 1% (README), the
+/// allocator's run-to-run jitter a few hundred KB.
+const BYTES_KEPT: f64 = 0.97;
+
+/// Model presets for `--model`: `model.*` settings.
+const MODELS: &[(&str, &[&str])] = &[
+    ("tiny", &[]),
+    (
+        "small",
+        &[
+            "model.vocab_size=256",
+            "model.hidden_size=256",
+            "model.num_layers=4",
+            "model.num_heads=4",
+            "model.num_kv_heads=4",
+            "model.intermediate_size=704",
+        ],
+    ),
+    (
+        "llama-7b",
+        &[
+            "model.vocab_size=32000",
+            "model.hidden_size=4096",
+            "model.num_layers=32",
+            "model.num_heads=32",
+            "model.num_kv_heads=32",
+            "model.intermediate_size=11008",
+        ],
+    ),
+];
+
+/// Cost of a step in bf16 or f16 against fp32 on this CPU engine (the casts around every
+/// op): 4.44 s against 2.04 s, `ava bench train` on small.yaml at 8 layers, 2026-11-23.
+const HALF_PRECISION_COST: f64 = 2.2;
+
+/// The fixed cost of a micro-step, in forward-FLOP equivalents per parameter: each one
+/// packs every weight for its matmuls and adds its gradients to the accumulators. Measured
+/// with `ava bench train` on small.yaml at 8 layers: micro-batch 8 × 1 took 3.4 s a step,
+/// 1 × 8 took 6.8 s, i.e. 0.49 s a micro-step beside 0.36 s a sequence, 2026-11-23.
+const MICRO_STEP_COST: f64 = 2300.0;
+
+/// Optimizer step cost in forward-FLOP equivalents per parameter: AdamW's step is 0.5% of
+/// small.yaml's step (5.9 ms of ~1.1 s), the others scaled by `ava bench optimizer`'s step
+/// times (README table). An optimizer not listed costs as AdamW.
+fn optimizer_cost(name: &str) -> f64 {
+    let adamw = 60.0;
+    adamw
+        * match name {
+            "adam-8bit" => 13.1 / 5.9,
+            "adafactor" => 6.4 / 5.9,
+            "adam-mini" | "lion" => 4.8 / 5.9,
+            "sgd" => 0.3,
+            _ => 1.0,
+        }
+}
+
+/// The usable bytes of `--budget`, and how it was read.
+fn budget(text: &str) -> Result<(u64, String), Failure> {
+    if let Some((name, bytes, usable)) = DEVICES.iter().find(|d| d.0 == text) {
+        let b = (*bytes as f64 * usable) as u64;
+        return Ok((
+            b,
+            format!(
+                "{name}: {} of {} ({:.0}% kept back for the runtime)",
+                format_size(b),
+                format_size(*bytes),
+                100.0 * (1.0 - usable)
+            ),
+        ));
+    }
+    match parse_size(text) {
+        Ok(bytes) if bytes > 0 => {
+            let b = (bytes as f64 * BYTES_KEPT) as u64;
+            Ok((
+                b,
+                format!(
+                    "{} of {} (3% kept back for the estimate's error and allocator jitter)",
+                    format_size(b),
+                    format_size(bytes)
+                ),
+            ))
+        }
+        _ => Err(Failure::Usage(anyhow::anyhow!(
+            "--budget {text:?} is neither a size (e.g. 24GiB, 512MB) nor a device: {}",
+            DEVICES.iter().map(|d| d.0).collect::<Vec<_>>().join(", ")
+        ))),
+    }
+}
+
+/// One combination.
+#[derive(Debug, Clone)]
+struct Candidate {
+    micro_batch: usize,
+    accumulation: usize,
+    precision: Precision,
+    attention: PluginSelection,
+    optimizer: PluginSelection,
+    checkpoint: PluginSelection,
+}
+
+impl Candidate {
+    /// The `--set` values that make a config this candidate, with `memory.budget`. A
+    /// selective policy is pinned to the activation budget the plan gave it, so training
+    /// plans exactly as estimated.
+    fn sets(&self, budget: u64, est: &Estimate) -> Vec<String> {
+        let sel = |s: &PluginSelection| {
+            if s.options.is_empty() { s.name.clone() } else { serde_json::to_string(&s.to_value()).expect("JSON") }
+        };
+        vec![
+            format!("train.micro_batch_size={}", self.micro_batch),
+            format!("train.gradient_accumulation_steps={}", self.accumulation),
+            format!("train.precision={}", self.precision.as_str()),
+            format!("plugins.attention={}", sel(&self.attention)),
+            format!("plugins.optimizer={}", sel(&self.optimizer)),
+            if self.checkpoint.name == "selective" && est.activation_budget > 0 {
+                format!("plugins.checkpoint={{name: selective, budget: {}}}", est.activation_budget)
+            } else {
+                format!("plugins.checkpoint={}", sel(&self.checkpoint))
+            },
+            format!("memory.budget={budget}"),
+        ]
+    }
+}
+
+/// A candidate estimated.
+struct Planned {
+    candidate: Candidate,
+    estimate: Estimate,
+    /// Predicted step cost in FLOP equivalents.
+    cost: f64,
+}
+
+pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
+    let (usable, budget_text) = budget(&args.budget)?;
+    let mut config_args = args.config.clone();
+    if let Some(model) = &args.model {
+        let Some((_, sets)) = MODELS.iter().find(|m| m.0 == model) else {
+            return Err(Failure::Usage(anyhow::anyhow!(
+                "--model {model:?} is not a preset: {}",
+                MODELS.iter().map(|m| m.0).collect::<Vec<_>>().join(", ")
+            )));
+        };
+        // Before the user's --set, which win.
+        config_args.set.splice(0..0, sets.iter().map(|s| s.to_string()));
+    }
+    let ctx = context::load_checked(&config_args, p)?;
+    let base = context::load_config(&config_args, p)?.into_config();
+    let spec = ava_train::train::model_spec(&base).usage()?;
+    let registry = &ctx.registry;
+
+    // The choices. Attention: the configured kernel, and flash for standard (the same
+    // attention, O(T) memory); kernels that change what attends to what are not offered.
+    // Optimizers: the configured one, and for AdamW the installed ones that approximate it
+    // with less state (Lion needs its own learning rate, so it is not offered).
+    let installed = |kind: PluginKind, name: &str| match kind {
+        PluginKind::Attention => registry.attention(name, "{}").is_ok(),
+        PluginKind::Optimizer => registry.optimizer(name, "{}").is_ok(),
+        _ => registry.checkpoint(name, "{}").is_ok(),
+    };
+    let mut attentions = vec![base.plugins.attention.clone()];
+    if base.plugins.attention.name == "standard" && installed(PluginKind::Attention, "flash") {
+        attentions.push(PluginSelection::new("flash"));
+    }
+    let mut optimizers = vec![base.plugins.optimizer.clone()];
+    if base.plugins.optimizer.name == "adamw" {
+        for name in ["adam-8bit", "adam-mini", "adafactor"] {
+            if installed(PluginKind::Optimizer, name) {
+                optimizers.push(PluginSelection::new(name));
+            }
+        }
+    }
+    let mut checkpoints = vec![PluginSelection::new("none"), PluginSelection::new("full")];
+    if installed(PluginKind::Checkpoint, "selective") {
+        checkpoints.push(PluginSelection::new("selective"));
+    }
+    let mut precisions = vec![base.train.precision];
+    for p in [Precision::Fp32, Precision::Bf16] {
+        if !precisions.contains(&p) {
+            precisions.push(p);
+        }
+    }
+    // A plan fits under the memory policy's target, so the run it writes stays quiet: the
+    // thresholds policy warns and acts above `target` of memory.budget (0.90 by default).
+    let target = match base.plugins.memory.name.as_str() {
+        "thresholds" => base.plugins.memory.options.get("target").and_then(|v| v.as_f64()).unwrap_or(0.90),
+        _ => 1.0,
+    };
+    let aim = (usable as f64 * target) as u64;
+    let effective = base.train.effective_batch();
+    let micro_batches: Vec<usize> = (0..)
+        .map(|k| base.train.micro_batch_size >> k)
+        .take_while(|&m| m >= 1)
+        .filter(|m| effective % m == 0)
+        .collect();
+
+    let mut candidates = Vec::new();
+    for attention in &attentions {
+        for optimizer in &optimizers {
+            for &precision in &precisions {
+                for &micro_batch in &micro_batches {
+                    for checkpoint in &checkpoints {
+                        candidates.push(Candidate {
+                            micro_batch,
+                            accumulation: effective / micro_batch,
+                            precision,
+                            attention: attention.clone(),
+                            optimizer: optimizer.clone(),
+                            checkpoint: checkpoint.clone(),
+                        });
+                    }
+                }
+            }
+        }
+    }
+    let total = candidates.len();
+    let mut planned = Vec::new();
+    let mut refused = 0;
+    for c in candidates {
+        match plan_one(registry, &spec, &base, &c, aim) {
+            Ok(Some(x)) => planned.push(x),
+            Ok(None) | Err(_) => refused += 1,
+        }
+    }
+    // The config as given, for reference (its own budget, its own plan).
+    let given = Candidate {
+        micro_batch: base.train.micro_batch_size,
+        accumulation: base.train.gradient_accumulation_steps,
+        precision: base.train.precision,
+        attention: base.plugins.attention.clone(),
+        optimizer: base.plugins.optimizer.clone(),
+        checkpoint: base.plugins.checkpoint.clone(),
+    };
+    let reference = plan_one(registry, &spec, &base, &given, 0).ok().flatten();
+    let reference_cost = reference.as_ref().map_or(1.0, |r| r.cost);
+
+    // A selective plan that keeps or recomputes every block is `none` or `full` again.
+    planned.retain(|x| {
+        let n = x.estimate.plan.iter().filter(|d| d.is_recomputed()).count();
+        x.candidate.checkpoint.name != "selective" || (n != 0 && n != x.estimate.plan.len())
+    });
+    let mut fitting: Vec<&Planned> = planned.iter().filter(|x| x.estimate.breakdown.peak <= aim).collect();
+    // Fastest first; within 1% of each other, the fewest changes to the config, then the
+    // smallest peak (the time model does not resolve closer than that).
+    let key = |x: &Planned| ((x.cost / reference_cost * 100.0).round() as i64, changes(&given, &x.candidate));
+    fitting.sort_by(|a, b| key(a).cmp(&key(b)).then(a.estimate.breakdown.peak.cmp(&b.estimate.breakdown.peak)));
+    let Some(best) = fitting.first() else {
+        let smallest = planned.iter().min_by_key(|x| x.estimate.breakdown.peak);
+        return Err(Failure::Usage(anyhow::anyhow!(
+            "no configuration fits {budget_text} (plans aim under {}, the memory policy's target): of {total} searched, \
+             the smallest peak is {}{}; lower data.seq_len, \
+             use a smaller model, or give a larger budget",
+            format_size(aim),
+            smallest.map_or("unknown".into(), |s| format_size(s.estimate.breakdown.peak)),
+            smallest.map_or(String::new(), |s| format!(" ({})", describe(&s.candidate, &s.estimate)))
+        )));
+    };
+
+    let mut written = None;
+    if let Some(file) = &args.write {
+        write_config(p, &config_args, best, usable, file, &args.budget)?;
+        written = Some(file.clone());
+    }
+    let top: Vec<&&Planned> = fitting.iter().take(args.top.max(1)).collect();
+    p.result(
+        || {
+            let mut out = format!(
+                "budget {budget_text}; plans fit under {:.0}% of it ({}), the memory policy's target\n\
+                 searched {total} configurations ({refused} refused by a plugin), {} fit\n",
+                100.0 * target,
+                format_size(aim),
+                fitting.len()
+            );
+            if let Some(r) = &reference {
+                out.push_str(&format!(
+                    "the config as given: {}, peak {} ({})\n",
+                    describe(&given, &r.estimate),
+                    format_size(r.estimate.breakdown.peak),
+                    if r.estimate.breakdown.peak <= aim { "fits" } else { "over the budget" }
+                ));
+            }
+            let headers = ["#", "micro × acc", "precision", "attention", "optimizer", "checkpoint", "peak", "of budget", "step time", "params / grads / optimizer / activations"];
+            let rows: Vec<Vec<String>> = top
+                .iter()
+                .enumerate()
+                .map(|(i, x)| {
+                    let b = &x.estimate.breakdown;
+                    vec![
+                        (i + 1).to_string(),
+                        format!("{} × {}", x.candidate.micro_batch, x.candidate.accumulation),
+                        x.candidate.precision.as_str().to_string(),
+                        x.candidate.attention.name.clone(),
+                        x.candidate.optimizer.name.clone(),
+                        plan_text(&x.candidate.checkpoint.name, &x.estimate),
+                        format_size(b.peak),
+                        format!("{:.0}%", 100.0 * b.peak as f64 / usable as f64),
+                        format!("×{:.2}", x.cost / reference_cost),
+                        format!("{} / {} / {} / {}", format_size(b.params), format_size(b.grads), format_size(b.optimizer), format_size(b.activations)),
+                    ]
+                })
+                .collect();
+            out.push_str(&crate::output::table(&headers, &rows));
+            out.push_str("\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see `ava plan --help`)");
+            out.push_str("\noffload: not searched (the installed tier, ram, keeps what it holds in host memory)");
+            if let Some(f) = &written {
+                out.push_str(&format!("\nwrote {}: run it with ava train -c {}", f.display(), f.display()));
+            }
+            out
+        },
+        || {
+            json!({
+                "budget": usable,
+                "searched": total,
+                "fit": fitting.len(),
+                "written": written.as_ref().map(|f| f.display().to_string()),
+                "configs": top.iter().map(|x| json!({
+                    "micro_batch": x.candidate.micro_batch,
+                    "gradient_accumulation_steps": x.candidate.accumulation,
+                    "precision": x.candidate.precision.as_str(),
+                    "attention": x.candidate.attention.name,
+                    "optimizer": x.candidate.optimizer.name,
+                    "checkpoint": x.candidate.checkpoint.name,
+                    "plan": x.estimate.plan.iter().map(|d| d.as_str()).collect::<Vec<_>>(),
+                    "peak": x.estimate.breakdown.peak,
+                    "relative_step_time": x.cost / reference_cost,
+                    "breakdown": x.estimate.breakdown,
+                    "sets": x.candidate.sets(usable, &x.estimate),
+                })).collect::<Vec<_>>(),
+            })
+        },
+    );
+    Ok(())
+}
+
+/// Estimates `c` with `memory.budget` = `usable` (0: the config's own); `None` when a plugin
+/// refuses it (a budget policy that cannot fit, an optimizer that cannot be built).
+fn plan_one(
+    registry: &ava_plugins::Registry,
+    spec: &ModelSpec,
+    base: &Config,
+    c: &Candidate,
+    usable: u64,
+) -> Result<Option<Planned>, Failure> {
+    let mut config = base.clone();
+    config.train.micro_batch_size = c.micro_batch;
+    config.train.gradient_accumulation_steps = c.accumulation;
+    config.train.precision = c.precision;
+    config.plugins.attention = c.attention.clone();
+    config.plugins.optimizer = c.optimizer.clone();
+    config.plugins.checkpoint = c.checkpoint.clone();
+    if usable > 0 {
+        config.memory.budget = ava_train::config::ByteSize(usable);
+    }
+    let Ok(options) = ava_train::train::optimizer_options(registry, &c.optimizer, spec) else { return Ok(None) };
+    let (Ok(optimizer), Ok(attention), Ok(checkpoint)) = (
+        registry.optimizer(&c.optimizer.name, &options),
+        registry.attention(&c.attention.name, &c.attention.options_json()),
+        registry.checkpoint(&c.checkpoint.name, &c.checkpoint.options_json()),
+    ) else {
+        return Ok(None);
+    };
+    if !attention.supports_backward() {
+        return Ok(None);
+    }
+    let plugins =
+        Plugins { optimizer: optimizer.as_ref(), attention: attention.as_ref(), checkpoint: checkpoint.as_ref() };
+    let Ok(est) = estimate(spec, &config, &plugins) else { return Ok(None) };
+    let cost = cost(spec, c, &est, attention.as_ref());
+    Ok(Some(Planned { candidate: c.clone(), estimate: est, cost }))
+}
+
+/// The predicted step cost in forward-FLOP equivalents (see the module docs).
+fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate, attention: &dyn AttentionKernel) -> f64 {
+    let (b, t) = (c.micro_batch as f64, est.seq_len as f64);
+    let blocks: f64 = est.block_facts.iter().map(|f| f.forward_flops as f64).sum();
+    let head = 2.0 * b * t * (spec.hidden * spec.vocab) as f64;
+    let recomputed: f64 = est
+        .block_facts
+        .iter()
+        .zip(&est.plan)
+        .filter(|(_, d)| d.is_recomputed())
+        .map(|(f, _)| f.forward_flops as f64)
+        .sum();
+    // A kernel that saves less than the T×T probabilities recomputes the scores (Q·Kᵀ) in
+    // backward: 2·d·T more per token and block.
+    let head_dim = spec.hidden / spec.heads;
+    let shape = AttnShape {
+        batch: c.micro_batch as u32,
+        q_heads: spec.heads as u32,
+        kv_heads: spec.kv_heads as u32,
+        q_len: est.seq_len as u32,
+        kv_len: est.seq_len as u32,
+        head_dim: head_dim as u32,
+        causal: true,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+    };
+    let probabilities = b * spec.heads as f64 * t * t;
+    let saved = attention.saved_len(&shape).map_or(f64::INFINITY, |n| n as f64);
+    let rescores = if saved < probabilities { 2.0 * b * t * spec.hidden as f64 * t * spec.layers as f64 } else { 0.0 };
+    let precision = if c.precision == Precision::Fp32 { 1.0 } else { HALF_PRECISION_COST };
+    let n = est.num_params as f64;
+    let compute =
+        c.accumulation as f64 * (3.0 * (blocks + head) + recomputed + rescores + MICRO_STEP_COST * n) * precision;
+    compute + optimizer_cost(&c.optimizer.name) * n
+}
+
+/// How many of the searched settings differ from the config's.
+fn changes(given: &Candidate, c: &Candidate) -> usize {
+    [
+        c.micro_batch != given.micro_batch,
+        c.precision != given.precision,
+        c.attention.name != given.attention.name,
+        c.optimizer.name != given.optimizer.name,
+        c.checkpoint.name != given.checkpoint.name,
+    ]
+    .iter()
+    .filter(|&&d| d)
+    .count()
+}
+
+/// `recompute ×8` or `none`: what the checkpoint policy decided.
+fn plan_text(name: &str, est: &Estimate) -> String {
+    let n = est.plan.iter().filter(|d| d.is_recomputed()).count();
+    match (name, n) {
+        (_, 0) => format!("{name} (keeps all)"),
+        (_, n) if n == est.plan.len() => format!("{name} (recomputes all {n})"),
+        _ => format!("{name} (recomputes {n} of {})", est.plan.len()),
+    }
+}
+
+fn describe(c: &Candidate, est: &Estimate) -> String {
+    format!(
+        "micro-batch {} × {}, {}, {}, {}, {}",
+        c.micro_batch,
+        c.accumulation,
+        c.precision.as_str(),
+        c.attention.name,
+        c.optimizer.name,
+        plan_text(&c.checkpoint.name, est)
+    )
+}
+
+/// Writes the chosen configuration: the base config with the candidate's settings, as the
+/// effective YAML (it reads back to the same config), headed by the command that runs it.
+fn write_config(
+    p: &Printer,
+    base: &crate::cli::ConfigArgs,
+    best: &Planned,
+    usable: u64,
+    file: &PathBuf,
+    budget_arg: &str,
+) -> CmdResult {
+    let mut args = base.clone();
+    args.set.extend(best.candidate.sets(usable, &best.estimate));
+    let loaded = context::load_config(&args, p)?;
+    let text = format!(
+        "# ava train -c {}\n# Written by ava plan --budget {budget_arg}: its choices are the values \"from: --set\"; \
+         memory.budget is\n# what the plan fits under (the thresholds memory policy acts at fractions of it).\n{}",
+        file.display(),
+        loaded.to_yaml()
+    );
+    std::fs::write(file, text)
+        .map_err(|e| Failure::Runtime(anyhow::anyhow!("cannot write {}: {e}", file.display())))?;
+    Ok(())
+}
