@@ -115,6 +115,11 @@ fn out_of_memory_at_the_smallest_micro_batch_saves_and_stops_losing_nothing() {
     assert!(summary.checkpoint.as_deref().is_some_and(|c| c.ends_with("step-00000002")), "{summary:?}");
     assert!(summary.model_dir.is_none());
 
+    // Resumed and out of memory again at once: it stops at the checkpoint it resumed from.
+    let again = TrainOptions { resume: Some("latest".into()), oom_at_step: Some(3), ..Default::default() };
+    let summary = trainer(&cfg, again.clone()).run(&again, &mut Silent).unwrap();
+    assert!(summary.stopped.is_some() && summary.checkpoint.as_deref().is_some_and(|c| c.ends_with("step-00000002")));
+
     // Resumed, it finishes exactly as a run that never failed.
     let resume = TrainOptions { resume: Some("latest".into()), ..Default::default() };
     let mut resumed = trainer(&cfg, resume.clone());

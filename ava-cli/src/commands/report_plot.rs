@@ -5,7 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
-use ava_train::train::metrics::{MemoryPoint, RunMetrics, StepPoint};
+use ava_train::memory::Breakdown;
+use ava_train::train::metrics::{RunMetrics, StepPoint};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
@@ -67,7 +68,7 @@ pub fn run_charts(run: &RunMetrics, name: &str, dir: &Path) -> Result<Vec<PathBu
     };
     // Memory: components stacked from the bottom, in MiB.
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
-    type Component = (&'static str, fn(&MemoryPoint) -> u64);
+    type Component = (&'static str, fn(&Breakdown) -> u64);
     let components: [Component; 5] = [
         ("parameters", |m| m.params),
         ("gradients", |m| m.grads),

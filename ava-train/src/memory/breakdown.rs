@@ -1,6 +1,6 @@
 //! The memory breakdown of one step, measured or estimated, and its one-line rendering.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Bytes as GiB.
 pub fn gib(bytes: u64) -> f64 {
@@ -8,7 +8,8 @@ pub fn gib(bytes: u64) -> f64 {
 }
 
 /// Where the bytes of a training step go.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+/// Read back from `metrics.jsonl` by `ava report` (the measured-only fields may be absent).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Breakdown {
     /// f32 master weights (plus compute-precision copies while a step runs).
     pub params: u64,
@@ -26,8 +27,10 @@ pub struct Breakdown {
     /// The budget from `memory.budget`.
     pub budget: u64,
     /// Resident set size reported by the OS, when known (measured only).
+    #[serde(default)]
     pub resident: Option<u64>,
     /// Bytes allocated when `resident` was read (measured only).
+    #[serde(default)]
     pub allocated: u64,
 }
 

@@ -97,29 +97,10 @@ pub struct StepPoint {
     /// The micro-batch it ran at.
     pub micro_batch: u64,
     /// Measured memory by component.
-    pub memory: MemoryPoint,
+    pub memory: crate::memory::Breakdown,
     /// What the memory policy and the out-of-memory back-off did at this step.
     #[serde(default)]
     pub memory_events: Vec<String>,
-}
-
-/// A step's measured memory (bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
-pub struct MemoryPoint {
-    /// Parameters.
-    pub params: u64,
-    /// Gradients.
-    pub grads: u64,
-    /// Optimizer state.
-    pub optimizer: u64,
-    /// Data.
-    pub data: u64,
-    /// Activations and everything else at the peak.
-    pub activations: u64,
-    /// The peak.
-    pub peak: u64,
-    /// `memory.budget` (0: none).
-    pub budget: u64,
 }
 
 /// An evaluation as the report needs it.

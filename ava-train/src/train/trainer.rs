@@ -430,8 +430,12 @@ impl Trainer {
             let mut record = match self.train_step() {
                 Ok(record) => record,
                 Err(e @ TrainError::OutOfMemory { .. }) => {
-                    // Nothing of the step was applied: save what the last step left, and stop.
-                    if self.step > 0 && saved_at != Some(self.step) {
+                    // Nothing of the step was applied: save what the last step left (unless
+                    // it is saved already, e.g. the checkpoint this run resumed from), and stop.
+                    let existing = self.store.root().join(crate::save::step_dir_name(self.step));
+                    if existing.is_dir() {
+                        summary.checkpoint = Some(existing.display().to_string());
+                    } else if self.step > 0 {
                         let dir = self.save_checkpoint()?;
                         reporter.checkpoint(self.step, &dir);
                         summary.checkpoint = Some(dir.display().to_string());
