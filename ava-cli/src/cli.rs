@@ -90,9 +90,10 @@ pub enum Command {
     /// and ranks those that fit by predicted step time.
     ///
     /// Step time is predicted from FLOPs: three passes of the blocks and head, one more
-    /// forward of each recomputed block, the scores a flash-style kernel recomputes in
-    /// backward, this CPU engine's measured cost of bf16 (2.2x) and each optimizer's step
-    /// cost; it is relative to the config as given. Offload is not searched yet.
+    /// forward of each recomputed block, and this CPU engine's measured costs (ava bench):
+    /// the attention kernel against standard (flash 1.06x), bf16 (2.2x fp32), a micro-step's
+    /// fixed cost, each optimizer's step. It is relative to the config as given. Offload is
+    /// not searched yet.
     ///
     /// Examples:
     ///   ava plan --budget 24GiB -c configs/small.yaml

@@ -3,16 +3,17 @@
 //! installed plugins, estimates each combination with the estimator, and ranks those that
 //! fit the budget by predicted step time. `--write FILE` writes the best as a config.
 //!
-//! The time model counts FLOPs: `accumulation · (3·F + R)` with F the forward FLOPs of the
-//! blocks and the head and R those of the blocks the plan recomputes (one more forward
-//! each), plus the scores a kernel that keeps no T×T probabilities recomputes in backward,
-//! times the precision's cost on this CPU engine, plus each optimizer's per-parameter cost.
+//! The time model counts FLOPs: `accumulation · (3·F + R + K + M)` with F the forward FLOPs
+//! of the blocks and the head, R those of the blocks the plan recomputes (one more forward
+//! each), K the attention kernel's measured cost over standard's on its share, M a
+//! micro-step's fixed cost; times the precision's cost on this CPU engine; plus each
+//! optimizer's per-parameter step cost.
 //! The constants are this engine's measurements (README: `ava bench train`, `ava bench
 //! optimizer` on this project's CI machine); times are relative to the config as given.
 
 use std::path::PathBuf;
 
-use ava_core::{AttentionKernel, AttnShape, PluginKind, format_size, parse_size};
+use ava_core::{PluginKind, format_size, parse_size};
 use ava_train::config::{Config, PluginSelection, Precision};
 use ava_train::estimate::{Estimate, Plugins, estimate};
 use ava_train::model::ModelSpec;
@@ -86,6 +87,17 @@ fn optimizer_cost(name: &str) -> f64 {
             "sgd" => 0.3,
             _ => 1.0,
         }
+}
+
+/// An attention kernel's forward + backward time against `standard`'s: flash took
+/// 1.01–1.11× standard's (it recomputes the scores in backward, in tiles that stay in
+/// cache), `ava bench attention --kernels standard,flash --seq 256,1024 --heads 4
+/// --head-dim 64 --batch 8 --threads 2`, 2026-11-23. A kernel not listed costs as standard.
+fn attention_cost(name: &str) -> f64 {
+    match name {
+        "flash" => 1.06,
+        _ => 1.0,
+    }
 }
 
 /// The usable bytes of `--budget`, and how it was read.
@@ -398,12 +410,12 @@ fn plan_one(
     let plugins =
         Plugins { optimizer: optimizer.as_ref(), attention: attention.as_ref(), checkpoint: checkpoint.as_ref() };
     let Ok(est) = estimate(spec, &config, &plugins) else { return Ok(None) };
-    let cost = cost(spec, c, &est, attention.as_ref());
+    let cost = cost(spec, c, &est);
     Ok(Some(Planned { candidate: c.clone(), estimate: est, cost }))
 }
 
 /// The predicted step cost in forward-FLOP equivalents (see the module docs).
-fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate, attention: &dyn AttentionKernel) -> f64 {
+fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate) -> f64 {
     let (b, t) = (c.micro_batch as f64, est.seq_len as f64);
     let blocks: f64 = est.block_facts.iter().map(|f| f.forward_flops as f64).sum();
     let head = 2.0 * b * t * (spec.hidden * spec.vocab) as f64;
@@ -414,26 +426,14 @@ fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate, attention: &dyn Attenti
         .filter(|(_, d)| d.is_recomputed())
         .map(|(f, _)| f.forward_flops as f64)
         .sum();
-    // A kernel that saves less than the T×T probabilities recomputes the scores (Q·Kᵀ) in
-    // backward: 2·d·T more per token and block.
-    let head_dim = spec.hidden / spec.heads;
-    let shape = AttnShape {
-        batch: c.micro_batch as u32,
-        q_heads: spec.heads as u32,
-        kv_heads: spec.kv_heads as u32,
-        q_len: est.seq_len as u32,
-        kv_len: est.seq_len as u32,
-        head_dim: head_dim as u32,
-        causal: true,
-        scale: 1.0 / (head_dim as f32).sqrt(),
-    };
-    let probabilities = b * spec.heads as f64 * t * t;
-    let saved = attention.saved_len(&shape).map_or(f64::INFINITY, |n| n as f64);
-    let rescores = if saved < probabilities { 2.0 * b * t * spec.hidden as f64 * t * spec.layers as f64 } else { 0.0 };
+    // The attention kernel's measured cost against standard's, on its share of the FLOPs
+    // (scores and weighted sum, forward and backward: 3 · 4·d·T per token and block).
+    let attention_flops = 3.0 * 4.0 * spec.hidden as f64 * t * b * t * spec.layers as f64;
+    let kernel = attention_flops * (attention_cost(&c.attention.name) - 1.0);
     let precision = if c.precision == Precision::Fp32 { 1.0 } else { HALF_PRECISION_COST };
     let n = est.num_params as f64;
     let compute =
-        c.accumulation as f64 * (3.0 * (blocks + head) + recomputed + rescores + MICRO_STEP_COST * n) * precision;
+        c.accumulation as f64 * (3.0 * (blocks + head) + recomputed + kernel + MICRO_STEP_COST * n) * precision;
     compute + optimizer_cost(&c.optimizer.name) * n
 }
 
