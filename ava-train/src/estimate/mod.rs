@@ -507,9 +507,10 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
     };
     let mut outcome = decide(target);
     let same_plan = |a: &Result<_, EstimateError>, b: &Result<(Vec<BlockDecision>, _, _), EstimateError>| matches!((a, b), (Ok((p, _, _)), Ok((q, _, _))) if p == q);
-    if target > 0 && outcome.is_ok() && !same_plan(&outcome, &decide(1)) {
-        // Any budget above all the blocks' activations keeps them all.
-        let all_kept = facts.iter().map(|f| f.activation_bytes + f.input_bytes).sum::<u64>() + 1;
+    if target > 0 && !same_plan(&outcome, &decide(1)) {
+        // The most worth giving: room for every block's activations (a budget past that keeps
+        // them all), or all of memory.budget (for a policy whose model over-predicts).
+        let all_kept = (facts.iter().map(|f| f.activation_bytes + f.input_bytes).sum::<u64>() + 1).max(budget);
         match &outcome {
             Ok((_, _, false)) => {
                 let at_one = decide(1);
@@ -517,11 +518,19 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
                     (ctx.budget_bytes, outcome) = bisect(1, at_one, target);
                 }
             }
-            Ok((_, _, true)) if all_kept > target => {
+            // Refused, or fits: a larger budget may still fit (the policy's block model can
+            // over-predict the replay).
+            Ok((_, _, true)) | Err(EstimateError::Checkpoint { .. }) if all_kept > target => {
                 let at_top = decide(all_kept);
-                match at_top {
-                    Ok((_, _, true)) => (ctx.budget_bytes, outcome) = (all_kept, at_top),
-                    _ => (ctx.budget_bytes, outcome) = bisect(target, outcome, all_kept),
+                let (raised, at_raised) = match at_top {
+                    Ok((_, _, true)) => (all_kept, at_top),
+                    Ok((_, _, false)) => bisect(target, decide(target), all_kept),
+                    err => (all_kept, err),
+                };
+                // Only a plan that fits replaces the first answer: a refusal keeps the
+                // policy's own words about the budget memory.budget leaves.
+                if matches!(at_raised, Ok((_, _, true))) {
+                    (ctx.budget_bytes, outcome) = (raised, at_raised);
                 }
             }
             _ => {}

@@ -57,3 +57,58 @@ fn replay_frees_all_but_the_gradients_and_recompute_saves_memory() {
     assert!(full.bytes < keep.bytes, "{} vs {}", full.bytes, keep.bytes);
     assert!(keep.bytes >= 4 * n, "the gradients alone are 4·N");
 }
+
+/// A policy that refuses any budget under `threshold` and keeps every block otherwise: its
+/// model over-predicts, as a budget-driven plugin's may.
+struct Stubborn {
+    threshold: u64,
+}
+
+impl ava_core::CheckpointPolicy for Stubborn {
+    fn decide(
+        &self,
+        blocks: &[ava_core::BlockFacts],
+        ctx: &ava_core::CheckpointContext,
+    ) -> Result<Vec<BlockDecision>, ava_core::PluginError> {
+        if ctx.budget_bytes < self.threshold {
+            return Err(ava_core::PluginError::invalid_input(format!("{} is not enough", ctx.budget_bytes)));
+        }
+        Ok(vec![BlockDecision::Keep; blocks.len()])
+    }
+}
+
+/// The budget handed to a policy is calibrated against the replay in both directions: a
+/// policy that refuses what memory.budget leaves for activations, although its plan fits,
+/// is given more; one whose plan does not fit at any budget is refused with the reason.
+#[test]
+fn the_policy_budget_is_raised_when_the_replay_shows_room() {
+    let registry = ava_plugins::Registry::builtins();
+    let (optimizer, attention) =
+        (registry.optimizer("adamw", "{}").unwrap(), registry.attention("standard", "{}").unwrap());
+    let config = |budget: u64| {
+        crate::config::ConfigLoader::new()
+            .sets([format!("memory.budget={budget}").as_str()])
+            .load()
+            .unwrap()
+            .into_config()
+    };
+    let spec = ModelSpec::from_config(&config(0).model).unwrap();
+    let keep_all = super::Plugins {
+        optimizer: optimizer.as_ref(),
+        attention: attention.as_ref(),
+        checkpoint: &Stubborn { threshold: 0 },
+    };
+    let peak = super::estimate(&spec, &config(0), &keep_all).unwrap().breakdown.peak;
+    // Room for the keep-all plan, with a 1 MiB margin; what it leaves for activations.
+    let budget = peak + (1 << 20);
+    let target = super::estimate(&spec, &config(budget), &keep_all).unwrap().activation_budget;
+    let stubborn = Stubborn { threshold: target + (512 << 10) };
+    let plugins = super::Plugins { checkpoint: &stubborn, ..keep_all };
+    let est = super::estimate(&spec, &config(budget), &plugins).unwrap();
+    assert_eq!(est.plan, vec![BlockDecision::Keep; spec.layers]);
+    assert!(est.activation_budget >= stubborn.threshold, "{} < {}", est.activation_budget, stubborn.threshold);
+    assert!(est.breakdown.peak <= budget);
+    // Below the keep-all peak nothing fits: the policy's refusal, and why.
+    let e = super::estimate(&spec, &config(peak - 1), &plugins).unwrap_err().to_string();
+    assert!(e.contains("is not enough"), "{e}");
+}
