@@ -75,7 +75,12 @@ impl OffloadTier for RamTier {
         self.records().used
     }
 
-    fn put(&self, key: &str, bytes: &[u8]) -> Result<(), PluginError> {
+    /// Every stored byte is in host memory.
+    fn resident_bytes(&self) -> u64 {
+        self.records().used
+    }
+
+    fn put(&self, key: &str, bytes: &[u8], _dtype: DType) -> Result<(), PluginError> {
         let mut records = self.records();
         let replaced = records.map.get(key).map_or(0, |r| r.len() as u64);
         let after = records.used - replaced + bytes.len() as u64;
@@ -145,8 +150,8 @@ mod tests {
     fn round_trip_and_accounting() {
         let tier = build("").unwrap();
         assert_eq!(tier.capacity(), u64::MAX);
-        tier.put("opt/w/exp_avg", &[1, 2, 3, 4]).unwrap();
-        tier.put("act/0", &[9; 10]).unwrap();
+        tier.put("opt/w/exp_avg", &[1, 2, 3, 4], DType::U8).unwrap();
+        tier.put("act/0", &[9; 10], DType::U8).unwrap();
         assert_eq!(tier.used_bytes(), 14);
         assert_eq!(tier.len("opt/w/exp_avg").unwrap(), Some(4));
         assert_eq!(tier.len("missing").unwrap(), None);
@@ -157,7 +162,7 @@ mod tests {
         assert_eq!(back, [1, 2, 3, 4]);
 
         // Replacing a record counts only the new size.
-        tier.put("opt/w/exp_avg", &[7; 6]).unwrap();
+        tier.put("opt/w/exp_avg", &[7; 6], DType::U8).unwrap();
         assert_eq!(tier.used_bytes(), 16);
         let mut back = [0u8; 6];
         tier.get("opt/w/exp_avg", &mut back).unwrap();
@@ -176,16 +181,16 @@ mod tests {
     fn capacity_is_enforced() {
         let tier = build(r#"{"capacity": "1KiB"}"#).unwrap();
         assert_eq!(tier.capacity(), 1024);
-        tier.put("a", &[0; 1000]).unwrap();
-        let err = tier.put("b", &[0; 25]).unwrap_err();
+        tier.put("a", &[0; 1000], DType::U8).unwrap();
+        let err = tier.put("b", &[0; 25], DType::U8).unwrap_err();
         assert_eq!(err.kind, ErrorKind::OutOfMemory);
         assert_eq!(err.message.as_str(), "ram tier: cannot store 25 bytes under key 'b': 1000 of 1024 bytes in use");
         assert_eq!((tier.used_bytes(), tier.len("b").unwrap()), (1000, None));
         // Exactly full is allowed; replacing a record frees its old size first.
-        tier.put("b", &[0; 24]).unwrap();
-        tier.put("a", &[1; 990]).unwrap();
+        tier.put("b", &[0; 24], DType::U8).unwrap();
+        tier.put("a", &[1; 990], DType::U8).unwrap();
         assert_eq!(tier.used_bytes(), 1014);
-        let err = tier.put("a", &[2; 1001]).unwrap_err();
+        let err = tier.put("a", &[2; 1001], DType::U8).unwrap_err();
         assert_eq!(
             err.message.as_str(),
             "ram tier: cannot store 1001 bytes under key 'a': 1014 of 1024 bytes in use (990 of them by the record it would replace)"
@@ -199,7 +204,7 @@ mod tests {
     #[test]
     fn get_errors_name_the_key() {
         let tier = RamTier::new(None);
-        tier.put("k", &[1, 2, 3]).unwrap();
+        tier.put("k", &[1, 2, 3], DType::U8).unwrap();
         let err = tier.get("k", &mut [0u8; 2]).unwrap_err();
         assert_eq!(err.kind, ErrorKind::InvalidInput);
         assert_eq!(err.message.as_str(), "ram tier: record 'k' has 3 bytes, the buffer to read it into has 2");
@@ -217,7 +222,7 @@ mod tests {
                 let tier = &tier;
                 s.spawn(move || {
                     for i in 0..50 {
-                        tier.put(&format!("{t}/{i}"), &[t; 8]).unwrap();
+                        tier.put(&format!("{t}/{i}"), &[t; 8], DType::U8).unwrap();
                     }
                 });
             }

@@ -43,6 +43,8 @@ pub(crate) enum Kind {
     Bool,
     /// A byte size: an integer number of bytes or a string such as `2GiB`, `512MB`.
     Size,
+    /// Tier shares such as `[ram: 60%, nvme: 40%]` ([`Tiers`]).
+    Tiers,
 }
 
 /// One key of a section.
@@ -141,6 +143,10 @@ const CHECKPOINTS: &[Field] =
 /// The `memory` section.
 const MEMORY: &[Field] = &[Field { key: "budget", kind: Kind::Size }, Field { key: "hard_limit", kind: Kind::Size }];
 
+/// The `offload` section.
+const OFFLOAD: &[Field] =
+    &[Field { key: "tiers", kind: Kind::Tiers }, Field { key: "prefetch", kind: Kind::Int(0, 1 << 20) }];
+
 /// The top level: one entry per section.
 pub(crate) const ROOT: &[Field] = &[
     Field { key: "model", kind: Kind::Section(MODEL) },
@@ -148,6 +154,7 @@ pub(crate) const ROOT: &[Field] = &[
     Field { key: "train", kind: Kind::Section(TRAIN) },
     Field { key: "checkpoints", kind: Kind::Section(CHECKPOINTS) },
     Field { key: "memory", kind: Kind::Section(MEMORY) },
+    Field { key: "offload", kind: Kind::Section(OFFLOAD) },
     Field { key: "plugins", kind: Kind::Section(PLUGINS) },
 ];
 
@@ -185,6 +192,8 @@ pub struct Config {
     pub checkpoints: CheckpointsConfig,
     /// The memory budget.
     pub memory: MemoryConfig,
+    /// Where the optimizer state lives between steps.
+    pub offload: OffloadConfig,
     /// Which plugin provides each technique, and where plugins are found.
     pub plugins: PluginsConfig,
 }

@@ -1,4 +1,5 @@
-//! The engine's config sections (`model`, `data`, `train`, `checkpoints`, `memory`), typed.
+//! The engine's config sections (`model`, `data`, `train`, `checkpoints`, `memory`,
+//! `offload`), typed.
 //! Their keys, ranges and defaults are in the schema table and `default.yaml`; these structs
 //! are what the engine reads after validation.
 
@@ -203,6 +204,114 @@ pub struct MemoryConfig {
     /// allocations cross it is abandoned and retried at half the micro-batch, as a device
     /// out-of-memory error would be.
     pub hard_limit: ByteSize,
+}
+
+/// The `offload` section: where the optimizer state lives between steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadConfig {
+    /// The optimizer state's placement by fraction of its bytes: `ram` (kept in memory) and
+    /// the tier `plugins.offload` names.
+    pub tiers: Tiers,
+    /// Parameters whose offloaded state is read ahead while the optimizer steps another.
+    pub prefetch: usize,
+}
+
+/// One share of the optimizer state: a tier's name and the fraction of the bytes it holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierShare {
+    /// `ram`, or the name of the offload tier in `plugins.offload`.
+    pub name: String,
+    /// In [0, 1].
+    pub fraction: f64,
+}
+
+/// `[ram: 60%, nvme: 40%]`: shares that add up to 100%.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tiers(pub Vec<TierShare>);
+
+impl Tiers {
+    /// What a config's `offload.tiers` must look like, for messages.
+    pub const EXPECTED: &str = "expected a list of tier shares such as [ram: 60%, nvme: 40%]";
+
+    /// The fraction of the optimizer state kept in memory (the `ram` share).
+    pub fn in_ram(&self) -> f64 {
+        self.0.iter().filter(|t| t.name == "ram").map(|t| t.fraction).sum()
+    }
+
+    /// The tier the rest streams through, with its share, if any share is not `ram`.
+    pub fn offloaded(&self) -> Option<&TierShare> {
+        self.0.iter().find(|t| t.name != "ram" && t.fraction > 0.0)
+    }
+
+    /// Reads the list from its config value; the error says what is wrong with it.
+    pub fn from_value(value: &serde_json::Value) -> Result<Self, String> {
+        use serde_json::Value;
+        let Value::Array(items) = value else {
+            return Err(format!("{}, got {}", Self::EXPECTED, super::format::type_phrase(value)));
+        };
+        let mut shares = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let entry = match item {
+                Value::Object(map) if map.len() == 1 => map.iter().next().expect("one entry"),
+                _ => return Err(format!("entry {i}: {}: each entry is one `name: share`", Self::EXPECTED)),
+            };
+            let fraction = match entry.1 {
+                Value::String(s) if s.trim_end().ends_with('%') => {
+                    s.trim_end().trim_end_matches('%').trim().parse::<f64>().ok().map(|p| p / 100.0)
+                }
+                Value::Number(n) => n.as_f64(),
+                _ => None,
+            };
+            let Some(fraction) = fraction.filter(|f| (0.0..=1.0).contains(f)) else {
+                return Err(format!(
+                    "entry {i} ({}): the share must be a percentage such as 40% or a fraction in [0, 1], got {}",
+                    entry.0,
+                    super::format::yaml_flow(entry.1)
+                ));
+            };
+            if shares.iter().any(|s: &TierShare| s.name == *entry.0) {
+                return Err(format!("entry {i}: '{}' is listed twice", entry.0));
+            }
+            shares.push(TierShare { name: entry.0.clone(), fraction });
+        }
+        let total: f64 = shares.iter().map(|s| s.fraction).sum();
+        if (total - 1.0).abs() > 1e-6 {
+            return Err(format!("the shares add up to {}%, not 100%", (total * 1e6).round() / 1e4));
+        }
+        let others: Vec<&str> = shares.iter().filter(|s| s.name != "ram").map(|s| s.name.as_str()).collect();
+        if others.len() > 1 {
+            return Err(format!(
+                "{} offload tiers named ({}): the state splits between ram and the one tier plugins.offload selects",
+                others.len(),
+                others.join(", ")
+            ));
+        }
+        Ok(Self(shares))
+    }
+
+    fn to_value(&self) -> serde_json::Value {
+        let share = |f: f64| {
+            let pct = f * 100.0;
+            if (pct - pct.round()).abs() < 1e-9 { format!("{}%", pct.round()) } else { format!("{pct}%") }
+        };
+        serde_json::Value::Array(
+            self.0.iter().map(|t| serde_json::json!({ t.name.clone(): share(t.fraction) })).collect(),
+        )
+    }
+}
+
+impl Serialize for Tiers {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.to_value().serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Tiers {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = serde_json::Value::deserialize(deserializer)?;
+        Self::from_value(&value).map_err(serde::de::Error::custom)
+    }
 }
 
 /// A number of bytes, written in a config as an integer or as `2GiB`, `512MB`, ...

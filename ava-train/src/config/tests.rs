@@ -90,6 +90,10 @@ fn defaults_load_and_are_complete() {
         train: defaults.train.clone(),
         checkpoints: defaults.checkpoints.clone(),
         memory: defaults.memory.clone(),
+        offload: super::OffloadConfig {
+            tiers: super::Tiers(vec![super::TierShare { name: "ram".into(), fraction: 1.0 }]),
+            prefetch: 2,
+        },
         plugins: PluginsConfig {
             attention: PluginSelection::new("standard"),
             optimizer: PluginSelection::new("adamw"),
@@ -889,4 +893,31 @@ fn toml_removal_keeps_comments_above_the_key() {
     );
     set_plugin_selection(&path, PluginKind::Memory, None).unwrap();
     assert_eq!(fs::read_to_string(&path).unwrap(), "# the optimizer we like\n# keep\n\n# next\n[data]\nseed = 1\n");
+}
+
+/// `offload.tiers`: shares as percentages or fractions that add up to 100%, one tier
+/// besides ram; every problem named with the key.
+#[test]
+fn offload_tiers_are_read_and_checked() {
+    let load = |tiers: &str| ConfigLoader::new().sets([format!("offload.tiers={tiers}").as_str()]).load();
+    let c = load("[ram: 60%, nvme: 40%]").unwrap().into_config();
+    assert_eq!(c.offload.tiers.in_ram(), 0.6);
+    let streamed = c.offload.tiers.offloaded().unwrap();
+    assert_eq!((streamed.name.as_str(), streamed.fraction), ("nvme", 0.4));
+    assert_eq!(serde_json::to_value(&c.offload.tiers).unwrap(), serde_json::json!([{"ram": "60%"}, {"nvme": "40%"}]));
+    assert!(load("[ram: 0.25, nvme: 0.75]").unwrap().into_config().offload.tiers.offloaded().is_some());
+    assert!(load("[ram: 100%]").unwrap().into_config().offload.tiers.offloaded().is_none());
+    for (tiers, problem) in [
+        ("[ram: 50%, nvme: 40%]", "offload.tiers: the shares add up to 90%, not 100%"),
+        (
+            "[ram: 150%]",
+            "offload.tiers: entry 0 (ram): the share must be a percentage such as 40% or a fraction in [0, 1], got '150%'",
+        ),
+        ("[ram: 50%, ram: 50%]", "offload.tiers: entry 1: 'ram' is listed twice"),
+        ("[nvme: 50%, int8: 50%]", "offload.tiers: 2 offload tiers named (nvme, int8)"),
+        ("nvme", "offload.tiers: expected a list of tier shares such as [ram: 60%, nvme: 40%], got a string"),
+    ] {
+        let e = load(tiers).unwrap_err().to_string();
+        assert!(e.contains(problem), "{tiers}: {e}");
+    }
 }

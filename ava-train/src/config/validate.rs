@@ -10,6 +10,7 @@ use serde_json::Value;
 
 use super::format::type_phrase;
 use super::schema::{self, Config, Field, Kind, MISSING_NAME, PluginSelection, SELECTION_EXPECTED};
+use super::sections::Tiers;
 use super::tree::{Node, Origin};
 
 /// What validation needs to know about the installed plugins; the plugin registry
@@ -229,6 +230,11 @@ fn check_value(
             }
             other => problem(format!("expected a byte size such as 2GiB, got {}", type_phrase(other))),
         },
+        Kind::Tiers => {
+            if let Err(e) = Tiers::from_value(&value) {
+                problem(e)
+            }
+        }
     }
 }
 

@@ -404,12 +404,14 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         dtype: ava_core::DType,
     }
     let mut states: Vec<State> = Vec::new();
+    let mut per_param = Vec::with_capacity(defs.len());
     for def in &defs {
         let shape: Vec<u64> = def.shape.iter().map(|&s| s as u64).collect();
         let layout: Vec<StateSpec> =
             plugins.optimizer.state_layout(&ParamInfo::new(&def.name, &shape)).map_err(|e| {
                 EstimateError::Optimizer { param: def.name.clone(), shape: def.shape.clone(), message: e.to_string() }
             })?;
+        per_param.push(layout.iter().map(StateSpec::bytes).sum::<u64>());
         for spec in layout {
             let per_element = spec.len == def.numel() as u64;
             match states.iter_mut().find(|s| *s.name == *spec.name) {
@@ -426,7 +428,40 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
             }
         }
     }
-    for s in &states {
+    let streamed = match config.offload.tiers.offloaded() {
+        Some(share) => {
+            let streamed = crate::train::streamed_params(&per_param, config.offload.tiers.in_ram());
+            let (kept, largest): (u64, u64) = per_param
+                .iter()
+                .zip(&streamed)
+                .fold((0, 0), |(k, l), (&b, &s)| if s { (k, l.max(b)) } else { (k + b, l) });
+            let total_streamed = per_param.iter().sum::<u64>() - kept;
+            add(
+                &mut terms,
+                Component::Optimizer,
+                "state kept in memory",
+                format!(
+                    "the first parameters' state, up to the ram share of offload.tiers ({:.0}%)",
+                    config.offload.tiers.in_ram() * 100.0
+                ),
+                kept,
+            );
+            let window = config.offload.prefetch as u64 + 2;
+            add(
+                &mut terms,
+                Component::Optimizer,
+                "streamed state in memory during the step",
+                format!(
+                    "(prefetch + 2) · largest streamed parameter's state = {window} · {largest}, at most the {} streamed through {}",
+                    total_streamed, share.name
+                ),
+                (window * largest).min(total_streamed),
+            );
+            true
+        }
+        None => false,
+    };
+    for s in states.iter().filter(|_| !streamed) {
         let (size, dtype) = (s.dtype.size(), s.dtype.as_str());
         // One element per parameter element, for every parameter: size · N.
         let formula = if s.per_element && s.bytes == size as u64 * n_params {

@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use ava_core::{BlockDecision, OffloadTier};
+use ava_core::{BlockDecision, DType as StoredType, OffloadTier};
 use candle_core::{DType, Result, Tensor, Var, backprop::GradStore};
 
 use super::llama::{Model, add_opt};
@@ -56,6 +56,9 @@ pub struct MicroLoss {
     pub ce: f64,
     /// Summed load-balancing loss of the MoE blocks (unweighted; 0 for a dense model).
     pub aux: f64,
+    /// The most host memory the offload tier held while block inputs were parked in it
+    /// (sampled after each put; 0 without offloaded blocks).
+    pub tier_peak: u64,
 }
 
 /// Gradients of one micro-batch, by parameter index; `None` for a parameter the batch did
@@ -91,6 +94,7 @@ pub fn forward_backward(
     let mut stages: Vec<Stage> = vec![Stage::Kept(embedded)];
     let mut current = Kept { end: first.as_tensor().clone(), start: Some(first), aux: None, blocks: vec![] };
     let mut aux_total = 0.0;
+    let mut tier_peak = 0;
     for (i, decision) in plan.iter().enumerate() {
         match decision {
             BlockDecision::Keep => {
@@ -131,7 +135,11 @@ pub fn forward_backward(
                     stages.push(Stage::Kept(current));
                 }
                 let input = match (decision, offload) {
-                    (BlockDecision::Offload, Some(tier)) => park(tier.as_ref(), i, &input)?,
+                    (BlockDecision::Offload, Some(tier)) => {
+                        let parked = park(tier.as_ref(), i, &input)?;
+                        tier_peak = tier_peak.max(tier.resident_bytes());
+                        parked
+                    }
                     _ => Input::Held(input),
                 };
                 stages.push(Stage::Recompute { blocks: vec![i], input });
@@ -150,6 +158,8 @@ pub fn forward_backward(
         loss = (loss + aux.to_dtype(ce.dtype())?.affine(aux_weight, 0.0)?)?;
     }
     let ce_value = ce.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    // The tier reads the first input backward needs while the last stretch back-propagates.
+    prefetch(offload, &stages)?;
     let span = crate::profile::scope("backward: autograd (all)");
     let store = loss.affine(scale / divisor, 0.0)?.backward()?;
     drop(span);
@@ -168,7 +178,10 @@ pub fn forward_backward(
                 let input = match input {
                     Input::Held(t) => t,
                     Input::Offloaded { key, dims, dtype } => {
-                        fetch(offload.expect("offloaded with a tier"), &key, &dims, dtype)?
+                        let input = fetch(offload.expect("offloaded with a tier"), &key, &dims, dtype)?;
+                        // The next one down loads while these blocks are recomputed.
+                        prefetch(offload, &stages)?;
+                        input
                     }
                 };
                 let start = Var::from_tensor(&input)?;
@@ -196,7 +209,7 @@ pub fn forward_backward(
             }
         }
     }
-    Ok(MicroLoss { ce: ce_value, aux: aux_total })
+    Ok(MicroLoss { ce: ce_value, aux: aux_total, tier_peak })
 }
 
 /// `(out · grad_out).sum() + aux_scale · aux`: its gradient with respect to `out` is exactly
@@ -236,23 +249,62 @@ fn collect(
     Ok(start)
 }
 
-/// Puts a block input into the offload tier.
+/// Puts a block input into the offload tier, in its own element type.
 fn park(tier: &dyn OffloadTier, block: usize, input: &Tensor) -> Result<Input> {
     let key = format!("activation/block-{block}");
     let dims = input.dims().to_vec();
     let dtype = input.dtype();
-    let values = input.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    tier.put(&key, bytemuck::cast_slice(&values))
-        .map_err(|e| candle_core::Error::Msg(format!("offload put {key}: {e}")))?;
+    let flat = input.flatten_all()?; // (B·T·d)
+    let stored = match dtype {
+        DType::F32 => tier.put(&key, bytemuck::cast_slice(&flat.to_vec1::<f32>()?), StoredType::F32),
+        DType::BF16 => tier.put(&key, bytemuck::cast_slice(&flat.to_vec1::<half::bf16>()?), StoredType::BF16),
+        DType::F16 => tier.put(&key, bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?), StoredType::F16),
+        other => candle_core::bail!("offload: block inputs of type {other:?} are not supported"),
+    };
+    stored.map_err(|e| candle_core::Error::Msg(format!("offload put {key}: {e}")))?;
     Ok(Input::Offloaded { key, dims, dtype })
 }
 
 /// Takes a block input back from the offload tier.
 fn fetch(tier: &Arc<dyn OffloadTier>, key: &str, dims: &[usize], dtype: DType) -> Result<Tensor> {
     let n: usize = dims.iter().product();
-    let mut values = vec![0f32; n];
-    tier.get(key, bytemuck::cast_slice_mut(&mut values))
-        .map_err(|e| candle_core::Error::Msg(format!("offload get {key}: {e}")))?;
+    let get =
+        |into: &mut [u8]| tier.get(key, into).map_err(|e| candle_core::Error::Msg(format!("offload get {key}: {e}")));
+    let device = &candle_core::Device::Cpu;
+    let tensor = match dtype {
+        DType::F32 => {
+            let mut values = vec![0f32; n];
+            get(bytemuck::cast_slice_mut(&mut values))?;
+            Tensor::from_vec(values, dims, device)?
+        }
+        DType::BF16 => {
+            let mut values = vec![half::bf16::ZERO; n];
+            get(bytemuck::cast_slice_mut(&mut values))?;
+            Tensor::from_vec(values, dims, device)?
+        }
+        DType::F16 => {
+            let mut values = vec![half::f16::ZERO; n];
+            get(bytemuck::cast_slice_mut(&mut values))?;
+            Tensor::from_vec(values, dims, device)?
+        }
+        other => candle_core::bail!("offload: block inputs of type {other:?} are not supported"),
+    };
     tier.evict(key).map_err(|e| candle_core::Error::Msg(format!("offload evict {key}: {e}")))?;
-    Tensor::from_vec(values, dims, &candle_core::Device::Cpu)?.to_dtype(dtype)
+    Ok(tensor)
+}
+
+/// The key of the next block input backward will fetch from the tier, to prefetch it while
+/// the blocks above it are recomputed.
+fn next_offloaded(stages: &[Stage]) -> Option<&str> {
+    stages.iter().rev().find_map(|s| match s {
+        Stage::Recompute { input: Input::Offloaded { key, .. }, .. } => Some(key.as_str()),
+        _ => None,
+    })
+}
+
+fn prefetch(tier: Option<&Arc<dyn OffloadTier>>, stages: &[Stage]) -> Result<()> {
+    if let (Some(tier), Some(key)) = (tier, next_offloaded(stages)) {
+        tier.prefetch(key).map_err(|e| candle_core::Error::Msg(format!("offload prefetch {key}: {e}")))?;
+    }
+    Ok(())
 }

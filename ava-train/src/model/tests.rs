@@ -246,6 +246,35 @@ fn offloaded_block_inputs_give_identical_gradients() {
     assert_eq!(tier.used_bytes(), 0, "inputs are evicted after use");
 }
 
+/// Block inputs parked as int8 (lossy): the gradients' error against the uncompressed run,
+/// relative to their norm, over all parameters. Measured 2026-11-23: 0.59% (f32 inputs,
+/// blocks of 64); bounded here at 2%.
+#[test]
+fn int8_parked_inputs_give_gradients_within_a_bounded_error() {
+    let m = model(spec(None, false), 6);
+    let (tokens, targets) = batch(2, 6, 11, 4);
+    let (plain_loss, plain) = grads_of(&m, DType::F32, &tokens, &targets, &[BlockDecision::Keep; 2]);
+    let tier: Arc<dyn OffloadTier> = Arc::new(ava_plugin_int8::Int8Tier::new(64));
+    let w = m.weights(DType::F32).unwrap();
+    let mut grads = vec![None; m.params().len()];
+    let plan = [BlockDecision::Offload, BlockDecision::Offload];
+    let loss = forward_backward(&m, &w, &tokens, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
+    let (mut err, mut norm) = (0f64, 0f64);
+    for (a, b) in grads.iter().zip(&plain) {
+        for (p, q) in values(a.as_ref().unwrap()).iter().zip(values(b.as_ref().unwrap())) {
+            err += f64::from(p - q).powi(2);
+            norm += f64::from(q).powi(2);
+        }
+    }
+    let relative = (err / norm).sqrt();
+    println!("int8 parked inputs: gradient error {:.4}% of the gradient norm", relative * 100.0);
+    assert!(relative > 0.0, "int8 is lossy: the gradients cannot be exact");
+    assert!(relative < 0.02, "gradient error {relative}");
+    // The loss is computed in forward, before any input is parked.
+    assert_eq!(loss.ce, plain_loss.ce);
+    assert_eq!(tier.used_bytes(), 0, "inputs are evicted after use");
+}
+
 #[test]
 fn accumulated_micro_batches_equal_one_large_batch() {
     let m = model(spec(None, false), 7);

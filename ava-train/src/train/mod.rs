@@ -11,7 +11,9 @@ mod trainer;
 
 use std::path::PathBuf;
 
-pub use optim::{MODEL_OPTIONS, OptimizerState, StateBuffer, optimizer_options, step_param};
+pub use optim::{
+    MODEL_OPTIONS, OptimizerState, StateBuffer, StreamStats, optimizer_options, step_param, streamed_params,
+};
 pub use reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Silent, StepRecord};
 pub use schedule::{LossScaler, learning_rate};
 pub use trainer::{TrainOptions, Trainer, data_options, model_spec, resolve_threads};

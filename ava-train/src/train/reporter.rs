@@ -97,6 +97,9 @@ pub struct RunHeader {
     /// Resumed from this checkpoint.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resumed_from: Option<String>,
+    /// Where the optimizer state lives, when some of it streams through an offload tier.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offload: Option<String>,
     /// The entropy floor of the data (nats/token), when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub entropy_floor: Option<f64>,

@@ -10,13 +10,13 @@ use ava_core::{
     BlockDecision, CheckpointContext, MemoryAction, MemoryPolicy, MemoryStats, OffloadTier, Optimizer, Phase,
     PluginKind, StepContext,
 };
-use ava_plugins::Registry;
+use ava_plugins::{Registry, Source as PluginSource};
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::TrainError;
-use super::optim::{OptimizerState, optimizer_options, step_param};
+use super::optim::{OptimizerState, StreamStats, optimizer_options, step_param};
 use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
 use super::schedule::{LossScaler, learning_rate};
 use crate::config::{Config, DataSource, Precision};
@@ -63,13 +63,14 @@ const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 const TRAINER_FILE: &str = "trainer.json";
 const AVA_CONFIG_FILE: &str = "ava-config.json";
 
-/// The config keys whose change makes a checkpoint's state meaningless.
+/// The config keys whose change makes a checkpoint's state meaningless. Where the state is
+/// placed (`plugins.offload`, `offload`) is not one: a checkpoint holds all of it, so a run
+/// may resume with another disk, or with more of its state in memory.
 const STRUCTURAL_KEYS: &[&str] = &[
     "model",
     "plugins.attention",
     "plugins.optimizer",
     "plugins.checkpoint",
-    "plugins.offload",
     "plugins.memory",
     "data.source",
     "data.path",
@@ -90,6 +91,11 @@ pub struct Trainer {
     state: OptimizerState,
     plan: Vec<BlockDecision>,
     offload: Option<Arc<dyn OffloadTier>>,
+    /// Whether the offload tier is a loaded library, whose memory the counting allocator
+    /// does not see (a built-in tier's it does).
+    offload_foreign: bool,
+    /// How the optimizer state is placed, one line for the run's header.
+    offload_note: Option<String>,
     memory_policy: Box<dyn MemoryPolicy>,
     dataset: Arc<dyn Dataset>,
     loader: Loader,
@@ -112,8 +118,9 @@ pub struct Trainer {
 
 /// How a step's micro-steps ended.
 enum MicroSteps {
-    /// All ran: the accumulated gradients and the mean losses.
-    Done { grads: Grads, ce: f64, aux: f64 },
+    /// All ran: the accumulated gradients, the mean losses, and the most host memory the
+    /// offload tier held for parked block inputs.
+    Done { grads: Grads, ce: f64, aux: f64, tier_peak: u64 },
     /// One crossed the hard limit, with this many bytes in use; its partial gradients are
     /// dropped.
     OutOfMemory { at: u64 },
@@ -295,6 +302,59 @@ impl Trainer {
             resumed_from = Some(ckpt.dir.clone());
         }
 
+        // Optimizer state placement: the share that is not `ram` streams through the tier.
+        let offload_foreign = registry
+            .row(PluginKind::Offload, &off_sel.name)
+            .is_some_and(|r| !matches!(r.source, PluginSource::Builtin));
+        let tiers = &config.offload.tiers;
+        let offload_note = match tiers.offloaded() {
+            None => None,
+            Some(share) if share.name != off_sel.name => {
+                let pct = |f: f64| (f * 1e6).round() / 1e4;
+                let fix = if off_sel.name == "ram" {
+                    format!("select it, with its options (plugins.offload: {{name: {}, ...}})", share.name)
+                } else {
+                    format!(
+                        "name the selected tier (offload.tiers: [ram: {}%, {}: {}%]) or select '{}' in plugins.offload",
+                        pct(1.0 - share.fraction),
+                        off_sel.name,
+                        pct(share.fraction),
+                        share.name
+                    )
+                };
+                return Err(TrainError::Invalid(format!(
+                    "offload.tiers streams {}% of the optimizer state through '{}', but plugins.offload selects '{}': {fix}",
+                    pct(share.fraction),
+                    share.name,
+                    off_sel.name,
+                )));
+            }
+            Some(share) => {
+                let moved = state.stream(
+                    model.params(),
+                    Arc::clone(&offload),
+                    &off_sel.name,
+                    tiers.in_ram(),
+                    config.offload.prefetch,
+                )?;
+                let total = state.bytes();
+                let mut note = format!(
+                    "optimizer state: {} of {} ({:.0}%) streams through {} (offload.tiers share {:.0}%), {} read ahead",
+                    ava_core::format_size(moved),
+                    ava_core::format_size(total),
+                    100.0 * moved as f64 / total.max(1) as f64,
+                    share.name,
+                    share.fraction * 100.0,
+                    config.offload.prefetch
+                );
+                let described = offload.describe();
+                if !described.is_empty() {
+                    note.push_str(&format!("; {described}"));
+                }
+                Some(note)
+            }
+        };
+
         let loader = Loader::new(
             dataset.clone(),
             Split::Train,
@@ -332,6 +392,8 @@ impl Trainer {
             state,
             plan,
             offload: Some(offload),
+            offload_foreign,
+            offload_note,
             memory_policy,
             dataset,
             loader,
@@ -397,6 +459,7 @@ impl Trainer {
             plan: self.plan.iter().map(|d| d.as_str().to_string()).collect(),
             out_dir: self.out_dir.display().to_string(),
             resumed_from: self.resumed_from.as_ref().map(|p| p.display().to_string()),
+            offload: self.offload_note.clone(),
             entropy_floor: self.dataset.entropy_floor_nats(),
             threads: self.threads,
         }
@@ -538,7 +601,13 @@ impl Trainer {
         let step = self.step + 1;
         let lr = learning_rate(step, t.lr, t.min_lr, t.warmup_steps, t.max_steps);
         let params_bytes = (self.model.spec().num_params() * 4) as u64;
-        let optimizer_bytes = self.state.bytes();
+        // State held between steps: the engine's, and a built-in tier's records (the
+        // counting allocator sees both).
+        let tier_held = match (&self.offload, self.state.tier()) {
+            (Some(tier), Some(_)) if !self.offload_foreign => tier.resident_bytes(),
+            _ => 0,
+        };
+        let held_optimizer = self.state.resident_bytes() + tier_held;
         let baseline = memory::current();
         memory::reset_peak();
 
@@ -551,7 +620,7 @@ impl Trainer {
             batches.push(self.loader.next()?);
         }
         let mut backoffs = Vec::new();
-        let (mut grads, ce, aux) = loop {
+        let (mut grads, ce, aux, parked_peak) = loop {
             let held_before = memory::current();
             let inject = self.oom_at_step == Some(step);
             if inject {
@@ -563,7 +632,7 @@ impl Trainer {
                 memory::set_limit(self.hard_limit);
             }
             match outcome? {
-                MicroSteps::Done { grads, ce, aux } => break (grads, ce, aux),
+                MicroSteps::Done { grads, ce, aux, tier_peak } => break (grads, ce, aux, tier_peak),
                 MicroSteps::OutOfMemory { at } => {
                     let micro_batch = t.micro_batch_size / self.split;
                     let limit = if inject { held_before + 1 } else { self.hard_limit.unwrap_or(0) };
@@ -596,29 +665,35 @@ impl Trainer {
         let finite = norm.is_finite();
         let scale = self.scaler.scale; // the gradients carry this one; update may change it
         let applied = self.scaler.update(finite);
+        let mut stream = StreamStats::default();
         if applied {
             let clip = if t.grad_clip > 0.0 && norm > t.grad_clip { t.grad_clip / (norm + 1e-6) } else { 1.0 };
             let factor = clip / scale;
             let opt_name = self.config.plugins.optimizer.name.clone();
             let _span = crate::profile::scope("optimizer step");
-            for (i, g) in grads.iter_mut().enumerate() {
-                let Some(g) = g.take() else { continue };
+            let active: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].is_some()).collect();
+            let (model, optimizer, threads) = (&self.model, self.optimizer.as_mut(), self.threads as u32);
+            stream = self.state.for_each(&active, |i, buffers| {
+                let g = grads[i].take().expect("active parameters have a gradient");
                 let g = if factor != 1.0 { g.affine(factor, 0.0).map_err(TrainError::candle)? } else { g };
-                let param = &self.model.params()[i];
+                let param = &model.params()[i];
                 let wd = match param.def.role {
                     ParamRole::Matrix | ParamRole::ResidualOut => t.weight_decay,
                     ParamRole::Embedding | ParamRole::Norm => 0.0,
                 };
-                let ctx = StepContext { step, lr, weight_decay: wd, threads: self.threads as u32 };
-                step_param(self.optimizer.as_mut(), &opt_name, param, &g, &mut self.state.buffers[i], ctx)?;
-            }
+                let ctx = StepContext { step, lr, weight_decay: wd, threads };
+                step_param(optimizer, &opt_name, param, &g, buffers, ctx)
+            })?;
         }
         drop(grads);
         self.step = step;
         self.data_position = self.loader.position();
 
-        let peak = memory::peak();
-        let data_bytes = baseline.saturating_sub(params_bytes + optimizer_bytes);
+        // A loaded tier's own memory is outside the allocator's count: added at its most (an
+        // upper bound, as the two peaks need not coincide).
+        let peak = memory::peak() + if self.offload_foreign { stream.peak_tier.max(parked_peak) } else { 0 };
+        let data_bytes = baseline.saturating_sub(params_bytes + held_optimizer);
+        let optimizer_bytes = held_optimizer.max(stream.peak_resident);
         let breakdown = Breakdown::measured(
             peak,
             params_bytes,
@@ -653,7 +728,7 @@ impl Trainer {
     fn micro_steps(&self, weights: &[Tensor], batches: &[Batch]) -> Result<MicroSteps, TrainError> {
         let mut grads: Grads = vec![None; self.model.params().len()];
         let pieces = batches.len() * self.split;
-        let (mut ce, mut aux) = (0.0, 0.0);
+        let (mut ce, mut aux, mut tier_peak) = (0.0, 0.0, 0);
         memory::take_crossed(); // a crossing before the micro-steps is not theirs
         for batch in batches {
             for (tokens, targets) in split_batch(batch, self.split)? {
@@ -674,9 +749,10 @@ impl Trainer {
                 }
                 ce += loss.ce / pieces as f64;
                 aux += loss.aux / pieces as f64;
+                tier_peak = tier_peak.max(loss.tier_peak);
             }
         }
-        Ok(MicroSteps::Done { grads, ce, aux })
+        Ok(MicroSteps::Done { grads, ce, aux, tier_peak })
     }
 
     /// Halves the micro-batch (each loaded batch is split into twice the pieces, so the
@@ -782,7 +858,7 @@ impl Trainer {
     pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
         let named = self.model.named_tensors();
         let weights = model::tensors_to_safetensors(&named)?;
-        let optimizer = to_safetensors(&self.state.to_buffers(self.model.params()), None)?;
+        let optimizer = to_safetensors(&self.state.to_buffers(self.model.params())?, None)?;
         let trainer = TrainerState {
             step: self.step,
             data_position: self.data_position,

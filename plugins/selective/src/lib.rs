@@ -49,6 +49,9 @@ pub enum Mode {
 pub struct Selective {
     /// The mode.
     pub mode: Mode,
+    /// Whether each recomputed block's input is parked in the offload tier between forward
+    /// and backward (`Offload`) instead of held in memory (`Recompute`).
+    pub offload: bool,
 }
 
 impl Plugin for Selective {
@@ -81,6 +84,12 @@ impl Plugin for Selective {
             "recompute the fewest blocks whose activations, predicted from the block facts, fit this, e.g. 1.5GiB \
              (blocks only: not the logits or gradients in flight). With no mode given, memory.budget is used, \
              and the engine fits the whole step's replayed peak under it",
+        ))
+        .option(OptionSpec::bool(
+            "offload",
+            false,
+            "true: park each recomputed block's (B, T, d) input in the offload tier (plugins.offload) between \
+             forward and backward instead of holding it; the budget mode still counts the inputs as held",
         ))
     }
 
@@ -119,13 +128,34 @@ impl Plugin for Selective {
             options.check(budget != Some(0), || "option 'budget': must be more than 0 bytes, e.g. 1.5GiB".into());
             Mode::Budget(budget)
         };
+        let offload = options.bool("offload");
         options.finish()?;
-        Ok(Self { mode })
+        Ok(Self { mode, offload })
     }
 }
 
 impl CheckpointPolicy for Selective {
     fn decide(&self, blocks: &[BlockFacts], ctx: &CheckpointContext) -> Result<Vec<BlockDecision>, PluginError> {
+        let plan = self.decide_recompute(blocks, ctx)?;
+        if !self.offload {
+            return Ok(plan);
+        }
+        if !ctx.offload_available {
+            return Err(PluginError::invalid_input(
+                "option 'offload': the engine offers no offload tier here; leave the option out",
+            ));
+        }
+        Ok(plan.into_iter().map(|d| if d == BlockDecision::Recompute { BlockDecision::Offload } else { d }).collect())
+    }
+}
+
+impl Selective {
+    /// The plan with every block that keeps only its input as `Recompute`.
+    fn decide_recompute(
+        &self,
+        blocks: &[BlockFacts],
+        ctx: &CheckpointContext,
+    ) -> Result<Vec<BlockDecision>, PluginError> {
         let n = blocks.len();
         let recompute = |pick: &dyn Fn(u32) -> bool| {
             blocks.iter().map(|b| if pick(b.index) { BlockDecision::Recompute } else { BlockDecision::Keep }).collect()

@@ -179,3 +179,20 @@ fn budget_search_against_every_plan() {
         }
     }
 }
+
+/// `offload: true` parks the kept inputs in the tier: the same blocks, `offload` for
+/// `recompute`; segments still start at them. Without a tier it is refused.
+#[test]
+fn offload_parks_the_recomputed_blocks_inputs() {
+    use BlockDecision::Offload as O;
+    let blocks = uniform(5, 100, 10);
+    let with_tier = CheckpointContext { budget_bytes: 0, offload_available: true };
+    let every2 = build(r#"{"every": 2, "offload": true}"#).unwrap();
+    assert_eq!(every2.decide(&blocks, &with_tier).unwrap(), [O, K, O, K, O]);
+    let sqrt = build(r#"{"sqrt": true, "offload": true}"#).unwrap();
+    let plan = sqrt.decide(&blocks, &with_tier).unwrap();
+    assert_eq!(plan, [O, S, S, O, S]);
+    ava_core::check_plan(&plan, 5).unwrap();
+    let e = every2.decide(&blocks, &NO_BUDGET).unwrap_err();
+    assert_eq!(e.message.as_str(), "option 'offload': the engine offers no offload tier here; leave the option out");
+}
