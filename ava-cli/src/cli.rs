@@ -259,6 +259,67 @@ pub enum BenchCommand {
     ///   ava bench optimizer --names adam-8bit --set adam-8bit.block_size=2048 --format json
     #[command(verbatim_doc_comment)]
     Optimizer(BenchOptimizerArgs),
+    /// An offload tier's throughput on a disk, and what streaming the optimizer state
+    /// through it costs a training step.
+    ///
+    /// First it writes --total bytes as records of --record bytes through the tier (the
+    /// disk's own directory is made inside --path and removed after), waiting for every
+    /// write; then reads them back one by one, each read waiting for the disk; then again
+    /// with the next records prefetched, as training reads the optimizer state. With
+    /// direct_io off the reads may come from the page cache: the write rate is the disk's.
+    /// Compare with the disk's ceiling on the same directory, e.g.
+    ///   dd if=/dev/zero of=DIR/x bs=4M count=128 oflag=direct conv=fsync
+    ///
+    /// Then, unless --steps 0, it trains the config (-c, default ./ava.yaml or the built-in
+    /// one) twice, steps taking turns: the optimizer state in memory, and all of it streamed
+    /// through the tier (offload.tiers: [TIER: 100%]); it reports each one's median step
+    /// time and the optimizer state held in memory at its most.
+    ///
+    /// Examples:
+    ///   ava bench offload --path /mnt/nvme
+    ///   ava bench offload --path /mnt/nvme -c configs/small.yaml --tier-set direct_io=off
+    ///   ava bench offload --path /tmp --record 64MiB --total 1GiB --steps 0 --format json
+    #[command(verbatim_doc_comment)]
+    Offload(BenchOffloadArgs),
+}
+
+/// `ava bench offload` options.
+#[derive(Debug, Args)]
+pub struct BenchOffloadArgs {
+    /// Directory on the disk to measure.
+    #[arg(long, value_name = "DIR")]
+    pub path: PathBuf,
+    /// The offload tier plugin measured.
+    #[arg(long, default_value = "nvme", value_name = "NAME")]
+    pub tier: String,
+    /// A tier option, OPTION=VALUE (repeatable), e.g. --tier-set direct_io=off
+    /// --tier-set io_threads=4. VALUE is read as JSON when it is one, else as text.
+    #[arg(long = "tier-set", value_name = "OPTION=VALUE")]
+    pub tier_set: Vec<String>,
+    /// Bytes per record (about one parameter's optimizer state), e.g. 4MiB.
+    #[arg(long, default_value = "4MiB", value_name = "SIZE", value_parser = parse_size_arg)]
+    pub record: u64,
+    /// Bytes written and read back in all, e.g. 512MiB.
+    #[arg(long, default_value = "256MiB", value_name = "SIZE", value_parser = parse_size_arg)]
+    pub total: u64,
+    /// Training steps measured per placement (0: only the throughput).
+    #[arg(long, default_value_t = 5, value_name = "N")]
+    pub steps: u64,
+    /// Training steps run first per placement and not measured.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub warmup: u64,
+    /// Where the training configuration comes from.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+}
+
+/// Parses a byte size such as 4MiB or 1048576.
+fn parse_size_arg(s: &str) -> Result<u64, String> {
+    match ava_core::parse_size(s) {
+        Ok(0) => Err("must be more than 0 bytes".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{e}: write a size such as 4MiB or 1048576")),
+    }
 }
 
 /// `ava bench optimizer` options.

@@ -261,3 +261,56 @@ fn streaming_state_through_a_lossy_or_unselected_tier_is_refused() {
         "{err}"
     );
 }
+
+/// Every recipe in configs/ is valid as shipped, plugin options included.
+#[test]
+fn the_shipped_configs_validate() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let configs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&configs).unwrap() {
+        let path = entry.unwrap().path();
+        // vetted.yaml loads only what a lock file pins, and no lock file here pins its lion.
+        if path.extension().is_some_and(|e| e == "yaml") && !path.ends_with("vetted.yaml") {
+            ok(common::ava(dir.path(), &["config", "validate", path.to_str().unwrap()]));
+            checked += 1;
+        }
+    }
+    assert!(checked >= 5, "{checked} configs in {}", configs.display());
+}
+
+/// `ava bench offload`: the tier's rates, and training with the state in memory against all
+/// of it streamed, as JSON; a malformed tier option is a usage error.
+#[test]
+fn bench_offload_measures_the_tier_and_both_placements() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("disk");
+    let mut args: Vec<String> =
+        ["bench", "offload", "--format", "json", "--path", disk.to_str().unwrap()].map(String::from).into();
+    args.extend(["--record", "64KiB", "--total", "1MiB", "--steps", "2", "--warmup", "0"].map(String::from));
+    args.extend(["--tier-set", "direct_io=off"].map(String::from));
+    for s in common::SMALL {
+        args.extend(["--set".to_string(), s.to_string()]);
+    }
+    let out = ok(common::ava(dir.path(), &args.iter().map(String::as_str).collect::<Vec<_>>()));
+    let v = common::json_of(&out);
+    assert_eq!((v["tier"].as_str(), v["record_bytes"].as_u64()), (Some("nvme"), Some(65536)));
+    for rate in ["write_gbps", "read_gbps", "prefetched_read_gbps"] {
+        assert!(v[rate].as_f64().unwrap() > 0.0, "{rate}: {v}");
+    }
+    let training = v["training"].as_array().unwrap();
+    let bytes = |i: usize| training[i]["optimizer_bytes"].as_u64().unwrap();
+    assert_eq!(
+        (training[0]["placement"].as_str(), training[1]["placement"].as_str()),
+        (Some("memory"), Some("streamed"))
+    );
+    assert!(bytes(1) < bytes(0), "{training:?}");
+    assert_eq!(training[0]["step_seconds"].as_array().unwrap().len(), 2);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("buffered I/O (direct_io: off)"));
+
+    let bad = common::ava(dir.path(), &["bench", "offload", "--path", "x", "--tier-set", "direct_io"]);
+    let err = common::usage_error(bad);
+    assert!(err.contains("--tier-set direct_io: expected OPTION=VALUE, e.g. --tier-set direct_io=off"), "{err}");
+}

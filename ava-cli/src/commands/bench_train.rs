@@ -141,8 +141,16 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
                 gib(m.data),
                 gib(m.activations)
             ),
-            "where step time goes (scopes; backward: autograd (all) includes the backward scopes below it):".into(),
         ];
+        if last.offload_bytes > 0 {
+            lines.push(format!(
+                "offload tier       {:.2} MiB at its most (parked block inputs, optimizer state in flight; in the peak)",
+                last.offload_bytes as f64 / (1 << 20) as f64
+            ));
+        }
+        lines.push(
+            "where step time goes (scopes; backward: autograd (all) includes the backward scopes below it):".into(),
+        );
         for (name, per_step, share) in ops.iter().take(12) {
             lines.push(format!("  {name:<34} {:>8.1} ms/step  {:>5.1}%", 1e3 * per_step, 100.0 * share));
         }
@@ -160,6 +168,7 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
             "step_seconds_slowest": slowest,
             "mfu": model_gflops / matmul,
             "memory": m,
+            "offload_bytes": last.offload_bytes,
             "profile": ops.iter().map(|(n, s, f)| json!({"scope": n, "seconds_per_step": s, "share": f})).collect::<Vec<_>>(),
         })
     });

@@ -2,6 +2,7 @@
 
 mod bench_args;
 mod bench_attention;
+mod bench_offload;
 mod bench_optimizer;
 mod bench_train;
 mod config_show;
@@ -36,6 +37,7 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
         Command::Bench(BenchCommand::Train { config, steps, warmup }) => bench_train::run(p, &config, steps, warmup),
         Command::Bench(BenchCommand::Attention(args)) => bench_attention::run(p, &args),
         Command::Bench(BenchCommand::Optimizer(args)) => bench_optimizer::run(p, &args),
+        Command::Bench(BenchCommand::Offload(args)) => bench_offload::run(p, &args),
         Command::Plugins(c) => match c {
             PluginsCommand::List { kind, config } => plugins_list::run(p, kind.as_deref(), &config),
             PluginsCommand::Info { name, kind, config } => plugins_info::run(p, &name, kind.as_deref(), &config),

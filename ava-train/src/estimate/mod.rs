@@ -452,8 +452,11 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
                 Component::Optimizer,
                 "streamed state in memory during the step",
                 format!(
-                    "(prefetch + 2) · largest streamed parameter's state = {window} · {largest}, at most the {} streamed through {}",
-                    total_streamed, share.name
+                    "(prefetch + 2) · largest streamed parameter's state = {window} · {}, at most the {} streamed \
+                     through {} (one being updated, the ones read ahead, writes behind)",
+                    render::bytes(largest),
+                    render::bytes(total_streamed),
+                    share.name
                 ),
                 (window * largest).min(total_streamed),
             );

@@ -367,18 +367,18 @@ impl OptimizerState {
             stats.peak_tier = stats.peak_tier.max(in_tier);
             stats.peak_resident = stats.peak_resident.max(resident + working + in_tier);
         };
-        // Issues reads up to `prefetch` parameters beyond the one being updated.
+        // Reads are issued for the streamed parameters before `upto` not yet asked for.
         let mut queued = 0;
-        let mut read_ahead = |upto: usize| -> Result<(), TrainError> {
-            while queued < disk.len() && queued < upto {
-                for k in &keys[disk[queued]] {
+        let read_ahead = |queued: &mut usize, upto: usize| -> Result<(), TrainError> {
+            while *queued < disk.len().min(upto) {
+                for k in &keys[disk[*queued]] {
                     tier.prefetch(k).map_err(|e| tier_error(&name, &format!("prefetching {k}"), e))?;
                 }
-                queued += 1;
+                *queued += 1;
             }
             Ok(())
         };
-        read_ahead(prefetch)?;
+        read_ahead(&mut queued, prefetch)?;
         for &i in &ram {
             step(i, &mut self.buffers[i])?;
         }
@@ -389,16 +389,22 @@ impl OptimizerState {
                 tier.get(k, b.bytes_mut()).map_err(|e| tier_error(&name, &format!("reading {k}"), e))?;
                 stats.moved += b.spec.bytes();
             }
-            read_ahead(n + 1 + prefetch)?;
+            // The next `prefetch` parameters load while this one is updated (this one was
+            // just read: never asked for again).
+            queued = queued.max(n + 1);
+            read_ahead(&mut queued, n + 1 + prefetch)?;
             let working: u64 = bufs.iter().map(StateBuffer::held).sum();
             sample(&mut stats, working);
             step(i, bufs)?;
+            // Each buffer is freed as soon as the tier has its copy.
+            let mut left = working;
             for (b, k) in bufs.iter_mut().zip(&keys[i]) {
                 tier.put(k, b.bytes(), b.spec.dtype).map_err(|e| tier_error(&name, &format!("storing {k}"), e))?;
                 stats.moved += b.spec.bytes();
+                sample(&mut stats, left);
+                left -= b.held();
+                b.release();
             }
-            sample(&mut stats, working);
-            bufs.iter_mut().for_each(StateBuffer::release);
         }
         tier.flush().map_err(|e| tier_error(&name, "writing the optimizer state", e))?;
         sample(&mut stats, 0);

@@ -41,6 +41,10 @@ pub struct StepRecord {
     /// The memory policy's decisions at this step, as logged (empty when it said nothing).
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub memory_events: Vec<String>,
+    /// The most host memory the offload tier held during the step (parked block inputs,
+    /// streamed optimizer state in flight); 0 when nothing went through it.
+    #[serde(skip_serializing_if = "is_zero", default)]
+    pub offload_bytes: u64,
 }
 
 /// A step's attempt abandoned because an allocation crossed `memory.hard_limit`.
@@ -105,6 +109,10 @@ pub struct RunHeader {
     pub entropy_floor: Option<f64>,
     /// Compute threads.
     pub threads: usize,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Receives the trainer's progress. Every method has a default that does nothing.

@@ -719,6 +719,7 @@ impl Trainer {
             micro_batch: self.config.train.micro_batch_size / self.split,
             backoffs,
             memory_events: Vec::new(),
+            offload_bytes: stream.peak_tier.max(parked_peak),
         })
     }
 
