@@ -8,6 +8,7 @@ use std::process::Output;
 
 mod common;
 
+use ava_tests::SmallDisk;
 use common::{ok, train_small};
 
 fn set(pairs: &[&str]) -> Vec<String> {
@@ -84,43 +85,6 @@ fn nvme_streaming_is_bit_identical_to_memory_and_resumes_exactly() {
         &[set(&["train.max_steps=6"]), vec!["--resume".into(), "latest".into()], tiers].concat(),
     ));
     same_files(&checkpoint(&dir.path().join("ram"), 6), &checkpoint(&dir.path().join("resumed"), 6), &files);
-}
-
-/// A tmpfs of `size`, mounted for the test; `None` (with the reason printed) where the
-/// machine forbids mounting (not root).
-struct SmallDisk(tempfile::TempDir);
-
-impl SmallDisk {
-    fn mount(size: &str) -> Option<Self> {
-        let dir = tempfile::tempdir().unwrap();
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir.path())
-            .output();
-        match out {
-            Ok(o) if o.status.success() => Some(Self(dir)),
-            Ok(o) => {
-                eprintln!(
-                    "SKIPPED: cannot mount a small tmpfs (needs root): {}",
-                    String::from_utf8_lossy(&o.stderr).trim()
-                );
-                None
-            }
-            Err(e) => {
-                eprintln!("SKIPPED: cannot run mount: {e}");
-                None
-            }
-        }
-    }
-    fn path(&self) -> &Path {
-        self.0.path()
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(self.0.path()).status();
-    }
 }
 
 fn failed(o: &Output) -> String {

@@ -176,3 +176,46 @@ fn read_manifest(manifest: &Path) -> toml::Table {
     let text = fs::read_to_string(manifest).unwrap_or_else(|e| panic!("cannot read {}: {e}", manifest.display()));
     text.parse().unwrap_or_else(|e| panic!("{} is not valid TOML: {e}", manifest.display()))
 }
+
+/// A tmpfs of a given size mounted on a fresh temporary directory, for tests of a full
+/// disk; unmounted on drop. Mounting needs root: where the machine forbids it, [`mount`]
+/// prints why the test is skipped and returns `None`.
+///
+/// [`mount`]: SmallDisk::mount
+pub struct SmallDisk(tempfile::TempDir);
+
+impl SmallDisk {
+    /// Mounts a tmpfs of `size` (as `mount -o size=` takes it: `256k`, `1m`).
+    pub fn mount(size: &str) -> Option<Self> {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .output();
+        match out {
+            Ok(o) if o.status.success() => Some(Self(dir)),
+            Ok(o) => {
+                eprintln!(
+                    "SKIPPED: cannot mount a {size} tmpfs for a full-disk test (needs root): {}",
+                    String::from_utf8_lossy(&o.stderr).trim()
+                );
+                None
+            }
+            Err(e) => {
+                eprintln!("SKIPPED: cannot run mount for a full-disk test: {e}");
+                None
+            }
+        }
+    }
+
+    /// Where it is mounted.
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.0.path()).status();
+    }
+}

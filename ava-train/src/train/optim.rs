@@ -212,7 +212,8 @@ impl OptimizerState {
     ) -> Result<u64, TrainError> {
         if !tier.exact() {
             return Err(TrainError::Invalid(format!(
-                "offload.tiers: the tier '{name}' is lossy (it compresses what it stores); optimizer state must come                  back exactly: stream it through an exact tier such as nvme or ram, or set offload.tiers: [ram: 100%]"
+                "offload.tiers: the tier '{name}' is lossy (it compresses what it stores), and optimizer state \
+                 must come back exactly: stream it through an exact tier such as nvme, or set offload.tiers: [ram: 100%]"
             )));
         }
         let per_param: Vec<u64> = self.buffers.iter().map(|b| b.iter().map(|b| b.spec.bytes()).sum()).collect();
@@ -234,13 +235,16 @@ impl OptimizerState {
             .collect();
         let mut moved = 0;
         for (i, ks) in keys.iter().enumerate() {
-            for (b, k) in self.buffers[i].iter_mut().zip(ks) {
+            for (b, k) in self.buffers[i].iter().zip(ks) {
                 tier.put(k, b.bytes(), b.spec.dtype).map_err(|e| tier_error(name, &format!("storing {k}"), e))?;
                 moved += b.spec.bytes();
-                b.release();
             }
         }
         tier.flush().map_err(|e| tier_error(name, "writing the optimizer state", e))?;
+        // Only once every record is stored: a failure above leaves the state whole here.
+        for (i, ks) in keys.iter().enumerate() {
+            self.buffers[i].iter_mut().take(ks.len()).for_each(StateBuffer::release);
+        }
         self.streamed = Some(Streamed { tier, name: name.to_string(), offloaded, keys, prefetch });
         Ok(moved)
     }

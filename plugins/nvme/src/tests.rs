@@ -259,45 +259,10 @@ fn options_are_checked() {
     assert!(e.message.contains("cannot make a run directory in /proc/nope"), "{}", e.message);
 }
 
-/// A small tmpfs, mounted for the test (root only), that the records fill up.
-struct SmallDisk {
-    dir: tempfile::TempDir,
-}
-
-impl SmallDisk {
-    fn mount(size: &str) -> Option<Self> {
-        let dir = tempfile::tempdir().unwrap();
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(dir.path())
-            .output();
-        match out {
-            Ok(o) if o.status.success() => Some(Self { dir }),
-            Ok(o) => {
-                eprintln!(
-                    "SKIPPED: cannot mount a small tmpfs for the disk-full test (needs root): {}",
-                    String::from_utf8_lossy(&o.stderr).trim()
-                );
-                None
-            }
-            Err(e) => {
-                eprintln!("SKIPPED: cannot run mount for the disk-full test: {e}");
-                None
-            }
-        }
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(self.dir.path()).status();
-    }
-}
-
 #[test]
 fn a_full_disk_is_an_error_and_never_taken_for_success() {
-    let Some(disk) = SmallDisk::mount("256k") else { return };
-    let t = tier(disk.dir.path(), "").unwrap();
+    let Some(disk) = ava_tests::SmallDisk::mount("256k") else { return };
+    let t = tier(disk.path(), "").unwrap();
     let mut failed = None;
     for i in 0..100 {
         if let Err(e) = t.put(&format!("k{i}"), &bytes(20_000, i as u8), DType::U8).and_then(|()| t.flush()) {
