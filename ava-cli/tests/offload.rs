@@ -203,7 +203,9 @@ fn int8_parked_activations_train_the_tiny_config_to_the_same_loss() {
     };
     run("plain", &[]);
     let out = run("int8", &["plugins.offload=int8", "plugins.checkpoint={name: selective, every: 1, offload: true}"]);
-    assert!(String::from_utf8_lossy(&out.stderr).contains("checkpoint plan: offload offload"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("checkpoint plan: offload offload"), "{err}");
+    assert!(err.contains("block inputs of 2 blocks parked in int8 between forward and backward; int8 tier"), "{err}");
     let (plain, int8) = (val_loss(&dir.path().join("plain")), val_loss(&dir.path().join("int8")));
     println!("validation loss after 60 steps: {plain} uncompressed, {int8} with int8 block inputs");
     assert!((int8 - plain).abs() <= 0.02 * plain, "{int8} vs {plain}");

@@ -354,6 +354,15 @@ impl Trainer {
                 Some(note)
             }
         };
+        // Block inputs parked in the tier: say where, and how it is set up.
+        let parked = plan.iter().filter(|d| **d == BlockDecision::Offload).count();
+        let offload_note = offload_note.or_else(|| {
+            (parked > 0).then(|| {
+                let described = offload.describe();
+                let how = if described.is_empty() { String::new() } else { format!("; {described}") };
+                format!("block inputs of {parked} blocks parked in {} between forward and backward{how}", off_sel.name)
+            })
+        });
 
         let loader = Loader::new(
             dataset.clone(),

@@ -27,7 +27,10 @@
 //!   wait on the disk, not the CPU, so they do not compete with the host's compute threads
 //!   ([`tier`]);
 //! - [`preflight`](ava_core::OffloadTier::preflight) checks the disk has the room the plan
-//!   needs before training starts.
+//!   needs before training starts;
+//! - building the tier only checks its options (a `path` that is a file, or whose nearest
+//!   existing directory is not writable, is refused then); the directory, the probe and the
+//!   threads start at first use, so `ava config validate` leaves nothing on the disk.
 //!
 //! Its own buffers (writes in flight, prefetched reads) are host memory the host's allocator
 //! does not see; the tier counts them in `resident_bytes`.
@@ -39,7 +42,7 @@ mod tier;
 
 use ava_core::prelude::*;
 
-pub use tier::{DirectIo, NvmeTier, Settings};
+pub use tier::{DirectIo, NvmeTier, Settings, check_path};
 
 impl Plugin for NvmeTier {
     fn manifest() -> Manifest {
@@ -97,14 +100,19 @@ impl Plugin for NvmeTier {
         options.check(capacity != Some(0), || {
             "option 'capacity': 0 bytes holds nothing; leave it unset for the disk's free space".into()
         });
+        if let Some(Err(problem)) =
+            path.as_deref().filter(|p| !p.trim().is_empty()).map(|p| tier::check_path(p.as_ref()))
+        {
+            options.problem(problem);
+        }
         options.finish()?;
-        NvmeTier::new(Settings {
+        Ok(NvmeTier::new(Settings {
             path: path.expect("checked above").into(),
             direct_io,
             io_threads: io_threads as usize,
             max_in_flight,
             capacity,
-        })
+        }))
     }
 }
 

@@ -39,7 +39,7 @@ fn round_trips(t: &NvmeTier) {
         t.get(&key, &mut back).unwrap();
         assert_eq!(back, data, "{n} bytes, prefetched");
         assert_eq!(t.len(&key).unwrap(), Some(n as u64));
-        let on_disk = std::fs::metadata(t.file_of(&key)).unwrap().len();
+        let on_disk = std::fs::metadata(t.file_of(&key).unwrap()).unwrap().len();
         assert_eq!(on_disk % 4096, 0, "records are whole 4 KiB blocks");
     }
     assert_eq!(t.resident_bytes(), 0, "nothing held once written and read");
@@ -49,7 +49,7 @@ fn round_trips(t: &NvmeTier) {
 fn round_trip_with_direct_io_off() {
     let dir = tempfile::tempdir().unwrap();
     let t = tier(dir.path(), r#", "direct_io": "off""#).unwrap();
-    assert!(!t.direct());
+    assert!(!t.direct().unwrap());
     assert!(t.describe().contains("buffered I/O (direct_io: off)"), "{}", t.describe());
     round_trips(&t);
 }
@@ -62,7 +62,7 @@ fn round_trip_with_direct_io_on() {
         return;
     }
     let t = tier(dir.path(), r#", "direct_io": "on""#).unwrap();
-    assert!(t.direct());
+    assert!(t.direct().unwrap());
     assert!(t.describe().contains("direct I/O (O_DIRECT"), "{}", t.describe());
     round_trips(&t);
 }
@@ -86,7 +86,7 @@ fn replace_evict_and_accounting() {
     t.evict("b").unwrap();
     t.evict("never").unwrap();
     assert_eq!((t.used_bytes(), t.len("b").unwrap()), (2 * 4096, None));
-    assert!(!t.file_of("b").exists());
+    assert!(!t.file_of("b").unwrap().exists());
     let e = t.get("b", &mut [0; 3]).unwrap_err();
     assert_eq!(e.message.as_str(), "nvme tier: no record under key 'b'");
     assert!(t.capacity() > t.used_bytes());
@@ -98,7 +98,7 @@ fn damaged(edit: impl Fn(&Path), expect: &str) {
     let t = tier(dir.path(), "").unwrap();
     t.put("opt/w/exp_avg", &bytes(9000, 7), DType::F32).unwrap();
     t.flush().unwrap();
-    let file = t.file_of("opt/w/exp_avg");
+    let file = t.file_of("opt/w/exp_avg").unwrap();
     edit(&file);
     for prefetched in [false, true] {
         if prefetched {
@@ -141,7 +141,7 @@ fn a_stale_file_from_another_run_is_detected() {
     let other = tier(dir.path(), "").unwrap();
     other.put("opt/w/exp_avg", &bytes(9000, 8), DType::F32).unwrap();
     other.flush().unwrap();
-    let from = other.file_of("opt/w/exp_avg");
+    let from = other.file_of("opt/w/exp_avg").unwrap();
     damaged(|f| std::fs::copy(&from, f).map(drop).unwrap(), "a stale file written by another run");
 }
 
@@ -151,11 +151,11 @@ fn an_older_record_of_the_key_is_detected() {
     let t = tier(dir.path(), "").unwrap();
     t.put("k", &bytes(100, 1), DType::U8).unwrap();
     t.flush().unwrap();
-    let old = std::fs::read(t.file_of("k")).unwrap();
+    let old = std::fs::read(t.file_of("k").unwrap()).unwrap();
     t.put("k", &bytes(100, 2), DType::U8).unwrap();
     t.flush().unwrap();
     // As if the second write had never reached the disk.
-    std::fs::write(t.file_of("k"), old).unwrap();
+    std::fs::write(t.file_of("k").unwrap(), old).unwrap();
     let e = t.get("k", &mut [0; 100]).unwrap_err();
     assert!(e.message.contains("a stale record: write #1 of the key, but #2 was the last"), "{}", e.message);
 }
@@ -169,14 +169,14 @@ fn two_runs_on_one_path_never_share_files() {
     b.put("k", &bytes(10, 2), DType::U8).unwrap();
     a.flush().unwrap();
     b.flush().unwrap();
-    assert_ne!(a.file_of("k"), b.file_of("k"));
+    assert_ne!(a.file_of("k").unwrap(), b.file_of("k").unwrap());
     let (mut x, mut y) = ([0; 10], [0; 10]);
     a.get("k", &mut x).unwrap();
     b.get("k", &mut y).unwrap();
     assert_eq!((x.to_vec(), y.to_vec()), (bytes(10, 1), bytes(10, 2)));
-    let a_dir = a.dir().to_path_buf();
+    let a_dir = a.dir().unwrap().to_path_buf();
     drop(a);
-    assert!(!a_dir.exists() && b.dir().exists());
+    assert!(!a_dir.exists() && b.dir().unwrap().exists());
 }
 
 /// Writes beyond `max_in_flight` wait, so the memory the tier holds stays bounded.
@@ -255,8 +255,39 @@ fn options_are_checked() {
             "option 'capacity': 0 bytes holds nothing; leave it unset for the disk's free space",
         ]
     );
-    let e = tier(Path::new("/proc/nope"), "").unwrap_err();
-    assert!(e.message.contains("cannot make a run directory in /proc/nope"), "{}", e.message);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("file"), b"").unwrap();
+    let e = tier(&dir.path().join("file/sub"), "").unwrap_err();
+    assert_eq!(
+        e.details().collect::<Vec<_>>(),
+        [format!("option 'path': {} is not a directory", dir.path().join("file").display())]
+    );
+}
+
+/// Building the tier (as validating a config does) leaves nothing on the disk; the first
+/// use makes the run's directory, and a path it cannot make is an error then.
+#[test]
+fn nothing_is_made_until_first_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("new/deeper");
+    let t = tier(&path, "").unwrap();
+    assert!(!path.exists());
+    assert_eq!((t.used_bytes(), t.len("k").unwrap()), (0, None));
+    t.evict("k").unwrap();
+    t.flush().unwrap();
+    assert!(!path.exists(), "reads of an unused tier start nothing");
+    t.put("k", &[1], DType::U8).unwrap();
+    assert!(t.dir().unwrap().starts_with(&path));
+
+    let blocked = dir.path().join("blocked");
+    let t = tier(&blocked.join("x"), "").unwrap();
+    std::fs::write(&blocked, b"now a file").unwrap();
+    let e = t.put("k", &[1], DType::U8).unwrap_err();
+    assert!(
+        e.message.contains(&format!("cannot make a run directory in {}", blocked.join("x").display())),
+        "{}",
+        e.message
+    );
 }
 
 #[test]

@@ -13,7 +13,7 @@ use std::{
     collections::{HashMap, HashSet, VecDeque},
     io,
     path::{Path, PathBuf},
-    sync::{Arc, Condvar, Mutex, MutexGuard},
+    sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock},
     thread::JoinHandle,
 };
 
@@ -107,8 +107,9 @@ impl Shared {
     }
 }
 
-/// The `nvme` tier.
-pub struct NvmeTier {
+/// The tier once started: its directory made and locked, its I/O mode settled, its threads
+/// running.
+struct Started {
     settings: Settings,
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
@@ -117,9 +118,116 @@ pub struct NvmeTier {
     run: RunDir,
 }
 
+/// The `nvme` tier. Building it only checks its settings; the run's directory, the direct
+/// I/O probe and the I/O threads start at its first use, so validating a config (which
+/// builds every plugin it names) leaves nothing on the disk.
+pub struct NvmeTier {
+    settings: Settings,
+    started: OnceLock<Result<Started, PluginError>>,
+}
+
 impl std::fmt::Debug for NvmeTier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NvmeTier").field("dir", &self.run.dir).field("direct", &self.shared.direct).finish()
+        let dir = self.started.get().and_then(|s| s.as_ref().ok()).map(|s| s.run.dir.clone());
+        f.debug_struct("NvmeTier").field("path", &self.settings.path).field("dir", &dir).finish()
+    }
+}
+
+/// Why `path` cannot hold the tier's directory, found without touching the disk: it is a
+/// file, or the nearest directory that exists is not writable.
+pub fn check_path(path: &Path) -> Result<(), String> {
+    use std::os::unix::ffi::OsStrExt;
+    let existing = path.ancestors().find(|a| a.as_os_str().is_empty() || a.exists()).unwrap_or(path);
+    let existing = if existing.as_os_str().is_empty() { Path::new(".") } else { existing };
+    if !existing.is_dir() {
+        return Err(format!("option 'path': {} is not a directory", existing.display()));
+    }
+    let c = std::ffi::CString::new(existing.as_os_str().as_bytes()).map_err(|e| format!("option 'path': {e}"))?;
+    // SAFETY: a valid C string.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        return Err(format!(
+            "option 'path': cannot write in {} ({}); choose a directory this user can write",
+            existing.display(),
+            io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+impl NvmeTier {
+    /// The tier with these settings, not started yet.
+    pub fn new(settings: Settings) -> Self {
+        Self { settings, started: OnceLock::new() }
+    }
+
+    /// The started tier (starting it on the first call).
+    fn started(&self) -> Result<&Started, PluginError> {
+        self.started.get_or_init(|| Started::start(self.settings.clone())).as_ref().map_err(Clone::clone)
+    }
+
+    /// The started tier, if it has started; nothing is stored before.
+    fn if_started(&self) -> Option<&Started> {
+        self.started.get().and_then(|s| s.as_ref().ok())
+    }
+
+    /// The run's directory (starting the tier).
+    pub fn dir(&self) -> Result<&Path, PluginError> {
+        Ok(&self.started()?.run.dir)
+    }
+
+    /// Whether records go through `O_DIRECT` (starting the tier).
+    pub fn direct(&self) -> Result<bool, PluginError> {
+        Ok(self.started()?.shared.direct)
+    }
+
+    /// The file that holds `key`'s record (starting the tier).
+    pub fn file_of(&self, key: &str) -> Result<PathBuf, PluginError> {
+        Ok(self.started()?.file_of(key))
+    }
+}
+
+impl ava_core::OffloadTier for NvmeTier {
+    fn capacity(&self) -> u64 {
+        self.started().map_or(0, |s| s.capacity())
+    }
+    fn used_bytes(&self) -> u64 {
+        self.if_started().map_or(0, |s| s.used_bytes())
+    }
+    fn resident_bytes(&self) -> u64 {
+        self.if_started().map_or(0, |s| s.resident_bytes())
+    }
+    fn put(&self, key: &str, bytes: &[u8], dtype: DType) -> Result<(), PluginError> {
+        self.started()?.put(key, bytes, dtype)
+    }
+    fn get(&self, key: &str, into: &mut [u8]) -> Result<(), PluginError> {
+        match self.if_started() {
+            Some(s) => s.get(key, into),
+            None => Err(PluginError::invalid_input(format!("nvme tier: no record under key '{key}'"))),
+        }
+    }
+    fn len(&self, key: &str) -> Result<Option<u64>, PluginError> {
+        self.if_started().map_or(Ok(None), |s| s.len(key))
+    }
+    fn prefetch(&self, key: &str) -> Result<(), PluginError> {
+        match self.if_started() {
+            Some(s) => s.prefetch(key),
+            None => Err(PluginError::invalid_input(format!("nvme tier: no record under key '{key}' to prefetch"))),
+        }
+    }
+    fn evict(&self, key: &str) -> Result<(), PluginError> {
+        self.if_started().map_or(Ok(()), |s| s.evict(key))
+    }
+    fn flush(&self) -> Result<(), PluginError> {
+        self.if_started().map_or(Ok(()), |s| s.flush())
+    }
+    fn preflight(&self, records: &[u64]) -> Result<(), PluginError> {
+        self.started()?.preflight(records)
+    }
+    fn describe(&self) -> String {
+        match self.started() {
+            Ok(s) => s.note.clone(),
+            Err(e) => e.message.to_string(),
+        }
     }
 }
 
@@ -155,10 +263,10 @@ fn file_name(key: &str) -> String {
     format!("{safe}.{:08x}.rec", crc32fast::hash(key.as_bytes()))
 }
 
-impl NvmeTier {
+impl Started {
     /// Creates the run's directory under `settings.path`, settles the I/O mode and starts
     /// the I/O threads.
-    pub fn new(settings: Settings) -> Result<Self, PluginError> {
+    fn start(settings: Settings) -> Result<Self, PluginError> {
         let run = RunDir::create(&settings.path).map_err(|e| {
             PluginError::new(
                 ErrorKind::Io,
@@ -216,18 +324,8 @@ impl NvmeTier {
         Ok(Self { settings, shared, workers, note, run })
     }
 
-    /// The run's directory.
-    pub fn dir(&self) -> &Path {
-        &self.run.dir
-    }
-
-    /// Whether records go through `O_DIRECT`.
-    pub fn direct(&self) -> bool {
-        self.shared.direct
-    }
-
     /// The file that holds `key`'s record.
-    pub fn file_of(&self, key: &str) -> PathBuf {
+    fn file_of(&self, key: &str) -> PathBuf {
         self.run.dir.join(file_name(key))
     }
 
@@ -351,7 +449,7 @@ fn drop_cached(state: &mut State, key: &str) {
     }
 }
 
-impl ava_core::OffloadTier for NvmeTier {
+impl ava_core::OffloadTier for Started {
     fn capacity(&self) -> u64 {
         let used = self.shared.lock().used;
         let disk = disk::free_space(&self.run.dir).unwrap_or(0).saturating_add(used);
@@ -551,7 +649,7 @@ impl ava_core::OffloadTier for NvmeTier {
     }
 }
 
-impl Drop for NvmeTier {
+impl Drop for Started {
     fn drop(&mut self) {
         self.shared.lock().shutdown = true;
         self.shared.changed.notify_all();
