@@ -149,8 +149,6 @@ pub struct StreamStats {
     pub peak_resident: u64,
     /// Of that, the most the tier held (its writes in flight and prefetched reads).
     pub peak_tier: u64,
-    /// Bytes read from and written to the tier.
-    pub moved: u64,
 }
 
 /// Every parameter's optimizer state.
@@ -259,11 +257,6 @@ impl OptimizerState {
         self.buffers.iter().flatten().map(StateBuffer::held).sum()
     }
 
-    /// Bytes of state streamed through the tier.
-    pub fn streamed_bytes(&self) -> u64 {
-        self.bytes() - self.resident_bytes()
-    }
-
     /// The tier the state streams through, if any.
     pub fn tier(&self) -> Option<&Arc<dyn OffloadTier>> {
         self.streamed.as_ref().map(|s| &s.tier)
@@ -355,16 +348,17 @@ impl OptimizerState {
         active: &[usize],
         mut step: impl FnMut(usize, &mut Vec<StateBuffer>) -> Result<(), TrainError>,
     ) -> Result<StreamStats, TrainError> {
-        let Some(st) = self.streamed.as_ref() else {
+        let resident = self.resident_bytes();
+        // The buffers change while the placement is only read: borrowed apart.
+        let Self { buffers, streamed } = self;
+        let Some(Streamed { tier, name, offloaded, keys, prefetch }) = streamed.as_ref() else {
             for &i in active {
-                step(i, &mut self.buffers[i])?;
+                step(i, &mut buffers[i])?;
             }
             return Ok(StreamStats::default());
         };
-        let (tier, name, prefetch) = (Arc::clone(&st.tier), st.name.clone(), st.prefetch);
-        let keys = st.keys.clone();
-        let (ram, disk): (Vec<usize>, Vec<usize>) = active.iter().partition(|&&i| !st.offloaded[i]);
-        let resident = self.resident_bytes();
+        let prefetch = *prefetch;
+        let (ram, disk): (Vec<usize>, Vec<usize>) = active.iter().partition(|&&i| !offloaded[i]);
         let mut stats = StreamStats::default();
         let sample = |stats: &mut StreamStats, working: u64| {
             let in_tier = tier.resident_bytes();
@@ -376,7 +370,7 @@ impl OptimizerState {
         let read_ahead = |queued: &mut usize, upto: usize| -> Result<(), TrainError> {
             while *queued < disk.len().min(upto) {
                 for k in &keys[disk[*queued]] {
-                    tier.prefetch(k).map_err(|e| tier_error(&name, &format!("prefetching {k}"), e))?;
+                    tier.prefetch(k).map_err(|e| tier_error(name, &format!("prefetching {k}"), e))?;
                 }
                 *queued += 1;
             }
@@ -384,14 +378,13 @@ impl OptimizerState {
         };
         read_ahead(&mut queued, prefetch)?;
         for &i in &ram {
-            step(i, &mut self.buffers[i])?;
+            step(i, &mut buffers[i])?;
         }
         for (n, &i) in disk.iter().enumerate() {
-            let bufs = &mut self.buffers[i];
+            let bufs = &mut buffers[i];
             for (b, k) in bufs.iter_mut().zip(&keys[i]) {
                 b.reserve();
-                tier.get(k, b.bytes_mut()).map_err(|e| tier_error(&name, &format!("reading {k}"), e))?;
-                stats.moved += b.spec.bytes();
+                tier.get(k, b.bytes_mut()).map_err(|e| tier_error(name, &format!("reading {k}"), e))?;
             }
             // The next `prefetch` parameters load while this one is updated (this one was
             // just read: never asked for again).
@@ -403,14 +396,13 @@ impl OptimizerState {
             // Each buffer is freed as soon as the tier has its copy.
             let mut left = working;
             for (b, k) in bufs.iter_mut().zip(&keys[i]) {
-                tier.put(k, b.bytes(), b.spec.dtype).map_err(|e| tier_error(&name, &format!("storing {k}"), e))?;
-                stats.moved += b.spec.bytes();
+                tier.put(k, b.bytes(), b.spec.dtype).map_err(|e| tier_error(name, &format!("storing {k}"), e))?;
                 sample(&mut stats, left);
                 left -= b.held();
                 b.release();
             }
         }
-        tier.flush().map_err(|e| tier_error(&name, "writing the optimizer state", e))?;
+        tier.flush().map_err(|e| tier_error(name, "writing the optimizer state", e))?;
         sample(&mut stats, 0);
         Ok(stats)
     }

@@ -612,8 +612,8 @@ impl Trainer {
         let params_bytes = (self.model.spec().num_params() * 4) as u64;
         // State held between steps: the engine's, and a built-in tier's records (the
         // counting allocator sees both).
-        let tier_held = match (&self.offload, self.state.tier()) {
-            (Some(tier), Some(_)) if !self.offload_foreign => tier.resident_bytes(),
+        let tier_held = match self.state.tier() {
+            Some(tier) if !self.offload_foreign => tier.resident_bytes(),
             _ => 0,
         };
         let held_optimizer = self.state.resident_bytes() + tier_held;

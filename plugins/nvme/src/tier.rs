@@ -61,9 +61,20 @@ struct Entry {
 }
 
 enum Slot {
-    Loading { seq: u64 },
-    Ready { seq: u64, buf: AlignedBuf, payload: std::ops::Range<usize> },
-    Failed { seq: u64, error: PluginError },
+    /// A read queued or under way, with the bytes reserved for it in `resident`.
+    Loading {
+        seq: u64,
+        reserved: u64,
+    },
+    Ready {
+        seq: u64,
+        buf: AlignedBuf,
+        payload: std::ops::Range<usize>,
+    },
+    Failed {
+        seq: u64,
+        error: PluginError,
+    },
 }
 
 enum Job {
@@ -402,18 +413,23 @@ fn worker(shared: &Shared) {
                 shared.changed.notify_all();
             }
             Job::Read { key, seq } => {
-                if !matches!(state.cache.get(&key), Some(Slot::Loading { seq: s }) if *s == seq) {
+                // A put or evict of the key drops its slot: then there is nothing to read.
+                if !matches!(state.cache.get(&key), Some(Slot::Loading { seq: s, .. }) if *s == seq) {
                     continue;
                 }
-                let Some(entry) = state.index.get(&key).filter(|e| e.seq == seq).cloned() else {
-                    state.cache.remove(&key);
+                let Some(entry) = state.index.get(&key).cloned() else {
+                    drop_cached(&mut state, &key);
                     continue;
                 };
                 drop(state);
                 let result = read_record(shared, &key, &entry);
                 state = shared.lock();
-                let reserved = entry.stored;
-                if matches!(state.cache.get(&key), Some(Slot::Loading { seq: s }) if *s == seq) {
+                // Still wanted (not evicted or replaced while it was read): its result.
+                let still = match state.cache.get(&key) {
+                    Some(&Slot::Loading { seq: s, reserved }) if s == seq => Some(reserved),
+                    _ => None,
+                };
+                if let Some(reserved) = still {
                     let slot = match result {
                         Ok((buf, payload)) => {
                             state.resident = state.resident - reserved + buf.capacity() as u64;
@@ -426,16 +442,16 @@ fn worker(shared: &Shared) {
                     };
                     state.cache.insert(key, slot);
                 }
-                // else: evicted or replaced while read; its reservation went with the slot.
+                // Otherwise its reservation went with the slot it had.
                 shared.changed.notify_all();
             }
         }
     }
 }
 
-fn slot_bytes(slot: &Slot, reserved: u64) -> u64 {
+fn slot_bytes(slot: &Slot) -> u64 {
     match slot {
-        Slot::Loading { .. } => reserved,
+        Slot::Loading { reserved, .. } => *reserved,
         Slot::Ready { buf, .. } => buf.capacity() as u64,
         Slot::Failed { .. } => 0,
     }
@@ -443,9 +459,8 @@ fn slot_bytes(slot: &Slot, reserved: u64) -> u64 {
 
 /// Drops `key`'s cached read, returning its bytes to the count.
 fn drop_cached(state: &mut State, key: &str) {
-    let reserved = state.index.get(key).map_or(0, |e| e.stored);
     if let Some(slot) = state.cache.remove(key) {
-        state.resident -= slot_bytes(&slot, reserved);
+        state.resident -= slot_bytes(&slot);
     }
 }
 
@@ -542,10 +557,10 @@ impl ava_core::OffloadTier for Started {
         }
         loop {
             match state.cache.get(key) {
-                Some(Slot::Loading { seq }) if *seq == entry.seq => state = self.shared.wait(state),
+                Some(Slot::Loading { seq, .. }) if *seq == entry.seq => state = self.shared.wait(state),
                 Some(Slot::Ready { seq, .. } | Slot::Failed { seq, .. }) if *seq == entry.seq => {
                     let slot = state.cache.remove(key).expect("just matched");
-                    state.resident -= slot_bytes(&slot, entry.stored);
+                    state.resident -= slot_bytes(&slot);
                     drop(state);
                     return match slot {
                         Slot::Ready { buf, payload, .. } => {
@@ -577,7 +592,7 @@ impl ava_core::OffloadTier for Started {
         if state.pending.contains_key(key) || state.errors.contains_key(key) || state.cache.contains_key(key) {
             return Ok(());
         }
-        state.cache.insert(key.to_string(), Slot::Loading { seq });
+        state.cache.insert(key.to_string(), Slot::Loading { seq, reserved: stored });
         state.resident += stored;
         state.jobs.push_back(Job::Read { key: key.to_string(), seq });
         self.shared.changed.notify_all();
