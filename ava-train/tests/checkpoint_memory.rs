@@ -31,19 +31,7 @@ fn measure(model: &Model, plan: &[BlockDecision]) -> (u64, Grads) {
 #[test]
 fn full_recompute_and_segments_peak_lower_with_identical_gradients() {
     assert!(memory::installed() || memory::current() > 0, "the counting allocator is installed");
-    let spec = ModelSpec {
-        vocab: 256,
-        hidden: 128,
-        layers: 4,
-        heads: 4,
-        kv_heads: 2,
-        ffn: 352,
-        rope_theta: 1e4,
-        eps: 1e-5,
-        tie_embeddings: false,
-        init_std: 0.02,
-        moe: None,
-    };
+    let spec = ModelSpec { eps: 1e-5, ..ModelSpec::llama(256, 128, 4, 4, 2, 352) };
     let kernel = Registry::builtins().attention("standard", "{}").unwrap();
     let model = Model::new(spec, 3, 128, Arc::clone(&kernel), "standard", 1).unwrap();
     let (kept, g_kept) = measure(&model, &[BlockDecision::Keep; 4]);

@@ -13,26 +13,14 @@ use ava_plugins::Registry;
 use ava_train::config::{Config, ConfigLoader, Precision};
 use ava_train::estimate::{self, Component, Plugins};
 use ava_train::memory;
-use ava_train::model::{Model, ModelSpec, MoeSpec, forward_backward};
+use ava_train::model::{Arch, Biases, Model, ModelSpec, MoeSpec, forward_backward};
 use candle_core::{DType, Device, Tensor};
 
 /// The allocator is process-wide: tests that measure must not overlap.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn spec(vocab: usize, hidden: usize, layers: usize, heads: usize, kv_heads: usize, ffn: usize) -> ModelSpec {
-    ModelSpec {
-        vocab,
-        hidden,
-        layers,
-        heads,
-        kv_heads,
-        ffn,
-        rope_theta: 1e4,
-        eps: 1e-5,
-        tie_embeddings: false,
-        init_std: 0.02,
-        moe: None,
-    }
+    ModelSpec { eps: 1e-5, ..ModelSpec::llama(vocab, hidden, layers, heads, kv_heads, ffn) }
 }
 
 fn kernel() -> Arc<dyn AttentionKernel> {
@@ -111,8 +99,12 @@ fn estimated_micro_batch_peak_is_within_15_percent_of_the_measured_one() {
     let wide = spec(512, 256, 4, 8, 8, 688);
     let mut moe = spec(256, 64, 2, 4, 2, 128);
     moe.moe = Some(MoeSpec { experts: 4, top_k: 2, aux_weight: 0.01 });
+    moe.arch = Arch::Mixtral;
     let mut tied = spec(256, 128, 3, 4, 1, 352);
     tied.tie_embeddings = true;
+    // Llama's attention_bias and mlp_bias, with heads of 48 (not d / H = 32).
+    let biased =
+        ModelSpec { bias: Biases { qkv: true, o: true, mlp: true }, head_dim: 48, ..spec(256, 128, 2, 4, 2, 352) };
     let (f32, f16, bf16) = (Precision::Fp32, Precision::F16, Precision::Bf16);
     let case = |name, spec: &ModelSpec, b, t, precision, plan: Vec<BlockDecision>, accumulating| Case {
         name,
@@ -138,6 +130,8 @@ fn estimated_micro_batch_peak_is_within_15_percent_of_the_measured_one() {
         case("d64 L2 MoE 4×top2", &moe, 4, 64, f32, plan(2, Keep), false),
         case("d128 L3 MQA tied", &tied, 4, 96, f32, vec![Recompute, Keep, Keep], false),
         case("d128 L3 MQA tied", &tied, 4, 96, f32, vec![Recompute, Keep, Keep], true),
+        case("d128 L2 biases D48", &biased, 4, 64, f32, vec![Keep, Recompute], false),
+        case("d128 L2 biases D48", &biased, 4, 64, bf16, plan(2, Keep), false),
     ];
     let k = kernel();
     let mut failures = Vec::new();

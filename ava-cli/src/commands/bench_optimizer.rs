@@ -106,7 +106,7 @@ pub fn run(p: &Printer, args: &BenchOptimizerArgs) -> CmdResult {
             for (i, (param, grad)) in model.params().iter().zip(&grads).enumerate() {
                 let weight_decay = match param.def.role {
                     ParamRole::Matrix | ParamRole::ResidualOut => WEIGHT_DECAY,
-                    ParamRole::Embedding | ParamRole::Norm => 0.0,
+                    ParamRole::Embedding | ParamRole::Norm | ParamRole::Bias => 0.0,
                 };
                 let ctx = StepContext { step: u64::from(step) + 1, lr: LR, weight_decay, threads: threads as u32 };
                 step_param(b.optimizer.as_mut(), &b.name, param, grad, &mut b.state.buffers[i], ctx)
@@ -162,17 +162,8 @@ pub fn run(p: &Printer, args: &BenchOptimizerArgs) -> CmdResult {
 /// model fits, with heads of 64 and a SwiGLU width of 8d/3 rounded up to 64.
 fn model_for(params: u64) -> Result<ModelSpec, Failure> {
     let spec = |d: usize| ModelSpec {
-        vocab: 256,
-        hidden: d,
-        layers: LAYERS,
-        heads: d / 64,
-        kv_heads: d / 64,
-        ffn: (8 * d / 3).div_ceil(64) * 64,
-        rope_theta: 10_000.0,
         eps: 1e-5,
-        tie_embeddings: false,
-        init_std: 0.02,
-        moe: None,
+        ..ModelSpec::llama(256, d, LAYERS, d / 64, d / 64, (8 * d / 3).div_ceil(64) * 64)
     };
     let smallest = spec(64).num_params() as u64;
     if params < smallest {

@@ -4,7 +4,7 @@
 //! `Model::block`, so the formulas cannot drift from the code they describe.
 
 use super::{Component, Term};
-use crate::model::ModelSpec;
+use crate::model::{Biases, ModelSpec};
 
 /// The sizes the formulas are written in.
 #[derive(Debug, Clone, Copy)]
@@ -27,6 +27,8 @@ pub(crate) struct Dims {
     pub v: u64,
     /// Bytes per element of the compute type (4, or 2 for bf16/f16).
     pub p: u64,
+    /// Projections that add a bias (each addition is one more output-sized tensor).
+    pub bias: Biases,
 }
 
 impl Dims {
@@ -42,6 +44,7 @@ impl Dims {
             f: spec.ffn as u64,
             v: spec.vocab as u64,
             p: p as u64,
+            bias: spec.bias,
         }
     }
 
@@ -80,6 +83,13 @@ pub(crate) fn block_terms(x: &Dims, saved_len: u64, moe: Option<(u64, u64)>) -> 
         out.push(term("norms (2): cast back", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
     }
     out.push(term("q, k, v projections", format!("B·T·(H + 2·Hkv)·D·p = {n}·{qkv}·{}·{p}", x.hd), n * qkv * x.hd * p));
+    if x.bias.qkv {
+        out.push(term(
+            "q, k, v plus their biases",
+            format!("B·T·(H + 2·Hkv)·D·p = {n}·{qkv}·{}·{p}", x.hd),
+            n * qkv * x.hd * p,
+        ));
+    }
     if x.cast() {
         out.push(term(
             "q, k, v as f32 (the kernel computes in f32)",
@@ -107,9 +117,19 @@ pub(crate) fn block_terms(x: &Dims, saved_len: u64, moe: Option<(u64, u64)>) -> 
         out.push(term("merged heads cast back", format!("B·T·H·D·p = {n}·{}·{}·{p}", x.h, x.hd), n * x.h * x.hd * p));
     }
     out.push(term("o_proj output and residual sum", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
+    if x.bias.o {
+        out.push(term("o_proj plus its bias", format!("B·T·d·p = {n}·{d}·{p}"), n * d * p));
+    }
     match moe {
         None => {
             out.extend(swiglu_terms(x, n));
+            if x.bias.mlp {
+                out.push(term(
+                    "gate, up and down plus their biases",
+                    format!("B·T·(2·F + d)·p = {n}·(2·{} + {d})·{p}", x.f),
+                    n * (2 * x.f + d) * p,
+                ));
+            }
             out.push(term(
                 "down_proj output and residual sum",
                 format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"),

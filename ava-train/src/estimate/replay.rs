@@ -174,13 +174,26 @@ impl<'a> Replay<'a> {
         T::attention(&f32c(q), &f32c(k), &f32c(v), self.saved_len).to_dtype(dtype)
     }
 
+    /// `llama::projection`: the product, plus the bias when the projection has one.
+    fn projection(&self, x: &T, weight: usize, bias: Option<usize>) -> T {
+        let y = linear_as(x, &self.weights[weight], self.f32_matmul);
+        match bias {
+            Some(b) => y.broadcast_add(&self.weights[b]),
+            None => y,
+        }
+    }
+
     fn swiglu(&self, x: &T, gate: usize, up: usize, down: usize) -> T {
-        let w = &self.weights;
-        let (g, u) = (linear_as(x, &w[gate], self.f32_matmul), linear_as(x, &w[up], self.f32_matmul)); // (N, F)
+        self.swiglu_biased(x, [gate, up, down], [None; 3])
+    }
+
+    /// SwiGLU with the (gate, up, down) weights and their biases, if any.
+    fn swiglu_biased(&self, x: &T, [gate, up, down]: [usize; 3], bias: [Option<usize>; 3]) -> T {
+        let (g, u) = (self.projection(x, gate, bias[0]), self.projection(x, up, bias[1])); // (N, F)
         let dtype = g.dtype();
         let (gc, uc) = (g.to_dtype(Dt::F32).contiguous(), u.to_dtype(Dt::F32).contiguous());
         let hidden = T::fused(Fused::SwiGlu, &[&gc, &uc], g.dims()).to_dtype(dtype); // (N, F)
-        linear_as(&hidden, &w[down], self.f32_matmul)
+        self.projection(&hidden, down, bias[2])
     }
 
     /// `llama::moe`, with tokens spread evenly over the experts (the routing is data-dependent;
@@ -231,10 +244,11 @@ impl<'a> Replay<'a> {
         let (h, hkv) = (s.heads, s.kv_heads);
         let n = b * t;
         let normed = self.rms_norm(x, &w[bi.attn_norm]).reshape(&[n, d]); // (B·T, d)
+        let qkv_bias = bi.qkv_bias.map(|[q, k, v]| [Some(q), Some(k), Some(v)]).unwrap_or_default();
         let (q, k, v) = (
-            linear_as(&normed, &w[bi.q], self.f32_matmul),
-            linear_as(&normed, &w[bi.k], self.f32_matmul),
-            linear_as(&normed, &w[bi.v], self.f32_matmul),
+            self.projection(&normed, bi.q, qkv_bias[0]),
+            self.projection(&normed, bi.k, qkv_bias[1]),
+            self.projection(&normed, bi.v, qkv_bias[2]),
         );
         let q = self.split_heads(&q, h); // (B, H, T, D)
         let k = self.split_heads(&k, hkv); // (B, Hkv, T, D)
@@ -242,10 +256,13 @@ impl<'a> Replay<'a> {
         let attn = self.attention(&q, &k, &v); // (B, H, T, D)
         drop((q, k, v));
         let attn = Self::merge_heads(&attn).to_dtype(x.dtype()); // (B·T, H·D)
-        let x = x.add(&linear_as(&attn, &w[bi.o], self.f32_matmul).reshape(&[b, t, d])); // (B, T, d)
+        let x = x.add(&self.projection(&attn, bi.o, bi.o_bias).reshape(&[b, t, d])); // (B, T, d)
         let normed = self.rms_norm(&x, &w[bi.mlp_norm]).reshape(&[n, d]); // (B·T, d)
         let (mlp, aux) = match &bi.mlp {
-            MlpIndex::Dense { gate, up, down } => (self.swiglu(&normed, *gate, *up, *down), None),
+            MlpIndex::Dense { gate, up, down, bias } => {
+                let bias = bias.map(|[g, u, d]| [Some(g), Some(u), Some(d)]).unwrap_or_default();
+                (self.swiglu_biased(&normed, [*gate, *up, *down], bias), None)
+            }
             MlpIndex::Moe { router, experts, top_k } => {
                 let (out, aux) = self.moe(&normed, *router, experts, *top_k);
                 (out, Some(aux))

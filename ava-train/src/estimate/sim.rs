@@ -539,6 +539,9 @@ impl T {
     pub(crate) fn broadcast_sub(&self, rhs: &T) -> T {
         self.broadcast_binary(rhs, T::sub)
     }
+    pub(crate) fn broadcast_add(&self, rhs: &T) -> T {
+        self.broadcast_binary(rhs, T::add)
+    }
 
     /// 2-D matmul: (m, k) × (k, n) → (m, n).
     pub(crate) fn matmul(&self, rhs: &T) -> T {

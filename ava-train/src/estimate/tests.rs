@@ -5,21 +5,14 @@ use ava_core::BlockDecision;
 use super::block::{Dims, block_terms};
 use super::replay::Replay;
 use super::sim::Dt;
-use crate::model::{ModelSpec, MoeSpec};
+use crate::model::{Arch, Biases, ModelSpec, MoeSpec};
 
 fn spec(kv_heads: usize, moe: Option<MoeSpec>) -> ModelSpec {
     ModelSpec {
-        vocab: 97,
-        hidden: 48,
-        layers: 3,
-        heads: 4,
-        kv_heads,
-        ffn: 80,
-        rope_theta: 1e4,
+        arch: if moe.is_some() { Arch::Mixtral } else { Arch::Llama },
         eps: 1e-5,
-        tie_embeddings: false,
-        init_std: 0.02,
         moe,
+        ..ModelSpec::llama(97, 48, 3, 4, kv_heads, 80)
     }
 }
 
@@ -33,6 +26,9 @@ fn block_formulas_sum_to_the_replayed_block() {
         (spec(1, None), Dt::Half, 2),
         (spec(2, Some(moe)), Dt::F32, 4),
         (spec(2, Some(moe)), Dt::Half, 2),
+        // Every bias, and a head size apart from d / H (Mistral-Nemo-like).
+        (ModelSpec { bias: Biases { qkv: true, o: true, mlp: true }, head_dim: 20, ..spec(2, None) }, Dt::F32, 4),
+        (ModelSpec { bias: Biases { qkv: true, o: false, mlp: false }, ..spec(1, None) }, Dt::Half, 2),
     ] {
         let (b, t) = (3, 10);
         let saved = (b * s.heads * t * t) as u64;

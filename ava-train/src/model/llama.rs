@@ -94,6 +94,7 @@ impl Model {
                 let n = def.numel();
                 let values = match def.role {
                     ParamRole::Norm => vec![1f32; n],
+                    ParamRole::Bias => vec![0f32; n],
                     role => {
                         let std = if role == ParamRole::ResidualOut { residual_std } else { spec.init_std } as f32;
                         normal_samples(seed, &def.name, n).into_iter().map(|x| x * std).collect()
@@ -150,7 +151,7 @@ impl Model {
     ) -> Result<Self, ModelError> {
         // `params` are in `spec.params()` order (both constructors build them so).
         let ParamIndex { blocks, head, final_norm } = spec.param_index();
-        let rope = RopeTables::new(max_seq, spec.head_dim(), spec.rope_theta).map_err(cerr)?;
+        let rope = RopeTables::new(max_seq, spec.head_dim(), &spec.rope).map_err(cerr)?;
         Ok(Self { spec, params, blocks, head, final_norm, rope, kernel, kernel_name: kernel_name.to_string(), threads })
     }
 
@@ -166,16 +167,7 @@ impl Model {
 
     /// Indices (into [`params`](Self::params)) of block `i`'s parameters.
     pub fn block_params(&self, i: usize) -> Vec<usize> {
-        let b = &self.blocks[i];
-        let mut out = vec![b.attn_norm, b.q, b.k, b.v, b.o, b.mlp_norm];
-        match &b.mlp {
-            MlpIndex::Dense { gate, up, down } => out.extend([*gate, *up, *down]),
-            MlpIndex::Moe { router, experts, .. } => {
-                out.push(*router);
-                out.extend(experts.iter().flatten());
-            }
-        }
-        out
+        (0..self.params.len()).filter(|&j| self.params[j].def.block == Some(i)).collect()
     }
 
     /// The weights as the forward pass uses them: the f32 `Var`s themselves, or casts of
@@ -210,8 +202,12 @@ impl Model {
         // the gradient checks), whatever the compute type.
         let span = crate::profile::scope("forward: q/k/v projections");
         let th = self.threads;
-        let (q, k, v) =
-            (linear(&normed, &w[bi.q], th)?, linear(&normed, &w[bi.k], th)?, linear(&normed, &w[bi.v], th)?);
+        let qkv_bias = bi.qkv_bias.map(|[q, k, v]| [Some(q), Some(k), Some(v)]).unwrap_or_default();
+        let (q, k, v) = (
+            projection(&normed, w, bi.q, qkv_bias[0], th)?, // (B·T, H·D)
+            projection(&normed, w, bi.k, qkv_bias[1], th)?, // (B·T, Hkv·D)
+            projection(&normed, w, bi.v, qkv_bias[2], th)?, // (B·T, Hkv·D)
+        );
         drop(span);
         let span = crate::profile::scope("forward: head split + rope");
         let q = split_heads(&q, b, t, h, Some(&self.rope))?; // (B, H, T, D)
@@ -223,7 +219,7 @@ impl Model {
         drop((span, q, k, v));
         let span = crate::profile::scope("forward: o_proj + residual");
         let attn = merge_heads(&attn)?.to_dtype(x.dtype())?; // (B·T, H·D)
-        let x = (x + linear(&attn, &w[bi.o], th)?.reshape((b, t, d))?)?; // (B, T, d)
+        let x = (x + projection(&attn, w, bi.o, bi.o_bias, th)?.reshape((b, t, d))?)?; // (B, T, d)
         drop(span);
 
         let span = crate::profile::scope("forward: rms_norm");
@@ -231,7 +227,12 @@ impl Model {
         drop(span);
         let _span = crate::profile::scope("forward: mlp + residual");
         let (mlp, aux) = match &bi.mlp {
-            MlpIndex::Dense { gate, up, down } => (swiglu(&normed, &w[*gate], &w[*up], &w[*down], th)?, None),
+            MlpIndex::Dense { gate, up, down, bias } => {
+                let b = bias.map(|[g, u, d]| [Some(g), Some(u), Some(d)]).unwrap_or_default();
+                let hidden =
+                    swiglu_gate(&projection(&normed, w, *gate, b[0], th)?, &projection(&normed, w, *up, b[1], th)?)?; // (N, F)
+                (projection(&hidden, w, *down, b[2], th)?, None)
+            }
             MlpIndex::Moe { router, experts, top_k } => {
                 let (out, aux) = moe(&normed, &w[*router], experts, *top_k, w, th)?;
                 (out, Some(aux))
@@ -273,6 +274,15 @@ pub(crate) fn add_opt(a: Option<Tensor>, b: Option<Tensor>) -> CResult<Option<Te
         (a, None) => a,
         (None, b) => b,
     })
+}
+
+/// `x W[w]ᵀ (+ W[bias])`: a projection, with its bias when it has one. x (N, in) → (N, out).
+fn projection(x: &Tensor, w: &[Tensor], weight: usize, bias: Option<usize>, threads: usize) -> CResult<Tensor> {
+    let y = linear(x, &w[weight], threads)?; // (N, out)
+    match bias {
+        Some(b) => y.broadcast_add(&w[b]),
+        None => Ok(y),
+    }
 }
 
 /// SwiGLU: down(silu(gate(x)) · up(x)). x (N, d) → (N, d).

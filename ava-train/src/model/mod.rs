@@ -5,9 +5,11 @@
 mod attention;
 pub mod fused;
 mod hf;
+mod hf_config;
 mod llama;
 pub mod ops;
 mod recompute;
+mod rope;
 mod spec;
 
 #[cfg(test)]
@@ -17,10 +19,12 @@ use std::path::PathBuf;
 
 pub use attention::attention;
 pub use hf::{load_hf_folder, save_hf_folder, tensor_to_buffer, tensors_from_safetensors, tensors_to_safetensors};
+pub use hf_config::{HfConfig, parse_hf_config, read_hf_config};
 pub use llama::{BlockOut, Model, Param};
 pub use recompute::{Grads, MicroLoss, forward_backward};
+pub use rope::{RopeScaling, RopeSpec};
+pub use spec::{Arch, Biases, ModelSpec, MoeSpec, ParamDef, ParamRole};
 pub(crate) use spec::{BlockIndex, MlpIndex, ParamIndex};
-pub use spec::{ModelSpec, MoeSpec, ParamDef, ParamRole};
 
 /// What can go wrong building, loading or running the model.
 #[derive(Debug, thiserror::Error)]

@@ -1,13 +1,61 @@
 //! The architecture as numbers: [`ModelSpec`] (from the `model` config section or a Hugging
-//! Face `config.json`), and the list of parameters it implies, with Hugging Face Llama names.
-//! Everything here is arithmetic, so `ava estimate` can use it for models it never allocates.
+//! Face `config.json`, read in `hf_config`), and the list of parameters it implies, with
+//! Hugging Face names. Everything here is arithmetic, so `ava estimate` can use it for models
+//! it never allocates.
 
-use std::path::Path;
-
-use serde_json::{Value, json};
-
-use super::ModelError;
+use super::{ModelError, RopeSpec};
 use crate::config::ModelConfig;
+
+/// The Hugging Face architecture a model is: what its `config.json` says and how Ava writes
+/// it back. All four are the same decoder; they differ in which projections have biases,
+/// the attention window and the MLP (see [`ModelSpec`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// `llama` (LlamaForCausalLM): optional biases on every attention / MLP projection.
+    Llama,
+    /// `mistral` (MistralForCausalLM): no biases, an optional sliding window.
+    Mistral,
+    /// `mixtral` (MixtralForCausalLM): a top-k mixture of SwiGLU experts.
+    Mixtral,
+    /// `qwen2` (Qwen2ForCausalLM): biases on q, k and v only.
+    Qwen2,
+}
+
+impl Arch {
+    /// `model_type` in config.json.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
+            Arch::Mixtral => "mixtral",
+            Arch::Qwen2 => "qwen2",
+        }
+    }
+
+    /// The transformers class in `architectures`.
+    pub fn class_name(self) -> &'static str {
+        match self {
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Mistral => "MistralForCausalLM",
+            Arch::Mixtral => "MixtralForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+
+    /// Every architecture, for lookups by name.
+    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Mistral, Arch::Mixtral, Arch::Qwen2];
+}
+
+/// Which projections add a bias vector after their matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Biases {
+    /// q_proj, k_proj and v_proj (Llama's `attention_bias`, always on in Qwen2).
+    pub qkv: bool,
+    /// o_proj (Llama's `attention_bias`).
+    pub o: bool,
+    /// gate_proj, up_proj and down_proj (Llama's `mlp_bias`).
+    pub mlp: bool,
+}
 
 /// Mixture-of-experts settings of a model.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -23,6 +71,8 @@ pub struct MoeSpec {
 /// A Llama-style decoder's shape.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelSpec {
+    /// The Hugging Face architecture it is written as.
+    pub arch: Arch,
     /// Vocabulary size V.
     pub vocab: usize,
     /// Width d.
@@ -33,16 +83,26 @@ pub struct ModelSpec {
     pub heads: usize,
     /// Key/value heads.
     pub kv_heads: usize,
+    /// Head size D (usually d / H; Mistral-Nemo-like configs set it apart).
+    pub head_dim: usize,
     /// SwiGLU hidden width F.
     pub ffn: usize,
-    /// RoPE θ.
-    pub rope_theta: f64,
+    /// Rotary embedding: base θ and scaling.
+    pub rope: RopeSpec,
     /// RMSNorm ε.
     pub eps: f64,
     /// LM head shares the embedding.
     pub tie_embeddings: bool,
     /// Initial weight standard deviation.
     pub init_std: f64,
+    /// Projections with biases.
+    pub bias: Biases,
+    /// Each query sees only the last `w` positions, its own included (Mistral's
+    /// `sliding_window`); `None`: full causal attention.
+    pub sliding_window: Option<usize>,
+    /// `max_position_embeddings` as config.json gave it (written back unchanged; Ava's own
+    /// models leave it to transformers' default).
+    pub max_position: Option<usize>,
     /// Mixture of experts, if any.
     pub moe: Option<MoeSpec>,
 }
@@ -54,6 +114,8 @@ pub enum ParamRole {
     Embedding,
     /// An RMSNorm gain (initialized to 1, no weight decay).
     Norm,
+    /// A projection's bias (initialized to 0, no weight decay).
+    Bias,
     /// A projection matrix (decayed).
     Matrix,
     /// A projection that writes into the residual stream (o_proj, down_proj): initialized
@@ -84,8 +146,8 @@ impl ParamDef {
 /// Where a dense or MoE MLP's parameters are in [`ModelSpec::params`].
 #[derive(Debug, Clone)]
 pub(crate) enum MlpIndex {
-    /// SwiGLU projections.
-    Dense { gate: usize, up: usize, down: usize },
+    /// SwiGLU projections and, with `mlp_bias`, their biases.
+    Dense { gate: usize, up: usize, down: usize, bias: Option<[usize; 3]> },
     /// The router and `[w1, w3, w2]` per expert.
     Moe { router: usize, experts: Vec<[usize; 3]>, top_k: usize },
 }
@@ -99,6 +161,9 @@ pub(crate) struct BlockIndex {
     pub k: usize,
     pub v: usize,
     pub o: usize,
+    /// Biases of q, k and v (all or none).
+    pub qkv_bias: Option<[usize; 3]>,
+    pub o_bias: Option<usize>,
     pub mlp_norm: usize,
     pub mlp: MlpIndex,
 }
@@ -128,6 +193,10 @@ impl ModelSpec {
                         gate: at(format!("{pre}.mlp.gate_proj.weight")),
                         up: at(format!("{pre}.mlp.up_proj.weight")),
                         down: at(format!("{pre}.mlp.down_proj.weight")),
+                        bias: self
+                            .bias
+                            .mlp
+                            .then(|| ["gate", "up", "down"].map(|p| at(format!("{pre}.mlp.{p}_proj.bias")))),
                     },
                     Some(moe) => MlpIndex::Moe {
                         router: at(format!("{pre}.block_sparse_moe.gate.weight")),
@@ -150,6 +219,11 @@ impl ModelSpec {
                     k: at(format!("{pre}.self_attn.k_proj.weight")),
                     v: at(format!("{pre}.self_attn.v_proj.weight")),
                     o: at(format!("{pre}.self_attn.o_proj.weight")),
+                    qkv_bias: self
+                        .bias
+                        .qkv
+                        .then(|| ["q", "k", "v"].map(|p| at(format!("{pre}.self_attn.{p}_proj.bias")))),
+                    o_bias: self.bias.o.then(|| at(format!("{pre}.self_attn.o_proj.bias"))),
                     mlp_norm: at(format!("{pre}.post_attention_layernorm.weight")),
                     mlp,
                 }
@@ -161,39 +235,94 @@ impl ModelSpec {
 
     /// The spec of the `model` config section.
     pub fn from_config(config: &ModelConfig) -> Result<Self, ModelError> {
+        let moe = (config.moe.num_experts > 0).then_some(MoeSpec {
+            experts: config.moe.num_experts,
+            top_k: config.moe.top_k,
+            aux_weight: config.moe.aux_loss_weight,
+        });
         let spec = Self {
-            vocab: config.vocab_size,
-            hidden: config.hidden_size,
-            layers: config.num_layers,
-            heads: config.num_heads,
-            kv_heads: config.num_kv_heads,
-            ffn: config.intermediate_size,
-            rope_theta: config.rope_theta,
+            arch: if moe.is_some() { Arch::Mixtral } else { Arch::Llama },
+            head_dim: config.hidden_size / config.num_heads.max(1),
+            rope: RopeSpec::plain(config.rope_theta),
             eps: config.rms_norm_eps,
             tie_embeddings: config.tie_embeddings,
             init_std: config.init_std,
-            moe: (config.moe.num_experts > 0).then_some(MoeSpec {
-                experts: config.moe.num_experts,
-                top_k: config.moe.top_k,
-                aux_weight: config.moe.aux_loss_weight,
-            }),
+            moe,
+            ..Self::llama(
+                config.vocab_size,
+                config.hidden_size,
+                config.num_layers,
+                config.num_heads,
+                config.num_kv_heads,
+                config.intermediate_size,
+            )
         };
+        if config.num_heads > 0 && config.hidden_size % config.num_heads != 0 {
+            return Err(ModelError::Spec {
+                origin: "model".into(),
+                problems: vec![format!(
+                    "hidden_size ({}) must be a multiple of num_heads ({}): each head gets hidden_size / num_heads dimensions",
+                    config.hidden_size, config.num_heads
+                )],
+            });
+        }
         spec.validate("model")?;
         Ok(spec)
+    }
+
+    /// A plain Llama of these sizes: head size d / H, RoPE θ 10000, ε 1e-6, no biases, no
+    /// window, untied head, initial std 0.02 (change fields with `..`).
+    pub fn llama(vocab: usize, hidden: usize, layers: usize, heads: usize, kv_heads: usize, ffn: usize) -> Self {
+        Self {
+            arch: Arch::Llama,
+            vocab,
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            head_dim: hidden / heads.max(1),
+            ffn,
+            rope: RopeSpec::plain(10000.0),
+            eps: 1e-6,
+            tie_embeddings: false,
+            init_std: 0.02,
+            bias: Biases::default(),
+            sliding_window: None,
+            max_position: None,
+            moe: None,
+        }
     }
 
     /// Checks the numbers fit together; `origin` names where they came from in errors.
     pub fn validate(&self, origin: &str) -> Result<(), ModelError> {
         let mut problems = Vec::new();
-        if self.hidden % self.heads != 0 {
+        for (name, n) in [
+            ("vocab_size", self.vocab),
+            ("hidden_size", self.hidden),
+            ("num_layers", self.layers),
+            ("num_heads", self.heads),
+            ("num_kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("intermediate_size", self.ffn),
+        ] {
+            if n == 0 {
+                problems.push(format!("{name} must be at least 1, got 0"));
+            }
+        }
+        if !problems.is_empty() {
+            return Err(ModelError::Spec { origin: origin.to_string(), problems });
+        }
+        if self.head_dim % 2 != 0 {
+            problems.push(format!("the head size ({}) must be even for rotary embeddings", self.head_dim));
+        }
+        if self.sliding_window == Some(0) {
+            problems.push("sliding_window must be at least 1".into());
+        }
+        if self.moe.is_some() != (self.arch == Arch::Mixtral) {
             problems.push(format!(
-                "hidden_size ({}) must be a multiple of num_heads ({}): each head gets hidden_size / num_heads dimensions",
-                self.hidden, self.heads
-            ));
-        } else if self.head_dim() % 2 != 0 {
-            problems.push(format!(
-                "the head size hidden_size / num_heads = {} must be even for rotary embeddings",
-                self.head_dim()
+                "a mixture of experts is written as Mixtral and only Mixtral has one (architecture {}, {} experts)",
+                self.arch.model_type(),
+                self.moe.map_or(0, |m| m.experts)
             ));
         }
         if self.heads % self.kv_heads != 0 {
@@ -210,9 +339,9 @@ impl ModelSpec {
         if problems.is_empty() { Ok(()) } else { Err(ModelError::Spec { origin: origin.to_string(), problems }) }
     }
 
-    /// Head dimension D = d / H.
+    /// Head dimension D.
     pub fn head_dim(&self) -> usize {
-        self.hidden / self.heads
+        self.head_dim
     }
 
     /// Every parameter, in a fixed order (embedding, blocks, final norm, head).
@@ -225,28 +354,39 @@ impl ModelSpec {
             block: None,
         }];
         for i in 0..self.layers {
-            let p = |name: String, shape: Vec<usize>, role| ParamDef { name, shape, role, block: Some(i) };
             let pre = format!("model.layers.{i}");
-            out.push(p(format!("{pre}.input_layernorm.weight"), vec![d], ParamRole::Norm));
-            out.push(p(format!("{pre}.self_attn.q_proj.weight"), vec![self.heads * hd, d], ParamRole::Matrix));
-            out.push(p(format!("{pre}.self_attn.k_proj.weight"), vec![self.kv_heads * hd, d], ParamRole::Matrix));
-            out.push(p(format!("{pre}.self_attn.v_proj.weight"), vec![self.kv_heads * hd, d], ParamRole::Matrix));
-            out.push(p(format!("{pre}.self_attn.o_proj.weight"), vec![d, self.heads * hd], ParamRole::ResidualOut));
-            out.push(p(format!("{pre}.post_attention_layernorm.weight"), vec![d], ParamRole::Norm));
+            let mut p =
+                |name: String, shape: Vec<usize>, role| out.push(ParamDef { name, shape, role, block: Some(i) });
+            // A projection's weight (out, in), then its bias (out) when it has one.
+            let proj =
+                |p: &mut dyn FnMut(String, Vec<usize>, ParamRole), name: String, dims: [usize; 2], role, bias| {
+                    p(format!("{name}.weight"), dims.to_vec(), role);
+                    if bias {
+                        p(format!("{name}.bias"), vec![dims[0]], ParamRole::Bias);
+                    }
+                };
+            let (qkv, o, mlp) = (self.bias.qkv, self.bias.o, self.bias.mlp);
+            let (q_rows, kv_rows) = (self.heads * hd, self.kv_heads * hd);
+            p(format!("{pre}.input_layernorm.weight"), vec![d], ParamRole::Norm);
+            proj(&mut p, format!("{pre}.self_attn.q_proj"), [q_rows, d], ParamRole::Matrix, qkv);
+            proj(&mut p, format!("{pre}.self_attn.k_proj"), [kv_rows, d], ParamRole::Matrix, qkv);
+            proj(&mut p, format!("{pre}.self_attn.v_proj"), [kv_rows, d], ParamRole::Matrix, qkv);
+            proj(&mut p, format!("{pre}.self_attn.o_proj"), [d, q_rows], ParamRole::ResidualOut, o);
+            p(format!("{pre}.post_attention_layernorm.weight"), vec![d], ParamRole::Norm);
             match self.moe {
                 None => {
-                    out.push(p(format!("{pre}.mlp.gate_proj.weight"), vec![f, d], ParamRole::Matrix));
-                    out.push(p(format!("{pre}.mlp.up_proj.weight"), vec![f, d], ParamRole::Matrix));
-                    out.push(p(format!("{pre}.mlp.down_proj.weight"), vec![d, f], ParamRole::ResidualOut));
+                    proj(&mut p, format!("{pre}.mlp.gate_proj"), [f, d], ParamRole::Matrix, mlp);
+                    proj(&mut p, format!("{pre}.mlp.up_proj"), [f, d], ParamRole::Matrix, mlp);
+                    proj(&mut p, format!("{pre}.mlp.down_proj"), [d, f], ParamRole::ResidualOut, mlp);
                 }
                 Some(moe) => {
                     // Mixtral's names: w1 = gate, w3 = up, w2 = down.
-                    out.push(p(format!("{pre}.block_sparse_moe.gate.weight"), vec![moe.experts, d], ParamRole::Matrix));
+                    p(format!("{pre}.block_sparse_moe.gate.weight"), vec![moe.experts, d], ParamRole::Matrix);
                     for e in 0..moe.experts {
                         let ex = format!("{pre}.block_sparse_moe.experts.{e}");
-                        out.push(p(format!("{ex}.w1.weight"), vec![f, d], ParamRole::Matrix));
-                        out.push(p(format!("{ex}.w3.weight"), vec![f, d], ParamRole::Matrix));
-                        out.push(p(format!("{ex}.w2.weight"), vec![d, f], ParamRole::ResidualOut));
+                        p(format!("{ex}.w1.weight"), vec![f, d], ParamRole::Matrix);
+                        p(format!("{ex}.w3.weight"), vec![f, d], ParamRole::Matrix);
+                        p(format!("{ex}.w2.weight"), vec![d, f], ParamRole::ResidualOut);
                     }
                 }
             }
@@ -281,94 +421,10 @@ impl ModelSpec {
         self.layers * (attn + mlp) + self.vocab * d
     }
 
-    /// Training FLOPs per token at sequence length `seq`: 6·N_matmul + 12·L·d·T (the
+    /// Training FLOPs per token at sequence length `seq`: 6·N_matmul + 12·L·H·D·T (the
     /// attention scores and weighted sum, forward and backward; PaLM's appendix B formula
     /// without the causal halving, as the PyTorch reference counts it).
     pub fn train_flops_per_token(&self, seq: usize) -> f64 {
-        6.0 * self.matmul_params_per_token() as f64 + 12.0 * (self.layers * self.hidden * seq) as f64
-    }
-
-    /// Reads a Hugging Face `config.json` (Llama or Mixtral).
-    pub fn from_hf_config(path: &Path) -> Result<Self, ModelError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ModelError::Io { path: path.to_path_buf(), message: e.to_string() })?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| ModelError::HfConfig { path: path.to_path_buf(), message: format!("not JSON: {e}") })?;
-        let mut missing = Vec::new();
-        let mut int = |key: &str| match v.get(key).and_then(Value::as_u64) {
-            Some(n) => n as usize,
-            None => {
-                missing.push(key.to_string());
-                0
-            }
-        };
-        let vocab = int("vocab_size");
-        let hidden = int("hidden_size");
-        let layers = int("num_hidden_layers");
-        let heads = int("num_attention_heads");
-        let ffn = int("intermediate_size");
-        if !missing.is_empty() {
-            return Err(ModelError::HfConfig {
-                path: path.to_path_buf(),
-                message: format!("missing or not an integer: {}", missing.join(", ")),
-            });
-        }
-        if let Some(act) = v.get("hidden_act").and_then(Value::as_str)
-            && act != "silu"
-        {
-            return Err(ModelError::HfConfig {
-                path: path.to_path_buf(),
-                message: format!("hidden_act is {act:?}; Ava's Llama blocks use SwiGLU (\"silu\")"),
-            });
-        }
-        let kv_heads = v.get("num_key_value_heads").and_then(Value::as_u64).map_or(heads, |n| n as usize);
-        let experts = v.get("num_local_experts").and_then(Value::as_u64).unwrap_or(0) as usize;
-        let spec = Self {
-            vocab,
-            hidden,
-            layers,
-            heads,
-            kv_heads,
-            ffn,
-            rope_theta: v.get("rope_theta").and_then(Value::as_f64).unwrap_or(10000.0),
-            eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
-            tie_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
-            init_std: v.get("initializer_range").and_then(Value::as_f64).unwrap_or(0.02),
-            moe: (experts > 0).then(|| MoeSpec {
-                experts,
-                top_k: v.get("num_experts_per_tok").and_then(Value::as_u64).unwrap_or(2) as usize,
-                aux_weight: v.get("router_aux_loss_coef").and_then(Value::as_f64).unwrap_or(0.01),
-            }),
-        };
-        spec.validate(&path.display().to_string())?;
-        Ok(spec)
-    }
-
-    /// The Hugging Face `config.json` describing this model.
-    pub fn to_hf_config(&self) -> Value {
-        let mut v = json!({
-            "architectures": [if self.moe.is_some() { "MixtralForCausalLM" } else { "LlamaForCausalLM" }],
-            "model_type": if self.moe.is_some() { "mixtral" } else { "llama" },
-            "vocab_size": self.vocab,
-            "hidden_size": self.hidden,
-            "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads,
-            "intermediate_size": self.ffn,
-            "hidden_act": "silu",
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.eps,
-            "tie_word_embeddings": self.tie_embeddings,
-            "initializer_range": self.init_std,
-            "attention_bias": false,
-            "mlp_bias": false,
-            "torch_dtype": "float32",
-        });
-        if let Some(moe) = self.moe {
-            v["num_local_experts"] = json!(moe.experts);
-            v["num_experts_per_tok"] = json!(moe.top_k);
-            v["router_aux_loss_coef"] = json!(moe.aux_weight);
-        }
-        v
+        6.0 * self.matmul_params_per_token() as f64 + 12.0 * (self.layers * self.heads * self.head_dim * seq) as f64
     }
 }

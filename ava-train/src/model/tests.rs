@@ -16,17 +16,12 @@ fn kernel() -> Arc<dyn AttentionKernel> {
 
 fn spec(moe: Option<MoeSpec>, tie: bool) -> ModelSpec {
     ModelSpec {
-        vocab: 11,
-        hidden: 8,
-        layers: 2,
-        heads: 2,
-        kv_heads: 1,
-        ffn: 12,
-        rope_theta: 10000.0,
+        arch: if moe.is_some() { Arch::Mixtral } else { Arch::Llama },
         eps: 1e-5,
         tie_embeddings: tie,
         init_std: 0.3, // large, so the gradients are far from zero and differences show
         moe,
+        ..ModelSpec::llama(11, 8, 2, 2, 1, 12)
     }
 }
 
@@ -127,7 +122,7 @@ fn reference_loss(m: &Model, w: &[Tensor], tokens: &Tensor, targets: &[u32]) -> 
     let s = m.spec();
     let (b, t) = tokens.dims2().unwrap();
     let (h, hkv, hd, d) = (s.heads, s.kv_heads, s.head_dim(), s.hidden);
-    let rope = ops::Rope::new(t, hd, s.rope_theta, &Device::Cpu).unwrap();
+    let rope = ops::Rope::new(t, hd, s.rope.theta, &Device::Cpu).unwrap();
     let by_name = |name: &str| {
         let i = m.params().iter().position(|p| p.def.name == name).unwrap();
         w[i].clone()
@@ -334,14 +329,15 @@ fn loading_mismatched_weights_lists_every_problem() {
 #[test]
 fn invalid_architectures_are_refused_with_every_reason() {
     let bad = ModelSpec {
-        hidden: 10,
+        head_dim: 3,
         heads: 4,
         kv_heads: 3,
         moe: Some(MoeSpec { experts: 2, top_k: 3, aux_weight: 0.0 }),
         ..spec(None, false)
     };
     let err = bad.validate("model").unwrap_err().to_string();
-    assert!(err.contains("hidden_size (10) must be a multiple of num_heads (4)"), "{err}");
+    assert!(err.contains("the head size (3) must be even"), "{err}");
+    assert!(err.contains("only Mixtral has one (architecture llama, 2 experts)"), "{err}");
     assert!(err.contains("num_heads (4) must be a multiple of num_kv_heads (3)"), "{err}");
     assert!(err.contains("moe.top_k (3) must be at most moe.num_experts (2)"), "{err}");
 }
@@ -349,19 +345,7 @@ fn invalid_architectures_are_refused_with_every_reason() {
 #[test]
 fn parameter_count_and_flops_follow_the_formulas() {
     // The benchmark model: d 256, 4 layers, 4 heads, SwiGLU 704, V 256, untied.
-    let s = ModelSpec {
-        vocab: 256,
-        hidden: 256,
-        layers: 4,
-        heads: 4,
-        kv_heads: 4,
-        ffn: 704,
-        rope_theta: 1e4,
-        eps: 1e-5,
-        tie_embeddings: false,
-        init_std: 0.02,
-        moe: None,
-    };
+    let s = ModelSpec { eps: 1e-5, ..ModelSpec::llama(256, 256, 4, 4, 4, 704) };
     let per_layer = 4 * 256 * 256 + 3 * 256 * 704 + 2 * 256;
     assert_eq!(s.num_params(), 2 * 256 * 256 + 4 * per_layer + 256);
     assert_eq!(s.matmul_params_per_token(), 4 * (4 * 256 * 256 + 3 * 256 * 704) + 256 * 256);

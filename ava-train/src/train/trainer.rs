@@ -688,7 +688,7 @@ impl Trainer {
                 let param = &model.params()[i];
                 let wd = match param.def.role {
                     ParamRole::Matrix | ParamRole::ResidualOut => t.weight_decay,
-                    ParamRole::Embedding | ParamRole::Norm => 0.0,
+                    ParamRole::Embedding | ParamRole::Norm | ParamRole::Bias => 0.0,
                 };
                 let ctx = StepContext { step, lr, weight_decay: wd, threads };
                 step_param(optimizer, &opt_name, param, &g, buffers, ctx)

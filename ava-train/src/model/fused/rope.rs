@@ -15,9 +15,12 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
 
 use super::{Real, compute_dtype, filled, values, with_values};
+use crate::model::RopeSpec;
 
-/// Rotary tables for positions `0..seq` and a head size: `cos`/`sin` of `t · θ^(-2i/D)`,
-/// both halves of a head sharing the frequencies. Kept in f32 and f64 (the gradient checks).
+/// Rotary tables for positions `0..seq` and a head size: `a·cos` and `a·sin` of `t · fᵢ`, with
+/// the frequencies `fᵢ` and attention factor `a` of a [`RopeSpec`] (plain RoPE: `fᵢ = θ^(-2i/D)`,
+/// `a = 1`), both halves of a head sharing the frequencies. Kept in f32 and f64 (the gradient
+/// checks).
 #[derive(Debug)]
 pub struct RopeTables {
     seq: usize,
@@ -29,18 +32,19 @@ pub struct RopeTables {
 }
 
 impl RopeTables {
-    /// Tables for `seq` positions, head size `head_dim` (even) and base `theta`.
-    pub fn new(seq: usize, head_dim: usize, theta: f64) -> Result<Arc<Self>> {
+    /// Tables for `seq` positions, head size `head_dim` (even) and the settings `rope`.
+    pub fn new(seq: usize, head_dim: usize, rope: &RopeSpec) -> Result<Arc<Self>> {
         if head_dim % 2 != 0 {
             bail!("rotary embedding needs an even head size, got {head_dim}");
         }
         let half = head_dim / 2;
+        let (freqs, scale) = rope.frequencies(head_dim, seq);
         let (mut cos64, mut sin64) = (Vec::with_capacity(seq * head_dim), Vec::with_capacity(seq * head_dim));
         for t in 0..seq {
             for j in 0..head_dim {
-                let angle = t as f64 * theta.powf(-2.0 * (j % half) as f64 / head_dim as f64);
-                cos64.push(angle.cos());
-                sin64.push(angle.sin());
+                let angle = t as f64 * freqs[j % half];
+                cos64.push(angle.cos() * scale);
+                sin64.push(angle.sin() * scale);
             }
         }
         let cos32 = cos64.iter().map(|&v| v as f32).collect();

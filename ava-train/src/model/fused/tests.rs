@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::*;
-use crate::model::ops;
+use crate::model::{RopeSpec, ops};
 
 /// Deterministic values in about [-2, 2].
 fn data(n: usize, salt: u64) -> Vec<f64> {
@@ -151,7 +151,7 @@ fn composed_split(p: &Tensor, b: usize, t: usize, c: usize, rope: Option<&ops::R
 fn split_heads_with_rope_matches_composed_form() {
     // T below the tables' length, odd head count, and D = 2 (one pair per head).
     for (b, t, c, d) in [(2, 5, 3, 8), (1, 7, 2, 2), (3, 4, 1, 16)] {
-        let tables = RopeTables::new(9, d, 10000.0).unwrap();
+        let tables = RopeTables::new(9, d, &RopeSpec::plain(10000.0)).unwrap();
         let rope = ops::Rope::new(9, d, 10000.0, &Device::Cpu).unwrap();
         against_reference(
             &[&[b * t, c * d]],
@@ -181,7 +181,7 @@ fn merge_heads_matches_composed_form() {
 
 #[test]
 fn head_ops_gradients_match_finite_differences() {
-    let tables = RopeTables::new(6, 4, 100.0).unwrap();
+    let tables = RopeTables::new(6, 4, &RopeSpec::plain(100.0)).unwrap();
     against_finite_differences(&[&[2 * 3, 2 * 4]], &[2, 2, 3, 4], |x| {
         split_heads(&x[0], 2, 3, 2, Some(&tables)).unwrap()
     });
@@ -190,11 +190,11 @@ fn head_ops_gradients_match_finite_differences() {
 
 #[test]
 fn split_heads_refuses_sequences_longer_than_the_tables() {
-    let tables = RopeTables::new(4, 4, 100.0).unwrap();
+    let tables = RopeTables::new(4, 4, &RopeSpec::plain(100.0)).unwrap();
     let p = tensor(&[5, 8], 1, DType::F32);
     let err = split_heads(&p, 1, 5, 2, Some(&tables)).unwrap_err().to_string();
     assert!(err.contains("longer than the rotary tables (4)"), "{err}");
-    assert!(RopeTables::new(4, 5, 100.0).unwrap_err().to_string().contains("even head size"));
+    assert!(RopeTables::new(4, 5, &RopeSpec::plain(100.0)).unwrap_err().to_string().contains("even head size"));
 }
 
 #[test]
@@ -230,7 +230,7 @@ fn thread_count_does_not_change_bits() {
     let x = tensor(&[300, 96], 5, DType::F32);
     let w = tensor(&[96], 6, DType::F32);
     let probe = tensor(&[300, 96], 7, DType::F32);
-    let tables = RopeTables::new(100, 16, 10000.0).unwrap();
+    let tables = RopeTables::new(100, 16, &RopeSpec::plain(10000.0)).unwrap();
     let run = |threads: usize| {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
         pool.install(|| {
