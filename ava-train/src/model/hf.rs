@@ -40,8 +40,9 @@ pub fn tensors_from_safetensors(bytes: &[u8], path: &Path) -> Result<HashMap<Str
     })
 }
 
-/// Reads a folder's `config.json` and every `*.safetensors` in it (sharded checkpoints are
-/// several files).
+/// Reads a folder's `config.json` and its weights, found as transformers finds them: the
+/// shards named by `model.safetensors.index.json`, else `model.safetensors`, else every
+/// `*.safetensors` in the folder.
 pub fn load_hf_folder(dir: &Path) -> Result<(ModelSpec, HashMap<String, Tensor>), ModelError> {
     let io = |path: &Path, e: std::io::Error| ModelError::Io { path: path.to_path_buf(), message: e.to_string() };
     let config = dir.join("config.json");
@@ -52,12 +53,33 @@ pub fn load_hf_folder(dir: &Path) -> Result<(ModelSpec, HashMap<String, Tensor>)
         });
     }
     let spec = ModelSpec::from_hf_config(&config)?;
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| io(dir, e))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    files.sort();
+    let index = dir.join("model.safetensors.index.json");
+    let files: Vec<PathBuf> = if index.is_file() {
+        let text = std::fs::read_to_string(&index).map_err(|e| io(&index, e))?;
+        let bad = |message: String| ModelError::Weights { path: index.clone(), problems: vec![message] };
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| bad("no \"weight_map\" object naming each tensor's file".into()))?;
+        let mut names: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        if names.iter().any(|n| n.contains('/') || n.contains('\\') || *n == "..") {
+            return Err(bad("weight_map names a file outside the folder".into()));
+        }
+        names.into_iter().map(|n| dir.join(n)).collect()
+    } else if dir.join("model.safetensors").is_file() {
+        vec![dir.join("model.safetensors")]
+    } else {
+        let mut all: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| io(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        all.sort();
+        all
+    };
     if files.is_empty() {
         return Err(ModelError::Weights {
             path: dir.to_path_buf(),
