@@ -6,11 +6,12 @@
 use std::path::Path;
 use std::process::Output;
 
+use ava_train::model::{Arch, Biases, Model, ModelSpec, save_hf_folder};
 use serde_json::Value;
 
 mod common;
 
-use common::{checkpoint, json_of, losses, ok};
+use common::{checkpoint, json_of, losses, ok, train_small, usage_error};
 
 fn ava(dir: &Path, out: &str, extra: &[&str]) -> Output {
     common::train_small(dir, out, extra)
@@ -203,4 +204,62 @@ fn flash_attention_trains_like_standard() {
     );
     // Both learned something: the start is ln 256 = 5.55 nats.
     assert!(standard < 2.5 && flash < 2.5, "standard {standard}, flash {flash}");
+}
+
+/// A Hugging Face folder of `spec` with Ava's initial weights, written as `name` in `dir`.
+fn hf_folder(dir: &Path, name: &str, spec: ModelSpec) -> std::path::PathBuf {
+    let kernel = ava_plugins::Registry::builtins().attention("standard", "{}").unwrap();
+    let model = Model::new(spec, 1, 16, kernel, "standard", 1).unwrap();
+    let dst = dir.join(name);
+    save_hf_folder(&dst, model.spec(), &model.named_tensors()).unwrap();
+    dst
+}
+
+/// Fine-tuning a Hugging Face folder: its architecture (biases, head size, tied head) trains
+/// and is written back as it came, fields that change nothing are said in the header, and a
+/// Mistral window needs the matching attention unless it covers every sequence.
+#[test]
+fn hugging_face_folders_fine_tune_with_their_architecture() {
+    let dir = tempfile::tempdir().unwrap();
+    let biased = ModelSpec {
+        bias: Biases { qkv: true, o: true, mlp: true },
+        head_dim: 24,
+        tie_embeddings: true,
+        ..ModelSpec::llama(256, 32, 2, 2, 1, 48)
+    };
+    let from = hf_folder(dir.path(), "llama", biased);
+    let mut config: Value = serde_json::from_slice(&std::fs::read(from.join("config.json")).unwrap()).unwrap();
+    config["my_field"] = serde_json::json!(1);
+    std::fs::write(from.join("config.json"), serde_json::to_vec(&config).unwrap()).unwrap();
+    let set_from = format!("model.from={}", from.display());
+    let out = ok(train_small(dir.path(), "run", &["--set", &set_from, "--max-steps", "2"]));
+    let said = String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains(
+            "fields Ava does not know, ignored (transformers' LlamaForCausalLM does not read them either): my_field"
+        ),
+        "{said}"
+    );
+    let written: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("run/model/config.json")).unwrap()).unwrap();
+    assert_eq!((written["attention_bias"].as_bool(), written["mlp_bias"].as_bool()), (Some(true), Some(true)));
+    assert_eq!((written["head_dim"].as_u64(), written["tie_word_embeddings"].as_bool()), (Some(24), Some(true)));
+
+    let mistral = ModelSpec { arch: Arch::Mistral, sliding_window: Some(6), ..ModelSpec::llama(256, 32, 2, 2, 1, 48) };
+    let set_from = format!("model.from={}", hf_folder(dir.path(), "mistral", mistral).display());
+    let err = usage_error(train_small(dir.path(), "m", &["--set", &set_from, "--max-steps", "1"]));
+    assert!(err.contains("the model is a mistral with sliding_window: 6"), "{err}");
+    assert!(err.contains("plugins.attention is 'standard' (full causal attention)"), "{err}");
+    assert!(
+        err.contains("set plugins.attention={name: sliding-window, window: 6}, or data.seq_len to at most 6"),
+        "{err}"
+    );
+    // A window covering every sequence is full causal attention.
+    ok(train_small(dir.path(), "m", &["--set", &set_from, "--max-steps", "1", "--set", "data.seq_len=6"]));
+
+    // model.vocab_size does not apply to a folder's model: the error says what does.
+    let set_from =
+        format!("model.from={}", hf_folder(dir.path(), "v64", ModelSpec::llama(64, 32, 1, 2, 1, 48)).display());
+    let err = usage_error(train_small(dir.path(), "v", &["--set", &set_from, "--max-steps", "1"]));
+    assert!(err.contains("has a vocabulary of 64: train it on data tokenized with its own tokenizer"), "{err}");
 }

@@ -46,6 +46,7 @@ impl Reporter for CliReporter<'_> {
         if let Some(offload) = &h.offload {
             lines.push(offload.clone());
         }
+        lines.extend(h.model_notes.iter().cloned());
         if let Some(floor) = h.entropy_floor {
             lines.push(format!("entropy floor of the data: {floor:.4} nats/token (the best possible loss)"));
         }

@@ -130,15 +130,20 @@ impl<'a> Reader<'a> {
 
     /// A positive integer, or the default when absent/null.
     fn int(&mut self, key: &'static str, default: Option<usize>, max: usize) -> usize {
+        self.int_from(key, default, 1, max)
+    }
+
+    /// An integer from `min` to `max`, or the default when absent/null.
+    fn int_from(&mut self, key: &'static str, default: Option<usize>, min: u64, max: usize) -> usize {
         match self.get(key) {
             None => default.unwrap_or_else(|| {
                 self.problems.push(format!("{key} is missing (it has no default): add it as an integer"));
                 0
             }),
             Some(v) => match v.as_u64() {
-                Some(n) if n >= 1 && n <= max as u64 => n as usize,
+                Some(n) if n >= min && n <= max as u64 => n as usize,
                 _ => {
-                    self.problems.push(format!("{key} must be an integer from 1 to {max}, got {v}"));
+                    self.problems.push(format!("{key} must be an integer from {min} to {max}, got {v}"));
                     0
                 }
             },
@@ -459,7 +464,7 @@ fn window_of(r: &mut Reader<'_>, arch: Arch, layers: usize) -> Option<usize> {
         Arch::Qwen2 => {
             let use_window = r.bool("use_sliding_window", false);
             let w = window(r, Some(4096));
-            let max_window_layers = r.int("max_window_layers", Some(28), 1 << 20);
+            let max_window_layers = r.int_from("max_window_layers", Some(28), 0, 1 << 20);
             let types: Vec<bool> = match r.get("layer_types") {
                 Some(Value::Array(a)) if a.len() == layers => a
                     .iter()
@@ -752,4 +757,153 @@ fn rope_json(rope: &RopeSpec) -> (Value, Value) {
     let scaling = if rope.scaling == RopeScaling::Default { Value::Null } else { Value::Object(fields.clone()) };
     fields.insert("rope_theta".into(), json!(rope.theta));
     (scaling, Value::Object(fields))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn parse(v: Value) -> Result<HfConfig, String> {
+        parse_hf_config(&v, Path::new("m/config.json")).map_err(|e| e.to_string())
+    }
+
+    fn llama(extra: Value) -> Value {
+        let mut v = json!({
+            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 48,
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        v
+    }
+
+    /// A missing field takes the value of transformers' config class of that architecture.
+    #[test]
+    fn missing_fields_take_transformers_defaults_per_architecture() {
+        let base = json!({"vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 32,
+                          "intermediate_size": 48});
+        let with = |mt: &str| {
+            let mut v = base.clone();
+            v["model_type"] = json!(mt);
+            parse(v).unwrap().spec
+        };
+        let l = with("llama");
+        assert_eq!((l.kv_heads, l.eps, l.rope, l.sliding_window), (32, 1e-6, RopeSpec::plain(1e4), None));
+        let m = with("mistral");
+        assert_eq!((m.kv_heads, m.sliding_window), (8, Some(4096)));
+        let x = with("mixtral");
+        assert_eq!((x.kv_heads, x.eps, x.rope.theta, x.sliding_window), (8, 1e-5, 1e6, None));
+        assert_eq!(x.moe, Some(MoeSpec { experts: 8, top_k: 2, aux_weight: 0.0 }));
+        let q = with("qwen2");
+        assert_eq!((q.kv_heads, q.bias, q.sliding_window), (32, Biases { qkv: true, o: false, mlp: false }, None));
+        // An explicit null window is no window, in Mistral as in transformers.
+        let mut v = base.clone();
+        v["model_type"] = json!("mistral");
+        v["sliding_window"] = Value::Null;
+        assert_eq!(parse(v).unwrap().spec.sliding_window, None);
+    }
+
+    #[test]
+    fn rope_theta_is_read_from_either_form_and_a_disagreement_is_refused() {
+        let top = parse(llama(json!({"rope_theta": 5e5}))).unwrap().spec.rope;
+        let nested = parse(llama(json!({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}))).unwrap();
+        assert_eq!((top, nested.spec.rope), (RopeSpec::plain(5e5), RopeSpec::plain(5e5)));
+        let err =
+            parse(llama(json!({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})))
+                .unwrap_err();
+        assert!(err.contains("rope_theta (10000.0) and rope_parameters.rope_theta (500000) disagree"), "{err}");
+        // rope_scaling wins over rope_parameters (transformers 5), and must agree with it.
+        let err = parse(llama(json!({"rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})))
+        .unwrap_err();
+        assert!(err.contains("rope_scaling ({") && err.contains("}) and rope_parameters ({"), "{err}");
+        assert!(err.contains("disagree: keep one"), "{err}");
+    }
+
+    #[test]
+    fn every_problem_is_refused_by_name_at_once() {
+        let err = parse(llama(json!({
+            "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]},
+            "hidden_act": "gelu",
+            "attention_dropout": 0.1,
+            "partial_rotary_factor": 0.5,
+            "quantization_config": {"quant_method": "gptq"},
+            "num_hidden_layers": 0,
+        })))
+        .unwrap_err();
+        for want in [
+            "6 problems",
+            "num_hidden_layers must be an integer from 1 to 4096, got 0",
+            "hidden_act is \"gelu\": Ava's MLP is SwiGLU",
+            "attention_dropout is 0.1: Ava trains without dropout",
+            "partial_rotary_factor is 0.5",
+            "rope_scaling.rope_type \"longrope\" is not supported: Ava implements default, linear, dynamic, llama3 and yarn",
+            "quantization_config is set",
+            "m/config.json",
+        ] {
+            assert!(err.contains(want), "missing {want:?} in:\n{err}");
+        }
+        let err = parse(llama(json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))).unwrap_err();
+        assert!(err.contains("rope_scaling.low_freq_factor is missing: rope_type \"llama3\" needs it"), "{err}");
+    }
+
+    #[test]
+    fn architectures_ava_does_not_implement_are_refused_with_the_reason() {
+        let mut v = llama(json!({}));
+        v["model_type"] = json!("qwen3");
+        let err = parse(v).unwrap_err();
+        assert!(err.contains("model_type \"qwen3\" is not supported: it normalizes q and k per head"), "{err}");
+        assert!(err.contains("Ava implements llama, mistral, mixtral and qwen2 exactly"), "{err}");
+        let mut v = llama(json!({"architectures": ["LlamaForSequenceClassification"]}));
+        let err = parse(v.clone()).unwrap_err();
+        assert!(err.contains("architectures names LlamaForSequenceClassification"), "{err}");
+        v.as_object_mut().unwrap().remove("model_type");
+        v["architectures"] = json!(["GPT2LMHeadModel"]);
+        let err = parse(v).unwrap_err();
+        assert!(
+            err.contains("no model_type, and architectures (GPT2LMHeadModel) names no class Ava implements"),
+            "{err}"
+        );
+        let v = llama(json!({"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}));
+        assert!(parse(v).unwrap_err().contains("auto_map names custom modeling code"));
+    }
+
+    #[test]
+    fn qwen2_windows_in_some_layers_only_are_refused() {
+        let qwen = |extra: Value| {
+            let mut v = llama(extra);
+            v["model_type"] = json!("qwen2");
+            v["architectures"] = json!(["Qwen2ForCausalLM"]);
+            v["num_key_value_heads"] = json!(2);
+            parse(v)
+        };
+        let err = qwen(json!({"use_sliding_window": true, "sliding_window": 8, "max_window_layers": 1})).unwrap_err();
+        assert!(err.contains("a window in layers 1 only"), "{err}");
+        let all = qwen(json!({"use_sliding_window": true, "sliding_window": 8, "max_window_layers": 0})).unwrap();
+        assert_eq!(all.spec.sliding_window, Some(8));
+        let off = qwen(json!({"use_sliding_window": false, "sliding_window": 8})).unwrap();
+        assert_eq!(off.spec.sliding_window, None);
+    }
+
+    #[test]
+    fn mixtral_router_settings_that_change_training_are_refused() {
+        let mut v = llama(json!({"output_router_logits": true, "router_jitter_noise": 0.1}));
+        v["model_type"] = json!("mixtral");
+        v["architectures"] = json!(["MixtralForCausalLM"]);
+        let err = parse(v).unwrap_err();
+        assert!(err.contains("output_router_logits is true"), "{err}");
+        assert!(err.contains("router_jitter_noise is 0.1"), "{err}");
+    }
+
+    #[test]
+    fn fields_that_change_nothing_are_noted() {
+        let c = parse(llama(json!({"sliding_window": 4096, "my_field": 1, "bos_token_id": 1}))).unwrap();
+        assert_eq!(c.notes.len(), 2, "{:?}", c.notes);
+        assert!(c.notes[0].contains("sliding_window (4096) is not read by transformers' llama"), "{:?}", c.notes);
+        assert!(c.notes[1].contains("fields Ava does not know, ignored"), "{:?}", c.notes);
+        assert!(c.notes[1].ends_with(": my_field"), "{:?}", c.notes);
+    }
 }

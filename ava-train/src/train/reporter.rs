@@ -104,6 +104,9 @@ pub struct RunHeader {
     /// Where the optimizer state lives, when some of it streams through an offload tier.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub offload: Option<String>,
+    /// What model.from's config.json holds that Ava reads but that changes nothing.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub model_notes: Vec<String>,
     /// The entropy floor of the data (nats/token), when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub entropy_floor: Option<f64>,

@@ -19,7 +19,7 @@ use super::TrainError;
 use super::optim::{OptimizerState, StreamStats, optimizer_options, step_param};
 use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
 use super::schedule::{LossScaler, learning_rate};
-use crate::config::{Config, DataSource, Precision};
+use crate::config::{Config, DataSource, PluginSelection, Precision};
 use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Source, Split};
 use crate::memory::{self, Breakdown};
 use crate::model::{self, Grads, Model, ModelSpec, ParamRole, forward_backward};
@@ -96,6 +96,8 @@ pub struct Trainer {
     offload_foreign: bool,
     /// How the optimizer state is placed, one line for the run's header.
     offload_note: Option<String>,
+    /// Fields of model.from's config.json read and found to change nothing.
+    model_notes: Vec<String>,
     memory_policy: Box<dyn MemoryPolicy>,
     dataset: Arc<dyn Dataset>,
     loader: Loader,
@@ -174,6 +176,43 @@ pub fn model_spec(config: &Config) -> Result<ModelSpec, TrainError> {
     })
 }
 
+/// The attention window of a kernel selection: `Some(None)` for full causal attention,
+/// `Some(Some(w))` for a window of `w`, `None` when the host cannot tell (another plugin).
+fn kernel_window(sel: &PluginSelection) -> Option<Option<usize>> {
+    match sel.name.as_str() {
+        "standard" | "flash" => Some(None),
+        // The sliding-window plugin's default window.
+        "sliding-window" => Some(Some(sel.options.get("window").and_then(|v| v.as_u64()).unwrap_or(256) as usize)),
+        _ => None,
+    }
+}
+
+/// Checks the selected attention computes what the model asks for: a model with a sliding
+/// window (Mistral's `sliding_window`) needs a kernel with that window, unless the window
+/// covers every sequence of `seq` tokens, where full causal attention is the same.
+pub fn check_attention(spec: &ModelSpec, sel: &PluginSelection, seq: usize) -> Result<(), TrainError> {
+    let Some(w) = spec.sliding_window else { return Ok(()) };
+    let seen = |window: Option<usize>| window.map_or(seq, |w| w.min(seq));
+    match kernel_window(sel) {
+        Some(k) if seen(k) == seen(Some(w)) => Ok(()),
+        found => {
+            let what = match found {
+                Some(None) => "full causal attention".to_string(),
+                Some(Some(k)) => format!("a window of {k}"),
+                None => "a kernel whose window Ava cannot check".to_string(),
+            };
+            Err(TrainError::Invalid(format!(
+                "the model is a {} with sliding_window: {w} (each token sees the last {w} positions, its own \
+                 included), but plugins.attention is '{}' ({what}), which would compute another model for sequences \
+                 of {seq} tokens: set plugins.attention={{name: sliding-window, window: {w}}}, or data.seq_len to at \
+                 most {w} (the window then covers every sequence)",
+                spec.arch.model_type(),
+                sel.name
+            )))
+        }
+    }
+}
+
 fn compute_dtype(p: Precision) -> DType {
     match p {
         Precision::Fp32 => DType::F32,
@@ -193,6 +232,26 @@ impl Trainer {
 
         let dataset = data::open(&data_options(&config)?)?;
         let spec = model_spec(&config)?;
+        // What model.from's config.json holds that changes nothing, said once in the header.
+        let model_notes = match &config.model.from {
+            Some(dir) => model::read_hf_config(&dir.join(HF_CONFIG_FILE))?
+                .notes
+                .into_iter()
+                .map(|n| format!("model.from {}: {n}", dir.join(HF_CONFIG_FILE).display()))
+                .collect(),
+            None => Vec::new(),
+        };
+        if dataset.vocab_size() > spec.vocab
+            && let Some(dir) = &config.model.from
+        {
+            return Err(TrainError::Invalid(format!(
+                "the data has {} distinct token ids but the model in model.from ({}) has a vocabulary of {}: train it \
+                 on data tokenized with its own tokenizer (data.tokenizer: its tokenizer.json)",
+                dataset.vocab_size(),
+                dir.display(),
+                spec.vocab
+            )));
+        }
         if dataset.vocab_size() > spec.vocab {
             return Err(TrainError::Invalid(format!(
                 "the data has {} distinct token ids but model.vocab_size is {}: set model.vocab_size to at least {}",
@@ -203,6 +262,7 @@ impl Trainer {
         }
 
         let attention_sel = plugin(PluginKind::Attention);
+        check_attention(&spec, attention_sel, config.data.seq_len)?;
         let kernel = registry.attention(&attention_sel.name, &attention_sel.options_json())?;
         if !kernel.supports_backward() {
             return Err(TrainError::Invalid(format!(
@@ -403,6 +463,7 @@ impl Trainer {
             offload: Some(offload),
             offload_foreign,
             offload_note,
+            model_notes,
             memory_policy,
             dataset,
             loader,
@@ -469,6 +530,7 @@ impl Trainer {
             out_dir: self.out_dir.display().to_string(),
             resumed_from: self.resumed_from.as_ref().map(|p| p.display().to_string()),
             offload: self.offload_note.clone(),
+            model_notes: self.model_notes.clone(),
             entropy_floor: self.dataset.entropy_floor_nats(),
             threads: self.threads,
         }
