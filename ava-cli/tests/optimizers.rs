@@ -15,7 +15,9 @@ use serde_json::Value;
 /// Each optimizer (with options that exercise its whole state: 8-bit blocks on these small
 /// tensors and the gradient-norm history; Adafactor's first moment), and a buffer name its
 /// checkpoint must hold.
-const OPTIMIZERS: [(&str, &str); 4] = [
+const OPTIMIZERS: [(&str, &str); 6] = [
+    ("{name: adamw, amsgrad: true}", "model.layers.0.mlp.up_proj.weight.max_exp_avg_sq"),
+    ("{name: sgd, momentum: 0.9, dampening: 0.1}", "model.layers.0.mlp.up_proj.weight.momentum_buffer"),
     (
         "{name: adam-8bit, min_8bit_size: 256, block_size: 64, percentile_clipping: 90}",
         "model.layers.0.mlp.up_proj.weight.absmax_exp_avg_sq",
@@ -98,11 +100,11 @@ fn bench_reports_declared_and_measured_state_per_parameter() {
     let get = |name: &str, key: &str| {
         rows.iter().find(|r| r["name"] == name).unwrap()[key].as_f64().unwrap_or_else(|| panic!("{name} {key}"))
     };
-    // The layouts' arithmetic: AdamW 8 bytes and Lion 4 per parameter exactly; the others
+    // The layouts' arithmetic: Lion 4 bytes per parameter exactly; AdamW 8 and the others
     // add a u32 step count per tensor (9 per block and 3 outside: 39 tensors).
-    assert_eq!(get("adamw", "state_bytes_per_param_declared"), 8.0);
-    assert_eq!(get("lion", "state_bytes_per_param_declared"), 4.0);
     let tensors = 4.0 * 9.0 + 3.0;
+    assert_eq!(get("adamw", "state_bytes_per_param_declared"), (8.0 * n + 4.0 * tensors) / n);
+    assert_eq!(get("lion", "state_bytes_per_param_declared"), 4.0);
     let eight = get("adam-8bit", "state_bytes_per_param_declared");
     // Matrices (all ≥ 4096 elements) at 2 + 8/256; the 9 norm gains of 64 at 8.
     let norms = 9.0 * 64.0;

@@ -9,9 +9,14 @@
 //! θ ← θ − lr·m̂ / (√v̂ + ε)              m̂ = m / (1 − β1ᵗ), v̂ = v / (1 − β2ᵗ)
 //! ```
 //!
-//! `lr`, `λ` and the 1-based step `t` come from the trainer each step. State per parameter:
-//! `exp_avg` and `exp_avg_sq` (f32, one per element), plus `max_exp_avg_sq` with amsgrad —
-//! 8 bytes per parameter (12 with amsgrad).
+//! `lr` and `λ` come from the trainer each step. The step `t` of the bias corrections is the
+//! parameter's own, as torch keeps `state['step']` per parameter: a parameter that got no
+//! gradient on some steps (an expert no token was routed to) has been updated fewer times
+//! than the global step, and its moments have decayed fewer times too.
+//!
+//! State per parameter: `exp_avg` and `exp_avg_sq` (f32, one per element), plus
+//! `max_exp_avg_sq` with amsgrad — 8 bytes per element (12 with amsgrad) — and `step`, one
+//! u32 per tensor (exact up to 4·10⁹ updates; torch keeps a float tensor).
 
 use ava_core::{error::expect_len, prelude::*};
 
@@ -71,6 +76,7 @@ impl Optimizer for AdamW {
         if self.amsgrad {
             layout.push(StateSpec::new("max_exp_avg_sq", DType::F32, n));
         }
+        layout.push(StateSpec::new("step", DType::U32, 1));
         Ok(layout)
     }
 
@@ -85,26 +91,30 @@ impl Optimizer for AdamW {
         let n = param.numel();
         expect_len("values", values.len(), n)?;
         expect_len("grad", grad.len(), n)?;
-        if ctx.step == 0 {
-            // The bias corrections divide by 1 − βᵗ, which is 0 at t = 0.
-            return Err(PluginError::invalid_input("adamw: step numbers are 1-based, got step 0"));
-        }
-        let (m, v, v_max) = match state {
-            [m, v] if !self.amsgrad => (m.f32()?, v.f32()?, None),
-            [m, v, v_max] if self.amsgrad => (m.f32()?, v.f32()?, Some(v_max.f32()?)),
+        let (m, v, v_max, t) = match state {
+            [m, v, t] if !self.amsgrad => (m.f32()?, v.f32()?, None, t),
+            [m, v, v_max, t] if self.amsgrad => (m.f32()?, v.f32()?, Some(v_max.f32()?), t),
             _ => {
                 return Err(PluginError::invalid_input(format!(
                     "adamw expects {} state buffers, got {}",
-                    if self.amsgrad { 3 } else { 2 },
+                    if self.amsgrad { 4 } else { 3 },
                     state.len()
                 )));
             }
         };
         expect_len("exp_avg", m.len(), n)?;
         expect_len("exp_avg_sq", v.len(), n)?;
+        if let Some(v_max) = &v_max {
+            expect_len("max_exp_avg_sq", v_max.len(), n)?;
+        }
+        let count = t.u32()?;
+        expect_len("step", count.len(), 1)?;
+        // Everything checked: this parameter's update number t (1-based; the host zero-fills).
+        count[0] = count[0].saturating_add(1);
+        let t = count[0];
 
         // Per-step scalars in f64 (torch computes them as Python floats), applied in f32.
-        let t = i32::try_from(ctx.step).unwrap_or(i32::MAX);
+        let t = i32::try_from(t).unwrap_or(i32::MAX);
         let step_size = (ctx.lr / (1.0 - self.beta1.powi(t))) as f32;
         let bc2_sqrt = (1.0 - self.beta2.powi(t)).sqrt() as f32;
         let decay = (1.0 - ctx.lr * ctx.weight_decay) as f32;
@@ -121,7 +131,6 @@ impl Optimizer for AdamW {
                 }
             }
             Some(v_max) => {
-                expect_len("max_exp_avg_sq", v_max.len(), n)?;
                 for ((((w, &g), m), v), vm) in
                     values.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()).zip(v_max.iter_mut())
                 {
@@ -146,12 +155,25 @@ mod tests {
         ava_core::ffi::build::<AdamW>(json, &HostContext::default())
     }
 
-    /// One step on `w` with state buffers `bufs` (each `w.len()` f32s).
-    fn run(opt: &mut AdamW, w: &mut [f32], g: &[f32], bufs: &mut [Vec<f32>], step: u64, lr: f64, wd: f64) {
+    /// A parameter's state as the host allocates it: `k` f32 buffers of `n`, then the count.
+    struct State {
+        bufs: Vec<Vec<f32>>,
+        step: [u32; 1],
+    }
+
+    impl State {
+        fn new(n: usize, k: usize) -> Self {
+            Self { bufs: vec![vec![0.0; n]; k], step: [0] }
+        }
+    }
+
+    /// One step on `w` with state `st`; `step` is the trainer's global step.
+    fn run(opt: &mut AdamW, w: &mut [f32], g: &[f32], st: &mut State, step: u64, lr: f64, wd: f64) {
         let shape = [w.len() as u64];
         let info = ParamInfo::new("w", &shape);
         let mut state: Vec<StateBuf<'_>> =
-            bufs.iter_mut().map(|b| StateBuf::new(DType::F32, bytemuck::cast_slice_mut(b))).collect();
+            st.bufs.iter_mut().map(|b| StateBuf::new(DType::F32, bytemuck::cast_slice_mut(b))).collect();
+        state.push(StateBuf::new(DType::U32, bytemuck::cast_slice_mut(&mut st.step)));
         let ctx = StepContext { step, lr, weight_decay: wd, threads: 1 };
         opt.step(&info, w, g, &mut state, &ctx).unwrap();
     }
@@ -179,32 +201,58 @@ mod tests {
         for amsgrad in [false, true] {
             let mut opt = AdamW { beta1: 0.5, beta2: 0.75, eps: 1e-8, amsgrad };
             let mut w = [1.0f32, -2.0];
-            let mut bufs = vec![vec![0.0f32; 2]; if amsgrad { 3 } else { 2 }];
+            let mut st = State::new(2, if amsgrad { 3 } else { 2 });
 
-            run(&mut opt, &mut w, &[2.0, -1.0], &mut bufs, 1, 0.1, 0.0);
+            run(&mut opt, &mut w, &[2.0, -1.0], &mut st, 1, 0.1, 0.0);
             close(&w, &[0.9, -1.9], 1e-6, "step 1 θ");
-            close(&bufs[0], &[1.0, -0.5], 1e-7, "step 1 m");
-            close(&bufs[1], &[1.0, 0.25], 1e-7, "step 1 v");
+            close(&st.bufs[0], &[1.0, -0.5], 1e-7, "step 1 m");
+            close(&st.bufs[1], &[1.0, 0.25], 1e-7, "step 1 v");
 
-            run(&mut opt, &mut w, &[-1.0, 3.0], &mut bufs, 2, 0.1, 0.5);
+            run(&mut opt, &mut w, &[-1.0, 3.0], &mut st, 2, 0.1, 0.5);
             let w2 = [0.855, -1.805 - 0.1 * (5.0 / 3.0) / (39.0f64 / 7.0).sqrt()];
             close(&w, &w2, 1e-6, "step 2 θ");
-            close(&bufs[0], &[0.0, 1.25], 1e-7, "step 2 m");
-            close(&bufs[1], &[1.0, 2.4375], 1e-6, "step 2 v");
+            close(&st.bufs[0], &[0.0, 1.25], 1e-7, "step 2 m");
+            close(&st.bufs[1], &[1.0, 2.4375], 1e-6, "step 2 v");
 
-            run(&mut opt, &mut w, &[0.5, 0.0], &mut bufs, 3, 0.1, 0.5);
+            run(&mut opt, &mut w, &[0.5, 0.0], &mut st, 3, 0.1, 0.5);
             let v_hat = if amsgrad { [64.0 / 37.0, 156.0 / 37.0] } else { [52.0 / 37.0, 117.0 / 37.0] };
             let w3 = [
                 w2[0] * 0.95 - 0.1 * (2.0 / 7.0) / f64::sqrt(v_hat[0]),
                 w2[1] * 0.95 - 0.1 * (5.0 / 7.0) / f64::sqrt(v_hat[1]),
             ];
             close(&w, &w3, 1e-6, &format!("step 3 θ (amsgrad {amsgrad})"));
-            close(&bufs[0], &[0.25, 0.625], 1e-7, "step 3 m");
-            close(&bufs[1], &[0.8125, 1.828125], 1e-6, "step 3 v");
+            close(&st.bufs[0], &[0.25, 0.625], 1e-7, "step 3 m");
+            close(&st.bufs[1], &[0.8125, 1.828125], 1e-6, "step 3 v");
             if amsgrad {
-                close(&bufs[2], &[1.0, 2.4375], 1e-6, "step 3 v_max keeps the maximum");
+                close(&st.bufs[2], &[1.0, 2.4375], 1e-6, "step 3 v_max keeps the maximum");
             }
         }
+    }
+
+    /// torch keeps `state['step']` per parameter (torch/optim/adamw.py, `_single_tensor_adamw`:
+    /// `step_t += 1; bias_correction1 = 1 - beta1 ** step`), so a parameter that got no
+    /// gradient on some global steps is bias-corrected by its own count. Same numbers as
+    /// `matches_hand_computed_steps`: updated at global steps 1 and 5 (frozen on 2..4), the
+    /// second update is that test's step 2 (t = 2: bc1 = 0.75, bc2 = 0.4375), not one with the
+    /// global t = 5 (bc1 = 0.96875, bc2 ≈ 0.763), which would move θ₁ by 0.0722 instead of 0.0706.
+    /// A parameter first updated at global step 7 gets a first step: θ − lr·sign(g).
+    #[test]
+    fn bias_correction_counts_the_parameters_own_updates() {
+        let mut opt = AdamW { beta1: 0.5, beta2: 0.75, eps: 1e-8, amsgrad: false };
+        let mut w = [1.0f32, -2.0];
+        let mut st = State::new(2, 2);
+        run(&mut opt, &mut w, &[2.0, -1.0], &mut st, 1, 0.1, 0.0);
+        assert_eq!(st.step, [1]);
+        run(&mut opt, &mut w, &[-1.0, 3.0], &mut st, 5, 0.1, 0.5);
+        assert_eq!(st.step, [2], "the count is the parameter's updates, not the global step");
+        close(&w, &[0.855, -1.805 - 0.1 * (5.0 / 3.0) / (39.0f64 / 7.0).sqrt()], 1e-6, "second update");
+        close(&st.bufs[1], &[1.0, 2.4375], 1e-6, "v after two updates");
+
+        let mut late = [1.0f32, -2.0];
+        let mut st = State::new(2, 2);
+        run(&mut opt, &mut late, &[0.25, -3.0], &mut st, 7, 0.1, 0.0);
+        assert_eq!(st.step, [1]);
+        close(&late, &[0.9, -1.9], 1e-6, "a late first update is a first update");
     }
 
     /// Default betas, step 1: m̂ = g and v̂ = g² exactly, so the update is lr·g/(|g| + ε):
@@ -214,8 +262,8 @@ mod tests {
         let mut opt = build("").unwrap();
         assert_eq!(opt, AdamW::default());
         let mut w = [0.5f32, -0.5, 2.0];
-        let mut bufs = vec![vec![0.0f32; 3]; 2];
-        run(&mut opt, &mut w, &[1e-3, -4.0, 0.0], &mut bufs, 1, 1e-3, 0.1);
+        let mut st = State::new(3, 2);
+        run(&mut opt, &mut w, &[1e-3, -4.0, 0.0], &mut st, 1, 1e-3, 0.1);
         // g = 0 gives m̂ = 0: only the decay moves the third entry.
         let want = [0.5 * (1.0 - 1e-4) - 1e-3, -0.5 * (1.0 - 1e-4) + 1e-3, 2.0 * (1.0 - 1e-4)];
         close(&w, &want, 1e-7, "θ");
@@ -230,15 +278,20 @@ mod tests {
         };
         assert_eq!(
             names(&build("").unwrap()),
-            [("exp_avg".to_string(), DType::F32, 15), ("exp_avg_sq".to_string(), DType::F32, 15)]
+            [
+                ("exp_avg".to_string(), DType::F32, 15),
+                ("exp_avg_sq".to_string(), DType::F32, 15),
+                ("step".to_string(), DType::U32, 1)
+            ]
         );
         let ams = build(r#"{"amsgrad": true}"#).unwrap();
         assert_eq!(names(&ams)[2], ("max_exp_avg_sq".to_string(), DType::F32, 15));
-        assert_eq!(names(&ams).len(), 3);
+        assert_eq!(names(&ams)[3], ("step".to_string(), DType::U32, 1));
+        assert_eq!(names(&ams).len(), 4);
     }
 
     #[test]
-    fn wrong_state_and_step_zero_are_refused() {
+    fn wrong_state_is_refused_and_changes_nothing() {
         let mut opt = AdamW::default();
         let shape = [2u64];
         let info = ParamInfo::new("w", &shape);
@@ -247,16 +300,18 @@ mod tests {
         let mut state = [StateBuf::new(DType::F32, bytemuck::cast_slice_mut(&mut a))];
         let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1 };
         let err = opt.step(&info, &mut w, &g, &mut state, &ctx).unwrap_err();
-        assert_eq!(err.message.as_str(), "adamw expects 2 state buffers, got 1");
-        let mut b = [0.0f32; 2];
-        let mut a = [0.0f32; 2];
+        assert_eq!(err.message.as_str(), "adamw expects 3 state buffers, got 1");
+        // A count of the wrong type (f32 where u32 is declared) is refused before anything moves.
+        let (mut a, mut b, mut c) = ([0.0f32; 2], [0.0f32; 2], [0.0f32; 1]);
         let mut state = [
             StateBuf::new(DType::F32, bytemuck::cast_slice_mut(&mut a)),
             StateBuf::new(DType::F32, bytemuck::cast_slice_mut(&mut b)),
+            StateBuf::new(DType::F32, bytemuck::cast_slice_mut(&mut c)),
         ];
-        let err = opt.step(&info, &mut w, &g, &mut state, &StepContext { step: 0, ..ctx }).unwrap_err();
-        assert_eq!(err.message.as_str(), "adamw: step numbers are 1-based, got step 0");
+        let err = opt.step(&info, &mut w, &g, &mut state, &ctx).unwrap_err();
+        assert_eq!(err.message.as_str(), "state buffer is f32, read as u32");
         assert_eq!(w, [1.0, 2.0], "a refused step leaves the parameter alone");
+        assert_eq!((a, b), ([0.0; 2], [0.0; 2]), "and its moments");
     }
 
     #[test]

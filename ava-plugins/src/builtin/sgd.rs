@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! g ← g + λ·θ                                  L2 weight decay, coupled into the gradient
-//! b ← g                  at step 1             momentum > 0 only
+//! b ← g                  at the parameter's first update   momentum > 0 only
 //! b ← μ·b + (1 − dampening)·g   later steps
 //! g ← g + μ·b (nesterov)  or  g ← b
 //! θ ← θ − lr·g
@@ -14,10 +14,12 @@
 //! buffer). This is *not* the decoupled decay AdamW uses; for plain SGD the two coincide
 //! (`θ − lr·(g + λθ)`), with momentum they differ.
 //!
-//! State: one f32 `momentum_buffer` per element when `momentum > 0`, none otherwise. The
-//! first step is recognised by `step == 1` (the host zero-fills state, so "no buffer yet"
-//! cannot be seen in the buffer itself); a parameter whose first update comes later starts
-//! from a zero buffer, which differs from torch only when `dampening != 0`.
+//! State when `momentum > 0`: one f32 `momentum_buffer` per element and `step`, one u32 per
+//! tensor counting the parameter's own updates. torch sets the buffer to the gradient when
+//! the parameter has none yet (`momentum_buffer is None`), i.e. at *its* first update, which
+//! for a parameter that got no gradient on the first global steps comes later; the host
+//! zero-fills state, so "no buffer yet" is read from the count. Without momentum there is no
+//! state at all (torch keeps none either: plain SGD has nothing per-parameter to count).
 
 use ava_core::{error::expect_len, prelude::*};
 
@@ -72,7 +74,10 @@ impl Plugin for Sgd {
 impl Optimizer for Sgd {
     fn state_layout(&self, param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
         if self.momentum > 0.0 {
-            Ok(vec![StateSpec::new("momentum_buffer", DType::F32, param.numel())])
+            Ok(vec![
+                StateSpec::new("momentum_buffer", DType::F32, param.numel()),
+                StateSpec::new("step", DType::U32, 1),
+            ])
         } else {
             Ok(Vec::new())
         }
@@ -100,11 +105,14 @@ impl Optimizer for Sgd {
                     *w -= lr * g;
                 }
             }
-            [buf] if self.momentum > 0.0 => {
+            [buf, count] if self.momentum > 0.0 => {
                 let buf = buf.f32()?;
                 expect_len("momentum_buffer", buf.len(), n)?;
+                let count = count.u32()?;
+                expect_len("step", count.len(), 1)?;
+                let first = count[0] == 0;
+                count[0] = count[0].saturating_add(1);
                 let (mu, keep) = (self.momentum as f32, (1.0 - self.dampening) as f32);
-                let first = ctx.step == 1;
                 for ((w, &g), b) in values.iter_mut().zip(grad).zip(buf.iter_mut()) {
                     let g = g + wd * *w;
                     *b = if first { g } else { mu * *b + keep * g };
@@ -113,7 +121,8 @@ impl Optimizer for Sgd {
                 }
             }
             _ => {
-                let want = if self.momentum > 0.0 { "1 state buffer (momentum_buffer)" } else { "no state buffers" };
+                let want =
+                    if self.momentum > 0.0 { "2 state buffers (momentum_buffer, step)" } else { "no state buffers" };
                 return Err(PluginError::invalid_input(format!("sgd expects {want}, got {}", state.len())));
             }
         }
@@ -131,12 +140,31 @@ mod tests {
         ava_core::ffi::build::<Sgd>(json, &HostContext::default())
     }
 
-    /// One step; `buf` is the momentum buffer (empty when the optimizer has no state).
-    fn run(opt: &mut Sgd, w: &mut [f32], g: &[f32], buf: &mut [f32], step: u64, wd: f64) {
+    /// A parameter's state as the host allocates it: the momentum buffer (empty when the
+    /// optimizer has no state) and the update count.
+    struct State {
+        buf: Vec<f32>,
+        step: [u32; 1],
+    }
+
+    impl State {
+        fn new(n: usize) -> Self {
+            Self { buf: vec![0.0; n], step: [0] }
+        }
+    }
+
+    /// One step; `step` is the trainer's global step.
+    fn run(opt: &mut Sgd, w: &mut [f32], g: &[f32], st: &mut State, step: u64, wd: f64) {
         let shape = [w.len() as u64];
         let info = ParamInfo::new("w", &shape);
-        let mut state: Vec<StateBuf<'_>> =
-            if buf.is_empty() { Vec::new() } else { vec![StateBuf::new(DType::F32, bytemuck::cast_slice_mut(buf))] };
+        let mut state: Vec<StateBuf<'_>> = if st.buf.is_empty() {
+            Vec::new()
+        } else {
+            vec![
+                StateBuf::new(DType::F32, bytemuck::cast_slice_mut(&mut st.buf)),
+                StateBuf::new(DType::U32, bytemuck::cast_slice_mut(&mut st.step)),
+            ]
+        };
         let ctx = StepContext { step, lr: 0.1, weight_decay: wd, threads: 1 };
         opt.step(&info, w, g, &mut state, &ctx).unwrap();
     }
@@ -153,7 +181,7 @@ mod tests {
     fn plain_steps_by_hand() {
         let mut opt = build("").unwrap();
         assert!(opt.state_layout(&ParamInfo::new("w", &[2])).unwrap().is_empty());
-        let mut none: [f32; 0] = [];
+        let mut none = State::new(0);
         let mut w = [1.0f32, -2.0];
         run(&mut opt, &mut w, &[0.5, 1.0], &mut none, 1, 0.0);
         close(&w, &[0.95, -2.1], "no decay");
@@ -174,15 +202,36 @@ mod tests {
             (r#"{"momentum": 0.9, "dampening": 0.5}"#, [1.15, -1.55], [0.785, -1.645]),
         ] {
             let mut opt = build(json).unwrap();
-            let mut buf = vec![0.0f32; 2];
+            let mut st = State::new(2);
             let mut w = [1.0f32, -2.0];
-            run(&mut opt, &mut w, &[1.0, -2.0], &mut buf, 1, 0.0);
-            close(&buf, &[1.0, -2.0], "step 1 buffer");
+            run(&mut opt, &mut w, &[1.0, -2.0], &mut st, 1, 0.0);
+            close(&st.buf, &[1.0, -2.0], "step 1 buffer");
             close(&w, &[0.9, -1.8], "step 1 θ");
-            run(&mut opt, &mut w, &[0.5, 0.5], &mut buf, 2, 0.0);
-            close(&buf, &b2, json);
+            run(&mut opt, &mut w, &[0.5, 0.5], &mut st, 2, 0.0);
+            close(&st.buf, &b2, json);
             close(&w, &w2, json);
         }
+    }
+
+    /// torch/optim/sgd.py (`_single_tensor_sgd`): `if buf is None: buf = clone(grad)`, else
+    /// `buf.mul_(momentum).add_(grad, alpha=1 - dampening)` — the buffer starts at the
+    /// parameter's own first update. μ = 0.9, dampening 0.5, lr = 0.1, θ = (1, −2): a parameter
+    /// first updated at global step 3 with g = (1, −2) gets b = g = (1, −2), θ = (0.9, −1.8)
+    /// (counting from the global step, b = 0.9·0 + 0.5·g = (0.5, −1) and θ = (0.95, −1.9)).
+    /// Its next update, at global step 9, is its second: b = 0.9·(1, −2) + 0.5·(0.5, 0.5).
+    #[test]
+    fn momentum_starts_at_the_parameters_own_first_update() {
+        let mut opt = build(r#"{"momentum": 0.9, "dampening": 0.5}"#).unwrap();
+        let mut st = State::new(2);
+        let mut w = [1.0f32, -2.0];
+        run(&mut opt, &mut w, &[1.0, -2.0], &mut st, 3, 0.0);
+        assert_eq!(st.step, [1]);
+        close(&st.buf, &[1.0, -2.0], "first update's buffer");
+        close(&w, &[0.9, -1.8], "first update's θ");
+        run(&mut opt, &mut w, &[0.5, 0.5], &mut st, 9, 0.0);
+        assert_eq!(st.step, [2]);
+        close(&st.buf, &[1.15, -1.55], "second update's buffer");
+        close(&w, &[0.785, -1.645], "second update's θ");
     }
 
     /// μ = 0.9, λ = 0.1, lr = 0.1, θ = (1, −2), g = (1, −2): the decay enters the gradient and
@@ -190,10 +239,10 @@ mod tests {
     #[test]
     fn weight_decay_feeds_the_momentum_buffer() {
         let mut opt = build(r#"{"momentum": 0.9}"#).unwrap();
-        let mut buf = vec![0.0f32; 2];
+        let mut st = State::new(2);
         let mut w = [1.0f32, -2.0];
-        run(&mut opt, &mut w, &[1.0, -2.0], &mut buf, 1, 0.1);
-        close(&buf, &[1.1, -2.2], "buffer");
+        run(&mut opt, &mut w, &[1.0, -2.0], &mut st, 1, 0.1);
+        close(&st.buf, &[1.1, -2.2], "buffer");
         close(&w, &[0.89, -1.78], "θ");
     }
 
@@ -204,12 +253,12 @@ mod tests {
     #[test]
     fn nesterov_steps_by_hand() {
         let mut opt = build(r#"{"momentum": 0.9, "nesterov": true}"#).unwrap();
-        let mut buf = vec![0.0f32; 2];
+        let mut st = State::new(2);
         let mut w = [1.0f32, -2.0];
-        run(&mut opt, &mut w, &[1.0, -2.0], &mut buf, 1, 0.0);
+        run(&mut opt, &mut w, &[1.0, -2.0], &mut st, 1, 0.0);
         close(&w, &[0.81, -1.62], "step 1 θ");
-        run(&mut opt, &mut w, &[0.5, 0.5], &mut buf, 2, 0.0);
-        close(&buf, &[1.4, -1.3], "step 2 buffer");
+        run(&mut opt, &mut w, &[0.5, 0.5], &mut st, 2, 0.0);
+        close(&st.buf, &[1.4, -1.3], "step 2 buffer");
         close(&w, &[0.634, -1.553], "step 2 θ");
     }
 
@@ -218,12 +267,12 @@ mod tests {
         let shape = [4u64, 2];
         let info = ParamInfo::new("w", &shape);
         let layout = build(r#"{"momentum": 0.5}"#).unwrap().state_layout(&info).unwrap();
-        assert_eq!(layout, [StateSpec::new("momentum_buffer", DType::F32, 8)]);
+        assert_eq!(layout, [StateSpec::new("momentum_buffer", DType::F32, 8), StateSpec::new("step", DType::U32, 1)]);
         // A momentum optimizer handed no buffer is refused, not silently run without momentum.
         let mut opt = build(r#"{"momentum": 0.5}"#).unwrap();
         let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1 };
         let err = opt.step(&info, &mut [0.0; 8], &[0.0; 8], &mut [], &ctx).unwrap_err();
-        assert_eq!(err.message.as_str(), "sgd expects 1 state buffer (momentum_buffer), got 0");
+        assert_eq!(err.message.as_str(), "sgd expects 2 state buffers (momentum_buffer, step), got 0");
     }
 
     #[test]
