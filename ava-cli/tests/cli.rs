@@ -711,8 +711,10 @@ fn plugins_vet_unknown_names_and_files_are_usage_errors() {
     let s = Sandbox::new();
     assert_golden(
         s.ava(&["plugins", "vet", "lino"]).usage_error(),
-        "error: no plugin library named 'lino' (did you mean 'lion'?) in the search paths ($BIN); \
-         give the library's path, or see `ava plugins list`\n",
+        "error: no plugin library named 'lino' (did you mean 'lion'?) in the search paths: $BIN (the ava \
+         executable's directory); `ava plugins list` shows the plugins found. To use a library elsewhere, give \
+         its path (e.g. ./libava_plugin_lino.so) or add its directory to plugins.search_paths or \
+         $AVA_PLUGIN_PATH\n",
     );
     assert_golden(
         s.ava(&["plugins", "vet", "adamw"]).usage_error(),

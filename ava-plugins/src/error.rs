@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use ava_core::{PluginError, PluginKind};
 
+use crate::discover::SearchDir;
+
 /// Everything the host can refuse or fail at.
 #[derive(Debug, thiserror::Error)]
 pub enum HostError {
@@ -12,6 +14,20 @@ pub enum HostError {
     Missing {
         /// The path.
         path: PathBuf,
+    },
+
+    /// [`Registry::locate`](crate::Registry::locate) found no library of that name: not among
+    /// the plugins loaded from files, nor as a library file name in the search directories.
+    #[error("{}", not_found(name, suggestion.as_deref(), *builtin, searched))]
+    NotFound {
+        /// The name asked for.
+        name: String,
+        /// A close name of a library that is there, if any.
+        suggestion: Option<String>,
+        /// Set when the name is a built-in plugin's (compiled into ava, so it has no file).
+        builtin: Option<PluginKind>,
+        /// The directories searched, in order (none when no search path is set).
+        searched: Vec<SearchDir>,
     },
 
     /// The file is not an Ava plugin library.
@@ -159,4 +175,32 @@ impl HostError {
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io { path: path.into(), source }
     }
+}
+
+/// The text of [`HostError::NotFound`]: what was looked for, where, and how to fix it.
+fn not_found(name: &str, suggestion: Option<&str>, builtin: Option<PluginKind>, searched: &[SearchDir]) -> String {
+    if let Some(kind) = builtin {
+        return format!("'{name}' is a built-in {kind}, compiled into ava: it has no library file");
+    }
+    let close = suggestion.map(|s| format!(" (did you mean '{s}'?)")).unwrap_or_default();
+    let file = format!(
+        "{}ava_plugin_{}{}",
+        std::env::consts::DLL_PREFIX,
+        name.replace('-', "_"),
+        std::env::consts::DLL_SUFFIX
+    );
+    let place = if searched.is_empty() {
+        "(no search paths: plugins.search_paths and $AVA_PLUGIN_PATH are empty and the ava executable's \
+         directory is unknown)"
+            .to_string()
+    } else {
+        let dirs: Vec<String> =
+            searched.iter().map(|d| format!("{} ({})", d.path.display(), d.source.as_str())).collect();
+        format!("in the search paths: {}", dirs.join(", "))
+    };
+    format!(
+        "no plugin library named '{name}'{close} {place}; `ava plugins list` shows the plugins found. To use a \
+         library elsewhere, give its path (e.g. ./{file}) or add its directory to plugins.search_paths or \
+         $AVA_PLUGIN_PATH"
+    )
 }

@@ -533,14 +533,32 @@ impl Registry {
                 return Ok(p.clone());
             }
         }
-        let searched: Vec<String> = self.dirs.iter().map(|d| d.path.display().to_string()).collect();
-        Err(HostError::Missing {
-            path: PathBuf::from(format!(
-                "{name_or_path} (no plugin or library file of that name in {})",
-                if searched.is_empty() { "any search path".to_string() } else { searched.join(", ") }
-            )),
+        // Near misses among the libraries that are there: plugin names, and names read off
+        // file names (`libava_plugin_lion.so` → `lion`) for files that were not opened.
+        let library_names: Vec<String> = self
+            .rows
+            .iter()
+            .filter_map(|row| match &row.source {
+                Source::File(p) => row.name().map(str::to_string).or_else(|| plugin_name_of_file(p)),
+                Source::Builtin => None,
+            })
+            .collect();
+        let suggestion = did_you_mean(name_or_path, library_names.iter().map(String::as_str)).map(str::to_string);
+        let builtin = self.rows.iter().find(|r| r.source == Source::Builtin && r.name() == Some(name_or_path));
+        Err(HostError::NotFound {
+            name: name_or_path.to_string(),
+            suggestion,
+            builtin: builtin.and_then(Row::kind),
+            searched: self.dirs.clone(),
         })
     }
+}
+
+/// The plugin name a library file's name implies: `libava_plugin_sign_sgd.so` → `sign-sgd`.
+fn plugin_name_of_file(path: &Path) -> Option<String> {
+    let file = path.file_name()?.to_str()?;
+    let stem = file.strip_prefix(std::env::consts::DLL_PREFIX)?.strip_suffix(std::env::consts::DLL_SUFFIX)?;
+    Some(stem.strip_prefix("ava_plugin_").unwrap_or(stem).replace('_', "-"))
 }
 
 /// The outcome of vetting one file, decided from its bytes alone.
@@ -673,5 +691,42 @@ mod tests {
         assert_eq!(e, "unknown optimizer 'adamww' (did you mean 'adamw'?); installed: adamw, sgd");
         let e = reg.create(PluginKind::Optimizer, "standard", "").unwrap_err().to_string();
         assert_eq!(e, "'standard' is an attention kernel, not an optimizer; set it under plugins.attention instead");
+    }
+
+    /// `locate`'s not-found error says what was looked for, where (each directory and why it
+    /// is searched, or that there are none), and how to fix it.
+    #[test]
+    fn locate_says_what_where_and_how_to_fix() {
+        let file = format!("{}ava_plugin_sign_sgd{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
+        let e = Registry::builtins().locate("sign-sgd").unwrap_err();
+        assert!(matches!(&e, HostError::NotFound { name, searched, .. } if name == "sign-sgd" && searched.is_empty()));
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "no plugin library named 'sign-sgd' (no search paths: plugins.search_paths and $AVA_PLUGIN_PATH are \
+                 empty and the ava executable's directory is unknown); `ava plugins list` shows the plugins found. \
+                 To use a library elsewhere, give its path (e.g. ./{file}) or add its directory to \
+                 plugins.search_paths or $AVA_PLUGIN_PATH"
+            )
+        );
+
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let config = HostConfig {
+            search_paths: vec![a.path().to_path_buf()],
+            plugin_path_env: Some(b.path().as_os_str().to_owned()),
+            ..HostConfig::default()
+        };
+        let e = Registry::load(&config).unwrap().locate("sign-sgd").unwrap_err().to_string();
+        let want = format!(
+            "no plugin library named 'sign-sgd' in the search paths: {} (plugins.search_paths), {} ($AVA_PLUGIN_PATH); ",
+            a.path().display(),
+            b.path().display()
+        );
+        assert!(e.starts_with(&want), "{e}");
+
+        // A built-in's name is not a library's, and the error says so.
+        let e = Registry::builtins().locate("adamw").unwrap_err().to_string();
+        assert_eq!(e, "'adamw' is a built-in optimizer, compiled into ava: it has no library file");
+        assert_eq!(plugin_name_of_file(Path::new(&file)).as_deref(), Some("sign-sgd"));
     }
 }
