@@ -90,6 +90,44 @@ fn resume_in_a_fresh_process_continues_bit_exactly() {
     assert!(err.contains("nowhere: not found: give a run directory"), "{err}");
 }
 
+/// What the trainer now writes for a run with `log_every: 5` whose step 1 backed off from
+/// micro-batch 4 to 2 (ava-train's `a_back_off_off_the_log_grid_is_still_logged` checks the
+/// writer): the report names the change instead of "micro-batch 2 throughout". The records are
+/// a real run's, edited to that shape (the CLI has no way to run out of memory on cue).
+#[test]
+fn report_names_a_back_off_logged_off_the_grid() {
+    let dir = tempfile::tempdir().unwrap();
+    ok(ava(dir.path(), "run", &["--max-steps", "6"]));
+    let file = dir.path().join("run/metrics.jsonl");
+    let text = std::fs::read_to_string(&file).unwrap();
+    let mut kept = String::new();
+    for line in text.lines() {
+        let mut v: Value = serde_json::from_str(line).unwrap();
+        let step = v["data"]["step"].as_u64().unwrap();
+        if v["type"] == "step" {
+            if ![1, 5, 6].contains(&step) {
+                continue;
+            }
+            v["data"]["micro_batch"] = 2.into();
+            if step == 1 {
+                v["data"]["backoffs"] = serde_json::json!([{"micro_batch": 4, "retry_micro_batch": 2, "crossed_at": 1,
+                    "held_before": 0, "held_after": 0}]);
+                v["data"]["memory_events"] =
+                    serde_json::json!(["out of memory at step 1: retried at micro-batch 4 -> 2"]);
+            }
+        }
+        kept.push_str(&format!("{v}\n"));
+    }
+    std::fs::write(&file, kept).unwrap();
+    let out = ok(common::ava(dir.path(), &["report", "run"]));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("micro-batch changes (1): step 1: 4 -> 2"), "{text}");
+    assert!(text.contains("  [step 1] out of memory at step 1"), "{text}");
+    assert!(!text.contains("throughout"), "{text}");
+    let json = json_of(&ok(common::ava(dir.path(), &["--format", "json", "report", "run"])));
+    assert_eq!(json["micro_batch_changes"], serde_json::json!([{"step": 1, "from": 4, "to": 2}]));
+}
+
 #[test]
 fn resume_with_a_different_model_is_refused_unless_forced() {
     let dir = tempfile::tempdir().unwrap();

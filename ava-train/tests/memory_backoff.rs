@@ -98,6 +98,34 @@ fn out_of_memory_at_step_k_retries_it_at_half_the_micro_batch() {
     assert!(weights(&oom) == weights(&reference));
 }
 
+/// A step off the `log_every` grid where the micro-batch was halved is still written to
+/// metrics.jsonl, with its back-off and event, so the report sees the change; steps with
+/// nothing to say stay off the grid.
+#[test]
+fn a_back_off_off_the_log_grid_is_still_logged() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), &["train.log_every=5", "train.max_steps=7"]);
+    let mut t = trainer(&cfg, TrainOptions { oom_at_step: Some(2), ..Default::default() });
+    t.run(&TrainOptions::default(), &mut Silent).unwrap();
+    let metrics = std::fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["type"] == "step")
+        .map(|v| v["data"].clone())
+        .collect();
+    let numbers: Vec<u64> = steps.iter().map(|s| s["step"].as_u64().unwrap()).collect();
+    assert_eq!(numbers, [2, 5, 7], "step 2 (the back-off), the grid's 5 and the last");
+    assert_eq!(steps[0]["micro_batch"], 4);
+    assert_eq!(steps[0]["backoffs"][0]["micro_batch"], 8);
+    assert_eq!(steps[0]["backoffs"][0]["retry_micro_batch"], 4);
+    assert!(steps[0]["memory_events"][0].as_str().unwrap().starts_with("out of memory at step 2"), "{:?}", steps[0]);
+
+    let run = ava_train::train::metrics::read_run(&dir.path().join("metrics.jsonl")).unwrap();
+    assert_eq!(run.steps[0].backoffs.len(), 1, "the report reads the back-off back");
+}
+
 #[test]
 fn out_of_memory_at_the_smallest_micro_batch_saves_and_stops_losing_nothing() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

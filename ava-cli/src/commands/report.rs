@@ -170,7 +170,7 @@ impl Facts {
             peak: (top.step, m.peak),
             budget: last.memory.budget,
             at_peak: [m.params, m.grads, m.optimizer, m.data, m.activations],
-            micro_batch: first.micro_batch,
+            micro_batch: report_plot::first_micro_batch(run).unwrap_or(first.micro_batch),
             changes: report_plot::micro_batch_changes(run),
             events: run.steps.iter().flat_map(|s| s.memory_events.iter().map(|m| (s.step, m.clone()))).collect(),
         }

@@ -37,11 +37,25 @@ pub struct Series {
 
 /// Where the micro-batch changed: (step, from, to).
 pub fn micro_batch_changes(run: &RunMetrics) -> Vec<(u64, u64, u64)> {
-    run.steps
-        .windows(2)
-        .filter(|w| w[0].micro_batch != w[1].micro_batch)
-        .map(|w| (w[1].step, w[0].micro_batch, w[1].micro_batch))
-        .collect()
+    let mut changes = Vec::new();
+    let mut prev: Option<u64> = None;
+    for s in &run.steps {
+        // A back-off within the step, then a change between logged steps (the memory policy's).
+        let start = s.backoffs.first().map_or(s.micro_batch, |b| b.micro_batch);
+        if let Some(p) = prev.filter(|&p| p != start) {
+            changes.push((s.step, p, start));
+        }
+        changes.extend(s.backoffs.iter().map(|b| (s.step, b.micro_batch, b.retry_micro_batch)));
+        prev = Some(s.micro_batch);
+    }
+    changes
+}
+
+/// The micro-batch the run started at: the first logged step's, or the first attempt's
+/// when that step backed off.
+pub fn first_micro_batch(run: &RunMetrics) -> Option<u64> {
+    let first = run.steps.first()?;
+    Some(first.backoffs.first().map_or(first.micro_batch, |b| b.micro_batch))
 }
 
 /// Writes `loss.{svg,png}` and `memory.{svg,png}` of one run into `dir`; returns the files.

@@ -101,6 +101,19 @@ pub struct StepPoint {
     /// What the memory policy and the out-of-memory back-off did at this step.
     #[serde(default)]
     pub memory_events: Vec<String>,
+    /// Attempts of this step abandoned for crossing `memory.hard_limit`, each retried at half
+    /// the micro-batch (so `micro_batch` is the last retry's).
+    #[serde(default)]
+    pub backoffs: Vec<BackoffPoint>,
+}
+
+/// A step's abandoned attempt as the report needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+pub struct BackoffPoint {
+    /// The micro-batch of the abandoned attempt.
+    pub micro_batch: u64,
+    /// The micro-batch of the retry.
+    pub retry_micro_batch: u64,
 }
 
 /// An evaluation as the report needs it.

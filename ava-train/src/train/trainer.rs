@@ -560,6 +560,7 @@ impl Trainer {
         let mut timed = (0.0f64, 0usize);
         let mut first = true;
         let mut saved_at = None;
+        let mut prev_micro_batch = None;
         while self.step < last {
             let mut record = match self.train_step() {
                 Ok(record) => record,
@@ -603,7 +604,12 @@ impl Trainer {
                 timed.1 += t.effective_batch() * self.config.data.seq_len;
             }
             first = false;
-            if record.step % t.log_every == 0 || record.step == last {
+            // Off the log_every grid too: a step where the memory policy or the back-off acted,
+            // and the first step at a new micro-batch, so `ava report` sees every change.
+            let changed = prev_micro_batch.is_some_and(|m| m != record.micro_batch);
+            prev_micro_batch = Some(record.micro_batch);
+            let eventful = !record.memory_events.is_empty() || !record.backoffs.is_empty() || changed;
+            if record.step % t.log_every == 0 || record.step == last || eventful {
                 write_line(&mut metrics, &self.metrics_path(), &serde_json::json!({"type": "step", "data": record}))?;
             }
             reporter.step(&record);
