@@ -37,6 +37,8 @@ pub(crate) enum Kind {
     OptPath,
     /// An integer in `[min, max]`.
     Int(i64, i64),
+    /// An integer in `[min, max]`, or `null` for the default another key implies.
+    OptInt(i64, i64),
     /// A number in `[min, max]`.
     Float(f64, f64),
     /// `true` or `false`.
@@ -131,6 +133,7 @@ const TRAIN: &[Field] = &[
     Field { key: "threads", kind: Kind::Int(0, 1024) },
     Field { key: "eval_every", kind: Kind::Int(0, i64::MAX) },
     Field { key: "eval_batches", kind: Kind::Int(1, 1 << 20) },
+    Field { key: "eval_batch_size", kind: Kind::OptInt(1, 1 << 20) },
     Field { key: "log_every", kind: Kind::Int(1, i64::MAX) },
     Field { key: "out_dir", kind: Kind::Path },
     Field { key: "loss_scale", kind: Kind::Section(LOSS_SCALE) },

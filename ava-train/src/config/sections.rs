@@ -159,6 +159,9 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Validation batches per evaluation.
     pub eval_batches: usize,
+    /// Sequences per validation batch (`None`: `micro_batch_size`). An evaluation covers
+    /// `eval_batches × eval_batch_size` sequences.
+    pub eval_batch_size: Option<usize>,
     /// Write a metrics line every this many steps.
     pub log_every: u64,
     /// The run directory: metrics, checkpoints, the effective config.
@@ -171,6 +174,11 @@ impl TrainConfig {
     /// Sequences per optimizer step.
     pub fn effective_batch(&self) -> usize {
         self.micro_batch_size * self.gradient_accumulation_steps
+    }
+
+    /// Sequences per validation batch: `eval_batch_size`, or the micro-batch size.
+    pub fn eval_batch(&self) -> usize {
+        self.eval_batch_size.unwrap_or(self.micro_batch_size)
     }
 }
 

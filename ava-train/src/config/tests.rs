@@ -159,6 +159,26 @@ fn golden_wrong_type() {
     );
 }
 
+/// `train.eval_batch_size` is null (the micro-batch size) by default, and a bad value is
+/// named by its key.
+#[test]
+fn eval_batch_size_defaults_to_the_micro_batch_and_names_its_key() {
+    let config = ConfigLoader::new().set("train.micro_batch_size=6").load().unwrap().into_config();
+    assert_eq!((config.train.eval_batch_size, config.train.eval_batch()), (None, 6));
+    let config = ConfigLoader::new().set("train.eval_batch_size=32").load().unwrap().into_config();
+    assert_eq!((config.train.eval_batch_size, config.train.eval_batch()), (Some(32), 32));
+    assert_eq!(
+        file_error("bad.yaml", "train:\n  eval_batch_size: 0\n"),
+        "<dir>/bad.yaml: 1 problem in the configuration:\n  \
+         - train.eval_batch_size: 0 is out of range: must be between 1 and 1048576 [<dir>/bad.yaml]"
+    );
+    assert_eq!(
+        file_error("bad.yaml", "train:\n  eval_batch_size: many\n"),
+        "<dir>/bad.yaml: 1 problem in the configuration:\n  \
+         - train.eval_batch_size: expected an integer or null, got a string [<dir>/bad.yaml]"
+    );
+}
+
 #[test]
 fn golden_threshold_out_of_range() {
     assert_eq!(

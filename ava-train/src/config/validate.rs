@@ -201,14 +201,18 @@ fn check_value(
             Value::String(_) => {}
             other => problem(format!("expected a path or null, got {}", type_phrase(other))),
         },
-        Kind::Int(min, max) => match value.as_i64() {
+        Kind::OptInt(..) if value.is_null() => {}
+        Kind::Int(min, max) | Kind::OptInt(min, max) => match value.as_i64() {
             Some(n) if (*min..=*max).contains(&n) => {}
             Some(n) => problem(range_message(&n.to_string(), *min as f64, *max as f64)),
             None => match &value {
                 Value::Number(n) if n.as_u64().is_some() => {
                     problem(range_message(&n.to_string(), *min as f64, *max as f64))
                 }
-                other => problem(format!("expected an integer, got {}", type_phrase(other))),
+                other => {
+                    let or_null = if matches!(kind, Kind::OptInt(..)) { " or null" } else { "" };
+                    problem(format!("expected an integer{or_null}, got {}", type_phrase(other)))
+                }
             },
         },
         Kind::Float(min, max) => match value.as_f64() {

@@ -908,11 +908,13 @@ impl Trainer {
         outcome
     }
 
-    /// Mean validation loss over `train.eval_batches` batches (the same batches every
-    /// time), without building a graph.
+    /// Mean validation loss over `train.eval_batches` batches of `train.eval_batch_size`
+    /// sequences (the same batches every time), without building a graph. Batch k of a split
+    /// holds sequences k·B..(k+1)·B, so the same sequences in other batch sizes give the same
+    /// loss (up to the order of the additions).
     pub fn evaluate(&mut self) -> Result<EvalRecord, TrainError> {
         let seq = self.config.data.seq_len;
-        let batch = self.config.train.micro_batch_size;
+        let batch = self.config.train.eval_batch();
         let mut loader = Loader::new(self.dataset.clone(), Split::Validation, batch, seq, 0, 0, 1)?;
         let weights: Vec<Tensor> =
             self.model.weights(self.compute).map_err(TrainError::candle)?.into_iter().map(|w| w.detach()).collect();

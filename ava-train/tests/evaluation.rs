@@ -1,0 +1,40 @@
+//! `train.eval_batch_size`: an evaluation covers `eval_batches × eval_batch_size` validation
+//! sequences, so the same sequences in other batch sizes give the same validation loss.
+
+use ava_plugins::Registry;
+use ava_train::config::ConfigLoader;
+use ava_train::train::{TrainOptions, Trainer};
+
+/// The validation loss of an untrained tiny model with `sets` on top.
+fn val_loss(sets: &[&str]) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = format!("train.out_dir={}", dir.path().display());
+    let base = [
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        "model.num_layers=2",
+        "data.seq_len=32",
+        "data.num_workers=0",
+        "train.micro_batch_size=8",
+        out_dir.as_str(),
+    ];
+    let config = ConfigLoader::new().sets(base.iter().chain(sets).copied()).load().unwrap().into_config();
+    let mut trainer = Trainer::new(&config, &Registry::builtins(), &TrainOptions::default()).unwrap();
+    trainer.evaluate().unwrap().val_loss
+}
+
+#[test]
+fn the_same_sequences_in_other_batch_sizes_give_the_same_val_loss() {
+    // 8 sequences: one batch of the micro-batch size (the default), or 4 batches of 2.
+    let default = val_loss(&["train.eval_batches=1"]);
+    let eight = val_loss(&["train.eval_batches=1", "train.eval_batch_size=8"]);
+    let by_two = val_loss(&["train.eval_batches=4", "train.eval_batch_size=2"]);
+    assert_eq!(default, eight, "null means the micro-batch size");
+    // The same tokens, summed in another order: equal up to rounding.
+    assert!((by_two - eight).abs() < 1e-6 * eight, "{by_two} vs {eight}");
+    // Other sequences give another loss: the batch size is really used.
+    let first_two = val_loss(&["train.eval_batches=1", "train.eval_batch_size=2"]);
+    assert!((first_two - eight).abs() > 1e-4, "{first_two} vs {eight}");
+}
