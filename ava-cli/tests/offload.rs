@@ -3,13 +3,13 @@
 //! full disk fails cleanly, during offload and during a checkpoint, leaving the earlier
 //! checkpoint intact; `int8` activation compression's effect on the gradients and the loss.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 
 mod common;
 
 use ava_tests::SmallDisk;
-use common::{ok, train_small};
+use common::{checkpoint, ok, train_small};
 
 fn set(pairs: &[&str]) -> Vec<String> {
     pairs.iter().flat_map(|p| ["--set".to_string(), p.to_string()]).collect()
@@ -22,10 +22,6 @@ fn train(dir: &Path, out: &str, extra: &[String]) -> Output {
 
 fn nvme(path: &Path, tiers: &str) -> Vec<String> {
     set(&[&format!("plugins.offload={{name: nvme, path: {}}}", path.display()), &format!("offload.tiers={tiers}")])
-}
-
-fn checkpoint(run: &Path, step: u64) -> PathBuf {
-    run.join(format!("checkpoints/step-{step:08}"))
 }
 
 fn same_files(a: &Path, b: &Path, files: &[&str]) {
