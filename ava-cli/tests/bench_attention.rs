@@ -57,13 +57,20 @@ fn every_kernel_matches_the_dense_reference_and_declares_its_saved_bytes() {
             for buf in ["out", "dq", "dk", "dv"] {
                 assert!(r["max_abs_err_by_buffer"][buf].as_f64().is_some_and(|e| e < 1e-4), "{kernel} {buf}: {r:#}");
             }
-            // out, saved, dq, dk, dv are allocated by the host for every call. (The count is
-            // exact to within a few hundred bytes: threads an earlier call started may free
-            // their thread-local storage during this one.)
-            let host = 4 * (4 * b * h * t * 16) + r["saved_bytes"].as_u64().unwrap();
+            // out, saved, dq, dk, dv and the backward's declared workspace are allocated by the
+            // host for every call, a plugin's scratch included. (The count is exact to within a
+            // few hundred bytes: threads an earlier call started may free their thread-local
+            // storage during this one.)
+            let workspace = r["workspace_bytes"]["backward"].as_u64().unwrap();
+            let host = 4 * (4 * b * h * t * 16) + r["saved_bytes"].as_u64().unwrap() + workspace;
             let peak = r["host_peak_bytes"].as_u64().unwrap();
             assert!(peak + 1024 >= host, "{kernel} T={t}: peak {peak} below its buffers {host}: {r:#}");
+            assert!(workspace > 0, "{kernel} T={t}: every kernel here has backward scratch: {r:#}");
         }
+        // flash (a plugin library): its tiles, 2 threads × (2·64·64 + 2·16·64 + Δ of T rows)
+        // f32s in backward (tuned_backward(16) = 64 × 64 tiles).
+        let flash_ws = row(&doc, t, "flash")["workspace_bytes"]["backward"].as_u64().unwrap();
+        assert_eq!(flash_ws, 4 * 2 * (2 * 64 * 64 + 2 * 16 * 64 + t), "T={t}");
         // flash saves one logsumexp per query row, standard the T×T probabilities.
         assert_eq!(row(&doc, t, "flash")["saved_bytes"], b * h * t * 4);
         assert_eq!(row(&doc, t, "standard")["saved_bytes"], b * h * t * t * 4);
@@ -159,7 +166,7 @@ fn the_text_table_has_a_row_per_kernel_and_explains_its_columns() {
         assert_eq!(&cells[..2], ["16", kernel], "{text}");
     }
     assert!(lines[2].contains("2.0 KiB"), "standard saves 2·16·16 f32: {text}");
-    assert!(text.contains("A plugin library allocates its scratch with its own"), "{text}");
+    assert!(text.contains("workspace the kernel declares for a call (its scratch, allocated by the host)"), "{text}");
     assert!(text.contains("  block-sparse: causal blocks of 64: 4 local, 1 global, stride 0"), "{text}");
 }
 

@@ -4,7 +4,10 @@
 //! outnumber key/value heads (grouped-query attention): query head `h` reads key/value head
 //! `h / (q_heads / kv_heads)`. The kernel declares how many f32s it saves for backward
 //! ([`AttentionKernel::saved_len`]); the host allocates that buffer and keeps it alive
-//! between forward and backward, so it is counted in the memory breakdown.
+//! between forward and backward, so it is counted in the memory breakdown. Scratch a call
+//! needs while it runs (flash's per-thread score tiles) is declared the same way
+//! ([`AttentionKernel::workspace_len`]): the host allocates it for the call and frees it
+//! when the call returns, so it is counted too and the kernel allocates nothing big itself.
 
 #![allow(clippy::too_many_arguments, clippy::type_complexity)] // a kernel takes q, k, v, out, dout, saved, dq, dk, dv
 
@@ -102,6 +105,26 @@ impl AttnShape {
     }
 }
 
+/// Which call of a kernel a workspace is for.
+#[repr(u8)]
+#[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Pass {
+    /// [`AttentionKernel::forward`].
+    Forward = 0,
+    /// [`AttentionKernel::backward`].
+    Backward = 1,
+}
+
+impl Pass {
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pass::Forward => "forward",
+            Pass::Backward => "backward",
+        }
+    }
+}
+
 /// Per-call context from the host.
 #[repr(C)]
 #[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,7 +148,19 @@ pub trait AttentionKernel: Send + Sync {
     /// probabilities; flash: one logsumexp per query row). Also refuses unsupported shapes.
     fn saved_len(&self, shape: &AttnShape) -> Result<u64, PluginError>;
 
-    /// Computes `out` (B, H, Tq, D) and fills `saved` (`saved_len` elements).
+    /// f32 elements of scratch one `pass` call of `shape` needs with `ctx.threads` threads
+    /// (flash: score and transposed-key tiles per thread). The host allocates exactly this
+    /// many (counted in the memory breakdown and by `ava estimate`), hands them to the call as
+    /// `workspace` with unspecified contents, and frees them when it returns: nothing in it
+    /// survives to the next call (what backward needs from forward goes in `saved`).
+    /// Default: none.
+    fn workspace_len(&self, shape: &AttnShape, pass: Pass, ctx: &KernelContext) -> Result<u64, PluginError> {
+        let _ = (shape, pass, ctx);
+        Ok(0)
+    }
+
+    /// Computes `out` (B, H, Tq, D) and fills `saved` (`saved_len` elements); `workspace`
+    /// is the forward's declared scratch.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -135,6 +170,7 @@ pub trait AttentionKernel: Send + Sync {
         v: &[f32],
         out: &mut [f32],
         saved: &mut [f32],
+        workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError>;
 
@@ -143,7 +179,8 @@ pub trait AttentionKernel: Send + Sync {
         false
     }
 
-    /// Writes (overwrites) `dq`, `dk`, `dv` from `dout`, using what forward saved.
+    /// Writes (overwrites) `dq`, `dk`, `dv` from `dout`, using what forward saved;
+    /// `workspace` is the backward's declared scratch.
     #[allow(clippy::too_many_arguments)]
     fn backward(
         &self,
@@ -157,9 +194,10 @@ pub trait AttentionKernel: Send + Sync {
         dq: &mut [f32],
         dk: &mut [f32],
         dv: &mut [f32],
+        workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
-        let _ = (shape, q, k, v, out, dout, saved, dq, dk, dv, ctx);
+        let _ = (shape, q, k, v, out, dout, saved, dq, dk, dv, workspace, ctx);
         Err(PluginError::unsupported("this attention kernel has no backward pass; it can run inference only"))
     }
 }
@@ -169,6 +207,8 @@ pub trait AttentionKernel: Send + Sync {
 pub trait FfiAttention: Send + Sync {
     /// See [`AttentionKernel::saved_len`].
     fn saved_len(&self, shape: AttnShape) -> RResult<u64, PluginError>;
+    /// See [`AttentionKernel::workspace_len`].
+    fn workspace_len(&self, shape: AttnShape, pass: Pass, ctx: KernelContext) -> RResult<u64, PluginError>;
     /// See [`AttentionKernel::forward`].
     #[allow(clippy::too_many_arguments)]
     fn forward(
@@ -179,6 +219,7 @@ pub trait FfiAttention: Send + Sync {
         v: RSlice<'_, f32>,
         out: RSliceMut<'_, f32>,
         saved: RSliceMut<'_, f32>,
+        workspace: RSliceMut<'_, f32>,
         ctx: KernelContext,
     ) -> RResult<(), PluginError>;
     /// See [`AttentionKernel::supports_backward`].
@@ -197,6 +238,7 @@ pub trait FfiAttention: Send + Sync {
         dq: RSliceMut<'_, f32>,
         dk: RSliceMut<'_, f32>,
         dv: RSliceMut<'_, f32>,
+        workspace: RSliceMut<'_, f32>,
         ctx: KernelContext,
     ) -> RResult<(), PluginError>;
 }
@@ -210,6 +252,9 @@ impl<T: AttentionKernel> FfiAttention for Guarded<T> {
     fn saved_len(&self, shape: AttnShape) -> RResult<u64, PluginError> {
         guard("AttentionKernel::saved_len", || self.0.saved_len(&shape))
     }
+    fn workspace_len(&self, shape: AttnShape, pass: Pass, ctx: KernelContext) -> RResult<u64, PluginError> {
+        guard("AttentionKernel::workspace_len", || self.0.workspace_len(&shape, pass, &ctx))
+    }
     fn forward(
         &self,
         shape: AttnShape,
@@ -218,10 +263,11 @@ impl<T: AttentionKernel> FfiAttention for Guarded<T> {
         v: RSlice<'_, f32>,
         mut out: RSliceMut<'_, f32>,
         mut saved: RSliceMut<'_, f32>,
+        mut workspace: RSliceMut<'_, f32>,
         ctx: KernelContext,
     ) -> RResult<(), PluginError> {
         guard("AttentionKernel::forward", || {
-            self.0.forward(&shape, &q, &k, &v, out.as_mut_slice(), saved.as_mut_slice(), &ctx)
+            self.0.forward(&shape, &q, &k, &v, out.as_mut_slice(), saved.as_mut_slice(), workspace.as_mut_slice(), &ctx)
         })
     }
     fn supports_backward(&self) -> bool {
@@ -240,6 +286,7 @@ impl<T: AttentionKernel> FfiAttention for Guarded<T> {
         mut dq: RSliceMut<'_, f32>,
         mut dk: RSliceMut<'_, f32>,
         mut dv: RSliceMut<'_, f32>,
+        mut workspace: RSliceMut<'_, f32>,
         ctx: KernelContext,
     ) -> RResult<(), PluginError> {
         guard("AttentionKernel::backward", || {
@@ -254,6 +301,7 @@ impl<T: AttentionKernel> FfiAttention for Guarded<T> {
                 dq.as_mut_slice(),
                 dk.as_mut_slice(),
                 dv.as_mut_slice(),
+                workspace.as_mut_slice(),
                 &ctx,
             )
         })
@@ -267,6 +315,9 @@ impl AttentionKernel for ForeignAttention {
     fn saved_len(&self, shape: &AttnShape) -> Result<u64, PluginError> {
         self.0.saved_len(*shape).into_result()
     }
+    fn workspace_len(&self, shape: &AttnShape, pass: Pass, ctx: &KernelContext) -> Result<u64, PluginError> {
+        self.0.workspace_len(*shape, pass, *ctx).into_result()
+    }
     fn forward(
         &self,
         shape: &AttnShape,
@@ -275,9 +326,12 @@ impl AttentionKernel for ForeignAttention {
         v: &[f32],
         out: &mut [f32],
         saved: &mut [f32],
+        workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
-        self.0.forward(*shape, q.into(), k.into(), v.into(), out.into(), saved.into(), *ctx).into_result()
+        self.0
+            .forward(*shape, q.into(), k.into(), v.into(), out.into(), saved.into(), workspace.into(), *ctx)
+            .into_result()
     }
     fn supports_backward(&self) -> bool {
         self.0.supports_backward()
@@ -294,6 +348,7 @@ impl AttentionKernel for ForeignAttention {
         dq: &mut [f32],
         dk: &mut [f32],
         dv: &mut [f32],
+        workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
         self.0
@@ -308,6 +363,7 @@ impl AttentionKernel for ForeignAttention {
                 dq.into(),
                 dk.into(),
                 dv.into(),
+                workspace.into(),
                 *ctx,
             )
             .into_result()

@@ -80,7 +80,7 @@ pub mod offload;
 pub mod optimizer;
 pub mod options;
 
-pub use attention::{AttentionKernel, AttnShape, KernelContext};
+pub use attention::{AttentionKernel, AttnShape, KernelContext, Pass};
 pub use checkpoint::{BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy, check_plan};
 pub use error::{ErrorKind, PluginError};
 pub use manifest::{Device, Manifest, OptionSpec, OptionType, PluginKind};
@@ -137,8 +137,8 @@ pub mod prelude {
     pub use crate::{
         AttentionKernel, AttnShape, BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy, DType, Device,
         ErrorKind, HostContext, KernelContext, Manifest, MemoryAction, MemoryDecision, MemoryPolicy, MemoryStats,
-        OffloadTier, Optimizer, OptionSpec, OptionType, Options, ParamInfo, Phase, Plugin, PluginError, PluginKind,
-        Pressure, StateBuf, StateSpec, StepContext,
+        OffloadTier, Optimizer, OptionSpec, OptionType, Options, ParamInfo, Pass, Phase, Plugin, PluginError,
+        PluginKind, Pressure, StateBuf, StateSpec, StepContext,
     };
 }
 

@@ -6,7 +6,7 @@
 //!
 //! `cargo bench -p ava-kernels --bench tiles`
 
-use ava_core::{AttentionKernel, AttnShape, KernelContext};
+use ava_core::{AttentionKernel, AttnShape, KernelContext, attention::Pass};
 use ava_kernels::{
     attention::{Algorithm, Kernel, Masking, Tiles},
     testing::{Rng, shape},
@@ -52,14 +52,21 @@ fn case(head_dim: u32, (tq, tk): (usize, usize)) -> Case {
         kernel,
         ctx,
     };
-    c.kernel.forward(&c.shape, &c.q, &c.k, &c.v, &mut c.out, &mut c.lse, &c.ctx).expect("forward");
+    let mut ws = workspace(&c, Pass::Forward);
+    c.kernel.forward(&c.shape, &c.q, &c.k, &c.v, &mut c.out, &mut c.lse, &mut ws, &c.ctx).expect("forward");
     c
+}
+
+/// The workspace the kernel declares for `pass` (the host allocates it per call; here once).
+fn workspace(c: &Case, pass: Pass) -> Vec<f32> {
+    vec![0f32; c.kernel.workspace_len(&c.shape, pass, &c.ctx).expect("workspace_len") as usize]
 }
 
 fn forward(bencher: divan::Bencher, head_dim: u32, tiles: (usize, usize)) {
     let mut c = case(head_dim, tiles);
+    let mut ws = workspace(&c, Pass::Forward);
     bencher.bench_local(|| {
-        c.kernel.forward(&c.shape, &c.q, &c.k, &c.v, &mut c.out, &mut c.lse, &c.ctx).expect("forward");
+        c.kernel.forward(&c.shape, &c.q, &c.k, &c.v, &mut c.out, &mut c.lse, &mut ws, &c.ctx).expect("forward");
     });
 }
 
@@ -68,9 +75,11 @@ fn backward(bencher: divan::Bencher, head_dim: u32, tiles: (usize, usize)) {
     let mut dq = vec![0f32; c.shape.q_numel()]; // (B, H, T, D)
     let mut dk = vec![0f32; c.shape.kv_numel()]; // (B, H, T, D)
     let mut dv = vec![0f32; c.shape.kv_numel()]; // (B, H, T, D)
+    let mut ws = workspace(&c, Pass::Backward);
     bencher.bench_local(|| {
         let (s, x) = (&c.shape, &c.kernel);
-        x.backward(s, &c.q, &c.k, &c.v, &c.out, &c.dout, &c.lse, &mut dq, &mut dk, &mut dv, &c.ctx).expect("backward");
+        x.backward(s, &c.q, &c.k, &c.v, &c.out, &c.dout, &c.lse, &mut dq, &mut dk, &mut dv, &mut ws, &c.ctx)
+            .expect("backward");
     });
 }
 

@@ -6,19 +6,58 @@
 
 use std::sync::Mutex;
 
+/// Threads [`run`] and [`run_in`] use for `tasks` tasks: at most `threads` (at least 1),
+/// at most one per task. A kernel declares its workspace per thread with it.
+pub fn workers(threads: u32, tasks: usize) -> usize {
+    (threads.max(1) as usize).min(tasks)
+}
+
 /// Runs `work(&mut scratch, task)` on every task with at most `threads` threads, each
 /// taking the next task from a shared queue (tasks of unequal cost balance themselves; put
 /// the expensive ones first). `scratch` is made once per thread by `init`.
 pub fn run<T: Send, S>(tasks: Vec<T>, threads: u32, init: impl Fn() -> S + Sync, work: impl Fn(&mut S, T) + Sync) {
-    let threads = (threads.max(1) as usize).min(tasks.len());
-    if threads <= 1 {
-        let mut scratch = init();
+    run_in(tasks, threads, &mut [], 0, |_| init(), work);
+}
+
+/// [`run`] with each thread's scratch carved from `workspace` (the host's buffer, which the
+/// kernel declared as [`workers`]`(threads, tasks) · per_thread` f32s): thread `i` gets the
+/// `i`-th run of `per_thread` elements and makes its scratch from it with `make`.
+///
+/// # Panics
+/// If `workspace` is shorter than that (kernels check its length before calling).
+pub fn run_in<'w, T: Send, S>(
+    tasks: Vec<T>,
+    threads: u32,
+    workspace: &'w mut [f32],
+    per_thread: usize,
+    make: impl Fn(&'w mut [f32]) -> S + Sync,
+    work: impl Fn(&mut S, T) + Sync,
+) {
+    let threads = workers(threads, tasks.len());
+    if threads == 0 {
+        return;
+    }
+    assert!(
+        workspace.len() >= threads * per_thread,
+        "workspace of {} f32s for {threads} threads of {per_thread}",
+        workspace.len()
+    );
+    let mut parts = Vec::with_capacity(threads);
+    let mut rest = workspace;
+    for _ in 0..threads {
+        let (part, tail) = std::mem::take(&mut rest).split_at_mut(per_thread);
+        parts.push(part);
+        rest = tail;
+    }
+    let mine = parts.pop().expect("at least one thread");
+    if threads == 1 {
+        let mut scratch = make(mine);
         tasks.into_iter().for_each(|t| work(&mut scratch, t));
         return;
     }
     let queue = Mutex::new(tasks.into_iter());
-    let worker = || {
-        let mut scratch = init();
+    let worker = |part: &'w mut [f32]| {
+        let mut scratch = make(part);
         loop {
             // The lock is held only while taking a task, never while working, so it cannot be
             // poisoned; a panicking task is re-raised by the scope after the join.
@@ -26,11 +65,12 @@ pub fn run<T: Send, S>(tasks: Vec<T>, threads: u32, init: impl Fn() -> S + Sync,
             work(&mut scratch, task);
         }
     };
+    let worker = &worker;
     std::thread::scope(|s| {
-        for _ in 1..threads {
-            s.spawn(worker);
+        for part in parts {
+            s.spawn(move || worker(part));
         }
-        worker();
+        worker(mine);
     });
 }
 
@@ -55,5 +95,30 @@ mod tests {
             let want: Vec<u32> = (0..40).map(|j| j / 3 + 1).collect();
             assert_eq!(out, want, "threads = {threads}");
         }
+    }
+
+    /// Each thread gets its own run of the workspace, and together they use all of it.
+    #[test]
+    fn each_thread_gets_its_own_part_of_the_workspace() {
+        for threads in [1u32, 2, 3] {
+            let tasks: Vec<usize> = (0..7).collect();
+            let per = 4;
+            let mut workspace = vec![0.0f32; workers(threads, tasks.len()) * per];
+            run_in(
+                tasks,
+                threads,
+                &mut workspace,
+                per,
+                |part| part,
+                |part, _| {
+                    assert_eq!(part.len(), per);
+                    part[0] += 1.0;
+                },
+            );
+            let counts: f32 = workspace.chunks(per).map(|c| c[0]).sum();
+            assert_eq!(counts, 7.0, "threads = {threads}: {workspace:?}");
+            assert!(workspace.chunks(per).all(|c| c[1..].iter().all(|&x| x == 0.0)));
+        }
+        assert_eq!((workers(0, 5), workers(8, 5), workers(2, 0)), (1, 5, 0));
     }
 }

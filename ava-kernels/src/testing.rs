@@ -6,7 +6,7 @@
 //! to the same tolerances: f32 against f32 `atol 1e-4, rtol 1e-3`; analytic against f64
 //! finite differences `1e-4 · (1 + |fd|)`.
 
-use ava_core::{AttentionKernel, AttnShape, KernelContext};
+use ava_core::{AttentionKernel, AttnShape, KernelContext, attention::Pass};
 
 use crate::attention::{Mask, dense};
 
@@ -103,12 +103,19 @@ pub fn run(
     let saved_len = kernel.saved_len(s).map_err(|e| format!("saved_len: {e}"))? as usize;
     let mut out = vec![f32::NAN; s.q_numel()];
     let mut saved = vec![f32::NAN; saved_len];
-    kernel.forward(s, q, k, v, &mut out, &mut saved, &ctx).map_err(|e| format!("forward: {e}"))?;
+    // The declared workspaces, NaN-filled: a kernel must not depend on what it holds.
+    let workspace = |pass: Pass| -> Result<Vec<f32>, String> {
+        let n = kernel.workspace_len(s, pass, &ctx).map_err(|e| format!("workspace_len({}): {e}", pass.as_str()))?;
+        Ok(vec![f32::NAN; n as usize])
+    };
+    let mut ws = workspace(Pass::Forward)?;
+    kernel.forward(s, q, k, v, &mut out, &mut saved, &mut ws, &ctx).map_err(|e| format!("forward: {e}"))?;
     let mut dq = vec![f32::NAN; s.q_numel()];
     let mut dk = vec![f32::NAN; s.kv_numel()];
     let mut dv = vec![f32::NAN; s.kv_numel()];
+    let mut ws = workspace(Pass::Backward)?;
     kernel
-        .backward(s, q, k, v, &out, dout, &saved, &mut dq, &mut dk, &mut dv, &ctx)
+        .backward(s, q, k, v, &out, dout, &saved, &mut dq, &mut dk, &mut dv, &mut ws, &ctx)
         .map_err(|e| format!("backward: {e}"))?;
     Ok((out, saved, [dq, dk, dv]))
 }
@@ -119,7 +126,9 @@ fn dense_run(s: &AttnShape, mask: &Mask, (q, k, v, dout): (&[f32], &[f32], &[f32
     let mut probs = vec![0.0; dense::saved_len(s).expect("dense saved_len") as usize];
     dense::forward(s, mask, q, k, v, &mut out, &mut probs, 2).expect("dense forward");
     let (mut dq, mut dk, mut dv) = (vec![0.0; s.q_numel()], vec![0.0; s.kv_numel()], vec![0.0; s.kv_numel()]);
-    dense::backward(s, mask, q, k, v, &out, dout, &probs, &mut dq, &mut dk, &mut dv, 2).expect("dense backward");
+    let mut ws = vec![0.0; dense::backward_workspace_len(s, 2).expect("dense workspace") as usize];
+    dense::backward(s, mask, q, k, v, &out, dout, &probs, &mut dq, &mut dk, &mut dv, &mut ws, 2)
+        .expect("dense backward");
     [out, dq, dk, dv]
 }
 

@@ -141,7 +141,8 @@ fn estimated_micro_batch_peak_is_within_15_percent_of_the_measured_one() {
     );
     for c in &cases {
         let measured = measure(&c.spec, c.b, c.t, c.precision, &c.plan, c.accumulating);
-        let est = estimate::micro_batch(&c.spec, c.b, c.t, c.precision, k.as_ref(), &c.plan, c.accumulating).unwrap();
+        let est =
+            estimate::micro_batch(&c.spec, c.b, c.t, c.precision, k.as_ref(), &c.plan, c.accumulating, 1).unwrap();
         let ratio = est.peak_bytes as f64 / measured as f64;
         let mut plan: String = c.plan.iter().map(|d| &d.as_str()[..1]).collect();
         if c.accumulating {

@@ -7,14 +7,17 @@
 //! The repeats are interleaved: repeat r of every kernel runs before repeat r + 1 of any,
 //! so a slow spell of a shared machine slows every kernel alike and the ratios hold.
 //!
-//! Every repeat allocates out, saved and dq, dk, dv afresh and inside the timed region, as
+//! Every repeat allocates out, saved, dq, dk, dv and the kernel's declared workspace afresh
+//! and inside the timed region, as
 //! the training engine does every step (`ava-train/src/model/attention.rs`), so allocation and
 //! first-touch costs are part of the times. q, k, v and dout exist before the call and are
 //! not counted in the peak.
 
 use std::{sync::Arc, time::Instant};
 
-use ava_core::{AttentionKernel, AttnShape, KernelContext, Manifest, OptionType, Options, PluginError, PluginKind};
+use ava_core::{
+    AttentionKernel, AttnShape, KernelContext, Manifest, OptionType, Options, Pass, PluginError, PluginKind,
+};
 use ava_kernels::{
     attention::{Kernel, Masking},
     testing::Rng,
@@ -65,6 +68,8 @@ struct Measured {
     /// Forward + backward times in ms, one per repeat (`None` without a backward).
     total_ms: Option<Vec<f64>>,
     saved_bytes: u64,
+    /// The declared workspace of a forward and a backward call, in bytes.
+    workspace_bytes: [u64; 2],
     /// Peak host bytes above the level before the call, the largest over the repeats.
     peak_bytes: u64,
     /// Max |difference| of out, dq, dk, dv from the reference, or why there is none.
@@ -309,12 +314,14 @@ fn prepare(bench: &Bench, shape: &AttnShape, repeats: u32) -> Result<Result<Samp
     // Reserved up front, so that the only host allocations inside the measured region are
     // the call's own buffers and whatever a built-in kernel allocates.
     let (fwd_ms, total_ms) = (Vec::with_capacity(repeats as usize), Vec::with_capacity(repeats as usize));
-    Ok(Ok(Samples { saved_len, fwd_ms, total_ms, peak_bytes: 0, last: None }))
+    Ok(Ok(Samples { saved_len, workspace: [0, 0], fwd_ms, total_ms, peak_bytes: 0, last: None }))
 }
 
 /// One kernel's repeats at one T, gathered one at a time.
 struct Samples {
     saved_len: usize,
+    /// f32s of workspace the kernel declared for forward and backward.
+    workspace: [u64; 2],
     fwd_ms: Vec<f64>,
     total_ms: Vec<f64>,
     peak_bytes: u64,
@@ -335,19 +342,29 @@ impl Samples {
         let start = Instant::now();
         let mut out = vec![0f32; shape.q_numel()]; // (B, H, T, D)
         let mut saved = vec![0f32; self.saved_len]; // as the kernel declared
+        let mut workspace = |pass: Pass| -> Result<Vec<f32>, Failure> {
+            let n =
+                bench.kernel.workspace_len(shape, pass, ctx).map_err(|e| failed(bench, shape, "workspace_len", e))?;
+            self.workspace[pass as usize] = n;
+            Ok(vec![0f32; n as usize]) // as the kernel declared, freed when the call returns
+        };
+        let mut ws = workspace(Pass::Forward)?;
         bench
             .kernel
-            .forward(shape, x.q, x.k, x.v, &mut out, &mut saved, ctx)
+            .forward(shape, x.q, x.k, x.v, &mut out, &mut saved, &mut ws, ctx)
             .map_err(|e| failed(bench, shape, "forward", e))?;
+        drop(ws);
         self.fwd_ms.push(start.elapsed().as_secs_f64() * 1e3);
         let grads = if bench.backward {
             let mut dq = vec![0f32; shape.q_numel()]; // (B, H, T, D)
             let mut dk = vec![0f32; shape.kv_numel()]; // (B, Hkv, T, D)
             let mut dv = vec![0f32; shape.kv_numel()]; // (B, Hkv, T, D)
+            let mut ws = workspace(Pass::Backward)?;
             bench
                 .kernel
-                .backward(shape, x.q, x.k, x.v, &out, x.dout, &saved, &mut dq, &mut dk, &mut dv, ctx)
+                .backward(shape, x.q, x.k, x.v, &out, x.dout, &saved, &mut dq, &mut dk, &mut dv, &mut ws, ctx)
                 .map_err(|e| failed(bench, shape, "backward", e))?;
+            drop(ws);
             self.total_ms.push(start.elapsed().as_secs_f64() * 1e3);
             Some([dq, dk, dv])
         } else {
@@ -370,6 +387,7 @@ impl Samples {
             fwd_ms: self.fwd_ms,
             total_ms: bench.backward.then_some(self.total_ms),
             saved_bytes: self.saved_len as u64 * 4,
+            workspace_bytes: self.workspace.map(|n| n * 4),
             peak_bytes: self.peak_bytes,
             errors,
         }
@@ -516,8 +534,9 @@ fn render_text(h: &Header, benches: &[Bench], rows: &[Row]) -> String {
     lines.push("saved: bytes the kernel keeps from forward for backward (its saved_len · 4).".into());
     lines.push(
         "host peak: the most bytes this process's counting allocator held during forward + backward,\n\
-         \x20 above what it held before (q, k, v, dout not counted): out, saved, dq, dk, dv, and what a\n\
-         \x20 built-in kernel allocates itself. A plugin library allocates its scratch with its own\n\
+         \x20 above what it held before (q, k, v, dout not counted): out, saved, dq, dk, dv, the\n\
+         \x20 workspace the kernel declares for a call (its scratch, allocated by the host), and what a\n\
+         \x20 built-in kernel allocates itself. A plugin library's other allocations use its own\n\
          \x20 allocator, which this count does not see."
             .into(),
     );
@@ -575,6 +594,7 @@ fn render_json(h: &Header, benches: &[Bench], rows: &[Row]) -> Value {
                         "time_vs_standard": time_ratio,
                         "saved_bytes": m.saved_bytes,
                         "saved_vs_standard": saved_ratio,
+                        "workspace_bytes": {"forward": m.workspace_bytes[0], "backward": m.workspace_bytes[1]},
                         "host_peak_bytes": m.peak_bytes,
                         "max_abs_err": m.max_err(),
                         "max_abs_err_by_buffer": errors,
@@ -594,7 +614,7 @@ fn render_json(h: &Header, benches: &[Bench], rows: &[Row]) -> Value {
         },
         "threads": h.threads,
         "repeats": h.repeats,
-        "host_peak_counts": "bytes held by the ava process's counting allocator during forward + backward above the level before the call: out, saved, dq, dk, dv and a built-in kernel's own allocations; not a plugin library's internal allocations",
+        "host_peak_counts": "bytes held by the ava process's counting allocator during forward + backward above the level before the call: out, saved, dq, dk, dv, the kernel's declared workspace and a built-in kernel's own allocations; not a plugin library's internal allocations",
         "kernels": kernels,
         "rows": rows,
     })

@@ -10,8 +10,10 @@
 //! ([`Mask::key_span`]: a causal block stops at its last row's position, which halves the
 //! work). Forward runs one task per (batch, query head); backward one per (batch, kv head),
 //! which owns its dK, dV and its group's dQ, so results do not depend on the thread count.
+//! Forward needs no scratch; backward's dP rows come from the host's workspace
+//! ([`backward_workspace_len`]).
 
-use ava_core::{AttnShape, PluginError};
+use ava_core::{AttnShape, PluginError, error::expect_len};
 
 use super::{
     Dims, Mask, Tile, check_forward, check_grads, count,
@@ -27,6 +29,18 @@ pub const ROWS: usize = 64;
 pub fn saved_len(shape: &AttnShape) -> Result<u64, PluginError> {
     Dims::new(shape)?;
     count(shape, &[shape.batch, shape.q_heads, shape.q_len, shape.kv_len], "probabilities")
+}
+
+/// Backward's workspace in f32s: one (ROWS, Tk) dP block per thread it uses.
+pub fn backward_workspace_len(shape: &AttnShape, threads: u32) -> Result<u64, PluginError> {
+    let x = Dims::new(shape)?;
+    let groups = shape.batch as usize * shape.kv_heads as usize;
+    Ok((parallel::workers(threads, groups) * backward_per_thread(&x)) as u64)
+}
+
+/// One thread's dP block in backward: (ROWS, Tk), 0 without queries.
+fn backward_per_thread(x: &Dims) -> usize {
+    ROWS.min(x.tq) * x.tk
 }
 
 /// Computes `out` (B, H, Tq, D) and the probabilities `probs` (B, H, Tq, Tk).
@@ -51,7 +65,8 @@ pub fn forward(
     Ok(())
 }
 
-/// Writes `dq`, `dk`, `dv` from `dout` and the saved probabilities.
+/// Writes `dq`, `dk`, `dv` from `dout` and the saved probabilities; `workspace` holds
+/// [`backward_workspace_len`] f32s.
 #[allow(clippy::too_many_arguments)] // the kernel signature
 pub fn backward(
     shape: &AttnShape,
@@ -65,10 +80,12 @@ pub fn backward(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
+    workspace: &mut [f32],
     threads: u32,
 ) -> Result<(), PluginError> {
     let x = check_forward(shape, mask, (q, k, v, out), probs.len(), saved_len(shape)?)?;
     check_grads(shape, dout.len(), dq.len(), dk.len(), dv.len())?;
+    expect_len("workspace", workspace.len(), backward_workspace_len(shape, threads)? as usize)?;
     if x.tq == 0 {
         // No queries: no gradient flows to keys or values.
         dk.fill(0.0);
@@ -80,10 +97,13 @@ pub fn backward(
     // One task per (batch, kv head): its group's dQ (group, Tq, D), its dK and dV (Tk, D).
     let tasks: Vec<_> =
         dq.chunks_mut(x.group * tq * d).zip(dk.chunks_mut(tk * d)).zip(dv.chunks_mut(tk * d)).enumerate().collect();
-    parallel::run(
+    // Each thread's (ROWS, Tk) block: dP, then dS in place.
+    parallel::run_in(
         tasks,
         threads,
-        || vec![0.0f32; ROWS.min(tq) * tk], // (ROWS, Tk): dP, then dS in place
+        workspace,
+        backward_per_thread(&x),
+        |ds| ds,
         |ds, (g, ((dq, dk), dv))| backward_group(&x, mask, g, &inputs, dq, dk, dv, ds),
     );
     Ok(())

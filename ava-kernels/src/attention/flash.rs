@@ -26,8 +26,12 @@
 //! there are fewer such groups than threads, each group's key tiles are split into runs of
 //! equal work, and the runs after the first write dQ into scratch copies summed at the end
 //! (so results then depend on the thread count; with B·Hkv ≥ threads they do not).
+//!
+//! Every scratch buffer — the per-thread tiles, the running max and sum, and backward's dQ
+//! copies — is carved from the host's workspace ([`forward_workspace_len`],
+//! [`backward_workspace_len`]), so the host counts it.
 
-use ava_core::{AttnShape, PluginError};
+use ava_core::{AttnShape, PluginError, error::expect_len};
 
 use super::{
     Dims, Mask, Tile, check_forward, check_grads, count,
@@ -79,6 +83,40 @@ pub fn saved_len(shape: &AttnShape) -> Result<u64, PluginError> {
     count(shape, &[shape.batch, shape.q_heads, shape.q_len], "logsumexp rows")
 }
 
+/// Forward's workspace in f32s: per thread a (q_tile, k_tile) score tile, a (D, k_tile)
+/// transposed key tile and the running max and sum of a query tile.
+pub fn forward_workspace_len(shape: &AttnShape, tiles: Tiles, threads: u32) -> Result<u64, PluginError> {
+    let x = Dims::new(shape)?;
+    check_tiles(tiles)?;
+    let tasks = shape.batch as usize * x.heads * x.tq.div_ceil(tiles.q);
+    Ok((parallel::workers(threads, tasks) * forward_per_thread(tiles, x.d)) as u64)
+}
+
+fn forward_per_thread(tiles: Tiles, d: usize) -> usize {
+    tiles.q * tiles.k + d * tiles.k + 2 * tiles.q
+}
+
+/// How backward splits its work: (B·Hkv groups, key tiles, runs per group).
+fn backward_split(shape: &AttnShape, x: &Dims, tiles: Tiles, threads: u32) -> (usize, usize, usize) {
+    let groups = shape.batch as usize * shape.kv_heads as usize;
+    let k_tiles = x.tk.div_ceil(tiles.k);
+    (groups, k_tiles, runs_per_group(groups, threads as usize, k_tiles))
+}
+
+/// Backward's workspace in f32s: the dQ copies of the runs after the first
+/// ((runs − 1)·B·H·Tq·D, see the module notes), and per thread the P and dS tiles, the
+/// transposed K and V tiles and Δ for its group's rows.
+pub fn backward_workspace_len(shape: &AttnShape, tiles: Tiles, threads: u32) -> Result<u64, PluginError> {
+    let x = Dims::new(shape)?;
+    check_tiles(tiles)?;
+    if x.tq == 0 {
+        return Ok(0);
+    }
+    let (groups, _, runs) = backward_split(shape, &x, tiles, threads);
+    let extra = (runs - 1) * groups * x.group * x.tq * x.d;
+    Ok((extra + parallel::workers(threads, groups * runs) * Scratch::len(tiles, &x)) as u64)
+}
+
 /// Computes `out` (B, H, Tq, D) and the logsumexp `lse` (B, H, Tq).
 #[allow(clippy::too_many_arguments)] // q, k, v, out, saved, mask, tiles, shape, threads
 pub fn forward(
@@ -90,10 +128,12 @@ pub fn forward(
     v: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
+    workspace: &mut [f32],
     threads: u32,
 ) -> Result<(), PluginError> {
     let x = check_forward(shape, mask, (q, k, v, out), lse.len(), saved_len(shape)?)?;
     check_tiles(tiles)?;
+    expect_len("workspace", workspace.len(), forward_workspace_len(shape, tiles, threads)? as usize)?;
     if x.tq == 0 {
         return Ok(());
     }
@@ -107,12 +147,18 @@ pub fn forward(
         }
     }
     tasks.sort_by_key(|t| std::cmp::Reverse(t.0)); // longest first: the queue balances the rest
-    parallel::run(
+    parallel::run_in(
         tasks,
         threads,
-        // (q_tile, k_tile) scores and (D, k_tile) transposed keys
-        || (vec![0.0f32; tiles.q * tiles.k], vec![0.0f32; x.d * tiles.k]),
-        |(s, kt), (_, bh, i0, out, lse)| forward_tile(&x, mask, tiles, bh, i0, (q, k, v), out, lse, s, kt),
+        workspace,
+        forward_per_thread(tiles, x.d),
+        |part| {
+            let (s, rest) = part.split_at_mut(tiles.q * tiles.k); // (q_tile, k_tile) scores
+            let (kt, rest) = rest.split_at_mut(x.d * tiles.k); // (D, k_tile) transposed keys
+            let (m, l) = rest.split_at_mut(tiles.q); // (q_tile,) running max and sum
+            (s, kt, m, l)
+        },
+        |(s, kt, m, l), (_, bh, i0, out, lse)| forward_tile(&x, mask, tiles, bh, i0, (q, k, v), out, lse, s, kt, m, l),
     );
     Ok(())
 }
@@ -132,24 +178,25 @@ pub fn backward(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
+    workspace: &mut [f32],
     threads: u32,
 ) -> Result<(), PluginError> {
     let x = check_forward(shape, mask, (q, k, v, out), lse.len(), saved_len(shape)?)?;
     check_grads(shape, dout.len(), dq.len(), dk.len(), dv.len())?;
     check_tiles(tiles)?;
+    expect_len("workspace", workspace.len(), backward_workspace_len(shape, tiles, threads)? as usize)?;
     if x.tq == 0 {
         dk.fill(0.0);
         dv.fill(0.0);
         return Ok(());
     }
     let (tq, tk, d, group) = (x.tq, x.tk, x.d, x.group);
-    let groups = dk.len() / (tk * d); // B·Hkv
-    let k_tiles = tk.div_ceil(tiles.k);
-    let runs = runs_per_group(groups, threads as usize, k_tiles);
+    let (groups, k_tiles, runs) = backward_split(shape, &x, tiles, threads);
     // Key-tile boundaries of the runs, equal in work (the same for every group).
     let bounds = split_by_work(mask, tiles, k_tiles, runs);
-    // dQ of runs 1.. : (runs − 1, B·Hkv, group, Tq, D); run 0 writes `dq` itself.
-    let mut extra = vec![0.0f32; (runs - 1) * groups * group * tq * d];
+    // dQ of runs 1.. : (runs − 1, B·Hkv, group, Tq, D); run 0 writes `dq` itself. Each run
+    // zero-fills its part first, so the workspace's contents do not matter.
+    let (extra, per_thread) = workspace.split_at_mut((runs - 1) * groups * group * tq * d);
     let mut extra_slices: Vec<Option<&mut [f32]>> = extra.chunks_mut((group * tq * d).max(1)).map(Some).collect();
     let mut tasks = Vec::with_capacity(groups * runs);
     for (g, ((dq, dk), dv)) in
@@ -169,10 +216,12 @@ pub fn backward(
         }
     }
     let inputs = Inputs { q, k, v, out, dout, lse };
-    parallel::run(
+    parallel::run_in(
         tasks,
         threads,
-        || Scratch::new(tiles, x.d),
+        per_thread,
+        Scratch::len(tiles, &x),
+        |part| Scratch::new(part, tiles, &x),
         |s, (g, t0, t1, dq, dk, dv)| backward_run(&x, mask, tiles, g, (t0, t1), &inputs, dq, dk, dv, s),
     );
     // Sum the runs' dQ in run order.
@@ -262,6 +311,8 @@ fn forward_tile(
     lse: &mut [f32],
     s: &mut [f32],
     kt: &mut [f32],
+    m: &mut [f32],
+    l: &mut [f32],
 ) {
     let (tq, tk, d) = (x.tq, x.tk, x.d);
     let rows = lse.len();
@@ -269,8 +320,10 @@ fn forward_tile(
     let q = Mat::rows(&q[(bh * tq + i0) * d..][..rows * d], d); // (rows, D)
     let k = &k[kv * tk * d..][..tk * d]; // (Tk, D)
     let v = &v[kv * tk * d..][..tk * d]; // (Tk, D)
-    let mut m = vec![f32::NEG_INFINITY; rows]; // (rows,) running max
-    let mut l = vec![0.0f32; rows]; // (rows,) running sum
+    let m = &mut m[..rows]; // (rows,) running max
+    let l = &mut l[..rows]; // (rows,) running sum
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
     out.fill(0.0); // (rows, D) unnormalized output
     for (j0, j1, kind) in key_tiles(mask, tiles, i0, i0 + rows) {
         let cols = j1 - j0;
@@ -282,7 +335,7 @@ fn forward_tile(
                 mask.mask_row(i0 + r, j0, row);
             }
         }
-        rows::online_softmax(s, cols, &mut m, &mut l, out, d);
+        rows::online_softmax(s, cols, m, l, out, d);
         matmul(rows, d, cols, out, d, Mat::rows(s, cols), Mat::rows(&v[j0 * d..j1 * d], d), 1.0, true);
     }
     for (r, o) in out.chunks_exact_mut(d).enumerate() {
@@ -305,20 +358,27 @@ struct Inputs<'a> {
     lse: &'a [f32],
 }
 
-/// A backward thread's buffers.
-struct Scratch {
-    p: Vec<f32>,     // (q_tile, k_tile) probabilities
-    ds: Vec<f32>,    // (q_tile, k_tile) dP, then dS in place
-    kt: Vec<f32>,    // (D, k_tile) K_jᵀ
-    vt: Vec<f32>,    // (D, k_tile) V_jᵀ
-    delta: Vec<f32>, // (group, Tq) rowsum(dO ∘ O)
+/// A backward thread's buffers, carved from its part of the workspace.
+struct Scratch<'a> {
+    p: &'a mut [f32],     // (q_tile, k_tile) probabilities
+    ds: &'a mut [f32],    // (q_tile, k_tile) dP, then dS in place
+    kt: &'a mut [f32],    // (D, k_tile) K_jᵀ
+    vt: &'a mut [f32],    // (D, k_tile) V_jᵀ
+    delta: &'a mut [f32], // (group, Tq) rowsum(dO ∘ O)
 }
 
-impl Scratch {
-    fn new(tiles: Tiles, d: usize) -> Self {
-        let tile = vec![0.0; tiles.q * tiles.k];
-        let kt = vec![0.0; d * tiles.k];
-        Self { p: tile.clone(), ds: tile, kt: kt.clone(), vt: kt, delta: Vec::new() }
+impl<'a> Scratch<'a> {
+    /// f32s of one thread's buffers.
+    fn len(tiles: Tiles, x: &Dims) -> usize {
+        2 * tiles.q * tiles.k + 2 * x.d * tiles.k + x.group * x.tq
+    }
+
+    fn new(part: &'a mut [f32], tiles: Tiles, x: &Dims) -> Self {
+        let (p, rest) = part.split_at_mut(tiles.q * tiles.k);
+        let (ds, rest) = rest.split_at_mut(tiles.q * tiles.k);
+        let (kt, rest) = rest.split_at_mut(x.d * tiles.k);
+        let (vt, delta) = rest.split_at_mut(x.d * tiles.k);
+        Self { p, ds, kt, vt, delta }
     }
 }
 
@@ -347,7 +407,7 @@ fn backward_run(
     dq: &mut [f32],
     dk: &mut [f32],
     dv: &mut [f32],
-    s: &mut Scratch,
+    s: &mut Scratch<'_>,
 ) {
     let (tq, tk, d, group) = (x.tq, x.tk, x.d, x.group);
     dq.fill(0.0); // (group, Tq, D)
@@ -359,8 +419,7 @@ fn backward_run(
     let heads = g * group * tq * d..(g + 1) * group * tq * d;
     let (q, dout, out) = (&inp.q[heads.clone()], &inp.dout[heads.clone()], &inp.out[heads]); // (group, Tq, D)
     let lse = &inp.lse[g * group * tq..][..group * tq]; // (group, Tq)
-    s.delta.resize(group * tq, 0.0);
-    rows::row_dots(dout, out, d, &mut s.delta);
+    rows::row_dots(dout, out, d, s.delta);
     let k = &inp.k[g * tk * d..][..tk * d]; // (Tk, D)
     let v = &inp.v[g * tk * d..][..tk * d]; // (Tk, D)
     let key0 = t0 * tiles.k;

@@ -1,7 +1,7 @@
 //! [`Kernel`]: an algorithm and a masking rule as a complete [`AttentionKernel`], so a
 //! plugin crate is its options plus [`delegate_attention!`](crate::delegate_attention).
 
-use ava_core::{AttentionKernel, AttnShape, KernelContext, PluginError};
+use ava_core::{AttentionKernel, AttnShape, KernelContext, PluginError, attention::Pass, error::expect_len};
 
 use super::{BlockPattern, Mask, Pattern, dense, flash, flash::Tiles};
 
@@ -75,12 +75,37 @@ impl Kernel {
     }
 }
 
+impl Kernel {
+    /// The tiles of a flash `pass`.
+    fn tiles(tiles: Option<Tiles>, pass: Pass, shape: &AttnShape) -> Tiles {
+        let d = shape.head_dim as usize;
+        tiles.unwrap_or_else(|| match pass {
+            Pass::Forward => Tiles::tuned_forward(d),
+            Pass::Backward => Tiles::tuned_backward(d),
+        })
+    }
+}
+
 impl AttentionKernel for Kernel {
     fn saved_len(&self, shape: &AttnShape) -> Result<u64, PluginError> {
         self.masking.mask(shape)?;
         match self.algorithm {
             Algorithm::Dense => dense::saved_len(shape),
             Algorithm::Flash(_) => flash::saved_len(shape),
+        }
+    }
+
+    fn workspace_len(&self, shape: &AttnShape, pass: Pass, ctx: &KernelContext) -> Result<u64, PluginError> {
+        self.masking.mask(shape)?;
+        match (self.algorithm, pass) {
+            (Algorithm::Dense, Pass::Forward) => dense::saved_len(shape).map(|_| 0),
+            (Algorithm::Dense, Pass::Backward) => dense::backward_workspace_len(shape, ctx.threads),
+            (Algorithm::Flash(tiles), Pass::Forward) => {
+                flash::forward_workspace_len(shape, Self::tiles(tiles, pass, shape), ctx.threads)
+            }
+            (Algorithm::Flash(tiles), Pass::Backward) => {
+                flash::backward_workspace_len(shape, Self::tiles(tiles, pass, shape), ctx.threads)
+            }
         }
     }
 
@@ -92,14 +117,18 @@ impl AttentionKernel for Kernel {
         v: &[f32],
         out: &mut [f32],
         saved: &mut [f32],
+        workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
         let mask = self.masking.mask(shape)?;
         match self.algorithm {
-            Algorithm::Dense => dense::forward(shape, &mask, q, k, v, out, saved, ctx.threads),
+            Algorithm::Dense => {
+                expect_len("workspace", workspace.len(), 0)?;
+                dense::forward(shape, &mask, q, k, v, out, saved, ctx.threads)
+            }
             Algorithm::Flash(tiles) => {
-                let tiles = tiles.unwrap_or_else(|| Tiles::tuned_forward(shape.head_dim as usize));
-                flash::forward(shape, &mask, tiles, q, k, v, out, saved, ctx.threads)
+                let tiles = Self::tiles(tiles, Pass::Forward, shape);
+                flash::forward(shape, &mask, tiles, q, k, v, out, saved, workspace, ctx.threads)
             }
         }
     }
@@ -120,14 +149,18 @@ impl AttentionKernel for Kernel {
         dq: &mut [f32],
         dk: &mut [f32],
         dv: &mut [f32],
+        workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
         let mask = self.masking.mask(shape)?;
+        let threads = ctx.threads;
         match self.algorithm {
-            Algorithm::Dense => dense::backward(shape, &mask, q, k, v, out, dout, saved, dq, dk, dv, ctx.threads),
+            Algorithm::Dense => {
+                dense::backward(shape, &mask, q, k, v, out, dout, saved, dq, dk, dv, workspace, threads)
+            }
             Algorithm::Flash(tiles) => {
-                let tiles = tiles.unwrap_or_else(|| Tiles::tuned_backward(shape.head_dim as usize));
-                flash::backward(shape, &mask, tiles, q, k, v, out, dout, saved, dq, dk, dv, ctx.threads)
+                let tiles = Self::tiles(tiles, Pass::Backward, shape);
+                flash::backward(shape, &mask, tiles, q, k, v, out, dout, saved, dq, dk, dv, workspace, threads)
             }
         }
     }
@@ -147,6 +180,14 @@ macro_rules! delegate_attention {
             fn saved_len(&self, shape: &::ava_core::AttnShape) -> Result<u64, ::ava_core::PluginError> {
                 self.$field.saved_len(shape)
             }
+            fn workspace_len(
+                &self,
+                shape: &::ava_core::AttnShape,
+                pass: ::ava_core::attention::Pass,
+                ctx: &::ava_core::KernelContext,
+            ) -> Result<u64, ::ava_core::PluginError> {
+                self.$field.workspace_len(shape, pass, ctx)
+            }
             fn forward(
                 &self,
                 shape: &::ava_core::AttnShape,
@@ -155,9 +196,10 @@ macro_rules! delegate_attention {
                 v: &[f32],
                 out: &mut [f32],
                 saved: &mut [f32],
+                workspace: &mut [f32],
                 ctx: &::ava_core::KernelContext,
             ) -> Result<(), ::ava_core::PluginError> {
-                self.$field.forward(shape, q, k, v, out, saved, ctx)
+                self.$field.forward(shape, q, k, v, out, saved, workspace, ctx)
             }
             fn supports_backward(&self) -> bool {
                 self.$field.supports_backward()
@@ -174,9 +216,10 @@ macro_rules! delegate_attention {
                 dq: &mut [f32],
                 dk: &mut [f32],
                 dv: &mut [f32],
+                workspace: &mut [f32],
                 ctx: &::ava_core::KernelContext,
             ) -> Result<(), ::ava_core::PluginError> {
-                self.$field.backward(shape, q, k, v, out, dout, saved, dq, dk, dv, ctx)
+                self.$field.backward(shape, q, k, v, out, dout, saved, dq, dk, dv, workspace, ctx)
             }
         }
     };

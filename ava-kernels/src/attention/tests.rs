@@ -1,6 +1,6 @@
 //! The algorithms against each other and against the f64 definition, over every pattern.
 
-use ava_core::{AttentionKernel, AttnShape, KernelContext};
+use ava_core::{AttentionKernel, AttnShape, KernelContext, attention::Pass};
 
 use super::*;
 use crate::testing::{self, Rng, shape};
@@ -61,7 +61,9 @@ fn check_forward_against_f64(kernel: &dyn AttentionKernel, s: &AttnShape, mask: 
     let (q, k, v) = (rng.vec(s.q_numel()), rng.vec(s.kv_numel()), rng.vec(s.kv_numel()));
     let mut out = vec![f32::NAN; s.q_numel()];
     let mut saved = vec![f32::NAN; kernel.saved_len(s).unwrap() as usize];
-    kernel.forward(s, &q, &k, &v, &mut out, &mut saved, &KernelContext { threads: 2, ..Default::default() }).unwrap();
+    let ctx = KernelContext { threads: 2, ..Default::default() };
+    let mut ws = vec![f32::NAN; kernel.workspace_len(s, Pass::Forward, &ctx).unwrap() as usize];
+    kernel.forward(s, &q, &k, &v, &mut out, &mut saved, &mut ws, &ctx).unwrap();
     let f64s = |x: &[f32]| x.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     let (want, lse) = testing::reference(s, mask, &f64s(&q), &f64s(&k), &f64s(&v));
     for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
@@ -174,9 +176,51 @@ fn wrong_buffers_are_named() {
     let ctx = KernelContext::default();
     let (q, kv) = (vec![0.0; s.q_numel()], vec![0.0; s.kv_numel()]);
     let (mut out, mut saved) = (vec![0.0; s.q_numel()], vec![0.0; 6]);
-    let err = k.forward(&s, &q, &kv, &kv, &mut out, &mut saved[1..], &ctx).unwrap_err();
+    let mut ws = vec![0.0; k.workspace_len(&s, Pass::Backward, &ctx).unwrap() as usize];
+    let err = k.forward(&s, &q, &kv, &kv, &mut out, &mut saved[1..], &mut ws, &ctx).unwrap_err();
     assert_eq!(err.message.as_str(), "saved has 5 elements, expected 6");
     let (mut dq, mut dk, mut dv) = (vec![0.0; s.q_numel()], vec![0.0; s.kv_numel()], vec![0.0; s.kv_numel() + 1]);
-    let err = k.backward(&s, &q, &kv, &kv, &out, &q, &saved, &mut dq, &mut dk, &mut dv, &ctx).unwrap_err();
+    let err = k.backward(&s, &q, &kv, &kv, &out, &q, &saved, &mut dq, &mut dk, &mut dv, &mut ws, &ctx).unwrap_err();
     assert_eq!(err.message.as_str(), "dv has 13 elements, expected 12");
+}
+
+/// Each kernel declares the scratch it takes, per thread it uses (at most one per task), and
+/// refuses a call handed another length before computing anything.
+#[test]
+fn workspaces_are_declared_per_thread_and_checked() {
+    let ctx = |threads| KernelContext { threads, ..Default::default() };
+    let s = shape(2, 4, 2, 45, 45, 16, true); // B·Hkv = 4 groups
+    let dense = Kernel::dense(Masking::Plain);
+    assert_eq!(dense.workspace_len(&s, Pass::Forward, &ctx(2)).unwrap(), 0);
+    // Backward: a (min(64, Tq), Tk) dP block per thread, one thread per group at most.
+    assert_eq!(dense.workspace_len(&s, Pass::Backward, &ctx(2)).unwrap(), 2 * 45 * 45);
+    assert_eq!(dense.workspace_len(&s, Pass::Backward, &ctx(16)).unwrap(), 4 * 45 * 45);
+
+    let flash = Kernel { masking: Masking::Plain, algorithm: Algorithm::Flash(Some(Tiles { q: 16, k: 32 })) };
+    // Forward: per thread a 16 × 32 score tile, a (D = 16) × 32 key tile, 16 maxima and sums.
+    assert_eq!(flash.workspace_len(&s, Pass::Forward, &ctx(2)).unwrap(), 2 * (16 * 32 + 16 * 32 + 2 * 16));
+    // Backward, 4 groups for 2 threads: one run per group, no dQ copy; per thread P and dS
+    // tiles, Kᵀ and Vᵀ tiles, Δ for the group's 2 heads × 45 rows.
+    let per = 2 * 16 * 32 + 2 * 16 * 32 + 2 * 45;
+    assert_eq!(flash.workspace_len(&s, Pass::Backward, &ctx(2)).unwrap(), 2 * per);
+    // One group for 4 threads: its 2 key tiles in 2 runs, the second writing a dQ copy (2, 45, 16).
+    let one = shape(1, 2, 1, 45, 45, 16, true);
+    assert_eq!(flash.workspace_len(&one, Pass::Backward, &ctx(4)).unwrap(), 2 * 45 * 16 + 2 * per);
+
+    let mut rng = Rng(4);
+    let (q, k, v) = (rng.vec(s.q_numel()), rng.vec(s.kv_numel()), rng.vec(s.kv_numel()));
+    let (mut out, mut saved) = (vec![0.0; s.q_numel()], vec![0.0; flash.saved_len(&s).unwrap() as usize]);
+    let want = flash.workspace_len(&s, Pass::Forward, &ctx(2)).unwrap();
+    let err = flash.forward(&s, &q, &k, &v, &mut out, &mut saved, &mut [0.0; 5], &ctx(2)).unwrap_err();
+    assert_eq!(err.message.to_string(), format!("workspace has 5 elements, expected {want}"));
+    let err = dense.forward(&s, &q, &k, &v, &mut out, &mut saved, &mut [0.0; 5], &ctx(2)).unwrap_err();
+    assert_eq!(err.message.as_str(), "workspace has 5 elements, expected 0");
+    // The multi-run backward (dQ copies summed) through the declared workspace, NaN-filled.
+    let inputs = (rng.vec(one.q_numel()), rng.vec(one.kv_numel()), rng.vec(one.kv_numel()), rng.vec(one.q_numel()));
+    let inputs = (&inputs.0[..], &inputs.1[..], &inputs.2[..], &inputs.3[..]);
+    let (a, _, ga) = testing::run(&flash, &one, inputs, 4).unwrap();
+    let (b, _, gb) = testing::run(&Kernel::dense(Masking::Plain), &one, inputs, 1).unwrap();
+    for (x, y) in a.iter().chain(ga.iter().flatten()).zip(b.iter().chain(gb.iter().flatten())) {
+        assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+    }
 }

@@ -7,6 +7,7 @@
 //! ```text
 //! S = scale · Q Kᵀ (causal: query i sees keys j <= i + (Tk − Tq))    P = softmax(S)    O = P V
 //! saved for backward: P, B·H·Tq·Tk f32 (the O(T²) memory flash avoids)
+//! workspace: none in forward; in backward a (64, Tk) dP block per thread
 //! ```
 
 use ava_core::prelude::*;
@@ -40,6 +41,10 @@ impl AttentionKernel for Standard {
         DENSE.saved_len(shape)
     }
 
+    fn workspace_len(&self, shape: &AttnShape, pass: Pass, ctx: &KernelContext) -> Result<u64, PluginError> {
+        DENSE.workspace_len(shape, pass, ctx)
+    }
+
     fn forward(
         &self,
         shape: &AttnShape,
@@ -48,9 +53,10 @@ impl AttentionKernel for Standard {
         v: &[f32],
         out: &mut [f32],
         saved: &mut [f32],
+        workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
-        DENSE.forward(shape, q, k, v, out, saved, ctx)
+        DENSE.forward(shape, q, k, v, out, saved, workspace, ctx)
     }
 
     fn supports_backward(&self) -> bool {
@@ -69,9 +75,10 @@ impl AttentionKernel for Standard {
         dq: &mut [f32],
         dk: &mut [f32],
         dv: &mut [f32],
+        workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
-        DENSE.backward(shape, q, k, v, out, dout, saved, dq, dk, dv, ctx)
+        DENSE.backward(shape, q, k, v, out, dout, saved, dq, dk, dv, workspace, ctx)
     }
 }
 
@@ -89,7 +96,7 @@ mod tests {
     fn run_forward(s: &AttnShape, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
         let mut out = vec![f32::NAN; s.q_numel()];
         let mut saved = vec![f32::NAN; Standard.saved_len(s).unwrap() as usize];
-        Standard.forward(s, q, k, v, &mut out, &mut saved, &KernelContext::default()).unwrap();
+        Standard.forward(s, q, k, v, &mut out, &mut saved, &mut [], &KernelContext::default()).unwrap();
         (out, saved)
     }
 
@@ -167,16 +174,18 @@ mod tests {
         let (q, k, v) = (vec![0.0; nq], vec![0.0; nkv], vec![0.0; nkv]);
         let (mut out, mut saved) = (vec![0.0; nq], vec![0.0; np]);
 
-        let err = Standard.forward(&s, &q[1..], &k, &v, &mut out, &mut saved, &ctx).unwrap_err();
+        let err = Standard.forward(&s, &q[1..], &k, &v, &mut out, &mut saved, &mut [], &ctx).unwrap_err();
         assert_eq!((err.kind, err.message.as_str()), (ErrorKind::InvalidInput, "q has 23 elements, expected 24"));
-        let err = Standard.forward(&s, &q, &k, &v, &mut out, &mut saved[1..], &ctx).unwrap_err();
+        let err = Standard.forward(&s, &q, &k, &v, &mut out, &mut saved[1..], &mut [], &ctx).unwrap_err();
         assert_eq!((err.kind, err.message.as_str()), (ErrorKind::InvalidInput, "saved has 17 elements, expected 18"));
 
         let (mut dq, mut dk, mut dv) = (vec![0.0; nq], vec![0.0; nkv + 1], vec![0.0; nkv]);
-        let err = Standard.backward(&s, &q, &k, &v, &out, &q, &saved, &mut dq, &mut dk, &mut dv, &ctx).unwrap_err();
+        let mut ws = vec![0.0; Standard.workspace_len(&s, Pass::Backward, &ctx).unwrap() as usize];
+        let err =
+            Standard.backward(&s, &q, &k, &v, &out, &q, &saved, &mut dq, &mut dk, &mut dv, &mut ws, &ctx).unwrap_err();
         assert_eq!((err.kind, err.message.as_str()), (ErrorKind::InvalidInput, "dk has 13 elements, expected 12"));
         let err = Standard
-            .backward(&s, &q, &k, &v, &out, &q[..4], &saved, &mut dq, &mut dk[..nkv], &mut dv, &ctx)
+            .backward(&s, &q, &k, &v, &out, &q[..4], &saved, &mut dq, &mut dk[..nkv], &mut dv, &mut ws, &ctx)
             .unwrap_err();
         assert_eq!((err.kind, err.message.as_str()), (ErrorKind::InvalidInput, "dout has 4 elements, expected 24"));
 

@@ -4,8 +4,8 @@
 //!
 //! The plugins are asked only for their declared sizes: the optimizer's
 //! [`state_layout`](ava_core::Optimizer::state_layout) per parameter (names and shapes, no
-//! buffers), the attention kernel's [`saved_len`](ava_core::AttentionKernel::saved_len) for the
-//! step's shape, and the checkpoint policy's [`decide`](ava_core::CheckpointPolicy::decide) on
+//! buffers), the attention kernel's [`saved_len`](ava_core::AttentionKernel::saved_len) and
+//! [`workspace_len`](ava_core::AttentionKernel::workspace_len) for the step's shape, and the checkpoint policy's [`decide`](ava_core::CheckpointPolicy::decide) on
 //! per-block facts ([`block_facts`]). Nothing model-sized is allocated, so a 7B model can be
 //! estimated on a laptop.
 //!
@@ -30,7 +30,10 @@ mod sim;
 #[cfg(test)]
 mod tests;
 
-use ava_core::{AttentionKernel, AttnShape, BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy, Optimizer};
+use ava_core::{
+    AttentionKernel, AttnShape, BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy, KernelContext,
+    Optimizer, Pass,
+};
 use ava_core::{ParamInfo, StateSpec};
 use serde::{Serialize, Serializer};
 
@@ -238,6 +241,26 @@ fn saved_len(
     })
 }
 
+/// The attention kernel's declared workspace for one forward and one backward call of the
+/// step's shape with `threads` threads (f32s).
+fn workspace_lens(
+    spec: &ModelSpec,
+    batch: usize,
+    seq: usize,
+    attention: &dyn AttentionKernel,
+    threads: usize,
+) -> Result<[u64; 2], EstimateError> {
+    let shape = AttnShape::self_attention(batch, spec.heads, spec.kv_heads, seq, spec.head_dim(), true);
+    let ctx = KernelContext { threads: threads.max(1) as u32, ..KernelContext::default() };
+    let len = |pass: Pass| {
+        attention.workspace_len(&shape, pass, &ctx).map_err(|e| EstimateError::Attention {
+            shape: format!("B={batch}, H={}, Hkv={}, T={seq}, D={}", spec.heads, spec.kv_heads, spec.head_dim()),
+            message: format!("workspace_len({}): {e}", pass.as_str()),
+        })
+    };
+    Ok([len(Pass::Forward)?, len(Pass::Backward)?])
+}
+
 /// Forward FLOPs of one block for `batch · seq` tokens: 2 per matmul parameter a token visits,
 /// plus the attention scores and weighted sum (4·d·T per token, without the causal halving,
 /// as [`ModelSpec::train_flops_per_token`] counts them).
@@ -295,7 +318,9 @@ pub struct MicroBatch {
 /// Replays one micro-batch's `model::forward_backward` of `spec` on `batch` sequences of `seq`
 /// tokens in `precision`, under `plan` (one decision per block), on byte-counting shadow
 /// tensors. With `accumulating`, gradient accumulators from an earlier micro-batch are held
-/// and this micro-batch's gradients are added to them at the end (the additions count).
+/// and this micro-batch's gradients are added to them at the end (the additions count). The
+/// attention kernel runs with `threads` threads (its workspace depends on them).
+#[allow(clippy::too_many_arguments)] // the step's shape, its plan and how it runs
 pub fn micro_batch(
     spec: &ModelSpec,
     batch: usize,
@@ -304,6 +329,7 @@ pub fn micro_batch(
     attention: &dyn AttentionKernel,
     plan: &[BlockDecision],
     accumulating: bool,
+    threads: usize,
 ) -> Result<MicroBatch, EstimateError> {
     if batch == 0 {
         return Err(EstimateError::Zero { key: "train.micro_batch_size" });
@@ -313,7 +339,9 @@ pub fn micro_batch(
     }
     ava_core::check_plan(plan, spec.layers).map_err(|message| EstimateError::Plan { message })?;
     let saved = saved_len(spec, batch, seq, attention)?;
+    let [fwd, bwd] = workspace_lens(spec, batch, seq, attention, threads)?;
     let peak = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved)
+        .with_workspace(fwd, bwd)
         .forward_backward(plan, accumulating);
     Ok(MicroBatch {
         peak_bytes: peak.bytes,
@@ -501,6 +529,8 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
     // The checkpoint policy decides on the block facts, with the budget left for activations.
     let facts = block_facts(spec, batch, seq, precision, plugins.attention)?;
     let saved = saved_len(spec, batch, seq, plugins.attention)?;
+    let kernel_workspace =
+        workspace_lens(spec, batch, seq, plugins.attention, crate::train::resolve_threads(config.train.threads))?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     let workspace = threads * l2_bytes();
     // Held through the micro-batch: every term so far, the accumulators, the workspace.
@@ -514,7 +544,8 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
     // Both the trainer and the estimate offer the offload tier (there always is one, `ram`
     // by default); the replay counts an offloaded input as held, which is what `ram` does.
     let mut ctx = CheckpointContext { budget_bytes: target, offload_available: true };
-    let replay = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved);
+    let replay = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved)
+        .with_workspace(kernel_workspace[0], kernel_workspace[1]);
     // The policy predicts the blocks' memory from their facts; the logits, the loss and the
     // gradients in flight are not in them, and its model is coarser than the replay. So the
     // budget it is given is calibrated against the replay: the largest budget whose plan
@@ -692,6 +723,22 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         if at(cat) > 0 {
             add(&mut terms, Component::Activations, &name, formula, at(cat));
         }
+    }
+    if kernel_workspace != [0, 0] {
+        // Listed even when it is not live at the peak, so the declaration is visible.
+        let [fwd, bwd] = kernel_workspace;
+        add(
+            &mut terms,
+            Component::Activations,
+            "attention kernel's workspace (during a call)",
+            format!(
+                "workspace_len · 4: forward {} · 4, backward {} · 4 (the kernel's declaration); {} at the peak",
+                grouped(fwd),
+                grouped(bwd),
+                if at(Cat::AttnWorkspace) > 0 { "live" } else { "not live" }
+            ),
+            at(Cat::AttnWorkspace),
+        );
     }
     add(
         &mut terms,

@@ -59,6 +59,8 @@ pub(crate) struct Replay<'a> {
     dtype: Dt,
     f32_matmul: bool,
     saved_len: u64,
+    /// The kernel's declared workspace, forward and backward (f32s).
+    workspace: [u64; 2],
     defs: Vec<ParamDef>,
     vars: Vec<T>,
     weights: Vec<T>,
@@ -129,6 +131,7 @@ impl<'a> Replay<'a> {
             dtype,
             f32_matmul,
             saved_len,
+            workspace: [0, 0],
             defs,
             vars,
             weights,
@@ -138,6 +141,12 @@ impl<'a> Replay<'a> {
             final_norm,
             head,
         }
+    }
+
+    /// With an attention kernel that declares `forward` and `backward` f32s of workspace.
+    pub(crate) fn with_workspace(mut self, forward: u64, backward: u64) -> Self {
+        self.workspace = [forward, backward];
+        self
     }
 
     /// The meter.
@@ -171,7 +180,7 @@ impl<'a> Replay<'a> {
     fn attention(&self, q: &T, k: &T, v: &T) -> T {
         let dtype = q.dtype();
         let f32c = |x: &T| x.to_dtype(Dt::F32).contiguous();
-        T::attention(&f32c(q), &f32c(k), &f32c(v), self.saved_len).to_dtype(dtype)
+        T::attention(&f32c(q), &f32c(k), &f32c(v), self.saved_len, self.workspace).to_dtype(dtype)
     }
 
     /// `llama::projection`: the product, plus the bias when the projection has one.

@@ -60,10 +60,12 @@ pub(crate) enum Cat {
     Backward,
     /// This micro-batch's parameter gradients.
     ParamGrads,
+    /// The attention kernel's workspace, while a forward or backward call runs.
+    AttnWorkspace,
 }
 
 /// Number of [`Cat`] values.
-pub(crate) const CATS: usize = 10;
+pub(crate) const CATS: usize = 11;
 
 /// Where the peak happened and what held the bytes then.
 #[derive(Debug, Clone, Default)]
@@ -207,8 +209,9 @@ enum Op {
     Sum(T, Vec<usize>),
     /// The fused cross-entropy; it holds a copy of the targets.
     CrossEntropy(T, #[allow(dead_code)] Rc<Buf>), // the buffer is held only to be counted
-    /// The attention kernel; it holds the kernel's saved buffer until backward takes it.
-    Attention(T, T, T, RefCell<Option<Rc<Buf>>>),
+    /// The attention kernel; it holds the kernel's saved buffer until backward takes it, and
+    /// the bytes of its backward workspace.
+    Attention(T, T, T, RefCell<Option<Rc<Buf>>>, u64),
     IndexSelect(T, T, usize),
     IndexAdd(T, T, T, usize),
     Gather(T, T, usize),
@@ -268,7 +271,7 @@ impl Op {
         match self {
             Op::Add(a, b) | Op::Sub(a, b) | Op::Mul(a, b) | Op::Div(a, b) | Op::Matmul(a, b) => vec![a, b],
             Op::IndexSelect(a, b, _) | Op::Gather(a, b, _) => vec![a, b],
-            Op::Attention(a, b, c, _) | Op::IndexAdd(a, b, c, _) => vec![a, b, c],
+            Op::Attention(a, b, c, _, _) | Op::IndexAdd(a, b, c, _) => vec![a, b, c],
             Op::Cat(args, _) | Op::Fused(_, args) => args.iter().collect(),
             // Affine with a zero factor would stop the walk; the model never uses one.
             Op::Transpose(a, ..)
@@ -615,13 +618,18 @@ impl T {
     }
 
     /// The attention op on contiguous f32 q, k, v: the output (q's shape) and the kernel's
-    /// saved buffer of `saved_len` f32s (counted under [`Cat::AttnSaved`]), held by the op.
-    pub(crate) fn attention(q: &T, k: &T, v: &T, saved_len: u64) -> T {
+    /// saved buffer of `saved_len` f32s (counted under [`Cat::AttnSaved`]), held by the op;
+    /// `workspace` is the f32s the kernel declared for its forward and backward call (counted
+    /// under [`Cat::AttnWorkspace`] while the call runs).
+    pub(crate) fn attention(q: &T, k: &T, v: &T, saved_len: u64, workspace: [u64; 2]) -> T {
         let m = q.meter();
-        // cpu_fwd allocates `out` first, then `saved`.
+        // cpu_fwd allocates `out`, then `saved`, then the workspace, freed when forward returns.
         let out_buf = m.alloc(q.elem_count() * 4, None);
         let saved = m.alloc(saved_len * 4, Some(Cat::AttnSaved));
-        let op = T::op_if(&[q, k, v], || Op::Attention(q.clone(), k.clone(), v.clone(), RefCell::new(Some(saved))));
+        drop(m.alloc(workspace[0] * 4, Some(Cat::AttnWorkspace)));
+        let bwd = workspace[1] * 4;
+        let op =
+            T::op_if(&[q, k, v], || Op::Attention(q.clone(), k.clone(), v.clone(), RefCell::new(Some(saved)), bwd));
         let dims = q.0.dims.clone();
         T(Rc::new(Inner {
             id: m.id(),
@@ -837,12 +845,14 @@ pub(crate) fn backward(root: &T) -> GradStore {
                 };
                 grads.accumulate(arg, |s| s.add(&arg_grad));
             }
-            Op::Attention(q, k, v, saved) => {
+            Op::Attention(q, k, v, saved, workspace) => {
                 let (dq, dk, dv) = {
                     let saved = saved.borrow_mut().take();
                     let dq = T::new(&meter, &q.0.dims, Dt::F32);
                     let dk = T::new(&meter, &k.0.dims, Dt::F32);
                     let dv = T::new(&meter, &v.0.dims, Dt::F32);
+                    // The backward's workspace lives through the kernel call.
+                    drop(meter.alloc(*workspace, Some(Cat::AttnWorkspace)));
                     drop(saved);
                     (dq, dk, dv)
                 };

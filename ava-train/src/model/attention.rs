@@ -3,11 +3,13 @@
 //! A fresh op is made per call. Its forward allocates the output and the buffer the kernel
 //! asked to save (`saved_len`) on the host, so both are counted by the allocator; the op
 //! holds the saved buffer until backward, which takes it (freeing it as soon as it has been
-//! used) and calls the kernel's backward on detached, contiguous copies of the inputs.
+//! used) and calls the kernel's backward on detached, contiguous copies of the inputs. Each
+//! call also gets the workspace the kernel declared for it (`workspace_len`), allocated here
+//! so the allocator counts it, and freed as soon as the call returns.
 
 use std::sync::{Arc, Mutex};
 
-use ava_core::{AttentionKernel, AttnShape, KernelContext};
+use ava_core::{AttentionKernel, AttnShape, KernelContext, Pass};
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, bail};
 
 /// Causal self-attention through `kernel`: q (B, H, T, D), k and v (B, Hkv, T, D), any
@@ -78,6 +80,12 @@ impl AttentionOp {
     fn plugin_error(&self, what: &str, e: ava_core::PluginError) -> candle_core::Error {
         candle_core::Error::Msg(format!("attention kernel '{}' failed in {what}: {e}", self.name))
     }
+
+    /// The scratch the kernel declared for one `pass` call, zero-filled.
+    fn workspace(&self, pass: Pass) -> Result<Vec<f32>> {
+        let len = self.kernel.workspace_len(&self.shape, pass, &self.ctx);
+        Ok(vec![0f32; len.map_err(|e| self.plugin_error("workspace_len", e))? as usize])
+    }
 }
 
 impl CustomOp3 for AttentionOp {
@@ -98,9 +106,11 @@ impl CustomOp3 for AttentionOp {
         let saved_len = self.kernel.saved_len(&self.shape).map_err(|e| self.plugin_error("saved_len", e))? as usize;
         let mut out = vec![0f32; self.shape.q_numel()]; // (B, H, T, D)
         let mut saved = vec![0f32; saved_len]; // e.g. (B, H, T, T) probabilities, or (B, H, T) logsumexp
+        let mut workspace = self.workspace(Pass::Forward)?; // (workspace_len,) freed on return
         self.kernel
-            .forward(&self.shape, q, k, v, &mut out, &mut saved, &self.ctx)
+            .forward(&self.shape, q, k, v, &mut out, &mut saved, &mut workspace, &self.ctx)
             .map_err(|e| self.plugin_error("forward", e))?;
+        drop(workspace);
         *self.saved.lock().expect("attention op lock") = Some(saved);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
@@ -123,6 +133,7 @@ impl CustomOp3 for AttentionOp {
         let mut dq = vec![0f32; q.elem_count()]; // (B, H, T, D)
         let mut dk = vec![0f32; k.elem_count()]; // (B, Hkv, T, D)
         let mut dv = vec![0f32; v.elem_count()]; // (B, Hkv, T, D)
+        let mut workspace = self.workspace(Pass::Backward)?; // (workspace_len,) freed on return
         with_values(q, |qv| {
             with_values(k, |kv| {
                 with_values(v, |vv| {
@@ -140,6 +151,7 @@ impl CustomOp3 for AttentionOp {
                                     &mut dq,
                                     &mut dk,
                                     &mut dv,
+                                    &mut workspace,
                                     &self.ctx,
                                 )
                                 .map_err(|e| self.plugin_error("backward", e))
@@ -148,6 +160,7 @@ impl CustomOp3 for AttentionOp {
                 })
             })
         })?;
+        drop(workspace);
         drop(saved);
         let dev = q.device();
         Ok((
