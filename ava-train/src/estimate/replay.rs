@@ -253,11 +253,10 @@ impl<'a> Replay<'a> {
         let (h, hkv) = (s.heads, s.kv_heads);
         let n = b * t;
         let normed = self.rms_norm(x, &w[bi.attn_norm]).reshape(&[n, d]); // (B·T, d)
-        let qkv_bias = bi.qkv_bias.map(|[q, k, v]| [Some(q), Some(k), Some(v)]).unwrap_or_default();
         let (q, k, v) = (
-            self.projection(&normed, bi.q, qkv_bias[0]),
-            self.projection(&normed, bi.k, qkv_bias[1]),
-            self.projection(&normed, bi.v, qkv_bias[2]),
+            self.projection(&normed, bi.q, bi.qkv_bias[0]),
+            self.projection(&normed, bi.k, bi.qkv_bias[1]),
+            self.projection(&normed, bi.v, bi.qkv_bias[2]),
         );
         let q = self.split_heads(&q, h); // (B, H, T, D)
         let k = self.split_heads(&k, hkv); // (B, Hkv, T, D)
@@ -268,10 +267,7 @@ impl<'a> Replay<'a> {
         let x = x.add(&self.projection(&attn, bi.o, bi.o_bias).reshape(&[b, t, d])); // (B, T, d)
         let normed = self.rms_norm(&x, &w[bi.mlp_norm]).reshape(&[n, d]); // (B·T, d)
         let (mlp, aux) = match &bi.mlp {
-            MlpIndex::Dense { gate, up, down, bias } => {
-                let bias = bias.map(|[g, u, d]| [Some(g), Some(u), Some(d)]).unwrap_or_default();
-                (self.swiglu_biased(&normed, [*gate, *up, *down], bias), None)
-            }
+            MlpIndex::Dense { gate, up, down, bias } => (self.swiglu_biased(&normed, [*gate, *up, *down], *bias), None),
             MlpIndex::Moe { router, experts, top_k } => {
                 let (out, aux) = self.moe(&normed, *router, experts, *top_k);
                 (out, Some(aux))

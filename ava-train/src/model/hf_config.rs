@@ -598,9 +598,6 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
             map["AutoModelForCausalLM"]
         ));
     }
-    for key in ["architectures", "model_type"] {
-        r.used.push(key);
-    }
     let mut unknown: Vec<&str> =
         obj.keys().map(String::as_str).filter(|k| !r.used.contains(k) && !INERT.contains(k)).collect();
     unknown.sort_unstable();

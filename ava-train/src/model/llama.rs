@@ -202,11 +202,10 @@ impl Model {
         // the gradient checks), whatever the compute type.
         let span = crate::profile::scope("forward: q/k/v projections");
         let th = self.threads;
-        let qkv_bias = bi.qkv_bias.map(|[q, k, v]| [Some(q), Some(k), Some(v)]).unwrap_or_default();
         let (q, k, v) = (
-            projection(&normed, w, bi.q, qkv_bias[0], th)?, // (B·T, H·D)
-            projection(&normed, w, bi.k, qkv_bias[1], th)?, // (B·T, Hkv·D)
-            projection(&normed, w, bi.v, qkv_bias[2], th)?, // (B·T, Hkv·D)
+            projection(&normed, w, bi.q, bi.qkv_bias[0], th)?, // (B·T, H·D)
+            projection(&normed, w, bi.k, bi.qkv_bias[1], th)?, // (B·T, Hkv·D)
+            projection(&normed, w, bi.v, bi.qkv_bias[2], th)?, // (B·T, Hkv·D)
         );
         drop(span);
         let span = crate::profile::scope("forward: head split + rope");
@@ -227,8 +226,7 @@ impl Model {
         drop(span);
         let _span = crate::profile::scope("forward: mlp + residual");
         let (mlp, aux) = match &bi.mlp {
-            MlpIndex::Dense { gate, up, down, bias } => {
-                let b = bias.map(|[g, u, d]| [Some(g), Some(u), Some(d)]).unwrap_or_default();
+            MlpIndex::Dense { gate, up, down, bias: b } => {
                 let hidden =
                     swiglu_gate(&projection(&normed, w, *gate, b[0], th)?, &projection(&normed, w, *up, b[1], th)?)?; // (N, F)
                 (projection(&hidden, w, *down, b[2], th)?, None)

@@ -147,7 +147,7 @@ impl ParamDef {
 #[derive(Debug, Clone)]
 pub(crate) enum MlpIndex {
     /// SwiGLU projections and, with `mlp_bias`, their biases.
-    Dense { gate: usize, up: usize, down: usize, bias: Option<[usize; 3]> },
+    Dense { gate: usize, up: usize, down: usize, bias: [Option<usize>; 3] },
     /// The router and `[w1, w3, w2]` per expert.
     Moe { router: usize, experts: Vec<[usize; 3]>, top_k: usize },
 }
@@ -162,7 +162,7 @@ pub(crate) struct BlockIndex {
     pub v: usize,
     pub o: usize,
     /// Biases of q, k and v (all or none).
-    pub qkv_bias: Option<[usize; 3]>,
+    pub qkv_bias: [Option<usize>; 3],
     pub o_bias: Option<usize>,
     pub mlp_norm: usize,
     pub mlp: MlpIndex,
@@ -193,10 +193,8 @@ impl ModelSpec {
                         gate: at(format!("{pre}.mlp.gate_proj.weight")),
                         up: at(format!("{pre}.mlp.up_proj.weight")),
                         down: at(format!("{pre}.mlp.down_proj.weight")),
-                        bias: self
-                            .bias
-                            .mlp
-                            .then(|| ["gate", "up", "down"].map(|p| at(format!("{pre}.mlp.{p}_proj.bias")))),
+                        bias: ["gate", "up", "down"]
+                            .map(|p| self.bias.mlp.then(|| at(format!("{pre}.mlp.{p}_proj.bias")))),
                     },
                     Some(moe) => MlpIndex::Moe {
                         router: at(format!("{pre}.block_sparse_moe.gate.weight")),
@@ -219,10 +217,8 @@ impl ModelSpec {
                     k: at(format!("{pre}.self_attn.k_proj.weight")),
                     v: at(format!("{pre}.self_attn.v_proj.weight")),
                     o: at(format!("{pre}.self_attn.o_proj.weight")),
-                    qkv_bias: self
-                        .bias
-                        .qkv
-                        .then(|| ["q", "k", "v"].map(|p| at(format!("{pre}.self_attn.{p}_proj.bias")))),
+                    qkv_bias: ["q", "k", "v"]
+                        .map(|p| self.bias.qkv.then(|| at(format!("{pre}.self_attn.{p}_proj.bias")))),
                     o_bias: self.bias.o.then(|| at(format!("{pre}.self_attn.o_proj.bias"))),
                     mlp_norm: at(format!("{pre}.post_attention_layernorm.weight")),
                     mlp,
@@ -242,7 +238,6 @@ impl ModelSpec {
         });
         let spec = Self {
             arch: if moe.is_some() { Arch::Mixtral } else { Arch::Llama },
-            head_dim: config.hidden_size / config.num_heads.max(1),
             rope: RopeSpec::plain(config.rope_theta),
             eps: config.rms_norm_eps,
             tie_embeddings: config.tie_embeddings,

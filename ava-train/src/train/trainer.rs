@@ -231,15 +231,16 @@ impl Trainer {
         let plugin = |kind: PluginKind| config.selection(kind);
 
         let dataset = data::open(&data_options(&config)?)?;
-        let spec = model_spec(&config)?;
-        // What model.from's config.json holds that changes nothing, said once in the header.
-        let model_notes = match &config.model.from {
-            Some(dir) => model::read_hf_config(&dir.join(HF_CONFIG_FILE))?
-                .notes
-                .into_iter()
-                .map(|n| format!("model.from {}: {n}", dir.join(HF_CONFIG_FILE).display()))
-                .collect(),
-            None => Vec::new(),
+        // The architecture, and what model.from's config.json holds that changes nothing
+        // (said once in the header).
+        let (spec, model_notes) = match &config.model.from {
+            Some(dir) => {
+                let path = dir.join(HF_CONFIG_FILE);
+                let read = model::read_hf_config(&path)?;
+                let notes = read.notes.iter().map(|n| format!("model.from {}: {n}", path.display())).collect();
+                (read.spec, notes)
+            }
+            None => (ModelSpec::from_config(&config.model)?, Vec::new()),
         };
         if dataset.vocab_size() > spec.vocab
             && let Some(dir) = &config.model.from
