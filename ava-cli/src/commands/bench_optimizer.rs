@@ -109,7 +109,7 @@ pub fn run(p: &Printer, args: &BenchOptimizerArgs) -> CmdResult {
                     ParamRole::Embedding | ParamRole::Norm | ParamRole::Bias => 0.0,
                 };
                 let ctx = StepContext { step: u64::from(step) + 1, lr: LR, weight_decay, threads: threads as u32 };
-                step_param(b.optimizer.as_mut(), &b.name, param, grad, &mut b.state.buffers[i], ctx)
+                step_param(b.optimizer.as_mut(), &b.name, param, grad, &mut b.state.buffers[i], ctx, 0)
                     .map_err(failure)?;
             }
             let ms = 1e3 * start.elapsed().as_secs_f64();

@@ -96,10 +96,15 @@ pub fn checkpoint(run: &Path, step: u64) -> std::path::PathBuf {
     run.join("checkpoints").join(format!("step-{step:08}"))
 }
 
-/// The tensor names in a safetensors file's header.
-pub fn safetensors_names(file: &Path) -> Vec<String> {
+/// A safetensors file's JSON header.
+pub fn safetensors_header(file: &Path) -> Value {
     let bytes = std::fs::read(file).unwrap_or_else(|e| panic!("cannot read {}: {e}", file.display()));
     let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    serde_json::from_slice(&bytes[8..8 + header_len]).unwrap()
+}
+
+/// The tensor names in a safetensors file's header.
+pub fn safetensors_names(file: &Path) -> Vec<String> {
+    let header = safetensors_header(file);
     header.as_object().unwrap().keys().filter(|k| *k != "__metadata__").cloned().collect()
 }

@@ -125,6 +125,8 @@ const TRAIN: &[Field] = &[
     Field { key: "micro_batch_size", kind: Kind::Int(1, 1 << 20) },
     Field { key: "gradient_accumulation_steps", kind: Kind::Int(1, 1 << 20) },
     Field { key: "precision", kind: Kind::OneOf(Precision::NAMES) },
+    Field { key: "master_weights", kind: Kind::OneOf(MasterWeights::NAMES) },
+    Field { key: "step_in_backward", kind: Kind::Bool },
     Field { key: "lr", kind: Kind::Float(0.0, 1e3) },
     Field { key: "min_lr", kind: Kind::Float(0.0, 1e3) },
     Field { key: "warmup_steps", kind: Kind::Int(0, i64::MAX) },

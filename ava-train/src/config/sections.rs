@@ -95,7 +95,8 @@ pub struct SyntheticConfig {
     pub branching: usize,
 }
 
-/// `train.precision`: the compute type (master weights stay f32).
+/// `train.precision`: the compute type (and, with `train.master_weights` other than f32, the
+/// weights' type).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
@@ -129,6 +130,37 @@ impl Precision {
     }
 }
 
+/// `train.master_weights`: where the weights the optimizer steps live, and in what type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MasterWeights {
+    /// f32 master weights in memory; the forward pass uses a cast to `train.precision`.
+    F32,
+    /// No master copy: the weights live only in `train.precision` (bf16 or f16). Each step
+    /// widens one parameter to f32, steps it, and rounds it back stochastically.
+    None,
+    /// As `none`, plus a compensation buffer in `train.precision` holding what rounding lost.
+    Kahan,
+    /// f32 masters in the offload tier, streamed with the optimizer state; the resident
+    /// weights are their rounding to `train.precision`.
+    Tier,
+}
+
+impl MasterWeights {
+    /// The names accepted in a config.
+    pub const NAMES: &'static [&'static str] = &["f32", "none", "kahan", "tier"];
+
+    /// The name as written in a config.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::None => "none",
+            Self::Kahan => "kahan",
+            Self::Tier => "tier",
+        }
+    }
+}
+
 /// The `train` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -143,6 +175,11 @@ pub struct TrainConfig {
     pub gradient_accumulation_steps: usize,
     /// Compute precision.
     pub precision: Precision,
+    /// Where the weights the optimizer steps live.
+    pub master_weights: MasterWeights,
+    /// Step each parameter as soon as its gradient is final, inside backward, so the
+    /// whole-model gradient buffer never exists.
+    pub step_in_backward: bool,
     /// Peak learning rate.
     pub lr: f64,
     /// Learning rate at the end of the cosine decay.

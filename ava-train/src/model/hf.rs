@@ -18,12 +18,14 @@ pub fn tensor_to_buffer(name: &str, t: &Tensor) -> Result<NamedBuffer, ModelErro
         DType::F64 => (BufDType::F64, bytemuck::cast_slice(&t.to_vec1::<f64>().map_err(cerr)?).to_vec()),
         DType::U32 => (BufDType::U32, bytemuck::cast_slice(&t.to_vec1::<u32>().map_err(cerr)?).to_vec()),
         DType::U8 => (BufDType::U8, t.to_vec1::<u8>().map_err(cerr)?),
+        DType::BF16 => (BufDType::BF16, bytemuck::cast_slice(&t.to_vec1::<half::bf16>().map_err(cerr)?).to_vec()),
+        DType::F16 => (BufDType::F16, bytemuck::cast_slice(&t.to_vec1::<half::f16>().map_err(cerr)?).to_vec()),
         other => return Err(ModelError::Candle(format!("{name}: saving {other:?} tensors is not supported"))),
     };
     Ok(NamedBuffer { name: name.to_string(), dtype, shape: Vec::new(), data })
 }
 
-/// safetensors bytes of named tensors (f32, f64, u32 or u8), deterministic.
+/// safetensors bytes of named tensors (f32, f64, bf16, f16, u32 or u8), deterministic.
 pub fn tensors_to_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, ModelError> {
     let buffers = tensors
         .iter()

@@ -1,4 +1,5 @@
-//! The Llama-style decoder: parameters as candle `Var`s (f32 master weights) and the
+//! The Llama-style decoder: parameters as candle `Var`s (f32 master weights, or the only
+//! copy in bf16/f16 when `train.master_weights` keeps no f32 masters in memory) and the
 //! forward pass split into embedding, blocks and head, so the engine can keep, recompute or
 //! offload each block (see `recompute`).
 
@@ -15,12 +16,13 @@ use super::ops::softmax_last;
 use super::spec::{BlockIndex, MlpIndex, ModelSpec, ParamDef, ParamIndex, ParamRole};
 use super::{ModelError, cerr};
 
-/// One parameter: its definition and its f32 values.
+/// One parameter: its definition and its values.
 #[derive(Debug)]
 pub struct Param {
     /// Name, shape, role.
     pub def: ParamDef,
-    /// The f32 master weights.
+    /// The weights the optimizer steps: f32 masters, or the only copy in bf16/f16
+    /// (`train.master_weights`).
     pub var: Var,
 }
 
@@ -85,31 +87,67 @@ impl Model {
         kernel_name: &str,
         threads: usize,
     ) -> Result<Self, ModelError> {
+        Self::new_stored(spec, seed, max_seq, kernel, kernel_name, threads, DType::F32)
+    }
+
+    /// [`new`](Self::new) with the parameters stored in `dtype` (f32, or bf16/f16 when the
+    /// weights have no f32 master copy in memory). Each parameter is drawn in f32 and
+    /// rounded to nearest, one at a time, so no f32 copy of the whole model ever exists.
+    pub fn new_stored(
+        spec: ModelSpec,
+        seed: u64,
+        max_seq: usize,
+        kernel: Arc<dyn AttentionKernel>,
+        kernel_name: &str,
+        threads: usize,
+        dtype: DType,
+    ) -> Result<Self, ModelError> {
         let dev = Device::Cpu;
-        let residual_std = spec.init_std / (2.0 * spec.layers as f64).sqrt();
         let params = spec
             .params()
             .into_iter()
             .map(|def| {
-                let n = def.numel();
-                let values = match def.role {
-                    ParamRole::Norm => vec![1f32; n],
-                    ParamRole::Bias => vec![0f32; n],
-                    role => {
-                        let std = if role == ParamRole::ResidualOut { residual_std } else { spec.init_std } as f32;
-                        normal_samples(seed, &def.name, n).into_iter().map(|x| x * std).collect()
-                    }
-                };
-                let var = Var::from_vec(values, def.shape.as_slice(), &dev).map_err(cerr)?;
+                let values = Self::initial_values(&spec, seed, &def);
+                let values = Tensor::from_vec(values, def.shape.as_slice(), &dev).map_err(cerr)?;
+                let var = Var::from_tensor(&values.to_dtype(dtype).map_err(cerr)?).map_err(cerr)?;
                 Ok(Param { def, var })
             })
             .collect::<Result<Vec<_>, ModelError>>()?;
         Self::assemble(spec, params, max_seq, kernel, kernel_name, threads)
     }
 
+    /// The f32 initial values of parameter `def` of a fresh model seeded `seed` (a pure
+    /// function of both: f32 masters kept apart from bf16 weights start from these).
+    pub fn initial_values(spec: &ModelSpec, seed: u64, def: &ParamDef) -> Vec<f32> {
+        let n = def.numel();
+        let residual_std = spec.init_std / (2.0 * spec.layers as f64).sqrt();
+        match def.role {
+            ParamRole::Norm => vec![1f32; n],
+            ParamRole::Bias => vec![0f32; n],
+            role => {
+                let std = if role == ParamRole::ResidualOut { residual_std } else { spec.init_std } as f32;
+                normal_samples(seed, &def.name, n).into_iter().map(|x| x * std).collect()
+            }
+        }
+    }
+
     /// A model with the given f32 weights (by Hugging Face name), e.g. read from safetensors.
     /// Every parameter of the spec must be present with its shape; extra tensors are errors.
     pub fn from_tensors(
+        spec: ModelSpec,
+        tensors: HashMap<String, Tensor>,
+        source: &Path,
+        max_seq: usize,
+        kernel: Arc<dyn AttentionKernel>,
+        kernel_name: &str,
+        threads: usize,
+    ) -> Result<Self, ModelError> {
+        Self::from_tensors_stored(spec, tensors, source, max_seq, kernel, kernel_name, threads, DType::F32)
+    }
+
+    /// [`from_tensors`](Self::from_tensors) with the parameters stored in `dtype`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_tensors_stored(
         spec: ModelSpec,
         mut tensors: HashMap<String, Tensor>,
         source: &Path,
@@ -117,6 +155,7 @@ impl Model {
         kernel: Arc<dyn AttentionKernel>,
         kernel_name: &str,
         threads: usize,
+        dtype: DType,
     ) -> Result<Self, ModelError> {
         let mut problems = Vec::new();
         let mut params = Vec::new();
@@ -127,7 +166,7 @@ impl Model {
                     problems.push(format!("{} has shape {:?}, the config says {:?}", def.name, t.dims(), def.shape))
                 }
                 Some(t) => {
-                    let t = t.to_dtype(DType::F32).map_err(cerr)?;
+                    let t = t.to_dtype(dtype).map_err(cerr)?;
                     params.push(Param { def, var: Var::from_tensor(&t).map_err(cerr)? });
                 }
             }
@@ -170,15 +209,22 @@ impl Model {
         (0..self.params.len()).filter(|&j| self.params[j].def.block == Some(i)).collect()
     }
 
-    /// The weights as the forward pass uses them: the f32 `Var`s themselves, or casts of
-    /// them to `dtype` (inside the graph, so gradients flow back to the f32 masters).
+    /// The weights as the forward pass uses them: the `Var`s themselves when they are
+    /// stored in `dtype`, or casts of them (inside the graph, so gradients flow back to
+    /// the f32 masters).
     pub fn weights(&self, dtype: DType) -> CResult<Vec<Tensor>> {
         self.params
             .iter()
-            .map(
-                |p| if dtype == DType::F32 { Ok(p.var.as_tensor().clone()) } else { p.var.as_tensor().to_dtype(dtype) },
-            )
+            .map(|p| {
+                let var = p.var.as_tensor();
+                if var.dtype() == dtype { Ok(var.clone()) } else { var.to_dtype(dtype) }
+            })
             .collect()
+    }
+
+    /// The type the parameters are stored in.
+    pub fn storage(&self) -> DType {
+        self.params.first().map_or(DType::F32, |p| p.var.dtype())
     }
 
     /// Token embedding: `tokens` (B, T) u32 → (B, T, d).

@@ -65,13 +65,41 @@ pub struct MicroLoss {
 /// not reach (an expert no token was routed to).
 pub type Grads = Vec<Option<Tensor>>;
 
+/// Where the parameter gradients of a micro-batch go as backward produces them, stretch by
+/// stretch: accumulators ([`Grads`], stepped after backward), or the optimizer itself
+/// (`train.step_in_backward`), which steps each parameter as soon as its gradient is final.
+pub trait GradSink {
+    /// Called once, before backward starts, with the parameters in the order their final
+    /// gradients will arrive (a parameter the batch does not reach, such as an expert no
+    /// token was routed to, is listed but never arrives). Lets a sink read ahead.
+    fn expect(&mut self, _order: &[usize]) -> Result<()> {
+        Ok(())
+    }
+
+    /// Parameter `i`'s gradient (f32, detached) from one stretch. `last`: no more of it
+    /// will come in this micro-batch (false only for a tied embedding's head use).
+    fn receive(&mut self, i: usize, grad: Tensor, last: bool) -> Result<()>;
+}
+
+/// Accumulation: each gradient is added to what is there.
+impl GradSink for Grads {
+    fn receive(&mut self, i: usize, g: Tensor, _last: bool) -> Result<()> {
+        self[i] = Some(match self[i].take() {
+            Some(acc) => (acc + g)?,
+            None => g,
+        });
+        Ok(())
+    }
+}
+
 /// Runs forward and backward of one micro-batch with `plan[i]` deciding block `i`.
 ///
 /// `tokens` and `targets` are (B, T). The loss back-propagated is
 /// `(ce + aux_weight · aux) · scale / divisor`: `scale` is the f16 loss scale (1 otherwise),
 /// `divisor` the number of micro-batches accumulated. `grads` receives the f32 gradients,
 /// added to what is there (gradient accumulation), in the same order of additions whatever
-/// the plan, so checkpointed and plain runs give identical gradients.
+/// the plan, so checkpointed and plain runs give identical gradients. With another
+/// [`GradSink`] each gradient goes there instead, as soon as its stretch's backward ends.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     model: &Model,
@@ -82,7 +110,7 @@ pub fn forward_backward(
     scale: f64,
     divisor: f64,
     offload: Option<&Arc<dyn OffloadTier>>,
-    grads: &mut Grads,
+    grads: &mut dyn GradSink,
 ) -> Result<MicroLoss> {
     let aux_weight = model.spec().moe.map_or(0.0, |m| m.aux_weight);
     // The embedding is always a stretch of its own. With tied embeddings the same weight is
@@ -158,6 +186,7 @@ pub fn forward_backward(
         loss = (loss + aux.to_dtype(ce.dtype())?.affine(aux_weight, 0.0)?)?;
     }
     let ce_value = ce.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    grads.expect(&gradient_order(model, &current, &stages))?;
     // The tier reads the first input backward needs while the last stretch back-propagates.
     prefetch(offload, &stages)?;
     let span = crate::profile::scope("backward: autograd (all)");
@@ -231,22 +260,42 @@ fn collect(
     blocks: &[usize],
     start: Option<&Var>,
     mut store: GradStore,
-    grads: &mut Grads,
+    grads: &mut dyn GradSink,
 ) -> Result<Option<Tensor>> {
     let all = model.params();
     let outside_blocks = (0..all.len()).filter(|&i| all[i].def.block.is_none());
     for i in blocks.iter().flat_map(|&b| model.block_params(b)).chain(outside_blocks) {
         if let Some(g) = store.remove(all[i].var.as_tensor()) {
             let g = g.detach().to_dtype(DType::F32)?;
-            grads[i] = Some(match grads[i].take() {
-                Some(acc) => (acc + g)?,
-                None => g,
-            });
+            // Only the embedding's own stretch (it has no start) holds its last use.
+            grads.receive(i, g, start.is_none() || i != EMBEDDING)?;
         }
     }
     let start = start.and_then(|v| store.remove(v.as_tensor())).map(|g| g.detach());
     drop(store);
     Ok(start)
+}
+
+/// Index of the token embedding among the parameters (also the head, when tied).
+const EMBEDDING: usize = 0;
+
+/// The order in which backward will hand over final gradients: the last stretch's blocks,
+/// the final norm and head, then each earlier stage's blocks, the embedding last (a tied
+/// embedding's head use is not final, so it is listed once, at the end).
+fn gradient_order(model: &Model, last: &Kept, stages: &[Stage]) -> Vec<usize> {
+    let all = model.params();
+    let outside = |i: &usize| all[*i].def.block.is_none() && *i != EMBEDDING;
+    let mut order: Vec<usize> = last.blocks.iter().flat_map(|&b| model.block_params(b)).collect();
+    order.extend((0..all.len()).filter(outside));
+    for stage in stages.iter().rev() {
+        let blocks = match stage {
+            Stage::Kept(k) => &k.blocks,
+            Stage::Recompute { blocks, .. } => blocks,
+        };
+        order.extend(blocks.iter().flat_map(|&b| model.block_params(b)));
+    }
+    order.push(EMBEDDING);
+    order
 }
 
 /// Puts a block input into the offload tier, in its own element type.

@@ -1,18 +1,22 @@
 //! The training loop: micro-batches with gradient accumulation, mixed precision with f32
-//! master weights, warmup + cosine learning rate, gradient clipping, evaluation, memory
+//! master weights (in memory or in a tier) or with bf16/f16 weights only, the optimizer
+//! step after backward or inside it, warmup + cosine learning rate, gradient clipping, evaluation, memory
 //! accounting against the budget with the memory policy in the loop, checkpoints and exact
 //! resume. Progress goes to a [`Reporter`]; metrics to `metrics.jsonl`.
 
+mod in_backward;
 pub mod metrics;
 mod optim;
 mod reporter;
+pub mod rounding;
 mod schedule;
 mod trainer;
 
 use std::path::PathBuf;
 
 pub use optim::{
-    MODEL_OPTIONS, OptimizerState, StateBuffer, StreamStats, optimizer_options, step_param, streamed_params,
+    COMPENSATION, HostState, MASTER, MODEL_OPTIONS, OptimizerState, Placement, StateBuffer, StepSession, StreamStats,
+    optimizer_options, step_param, streamed_params,
 };
 pub use reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Silent, StepRecord};
 pub use schedule::{LossScaler, learning_rate};
@@ -64,6 +68,28 @@ pub enum TrainError {
         limit: u64,
         /// Bytes in use after the crossing allocation.
         at: u64,
+    },
+    /// Out of memory inside a step whose parameters are stepped in backward: some had been
+    /// stepped already, so the step can neither be retried nor saved.
+    #[error(
+        "out of memory at step {step}: an allocation took the count to {} over memory.hard_limit ({}) inside \
+         backward, and with train.step_in_backward some parameters had already been stepped, so the step can be \
+         neither retried at a smaller micro-batch nor saved. Nothing of it was written: the last checkpoint (step \
+         {saved}, if one was saved) is intact, resume from it with --resume latest after lowering \
+         train.micro_batch_size or data.seq_len, recomputing activations (plugins.checkpoint: full), or raising \
+         memory.hard_limit",
+        ava_core::format_size(*at),
+        ava_core::format_size(*limit)
+    )]
+    OutOfMemoryInBackward {
+        /// The step that could not run.
+        step: u64,
+        /// The limit.
+        limit: u64,
+        /// Bytes in use after the crossing allocation.
+        at: u64,
+        /// The last completed step.
+        saved: u64,
     },
     /// A checkpoint's optimizer state does not fit the optimizer.
     #[error("the checkpoint's optimizer state does not match the optimizer:\n  - {}", problems.join("\n  - "))]

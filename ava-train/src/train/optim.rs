@@ -16,6 +16,7 @@ use ava_core::{DType as StateDType, OffloadTier, Optimizer, ParamInfo, StateBuf,
 use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor};
 
 use super::TrainError;
+use super::rounding::{self, Half};
 use crate::config::PluginSelection;
 use crate::model::{ModelSpec, Param};
 use crate::save::{BufDType, NamedBuffer};
@@ -62,15 +63,17 @@ pub fn optimizer_options(
 /// between steps.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StateBuffer {
-    /// Name, type and length, as the plugin declared.
+    /// Name, type and length, as the plugin declared (or the engine, for its own buffers).
     pub spec: StateSpec,
+    /// The engine's own buffer (f32 masters, a compensation), not the plugin's.
+    pub host: bool,
     words: Vec<u64>,
 }
 
 impl StateBuffer {
-    fn new(spec: StateSpec) -> Self {
-        let bytes = spec.bytes() as usize;
-        Self { spec, words: vec![0u64; bytes.div_ceil(8)] }
+    /// A buffer that holds no memory yet.
+    fn empty(spec: StateSpec, host: bool) -> Self {
+        Self { spec, host, words: Vec::new() }
     }
 
     /// The buffer's bytes.
@@ -180,71 +183,155 @@ fn tier_error(tier: &str, what: &str, e: ava_core::PluginError) -> TrainError {
     TrainError::Plugin { plugin: tier.to_string(), what: "offload", message: format!("{what}: {e}") }
 }
 
+/// The engine's own per-parameter buffers for `train.master_weights`, saved and placed
+/// with the optimizer's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostState {
+    /// None: f32 weights in memory, or bf16/f16 weights rounded stochastically.
+    Nothing,
+    /// `ava.master`: the f32 master weights (`master_weights: tier`).
+    Master,
+    /// `ava.kahan`: what rounding to the stored type lost, in that type (`master_weights: kahan`).
+    Compensation(StateDType),
+}
+
+/// Name of the f32 master buffer.
+pub const MASTER: &str = "ava.master";
+/// Name of the compensation buffer.
+pub const COMPENSATION: &str = "ava.kahan";
+
+impl HostState {
+    /// The buffer it adds to a parameter of `numel` elements.
+    pub fn spec(self, numel: usize) -> Option<StateSpec> {
+        match self {
+            Self::Nothing => None,
+            Self::Master => Some(StateSpec::new(MASTER, StateDType::F32, numel)),
+            Self::Compensation(dtype) => Some(StateSpec::new(COMPENSATION, dtype, numel)),
+        }
+    }
+}
+
+/// Where the state of the parameters past the first `in_ram` share streams to.
+pub struct Placement {
+    /// The tier.
+    pub tier: Arc<dyn OffloadTier>,
+    /// Its name, for errors.
+    pub name: String,
+    /// Share of the state's bytes kept in memory (the first parameters, model order).
+    pub in_ram: f64,
+    /// Parameters read ahead.
+    pub prefetch: usize,
+}
+
+/// A parameter's weights widened to f32: the initial value of its master buffer when the
+/// caller has none better (weights loaded in bf16).
+pub fn widened(p: &Param) -> Vec<f32> {
+    let values = p.var.as_tensor().flatten_all().and_then(|t| t.to_dtype(candle_core::DType::F32));
+    values.and_then(|t| t.to_vec1::<f32>()).expect("a parameter widens to f32")
+}
+
 impl OptimizerState {
-    /// Allocates the state `optimizer` declares for each parameter.
+    /// Allocates the state `optimizer` declares for each parameter, all of it in memory.
     pub fn allocate(optimizer: &dyn Optimizer, params: &[Param], plugin: &str) -> Result<Self, TrainError> {
-        let buffers = params
+        Self::allocate_with(optimizer, params, plugin, HostState::Nothing, None, &widened)
+    }
+
+    /// Allocates each parameter's state: the plugin's buffers plus the engine's `host`
+    /// buffer (f32 masters start as `master(param)`, a compensation at 0). With a `placement`,
+    /// the state of the parameters past its `in_ram` share of the bytes (model order) never
+    /// takes memory here: after the tier's preflight (so a disk without room is refused
+    /// before anything is written) its initial bytes go straight to the tier, one buffer at
+    /// a time, and come back during each step ([`for_each`](Self::for_each)). A lossy tier
+    /// is refused: state must come back exactly.
+    pub fn allocate_with(
+        optimizer: &dyn Optimizer,
+        params: &[Param],
+        plugin: &str,
+        host: HostState,
+        placement: Option<Placement>,
+        master: &dyn Fn(&Param) -> Vec<f32>,
+    ) -> Result<Self, TrainError> {
+        let layouts = params
             .iter()
             .map(|p| {
                 let shape = shape_u64(p);
                 let layout = optimizer.state_layout(&ParamInfo::new(&p.def.name, &shape)).map_err(|e| {
                     TrainError::Plugin { plugin: plugin.to_string(), what: "state_layout", message: e.to_string() }
                 })?;
-                Ok(layout.into_iter().map(StateBuffer::new).collect())
+                let mut bufs: Vec<StateBuffer> = layout.into_iter().map(|s| StateBuffer::empty(s, false)).collect();
+                bufs.extend(host.spec(p.def.numel()).map(|s| StateBuffer::empty(s, true)));
+                Ok(bufs)
             })
-            .collect::<Result<_, TrainError>>()?;
-        Ok(Self { buffers, streamed: None })
-    }
-
-    /// Streams the state of the parameters past the first `in_ram` fraction of the bytes
-    /// (in model order) through `tier`: checks the tier has room (its preflight), writes
-    /// their current state there and frees it here. `prefetch` parameters are read ahead
-    /// during the step. Returns the bytes moved to the tier.
-    pub fn stream(
-        &mut self,
-        params: &[Param],
-        tier: Arc<dyn OffloadTier>,
-        name: &str,
-        in_ram: f64,
-        prefetch: usize,
-    ) -> Result<u64, TrainError> {
-        if !tier.exact() {
-            return Err(TrainError::Invalid(format!(
-                "offload.tiers: the tier '{name}' is lossy (it compresses what it stores), and optimizer state \
-                 must come back exactly: stream it through an exact tier such as nvme, or set offload.tiers: [ram: 100%]"
-            )));
+            .collect::<Result<Vec<Vec<StateBuffer>>, TrainError>>()?;
+        let mut state = Self { buffers: layouts, streamed: None };
+        let offloaded = match &placement {
+            Some(p) => {
+                if !p.tier.exact() {
+                    return Err(TrainError::Invalid(format!(
+                        "offload.tiers: the tier '{}' is lossy (it compresses what it stores), and optimizer state \
+                         and master weights must come back exactly: stream them through an exact tier such as nvme, \
+                         or set offload.tiers: [ram: 100%]",
+                        p.name
+                    )));
+                }
+                let per_param: Vec<u64> =
+                    state.buffers.iter().map(|b| b.iter().map(|b| b.spec.bytes()).sum()).collect();
+                streamed_params(&per_param, p.in_ram)
+            }
+            None => vec![false; params.len()],
+        };
+        let initial = |p: &Param, b: &StateBuffer| -> Vec<u8> {
+            if b.host && b.spec.name.as_str() == MASTER {
+                bytemuck::cast_slice(&master(p)).to_vec()
+            } else {
+                vec![0u8; b.spec.bytes() as usize]
+            }
+        };
+        if let Some(Placement { tier, name, prefetch, .. }) = placement {
+            let records: Vec<u64> = (0..params.len())
+                .filter(|&i| offloaded[i])
+                .flat_map(|i| state.buffers[i].iter().map(|b| b.spec.bytes()))
+                .collect();
+            tier.preflight(&records).map_err(|e| tier_error(&name, "preflight", e))?;
+            let keys: Vec<Vec<String>> = params
+                .iter()
+                .zip(&state.buffers)
+                .zip(&offloaded)
+                .map(
+                    |((p, bufs), &off)| {
+                        if off { bufs.iter().map(|b| key(&p.def.name, &b.spec.name)).collect() } else { Vec::new() }
+                    },
+                )
+                .collect();
+            for (i, ks) in keys.iter().enumerate() {
+                for (b, k) in state.buffers[i].iter().zip(ks) {
+                    let bytes = initial(&params[i], b);
+                    tier.put(k, &bytes, b.spec.dtype).map_err(|e| tier_error(&name, &format!("storing {k}"), e))?;
+                }
+            }
+            tier.flush().map_err(|e| tier_error(&name, "writing the initial optimizer state", e))?;
+            state.streamed = Some(Streamed { tier, name, offloaded: offloaded.clone(), keys, prefetch });
         }
-        let per_param: Vec<u64> = self.buffers.iter().map(|b| b.iter().map(|b| b.spec.bytes()).sum()).collect();
-        let offloaded = streamed_params(&per_param, in_ram);
-        let records: Vec<u64> = (0..self.buffers.len())
-            .filter(|&i| offloaded[i])
-            .flat_map(|i| self.buffers[i].iter().map(|b| b.spec.bytes()))
-            .collect();
-        tier.preflight(&records).map_err(|e| tier_error(name, "preflight", e))?;
-        let keys: Vec<Vec<String>> = params
-            .iter()
-            .zip(&self.buffers)
-            .zip(&offloaded)
-            .map(
-                |((p, bufs), &off)| {
-                    if off { bufs.iter().map(|b| key(&p.def.name, &b.spec.name)).collect() } else { Vec::new() }
-                },
-            )
-            .collect();
-        let mut moved = 0;
-        for (i, ks) in keys.iter().enumerate() {
-            for (b, k) in self.buffers[i].iter().zip(ks) {
-                tier.put(k, b.bytes(), b.spec.dtype).map_err(|e| tier_error(name, &format!("storing {k}"), e))?;
-                moved += b.spec.bytes();
+        for (i, p) in params.iter().enumerate().filter(|&(i, _)| !offloaded[i]) {
+            for b in state.buffers[i].iter_mut() {
+                b.reserve();
+                if b.host && b.spec.name.as_str() == MASTER {
+                    b.bytes_mut().copy_from_slice(bytemuck::cast_slice(&master(p)));
+                }
             }
         }
-        tier.flush().map_err(|e| tier_error(name, "writing the optimizer state", e))?;
-        // Only once every record is stored: a failure above leaves the state whole here.
-        for (i, ks) in keys.iter().enumerate() {
-            self.buffers[i].iter_mut().take(ks.len()).for_each(StateBuffer::release);
+        Ok(state)
+    }
+
+    /// Bytes the tier holds for the streamed parameters.
+    pub fn streamed_bytes(&self) -> u64 {
+        match &self.streamed {
+            Some(s) => (0..self.buffers.len())
+                .filter(|&i| s.offloaded[i])
+                .flat_map(|i| self.buffers[i].iter().map(|b| b.spec.bytes()))
+                .sum(),
+            None => 0,
         }
-        self.streamed = Some(Streamed { tier, name: name.to_string(), offloaded, keys, prefetch });
-        Ok(moved)
     }
 
     /// Total bytes of state, wherever it lives.
@@ -296,9 +383,13 @@ impl OptimizerState {
         Ok(out)
     }
 
-    /// Fills the state from a checkpoint's buffers; every buffer of the layout must be there
-    /// with the declared type and length. Streamed state goes to the tier.
-    pub fn load_buffers(&mut self, params: &[Param], saved: Vec<NamedBuffer>) -> Result<(), TrainError> {
+    /// Fills the state from a checkpoint's buffers; every buffer of the plugin's layout must
+    /// be there with the declared type and length. Streamed state goes to the tier. The
+    /// engine's own buffers may be missing (a checkpoint of another `train.master_weights`,
+    /// resumed with --force: they keep their initial values, f32 masters the weights
+    /// widened); a saved master this run has no buffer for is returned, for the caller to
+    /// take the weights from.
+    pub fn load_buffers(&mut self, params: &[Param], saved: Vec<NamedBuffer>) -> Result<Vec<NamedBuffer>, TrainError> {
         let mut by_name: std::collections::HashMap<String, NamedBuffer> =
             saved.into_iter().map(|b| (b.name.clone(), b)).collect();
         let mut problems = Vec::new();
@@ -306,6 +397,7 @@ impl OptimizerState {
             for (j, b) in bufs.iter_mut().enumerate() {
                 let name = format!("{}.{}", p.def.name, b.spec.name);
                 match by_name.remove(&name) {
+                    None if b.host => {}
                     None => problems.push(format!("missing {name}")),
                     Some(s) if s.dtype != buf_dtype(b.spec.dtype) || s.data.len() != b.spec.bytes() as usize => {
                         problems.push(format!(
@@ -328,14 +420,18 @@ impl OptimizerState {
                 }
             }
         }
-        problems.extend(by_name.into_keys().map(|k| format!("unexpected {k}")));
+        let host = |k: &str| k.ends_with(&format!(".{MASTER}")) || k.ends_with(&format!(".{COMPENSATION}"));
+        let (left, unexpected): (Vec<NamedBuffer>, Vec<NamedBuffer>) =
+            by_name.into_values().partition(|b| host(&b.name));
+        problems.extend(unexpected.into_iter().map(|b| format!("unexpected {}", b.name)));
         if !problems.is_empty() {
+            problems.sort();
             return Err(TrainError::OptimizerState { problems });
         }
         if let Some(st) = &self.streamed {
             st.tier.flush().map_err(|e| tier_error(&st.name, "writing the optimizer state", e))?;
         }
-        Ok(())
+        Ok(left.into_iter().filter(|b| b.name.ends_with(&format!(".{MASTER}"))).collect())
     }
 
     /// Runs `step(i, buffers)` for each parameter `i` in `active`, with its state in
@@ -348,63 +444,124 @@ impl OptimizerState {
         active: &[usize],
         mut step: impl FnMut(usize, &mut Vec<StateBuffer>) -> Result<(), TrainError>,
     ) -> Result<StreamStats, TrainError> {
+        let (ram, disk): (Vec<usize>, Vec<usize>) = active.iter().partition(|&&i| !self.is_streamed(i));
+        let mut session = self.session(&disk)?;
+        for i in ram.into_iter().chain(disk) {
+            session.step(i, &mut step)?;
+        }
+        session.finish()
+    }
+
+    /// Whether parameter `i`'s state lives in the tier.
+    pub fn is_streamed(&self, i: usize) -> bool {
+        self.streamed.as_ref().is_some_and(|s| s.offloaded[i])
+    }
+
+    /// Starts a step whose parameters are updated one at a time, in about the `order`
+    /// given (the streamed parameters in it are read ahead in that order, `prefetch` at a
+    /// time): the optimizer step after backward, or inside it (`train.step_in_backward`),
+    /// where the state of the next parameters down is read while backward runs. End it
+    /// with [`StepSession::finish`].
+    pub fn session(&mut self, order: &[usize]) -> Result<StepSession<'_>, TrainError> {
+        let order: Vec<usize> = order.iter().copied().filter(|&i| self.is_streamed(i)).collect();
+        let mut position = vec![usize::MAX; self.buffers.len()];
+        for (n, &i) in order.iter().enumerate() {
+            position[i] = position[i].min(n);
+        }
         let resident = self.resident_bytes();
-        // The buffers change while the placement is only read: borrowed apart.
-        let Self { buffers, streamed } = self;
-        let Some(Streamed { tier, name, offloaded, keys, prefetch }) = streamed.as_ref() else {
-            for &i in active {
-                step(i, &mut buffers[i])?;
-            }
-            return Ok(StreamStats::default());
-        };
-        let prefetch = *prefetch;
-        let (ram, disk): (Vec<usize>, Vec<usize>) = active.iter().partition(|&&i| !offloaded[i]);
-        let mut stats = StreamStats::default();
-        let sample = |stats: &mut StreamStats, working: u64| {
-            let in_tier = tier.resident_bytes();
-            stats.peak_tier = stats.peak_tier.max(in_tier);
-            stats.peak_resident = stats.peak_resident.max(resident + working + in_tier);
-        };
-        // Reads are issued for the streamed parameters before `upto` not yet asked for.
-        let mut queued = 0;
-        let read_ahead = |queued: &mut usize, upto: usize| -> Result<(), TrainError> {
-            while *queued < disk.len().min(upto) {
-                for k in &keys[disk[*queued]] {
-                    tier.prefetch(k).map_err(|e| tier_error(name, &format!("prefetching {k}"), e))?;
-                }
-                *queued += 1;
-            }
-            Ok(())
-        };
-        read_ahead(&mut queued, prefetch)?;
-        for &i in &ram {
-            step(i, &mut buffers[i])?;
+        let mut session =
+            StepSession { state: self, order, position, queued: 0, stats: StreamStats::default(), resident };
+        let ahead = session.state.streamed.as_ref().map_or(0, |s| s.prefetch);
+        session.read_ahead(ahead)?;
+        Ok(session)
+    }
+}
+
+/// One optimizer step over the parameters, one at a time, with the tier reading ahead
+/// ([`OptimizerState::session`]).
+pub struct StepSession<'a> {
+    state: &'a mut OptimizerState,
+    /// The streamed parameters in the order they are expected.
+    order: Vec<usize>,
+    /// Per parameter, its place in `order` (MAX: not in it).
+    position: Vec<usize>,
+    /// Reads were asked for `order[..queued]`.
+    queued: usize,
+    stats: StreamStats,
+    /// State held between steps.
+    resident: u64,
+}
+
+impl StepSession<'_> {
+    fn sample(&mut self, working: u64) {
+        if let Some(s) = &self.state.streamed {
+            let in_tier = s.tier.resident_bytes();
+            self.stats.peak_tier = self.stats.peak_tier.max(in_tier);
+            self.stats.peak_resident = self.stats.peak_resident.max(self.resident + working + in_tier);
         }
-        for (n, &i) in disk.iter().enumerate() {
-            let bufs = &mut buffers[i];
-            for (b, k) in bufs.iter_mut().zip(&keys[i]) {
-                b.reserve();
-                tier.get(k, b.bytes_mut()).map_err(|e| tier_error(name, &format!("reading {k}"), e))?;
+    }
+
+    /// Asks the tier for the streamed parameters of `order[..upto]` not yet asked for.
+    fn read_ahead(&mut self, upto: usize) -> Result<(), TrainError> {
+        let Some(s) = &self.state.streamed else { return Ok(()) };
+        while self.queued < self.order.len().min(upto) {
+            for k in &s.keys[self.order[self.queued]] {
+                s.tier.prefetch(k).map_err(|e| tier_error(&s.name, &format!("prefetching {k}"), e))?;
             }
-            // The next `prefetch` parameters load while this one is updated (this one was
-            // just read: never asked for again).
-            queued = queued.max(n + 1);
-            read_ahead(&mut queued, n + 1 + prefetch)?;
-            let working: u64 = bufs.iter().map(StateBuffer::held).sum();
-            sample(&mut stats, working);
-            step(i, bufs)?;
-            // Each buffer is freed as soon as the tier has its copy.
-            let mut left = working;
-            for (b, k) in bufs.iter_mut().zip(&keys[i]) {
-                tier.put(k, b.bytes(), b.spec.dtype).map_err(|e| tier_error(name, &format!("storing {k}"), e))?;
-                sample(&mut stats, left);
-                left -= b.held();
-                b.release();
-            }
+            self.queued += 1;
         }
-        tier.flush().map_err(|e| tier_error(name, "writing the optimizer state", e))?;
-        sample(&mut stats, 0);
-        Ok(stats)
+        Ok(())
+    }
+
+    /// Runs `step(i, buffers)` with parameter `i`'s state; a streamed parameter's state is
+    /// read from the tier first (the next ones in the order are asked for meanwhile), and
+    /// written back and freed after.
+    pub fn step(
+        &mut self,
+        i: usize,
+        step: &mut impl FnMut(usize, &mut Vec<StateBuffer>) -> Result<(), TrainError>,
+    ) -> Result<(), TrainError> {
+        if !self.state.is_streamed(i) {
+            return step(i, &mut self.state.buffers[i]);
+        }
+        let s = self.state.streamed.as_ref().expect("streamed");
+        let (tier, name, prefetch) = (Arc::clone(&s.tier), s.name.clone(), s.prefetch);
+        let keys = s.keys[i].clone();
+        for (b, k) in self.state.buffers[i].iter_mut().zip(&keys) {
+            b.reserve();
+            tier.get(k, b.bytes_mut()).map_err(|e| tier_error(&name, &format!("reading {k}"), e))?;
+        }
+        // The next `prefetch` parameters load while this one is updated (this one was just
+        // read: never asked for again).
+        let at = self.position[i];
+        if at != usize::MAX {
+            self.queued = self.queued.max(at + 1);
+            self.read_ahead(at + 1 + prefetch)?;
+        }
+        let working: u64 = self.state.buffers[i].iter().map(StateBuffer::held).sum();
+        self.sample(working);
+        step(i, &mut self.state.buffers[i])?;
+        // Each buffer is freed as soon as the tier has its copy.
+        let mut left = working;
+        for (j, k) in keys.iter().enumerate() {
+            let b = &self.state.buffers[i][j];
+            tier.put(k, b.bytes(), b.spec.dtype).map_err(|e| tier_error(&name, &format!("storing {k}"), e))?;
+            self.sample(left);
+            let b = &mut self.state.buffers[i][j];
+            left -= b.held();
+            b.release();
+        }
+        Ok(())
+    }
+
+    /// Waits for every write, so an I/O error is this step's, and returns what streaming
+    /// held at its most.
+    pub fn finish(mut self) -> Result<StreamStats, TrainError> {
+        if let Some(s) = &self.state.streamed {
+            s.tier.flush().map_err(|e| tier_error(&s.name, "writing the optimizer state", e))?;
+        }
+        self.sample(0);
+        Ok(self.stats)
     }
 }
 
@@ -420,14 +577,59 @@ fn buf_dtype(d: StateDType) -> BufDType {
     }
 }
 
-/// Calls the plugin's `step` on a parameter's storage in place.
+/// Calls the plugin's `step` on a parameter's storage in place. f32 weights are stepped
+/// where they are; bf16/f16 weights are widened into an f32 scratch (or the f32 master
+/// buffer, when there is one), stepped there, and rounded back: to nearest from a master,
+/// with compensation from a compensation buffer, stochastically otherwise.
 struct StepOp<'a> {
     optimizer: RefCell<&'a mut dyn Optimizer>,
     state: RefCell<&'a mut Vec<StateBuffer>>,
     name: &'a str,
     shape: &'a [u64],
     ctx: StepContext,
+    /// Seed of the stochastic rounding ([`rounding::seed_for`]).
+    round_seed: u64,
     result: RefCell<Result<(), ava_core::PluginError>>,
+    /// Σ g² of the gradient, read where it lies (no tensor allocated for it).
+    sumsq: std::cell::Cell<f64>,
+}
+
+impl StepOp<'_> {
+    /// Steps half-precision `values`: widen, step in f32, round back.
+    fn step_half<H: Half>(&self, values: &mut [H], grad: &[f32]) {
+        let mut state = self.state.borrow_mut();
+        let (mut host, mut plugin): (Vec<&mut StateBuffer>, Vec<&mut StateBuffer>) =
+            state.iter_mut().partition(|b| b.host);
+        let mut views: Vec<StateBuf<'_>> =
+            plugin.iter_mut().map(|b| StateBuf::new(b.spec.dtype, b.bytes_mut())).collect();
+        let info = ParamInfo::new(self.name, self.shape);
+        let mut optimizer = self.optimizer.borrow_mut();
+        let result = match host.first_mut() {
+            // The master is the f32 copy: stepped in place, the weights its rounding.
+            Some(b) if b.spec.name.as_str() == MASTER => {
+                let master: &mut [f32] = bytemuck::cast_slice_mut(b.bytes_mut());
+                let r = optimizer.step(&info, master, grad, &mut views, &self.ctx);
+                rounding::round_nearest(master, values);
+                r
+            }
+            Some(b) => {
+                let comp: &mut [H] = bytemuck::cast_slice_mut(b.bytes_mut());
+                let mut scratch = vec![0f32; values.len()]; // (numel,) the widened weights
+                rounding::widen(values, Some(comp), &mut scratch);
+                let r = optimizer.step(&info, &mut scratch, grad, &mut views, &self.ctx);
+                rounding::round_compensated(&scratch, values, comp);
+                r
+            }
+            None => {
+                let mut scratch = vec![0f32; values.len()]; // (numel,) the widened weights
+                rounding::widen(values, None, &mut scratch);
+                let r = optimizer.step(&info, &mut scratch, grad, &mut views, &self.ctx);
+                rounding::round_stochastic(&scratch, values, self.round_seed, self.ctx.threads);
+                r
+            }
+        };
+        *self.result.borrow_mut() = result;
+    }
 }
 
 impl InplaceOp2 for StepOp<'_> {
@@ -439,20 +641,29 @@ impl InplaceOp2 for StepOp<'_> {
         let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
             candle_core::bail!("optimizer step: parameter and gradient must be contiguous")
         };
-        let (CpuStorage::F32(values), CpuStorage::F32(grad)) = (s1, s2) else {
-            candle_core::bail!("optimizer step: parameter and gradient must be f32")
-        };
-        let mut state = self.state.borrow_mut();
-        let mut views: Vec<StateBuf<'_>> =
-            state.iter_mut().map(|b| StateBuf::new(b.spec.dtype, b.bytes_mut())).collect();
-        let info = ParamInfo::new(self.name, self.shape);
-        *self.result.borrow_mut() =
-            self.optimizer.borrow_mut().step(&info, &mut values[a0..a1], &grad[b0..b1], &mut views, &self.ctx);
+        let CpuStorage::F32(grad) = s2 else { candle_core::bail!("optimizer step: the gradient must be f32") };
+        let grad = &grad[b0..b1];
+        self.sumsq.set(grad.iter().map(|&g| g as f64 * g as f64).sum());
+        match s1 {
+            CpuStorage::F32(values) => {
+                let mut state = self.state.borrow_mut();
+                let mut views: Vec<StateBuf<'_>> =
+                    state.iter_mut().filter(|b| !b.host).map(|b| StateBuf::new(b.spec.dtype, b.bytes_mut())).collect();
+                let info = ParamInfo::new(self.name, self.shape);
+                *self.result.borrow_mut() =
+                    self.optimizer.borrow_mut().step(&info, &mut values[a0..a1], grad, &mut views, &self.ctx);
+            }
+            CpuStorage::BF16(values) => self.step_half(&mut values[a0..a1], grad),
+            CpuStorage::F16(values) => self.step_half(&mut values[a0..a1], grad),
+            _ => candle_core::bail!("optimizer step: parameters must be stored as f32, bf16 or f16"),
+        }
         Ok(())
     }
 }
 
-/// Updates `param` in place from `grad` (f32, same shape) with the plugin.
+/// Updates `param` in place from `grad` (f32, same shape) with the plugin; `round_seed`
+/// seeds the stochastic rounding of half-precision weights without masters. Returns the
+/// gradient's Σ g².
 pub fn step_param(
     optimizer: &mut dyn Optimizer,
     plugin: &str,
@@ -460,7 +671,8 @@ pub fn step_param(
     grad: &Tensor,
     state: &mut Vec<StateBuffer>,
     ctx: StepContext,
-) -> Result<(), TrainError> {
+    round_seed: u64,
+) -> Result<f64, TrainError> {
     let shape = shape_u64(param);
     let op = StepOp {
         optimizer: RefCell::new(optimizer),
@@ -468,13 +680,17 @@ pub fn step_param(
         name: &param.def.name,
         shape: &shape,
         ctx,
+        round_seed,
         result: RefCell::new(Ok(())),
+        sumsq: std::cell::Cell::new(0.0),
     };
     let grad = grad.contiguous().map_err(TrainError::candle)?;
     param.var.as_tensor().inplace_op2(&grad, &op).map_err(TrainError::candle)?;
+    let sumsq = op.sumsq.get();
     op.result.into_inner().map_err(|e| TrainError::Plugin {
         plugin: plugin.to_string(),
         what: "step",
         message: format!("{} ({e})", param.def.name),
-    })
+    })?;
+    Ok(sumsq)
 }

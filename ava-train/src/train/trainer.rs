@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use ava_core::{
     BlockDecision, CheckpointContext, MemoryAction, MemoryPolicy, MemoryStats, OffloadTier, Optimizer, Phase,
-    PluginKind, StepContext,
+    PluginKind,
 };
 use ava_plugins::{Registry, Source as PluginSource};
 use candle_core::{DType, Device, Tensor};
@@ -16,13 +16,14 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::TrainError;
-use super::optim::{OptimizerState, StreamStats, optimizer_options, step_param};
+use super::in_backward::{StepInBackward, StepSettings};
+use super::optim::{HostState, OptimizerState, Placement, StreamStats, optimizer_options};
 use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
 use super::schedule::{LossScaler, learning_rate};
-use crate::config::{Config, DataSource, PluginSelection, Precision};
+use crate::config::{Config, DataSource, MasterWeights, PluginSelection, Precision};
 use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Source, Split};
 use crate::memory::{self, Breakdown};
-use crate::model::{self, Grads, Model, ModelSpec, ParamRole, forward_backward};
+use crate::model::{self, GradSink, Grads, Model, ModelSpec, forward_backward};
 use crate::save::{CheckpointStore, LoadedCheckpoint, differing_keys, from_safetensors, to_safetensors};
 
 /// How a run starts.
@@ -81,6 +82,7 @@ const STRUCTURAL_KEYS: &[&str] = &[
     "train.micro_batch_size",
     "train.gradient_accumulation_steps",
     "train.precision",
+    "train.master_weights",
 ];
 
 /// A training run.
@@ -120,12 +122,60 @@ pub struct Trainer {
 
 /// How a step's micro-steps ended.
 enum MicroSteps {
-    /// All ran: the accumulated gradients, the mean losses, and the most host memory the
-    /// offload tier held for parked block inputs.
-    Done { grads: Grads, ce: f64, aux: f64, tier_peak: u64 },
-    /// One crossed the hard limit, with this many bytes in use; its partial gradients are
-    /// dropped.
+    /// All ran: the mean losses, and the most host memory the offload tier held for parked
+    /// block inputs.
+    Done { ce: f64, aux: f64, tier_peak: u64 },
+    /// One crossed the hard limit, with this many bytes in use.
     OutOfMemory { at: u64 },
+}
+
+/// What the micro-steps of a step run with.
+struct MicroBatches<'a> {
+    model: &'a Model,
+    plan: &'a [BlockDecision],
+    /// The f16 loss scale (1 otherwise).
+    scale: f64,
+    offload: Option<&'a Arc<dyn OffloadTier>>,
+}
+
+impl MicroBatches<'_> {
+    /// Forward and backward of every micro-batch of the step's `batches` (each split into
+    /// `split` pieces), the gradients going to `sink`; stops at the first micro-step during
+    /// which an allocation crossed the hard limit (the caller drops what it received).
+    fn run(
+        &self,
+        weights: &[Tensor],
+        batches: &[Batch],
+        split: usize,
+        sink: &mut dyn GradSink,
+    ) -> Result<MicroSteps, TrainError> {
+        let pieces = batches.len() * split;
+        let (mut ce, mut aux, mut tier_peak) = (0.0, 0.0, 0);
+        memory::take_crossed(); // a crossing before the micro-steps is not theirs
+        for batch in batches {
+            for (tokens, targets) in split_batch(batch, split)? {
+                let loss = forward_backward(
+                    self.model,
+                    weights,
+                    &tokens,
+                    &targets,
+                    self.plan,
+                    self.scale,
+                    pieces as f64,
+                    self.offload,
+                    sink,
+                )
+                .map_err(TrainError::candle)?;
+                if let Some(at) = memory::take_crossed() {
+                    return Ok(MicroSteps::OutOfMemory { at });
+                }
+                ce += loss.ce / pieces as f64;
+                aux += loss.aux / pieces as f64;
+                tier_peak = tier_peak.max(loss.tier_peak);
+            }
+        }
+        Ok(MicroSteps::Done { ce, aux, tier_peak })
+    }
 }
 
 /// What the memory policy's decision asks of the run loop.
@@ -213,6 +263,83 @@ pub fn check_attention(spec: &ModelSpec, sel: &PluginSelection, seq: usize) -> R
     }
 }
 
+/// Checks that `train.master_weights` and `train.step_in_backward` work with the rest of
+/// the config; every problem is reported at once, each naming the keys and what to change.
+pub fn check_training_modes(config: &Config) -> Result<(), TrainError> {
+    let t = &config.train;
+    let mut problems = Vec::new();
+    let mw = t.master_weights;
+    if mw != MasterWeights::F32 && t.precision == Precision::Fp32 {
+        problems.push(format!(
+            "train.master_weights: {} keeps the weights in train.precision, which is fp32 (4 bytes a weight, as with \
+             f32 masters): set train.precision: bf16 (or f16), or train.master_weights: f32",
+            mw.as_str()
+        ));
+    }
+    if mw == MasterWeights::Tier && config.offload.tiers.offloaded().is_none() {
+        problems.push(
+            "train.master_weights: tier streams the f32 master weights through the offload tier with the optimizer \
+             state, but offload.tiers keeps all of it in ram: select a tier and give it a share, e.g. \
+             plugins.offload: {name: nvme, path: /mnt/scratch} and offload.tiers: [ram: 0%, nvme: 100%] \
+             (or train.master_weights: none or kahan, which keep no masters)"
+                .to_string(),
+        );
+    }
+    if t.step_in_backward {
+        let why = "train.step_in_backward steps each parameter as soon as its gradient is final";
+        if t.gradient_accumulation_steps > 1 {
+            problems.push(format!(
+                "{why}, so gradients are never summed over micro-batches, but train.gradient_accumulation_steps is \
+                 {}: set it to 1 (raise train.micro_batch_size for a larger batch), or train.step_in_backward: false",
+                t.gradient_accumulation_steps
+            ));
+        }
+        if t.grad_clip > 0.0 {
+            problems.push(format!(
+                "{why}, before the global gradient norm is known, so train.grad_clip ({}) cannot apply: set \
+                 train.grad_clip: 0 (the norm is still computed and logged), or train.step_in_backward: false",
+                t.grad_clip
+            ));
+        }
+        if t.precision == Precision::F16 {
+            problems.push(format!(
+                "{why}, but with train.precision: f16 an overflow is found only after the whole backward, when \
+                 steps were already applied and the loss scaler could no longer skip the step: use train.precision: \
+                 bf16 (no loss scaling needed) or train.step_in_backward: false"
+            ));
+        }
+    }
+    match problems.len() {
+        0 => Ok(()),
+        1 => Err(TrainError::Invalid(problems.remove(0))),
+        _ => Err(TrainError::Invalid(format!(
+            "the config's training modes do not fit:\n  - {}",
+            problems.join("\n  - ")
+        ))),
+    }
+}
+
+/// The type the weights are stored in: f32 masters, or the compute type when there are none
+/// in memory.
+pub fn storage_dtype(config: &Config) -> DType {
+    match config.train.master_weights {
+        MasterWeights::F32 => DType::F32,
+        _ => compute_dtype(config.train.precision),
+    }
+}
+
+/// The engine's own state buffer per parameter for `train.master_weights`.
+fn host_state(config: &Config) -> HostState {
+    match config.train.master_weights {
+        MasterWeights::F32 | MasterWeights::None => HostState::Nothing,
+        MasterWeights::Tier => HostState::Master,
+        MasterWeights::Kahan => HostState::Compensation(match config.train.precision {
+            Precision::F16 => ava_core::DType::F16,
+            _ => ava_core::DType::BF16,
+        }),
+    }
+}
+
 fn compute_dtype(p: Precision) -> DType {
     match p {
         Precision::Fp32 => DType::F32,
@@ -227,6 +354,7 @@ impl Trainer {
     /// resuming, restores everything from the checkpoint.
     pub fn new(config: &Config, registry: &Registry, options: &TrainOptions) -> Result<Self, TrainError> {
         let config = config.clone();
+        check_training_modes(&config)?;
         let threads = resolve_threads(config.train.threads);
         let plugin = |kind: PluginKind| config.selection(kind);
 
@@ -291,20 +419,63 @@ impl Trainer {
             }
             None => None,
         };
+        let stored = storage_dtype(&config);
+        let (name, k) = (&attention_sel.name, kernel.clone());
         let model = match (&resume, &config.model.from) {
             (Some(ckpt), _) => {
                 let tensors = model::tensors_from_safetensors(ckpt.file(MODEL_FILE)?, &ckpt.dir.join(MODEL_FILE))?;
-                Model::from_tensors(spec, tensors, &ckpt.dir, seq, kernel.clone(), &attention_sel.name, threads)?
+                Model::from_tensors_stored(spec, tensors, &ckpt.dir, seq, k, name, threads, stored)?
             }
             (None, Some(dir)) => {
                 let (hf_spec, tensors) = model::load_hf_folder(dir)?;
-                Model::from_tensors(hf_spec, tensors, dir, seq, kernel.clone(), &attention_sel.name, threads)?
+                Model::from_tensors_stored(hf_spec, tensors, dir, seq, k, name, threads, stored)?
             }
-            (None, None) => Model::new(spec, config.train.seed, seq, kernel.clone(), &attention_sel.name, threads)?,
+            (None, None) => Model::new_stored(spec, config.train.seed, seq, k, name, threads, stored)?,
         };
         // Created once the model is known: some options come from its shape.
         let optimizer = registry.optimizer(&opt_sel.name, &optimizer_options(registry, opt_sel, model.spec())?)?;
-        let mut state = OptimizerState::allocate(optimizer.as_ref(), model.params(), &opt_sel.name)?;
+        // Where the state (and f32 masters) live: the share that is not `ram` streams
+        // through the tier, placed as it is allocated (a 7B model's state never exists in
+        // memory whole).
+        let tiers = &config.offload.tiers;
+        if let Some(share) = tiers.offloaded()
+            && share.name != off_sel.name
+        {
+            let pct = |f: f64| (f * 1e6).round() / 1e4;
+            let fix = if off_sel.name == "ram" {
+                format!("select it, with its options (plugins.offload: {{name: {}, ...}})", share.name)
+            } else {
+                format!(
+                    "name the selected tier (offload.tiers: [ram: {}%, {}: {}%]) or select '{}' in plugins.offload",
+                    pct(1.0 - share.fraction),
+                    off_sel.name,
+                    pct(share.fraction),
+                    share.name
+                )
+            };
+            return Err(TrainError::Invalid(format!(
+                "offload.tiers streams {}% of the optimizer state through '{}', but plugins.offload selects '{}': {fix}",
+                pct(share.fraction),
+                share.name,
+                off_sel.name,
+            )));
+        }
+        let placement = tiers.offloaded().map(|_| Placement {
+            tier: Arc::clone(&offload),
+            name: off_sel.name.clone(),
+            in_ram: tiers.in_ram(),
+            prefetch: config.offload.prefetch,
+        });
+        let host = host_state(&config);
+        // f32 masters of a fresh model start from its f32 initial values (the resident bf16
+        // copy is their rounding); of loaded weights, from those widened.
+        let fresh = resume.is_none() && config.model.from.is_none();
+        let (spec_ref, seed) = (model.spec().clone(), config.train.seed);
+        let master = move |p: &model::Param| {
+            if fresh { Model::initial_values(&spec_ref, seed, &p.def) } else { super::optim::widened(p) }
+        };
+        let mut state =
+            OptimizerState::allocate_with(optimizer.as_ref(), model.params(), &opt_sel.name, host, placement, &master)?;
 
         // The checkpoint plan: the policy decides per block from the facts.
         let facts = crate::estimate::block_facts(
@@ -356,51 +527,38 @@ impl Trainer {
         if let Some(ckpt) = resume {
             check_config(&ckpt, &config, options.force)?;
             let (buffers, _) = from_safetensors(ckpt.file(OPTIMIZER_FILE)?)?;
-            state.load_buffers(model.params(), buffers)?;
+            let masters = state.load_buffers(model.params(), buffers)?;
+            // From a run with f32 masters in a tier to one with f32 weights (--force): the
+            // masters, not their rounding, become the weights.
+            if model.storage() == DType::F32 {
+                for b in masters {
+                    let name = b.name.trim_end_matches(&format!(".{}", super::MASTER));
+                    if let Some(p) = model.params().iter().find(|p| p.def.name == name) {
+                        let values: Vec<f32> =
+                            b.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                        let t = Tensor::from_vec(values, p.def.shape.as_slice(), &Device::Cpu);
+                        t.and_then(|t| p.var.set(&t)).map_err(TrainError::candle)?;
+                    }
+                }
+            }
             trainer_state = serde_json::from_slice(ckpt.file(TRAINER_FILE)?).map_err(|e| {
                 TrainError::Invalid(format!("{}: unreadable trainer state: {e}", ckpt.dir.join(TRAINER_FILE).display()))
             })?;
             resumed_from = Some(ckpt.dir.clone());
         }
 
-        // Optimizer state placement: the share that is not `ram` streams through the tier.
         let offload_foreign = registry
             .row(PluginKind::Offload, &off_sel.name)
             .is_some_and(|r| !matches!(r.source, PluginSource::Builtin));
-        let tiers = &config.offload.tiers;
         let offload_note = match tiers.offloaded() {
             None => None,
-            Some(share) if share.name != off_sel.name => {
-                let pct = |f: f64| (f * 1e6).round() / 1e4;
-                let fix = if off_sel.name == "ram" {
-                    format!("select it, with its options (plugins.offload: {{name: {}, ...}})", share.name)
-                } else {
-                    format!(
-                        "name the selected tier (offload.tiers: [ram: {}%, {}: {}%]) or select '{}' in plugins.offload",
-                        pct(1.0 - share.fraction),
-                        off_sel.name,
-                        pct(share.fraction),
-                        share.name
-                    )
-                };
-                return Err(TrainError::Invalid(format!(
-                    "offload.tiers streams {}% of the optimizer state through '{}', but plugins.offload selects '{}': {fix}",
-                    pct(share.fraction),
-                    share.name,
-                    off_sel.name,
-                )));
-            }
             Some(share) => {
-                let moved = state.stream(
-                    model.params(),
-                    Arc::clone(&offload),
-                    &off_sel.name,
-                    tiers.in_ram(),
-                    config.offload.prefetch,
-                )?;
+                let moved = state.streamed_bytes();
                 let total = state.bytes();
+                let what =
+                    if host == HostState::Master { "optimizer state and f32 masters" } else { "optimizer state" };
                 let mut note = format!(
-                    "optimizer state: {} of {} ({:.0}%) streams through {} (offload.tiers share {:.0}%), {} read ahead",
+                    "{what}: {} of {} ({:.0}%) streams through {} (offload.tiers share {:.0}%), {} read ahead",
                     ava_core::format_size(moved),
                     ava_core::format_size(total),
                     100.0 * moved as f64 / total.max(1) as f64,
@@ -678,7 +836,7 @@ impl Trainer {
         let t = self.config.train.clone();
         let step = self.step + 1;
         let lr = learning_rate(step, t.lr, t.min_lr, t.warmup_steps, t.max_steps);
-        let params_bytes = (self.model.spec().num_params() * 4) as u64;
+        let params_bytes = (self.model.spec().num_params() * self.model.storage().size_in_bytes()) as u64;
         // State held between steps: the engine's, and a built-in tier's records (the
         // counting allocator sees both).
         let tier_held = match self.state.tier() {
@@ -697,73 +855,125 @@ impl Trainer {
             let _span = crate::profile::scope("data: waiting for a batch");
             batches.push(self.loader.next()?);
         }
+        let opt_name = self.config.plugins.optimizer.name.clone();
         let mut backoffs = Vec::new();
-        let (mut grads, ce, aux, parked_peak) = loop {
-            let held_before = memory::current();
+        let mut stream = StreamStats::default();
+        let (ce, aux, parked_peak, norm, applied, grads_bytes) = if t.step_in_backward {
+            // Each parameter is stepped inside backward; nothing can be retried or skipped.
             let inject = self.oom_at_step == Some(step);
+            let held_before = memory::current();
             if inject {
                 self.oom_at_step = None;
-                memory::set_limit(Some(held_before + 1)); // the next allocation crosses it
+                memory::set_limit(Some(held_before + 1));
             }
-            let outcome = self.micro_steps(&weights, &batches);
+            let settings = StepSettings {
+                optimizer: self.optimizer.as_mut(),
+                plugin: &opt_name,
+                params: self.model.params(),
+                step,
+                lr,
+                weight_decay: t.weight_decay,
+                threads: self.threads as u32,
+                seed: t.seed,
+            };
+            let mut sink = StepInBackward::new(settings, &mut self.state);
+            let run = MicroBatches { model: &self.model, plan: &self.plan, scale: 1.0, offload: self.offload.as_ref() };
+            let outcome = run.run(&weights, &batches, self.split, &mut sink);
             if inject {
                 memory::set_limit(self.hard_limit);
             }
-            match outcome? {
-                MicroSteps::Done { grads, ce, aux, tier_peak } => break (grads, ce, aux, tier_peak),
+            let sumsq = sink.sumsq;
+            let done = match outcome {
+                // The step's own error (a disk that failed, a plugin) over candle's wrapper of it.
+                Err(e) => return Err(sink.failure.take().unwrap_or(e)),
+                Ok(done) => done,
+            };
+            stream = sink.finish()?;
+            match done {
+                MicroSteps::Done { ce, aux, tier_peak } => (ce, aux, tier_peak, sumsq.sqrt(), true, 0),
                 MicroSteps::OutOfMemory { at } => {
-                    let micro_batch = t.micro_batch_size / self.split;
                     let limit = if inject { held_before + 1 } else { self.hard_limit.unwrap_or(0) };
-                    if !self.shrink_micro_batch() {
-                        return Err(TrainError::OutOfMemory { step, micro_batch, limit, at });
-                    }
-                    backoffs.push(Backoff {
-                        micro_batch,
-                        retry_micro_batch: t.micro_batch_size / self.split,
-                        crossed_at: at,
-                        held_before,
-                        held_after: memory::current(),
-                    });
-                    // The step's peak is the attempt that ran (the crossing is in `backoffs`),
-                    // so the memory policy does not shrink again for the abandoned one.
-                    memory::reset_peak();
+                    return Err(TrainError::OutOfMemoryInBackward { step, limit, at, saved: self.step });
                 }
             }
+        } else {
+            let (mut grads, ce, aux, parked_peak) = loop {
+                let held_before = memory::current();
+                let inject = self.oom_at_step == Some(step);
+                if inject {
+                    self.oom_at_step = None;
+                    memory::set_limit(Some(held_before + 1)); // the next allocation crosses it
+                }
+                let mut grads: Grads = vec![None; self.model.params().len()];
+                let run = MicroBatches {
+                    model: &self.model,
+                    plan: &self.plan,
+                    scale: self.scaler.scale,
+                    offload: self.offload.as_ref(),
+                };
+                let outcome = run.run(&weights, &batches, self.split, &mut grads);
+                if inject {
+                    memory::set_limit(self.hard_limit);
+                }
+                match outcome? {
+                    MicroSteps::Done { ce, aux, tier_peak } => break (grads, ce, aux, tier_peak),
+                    MicroSteps::OutOfMemory { at } => {
+                        drop(grads);
+                        let micro_batch = t.micro_batch_size / self.split;
+                        let limit = if inject { held_before + 1 } else { self.hard_limit.unwrap_or(0) };
+                        if !self.shrink_micro_batch() {
+                            return Err(TrainError::OutOfMemory { step, micro_batch, limit, at });
+                        }
+                        backoffs.push(Backoff {
+                            micro_batch,
+                            retry_micro_batch: t.micro_batch_size / self.split,
+                            crossed_at: at,
+                            held_before,
+                            held_after: memory::current(),
+                        });
+                        // The step's peak is the attempt that ran (the crossing is in `backoffs`),
+                        // so the memory policy does not shrink again for the abandoned one.
+                        memory::reset_peak();
+                    }
+                }
+            };
+            let grads_bytes = grads.iter().flatten().map(|g| (g.elem_count() * 4) as u64).sum::<u64>();
+
+            // Global norm of the unscaled gradients; a non-finite one is an f16 overflow.
+            let mut sumsq = 0f64;
+            for g in grads.iter().flatten() {
+                sumsq +=
+                    g.sqr().and_then(|s| s.sum_all()).and_then(|s| s.to_scalar::<f32>()).map_err(TrainError::candle)?
+                        as f64;
+            }
+            let norm = sumsq.sqrt() / self.scaler.scale;
+            let finite = norm.is_finite();
+            let scale = self.scaler.scale; // the gradients carry this one; update may change it
+            let applied = self.scaler.update(finite);
+            if applied {
+                let clip = if t.grad_clip > 0.0 && norm > t.grad_clip { t.grad_clip / (norm + 1e-6) } else { 1.0 };
+                let factor = clip / scale;
+                let _span = crate::profile::scope("optimizer step");
+                let active: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].is_some()).collect();
+                let mut settings = StepSettings {
+                    optimizer: self.optimizer.as_mut(),
+                    plugin: &opt_name,
+                    params: self.model.params(),
+                    step,
+                    lr,
+                    weight_decay: t.weight_decay,
+                    threads: self.threads as u32,
+                    seed: t.seed,
+                };
+                stream = self.state.for_each(&active, |i, buffers| {
+                    let g = grads[i].take().expect("active parameters have a gradient");
+                    let g = if factor != 1.0 { g.affine(factor, 0.0).map_err(TrainError::candle)? } else { g };
+                    settings.apply(i, &g, buffers).map(drop)
+                })?;
+            }
+            (ce, aux, parked_peak, norm, applied, grads_bytes)
         };
         drop(weights);
-        let grads_bytes = grads.iter().flatten().map(|g| (g.elem_count() * 4) as u64).sum::<u64>();
-
-        // Global norm of the unscaled gradients; a non-finite one is an f16 overflow.
-        let mut sumsq = 0f64;
-        for g in grads.iter().flatten() {
-            sumsq += g.sqr().and_then(|s| s.sum_all()).and_then(|s| s.to_scalar::<f32>()).map_err(TrainError::candle)?
-                as f64;
-        }
-        let norm = sumsq.sqrt() / self.scaler.scale;
-        let finite = norm.is_finite();
-        let scale = self.scaler.scale; // the gradients carry this one; update may change it
-        let applied = self.scaler.update(finite);
-        let mut stream = StreamStats::default();
-        if applied {
-            let clip = if t.grad_clip > 0.0 && norm > t.grad_clip { t.grad_clip / (norm + 1e-6) } else { 1.0 };
-            let factor = clip / scale;
-            let opt_name = self.config.plugins.optimizer.name.clone();
-            let _span = crate::profile::scope("optimizer step");
-            let active: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].is_some()).collect();
-            let (model, optimizer, threads) = (&self.model, self.optimizer.as_mut(), self.threads as u32);
-            stream = self.state.for_each(&active, |i, buffers| {
-                let g = grads[i].take().expect("active parameters have a gradient");
-                let g = if factor != 1.0 { g.affine(factor, 0.0).map_err(TrainError::candle)? } else { g };
-                let param = &model.params()[i];
-                let wd = match param.def.role {
-                    ParamRole::Matrix | ParamRole::ResidualOut => t.weight_decay,
-                    ParamRole::Embedding | ParamRole::Norm | ParamRole::Bias => 0.0,
-                };
-                let ctx = StepContext { step, lr, weight_decay: wd, threads };
-                step_param(optimizer, &opt_name, param, &g, buffers, ctx)
-            })?;
-        }
-        drop(grads);
         self.step = step;
         self.data_position = self.loader.position();
 
@@ -801,45 +1011,13 @@ impl Trainer {
         })
     }
 
-    /// Forward and backward of every micro-batch of the step's `batches` (each split into
-    /// `self.split` pieces), accumulating gradients; stops at the first micro-step during
-    /// which an allocation crossed the hard limit, dropping what it accumulated.
-    fn micro_steps(&self, weights: &[Tensor], batches: &[Batch]) -> Result<MicroSteps, TrainError> {
-        let mut grads: Grads = vec![None; self.model.params().len()];
-        let pieces = batches.len() * self.split;
-        let (mut ce, mut aux, mut tier_peak) = (0.0, 0.0, 0);
-        memory::take_crossed(); // a crossing before the micro-steps is not theirs
-        for batch in batches {
-            for (tokens, targets) in split_batch(batch, self.split)? {
-                let loss = forward_backward(
-                    &self.model,
-                    weights,
-                    &tokens,
-                    &targets,
-                    &self.plan,
-                    self.scaler.scale,
-                    pieces as f64,
-                    self.offload.as_ref(),
-                    &mut grads,
-                )
-                .map_err(TrainError::candle)?;
-                if let Some(at) = memory::take_crossed() {
-                    return Ok(MicroSteps::OutOfMemory { at });
-                }
-                ce += loss.ce / pieces as f64;
-                aux += loss.aux / pieces as f64;
-                tier_peak = tier_peak.max(loss.tier_peak);
-            }
-        }
-        Ok(MicroSteps::Done { grads, ce, aux, tier_peak })
-    }
-
     /// Halves the micro-batch (each loaded batch is split into twice the pieces, so the
-    /// samples and the effective batch stay the same); false when it cannot be halved. The
-    /// memory policy and the out-of-memory back-off act through it.
+    /// samples and the effective batch stay the same); false when it cannot be halved, or
+    /// when parameters step inside backward (halving needs accumulation). The memory policy
+    /// and the out-of-memory back-off act through it.
     pub fn shrink_micro_batch(&mut self) -> bool {
         let configured = self.config.train.micro_batch_size;
-        if configured / self.split > 1 && configured % (self.split * 2) == 0 {
+        if !self.config.train.step_in_backward && configured / self.split > 1 && configured % (self.split * 2) == 0 {
             self.split *= 2;
             true
         } else {
@@ -872,7 +1050,12 @@ impl Trainer {
         let mut outcome = PolicyOutcome::default();
         let shrink = |this: &mut Self| {
             let from = configured / this.split;
-            if this.shrink_micro_batch() {
+            if this.config.train.step_in_backward {
+                format!(
+                    "{message}; the micro-batch stays {from}: with train.step_in_backward a smaller one would need \
+                     gradient accumulation (lower train.micro_batch_size, or recompute activations)"
+                )
+            } else if this.shrink_micro_batch() {
                 format!(
                     "{message}; micro-batch {from} -> {} (the global batch stays {})",
                     configured / this.split,

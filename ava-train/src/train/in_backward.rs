@@ -1,0 +1,135 @@
+//! The optimizer step inside backward (`train.step_in_backward`; LOMO, torchtune's
+//! `optimizer_in_bwd`): a [`GradSink`] that steps each parameter as soon as backward has
+//! its final gradient and drops the gradient at once, so the whole-model gradient buffer
+//! never exists. With the state in a tier, the session reads the state of the parameters
+//! backward reaches next while the current stretch's backward runs (ZeRO-Infinity's
+//! overlap, which needs exactly this: the step of a block's parameters before the backward
+//! of the block below).
+
+use ava_core::{Optimizer, StepContext};
+use candle_core::Tensor;
+
+use super::TrainError;
+use super::optim::{OptimizerState, StepSession, step_param};
+use super::rounding;
+use crate::model::{GradSink, Param, ParamRole};
+
+/// The weight decay a parameter of `role` gets: matrices only.
+pub(crate) fn decay_for(role: ParamRole, weight_decay: f64) -> f64 {
+    match role {
+        ParamRole::Matrix | ParamRole::ResidualOut => weight_decay,
+        ParamRole::Embedding | ParamRole::Norm | ParamRole::Bias => 0.0,
+    }
+}
+
+/// What a step's parameters are stepped with.
+pub(crate) struct StepSettings<'a> {
+    pub optimizer: &'a mut dyn Optimizer,
+    /// The optimizer's name, for errors.
+    pub plugin: &'a str,
+    pub params: &'a [Param],
+    pub step: u64,
+    pub lr: f64,
+    pub weight_decay: f64,
+    pub threads: u32,
+    /// The run's seed (stochastic rounding).
+    pub seed: u64,
+}
+
+impl StepSettings<'_> {
+    /// Steps parameter `i` from `grad` (f32, already scaled); returns the gradient's Σ g².
+    pub(crate) fn apply(
+        &mut self,
+        i: usize,
+        grad: &Tensor,
+        buffers: &mut Vec<super::StateBuffer>,
+    ) -> Result<f64, TrainError> {
+        let param = &self.params[i];
+        let ctx = StepContext {
+            step: self.step,
+            lr: self.lr,
+            weight_decay: decay_for(param.def.role, self.weight_decay),
+            threads: self.threads,
+        };
+        let seed = rounding::seed_for(self.seed, self.step, i);
+        step_param(self.optimizer, self.plugin, param, grad, buffers, ctx, seed)
+    }
+}
+
+/// Steps parameters as their gradients arrive.
+pub(crate) struct StepInBackward<'a> {
+    settings: StepSettings<'a>,
+    /// The state, until backward says its order and the session starts.
+    state: Option<&'a mut OptimizerState>,
+    session: Option<StepSession<'a>>,
+    /// A tied embedding's head gradient, waiting for its embedding use.
+    pending: Vec<Option<Tensor>>,
+    /// Σ g² over the final gradients (the norm is logged; it cannot clip: see the config).
+    pub sumsq: f64,
+    /// The first error, kept whole (the sink's own error type is candle's).
+    pub failure: Option<TrainError>,
+}
+
+impl<'a> StepInBackward<'a> {
+    pub(crate) fn new(settings: StepSettings<'a>, state: &'a mut OptimizerState) -> Self {
+        let n = settings.params.len();
+        Self { settings, state: Some(state), session: None, pending: vec![None; n], sumsq: 0.0, failure: None }
+    }
+
+    /// Ends the step: waits for the tier's writes (an I/O error is this step's).
+    pub(crate) fn finish(self) -> Result<super::StreamStats, TrainError> {
+        if let Some(e) = self.failure {
+            return Err(e);
+        }
+        match self.session {
+            Some(s) => s.finish(),
+            None => Ok(super::StreamStats::default()),
+        }
+    }
+
+    fn fail(&mut self, e: TrainError) -> candle_core::Error {
+        let message = e.to_string();
+        self.failure.get_or_insert(e);
+        candle_core::Error::Msg(format!("optimizer step inside backward: {message}"))
+    }
+
+    fn step(&mut self, i: usize, grad: Tensor) -> Result<(), TrainError> {
+        let session = self.session.as_mut().ok_or_else(|| {
+            TrainError::Invalid("step in backward: a gradient arrived before backward announced its order".into())
+        })?;
+        let (settings, sumsq) = (&mut self.settings, &mut self.sumsq);
+        session.step(i, &mut |i, buffers| {
+            *sumsq += settings.apply(i, &grad, buffers)?;
+            Ok(())
+        })
+    }
+}
+
+impl GradSink for StepInBackward<'_> {
+    fn expect(&mut self, order: &[usize]) -> candle_core::Result<()> {
+        let Some(state) = self.state.take() else {
+            return Err(self.fail(TrainError::Invalid(
+                "step in backward handles one micro-batch per step (gradient_accumulation_steps: 1)".into(),
+            )));
+        };
+        match state.session(order) {
+            Ok(s) => {
+                self.session = Some(s);
+                Ok(())
+            }
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    fn receive(&mut self, i: usize, grad: Tensor, last: bool) -> candle_core::Result<()> {
+        let grad = match self.pending[i].take() {
+            Some(earlier) => (earlier + grad)?,
+            None => grad,
+        };
+        if !last {
+            self.pending[i] = Some(grad);
+            return Ok(());
+        }
+        self.step(i, grad).map_err(|e| self.fail(e))
+    }
+}
