@@ -38,11 +38,12 @@ use ava_core::{ParamInfo, StateSpec};
 use serde::{Serialize, Serializer};
 
 use self::block::Dims;
-use self::replay::Replay;
+use self::replay::{Replay, StepModel};
 use self::sim::{Cat, Dt};
-use crate::config::{Config, Precision};
+use crate::config::{Config, MasterWeights, Precision};
 use crate::memory::Breakdown;
 use crate::model::ModelSpec;
+use crate::train::HostState;
 
 /// What a term counts towards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -403,10 +404,24 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         terms.push(Term { component, name: name.to_string(), formula, bytes });
     }
 
-    // Parameters.
+    // Parameters: f32 masters (and a cast copy for the forward pass), or the weights in the
+    // compute type only (`train.master_weights`: none, kahan, tier).
     let n = grouped(n_params);
-    add(&mut terms, Component::Parameters, "f32 master weights", format!("4 · N = 4 · {n}"), 4 * n_params);
-    if precision != Precision::Fp32 {
+    let masters = config.train.master_weights;
+    let stored_half = masters != MasterWeights::F32 && precision != Precision::Fp32;
+    let inside = config.train.step_in_backward;
+    if stored_half {
+        add(
+            &mut terms,
+            Component::Parameters,
+            &format!("{} weights (the only resident copy; master_weights: {})", precision.as_str(), masters.as_str()),
+            format!("2 · N = 2 · {n}"),
+            2 * n_params,
+        );
+    } else {
+        add(&mut terms, Component::Parameters, "f32 master weights", format!("4 · N = 4 · {n}"), 4 * n_params);
+    }
+    if precision != Precision::Fp32 && !stored_half {
         add(
             &mut terms,
             Component::Parameters,
@@ -432,13 +447,23 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         dtype: ava_core::DType,
     }
     let mut states: Vec<State> = Vec::new();
+    let host = match (stored_half, masters) {
+        (true, MasterWeights::Tier) => HostState::Master,
+        (true, MasterWeights::Kahan) => HostState::Compensation(match precision {
+            Precision::F16 => ava_core::DType::F16,
+            _ => ava_core::DType::BF16,
+        }),
+        _ => HostState::Nothing,
+    };
     let mut per_param = Vec::with_capacity(defs.len());
     for def in &defs {
         let shape: Vec<u64> = def.shape.iter().map(|&s| s as u64).collect();
-        let layout: Vec<StateSpec> =
+        let mut layout: Vec<StateSpec> =
             plugins.optimizer.state_layout(&ParamInfo::new(&def.name, &shape)).map_err(|e| {
                 EstimateError::Optimizer { param: def.name.clone(), shape: def.shape.clone(), message: e.to_string() }
             })?;
+        // The engine's own buffers, placed with the plugin's: f32 masters, a compensation.
+        layout.extend(host.spec(def.numel()));
         per_param.push(layout.iter().map(StateSpec::bytes).sum::<u64>());
         for spec in layout {
             let per_element = spec.len == def.numel() as u64;
@@ -456,37 +481,27 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
             }
         }
     }
+    // Per parameter, the state bytes its step reads from the tier (0: kept in memory).
+    let mut streamed_bytes = vec![0u64; per_param.len()];
+    let mut streamed_through = None;
     let streamed = match config.offload.tiers.offloaded() {
         Some(share) => {
             let streamed = crate::train::streamed_params(&per_param, config.offload.tiers.in_ram());
-            let (kept, largest): (u64, u64) = per_param
-                .iter()
-                .zip(&streamed)
-                .fold((0, 0), |(k, l), (&b, &s)| if s { (k, l.max(b)) } else { (k + b, l) });
-            let total_streamed = per_param.iter().sum::<u64>() - kept;
+            for ((out, &b), &s) in streamed_bytes.iter_mut().zip(&per_param).zip(&streamed) {
+                *out = if s { b } else { 0 };
+            }
+            let total_streamed = streamed_bytes.iter().sum::<u64>();
+            let kept = per_param.iter().sum::<u64>() - total_streamed;
+            streamed_through = Some((share.name.clone(), total_streamed));
             add(
                 &mut terms,
                 Component::Optimizer,
                 "state kept in memory",
                 format!(
                     "the first parameters' state, up to the ram share of offload.tiers ({:.0}%)",
-                    config.offload.tiers.in_ram() * 100.0
+                    (config.offload.tiers.in_ram() * 100.0).abs()
                 ),
                 kept,
-            );
-            let window = config.offload.prefetch as u64 + 2;
-            add(
-                &mut terms,
-                Component::Optimizer,
-                "streamed state in memory during the step",
-                format!(
-                    "(prefetch + 2) · largest streamed parameter's state = {window} · {}, at most the {} streamed \
-                     through {} (one being updated, the ones read ahead, writes behind)",
-                    render::bytes(largest),
-                    render::bytes(total_streamed),
-                    share.name
-                ),
-                (window * largest).min(total_streamed),
             );
             true
         }
@@ -500,7 +515,12 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         } else {
             format!("Σ over parameters of the state_layout bytes ({dtype})")
         };
-        add(&mut terms, Component::Optimizer, &s.name, formula, s.bytes);
+        let name = match s.name.as_str() {
+            crate::train::MASTER => "f32 master weights (ava.master, with the state)".to_string(),
+            crate::train::COMPENSATION => format!("{} compensation of the weights (ava.kahan)", precision.as_str()),
+            _ => s.name.clone(),
+        };
+        add(&mut terms, Component::Optimizer, &name, formula, s.bytes);
     }
     if states.is_empty() {
         add(&mut terms, Component::Optimizer, "no state", "state_layout is empty for every parameter".into(), 0);
@@ -536,8 +556,17 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
     // Held through the micro-batch: every term so far, the accumulators, the workspace.
     let outside_micro_batch =
         terms.iter().map(|t| t.bytes).sum::<u64>() + if accumulation > 1 { 4 * n_params } else { 0 } + workspace;
-    // What is not activations: the above and this micro-batch's gradients.
-    let fixed = outside_micro_batch + 4 * n_params;
+    // What is not activations: the above and this micro-batch's gradients (inside backward,
+    // only a few at a time).
+    let fixed = outside_micro_batch + if inside { 0 } else { 4 * n_params };
+    let step = StepModel {
+        inside,
+        stored_half,
+        scratch: stored_half && masters != MasterWeights::Tier,
+        after: true,
+        streamed: streamed_bytes,
+        prefetch: config.offload.prefetch,
+    };
     let budget = config.memory.budget.0;
     // 0 would mean "no budget"; a budget already spent leaves the smallest one.
     let target = if budget == 0 { 0 } else { budget.saturating_sub(fixed).max(1) };
@@ -545,7 +574,8 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
     // by default); the replay counts an offloaded input as held, which is what `ram` does.
     let mut ctx = CheckpointContext { budget_bytes: target, offload_available: true };
     let replay = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved)
-        .with_workspace(kernel_workspace[0], kernel_workspace[1]);
+        .with_workspace(kernel_workspace[0], kernel_workspace[1])
+        .with_step(step.clone());
     // The policy predicts the blocks' memory from their facts; the logits, the loss and the
     // gradients in flight are not in them, and its model is coarser than the replay. So the
     // budget it is given is calibrated against the replay: the largest budget whose plan
@@ -559,7 +589,7 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         ava_core::check_plan(&plan, facts.len()).map_err(|message| EstimateError::Plan { message })?;
         let peak = replay.forward_backward(&plan, accumulation > 1);
         // The estimate's peak, as the breakdown below adds it up.
-        let fits = outside_micro_batch + peak.bytes <= budget;
+        let fits = outside_micro_batch + peak.bytes + peak.tier_peak <= budget;
         Ok((plan, peak, fits))
     };
     // `lo` does not give a plan too large (it fits, or is refused), `hi` does: the largest
@@ -641,9 +671,49 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
             4 * n_params,
         );
     }
+    if at(Cat::Step) > 0 {
+        add(
+            &mut terms,
+            Component::Optimizer,
+            "optimizer step's transients at the peak",
+            format!(
+                "the global norm's g² of one gradient (4 · its elements){}{}",
+                if step.scratch { ", one parameter widened to f32 to be stepped (4 · its elements)" } else { "" },
+                if streamed { ", the state of the parameter being stepped, read from the tier" } else { "" }
+            ),
+            at(Cat::Step),
+        );
+    }
+    if let Some((tier, total)) = &streamed_through {
+        add(
+            &mut terms,
+            Component::Optimizer,
+            "streamed state held by the tier (read ahead, written behind)",
+            format!(
+                "at most, as the step goes: the next offload.prefetch = {} parameters' state read ahead and the \
+                 last one's written behind (of the {} streamed through {tier}; a tier that lets more writes wait \
+                 for the disk, as nvme's max_in_flight does, holds up to that much more)",
+                config.offload.prefetch,
+                render::bytes(*total)
+            ),
+            peak.tier_peak,
+        );
+    }
     let grads_now = at(Cat::ParamGrads);
-    let label = if accumulation > 1 { "this micro-batch's f32 gradients" } else { "f32 gradients (the accumulators)" };
-    let formula = if grads_now == 4 * n_params {
+    let label = if inside {
+        "f32 gradients in flight (each stepped inside backward and freed)"
+    } else if accumulation > 1 {
+        "this micro-batch's f32 gradients"
+    } else {
+        "f32 gradients (the accumulators)"
+    };
+    let formula = if inside {
+        format!(
+            "4 · {} elements at the peak (a stretch's gradients{}), of N = {n}",
+            grouped(grads_now / 4),
+            if step.scratch { " and a parameter's f32 scratch" } else { "" }
+        )
+    } else if grads_now >= 4 * n_params {
         format!("4 · N = 4 · {n} (all: the peak comes after the backward)")
     } else {
         format!("4 · {} of N = {n} elements (produced by the backward before the peak)", grouped(grads_now / 4))
@@ -748,6 +818,8 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         workspace,
     );
 
+    // Grouped by component, in the order they were added within each.
+    terms.sort_by_key(|t| Component::ALL.iter().position(|c| *c == t.component));
     let sum = |c: Component| terms.iter().filter(|t| t.component == c).map(|t| t.bytes).sum::<u64>();
     let mut breakdown = Breakdown {
         params: sum(Component::Parameters),

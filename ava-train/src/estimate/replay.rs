@@ -14,6 +14,30 @@ use super::sim::{self, Buf, Cat, Dt, Fused, GradStore, Meter, T, backward};
 use crate::model::fused::RopeTables;
 use crate::model::{BlockIndex, MlpIndex, ModelSpec, ParamDef, ParamIndex};
 
+/// How the optimizer step runs, as far as memory goes (`train::optim`, `train::in_backward`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct StepModel {
+    /// Each parameter is stepped as soon as its gradient is final and the gradient freed
+    /// (`train.step_in_backward`); otherwise all gradients are held until after backward,
+    /// where the step also computes their norm (one g² per gradient, freed at once).
+    pub inside: bool,
+    /// The weights are stored in the compute type with no f32 master in memory
+    /// (`master_weights: none | kahan | tier`): no cast copy for the forward pass.
+    pub stored_half: bool,
+    /// Each step widens its parameter into an f32 scratch (`none`, `kahan`; a `tier` master
+    /// is itself the f32 copy).
+    pub scratch: bool,
+    /// Replay the step after backward too (a whole training step, not only a micro-batch's
+    /// forward and backward).
+    pub after: bool,
+    /// Per parameter, the bytes of its state the engine reads from the offload tier for its
+    /// step and frees once the tier has them back (0: the state stays in memory).
+    pub streamed: Vec<u64>,
+    /// Streamed parameters whose records the tier reads ahead of the one being stepped
+    /// (`offload.prefetch`).
+    pub prefetch: usize,
+}
+
 /// A block's output and its load-balancing loss (MoE).
 struct BlockOut {
     hidden: T,
@@ -48,6 +72,9 @@ pub(crate) struct MicroBatchPeak {
     pub phase: String,
     /// The backward op being processed at the peak, if any.
     pub op: &'static str,
+    /// The most the offload tier holds of the streamed state at once, in the order the
+    /// parameters were stepped: the records read ahead and the one written behind.
+    pub tier_peak: u64,
 }
 
 /// The model on shadow tensors: parameters, their compute-type casts, rotary tables.
@@ -61,6 +88,10 @@ pub(crate) struct Replay<'a> {
     saved_len: u64,
     /// The kernel's declared workspace, forward and backward (f32s).
     workspace: [u64; 2],
+    /// How the optimizer steps the parameters (`train.master_weights`, `step_in_backward`).
+    step: StepModel,
+    /// The streamed parameters in the order the replay stepped them.
+    stepped: std::cell::RefCell<Vec<usize>>,
     defs: Vec<ParamDef>,
     vars: Vec<T>,
     weights: Vec<T>,
@@ -132,6 +163,8 @@ impl<'a> Replay<'a> {
             f32_matmul,
             saved_len,
             workspace: [0, 0],
+            step: StepModel::default(),
+            stepped: Default::default(),
             defs,
             vars,
             weights,
@@ -146,6 +179,19 @@ impl<'a> Replay<'a> {
     /// With an attention kernel that declares `forward` and `backward` f32s of workspace.
     pub(crate) fn with_workspace(mut self, forward: u64, backward: u64) -> Self {
         self.workspace = [forward, backward];
+        self
+    }
+
+    /// With the optimizer step modelled as `step` (the weights stored in the compute type
+    /// when it says so: the cast copies then do not exist).
+    pub(crate) fn with_step(mut self, step: StepModel) -> Self {
+        if step.stored_half && self.dtype != Dt::F32 {
+            self.meter.set_cat(Cat::Params);
+            self.weights.clear();
+            self.vars = self.defs.iter().map(|d| T::param_as(&self.meter, &d.shape, self.dtype)).collect();
+            self.weights = self.vars.clone();
+        }
+        self.step = step;
         self
     }
 
@@ -316,6 +362,11 @@ impl<'a> Replay<'a> {
                     Some(acc) => acc.add(&g),
                     None => g,
                 });
+                // Stepped at once, unless it is the embedding's head use (tied), which waits
+                // for the embedding's own stretch (the one without a start).
+                if self.step.inside && (start.is_none() || i != 0) {
+                    self.step_param(i, grads);
+                }
             }
         }
         let start = start.and_then(|v| store.remove(v)).map(|g| g.detach());
@@ -324,12 +375,30 @@ impl<'a> Replay<'a> {
         start
     }
 
+    /// The optimizer step of parameter `i`: its f32 scratch while it is stepped, then its
+    /// gradient freed.
+    fn step_param(&self, i: usize, grads: &mut [Option<T>]) {
+        self.meter.set_cat(Cat::Step);
+        // The state read from the tier (its buffers, as the plugin lays them out).
+        let state = self.step.streamed.get(i).filter(|&&b| b > 0).map(|&b| {
+            self.stepped.borrow_mut().push(i);
+            T::new(&self.meter, &[b.div_ceil(4) as usize], Dt::F32) // (state bytes / 4,)
+        });
+        if self.step.scratch {
+            drop(T::new(&self.meter, &self.defs[i].shape, Dt::F32)); // (numel,) widened weights
+        }
+        drop(state);
+        self.meter.set_cat(Cat::ParamGrads);
+        grads[i] = None;
+    }
+
     /// `recompute::forward_backward` for one micro-batch under `plan` (an `Offload` block
     /// without an offload tier keeps its input in memory, as the engine does). With
     /// `accumulating`, gradient accumulators from an earlier micro-batch are held throughout
     /// and this micro-batch's gradients are added to them at the end. Returns the peak above
     /// what was held before the call (parameters, casts, accumulators, the batch).
     pub(crate) fn forward_backward(&self, plan: &[BlockDecision], accumulating: bool) -> MicroBatchPeak {
+        self.stepped.borrow_mut().clear();
         let m = &self.meter;
         let (b, t) = (self.batch, self.seq);
         m.set_cat(Cat::Accumulators);
@@ -441,13 +510,44 @@ impl<'a> Replay<'a> {
                 }
             }
         }
+        if self.step.after && !self.step.inside {
+            // The step after backward: the global norm (g² of each gradient, one at a
+            // time), then each parameter stepped and its gradient freed, in model order.
+            m.set_phase("optimizer step".into());
+            m.set_cat(Cat::Step);
+            for g in accumulators.iter().flatten() {
+                drop(T::new(m, g.dims(), Dt::F32)); // g²
+            }
+            for i in 0..accumulators.len() {
+                if accumulators[i].is_some() {
+                    self.step_param(i, &mut accumulators);
+                }
+            }
+        }
         let peak = m.peak();
         let mut by_cat = peak.by_cat;
         for (c, b) in by_cat.iter_mut().zip(before) {
             *c = c.saturating_sub(b);
         }
         drop(accumulators);
-        MicroBatchPeak { bytes: peak.bytes - before.iter().sum::<u64>(), by_cat, phase: peak.phase, op: peak.op }
+        MicroBatchPeak {
+            bytes: peak.bytes - before.iter().sum::<u64>(),
+            by_cat,
+            phase: peak.phase,
+            op: peak.op,
+            tier_peak: self.tier_peak(),
+        }
+    }
+
+    /// What the tier holds at most while the stepped parameters stream through it, as
+    /// `train::optim`'s session drives it: `prefetch` records read ahead before the first
+    /// step; then, stepping the k-th, the next `prefetch` read ahead and the k-th's new
+    /// record waiting to be written.
+    fn tier_peak(&self) -> u64 {
+        let order = self.stepped.borrow();
+        let bytes = |k: usize| order.get(k).map_or(0, |&i| self.step.streamed[i]);
+        let ahead = |from: usize| (from..from + self.step.prefetch).map(bytes).sum::<u64>();
+        (0..order.len()).map(|k| ahead(k + 1) + bytes(k)).fold(ahead(0), u64::max)
     }
 }
 

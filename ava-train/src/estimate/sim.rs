@@ -62,10 +62,12 @@ pub(crate) enum Cat {
     ParamGrads,
     /// The attention kernel's workspace, while a forward or backward call runs.
     AttnWorkspace,
+    /// The optimizer step's transients: the norm's g², a parameter's f32 scratch.
+    Step,
 }
 
 /// Number of [`Cat`] values.
-pub(crate) const CATS: usize = 11;
+pub(crate) const CATS: usize = 12;
 
 /// Where the peak happened and what held the bytes then.
 #[derive(Debug, Clone, Default)]
@@ -347,7 +349,12 @@ impl T {
 
     /// A model parameter: an f32 `Var`, counted under [`Cat::Params`].
     pub(crate) fn param(meter: &Rc<Meter>, dims: &[usize]) -> T {
-        let t = T::fresh(meter, dims.to_vec(), Dt::F32, None, true, Some(Cat::Params));
+        T::param_as(meter, dims, Dt::F32)
+    }
+
+    /// A model parameter stored as `dtype`.
+    pub(crate) fn param_as(meter: &Rc<Meter>, dims: &[usize], dtype: Dt) -> T {
+        let t = T::fresh(meter, dims.to_vec(), dtype, None, true, Some(Cat::Params));
         let mut inner = Rc::try_unwrap(t.0).expect("fresh tensor");
         inner.param = true;
         T(Rc::new(inner))
