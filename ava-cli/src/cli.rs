@@ -85,20 +85,25 @@ pub enum Command {
     #[command(subcommand)]
     Bench(BenchCommand),
     /// Find configurations that fit a memory budget: searches the micro-batch (gradient
-    /// accumulation keeps the effective batch), precision, checkpoint policy, attention
-    /// kernel and optimizer among the installed plugins, estimates each (as `ava estimate`)
-    /// and ranks those that fit by predicted step time.
+    /// accumulation keeps the effective batch), precision, where the weights live
+    /// (train.master_weights: f32 masters, bf16 only, or masters in the offload tier), the
+    /// optimizer step inside backward (with one micro-batch a step), checkpoint policy,
+    /// attention kernel and optimizer among the installed plugins, and with --offload the
+    /// optimizer state on disk; estimates each (as `ava estimate`) and ranks those that fit
+    /// by predicted step time.
     ///
     /// Step time is predicted from FLOPs: three passes of the blocks and head, one more
     /// forward of each recomputed block, and this CPU engine's measured costs (ava bench):
     /// the attention kernel against standard (flash 1.06x), bf16 (2.2x fp32), a micro-step's
-    /// fixed cost, each optimizer's step. It is relative to the config as given. Offload is
-    /// not searched yet.
+    /// fixed cost, each optimizer's step, rounding bf16-only weights, and the disk traffic
+    /// a streaming plan waits for (less when the step runs inside backward). It is relative
+    /// to the config as given.
     ///
     /// Examples:
     ///   ava plan --budget 24GiB -c configs/small.yaml
     ///   ava plan --budget rtx-4090-24gb --model llama-7b
     ///   ava plan --budget 200MiB -c configs/small.yaml --write small-200m.yaml && ava train -c small-200m.yaml
+    ///   ava plan --budget 24GiB -c configs/llama-7b-24gb.yaml --offload nvme:/mnt/nvme
     #[command(verbatim_doc_comment)]
     Plan(PlanArgs),
     /// Report on runs from their metrics.jsonl. One run: a summary (loss, validation loss
@@ -145,6 +150,12 @@ pub struct PlanArgs {
     /// Write the fastest configuration that fits to FILE (YAML), ready for `ava train -c FILE`.
     #[arg(long, value_name = "FILE")]
     pub write: Option<PathBuf>,
+    /// Also search streaming the optimizer state, and the f32 master weights, through this
+    /// offload tier, TIER:PATH (e.g. nvme:/mnt/nvme): what it holds leaves memory, at the
+    /// cost of the disk traffic each step (hidden behind backward when the step runs inside
+    /// it). The plan checks the disk has room for the records.
+    #[arg(long, value_name = "TIER:PATH")]
+    pub offload: Option<String>,
 }
 
 /// `ava train` options.
@@ -206,6 +217,18 @@ pub enum BenchCommand {
         /// Steps run first and not measured.
         #[arg(long, default_value_t = 2, value_name = "N")]
         warmup: u64,
+        /// Compare the memory modes on the config's model, one after another: fp32; bf16
+        /// with f32 masters; bf16 weights only (stochastic rounding); the same with the
+        /// optimizer step inside backward; and, with --offload, the state (and the f32
+        /// masters) streamed through the tier. Every mode runs one micro-batch per step
+        /// with no clipping (what stepping inside backward needs), so they do the same work.
+        #[arg(long)]
+        modes: bool,
+        /// With --modes: also stream the optimizer state through this tier, TIER:PATH
+        /// (e.g. nvme:/mnt/nvme), and report the disk traffic and the time the step waited
+        /// on it.
+        #[arg(long, value_name = "TIER:PATH")]
+        offload: Option<String>,
     },
     /// Attention kernels head to head: time, saved-for-backward memory, peak memory and
     /// accuracy against the dense kernel with the same mask, per sequence length.

@@ -237,3 +237,76 @@ fn a_model_three_times_over_the_hard_limit_trains_under_it() {
         );
     }
 }
+
+/// `ava plan --offload nvme:PATH` on the proof's model with Lion (whose state the planner
+/// cannot swap for a smaller one) and a third of the plain config's peak: only plans that
+/// stream the state to disk fit; the one it writes trains under the budget, as planned.
+/// A malformed --offload and a tier that is not installed are refused with what to write.
+#[test]
+fn plan_streams_the_state_to_disk_when_nothing_else_fits() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("nvme");
+    std::fs::create_dir_all(&disk).unwrap();
+    let model = [
+        "model.vocab_size=256",
+        "model.hidden_size=256",
+        "model.num_layers=12",
+        "model.num_heads=4",
+        "model.num_kv_heads=4",
+        "model.intermediate_size=704",
+        "data.seq_len=32",
+        "train.micro_batch_size=1",
+        "train.gradient_accumulation_steps=1",
+        "plugins.optimizer=lion",
+        "plugins.checkpoint=none",
+    ];
+    let with = |head: &[&str]| {
+        let mut args: Vec<String> = head.iter().map(|s| s.to_string()).collect();
+        args.extend(set(&model));
+        args
+    };
+    let call = |args: &[String]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        common::ava(dir.path(), &args)
+    };
+    let plain = common::json_of(&ok(call(&with(&["--format", "json", "estimate"]))));
+    let naive = plain["breakdown"]["peak"].as_u64().unwrap();
+    let budget = (naive / 3).to_string();
+    let offload = format!("nvme:{}", disk.display());
+    let plan = common::json_of(&ok(call(&with(&[
+        "--format",
+        "json",
+        "plan",
+        "--budget",
+        &budget,
+        "--offload",
+        &offload,
+        "--write",
+        "planned.yaml",
+    ]))));
+    let best = &plan["configs"][0];
+    println!("budget {budget} (plain {naive}): {best}");
+    assert_eq!(best["offload"]["tier"], "nvme", "{plan}");
+    assert_eq!(best["precision"], "bf16", "{plan}");
+    assert!(best["offloaded_bytes"].as_u64().unwrap() > 0, "{plan}");
+    assert!(best["peak"].as_u64().unwrap() < budget.parse::<u64>().unwrap(), "{plan}");
+    let out = ok(common::ava(
+        dir.path(),
+        &["--format", "json", "train", "-c", "planned.yaml", "--max-steps", "4", "--set", "train.out_dir=planned"],
+    ));
+    let measured = common::json_of(&out)["peak_bytes"].as_u64().unwrap();
+    println!("measured {measured}");
+    assert!(measured <= budget.parse::<u64>().unwrap(), "the planned run peaked at {measured}, over {budget}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("streams through nvme"), "{err}");
+
+    let out = call(&with(&["plan", "--budget", &budget, "--offload", "nvme"]));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--offload \"nvme\": no ':' between the tier and its path; expected TIER:PATH"), "{err}");
+    let out = call(&with(&["plan", "--budget", &budget, "--offload", "tape:/tmp"]));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--offload \"tape:/tmp\": the tier cannot be made there") && err.contains("tape"), "{err}");
+}

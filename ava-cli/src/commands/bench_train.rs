@@ -1,7 +1,9 @@
 //! `ava bench train`: training throughput on a config. Measures tokens/s over a number of
 //! steps after a warmup, converts to model FLOP/s (6·N_matmul + 12·L·d·T per token), and
 //! compares with this machine's candle f32 matmul rate sampled between the steps (MFU). Also
-//! prints the memory breakdown of the last step and where step time went.
+//! prints the memory breakdown of the last step and where step time went. With `--modes`,
+//! the same model in each memory mode side by side: peak, parts, step time, and the tier's
+//! traffic and the time the step waited on it.
 
 use std::time::Instant;
 
@@ -14,6 +16,7 @@ use serde_json::json;
 
 use crate::{CmdResult, Failure, cli::ConfigArgs, context, output::Printer};
 
+use super::offload_arg::OffloadArg;
 use super::train::{failure, set_threads};
 
 /// The two matmul rates the bench compares against, sampled between the measured steps so
@@ -170,6 +173,197 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
             "memory": m,
             "offload_bytes": last.offload_bytes,
             "profile": ops.iter().map(|(n, s, f)| json!({"scope": n, "seconds_per_step": s, "share": f})).collect::<Vec<_>>(),
+        })
+    });
+    Ok(())
+}
+
+/// One memory mode of `--modes`: its label and the settings that make it.
+struct Mode {
+    label: String,
+    sets: Vec<String>,
+    /// For a mode whose state streams through the `--offload` tier: the mode that is the
+    /// same with everything in memory.
+    in_memory: Option<&'static str>,
+}
+
+/// The modes `--modes` compares, lightest last.
+fn modes(offload: Option<&OffloadArg>) -> Vec<Mode> {
+    let mode = |label: &str, sets: &[&str]| Mode {
+        label: label.to_string(),
+        sets: sets.iter().map(|s| s.to_string()).chain(["offload.tiers=[ram: 100%]".to_string()]).collect(),
+        in_memory: None,
+    };
+    let bf16 = "train.precision=bf16";
+    let mut out = vec![
+        mode("fp32", &["train.precision=fp32", "train.master_weights=f32", "train.step_in_backward=false"]),
+        mode("bf16, f32 masters", &[bf16, "train.master_weights=f32", "train.step_in_backward=false"]),
+        mode("bf16 only (stochastic rounding)", &[bf16, "train.master_weights=none", "train.step_in_backward=false"]),
+        mode("bf16 only, step in backward", &[bf16, "train.master_weights=none", "train.step_in_backward=true"]),
+    ];
+    if offload.is_some() {
+        out.push(mode(
+            "bf16, f32 masters, step in backward",
+            &[bf16, "train.master_weights=f32", "train.step_in_backward=true"],
+        ));
+    }
+    if let Some(o) = offload {
+        let streamed = |label: String, masters: &str, in_memory| Mode {
+            label,
+            sets: [bf16.to_string(), format!("train.master_weights={masters}"), "train.step_in_backward=true".into()]
+                .into_iter()
+                .chain(o.sets())
+                .collect(),
+            in_memory: Some(in_memory),
+        };
+        out.push(streamed(
+            format!("bf16 only, step in backward, state on {}", o.tier),
+            "none",
+            "bf16 only, step in backward",
+        ));
+        out.push(streamed(
+            format!("bf16, step in backward, masters and state on {}", o.tier),
+            "tier",
+            "bf16, f32 masters, step in backward",
+        ));
+    }
+    out
+}
+
+/// What one mode measured.
+struct Measured {
+    label: String,
+    step_seconds: f64,
+    memory: ava_train::memory::Breakdown,
+    /// Per step: bytes read from and written to the tier, seconds waited on it.
+    stream: Option<(f64, f64, f64)>,
+    /// The step time of the same mode with everything in memory.
+    in_memory: Option<&'static str>,
+}
+
+/// `ava bench train --modes`: the config's model in each memory mode (see [`modes`]).
+pub fn run_modes(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64, offload: Option<&str>) -> CmdResult {
+    if steps == 0 {
+        return Err(Failure::Usage(anyhow::anyhow!("--steps must be at least 1")));
+    }
+    let ctx = context::load_checked(args, p)?;
+    let offload = offload.map(|o| OffloadArg::parse(o, &ctx.registry)).transpose()?;
+    let all = modes(offload.as_ref());
+    p.note(&format!(
+        "bench: {} memory modes, {warmup} warmup + {steps} measured steps each, one micro-batch a step and no \
+         clipping in every mode (train.gradient_accumulation_steps: 1, train.grad_clip: 0)",
+        all.len()
+    ));
+    let mut results = Vec::new();
+    for mode in &all {
+        let mut mode_args = args.clone();
+        mode_args.set.extend(
+            ["train.gradient_accumulation_steps=1".to_string(), "train.grad_clip=0".to_string()]
+                .into_iter()
+                .chain(mode.sets.iter().cloned()),
+        );
+        let mut config = context::load_config(&mode_args, p)?.into_config();
+        let tmp = tempfile::tempdir()?;
+        config.train.out_dir = tmp.path().to_path_buf();
+        config.train.max_steps = config.train.max_steps.max(warmup + steps);
+        set_threads(config.train.threads);
+        p.note(&format!("bench: {}", mode.label));
+        let mut trainer = Trainer::new(&config, &ctx.registry, &TrainOptions::default()).map_err(failure)?;
+        for _ in 0..warmup {
+            trainer.train_step().map_err(failure)?;
+        }
+        let (mut times, mut last, mut io) = (Vec::new(), None, (0.0, 0.0, 0.0));
+        for _ in 0..steps {
+            let start = Instant::now();
+            let record = trainer.train_step().map_err(failure)?;
+            times.push(start.elapsed().as_secs_f64());
+            if let Some(s) = &record.stream {
+                io.0 += s.read_bytes as f64 / steps as f64;
+                io.1 += s.written_bytes as f64 / steps as f64;
+                io.2 += s.wait_seconds / steps as f64;
+            }
+            last = Some(record);
+        }
+        let last = last.expect("at least one step");
+        results.push(Measured {
+            label: mode.label.clone(),
+            step_seconds: median(&times),
+            memory: last.memory,
+            stream: last.stream.map(|_| io),
+            in_memory: mode.in_memory,
+        });
+    }
+    let first = results[0].step_seconds;
+    // A streamed mode against the same one with the state in memory.
+    let against = |r: &Measured| {
+        let twin = results.iter().find(|m| Some(m.label.as_str()) == r.in_memory)?;
+        Some((twin.label.clone(), r.step_seconds / twin.step_seconds))
+    };
+    let text = || {
+        let headers = [
+            "mode",
+            "peak",
+            "params / grads / optimizer / activations",
+            "step",
+            "× fp32",
+            "tier: read + written, waited",
+        ];
+        let rows: Vec<Vec<String>> = results
+            .iter()
+            .map(|r| {
+                let m = &r.memory;
+                vec![
+                    r.label.clone(),
+                    format!("{:.3} GiB", gib(m.peak)),
+                    format!(
+                        "{:.3} / {:.3} / {:.3} / {:.3}",
+                        gib(m.params),
+                        gib(m.grads),
+                        gib(m.optimizer),
+                        gib(m.activations)
+                    ),
+                    format!("{:.1} ms", 1e3 * r.step_seconds),
+                    format!("×{:.2}", r.step_seconds / first),
+                    match r.stream {
+                        Some((read, written, wait)) => format!(
+                            "{:.1} + {:.1} MiB, {:.1} ms ({:.2} GB/s over the step)",
+                            read / (1u64 << 20) as f64,
+                            written / (1u64 << 20) as f64,
+                            1e3 * wait,
+                            (read + written) / r.step_seconds / 1e9
+                        ),
+                        None => "-".into(),
+                    },
+                ]
+            })
+            .collect();
+        let mut out = crate::output::table(&headers, &rows);
+        out.push_str("\nstep: median of the measured steps; peak and its parts: the last step's (the optimizer column holds the streamed state in memory at its most)");
+        for r in &results {
+            if let Some((twin, ratio)) = against(r) {
+                let (_, _, wait) = r.stream.unwrap_or_default();
+                out.push_str(&format!(
+                    "\n{}: ×{ratio:.2} the step of \"{twin}\" (all in memory); it waited {:.1} ms a step on the tier, \
+                     the rest of its traffic was hidden behind compute",
+                    r.label,
+                    1e3 * wait
+                ));
+            }
+        }
+        out
+    };
+    p.result(text, || {
+        json!({
+            "modes": results.iter().map(|r| json!({
+                "mode": r.label,
+                "step_seconds": r.step_seconds,
+                "relative_to_fp32": r.step_seconds / first,
+                "memory": r.memory,
+                "tier_read_bytes_per_step": r.stream.map(|s| s.0),
+                "tier_written_bytes_per_step": r.stream.map(|s| s.1),
+                "tier_wait_seconds_per_step": r.stream.map(|s| s.2),
+                "relative_to_state_in_memory": against(r).map(|(_, ratio)| ratio),
+            })).collect::<Vec<_>>(),
         })
     });
     Ok(())

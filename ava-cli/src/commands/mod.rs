@@ -8,6 +8,7 @@ mod bench_train;
 mod config_show;
 mod config_validate;
 mod estimate;
+mod offload_arg;
 mod plan;
 mod plugins_disable;
 mod plugins_enable;
@@ -34,7 +35,18 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
         Command::Estimate { config } => estimate::run(p, &config),
         Command::Plan(args) => plan::run(p, &args),
         Command::Report(args) => report::run(p, &args),
-        Command::Bench(BenchCommand::Train { config, steps, warmup }) => bench_train::run(p, &config, steps, warmup),
+        Command::Bench(BenchCommand::Train { config, steps, warmup, modes, offload }) => {
+            if modes {
+                bench_train::run_modes(p, &config, steps, warmup, offload.as_deref())
+            } else if offload.is_some() {
+                Err(crate::Failure::Usage(anyhow::anyhow!(
+                    "--offload goes with --modes (it adds the modes that stream the state through the tier); to \
+                     bench one config with a tier, set plugins.offload and offload.tiers in it"
+                )))
+            } else {
+                bench_train::run(p, &config, steps, warmup)
+            }
+        }
         Command::Bench(BenchCommand::Attention(args)) => bench_attention::run(p, &args),
         Command::Bench(BenchCommand::Optimizer(args)) => bench_optimizer::run(p, &args),
         Command::Bench(BenchCommand::Offload(args)) => bench_offload::run(p, &args),

@@ -1,24 +1,29 @@
 //! `ava plan`: searches the micro-batch (gradient accumulation keeps the effective batch),
-//! the precision, the checkpoint policy, the attention kernel and the optimizer among the
-//! installed plugins, estimates each combination with the estimator, and ranks those that
-//! fit the budget by predicted step time. `--write FILE` writes the best as a config.
+//! the precision, where the weights live (`train.master_weights`), whether the optimizer
+//! steps inside backward, the checkpoint policy, the attention kernel and the optimizer
+//! among the installed plugins, and with `--offload TIER:PATH` streaming the optimizer state
+//! (and masters) through that tier; estimates each combination with the estimator, and
+//! ranks those that fit the budget by predicted step time. `--write FILE` writes the best
+//! as a config.
 //!
 //! The time model counts FLOPs: `accumulation · (3·F + R + K + M)` with F the forward FLOPs
 //! of the blocks and the head, R those of the blocks the plan recomputes (one more forward
 //! each), K the attention kernel's measured cost over standard's on its share, M a
 //! micro-step's fixed cost; times the precision's cost on this CPU engine; plus each
-//! optimizer's per-parameter step cost.
+//! optimizer's per-parameter step cost, the rounding of weights kept only in bf16, and the
+//! part of the tier's traffic the step waits for.
 //! The constants are this engine's measurements (README: `ava bench train`, `ava bench
 //! optimizer` on this project's CI machine); times are relative to the config as given.
 
 use std::path::PathBuf;
 
 use ava_core::{PluginKind, format_size, parse_size};
-use ava_train::config::{Config, PluginSelection, Precision};
+use ava_train::config::{Config, MasterWeights, PluginSelection, Precision, TierShare, Tiers};
 use ava_train::estimate::{Estimate, Plugins, estimate};
 use ava_train::model::ModelSpec;
 use serde_json::json;
 
+use super::offload_arg::OffloadArg;
 use crate::{CmdResult, Failure, UsageExt, cli::PlanArgs, context, output::Printer};
 
 /// Device presets: (name, bytes on the device, bytes the plan may use).
@@ -89,6 +94,19 @@ fn optimizer_cost(name: &str) -> f64 {
         }
 }
 
+/// Rounding a parameter kept only in bf16 back after its step (stochastic rounding: a
+/// random draw per element), in forward-FLOP equivalents per parameter.
+const ROUNDING_COST: f64 = 20.0;
+
+/// This engine's rate in forward-FLOP equivalents per second, to turn the seconds a step
+/// waits on the offload tier into the cost model's units.
+const ENGINE_RATE: f64 = 25e9;
+
+/// Seconds a step waits on the tier per byte it streams (read and written): with the step
+/// inside backward most of the traffic hides behind compute; after backward, reads ahead
+/// hide behind other parameters' updates only.
+const TIER_WAIT_PER_BYTE: [f64; 2] = [2.0e-9, 0.5e-9];
+
 /// An attention kernel's forward + backward time against `standard`'s: flash took
 /// 1.01–1.11× standard's (it recomputes the scores in backward, in tiles that stay in
 /// cache), `ava bench attention --kernels standard,flash --seq 256,1024 --heads 4
@@ -142,6 +160,12 @@ struct Candidate {
     attention: PluginSelection,
     optimizer: PluginSelection,
     checkpoint: PluginSelection,
+    /// `train.master_weights`.
+    masters: MasterWeights,
+    /// `train.step_in_backward` (with `train.grad_clip: 0`).
+    in_backward: bool,
+    /// The optimizer state (and `tier` masters) stream through the `--offload` tier.
+    offload: Option<OffloadArg>,
 }
 
 impl Candidate {
@@ -164,7 +188,35 @@ impl Candidate {
                 format!("plugins.checkpoint={}", sel(&self.checkpoint))
             },
             format!("memory.budget={budget}"),
+            format!("train.master_weights={}", self.masters.as_str()),
+            format!("train.step_in_backward={}", self.in_backward),
         ]
+        .into_iter()
+        // Stepping inside backward cannot wait for the global norm.
+        .chain(self.in_backward.then(|| "train.grad_clip=0".to_string()))
+        .chain(self.offload.iter().flat_map(OffloadArg::sets))
+        .collect()
+    }
+
+    /// Applies the candidate to a config (as [`sets`](Self::sets) does to a file).
+    fn apply(&self, config: &mut Config) {
+        config.train.micro_batch_size = self.micro_batch;
+        config.train.gradient_accumulation_steps = self.accumulation;
+        config.train.precision = self.precision;
+        config.plugins.attention = self.attention.clone();
+        config.plugins.optimizer = self.optimizer.clone();
+        config.plugins.checkpoint = self.checkpoint.clone();
+        config.train.master_weights = self.masters;
+        config.train.step_in_backward = self.in_backward;
+        if self.in_backward {
+            config.train.grad_clip = 0.0;
+        }
+        if let Some(o) = &self.offload {
+            let mut tier = PluginSelection::new(o.tier.clone());
+            tier.options.insert("path".into(), json!(o.path));
+            config.plugins.offload = tier;
+            config.offload.tiers = Tiers(vec![TierShare { name: o.tier.clone(), fraction: 1.0 }]);
+        }
     }
 }
 
@@ -193,6 +245,13 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     let base = context::load_config(&config_args, p)?.into_config();
     let spec = ava_train::train::model_spec(&base).usage()?;
     let registry = &ctx.registry;
+    let offload = args.offload.as_deref().map(|o| OffloadArg::parse(o, registry)).transpose()?;
+    // The tier whose preflight checks each streaming plan's records fit on its disk.
+    let tier = match &offload {
+        Some(o) => Some(registry.offload(&o.tier, &o.options_json()).usage()?),
+        None => None,
+    };
+    let base_offloaded = base.offload.tiers.offloaded().is_some();
 
     // The choices. Attention: the configured kernel, and flash for standard (the same
     // attention, O(T) memory); kernels that change what attends to what are not offered.
@@ -239,20 +298,58 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         .filter(|m| effective % m == 0)
         .collect();
 
+    // Where the weights live and when the optimizer steps: f32 masters always; with half
+    // precision, the bf16 weights alone (stochastic rounding), or their masters in the tier;
+    // the step inside backward with one micro-batch a step (not with f16, whose loss scale
+    // needs the whole gradient first).
+    let weight_modes = |precision: Precision, accumulation: usize| {
+        let mut masters = vec![MasterWeights::F32];
+        if precision != Precision::Fp32 {
+            masters.push(MasterWeights::None);
+            if base.train.master_weights == MasterWeights::Kahan {
+                masters.push(MasterWeights::Kahan);
+            }
+        }
+        let mut out = Vec::new();
+        for offloaded in [false, true] {
+            if offloaded && offload.is_none() {
+                continue;
+            }
+            let mut these = masters.clone();
+            if precision != Precision::Fp32 && (offloaded || base_offloaded) {
+                these.push(MasterWeights::Tier);
+            }
+            for &m in &these {
+                for in_backward in [false, true] {
+                    if in_backward && (accumulation != 1 || precision == Precision::F16) {
+                        continue;
+                    }
+                    out.push((m, in_backward, offloaded.then(|| offload.clone()).flatten()));
+                }
+            }
+        }
+        out
+    };
     let mut candidates = Vec::new();
     for attention in &attentions {
         for optimizer in &optimizers {
             for &precision in &precisions {
                 for &micro_batch in &micro_batches {
-                    for checkpoint in &checkpoints {
-                        candidates.push(Candidate {
-                            micro_batch,
-                            accumulation: effective / micro_batch,
-                            precision,
-                            attention: attention.clone(),
-                            optimizer: optimizer.clone(),
-                            checkpoint: checkpoint.clone(),
-                        });
+                    let accumulation = effective / micro_batch;
+                    for (masters, in_backward, offload) in weight_modes(precision, accumulation) {
+                        for checkpoint in &checkpoints {
+                            candidates.push(Candidate {
+                                micro_batch,
+                                accumulation,
+                                precision,
+                                attention: attention.clone(),
+                                optimizer: optimizer.clone(),
+                                checkpoint: checkpoint.clone(),
+                                masters,
+                                in_backward,
+                                offload: offload.clone(),
+                            });
+                        }
                     }
                 }
             }
@@ -260,10 +357,20 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     }
     let total = candidates.len();
     let mut planned = Vec::new();
-    let mut refused = 0;
+    let (mut refused, mut no_room) = (0, None);
     for c in candidates {
         match plan_one(registry, &spec, &base, &c, aim) {
-            Ok(Some(x)) => planned.push(x),
+            Ok(Some(x)) => {
+                // A plan that streams must fit on the tier's disk.
+                if let (Some(tier), true) = (&tier, x.candidate.offload.is_some()) {
+                    if let Err(e) = tier.preflight(&x.estimate.offload_records) {
+                        no_room.get_or_insert(e.to_string());
+                        refused += 1;
+                        continue;
+                    }
+                }
+                planned.push(x)
+            }
             Ok(None) | Err(_) => refused += 1,
         }
     }
@@ -275,6 +382,9 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         attention: base.plugins.attention.clone(),
         optimizer: base.plugins.optimizer.clone(),
         checkpoint: base.plugins.checkpoint.clone(),
+        masters: base.train.master_weights,
+        in_backward: base.train.step_in_backward,
+        offload: None,
     };
     let reference = plan_one(registry, &spec, &base, &given, 0).ok().flatten();
     let reference_cost = reference.as_ref().map_or(1.0, |r| r.cost);
@@ -291,13 +401,15 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     fitting.sort_by(|a, b| key(a).cmp(&key(b)).then(a.estimate.breakdown.peak.cmp(&b.estimate.breakdown.peak)));
     let Some(best) = fitting.first() else {
         let smallest = planned.iter().min_by_key(|x| x.estimate.breakdown.peak);
+        let offload_hint =
+            if offload.is_none() { ", stream the optimizer state to disk (--offload nvme:/path)" } else { "" };
         return Err(Failure::Usage(anyhow::anyhow!(
             "no configuration fits {budget_text} (plans aim under {}, the memory policy's target): of {total} searched, \
-             the smallest peak is {}{}; lower data.seq_len, \
-             use a smaller model, or give a larger budget",
+             the smallest peak is {}{}{}; lower data.seq_len{offload_hint}, use a smaller model, or give a larger budget",
             format_size(aim),
             smallest.map_or("unknown".into(), |s| format_size(s.estimate.breakdown.peak)),
-            smallest.map_or(String::new(), |s| format!(" ({})", describe(&s.candidate, &s.estimate)))
+            smallest.map_or(String::new(), |s| format!(" ({})", describe(&s.candidate, &s.estimate))),
+            no_room.as_ref().map_or(String::new(), |e| format!("; plans that stream were refused: {e}"))
         )));
     };
 
@@ -324,7 +436,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                     if r.estimate.breakdown.peak <= aim { "fits" } else { "over the budget" }
                 ));
             }
-            let headers = ["#", "micro × acc", "precision", "attention", "optimizer", "checkpoint", "peak", "of budget", "step time", "params / grads / optimizer / activations"];
+            let headers = ["#", "micro × acc", "precision", "weights", "opt. step", "attention", "optimizer", "state", "checkpoint", "peak", "of budget", "step time", "params / grads / optimizer / activations"];
             let rows: Vec<Vec<String>> = top
                 .iter()
                 .enumerate()
@@ -334,8 +446,11 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                         (i + 1).to_string(),
                         format!("{} × {}", x.candidate.micro_batch, x.candidate.accumulation),
                         x.candidate.precision.as_str().to_string(),
+                        weights_text(&x.candidate),
+                        if x.candidate.in_backward { "in backward" } else { "after" }.to_string(),
                         x.candidate.attention.name.clone(),
                         x.candidate.optimizer.name.clone(),
+                        state_text(&x.candidate, &x.estimate),
                         plan_text(&x.candidate.checkpoint.name, &x.estimate),
                         format_size(b.peak),
                         format!("{:.0}%", 100.0 * b.peak as f64 / usable as f64),
@@ -346,7 +461,28 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                 .collect();
             out.push_str(&crate::output::table(&headers, &rows));
             out.push_str("\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see `ava plan --help`)");
-            out.push_str("\noffload: not searched (the installed tier, ram, keeps what it holds in host memory)");
+            out.push_str(&match &offload {
+                Some(o) => format!(
+                    "\noffload: {} at {}: a plan that streams keeps its optimizer state (and with weights \"bf16 + \
+                     masters in {}\" its f32 masters) on that disk, checked for room; on this CPU engine the device is \
+                     RAM, so only a disk tier takes bytes out of the budget{}",
+                    o.tier,
+                    o.path.display(),
+                    o.tier,
+                    no_room.as_ref().map_or(String::new(), |e| format!(" (some plans did not fit on it: {e})"))
+                ),
+                None => "\noffload: not searched; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the \
+                         optimizer state to disk (on this CPU engine the device is RAM: only a disk tier takes bytes \
+                         out of the budget)"
+                    .to_string(),
+            });
+            if top.iter().any(|x| x.candidate.in_backward && base.train.grad_clip > 0.0) {
+                out.push_str(&format!(
+                    "\nstep in backward: each parameter is updated as soon as its gradient is final, before the global \
+                     norm exists, so those plans set train.grad_clip: 0 (the config has {})",
+                    base.train.grad_clip
+                ));
+            }
             if let Some(f) = &written {
                 out.push_str(&format!("\nwrote {}: run it with ava train -c {}", f.display(), f.display()));
             }
@@ -365,6 +501,10 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                     "attention": x.candidate.attention.name,
                     "optimizer": x.candidate.optimizer.name,
                     "checkpoint": x.candidate.checkpoint.name,
+                    "master_weights": x.candidate.masters.as_str(),
+                    "step_in_backward": x.candidate.in_backward,
+                    "offload": x.candidate.offload.as_ref().map(|o| json!({"tier": o.tier, "path": o.path})),
+                    "offloaded_bytes": x.estimate.offloaded,
                     "plan": x.estimate.plan.iter().map(|d| d.as_str()).collect::<Vec<_>>(),
                     "peak": x.estimate.breakdown.peak,
                     "relative_step_time": x.cost / reference_cost,
@@ -387,12 +527,7 @@ fn plan_one(
     usable: u64,
 ) -> Result<Option<Planned>, Failure> {
     let mut config = base.clone();
-    config.train.micro_batch_size = c.micro_batch;
-    config.train.gradient_accumulation_steps = c.accumulation;
-    config.train.precision = c.precision;
-    config.plugins.attention = c.attention.clone();
-    config.plugins.optimizer = c.optimizer.clone();
-    config.plugins.checkpoint = c.checkpoint.clone();
+    c.apply(&mut config);
     if usable > 0 {
         config.memory.budget = ava_train::config::ByteSize(usable);
     }
@@ -434,7 +569,33 @@ fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate) -> f64 {
     let n = est.num_params as f64;
     let compute =
         c.accumulation as f64 * (3.0 * (blocks + head) + recomputed + kernel + MICRO_STEP_COST * n) * precision;
-    compute + optimizer_cost(&c.optimizer.name) * n
+    let rounding =
+        if matches!(c.masters, MasterWeights::None | MasterWeights::Kahan) { ROUNDING_COST * n } else { 0.0 };
+    // Read and written back every step; what the step waits for of it.
+    let wait = 2.0 * est.offloaded as f64 * TIER_WAIT_PER_BYTE[usize::from(!c.in_backward)];
+    compute + optimizer_cost(&c.optimizer.name) * n + rounding + wait * ENGINE_RATE
+}
+
+/// Where the weights live: `f32`, `bf16 only`, `bf16 + kahan`, `bf16 + masters in nvme`.
+fn weights_text(c: &Candidate) -> String {
+    let p = c.precision.as_str();
+    match c.masters {
+        MasterWeights::F32 => "f32".into(),
+        MasterWeights::None => format!("{p} only"),
+        MasterWeights::Kahan => format!("{p} + kahan"),
+        MasterWeights::Tier => {
+            format!("{p} + masters in {}", c.offload.as_ref().map_or("the tier", |o| o.tier.as_str()))
+        }
+    }
+}
+
+/// Where the optimizer state lives: `ram`, or the tier and how much it takes there.
+fn state_text(c: &Candidate, est: &Estimate) -> String {
+    match &c.offload {
+        Some(o) => format!("{} ({})", o.tier, format_size(est.offloaded)),
+        None if est.offloaded > 0 => format!("as configured ({})", format_size(est.offloaded)),
+        None => "ram".into(),
+    }
 }
 
 /// How many of the searched settings differ from the config's.
@@ -445,6 +606,9 @@ fn changes(given: &Candidate, c: &Candidate) -> usize {
         c.attention.name != given.attention.name,
         c.optimizer.name != given.optimizer.name,
         c.checkpoint.name != given.checkpoint.name,
+        c.masters != given.masters,
+        c.in_backward != given.in_backward,
+        c.offload.is_some(),
     ]
     .iter()
     .filter(|&&d| d)
@@ -463,12 +627,15 @@ fn plan_text(name: &str, est: &Estimate) -> String {
 
 fn describe(c: &Candidate, est: &Estimate) -> String {
     format!(
-        "micro-batch {} × {}, {}, {}, {}, {}",
+        "micro-batch {} × {}, {}, weights {}, step {}, {}, {}, state in {}, {}",
         c.micro_batch,
         c.accumulation,
         c.precision.as_str(),
+        weights_text(c),
+        if c.in_backward { "in backward" } else { "after backward" },
         c.attention.name,
         c.optimizer.name,
+        state_text(c, est),
         plan_text(&c.checkpoint.name, est)
     )
 }

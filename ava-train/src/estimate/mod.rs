@@ -149,6 +149,13 @@ pub struct Estimate {
     pub peak_at: String,
     /// `ok`, `warning`, `critical` or `over budget` (`no budget` when none is set).
     pub status: String,
+    /// Bytes of optimizer state (and masters) streamed through the offload tier, outside
+    /// memory between steps (0 without `offload.tiers`).
+    pub offloaded: u64,
+    /// The records the tier will store, one per streamed buffer, in bytes: what its
+    /// `preflight` is asked about.
+    #[serde(skip)]
+    pub offload_records: Vec<u64>,
 }
 
 fn plan_names<S: Serializer>(plan: &[BlockDecision], s: S) -> Result<S::Ok, S::Error> {
@@ -456,6 +463,7 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         _ => HostState::Nothing,
     };
     let mut per_param = Vec::with_capacity(defs.len());
+    let mut buffers_of = Vec::with_capacity(defs.len()); // per parameter, its buffers' bytes
     for def in &defs {
         let shape: Vec<u64> = def.shape.iter().map(|&s| s as u64).collect();
         let mut layout: Vec<StateSpec> =
@@ -465,6 +473,7 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         // The engine's own buffers, placed with the plugin's: f32 masters, a compensation.
         layout.extend(host.spec(def.numel()));
         per_param.push(layout.iter().map(StateSpec::bytes).sum::<u64>());
+        buffers_of.push(layout.iter().map(StateSpec::bytes).collect::<Vec<_>>());
         for spec in layout {
             let per_element = spec.len == def.numel() as u64;
             match states.iter_mut().find(|s| *s.name == *spec.name) {
@@ -484,12 +493,15 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
     // Per parameter, the state bytes its step reads from the tier (0: kept in memory).
     let mut streamed_bytes = vec![0u64; per_param.len()];
     let mut streamed_through = None;
+    let mut offload_records = Vec::new();
     let streamed = match config.offload.tiers.offloaded() {
         Some(share) => {
             let streamed = crate::train::streamed_params(&per_param, config.offload.tiers.in_ram());
             for ((out, &b), &s) in streamed_bytes.iter_mut().zip(&per_param).zip(&streamed) {
                 *out = if s { b } else { 0 };
             }
+            offload_records =
+                buffers_of.iter().zip(&streamed).filter(|(_, s)| **s).flat_map(|(b, _)| b.iter().copied()).collect();
             let total_streamed = streamed_bytes.iter().sum::<u64>();
             let kept = per_param.iter().sum::<u64>() - total_streamed;
             streamed_through = Some((share.name.clone(), total_streamed));
@@ -849,5 +861,7 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         activation_budget: ctx.budget_bytes,
         micro_batch_peak: peak.bytes,
         peak_at,
+        offloaded: offload_records.iter().sum(),
+        offload_records,
     })
 }

@@ -11,6 +11,7 @@
 
 use std::cell::RefCell;
 use std::sync::Arc;
+use std::time::Instant;
 
 use ava_core::{DType as StateDType, OffloadTier, Optimizer, ParamInfo, StateBuf, StateSpec, StepContext};
 use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor};
@@ -146,12 +147,20 @@ fn key(param: &str, buffer: &str) -> String {
 }
 
 /// What streaming cost during one optimizer step.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StreamStats {
     /// Most bytes of state held at once: the engine's buffers and the tier's own memory.
     pub peak_resident: u64,
     /// Of that, the most the tier held (its writes in flight and prefetched reads).
     pub peak_tier: u64,
+    /// Bytes read from the tier.
+    pub read_bytes: u64,
+    /// Bytes written back to it.
+    pub written_bytes: u64,
+    /// Seconds the step spent waiting on the tier: reads not yet done when a parameter's
+    /// turn came, writes held back for room, and the final flush. What streaming did not
+    /// hide behind compute.
+    pub wait_seconds: f64,
 }
 
 /// Every parameter's optimizer state.
@@ -527,10 +536,13 @@ impl StepSession<'_> {
         let s = self.state.streamed.as_ref().expect("streamed");
         let (tier, name, prefetch) = (Arc::clone(&s.tier), s.name.clone(), s.prefetch);
         let keys = s.keys[i].clone();
+        let waiting = Instant::now();
         for (b, k) in self.state.buffers[i].iter_mut().zip(&keys) {
             b.reserve();
             tier.get(k, b.bytes_mut()).map_err(|e| tier_error(&name, &format!("reading {k}"), e))?;
+            self.stats.read_bytes += b.held();
         }
+        self.stats.wait_seconds += waiting.elapsed().as_secs_f64();
         // The next `prefetch` parameters load while this one is updated (this one was just
         // read: never asked for again).
         let at = self.position[i];
@@ -545,7 +557,10 @@ impl StepSession<'_> {
         let mut left = working;
         for (j, k) in keys.iter().enumerate() {
             let b = &self.state.buffers[i][j];
+            let waiting = Instant::now();
             tier.put(k, b.bytes(), b.spec.dtype).map_err(|e| tier_error(&name, &format!("storing {k}"), e))?;
+            self.stats.wait_seconds += waiting.elapsed().as_secs_f64();
+            self.stats.written_bytes += b.held();
             self.sample(left);
             let b = &mut self.state.buffers[i][j];
             left -= b.held();
@@ -558,7 +573,9 @@ impl StepSession<'_> {
     /// held at its most.
     pub fn finish(mut self) -> Result<StreamStats, TrainError> {
         if let Some(s) = &self.state.streamed {
+            let waiting = Instant::now();
             s.tier.flush().map_err(|e| tier_error(&s.name, "writing the optimizer state", e))?;
+            self.stats.wait_seconds += waiting.elapsed().as_secs_f64();
         }
         self.sample(0);
         Ok(self.stats)

@@ -45,6 +45,10 @@ pub struct StepRecord {
     /// streamed optimizer state in flight); 0 when nothing went through it.
     #[serde(skip_serializing_if = "is_zero", default)]
     pub offload_bytes: u64,
+    /// The optimizer state streamed through the tier this step: bytes each way and the
+    /// seconds the step waited on it; absent when no state is offloaded.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub stream: Option<super::StreamStats>,
 }
 
 /// A step's attempt abandoned because an allocation crossed `memory.hard_limit`.

@@ -1008,6 +1008,7 @@ impl Trainer {
             backoffs,
             memory_events: Vec::new(),
             offload_bytes: stream.peak_tier.max(parked_peak),
+            stream: self.state.streamed_bytes().gt(&0).then_some(stream),
         })
     }
 
