@@ -192,3 +192,33 @@ fn the_modes_bad_combinations_are_refused_by_name() {
     }
     assert_eq!(e.matches("\n  - ").count(), 3, "{e}");
 }
+
+/// A checkpoint streams into its files: saving one holds a tensor's copy at a time (and the
+/// file buffer), not a copy of the weights and of the optimizer state, so a run whose state
+/// fills memory can still save; what it saves is the same as the whole-buffer encoding.
+#[test]
+fn saving_a_checkpoint_holds_one_tensor_at_a_time() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    // Wide enough that the weights and state (~25 MiB of f32) dwarf the file buffer.
+    let cfg = config(
+        dir.path(),
+        &["model.hidden_size=256", "model.intermediate_size=704", "model.num_heads=4", "model.num_kv_heads=4"],
+    );
+    let mut t = trainer(&cfg);
+    run(&mut t, 1);
+    let named = t.model().named_tensors();
+    let largest = named.iter().map(|(_, w)| (w.elem_count() * 4) as u64).max().unwrap();
+    let weights: u64 = named.iter().map(|(_, w)| (w.elem_count() * 4) as u64).sum();
+    drop(named);
+    let before = ava_train::memory::current();
+    ava_train::memory::reset_peak();
+    let saved = t.save_checkpoint().unwrap();
+    let grew = ava_train::memory::peak() - before;
+    println!("saving grew memory by {grew} bytes; largest tensor {largest}, weights {weights} (state 2x that)");
+    assert!(grew < largest + (3 << 20), "saving held {grew} bytes (largest tensor {largest})");
+    assert!(grew < weights / 4, "saving held {grew} bytes against {weights} of weights");
+    let file = std::fs::read(saved.join("model.safetensors")).unwrap();
+    assert_eq!(file, ava_train::model::tensors_to_safetensors(&t.model().named_tensors()).unwrap());
+    ava_train::save::verify(&saved).unwrap();
+}

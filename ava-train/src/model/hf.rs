@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::save::{BufDType, NamedBuffer, to_safetensors};
+use crate::save::{BufDType, NamedBuffer, SaveError, TensorSpec};
 
 use super::{ModelError, ModelSpec, cerr};
 
@@ -27,11 +27,37 @@ pub fn tensor_to_buffer(name: &str, t: &Tensor) -> Result<NamedBuffer, ModelErro
 
 /// safetensors bytes of named tensors (f32, f64, bf16, f16, u32 or u8), deterministic.
 pub fn tensors_to_safetensors(tensors: &[(String, Tensor)]) -> Result<Vec<u8>, ModelError> {
-    let buffers = tensors
+    let mut out = Vec::new();
+    write_tensors(&mut out, tensors).map_err(|e| ModelError::Candle(e.to_string()))?;
+    Ok(out)
+}
+
+/// Writes [`tensors_to_safetensors`]'s bytes to `out`, copying one tensor out at a time: a
+/// model as large as memory allows can be saved.
+pub fn write_tensors(out: &mut dyn std::io::Write, tensors: &[(String, Tensor)]) -> Result<(), SaveError> {
+    let bad = |name: &str, e: ModelError| SaveError::BadBuffer { name: name.to_string(), reason: e.to_string() };
+    let specs = tensors
         .iter()
-        .map(|(n, t)| Ok(NamedBuffer { shape: t.dims().to_vec(), ..tensor_to_buffer(n, t)? }))
-        .collect::<Result<Vec<_>, ModelError>>()?;
-    to_safetensors(&buffers, None).map_err(|e| ModelError::Candle(e.to_string()))
+        .map(|(name, t)| {
+            let dtype = match t.dtype() {
+                DType::F32 => BufDType::F32,
+                DType::F64 => BufDType::F64,
+                DType::U32 => BufDType::U32,
+                DType::U8 => BufDType::U8,
+                DType::BF16 => BufDType::BF16,
+                DType::F16 => BufDType::F16,
+                other => {
+                    return Err(bad(name, ModelError::Candle(format!("saving {other:?} tensors is not supported"))));
+                }
+            };
+            Ok(TensorSpec { name: name.clone(), dtype, shape: t.dims().to_vec() })
+        })
+        .collect::<Result<Vec<_>, SaveError>>()?;
+    crate::save::write_safetensors(out, &specs, None, &mut |i| {
+        let (name, t) = &tensors[i];
+        Ok(std::borrow::Cow::Owned(tensor_to_buffer(name, t).map_err(|e| bad(name, e))?.data))
+    })?;
+    Ok(())
 }
 
 /// Named tensors from safetensors bytes; `path` names the source in errors.
@@ -102,11 +128,11 @@ pub fn save_hf_folder(dir: &Path, spec: &ModelSpec, tensors: &[(String, Tensor)]
     let io = |path: &Path, e: std::io::Error| ModelError::Io { path: path.to_path_buf(), message: e.to_string() };
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let config = serde_json::to_vec_pretty(&spec.to_hf_config()).expect("a JSON value serializes");
-    let weights = tensors_to_safetensors(tensors)?;
-    for (name, bytes) in [("config.json", config), ("model.safetensors", weights)] {
-        let path = dir.join(name);
-        crate::save::write_atomic(&path, &bytes)
-            .map_err(|e| ModelError::Io { path: path.clone(), message: e.to_string() })?;
-    }
-    Ok(())
+    let path = dir.join("config.json");
+    crate::save::write_atomic(&path, &config)
+        .map_err(|e| ModelError::Io { path: path.clone(), message: e.to_string() })?;
+    // The weights stream to the file, one tensor's copy at a time.
+    let path = dir.join("model.safetensors");
+    crate::save::write_atomic_streamed(&path, |out| write_tensors(out, tensors))
+        .map_err(|e| ModelError::Io { path: path.clone(), message: e.to_string() })
 }

@@ -18,7 +18,9 @@ mod tests;
 use std::path::PathBuf;
 
 pub use attention::attention;
-pub use hf::{load_hf_folder, save_hf_folder, tensor_to_buffer, tensors_from_safetensors, tensors_to_safetensors};
+pub use hf::{
+    load_hf_folder, save_hf_folder, tensor_to_buffer, tensors_from_safetensors, tensors_to_safetensors, write_tensors,
+};
 pub use hf_config::{HfConfig, parse_hf_config, read_hf_config};
 pub use llama::{BlockOut, Model, Param};
 pub use recompute::{GradSink, Grads, MicroLoss, forward_backward};

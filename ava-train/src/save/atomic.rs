@@ -19,6 +19,36 @@ pub fn write_atomic(path: impl AsRef<Path>, bytes: &[u8]) -> Result<(), SaveErro
     write_atomic_with(path.as_ref(), bytes, None)
 }
 
+/// [`write_atomic`] of content that `write` produces piece by piece (a file larger than
+/// memory): into the temp file through a buffer, then fsync, rename and directory fsync.
+pub fn write_atomic_streamed(
+    path: impl AsRef<Path>,
+    write: impl FnOnce(&mut dyn std::io::Write) -> Result<(), SaveError>,
+) -> Result<(), SaveError> {
+    let path = path.as_ref();
+    let dir = parent_dir(path);
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".{name}.tmp-{}-{n}", std::process::id()));
+    let result = (|| {
+        let file = durable(None, "write", &tmp, || File::create(&tmp))?;
+        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+        write(&mut out)?;
+        let file = out.into_inner().map_err(|e| SaveError::Io {
+            action: "write".into(),
+            path: tmp.clone(),
+            source: e.into_error(),
+        })?;
+        durable(None, "fsync", &tmp, || file.sync_all())?;
+        durable(None, &format!("rename {} to", tmp.display()), path, || fs::rename(&tmp, path))?;
+        fsync_dir_with(&dir, None)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
 /// Fsyncs the directory `dir`, so that entries created, renamed or removed in it are durable.
 pub fn fsync_dir(dir: impl AsRef<Path>) -> Result<(), SaveError> {
     fsync_dir_with(dir.as_ref(), None)

@@ -40,10 +40,13 @@ mod tensors;
 #[cfg(test)]
 mod tests;
 
-pub use atomic::{fsync_dir, write_atomic};
+pub use atomic::{fsync_dir, write_atomic, write_atomic_streamed};
 pub use diff::differing_keys;
 pub use error::SaveError;
 pub use faults::FaultInjector;
 pub use manifest::{FileEntry, MANIFEST_FILE, MANIFEST_FORMAT, Manifest, sha256_hex, verify};
-pub use store::{CheckpointStore, LATEST_FILE, LoadedCheckpoint, step_dir_name};
-pub use tensors::{BufDType, NamedBuffer, TensorMetadata, from_safetensors, to_safetensors};
+pub use store::{CheckpointStore, FileBody, FileData, LATEST_FILE, LoadedCheckpoint, step_dir_name};
+pub use tensors::{
+    BufDType, BufferView, NamedBuffer, TensorMetadata, TensorSpec, from_safetensors, safetensors_views, to_safetensors,
+    write_safetensors,
+};

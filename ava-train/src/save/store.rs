@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use super::SaveError;
 use super::atomic::{fsync_dir_with, parent_dir, write_atomic_with, write_synced};
 use super::faults::{FaultInjector, durable, has_fired};
-use super::manifest::{MANIFEST_FILE, Manifest, check_bytes, check_file_name};
+use super::manifest::{FileEntry, MANIFEST_FILE, MANIFEST_FORMAT, Manifest, check_bytes, check_file_name, sha256_hex};
 
 /// The pointer file in the root: one line, the directory name of the newest checkpoint.
 pub const LATEST_FILE: &str = "latest";
@@ -49,24 +49,58 @@ pub struct CheckpointStore {
 }
 
 /// A checkpoint read back and verified by [`CheckpointStore::load`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct LoadedCheckpoint {
     /// The checkpoint directory.
     pub dir: PathBuf,
     /// The step it was saved at.
     pub step: u64,
     /// Every file but the manifest, by name.
-    pub files: BTreeMap<String, Vec<u8>>,
+    pub files: BTreeMap<String, FileData>,
 }
+
+/// A checkpoint file's bytes, verified against the manifest: read into memory, or (a file of
+/// [`FileData::MAP_FROM`] bytes or more) mapped, so that a checkpoint larger than memory can
+/// be loaded: its pages come through the page cache as they are used and can be dropped.
+#[derive(Debug)]
+pub enum FileData {
+    /// Read whole.
+    Read(Vec<u8>),
+    /// Mapped read-only.
+    Mapped(memmap2::Mmap),
+}
+
+impl FileData {
+    /// Files this large or larger are mapped.
+    pub const MAP_FROM: u64 = 16 << 20;
+}
+
+impl std::ops::Deref for FileData {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            FileData::Read(bytes) => bytes,
+            FileData::Mapped(map) => map,
+        }
+    }
+}
+
+impl PartialEq for FileData {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for FileData {}
 
 impl LoadedCheckpoint {
     /// The bytes of file `name`, or an error naming the checkpoint and the files it has.
     pub fn file(&self, name: &str) -> Result<&[u8], SaveError> {
-        self.files.get(name).map(Vec::as_slice).ok_or_else(|| self.no_such_file(name))
+        self.files.get(name).map(|f| &**f).ok_or_else(|| self.no_such_file(name))
     }
 
     /// Takes file `name` out of the checkpoint (no copy), or an error as [`file`](Self::file).
-    pub fn take(&mut self, name: &str) -> Result<Vec<u8>, SaveError> {
+    pub fn take(&mut self, name: &str) -> Result<FileData, SaveError> {
         self.files.remove(name).ok_or_else(|| self.no_such_file(name))
     }
 
@@ -104,8 +138,17 @@ impl CheckpointStore {
     /// On [`SaveError::Prune`] the checkpoint was saved and `latest` names it; only the clean-up
     /// failed. On any other error, `latest` and every earlier checkpoint are as they were.
     pub fn save(&self, step: u64, files: &[(String, Vec<u8>)]) -> Result<PathBuf, SaveError> {
+        let mut bodies: Vec<(String, FileBody<'_>)> =
+            files.iter().map(|(name, bytes)| (name.clone(), FileBody::Bytes(bytes))).collect();
+        self.save_files(step, &mut bodies)
+    }
+
+    /// [`save`](Self::save) of files that may be written as they are produced
+    /// ([`FileBody::Stream`]): a checkpoint larger than memory needs one piece of it in memory
+    /// at a time. Each file's sha256 is computed as it is written.
+    pub fn save_files(&self, step: u64, files: &mut [(String, FileBody<'_>)]) -> Result<PathBuf, SaveError> {
         let mut seen = BTreeSet::new();
-        for (name, _) in files {
+        for (name, _) in files.iter() {
             check_file_name(name).map_err(|reason| SaveError::BadFileName { name: name.clone(), reason })?;
             if !seen.insert(name.as_str()) {
                 let reason = "the name is given twice; every file needs its own name".to_string();
@@ -128,7 +171,7 @@ impl CheckpointStore {
     fn write_and_publish(
         &self,
         step: u64,
-        files: &[(String, Vec<u8>)],
+        files: &mut [(String, FileBody<'_>)],
         tmp: &Path,
         dir: &Path,
     ) -> Result<(), SaveError> {
@@ -142,11 +185,21 @@ impl CheckpointStore {
             fs::remove_dir_all(tmp).map_err(|source| io_error("remove stale directory", tmp, source))?;
         }
         durable(faults, "create directory", tmp, || fs::create_dir(tmp))?;
-        for (name, bytes) in files {
-            write_synced(&tmp.join(name), bytes, faults)?;
+        let mut entries = BTreeMap::new();
+        for (name, body) in files.iter_mut() {
+            let path = tmp.join(&*name);
+            let entry = match body {
+                FileBody::Bytes(bytes) => {
+                    write_synced(&path, bytes, faults)?;
+                    FileEntry { sha256: sha256_hex(bytes), bytes: bytes.len() as u64 }
+                }
+                FileBody::Stream(write) => write_streamed(&path, write.as_mut(), faults)?,
+            };
+            entries.insert(name.clone(), entry);
         }
         // The manifest goes last: its presence is what makes a directory a complete checkpoint.
-        write_synced(&tmp.join(MANIFEST_FILE), &Manifest::new(step, files).to_json(), faults)?;
+        let manifest = Manifest { format: MANIFEST_FORMAT, step, files: entries };
+        write_synced(&tmp.join(MANIFEST_FILE), &manifest.to_json(), faults)?;
         fsync_dir_with(tmp, faults)?;
 
         if fs::symlink_metadata(dir).is_ok() {
@@ -289,10 +342,20 @@ impl CheckpointStore {
         let mut files = BTreeMap::new();
         for (name, entry) in &manifest.files {
             let path = dir.join(name);
-            let mut bytes = Vec::with_capacity(usize::try_from(entry.bytes).unwrap_or(0));
-            super::manifest::open(&path)?.read_to_end(&mut bytes).map_err(|e| io_error("read", &path, e))?;
-            check_bytes(&path, entry, &bytes)?;
-            files.insert(name.clone(), bytes);
+            let mut file = super::manifest::open(&path)?;
+            let data = if entry.bytes >= FileData::MAP_FROM {
+                // SAFETY: checkpoint files are written once, under a temporary name, and never
+                // modified after the rename that publishes them; the map is read-only. A file
+                // truncated behind our back would fault, as reading it would fail.
+                let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_error("map", &path, e))?;
+                FileData::Mapped(map)
+            } else {
+                let mut bytes = Vec::with_capacity(usize::try_from(entry.bytes).unwrap_or(0));
+                file.read_to_end(&mut bytes).map_err(|e| io_error("read", &path, e))?;
+                FileData::Read(bytes)
+            };
+            check_bytes(&path, entry, &data)?;
+            files.insert(name.clone(), data);
         }
         Ok(LoadedCheckpoint { dir: dir.to_path_buf(), step: manifest.step, files })
     }
@@ -317,6 +380,51 @@ impl CheckpointStore {
         found.sort();
         Ok(found)
     }
+}
+
+/// Writes a file's content into the writer it is given.
+pub type WriteFile<'a> = Box<dyn FnMut(&mut dyn io::Write) -> Result<(), SaveError> + 'a>;
+
+/// A file of a checkpoint: its bytes, or a function that writes them to the file as it
+/// produces them (returning an error of its own, e.g. a tier that could not be read).
+pub enum FileBody<'a> {
+    /// The whole content.
+    Bytes(&'a [u8]),
+    /// Writes the content.
+    Stream(WriteFile<'a>),
+}
+
+/// Creates `path`, lets `write` fill it through a buffer that hashes what passes, and fsyncs
+/// it: two durable operations, as [`write_synced`]. Returns the file's manifest entry.
+fn write_streamed(
+    path: &Path,
+    write: &mut (dyn FnMut(&mut dyn io::Write) -> Result<(), SaveError> + '_),
+    faults: Option<&FaultInjector>,
+) -> Result<FileEntry, SaveError> {
+    /// Hashes and counts the bytes on their way to the file.
+    struct Hashing<W> {
+        inner: W,
+        hash: sha2::Sha256,
+        len: u64,
+    }
+    impl<W: io::Write> io::Write for Hashing<W> {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            let n = self.inner.write(buf)?;
+            sha2::Digest::update(&mut self.hash, &buf[..n]);
+            self.len += n as u64;
+            Ok(n)
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            self.inner.flush()
+        }
+    }
+    let file = durable(faults, "write", path, || fs::File::create(path))?;
+    let mut out = Hashing { inner: io::BufWriter::with_capacity(1 << 20, file), hash: sha2::Sha256::default(), len: 0 };
+    write(&mut out)?;
+    let file = out.inner.into_inner().map_err(|e| io_error("write", path, e.into_error()))?;
+    durable(faults, "fsync", path, || file.sync_all())?;
+    let sha256 = hex::encode(sha2::Digest::finalize(out.hash));
+    Ok(FileEntry { sha256, bytes: out.len })
 }
 
 fn io_error(action: &str, path: &Path, source: io::Error) -> SaveError {

@@ -108,38 +108,70 @@ pub struct NamedBuffer {
 /// Free-form string metadata stored in the safetensors header (`__metadata__`).
 pub type TensorMetadata = BTreeMap<String, String>;
 
+/// A tensor of a safetensors file whose data is produced while the file is written
+/// ([`write_safetensors`]): its name, type and shape.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Name, unique within a file.
+    pub name: String,
+    /// Element type.
+    pub dtype: BufDType,
+    /// Dimensions, outermost first; empty for a scalar.
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    /// Bytes of its data, `None` past `usize`.
+    fn bytes(&self) -> Option<usize> {
+        self.shape.iter().try_fold(self.dtype.size(), |acc, &d| acc.checked_mul(d))
+    }
+}
+
 /// Encodes `buffers` (and optional `metadata`) as a safetensors file. The output depends only
 /// on the content, not on the order of `buffers`. Fails on a repeated name or on data whose
 /// length does not match dtype and shape.
 pub fn to_safetensors(buffers: &[NamedBuffer], metadata: Option<TensorMetadata>) -> Result<Vec<u8>, SaveError> {
+    let specs: Vec<TensorSpec> =
+        buffers.iter().map(|b| TensorSpec { name: b.name.clone(), dtype: b.dtype, shape: b.shape.clone() }).collect();
+    let total = 64 + buffers.iter().map(|b| b.data.len()).sum::<usize>();
+    let mut out = Vec::with_capacity(total);
+    write_safetensors(&mut out, &specs, metadata, &mut |i| Ok(std::borrow::Cow::Borrowed(&buffers[i].data)))?;
+    Ok(out)
+}
+
+/// Writes the safetensors file of `specs` (and `metadata`) to `out`, asking `data` for each
+/// tensor's bytes in the order they are laid out and writing them before asking for the
+/// next: a file of any size needs one tensor's bytes in memory at a time. The bytes are
+/// [`to_safetensors`]'s for the same tensors. Returns the bytes written.
+pub fn write_safetensors<'d>(
+    out: &mut dyn std::io::Write,
+    specs: &[TensorSpec],
+    metadata: Option<TensorMetadata>,
+    data: &mut dyn FnMut(usize) -> Result<std::borrow::Cow<'d, [u8]>, SaveError>,
+) -> Result<u64, SaveError> {
+    let bad = |name: &str, reason: String| SaveError::BadBuffer { name: name.to_string(), reason };
     let mut names = BTreeSet::new();
-    for buffer in buffers {
-        if buffer.name == "__metadata__" {
+    for spec in specs {
+        if spec.name == "__metadata__" {
             return Err(bad(
-                buffer,
+                &spec.name,
                 "the name is reserved for the safetensors header's metadata; rename the tensor".into(),
             ));
         }
-        if !names.insert(buffer.name.as_str()) {
-            return Err(bad(buffer, "the name appears more than once; every tensor needs its own name".into()));
+        if !names.insert(spec.name.as_str()) {
+            return Err(bad(&spec.name, "the name appears more than once; every tensor needs its own name".into()));
         }
-        let expected = buffer.shape.iter().try_fold(buffer.dtype.size(), |acc, &d| acc.checked_mul(d));
-        if expected != Some(buffer.data.len()) {
-            let expected = expected.map_or_else(|| "more than fits in memory".to_string(), |n| format!("{n} bytes"));
-            let reason = format!(
-                "{} bytes of data, but dtype {} and shape {:?} need {expected}; convert the tensor to contiguous \
-                 little-endian bytes of its dtype",
-                buffer.data.len(),
-                buffer.dtype,
-                buffer.shape
-            );
-            return Err(bad(buffer, reason));
+        if spec.bytes().is_none() {
+            return Err(bad(&spec.name, format!("shape {:?} holds more than fits in memory", spec.shape)));
         }
     }
 
     // Descending alignment keeps every tensor's data aligned once the header is 8-aligned.
-    let mut order: Vec<&NamedBuffer> = buffers.iter().collect();
-    order.sort_by(|a, b| b.dtype.to_safetensors().cmp(&a.dtype.to_safetensors()).then_with(|| a.name.cmp(&b.name)));
+    let mut order: Vec<usize> = (0..specs.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (a, b) = (&specs[a], &specs[b]);
+        b.dtype.to_safetensors().cmp(&a.dtype.to_safetensors()).then_with(|| a.name.cmp(&b.name))
+    });
 
     let mut header = String::from("{");
     if let Some(metadata) = &metadata {
@@ -148,14 +180,15 @@ pub fn to_safetensors(buffers: &[NamedBuffer], metadata: Option<TensorMetadata>)
         header.push(',');
     }
     let mut offset = 0usize;
-    for buffer in &order {
-        let end = offset + buffer.data.len();
+    for &i in &order {
+        let spec = &specs[i];
+        let end = offset + spec.bytes().expect("checked above");
         let _ = write!(
             header,
             "{}:{{\"dtype\":\"{}\",\"shape\":{},\"data_offsets\":[{offset},{end}]}},",
-            json(&buffer.name),
-            buffer.dtype,
-            json(&buffer.shape)
+            json(&spec.name),
+            spec.dtype,
+            json(&spec.shape)
         );
         offset = end;
     }
@@ -167,21 +200,60 @@ pub fn to_safetensors(buffers: &[NamedBuffer], metadata: Option<TensorMetadata>)
         header.push(' ');
     }
 
-    let mut out = Vec::with_capacity(8 + header.len() + offset);
-    out.extend_from_slice(&(header.len() as u64).to_le_bytes());
-    out.extend_from_slice(header.as_bytes());
-    for buffer in order {
-        out.extend_from_slice(&buffer.data);
+    let io = |e: std::io::Error| SaveError::Io { action: "write".into(), path: "safetensors data".into(), source: e };
+    out.write_all(&(header.len() as u64).to_le_bytes()).map_err(io)?;
+    out.write_all(header.as_bytes()).map_err(io)?;
+    for &i in &order {
+        let spec = &specs[i];
+        let bytes = data(i)?;
+        let expected = spec.bytes().expect("checked above");
+        if bytes.len() != expected {
+            return Err(bad(
+                &spec.name,
+                format!(
+                    "{} bytes of data, but dtype {} and shape {:?} need {expected} bytes; convert the tensor to \
+                     contiguous little-endian bytes of its dtype",
+                    bytes.len(),
+                    spec.dtype,
+                    spec.shape
+                ),
+            ));
+        }
+        out.write_all(&bytes).map_err(io)?;
     }
-    Ok(out)
+    Ok((8 + header.len() + offset) as u64)
+}
+
+/// A tensor of a safetensors file, its data borrowed from the file's bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferView<'a> {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub dtype: BufDType,
+    /// Dimensions, outermost first.
+    pub shape: Vec<usize>,
+    /// Raw little-endian element bytes, row-major.
+    pub data: &'a [u8],
 }
 
 /// Decodes a safetensors file: the buffers, sorted by name, and the header metadata.
 pub fn from_safetensors(bytes: &[u8]) -> Result<(Vec<NamedBuffer>, Option<TensorMetadata>), SaveError> {
+    let (views, metadata) = safetensors_views(bytes)?;
+    let buffers = views
+        .into_iter()
+        .map(|v| NamedBuffer { name: v.name, dtype: v.dtype, shape: v.shape, data: v.data.to_vec() })
+        .collect();
+    Ok((buffers, metadata))
+}
+
+/// [`from_safetensors`] without copying the data: views into `bytes` (a mapped file's, for
+/// a checkpoint larger than memory), sorted by name.
+pub fn safetensors_views(bytes: &[u8]) -> Result<(Vec<BufferView<'_>>, Option<TensorMetadata>), SaveError> {
     let invalid = |e: safetensors::SafeTensorError| SaveError::Safetensors { reason: e.to_string() };
     let (_, header) = SafeTensors::read_metadata(bytes).map_err(invalid)?;
     let tensors = SafeTensors::deserialize(bytes).map_err(invalid)?;
-    let mut buffers = Vec::with_capacity(tensors.len());
+    let mut views = Vec::with_capacity(tensors.len());
     for (name, view) in tensors.iter() {
         let dtype = BufDType::from_safetensors(view.dtype()).ok_or_else(|| SaveError::Safetensors {
             reason: format!(
@@ -189,20 +261,11 @@ pub fn from_safetensors(bytes: &[u8]) -> Result<(Vec<NamedBuffer>, Option<Tensor
                 view.dtype()
             ),
         })?;
-        buffers.push(NamedBuffer {
-            name: name.to_string(),
-            dtype,
-            shape: view.shape().to_vec(),
-            data: view.data().to_vec(),
-        });
+        views.push(BufferView { name: name.to_string(), dtype, shape: view.shape().to_vec(), data: view.data() });
     }
-    buffers.sort_by(|a, b| a.name.cmp(&b.name));
+    views.sort_by(|a, b| a.name.cmp(&b.name));
     let metadata = header.metadata().as_ref().map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect());
-    Ok((buffers, metadata))
-}
-
-fn bad(buffer: &NamedBuffer, reason: String) -> SaveError {
-    SaveError::BadBuffer { name: buffer.name.clone(), reason }
+    Ok((views, metadata))
 }
 
 /// Compact JSON of a value that always serializes (strings, maps of strings, lists of sizes).

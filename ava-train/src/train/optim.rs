@@ -20,7 +20,7 @@ use super::TrainError;
 use super::rounding::{self, Half};
 use crate::config::PluginSelection;
 use crate::model::{ModelSpec, Param};
-use crate::save::{BufDType, NamedBuffer};
+use crate::save::{BufDType, BufferView, NamedBuffer, SaveError, TensorSpec};
 
 /// Options an optimizer may declare and the engine fills in from the model, so the two
 /// cannot disagree: `head_dim`, the width of one attention head (`hidden_size / num_heads`),
@@ -375,21 +375,38 @@ impl OptimizerState {
             _ => Ok(self.buffers[i].iter().map(|b| b.bytes().to_vec()).collect()),
         }
     }
-    /// The state as named buffers `{param}.{buffer}` for a checkpoint; streamed state is
-    /// read back from the tier, its checksums checked.
-    pub fn to_buffers(&self, params: &[Param]) -> Result<Vec<NamedBuffer>, TrainError> {
-        let mut out = Vec::new();
+    /// Writes the state as a safetensors file of buffers named `{param}.{buffer}` (what
+    /// [`load_buffers`](Self::load_buffers) reads), one buffer at a time: a streamed buffer is read from the tier when its turn
+    /// comes and freed once written, so a state larger than memory can be saved.
+    pub fn write_safetensors(&self, params: &[Param], out: &mut dyn std::io::Write) -> Result<(), SaveError> {
+        let mut at = Vec::new(); // (parameter, buffer) of each spec
+        let mut specs = Vec::new();
         for (i, (p, bufs)) in params.iter().zip(&self.buffers).enumerate() {
-            for (b, data) in bufs.iter().zip(self.read(i)?) {
-                out.push(NamedBuffer {
+            for (j, b) in bufs.iter().enumerate() {
+                at.push((i, j));
+                specs.push(TensorSpec {
                     name: format!("{}.{}", p.def.name, b.spec.name),
                     dtype: buf_dtype(b.spec.dtype),
                     shape: vec![b.spec.len as usize],
-                    data,
                 });
             }
         }
-        Ok(out)
+        crate::save::write_safetensors(out, &specs, None, &mut |k| {
+            let (i, j) = at[k];
+            let b = &self.buffers[i][j];
+            match &self.streamed {
+                Some(s) if s.offloaded[i] => {
+                    let mut bytes = vec![0u8; b.spec.bytes() as usize]; // (len · size,) one buffer
+                    s.tier.get(&s.keys[i][j], &mut bytes).map_err(|e| SaveError::BadBuffer {
+                        name: specs[k].name.clone(),
+                        reason: tier_error(&s.name, &format!("reading {}", s.keys[i][j]), e).to_string(),
+                    })?;
+                    Ok(std::borrow::Cow::Owned(bytes))
+                }
+                _ => Ok(std::borrow::Cow::Borrowed(b.bytes())),
+            }
+        })?;
+        Ok(())
     }
 
     /// Fills the state from a checkpoint's buffers; every buffer of the plugin's layout must
@@ -398,8 +415,12 @@ impl OptimizerState {
     /// resumed with --force: they keep their initial values, f32 masters the weights
     /// widened); a saved master this run has no buffer for is returned, for the caller to
     /// take the weights from.
-    pub fn load_buffers(&mut self, params: &[Param], saved: Vec<NamedBuffer>) -> Result<Vec<NamedBuffer>, TrainError> {
-        let mut by_name: std::collections::HashMap<String, NamedBuffer> =
+    pub fn load_buffers(
+        &mut self,
+        params: &[Param],
+        saved: Vec<BufferView<'_>>,
+    ) -> Result<Vec<NamedBuffer>, TrainError> {
+        let mut by_name: std::collections::HashMap<String, BufferView<'_>> =
             saved.into_iter().map(|b| (b.name.clone(), b)).collect();
         let mut problems = Vec::new();
         for (i, (p, bufs)) in params.iter().zip(&mut self.buffers).enumerate() {
@@ -421,16 +442,16 @@ impl OptimizerState {
                         Some(st) if st.offloaded[i] => {
                             let k = &st.keys[i][j];
                             st.tier
-                                .put(k, &saved.data, b.spec.dtype)
+                                .put(k, saved.data, b.spec.dtype)
                                 .map_err(|e| tier_error(&st.name, &format!("storing {k}"), e))?;
                         }
-                        _ => b.bytes_mut().copy_from_slice(&saved.data),
+                        _ => b.bytes_mut().copy_from_slice(saved.data),
                     },
                 }
             }
         }
         let host = |k: &str| k.ends_with(&format!(".{MASTER}")) || k.ends_with(&format!(".{COMPENSATION}"));
-        let (left, unexpected): (Vec<NamedBuffer>, Vec<NamedBuffer>) =
+        let (left, unexpected): (Vec<BufferView<'_>>, Vec<BufferView<'_>>) =
             by_name.into_values().partition(|b| host(&b.name));
         problems.extend(unexpected.into_iter().map(|b| format!("unexpected {}", b.name)));
         if !problems.is_empty() {
@@ -440,7 +461,11 @@ impl OptimizerState {
         if let Some(st) = &self.streamed {
             st.tier.flush().map_err(|e| tier_error(&st.name, "writing the optimizer state", e))?;
         }
-        Ok(left.into_iter().filter(|b| b.name.ends_with(&format!(".{MASTER}"))).collect())
+        Ok(left
+            .into_iter()
+            .filter(|b| b.name.ends_with(&format!(".{MASTER}")))
+            .map(|b| NamedBuffer { name: b.name, dtype: b.dtype, shape: b.shape, data: b.data.to_vec() })
+            .collect())
     }
 
     /// Runs `step(i, buffers)` for each parameter `i` in `active`, with its state in

@@ -24,7 +24,7 @@ use crate::config::{Config, DataSource, MasterWeights, PluginSelection, Precisio
 use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Source, Split};
 use crate::memory::{self, Breakdown};
 use crate::model::{self, GradSink, Grads, Model, ModelSpec, forward_backward};
-use crate::save::{CheckpointStore, LoadedCheckpoint, differing_keys, from_safetensors, to_safetensors};
+use crate::save::{CheckpointStore, FileBody, LoadedCheckpoint, differing_keys, safetensors_views};
 
 /// How a run starts.
 #[derive(Debug, Clone, Default)]
@@ -526,7 +526,8 @@ impl Trainer {
         let mut resumed_from = None;
         if let Some(ckpt) = resume {
             check_config(&ckpt, &config, options.force)?;
-            let (buffers, _) = from_safetensors(ckpt.file(OPTIMIZER_FILE)?)?;
+            // Views into the (mapped) file: a state larger than memory goes straight to its tier.
+            let (buffers, _) = safetensors_views(ckpt.file(OPTIMIZER_FILE)?)?;
             let masters = state.load_buffers(model.params(), buffers)?;
             // From a run with f32 masters in a tier to one with f32 weights (--force): the
             // masters, not their rounding, become the weights.
@@ -1122,8 +1123,6 @@ impl Trainer {
     /// Writes a checkpoint of the current step; returns its directory.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
         let named = self.model.named_tensors();
-        let weights = model::tensors_to_safetensors(&named)?;
-        let optimizer = to_safetensors(&self.state.to_buffers(self.model.params())?, None)?;
         let trainer = TrainerState {
             step: self.step,
             data_position: self.data_position,
@@ -1131,14 +1130,23 @@ impl Trainer {
             loss_scale: self.scaler,
             micro_batch_split: self.split,
         };
-        let files = vec![
-            (HF_CONFIG_FILE.to_string(), json_bytes(&self.model.spec().to_hf_config())),
-            (MODEL_FILE.to_string(), weights),
-            (OPTIMIZER_FILE.to_string(), optimizer),
-            (TRAINER_FILE.to_string(), json_bytes(&serde_json::to_value(&trainer).expect("serializable"))),
-            (AVA_CONFIG_FILE.to_string(), json_bytes(&serde_json::to_value(&self.config).expect("serializable"))),
+        let (hf_config, trainer, config) = (
+            json_bytes(&self.model.spec().to_hf_config()),
+            json_bytes(&serde_json::to_value(&trainer).expect("serializable")),
+            json_bytes(&serde_json::to_value(&self.config).expect("serializable")),
+        );
+        // The weights and the optimizer state stream into their files a tensor at a time (a
+        // streamed state is read back from the tier buffer by buffer): saving holds one
+        // tensor's copy, not the model's and the state's.
+        let (state, params) = (&self.state, self.model.params());
+        let mut files = vec![
+            (HF_CONFIG_FILE.to_string(), FileBody::Bytes(&hf_config)),
+            (MODEL_FILE.to_string(), FileBody::Stream(Box::new(|out| model::write_tensors(out, &named)))),
+            (OPTIMIZER_FILE.to_string(), FileBody::Stream(Box::new(move |out| state.write_safetensors(params, out)))),
+            (TRAINER_FILE.to_string(), FileBody::Bytes(&trainer)),
+            (AVA_CONFIG_FILE.to_string(), FileBody::Bytes(&config)),
         ];
-        Ok(self.store.save(self.step, &files)?)
+        Ok(self.store.save_files(self.step, &mut files)?)
     }
 
     /// The checkpoint store of this run.

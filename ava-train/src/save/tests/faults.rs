@@ -23,7 +23,7 @@ fn assert_consistent(store: &CheckpointStore, context: &str) -> Option<PathBuf> 
 
 /// The files of `dir`, as loaded.
 fn content(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    CheckpointStore::load(dir).unwrap().files.into_iter().collect()
+    CheckpointStore::load(dir).unwrap().files.into_iter().map(|(k, v)| (k, v.to_vec())).collect()
 }
 
 /// Runs `prepare` then a save of `step` with `new` files failing at operation 1, 2, ... until

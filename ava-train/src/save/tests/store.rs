@@ -3,7 +3,53 @@
 use std::fs;
 
 use super::{files, leftovers};
-use crate::save::{CheckpointStore, MANIFEST_FILE, Manifest, SaveError, verify};
+use crate::save::{CheckpointStore, FileBody, FileData, MANIFEST_FILE, Manifest, SaveError, verify};
+
+/// A streamed file is written as it is produced and gets the same manifest entry as its
+/// bytes would; a large one is mapped on load (and reads back the same), a corrupted one is
+/// still caught; an error of the producer fails the save and leaves no directory behind.
+#[test]
+fn streamed_files_save_and_large_files_load_mapped() {
+    let root = tempfile::tempdir().unwrap();
+    let store = CheckpointStore::new(root.path().join("ckpt"), 3);
+    let big: Vec<u8> = (0..FileData::MAP_FROM as usize + 4096).map(|i| (i * 31 % 251) as u8).collect();
+    let chunks = big.chunks(1 << 20).map(<[u8]>::to_vec).collect::<Vec<_>>();
+    let mut files = vec![
+        ("small.json".to_string(), FileBody::Bytes(b"{}")),
+        (
+            "big.bin".to_string(),
+            FileBody::Stream(Box::new(|out| {
+                for c in &chunks {
+                    out.write_all(c).map_err(|e| SaveError::Io { action: "write".into(), path: "big".into(), source: e })?;
+                }
+                Ok(())
+            })),
+        ),
+    ];
+    let dir = store.save_files(7, &mut files).unwrap();
+    let manifest = verify(&dir).unwrap();
+    assert_eq!(manifest, Manifest::new(7, &[("big.bin".into(), big.clone()), ("small.json".into(), b"{}".to_vec())]));
+    let loaded = CheckpointStore::load(&dir).unwrap();
+    assert!(matches!(loaded.files["big.bin"], FileData::Mapped(_)));
+    assert!(matches!(loaded.files["small.json"], FileData::Read(_)));
+    assert_eq!(loaded.file("big.bin").unwrap(), big.as_slice());
+    drop(loaded);
+
+    let mut bytes = fs::read(dir.join("big.bin")).unwrap();
+    bytes[FileData::MAP_FROM as usize] ^= 1;
+    fs::write(dir.join("big.bin"), bytes).unwrap();
+    let err = CheckpointStore::load(&dir).unwrap_err();
+    assert!(err.to_string().contains("big.bin"), "{err}");
+
+    let mut failing = vec![(
+        "big.bin".to_string(),
+        FileBody::Stream(Box::new(|_| Err(SaveError::BadBuffer { name: "x".into(), reason: "the tier failed".into() }))),
+    )];
+    let err = store.save_files(8, &mut failing).unwrap_err();
+    assert!(err.to_string().contains("the tier failed"), "{err}");
+    assert!(!root.path().join("ckpt/step-00000008").exists());
+    assert!(leftovers(store.root()).is_empty());
+}
 
 #[test]
 fn save_then_load_gives_back_every_file_and_the_step() {
@@ -14,7 +60,7 @@ fn save_then_load_gives_back_every_file_and_the_step() {
 
     let loaded = CheckpointStore::load(&dir).unwrap();
     assert_eq!((loaded.step, loaded.dir.clone()), (42, dir.clone()));
-    assert_eq!(loaded.files, files(42).into_iter().collect());
+    assert_eq!(contents(&loaded), files(42).into_iter().collect());
     assert_eq!(loaded.file("trainer.json").unwrap(), b"{\"step\":42}");
     let err = loaded.file("rng.bin").unwrap_err();
     assert!(err.to_string().contains("no file 'rng.bin' (it has: empty.bin, model.safetensors"), "{err}");
@@ -186,7 +232,7 @@ fn resaving_a_step_replaces_it() {
         let again = vec![("model.safetensors".to_string(), b"retrained".to_vec())];
         let dir = store.save(2, &again).unwrap();
         let loaded = CheckpointStore::load(&dir).unwrap();
-        assert_eq!(loaded.files, again.into_iter().collect(), "fallback {fallback}");
+        assert_eq!(contents(&loaded), again.into_iter().collect(), "fallback {fallback}");
         assert_eq!(store.list().unwrap().len(), 2);
         assert!(leftovers(root.path()).is_empty(), "fallback {fallback}: {:?}", leftovers(root.path()));
     }
@@ -223,4 +269,9 @@ fn a_real_io_error_leaves_no_temp_directory() {
     assert!(err.to_string().contains("check that the directory exists"), "{err}");
     assert!(leftovers(root.path()).is_empty(), "{:?}", leftovers(root.path()));
     assert_eq!(store.resolve("latest").unwrap(), root.path().join("step-00000001"));
+}
+
+/// A loaded checkpoint's files as plain bytes.
+fn contents(loaded: &crate::save::LoadedCheckpoint) -> std::collections::BTreeMap<String, Vec<u8>> {
+    loaded.files.iter().map(|(k, v)| (k.clone(), v.to_vec())).collect()
 }
