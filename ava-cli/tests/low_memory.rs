@@ -310,3 +310,51 @@ fn plan_streams_the_state_to_disk_when_nothing_else_fits() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--offload \"tape:/tmp\": the tier cannot be made there") && err.contains("tape"), "{err}");
 }
+
+/// `ava bench train --modes` runs the config's model in each memory mode and reports them
+/// side by side; with --offload also streaming the state to disk, with the tier's traffic
+/// and the time the step waited on it. bf16-only weights take half the parameter memory of
+/// fp32 weights, and the step inside backward holds no whole-model gradients.
+#[test]
+fn bench_train_shows_the_modes() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("nvme");
+    std::fs::create_dir_all(&disk).unwrap();
+    let offload = format!("nvme:{}", disk.display());
+    let mut args: Vec<String> = ["--format", "json", "bench", "train", "--modes", "--steps", "1", "--warmup", "1"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(["--offload".to_string(), offload]);
+    args.extend(common::SMALL.iter().flat_map(|s| ["--set".to_string(), s.to_string()]));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = common::json_of(&ok(common::ava(dir.path(), &args)));
+    let modes = out["modes"].as_array().unwrap();
+    let names: Vec<&str> = modes.iter().map(|m| m["mode"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "fp32",
+            "bf16, f32 masters",
+            "bf16 only (stochastic rounding)",
+            "bf16 only, step in backward",
+            "bf16, f32 masters, step in backward",
+            "bf16 only, step in backward, state on nvme",
+            "bf16, step in backward, masters and state on nvme",
+        ]
+    );
+    let memory = |i: usize, part: &str| modes[i]["memory"][part].as_u64().unwrap();
+    assert_eq!(memory(2, "params") * 2, memory(0, "params"), "bf16 only is half of fp32's weights");
+    assert_eq!(memory(3, "grads"), 0, "no whole-model gradients inside backward");
+    for streamed in &modes[5..] {
+        assert!(streamed["tier_read_bytes_per_step"].as_f64().unwrap() > 0.0, "{streamed}");
+        assert!(streamed["tier_written_bytes_per_step"].as_f64().unwrap() > 0.0, "{streamed}");
+        assert!(streamed["relative_to_state_in_memory"].as_f64().unwrap() > 0.0, "{streamed}");
+    }
+    assert!(modes[0]["tier_read_bytes_per_step"].is_null());
+
+    let out = common::ava(dir.path(), &["bench", "train", "--offload", "nvme:/tmp"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--offload goes with --modes"));
+}

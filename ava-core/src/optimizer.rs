@@ -167,6 +167,11 @@ pub struct StepContext {
 /// A per-parameter optimizer. State lives in host-allocated buffers described by
 /// [`state_layout`](Self::state_layout); the optimizer object itself holds only
 /// hyper-parameters.
+///
+/// A step of one parameter may depend only on that parameter's values, gradient and state:
+/// the host steps parameters in any order, and with `train.step_in_backward` interleaves
+/// them with the backward pass (each as soon as its gradient is final), with `values` in
+/// f32 even when the weights are stored in bf16 (the host widens and rounds them).
 pub trait Optimizer: Send {
     /// State buffers for `param`, in the order `step` receives them. Called once per
     /// parameter before the first step.

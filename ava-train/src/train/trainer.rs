@@ -867,16 +867,7 @@ impl Trainer {
                 self.oom_at_step = None;
                 memory::set_limit(Some(held_before + 1));
             }
-            let settings = StepSettings {
-                optimizer: self.optimizer.as_mut(),
-                plugin: &opt_name,
-                params: self.model.params(),
-                step,
-                lr,
-                weight_decay: t.weight_decay,
-                threads: self.threads as u32,
-                seed: t.seed,
-            };
+            let settings = step_settings(self.optimizer.as_mut(), &opt_name, &self.model, &t, step, lr, self.threads);
             let mut sink = StepInBackward::new(settings, &mut self.state);
             let run = MicroBatches { model: &self.model, plan: &self.plan, scale: 1.0, offload: self.offload.as_ref() };
             let outcome = run.run(&weights, &batches, self.split, &mut sink);
@@ -956,16 +947,8 @@ impl Trainer {
                 let factor = clip / scale;
                 let _span = crate::profile::scope("optimizer step");
                 let active: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].is_some()).collect();
-                let mut settings = StepSettings {
-                    optimizer: self.optimizer.as_mut(),
-                    plugin: &opt_name,
-                    params: self.model.params(),
-                    step,
-                    lr,
-                    weight_decay: t.weight_decay,
-                    threads: self.threads as u32,
-                    seed: t.seed,
-                };
+                let mut settings =
+                    step_settings(self.optimizer.as_mut(), &opt_name, &self.model, &t, step, lr, self.threads);
                 stream = self.state.for_each(&active, |i, buffers| {
                     let g = grads[i].take().expect("active parameters have a gradient");
                     let g = if factor != 1.0 { g.affine(factor, 0.0).map_err(TrainError::candle)? } else { g };
@@ -1152,6 +1135,28 @@ impl Trainer {
     /// The checkpoint store of this run.
     pub fn store(&self) -> &CheckpointStore {
         &self.store
+    }
+}
+
+/// How this step's parameters are stepped, inside backward or after it.
+fn step_settings<'a>(
+    optimizer: &'a mut dyn ava_core::Optimizer,
+    plugin: &'a str,
+    model: &'a Model,
+    t: &crate::config::TrainConfig,
+    step: u64,
+    lr: f64,
+    threads: usize,
+) -> StepSettings<'a> {
+    StepSettings {
+        optimizer,
+        plugin,
+        params: model.params(),
+        step,
+        lr,
+        weight_decay: t.weight_decay,
+        threads: threads as u32,
+        seed: t.seed,
     }
 }
 

@@ -20,7 +20,11 @@ fn streamed_files_save_and_large_files_load_mapped() {
             "big.bin".to_string(),
             FileBody::Stream(Box::new(|out| {
                 for c in &chunks {
-                    out.write_all(c).map_err(|e| SaveError::Io { action: "write".into(), path: "big".into(), source: e })?;
+                    out.write_all(c).map_err(|e| SaveError::Io {
+                        action: "write".into(),
+                        path: "big".into(),
+                        source: e,
+                    })?;
                 }
                 Ok(())
             })),
@@ -43,7 +47,9 @@ fn streamed_files_save_and_large_files_load_mapped() {
 
     let mut failing = vec![(
         "big.bin".to_string(),
-        FileBody::Stream(Box::new(|_| Err(SaveError::BadBuffer { name: "x".into(), reason: "the tier failed".into() }))),
+        FileBody::Stream(Box::new(|_| {
+            Err(SaveError::BadBuffer { name: "x".into(), reason: "the tier failed".into() })
+        })),
     )];
     let err = store.save_files(8, &mut failing).unwrap_err();
     assert!(err.to_string().contains("the tier failed"), "{err}");
