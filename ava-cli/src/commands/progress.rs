@@ -72,9 +72,9 @@ impl Reporter for CliReporter<'_> {
         if let Some(bar) = &self.bar {
             bar.set_position(r.step);
             bar.set_message(format!(
-                "loss {:.4} | {:.0} tok/s | mem {:.2} GiB",
+                "loss {:.4} | {} tok/s | mem {:.2} GiB",
                 r.loss,
-                r.tokens_per_sec,
+                rate(r.tokens_per_sec),
                 gib(r.memory.peak)
             ));
         }
@@ -85,12 +85,12 @@ impl Reporter for CliReporter<'_> {
                 String::new()
             };
             self.line(&format!(
-                "[step {}] loss {:.4} lr {:.2e} grad-norm {:.3} {:.0} tok/s{skipped}\n[step {}] {}",
+                "[step {}] loss {:.4} lr {:.2e} grad-norm {:.3} {} tok/s{skipped}\n[step {}] {}",
                 r.step,
                 r.loss,
                 r.lr,
                 r.grad_norm,
-                r.tokens_per_sec,
+                rate(r.tokens_per_sec),
                 r.step,
                 r.memory.line(&r.memory_status)
             ));
@@ -120,5 +120,14 @@ impl Reporter for CliReporter<'_> {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
+    }
+}
+
+/// A rate with the digits that matter: 5693, 12.4, 0.33 (a 7B step on 2 cores is minutes).
+pub(crate) fn rate(per_second: f64) -> String {
+    match per_second {
+        r if r >= 100.0 => format!("{r:.0}"),
+        r if r >= 10.0 => format!("{r:.1}"),
+        r => format!("{r:.2}"),
     }
 }

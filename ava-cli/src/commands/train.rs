@@ -52,8 +52,8 @@ pub fn run(p: &Printer, args: &TrainArgs) -> CmdResult {
             }
         }
         lines.push(format!(
-            "{:.0} tokens/s; peak memory {:.2} GiB",
-            summary.tokens_per_sec,
+            "{} tokens/s; peak memory {:.2} GiB",
+            super::progress::rate(summary.tokens_per_sec),
             ava_train::memory::gib(summary.peak_bytes)
         ));
         if let Some(c) = &summary.checkpoint {
