@@ -244,8 +244,8 @@ impl Model {
         let span = crate::profile::scope("forward: rms_norm");
         let normed = rms_norm(x, &w[bi.attn_norm], s.eps)?.reshape((n, d))?; // (B·T, d)
         drop(span);
-        // q and k rotated on their way into heads; all three in the kernel's f32 (f64 in
-        // the gradient checks), whatever the compute type.
+        // q and k rotated on their way into heads; all three stay in the compute type (the
+        // attention op widens them to the kernel's f32 inside its call).
         let span = crate::profile::scope("forward: q/k/v projections");
         let th = self.threads;
         let (q, k, v) = (
@@ -263,7 +263,7 @@ impl Model {
         let attn = attention(&self.kernel, &self.kernel_name, &q, &k, &v, self.threads)?; // (B, H, T, D)
         drop((span, q, k, v));
         let span = crate::profile::scope("forward: o_proj + residual");
-        let attn = merge_heads(&attn)?.to_dtype(x.dtype())?; // (B·T, H·D)
+        let attn = merge_heads(&attn)?; // (B·T, H·D)
         let x = (x + projection(&attn, w, bi.o, bi.o_bias, th)?.reshape((b, t, d))?)?; // (B, T, d)
         drop(span);
 
