@@ -138,7 +138,8 @@ impl<'a> Replay<'a> {
         meter.set_cat(Cat::Params);
         let defs = spec.params();
         let vars: Vec<T> = defs.iter().map(|d| T::param(&meter, &d.shape)).collect();
-        // Model::weights: the Vars themselves in f32, casts (inside the graph) otherwise.
+        // Model::weights: the Vars themselves in f32, casts (inside the graph) otherwise;
+        // `fused::cast` allocates and back-propagates as candle's `to_dtype` does.
         let weights = vars.iter().map(|v| v.to_dtype(dtype)).collect();
         let _rope = sim::raw(&meter, RopeTables::bytes(seq, spec.head_dim()));
         let ParamIndex { blocks, head, final_norm } = spec.param_index();
@@ -292,6 +293,7 @@ impl<'a> Replay<'a> {
         let attn = self.attention(&q, &k, &v); // (B, H, T, D)
         drop((q, k, v));
         let attn = Self::merge_heads(&attn); // (B·T, H·D)
+        // `fused::add`: for half types a custom op with candle's addition's memory.
         let x = x.add(&self.projection(&attn, bi.o, bi.o_bias).reshape(&[b, t, d])); // (B, T, d)
         let normed = self.rms_norm(&x, &w[bi.mlp_norm]).reshape(&[n, d]); // (B·T, d)
         let (mlp, aux) = match &bi.mlp {

@@ -20,7 +20,7 @@ use ava_core::{AttentionKernel, AttnShape, KernelContext, Pass};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, bail};
 
-use super::fused::Stored;
+use super::fused::{rounded, widened};
 
 /// Causal self-attention through `kernel`: q (B, H, T, D), k and v (B, Hkv, T, D), of one
 /// float type (the kernel computes in f32). Returns (B, H, T, D) in that type, and the
@@ -78,16 +78,6 @@ fn f32_values<'a>(storage: &'a CpuStorage, layout: &Layout, what: &str) -> Resul
         CpuStorage::F64(data) => Cow::Owned(data[start..end].iter().map(|&v| v as f32).collect()),
         other => bail!("attention: {what} is {:?}; f32, bf16, f16 or f64 expected", other.dtype()),
     })
-}
-
-/// Half values widened to f32.
-fn widened<S: Stored<C = f32>>(data: &[S]) -> Vec<f32> {
-    data.iter().map(|&v| v.load()).collect()
-}
-
-/// f32 values rounded to a half type.
-fn rounded<S: Stored<C = f32>>(values: &[f32]) -> Vec<S> {
-    values.iter().map(|&v| S::store(v)).collect()
 }
 
 /// f32 values in the storage type `dtype` (moved when it is f32).

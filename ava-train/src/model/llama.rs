@@ -11,7 +11,7 @@ use ava_core::AttentionKernel;
 use candle_core::{D, DType, Device, Result as CResult, Tensor, Var};
 
 use super::attention::attention;
-use super::fused::{RopeTables, linear, merge_heads, rms_norm, split_heads, swiglu_gate};
+use super::fused::{RopeTables, add, cast, linear, merge_heads, rms_norm, split_heads, swiglu_gate};
 use super::ops::softmax_last;
 use super::spec::{BlockIndex, MlpIndex, ModelSpec, ParamDef, ParamIndex, ParamRole};
 use super::{ModelError, cerr};
@@ -213,13 +213,7 @@ impl Model {
     /// stored in `dtype`, or casts of them (inside the graph, so gradients flow back to
     /// the f32 masters).
     pub fn weights(&self, dtype: DType) -> CResult<Vec<Tensor>> {
-        self.params
-            .iter()
-            .map(|p| {
-                let var = p.var.as_tensor();
-                if var.dtype() == dtype { Ok(var.clone()) } else { var.to_dtype(dtype) }
-            })
-            .collect()
+        self.params.iter().map(|p| cast(p.var.as_tensor(), dtype)).collect()
     }
 
     /// The type the parameters are stored in.
@@ -264,7 +258,7 @@ impl Model {
         drop((span, q, k, v));
         let span = crate::profile::scope("forward: o_proj + residual");
         let attn = merge_heads(&attn)?; // (B·T, H·D)
-        let x = (x + projection(&attn, w, bi.o, bi.o_bias, th)?.reshape((b, t, d))?)?; // (B, T, d)
+        let x = add(x, &projection(&attn, w, bi.o, bi.o_bias, th)?.reshape((b, t, d))?)?; // (B, T, d)
         drop(span);
 
         let span = crate::profile::scope("forward: rms_norm");
@@ -282,7 +276,7 @@ impl Model {
                 (out, Some(aux))
             }
         };
-        Ok(BlockOut { hidden: (x + mlp.reshape((b, t, d))?)?, aux })
+        Ok(BlockOut { hidden: add(&x, &mlp.reshape((b, t, d))?)?, aux })
     }
 
     /// Final norm and LM head: (B, T, d) → logits (B·T, V).

@@ -1,6 +1,7 @@
 //! The model's ops written as single candle custom ops with their own backward: the linear
 //! layer, RMSNorm, the head split with the rotary embedding (and its inverse, the head
-//! merge), and the SwiGLU gate.
+//! merge), the SwiGLU gate, and for half types the residual addition and the cast of the
+//! weights (`convert`).
 //!
 //! Why: each is a chain of 5–10 candle primitives, and candle's backward gives every node of
 //! a chain a zero-filled gradient plus an addition, computes gradients for untracked inputs
@@ -18,6 +19,7 @@
 //! summation unchanged. Either way the results do not depend on the thread count. The
 //! composed forms in `ops` stay as the reference the tests compare against.
 
+mod convert;
 mod linear;
 mod norm;
 mod rope;
@@ -32,6 +34,8 @@ use std::mem::MaybeUninit;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, Layout, Result, Storage, Tensor, WithDType, bail};
 
+pub use convert::{add, cast};
+pub(crate) use convert::{rounded, widened};
 pub(crate) use linear::half_scratch_len;
 pub use linear::linear;
 pub use norm::rms_norm;

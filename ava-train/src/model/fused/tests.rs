@@ -360,3 +360,35 @@ fn thread_count_does_not_change_bits() {
         assert_eq!(lin(1), lin(3), "{dt:?}");
     }
 }
+
+/// `cast` and `add` give what candle's `to_dtype` and `+` give, bit for bit (both round to
+/// nearest with ties to even), values and gradients, in both directions of the cast.
+#[test]
+fn cast_and_add_match_candle_bit_for_bit() {
+    let bits = |t: &Tensor| flat(t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for dt in [DType::BF16, DType::F16] {
+        // f32 → half (the weights' cast), gradients back to f32.
+        let x = tensor(&[37, 29], 31, DType::F32);
+        let probe = tensor(&[37, 29], 32, dt);
+        let (v, g) = value_and_grads(std::slice::from_ref(&x), &probe, |t| cast(&t[0], dt).unwrap());
+        let (v_ref, g_ref) = value_and_grads(std::slice::from_ref(&x), &probe, |t| t[0].to_dtype(dt).unwrap());
+        assert_eq!((v, g), (v_ref, g_ref), "{dt:?}: f32 → half");
+        assert_eq!(cast(&x, dt).unwrap().dtype(), dt);
+        // half → f32.
+        let h = tensor(&[37, 29], 33, dt);
+        let probe = tensor(&[37, 29], 34, DType::F32);
+        let (v, g) = value_and_grads(std::slice::from_ref(&h), &probe, |t| cast(&t[0], DType::F32).unwrap());
+        let (v_ref, g_ref) = value_and_grads(std::slice::from_ref(&h), &probe, |t| t[0].to_dtype(DType::F32).unwrap());
+        assert_eq!((v, g), (v_ref, g_ref), "{dt:?}: half → f32");
+        // The residual addition, more elements than one task.
+        let (a, b) = (tensor(&[3, 100, 97], 35, dt), tensor(&[3, 100, 97], 36, dt));
+        let probe = tensor(&[3, 100, 97], 37, dt);
+        let sum = add(&a, &b).unwrap();
+        assert_eq!(bits(&sum), bits(&(&a + &b).unwrap()), "{dt:?}: add");
+        let (v, g) = value_and_grads(&[a.clone(), b.clone()], &probe, |t| add(&t[0], &t[1]).unwrap());
+        let (v_ref, g_ref) = value_and_grads(&[a.clone(), b.clone()], &probe, |t| (&t[0] + &t[1]).unwrap());
+        assert_eq!((v, g), (v_ref, g_ref), "{dt:?}: add gradients");
+    }
+    let err = add(&tensor(&[2, 3], 1, DType::BF16), &tensor(&[3, 2], 2, DType::BF16)).unwrap_err().to_string();
+    assert!(err.contains("shapes [2, 3] and [3, 2] differ"), "{err}");
+}
