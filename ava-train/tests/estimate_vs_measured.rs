@@ -128,10 +128,13 @@ fn estimated_micro_batch_peak_is_within_15_percent_of_the_measured_one() {
         case("d128 L2 MHA", &base, 4, 128, bf16, plan(2, Keep), false),
         case("d128 L2 MHA", &base, 4, 128, bf16, plan(2, Recompute), false),
         case("d64 L2 MoE 4×top2", &moe, 4, 64, f32, plan(2, Keep), false),
+        case("d64 L2 MoE 4×top2", &moe, 4, 64, bf16, plan(2, Keep), false),
+        case("d64 L2 MoE 4×top2", &moe, 4, 64, f16, plan(2, Recompute), false),
         case("d128 L3 MQA tied", &tied, 4, 96, f32, vec![Recompute, Keep, Keep], false),
         case("d128 L3 MQA tied", &tied, 4, 96, f32, vec![Recompute, Keep, Keep], true),
         case("d128 L2 biases D48", &biased, 4, 64, f32, vec![Keep, Recompute], false),
         case("d128 L2 biases D48", &biased, 4, 64, bf16, plan(2, Keep), false),
+        case("d128 L2 biases D48", &biased, 4, 64, f16, vec![Keep, Recompute], false),
     ];
     let k = kernel();
     let mut failures = Vec::new();
@@ -311,4 +314,45 @@ fn estimate_activation_term_follows_checkpoint_decisions() {
         );
         assert_eq!(sum(Component::Activations), b.activations);
     }
+}
+
+/// `ava estimate`'s per-block terms add up to the block's activation bytes the checkpoint
+/// policy is given, in every precision and with the weights stored in bf16, and the "kept
+/// blocks" term is that many blocks' worth of them (all blocks kept: the peak is in
+/// backward, while every block's activations are held).
+#[test]
+fn per_block_terms_add_up_in_every_precision() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let reg = Registry::builtins();
+    let (opt, att, ck) = (
+        reg.optimizer("adamw", "{}").unwrap(),
+        reg.attention("standard", "{}").unwrap(),
+        reg.checkpoint("none", "{}").unwrap(),
+    );
+    let plugins = Plugins { optimizer: opt.as_ref(), attention: att.as_ref(), checkpoint: ck.as_ref() };
+    let mut per_block = Vec::new();
+    for sets in [
+        &["train.precision=fp32"][..],
+        &["train.precision=bf16"],
+        &["train.precision=f16"],
+        &["train.precision=bf16", "train.master_weights=none", "train.grad_clip=0", "train.step_in_backward=true"],
+    ] {
+        let mut all = vec!["model.hidden_size=128", "model.num_layers=3", "model.num_heads=4", "data.seq_len=64"];
+        all.extend_from_slice(sets);
+        let cfg = config(&all);
+        let spec = ModelSpec::from_config(&cfg.model).unwrap();
+        let est = estimate::estimate(&spec, &cfg, &plugins).unwrap();
+        let sum: u64 = est.block_terms.iter().map(|t| t.bytes).sum();
+        let fact = est.block_facts[0].activation_bytes;
+        assert_eq!(sum, fact, "{sets:?}: the per-block terms add up to the policy's fact");
+        let saved = est.block_terms.iter().find(|t| t.name == "attention kernel's saved buffer").unwrap().bytes;
+        let kept = est.terms.iter().find(|t| t.name == "activations of kept blocks").unwrap();
+        assert_eq!(kept.bytes, 3 * (fact - saved), "{sets:?}: {}", kept.formula);
+        assert!(kept.formula.starts_with("3.00 ×"), "{sets:?}: {}", kept.formula);
+        per_block.push(fact - saved);
+    }
+    // Without the kernel's f32 saved buffer, a half block holds half of an f32 one.
+    assert_eq!(per_block[1] * 2, per_block[0]);
+    assert_eq!(per_block[2], per_block[1]);
+    assert_eq!(per_block[3], per_block[1]);
 }

@@ -69,19 +69,9 @@ pub(crate) fn block_terms(x: &Dims, saved_len: u64, moe: Option<(u64, u64)>) -> 
     let (n, d, p) = (x.n(), x.d, x.p);
     let qkv = x.h + 2 * x.hkv;
     let mut out = Vec::new();
-    // Each fused op keeps its inputs and output; in a half compute type its inputs are f32
-    // copies and its output is cast back.
-    if x.cast() {
-        out.push(term(
-            "norms (2): f32 copies of the input and weight",
-            format!("2 · (B·T·d + d)·4 = 2 · ({n}·{d} + {d})·4"),
-            2 * (n * d + d) * 4,
-        ));
-    }
-    out.push(term("norms (2): fused RMSNorm output, f32", format!("2 · B·T·d·4 = 2 · {n}·{d}·4"), 2 * n * d * 4));
-    if x.cast() {
-        out.push(term("norms (2): cast back", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
-    }
+    // Each fused op keeps its inputs and output, all in the compute type (a half type's f32
+    // scratch lives only inside the op's call); the attention kernel's saved buffer is f32.
+    out.push(term("norms (2): fused RMSNorm output", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
     out.push(term("q, k, v projections", format!("B·T·(H + 2·Hkv)·D·p = {n}·{qkv}·{}·{p}", x.hd), n * qkv * x.hd * p));
     if x.bias.qkv {
         out.push(term(
@@ -90,32 +80,18 @@ pub(crate) fn block_terms(x: &Dims, saved_len: u64, moe: Option<(u64, u64)>) -> 
             n * qkv * x.hd * p,
         ));
     }
-    if x.cast() {
-        out.push(term(
-            "q, k, v as f32 (the kernel computes in f32)",
-            format!("B·T·(H + 2·Hkv)·D·4 = {n}·{qkv}·{}·4", x.hd),
-            n * qkv * x.hd * 4,
-        ));
-    }
     out.push(term(
-        "q, k, v split into heads (B, heads, T, D), RoPE on q and k, f32",
-        format!("B·T·(H + 2·Hkv)·D·4 = {n}·{qkv}·{}·4", x.hd),
-        n * qkv * x.hd * 4,
+        "q, k, v split into heads (B, heads, T, D), RoPE on q and k",
+        format!("B·T·(H + 2·Hkv)·D·p = {n}·{qkv}·{}·{p}", x.hd),
+        n * qkv * x.hd * p,
     ));
-    out.push(term("attention output (f32)", format!("B·H·T·D·4 = {n}·{}·{}·4", x.h, x.hd), n * x.h * x.hd * 4));
+    out.push(term("attention output", format!("B·H·T·D·p = {n}·{}·{}·{p}", x.h, x.hd), n * x.h * x.hd * p));
     out.push(term(
         "attention kernel's saved buffer",
         format!("saved_len · 4 = {saved_len} · 4 (the kernel's declaration)"),
         saved_len * 4,
     ));
-    out.push(term(
-        "heads merged to (B·T, H·D), f32",
-        format!("B·T·H·D·4 = {n}·{}·{}·4", x.h, x.hd),
-        n * x.h * x.hd * 4,
-    ));
-    if x.cast() {
-        out.push(term("merged heads cast back", format!("B·T·H·D·p = {n}·{}·{}·{p}", x.h, x.hd), n * x.h * x.hd * p));
-    }
+    out.push(term("heads merged to (B·T, H·D)", format!("B·T·H·D·p = {n}·{}·{}·{p}", x.h, x.hd), n * x.h * x.hd * p));
     out.push(term("o_proj output and residual sum", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
     if x.bias.o {
         out.push(term("o_proj plus its bias", format!("B·T·d·p = {n}·{d}·{p}"), n * d * p));
@@ -144,16 +120,10 @@ pub(crate) fn block_terms(x: &Dims, saved_len: u64, moe: Option<(u64, u64)>) -> 
 /// A SwiGLU MLP's gate, up and fused gate product on `rows` rows.
 fn swiglu_terms(x: &Dims, rows: u64) -> Vec<Term> {
     let (f, p) = (x.f, x.p);
-    let mut out = vec![term("SwiGLU: gate and up", format!("2 · rows·F·p = 2 · {rows}·{f}·{p}"), 2 * rows * f * p)];
-    if x.cast() {
-        out.push(term(
-            "SwiGLU: gate and up as f32, the f32 product cast back",
-            format!("rows·F·(2·4 + p) = {rows}·{f}·(8 + {p})"),
-            rows * f * (8 + p),
-        ));
-    }
-    out.push(term("SwiGLU: fused silu(gate)·up, f32", format!("rows·F·4 = {rows}·{f}·4"), rows * f * 4));
-    out
+    vec![
+        term("SwiGLU: gate and up", format!("2 · rows·F·p = 2 · {rows}·{f}·{p}"), 2 * rows * f * p),
+        term("SwiGLU: fused silu(gate)·up", format!("rows·F·p = {rows}·{f}·{p}"), rows * f * p),
+    ]
 }
 
 /// The mixture-of-experts part of a block, with the B·T·k routed rows spread evenly over
@@ -182,11 +152,11 @@ fn moe_terms(x: &Dims, e: u64, k: u64) -> Vec<Term> {
         term(
             "MoE experts on B·T·k rows: ids, gate, rows, SwiGLU (fused), scaled output",
             if c == 1 {
-                format!("B·T·k·(3·4 + (3·d + 1)·p + F·(3·p + 12)) = {n}·{k}·(12 + (3·{d} + 1)·{p} + {f}·(3·{p} + 12))")
+                format!("B·T·k·(3·4 + (3·d + 1 + 3·F)·p) = {n}·{k}·(12 + (3·{d} + 1 + 3·{f})·{p})")
             } else {
-                format!("B·T·k·(3·4 + 3·d·p + 3·F·4) = {n}·{k}·(12 + 3·{d}·{p} + 3·{f}·4)")
+                format!("B·T·k·(3·4 + (3·d + 3·F)·p) = {n}·{k}·(12 + (3·{d} + 3·{f})·{p})")
             },
-            n * k * (12 + (3 * d + c) * p + if c == 1 { f * (3 * p + 12) } else { 3 * f * 4 }),
+            n * k * (12 + (3 * d + c + 3 * f) * p),
         ),
         term(
             "MoE output: zeros and one index_add sum per expert",

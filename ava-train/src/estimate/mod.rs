@@ -295,7 +295,7 @@ pub fn block_facts(
         return Err(EstimateError::Zero { key: "data.seq_len" });
     }
     let saved = saved_len(spec, batch, seq, attention)?;
-    let replay = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved);
+    let replay = Replay::new(spec, batch, seq, dt(precision), saved);
     let activation_bytes = replay.block_activation_bytes();
     let input_bytes = (batch * seq * spec.hidden * precision.bytes()) as u64;
     let defs = spec.params();
@@ -348,7 +348,7 @@ pub fn micro_batch(
     ava_core::check_plan(plan, spec.layers).map_err(|message| EstimateError::Plan { message })?;
     let saved = saved_len(spec, batch, seq, attention)?;
     let [fwd, bwd] = workspace_lens(spec, batch, seq, attention, threads)?;
-    let peak = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved)
+    let peak = Replay::new(spec, batch, seq, dt(precision), saved)
         .with_workspace(fwd, bwd)
         .forward_backward(plan, accumulating);
     Ok(MicroBatch {
@@ -585,7 +585,7 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
     // Both the trainer and the estimate offer the offload tier (there always is one, `ram`
     // by default); the replay counts an offloaded input as held, which is what `ram` does.
     let mut ctx = CheckpointContext { budget_bytes: target, offload_available: true };
-    let replay = Replay::new(spec, batch, seq, dt(precision), precision == Precision::Bf16, saved)
+    let replay = Replay::new(spec, batch, seq, dt(precision), saved)
         .with_workspace(kernel_workspace[0], kernel_workspace[1])
         .with_step(step.clone());
     // The policy predicts the blocks' memory from their facts; the logits, the loss and the
@@ -783,10 +783,11 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
             Cat::Head,
             "head: final norm, logits, loss".to_string(),
             format!(
-                "norm (~3 · B·T·d·4) + B·T·V·p{} = 3 · {}·{}·4 + {}·{}·{}{}",
+                "norm B·T·d·p + logits B·T·V·p{} = {}·{}·{} + {}·{}·{}{}, plus the loss's per-row values",
                 if x.cast() { " + B·T·V·4 (f32 logits)" } else { "" },
                 x.n(),
                 x.d,
+                x.p,
                 x.n(),
                 x.v,
                 x.p,

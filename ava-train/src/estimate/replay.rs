@@ -11,7 +11,7 @@ use std::rc::Rc;
 use ava_core::BlockDecision;
 
 use super::sim::{self, Buf, Cat, Dt, Fused, GradStore, Meter, T, backward};
-use crate::model::fused::RopeTables;
+use crate::model::fused::{RopeTables, half_scratch_len};
 use crate::model::{BlockIndex, MlpIndex, ModelSpec, ParamDef, ParamIndex};
 
 /// How the optimizer step runs, as far as memory goes (`train::optim`, `train::in_backward`).
@@ -84,7 +84,6 @@ pub(crate) struct Replay<'a> {
     batch: usize,
     seq: usize,
     dtype: Dt,
-    f32_matmul: bool,
     saved_len: u64,
     /// The kernel's declared workspace, forward and backward (f32s).
     workspace: [u64; 2],
@@ -111,16 +110,16 @@ fn add_opt(a: Option<T>, b: Option<T>) -> Option<T> {
     }
 }
 
-/// `fused::linear`: x (N, in) · wᵀ, w (out, in); with `f32_matmul` (bf16 on CPU) both
-/// operands are cast to f32, multiplied, and the product cast back.
-fn linear_as(x: &T, w: &T, f32_matmul: bool) -> T {
+/// `fused::linear`: x (N, in) · wᵀ, w (out, in), in their type; a half type through f32
+/// scratch inside the op.
+fn linear(x: &T, w: &T) -> T {
     let dims = [x.dims()[0], w.dims()[0]];
-    if f32_matmul {
-        let dtype = x.dtype();
-        let (xf, wf) = (x.to_dtype(Dt::F32).contiguous(), w.to_dtype(Dt::F32).contiguous());
-        return T::fused(Fused::Linear, &[&xf, &wf], &dims).to_dtype(dtype);
-    }
-    T::fused(Fused::Linear, &[&x.contiguous(), &w.contiguous()], &dims)
+    let kind = if x.dtype() == Dt::Half {
+        Fused::LinearHalf { scratch: half_scratch_len(dims[0], x.dims()[1], dims[1]) as u64 }
+    } else {
+        Fused::Linear
+    };
+    T::fused(kind, &[&x.contiguous(), &w.contiguous()], &dims)
 }
 
 /// `ops::softmax_last`.
@@ -134,20 +133,13 @@ impl<'a> Replay<'a> {
     /// The model for micro-batches of `batch` sequences of `seq` tokens in `dtype`, with an
     /// attention kernel that saves `saved_len` f32s per call. Parameters, casts and rotary
     /// tables are counted under [`Cat::Params`].
-    /// `f32_matmul`: the compute type is bf16, whose matmuls run in f32 on CPU.
-    pub(crate) fn new(
-        spec: &'a ModelSpec,
-        batch: usize,
-        seq: usize,
-        dtype: Dt,
-        f32_matmul: bool,
-        saved_len: u64,
-    ) -> Self {
+    pub(crate) fn new(spec: &'a ModelSpec, batch: usize, seq: usize, dtype: Dt, saved_len: u64) -> Self {
         let meter = Meter::new();
         meter.set_cat(Cat::Params);
         let defs = spec.params();
         let vars: Vec<T> = defs.iter().map(|d| T::param(&meter, &d.shape)).collect();
-        // Model::weights: the Vars themselves in f32, casts (inside the graph) otherwise.
+        // Model::weights: the Vars themselves in f32, casts (inside the graph) otherwise;
+        // `fused::cast` allocates and back-propagates as candle's `to_dtype` does.
         let weights = vars.iter().map(|v| v.to_dtype(dtype)).collect();
         let _rope = sim::raw(&meter, RopeTables::bytes(seq, spec.head_dim()));
         let ParamIndex { blocks, head, final_norm } = spec.param_index();
@@ -160,7 +152,6 @@ impl<'a> Replay<'a> {
             batch,
             seq,
             dtype,
-            f32_matmul,
             saved_len,
             workspace: [0, 0],
             step: StepModel::default(),
@@ -201,37 +192,31 @@ impl<'a> Replay<'a> {
         &self.meter
     }
 
-    /// `fused::rms_norm`: in f32, back to the input type.
+    /// `fused::rms_norm`: in the input's type.
     fn rms_norm(&self, x: &T, w: &T) -> T {
-        let dtype = x.dtype();
-        let (xc, wc) = (x.to_dtype(Dt::F32).contiguous(), w.to_dtype(Dt::F32).contiguous());
-        T::fused(Fused::RmsNorm, &[&xc, &wc], x.dims()).to_dtype(dtype)
+        T::fused(Fused::RmsNorm, &[&x.contiguous(), &w.contiguous()], x.dims())
     }
 
-    /// `fused::split_heads`: (B·T, C·D) → (B, C, T, D) in f32.
+    /// `fused::split_heads`: (B·T, C·D) → (B, C, T, D) in the input's type.
     fn split_heads(&self, p: &T, c: usize) -> T {
-        let pc = p.to_dtype(Dt::F32).contiguous();
-        T::fused(Fused::SplitHeads, &[&pc], &[self.batch, c, self.seq, self.spec.head_dim()])
+        T::fused(Fused::SplitHeads, &[&p.contiguous()], &[self.batch, c, self.seq, self.spec.head_dim()])
     }
 
-    /// `fused::merge_heads`: (B, C, T, D) → (B·T, C·D) in f32.
+    /// `fused::merge_heads`: (B, C, T, D) → (B·T, C·D) in the input's type.
     fn merge_heads(x: &T) -> T {
         let d = x.dims();
         let (b, c, t, hd) = (d[0], d[1], d[2], d[3]);
-        let xc = x.to_dtype(Dt::F32).contiguous();
-        T::fused(Fused::MergeHeads, &[&xc], &[b * t, c * hd])
+        T::fused(Fused::MergeHeads, &[&x.contiguous()], &[b * t, c * hd])
     }
 
-    /// `model::attention`: f32 contiguous copies, the kernel op, back to the compute type.
+    /// `model::attention`: the kernel op on q, k, v in their type (widened to f32 inside it).
     fn attention(&self, q: &T, k: &T, v: &T) -> T {
-        let dtype = q.dtype();
-        let f32c = |x: &T| x.to_dtype(Dt::F32).contiguous();
-        T::attention(&f32c(q), &f32c(k), &f32c(v), self.saved_len, self.workspace).to_dtype(dtype)
+        T::attention(&q.contiguous(), &k.contiguous(), &v.contiguous(), self.saved_len, self.workspace)
     }
 
     /// `llama::projection`: the product, plus the bias when the projection has one.
     fn projection(&self, x: &T, weight: usize, bias: Option<usize>) -> T {
-        let y = linear_as(x, &self.weights[weight], self.f32_matmul);
+        let y = linear(x, &self.weights[weight]);
         match bias {
             Some(b) => y.broadcast_add(&self.weights[b]),
             None => y,
@@ -245,9 +230,7 @@ impl<'a> Replay<'a> {
     /// SwiGLU with the (gate, up, down) weights and their biases, if any.
     fn swiglu_biased(&self, x: &T, [gate, up, down]: [usize; 3], bias: [Option<usize>; 3]) -> T {
         let (g, u) = (self.projection(x, gate, bias[0]), self.projection(x, up, bias[1])); // (N, F)
-        let dtype = g.dtype();
-        let (gc, uc) = (g.to_dtype(Dt::F32).contiguous(), u.to_dtype(Dt::F32).contiguous());
-        let hidden = T::fused(Fused::SwiGlu, &[&gc, &uc], g.dims()).to_dtype(dtype); // (N, F)
+        let hidden = T::fused(Fused::SwiGlu, &[&g.contiguous(), &u.contiguous()], g.dims()); // (N, F)
         self.projection(&hidden, down, bias[2])
     }
 
@@ -257,7 +240,7 @@ impl<'a> Replay<'a> {
         let (n, d) = (x.dims()[0], x.dims()[1]);
         let e_count = experts.len();
         let m = &self.meter;
-        let probs = softmax_last(&linear_as(x, &self.weights[router], self.f32_matmul).to_dtype(Dt::F32)); // (N, E) f32
+        let probs = softmax_last(&linear(x, &self.weights[router]).to_dtype(Dt::F32)); // (N, E) f32
         // probs.to_vec2 (rows of E f32 plus a Vec header each), the chosen ids, the counts.
         let _values = sim::raw(m, (n * e_count * 4 + n * 24) as u64);
         let _chosen = sim::raw(m, (n * top_k * 4) as u64);
@@ -309,7 +292,8 @@ impl<'a> Replay<'a> {
         let v = self.split_heads(&v, hkv); // (B, Hkv, T, D)
         let attn = self.attention(&q, &k, &v); // (B, H, T, D)
         drop((q, k, v));
-        let attn = Self::merge_heads(&attn).to_dtype(x.dtype()); // (B·T, H·D)
+        let attn = Self::merge_heads(&attn); // (B·T, H·D)
+        // `fused::add`: for half types a custom op with candle's addition's memory.
         let x = x.add(&self.projection(&attn, bi.o, bi.o_bias).reshape(&[b, t, d])); // (B, T, d)
         let normed = self.rms_norm(&x, &w[bi.mlp_norm]).reshape(&[n, d]); // (B·T, d)
         let (mlp, aux) = match &bi.mlp {
@@ -326,7 +310,7 @@ impl<'a> Replay<'a> {
     fn head(&self, x: &T) -> T {
         let (b, t, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
         let normed = self.rms_norm(x, &self.weights[self.final_norm]).reshape(&[b * t, d]);
-        linear_as(&normed, &self.weights[self.head], self.f32_matmul)
+        linear(&normed, &self.weights[self.head])
     }
 
     /// Bytes a kept block adds to the graph (its activations, the kernel's saved buffer and its

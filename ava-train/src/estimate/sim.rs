@@ -224,8 +224,15 @@ enum Op {
 /// The engine's fused ops (`model::fused`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Fused {
-    /// x Wᵀ (x, w).
+    /// x Wᵀ (x, w) in f32, multiplied as they are.
     Linear,
+    /// x Wᵀ (x, w) in a half type through f32 inside the op: each call (forward, backward)
+    /// holds the weight's f32 copy and `scratch` f32s of row tiles; backward also dW's f32
+    /// accumulator.
+    LinearHalf {
+        /// `fused::linear`'s tile scratch, in f32s.
+        scratch: u64,
+    },
     /// RMSNorm (x, w).
     RmsNorm,
     /// (B·T, C·D) → (B, C, T, D), with or without rotation.
@@ -260,7 +267,7 @@ impl Op {
             Op::IndexSelect(..) => "index_select",
             Op::IndexAdd(..) => "index_add",
             Op::Gather(..) => "gather",
-            Op::Fused(Fused::Linear, _) => "linear",
+            Op::Fused(Fused::Linear | Fused::LinearHalf { .. }, _) => "linear",
             Op::Fused(Fused::RmsNorm, _) => "rms-norm",
             Op::Fused(Fused::SplitHeads, _) => "split-heads",
             Op::Fused(Fused::MergeHeads, _) => "merge-heads",
@@ -337,6 +344,21 @@ impl T {
             dtype: self.0.dtype,
             buf: self.0.buf.clone(),
             op,
+            var: false,
+            param: false,
+        }))
+    }
+
+    /// An untracked contiguous tensor on a buffer already counted.
+    fn wrap(dims: Vec<usize>, dtype: Dt, buf: Rc<Buf>) -> T {
+        let id = buf.meter.id();
+        T(Rc::new(Inner {
+            id,
+            strides: contiguous_strides(&dims),
+            dims,
+            dtype,
+            buf,
+            op: None,
             var: false,
             param: false,
         }))
@@ -617,23 +639,43 @@ impl T {
         self.out(vec![n], Dt::F32, op)
     }
 
-    /// A fused op on contiguous inputs of the compute type: a fresh output of `dims` in the
-    /// first input's type.
+    /// A fused op on contiguous inputs of the stored type: a fresh output of `dims` in the
+    /// first input's type. The half linear op also holds the weight's f32 copy and its tile
+    /// scratch while it runs.
     pub(crate) fn fused(kind: Fused, args: &[&T], dims: &[usize]) -> T {
+        let m = args[0].meter();
+        let scratch = match kind {
+            Fused::LinearHalf { scratch } => Some((raw(m, args[1].elem_count() * 4), raw(m, scratch * 4))),
+            _ => None,
+        };
         let op = T::op_if(args, || Op::Fused(kind, args.iter().map(|a| (*a).clone()).collect()));
-        args[0].out(dims.to_vec(), args[0].0.dtype, op)
+        let out = args[0].out(dims.to_vec(), args[0].0.dtype, op);
+        drop(scratch);
+        out
     }
 
-    /// The attention op on contiguous f32 q, k, v: the output (q's shape) and the kernel's
-    /// saved buffer of `saved_len` f32s (counted under [`Cat::AttnSaved`]), held by the op;
-    /// `workspace` is the f32s the kernel declared for its forward and backward call (counted
-    /// under [`Cat::AttnWorkspace`] while the call runs).
+    /// The attention op on contiguous q, k, v of one type: the output (q's shape and type)
+    /// and the kernel's saved buffer of `saved_len` f32s (counted under [`Cat::AttnSaved`]),
+    /// held by the op; `workspace` is the f32s the kernel declared for its forward and
+    /// backward call (counted under [`Cat::AttnWorkspace`] while the call runs). Half inputs
+    /// are widened to f32 buffers that live through the kernel call.
     pub(crate) fn attention(q: &T, k: &T, v: &T, saved_len: u64, workspace: [u64; 2]) -> T {
         let m = q.meter();
-        // cpu_fwd allocates `out`, then `saved`, then the workspace, freed when forward returns.
-        let out_buf = m.alloc(q.elem_count() * 4, None);
+        let dtype = q.0.dtype;
+        // cpu_fwd widens q, k, v (half), allocates the f32 `out`, then `saved`, then the
+        // workspace, freed when the kernel returns; then rounds `out` into the stored type and
+        // frees the f32 buffers.
+        let widened = (dtype != Dt::F32).then(|| [q, k, v].map(|x| raw(m, x.elem_count() * 4)));
+        let out32 = m.alloc(q.elem_count() * 4, None);
         let saved = m.alloc(saved_len * 4, Some(Cat::AttnSaved));
         drop(m.alloc(workspace[0] * 4, Some(Cat::AttnWorkspace)));
+        let out_buf = if dtype == Dt::F32 {
+            out32
+        } else {
+            let out = m.alloc(q.elem_count() * dtype.size(), None);
+            drop((out32, widened));
+            out
+        };
         let bwd = workspace[1] * 4;
         let op =
             T::op_if(&[q, k, v], || Op::Attention(q.clone(), k.clone(), v.clone(), RefCell::new(Some(saved)), bwd));
@@ -642,7 +684,7 @@ impl T {
             id: m.id(),
             strides: contiguous_strides(&dims),
             dims,
-            dtype: Dt::F32,
+            dtype,
             buf: out_buf,
             op,
             var: false,
@@ -855,13 +897,25 @@ pub(crate) fn backward(root: &T) -> GradStore {
             Op::Attention(q, k, v, saved, workspace) => {
                 let (dq, dk, dv) = {
                     let saved = saved.borrow_mut().take();
-                    let dq = T::new(&meter, &q.0.dims, Dt::F32);
-                    let dk = T::new(&meter, &k.0.dims, Dt::F32);
-                    let dv = T::new(&meter, &v.0.dims, Dt::F32);
-                    // The backward's workspace lives through the kernel call.
-                    drop(meter.alloc(*workspace, Some(Cat::AttnWorkspace)));
-                    drop(saved);
-                    (dq, dk, dv)
+                    let dq = raw(&meter, q.elem_count() * 4);
+                    let dk = raw(&meter, k.elem_count() * 4);
+                    let dv = raw(&meter, v.elem_count() * 4);
+                    // The backward's workspace lives through the kernel call, and so do, for
+                    // half inputs, f32 copies of q, k, v, the output and its gradient.
+                    let ws = meter.alloc(*workspace, Some(Cat::AttnWorkspace));
+                    let widened =
+                        (q.0.dtype != Dt::F32).then(|| [q, k, v, node, &grad].map(|x| raw(&meter, x.elem_count() * 4)));
+                    drop((widened, ws, saved));
+                    // Each gradient rounded into its input's type, the f32 one freed then.
+                    let grad_of = |arg: &T, buf: Rc<Buf>| {
+                        if arg.0.dtype == Dt::F32 {
+                            return T::wrap(arg.0.dims.clone(), Dt::F32, buf);
+                        }
+                        let g = T::new(&meter, &arg.0.dims, arg.0.dtype);
+                        drop(buf);
+                        g
+                    };
+                    (grad_of(q, dq), grad_of(k, dk), grad_of(v, dv))
                 };
                 grads.accumulate(q, |s| s.add(&dq));
                 grads.accumulate(k, |s| s.add(&dk));
@@ -875,20 +929,35 @@ pub(crate) fn backward(root: &T) -> GradStore {
             }
             Op::Gather(arg, ids, dim) => grads.accumulate(arg, |s| s.scatter_add(ids, &grad, *dim)),
             Op::Fused(kind, args) => {
-                // bwd returns a fresh gradient per input; RMSNorm also fills one partial dw
-                // per task of 64 rows (with its Vec header) while dx is held.
-                let mut arg_grads = Vec::new();
-                for (i, arg) in args.iter().enumerate() {
-                    arg_grads.push(T::new(&meter, &arg.0.dims, arg.0.dtype));
-                    if *kind == Fused::RmsNorm && i == 0 {
-                        let d = *arg.0.dims.last().expect("rows");
-                        let tasks = (arg.elem_count() / d as u64).div_ceil(64);
-                        let _partial = raw(&meter, tasks * (d as u64 * 4 + 24));
-                        let dw = T::new(&meter, &args[1].0.dims, args[1].0.dtype);
-                        arg_grads.push(dw);
-                        break;
+                // bwd returns a fresh gradient per input, in the input's type; RMSNorm also
+                // fills one f32 partial dw per task of 64 rows (with its Vec header) while dx
+                // is held; the half linear op holds its tile scratch throughout, the weight's
+                // f32 copy while it computes dx, and dW's f32 accumulator while it computes
+                // and rounds dW.
+                let arg_grads: Vec<T> = match *kind {
+                    Fused::LinearHalf { scratch } => {
+                        let (x, w) = (&args[0], &args[1]);
+                        let scratch = raw(&meter, scratch * 4);
+                        let wf = raw(&meter, w.elem_count() * 4);
+                        let dx = T::new(&meter, &x.0.dims, x.0.dtype);
+                        drop(wf);
+                        let dw32 = raw(&meter, w.elem_count() * 4);
+                        let dw = T::new(&meter, &w.0.dims, w.0.dtype);
+                        drop((dw32, scratch));
+                        vec![dx, dw]
                     }
-                }
+                    Fused::RmsNorm => {
+                        let (x, w) = (&args[0], &args[1]);
+                        let dx = T::new(&meter, &x.0.dims, x.0.dtype);
+                        let d = *x.0.dims.last().expect("rows");
+                        let tasks = (x.elem_count() / d as u64).div_ceil(64);
+                        let partial = raw(&meter, tasks * (d as u64 * 4 + 24));
+                        let dw = T::new(&meter, &w.0.dims, w.0.dtype);
+                        drop(partial);
+                        vec![dx, dw]
+                    }
+                    _ => args.iter().map(|arg| T::new(&meter, &arg.0.dims, arg.0.dtype)).collect(),
+                };
                 // candle adds each returned gradient and drops it before the next
                 // (`if let Some(g) = ..` moves it), the later ones still held.
                 let mut rest = arg_grads.into_iter();

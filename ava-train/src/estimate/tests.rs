@@ -3,7 +3,7 @@
 use ava_core::BlockDecision;
 
 use super::block::{Dims, block_terms};
-use super::replay::Replay;
+use super::replay::{Replay, StepModel};
 use super::sim::Dt;
 use crate::model::{Arch, Biases, ModelSpec, MoeSpec};
 
@@ -16,27 +16,56 @@ fn spec(kv_heads: usize, moe: Option<MoeSpec>) -> ModelSpec {
     }
 }
 
-/// The printed formulas add up to exactly what the replay of `Model::block` keeps.
+/// The printed formulas add up to exactly what the replay of `Model::block` keeps, in f32
+/// and in a half type (bf16 and f16 run the same ops), with the weights cast in the graph
+/// from f32 masters or stored in the half type.
 #[test]
 fn block_formulas_sum_to_the_replayed_block() {
     let moe = MoeSpec { experts: 4, top_k: 2, aux_weight: 0.01 };
-    for (s, dt, p) in [
-        (spec(4, None), Dt::F32, 4),
-        (spec(2, None), Dt::F32, 4),
-        (spec(1, None), Dt::Half, 2),
-        (spec(2, Some(moe)), Dt::F32, 4),
-        (spec(2, Some(moe)), Dt::Half, 2),
-        // Every bias, and a head size apart from d / H (Mistral-Nemo-like).
-        (ModelSpec { bias: Biases { qkv: true, o: true, mlp: true }, head_dim: 20, ..spec(2, None) }, Dt::F32, 4),
-        (ModelSpec { bias: Biases { qkv: true, o: false, mlp: false }, ..spec(1, None) }, Dt::Half, 2),
-    ] {
-        let (b, t) = (3, 10);
-        let saved = (b * s.heads * t * t) as u64;
-        let replayed = Replay::new(&s, b, t, dt, false, saved).block_activation_bytes();
-        let terms = block_terms(&Dims::new(&s, b, t, p), saved, s.moe.map(|m| (m.experts as u64, m.top_k as u64)));
-        let sum: u64 = terms.iter().map(|t| t.bytes).sum();
-        assert_eq!(sum, replayed, "kv_heads {} moe {:?} {dt:?}: {terms:#?}", s.kv_heads, s.moe);
+    // Every bias, and a head size apart from d / H (Mistral-Nemo-like).
+    let biased = ModelSpec { bias: Biases { qkv: true, o: true, mlp: true }, head_dim: 20, ..spec(2, None) };
+    let qkv_bias = ModelSpec { bias: Biases { qkv: true, o: false, mlp: false }, ..spec(1, None) };
+    let stored = StepModel { stored_half: true, ..StepModel::default() };
+    for s in [spec(4, None), spec(2, None), spec(1, None), spec(2, Some(moe)), biased, qkv_bias] {
+        for (dt, p, step) in
+            [(Dt::F32, 4, StepModel::default()), (Dt::Half, 2, StepModel::default()), (Dt::Half, 2, stored.clone())]
+        {
+            let (b, t) = (3, 10);
+            let saved = (b * s.heads * t * t) as u64;
+            let replayed = Replay::new(&s, b, t, dt, saved).with_step(step.clone()).block_activation_bytes();
+            let terms = block_terms(&Dims::new(&s, b, t, p), saved, s.moe.map(|m| (m.experts as u64, m.top_k as u64)));
+            let sum: u64 = terms.iter().map(|t| t.bytes).sum();
+            assert_eq!(sum, replayed, "kv_heads {} moe {:?} {dt:?} {step:?}: {terms:#?}", s.kv_heads, s.moe);
+        }
     }
+}
+
+/// In a half type every kept activation but the attention kernel's f32 saved buffer is half
+/// the size it is in f32: the ops keep no f32 copies.
+#[test]
+fn half_precision_halves_a_blocks_activations() {
+    let s = spec(2, None);
+    let (b, t) = (3, 10);
+    let saved = (b * s.heads * t * t) as u64;
+    let f32_bytes = Replay::new(&s, b, t, Dt::F32, saved).block_activation_bytes() - 4 * saved;
+    let half = Replay::new(&s, b, t, Dt::Half, saved).block_activation_bytes() - 4 * saved;
+    assert_eq!(2 * half, f32_bytes);
+}
+
+/// The half linear op's scratch (the weight's f32 copy, its row tiles, dW's accumulator) is
+/// held only while a call runs: everything but the gradients is freed after a micro-batch,
+/// and its peak stays below f32's.
+#[test]
+fn half_scratch_is_transient() {
+    let s = spec(2, None);
+    let saved = (2 * 4 * 16 * 16) as u64;
+    let plan = [BlockDecision::Keep; 3];
+    let half = Replay::new(&s, 2, 16, Dt::Half, saved);
+    let before = half.meter().current();
+    let peak_half = half.forward_backward(&plan, false).bytes;
+    assert_eq!(half.meter().current(), before, "everything but the gradients is freed");
+    let peak_f32 = Replay::new(&s, 2, 16, Dt::F32, saved).forward_backward(&plan, false).bytes;
+    assert!(peak_half < peak_f32, "half {peak_half}, f32 {peak_f32}");
 }
 
 /// Everything the replayed micro-batch allocates is freed again except its gradients, and
@@ -45,7 +74,7 @@ fn block_formulas_sum_to_the_replayed_block() {
 fn replay_frees_all_but_the_gradients_and_recompute_saves_memory() {
     let s = spec(2, None);
     let n: u64 = s.params().iter().map(|d| d.numel() as u64).sum();
-    let replay = Replay::new(&s, 2, 16, Dt::F32, false, (2 * 4 * 16 * 16) as u64);
+    let replay = Replay::new(&s, 2, 16, Dt::F32, (2 * 4 * 16 * 16) as u64);
     let before = replay.meter().current();
     let keep = replay.forward_backward(&[BlockDecision::Keep; 3], false);
     assert_eq!(replay.meter().current(), before, "the replay drops its gradients at the end");

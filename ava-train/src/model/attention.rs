@@ -6,14 +6,25 @@
 //! used) and calls the kernel's backward on detached, contiguous copies of the inputs. Each
 //! call also gets the workspace the kernel declared for it (`workspace_len`), allocated here
 //! so the allocator counts it, and freed as soon as the call returns.
+//!
+//! q, k, v and the output stay in the compute type (bf16 heads for a bf16 model). The
+//! kernel contract is f32, so for any other type the op widens q, k and v into f32 buffers
+//! inside its forward (and q, k, v, out and the output gradient inside its backward), runs
+//! the kernel, rounds the result into the stored type and frees the f32 buffers on return:
+//! the graph keeps the half inputs and output only.
 
+use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
 use ava_core::{AttentionKernel, AttnShape, KernelContext, Pass};
+use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, bail};
 
-/// Causal self-attention through `kernel`: q (B, H, T, D), k and v (B, Hkv, T, D), any
-/// float type (the kernel computes in f32). Returns (B, H, T, D) in q's type.
+use super::fused::{rounded, widened};
+
+/// Causal self-attention through `kernel`: q (B, H, T, D), k and v (B, Hkv, T, D), of one
+/// float type (the kernel computes in f32). Returns (B, H, T, D) in that type, and the
+/// gradients in it too.
 pub fn attention(
     kernel: &Arc<dyn AttentionKernel>,
     name: &str,
@@ -34,8 +45,9 @@ pub fn attention(
         causal: true,
         scale: 1.0 / (d as f32).sqrt(),
     };
-    let dtype = q.dtype();
-    let f32c = |x: &Tensor| -> Result<Tensor> { x.to_dtype(DType::F32)?.contiguous() };
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        bail!("attention: q, k and v are {:?}, {:?} and {:?} (one type)", q.dtype(), k.dtype(), v.dtype());
+    }
     let op = AttentionOp {
         kernel: kernel.clone(),
         name: name.to_string(),
@@ -43,7 +55,7 @@ pub fn attention(
         ctx: KernelContext { threads: threads.max(1) as u32, ..KernelContext::default() },
         saved: Mutex::new(None),
     };
-    f32c(q)?.apply_op3(&f32c(k)?, &f32c(v)?, op)?.to_dtype(dtype)
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
 }
 
 /// One attention call: the kernel, the shape, and what forward saved for backward.
@@ -55,25 +67,51 @@ struct AttentionOp {
     saved: Mutex<Option<Vec<f32>>>, // (saved_len,) as the kernel declared
 }
 
-/// The f32 elements of a contiguous CPU storage.
-fn slice<'a>(storage: &'a CpuStorage, layout: &Layout, what: &str) -> Result<&'a [f32]> {
+/// A contiguous CPU storage's values as f32: borrowed when they are f32, widened into a
+/// buffer of their own otherwise (freed by the caller when the kernel call returns).
+fn f32_values<'a>(storage: &'a CpuStorage, layout: &Layout, what: &str) -> Result<Cow<'a, [f32]>> {
     let Some((start, end)) = layout.contiguous_offsets() else { bail!("attention: {what} is not contiguous") };
-    match storage {
-        CpuStorage::F32(data) => Ok(&data[start..end]),
-        _ => bail!("attention: {what} must be f32"),
-    }
+    Ok(match storage {
+        CpuStorage::F32(data) => Cow::Borrowed(&data[start..end]),
+        CpuStorage::BF16(data) => Cow::Owned(widened(&data[start..end])),
+        CpuStorage::F16(data) => Cow::Owned(widened(&data[start..end])),
+        CpuStorage::F64(data) => Cow::Owned(data[start..end].iter().map(|&v| v as f32).collect()),
+        other => bail!("attention: {what} is {:?}; f32, bf16, f16 or f64 expected", other.dtype()),
+    })
 }
 
-/// Runs `f` on a tensor's f32 values: borrowed when it is a contiguous f32 CPU tensor (the
-/// op's own inputs and output are), copied out otherwise.
+/// f32 values in the storage type `dtype` (moved when it is f32).
+fn to_storage(values: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(values),
+        DType::BF16 => CpuStorage::BF16(rounded(&values)),
+        DType::F16 => CpuStorage::F16(rounded(&values)),
+        DType::F64 => CpuStorage::F64(values.iter().map(|&v| f64::from(v)).collect()),
+        dt => bail!("attention: {dt:?} is not supported"),
+    })
+}
+
+/// Runs `f` on a tensor's values as f32: borrowed when it is a contiguous f32 CPU tensor (the
+/// op's own inputs and output are in an f32 model), widened into a buffer freed on return
+/// otherwise.
 fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
-    {
-        let (storage, layout) = t.storage_and_layout();
-        if let (Storage::Cpu(CpuStorage::F32(data)), Some((start, end))) = (&*storage, layout.contiguous_offsets()) {
-            return f(&data[start..end]);
-        }
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else { bail!("attention: only the CPU is supported") };
+    f(&f32_values(cpu, layout, "a backward operand")?)
+}
+
+/// A gradient the kernel wrote in f32, as a tensor of `dtype` (the f32 buffer is moved, or
+/// freed once rounded).
+fn grad_tensor(values: Vec<f32>, like: &Tensor) -> Result<Tensor> {
+    let (shape, dev) = (like.shape(), like.device());
+    match like.dtype() {
+        DType::F32 => Tensor::from_vec(values, shape, dev),
+        DType::BF16 => Tensor::from_vec(rounded::<half::bf16>(&values), shape, dev),
+        DType::F16 => Tensor::from_vec(rounded::<half::f16>(&values), shape, dev),
+        DType::F64 => Tensor::from_vec(values.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(), shape, dev),
+        dt => bail!("attention: {dt:?} is not supported"),
     }
-    f(&t.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 impl AttentionOp {
@@ -102,17 +140,20 @@ impl CustomOp3 for AttentionOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (q, k, v) = (slice(s1, l1, "q")?, slice(s2, l2, "k")?, slice(s3, l3, "v")?);
+        // q, k, v (B, H|Hkv, T, D) as f32: borrowed, or widened and freed on return.
+        let (q, k, v) = (f32_values(s1, l1, "q")?, f32_values(s2, l2, "k")?, f32_values(s3, l3, "v")?);
         let saved_len = self.kernel.saved_len(&self.shape).map_err(|e| self.plugin_error("saved_len", e))? as usize;
         let mut out = vec![0f32; self.shape.q_numel()]; // (B, H, T, D)
         let mut saved = vec![0f32; saved_len]; // e.g. (B, H, T, T) probabilities, or (B, H, T) logsumexp
         let mut workspace = self.workspace(Pass::Forward)?; // (workspace_len,) freed on return
         self.kernel
-            .forward(&self.shape, q, k, v, &mut out, &mut saved, &mut workspace, &self.ctx)
+            .forward(&self.shape, &q, &k, &v, &mut out, &mut saved, &mut workspace, &self.ctx)
             .map_err(|e| self.plugin_error("forward", e))?;
         drop(workspace);
         *self.saved.lock().expect("attention op lock") = Some(saved);
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+        let out = to_storage(out, s1.dtype())?; // (B, H, T, D) in q's type
+        drop((q, k, v));
+        Ok((out, l1.shape().clone()))
     }
 
     fn bwd(
@@ -162,11 +203,7 @@ impl CustomOp3 for AttentionOp {
         })?;
         drop(workspace);
         drop(saved);
-        let dev = q.device();
-        Ok((
-            Some(Tensor::from_vec(dq, q.shape(), dev)?),
-            Some(Tensor::from_vec(dk, k.shape(), dev)?),
-            Some(Tensor::from_vec(dv, v.shape(), dev)?),
-        ))
+        // Each gradient in its input's type, the f32 one freed as soon as it is rounded.
+        Ok((Some(grad_tensor(dq, q)?), Some(grad_tensor(dk, k)?), Some(grad_tensor(dv, v)?)))
     }
 }

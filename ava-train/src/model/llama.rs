@@ -11,7 +11,7 @@ use ava_core::AttentionKernel;
 use candle_core::{D, DType, Device, Result as CResult, Tensor, Var};
 
 use super::attention::attention;
-use super::fused::{RopeTables, linear, merge_heads, rms_norm, split_heads, swiglu_gate};
+use super::fused::{RopeTables, add, cast, linear, merge_heads, rms_norm, split_heads, swiglu_gate};
 use super::ops::softmax_last;
 use super::spec::{BlockIndex, MlpIndex, ModelSpec, ParamDef, ParamIndex, ParamRole};
 use super::{ModelError, cerr};
@@ -213,13 +213,7 @@ impl Model {
     /// stored in `dtype`, or casts of them (inside the graph, so gradients flow back to
     /// the f32 masters).
     pub fn weights(&self, dtype: DType) -> CResult<Vec<Tensor>> {
-        self.params
-            .iter()
-            .map(|p| {
-                let var = p.var.as_tensor();
-                if var.dtype() == dtype { Ok(var.clone()) } else { var.to_dtype(dtype) }
-            })
-            .collect()
+        self.params.iter().map(|p| cast(p.var.as_tensor(), dtype)).collect()
     }
 
     /// The type the parameters are stored in.
@@ -244,8 +238,8 @@ impl Model {
         let span = crate::profile::scope("forward: rms_norm");
         let normed = rms_norm(x, &w[bi.attn_norm], s.eps)?.reshape((n, d))?; // (B·T, d)
         drop(span);
-        // q and k rotated on their way into heads; all three in the kernel's f32 (f64 in
-        // the gradient checks), whatever the compute type.
+        // q and k rotated on their way into heads; all three stay in the compute type (the
+        // attention op widens them to the kernel's f32 inside its call).
         let span = crate::profile::scope("forward: q/k/v projections");
         let th = self.threads;
         let (q, k, v) = (
@@ -263,8 +257,8 @@ impl Model {
         let attn = attention(&self.kernel, &self.kernel_name, &q, &k, &v, self.threads)?; // (B, H, T, D)
         drop((span, q, k, v));
         let span = crate::profile::scope("forward: o_proj + residual");
-        let attn = merge_heads(&attn)?.to_dtype(x.dtype())?; // (B·T, H·D)
-        let x = (x + projection(&attn, w, bi.o, bi.o_bias, th)?.reshape((b, t, d))?)?; // (B, T, d)
+        let attn = merge_heads(&attn)?; // (B·T, H·D)
+        let x = add(x, &projection(&attn, w, bi.o, bi.o_bias, th)?.reshape((b, t, d))?)?; // (B, T, d)
         drop(span);
 
         let span = crate::profile::scope("forward: rms_norm");
@@ -282,7 +276,7 @@ impl Model {
                 (out, Some(aux))
             }
         };
-        Ok(BlockOut { hidden: (x + mlp.reshape((b, t, d))?)?, aux })
+        Ok(BlockOut { hidden: add(&x, &mlp.reshape((b, t, d))?)?, aux })
     }
 
     /// Final norm and LM head: (B, T, d) → logits (B·T, V).

@@ -10,19 +10,28 @@
 //! Backward: `dx = g W` (rows of x split) and `dW = gᵀ x` (rows of W split), both written
 //! directly in the layout of their input, so no transposed views or strided additions
 //! follow, as they do after candle's `x.matmul(&w.t())`.
+//!
+//! bf16 and f16 go through f32 scratch inside the op: `gemm` lacks bf16, and its f16 path
+//! rounds its running sums to f16 between blocks of the inner dimension. The weight is widened
+//! once per call, and the rows of x (of g in backward) a fixed step of fixed tiles at a time,
+//! each tile multiplied by one f32 gemm call and rounded once into the stored type (f32
+//! accumulation, as half-precision autocast does on hardware). `dW` sums the steps' products
+//! in f32 in step order and is rounded once. The scratch lives for one call, so the graph
+//! holds only the half inputs and output; its size and the tiles are fixed, so neither the
+//! result nor the memory depends on the thread count.
 
 use std::mem::MaybeUninit;
 
 use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, WithDType, bail};
-use half::f16;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
-use super::{values, with_values};
+use super::{Stored, values, with_values};
 
-/// `x Wᵀ` for x (N, in) and w (out, in), computed with `threads` parts.
+/// `x Wᵀ` for x (N, in) and w (out, in), computed with `threads` parts, in their type.
 ///
-/// f32, f64 and f16 are multiplied natively; bf16 (which `gemm` lacks) in f32, the product
-/// rounded back to bf16, as bf16 autocast does on hardware.
+/// f32 and f64 are multiplied natively; bf16 and f16 through f32 tiles inside the op, each
+/// product rounded once into the stored type.
 pub fn linear(x: &Tensor, w: &Tensor, threads: usize) -> Result<Tensor> {
     let (_, k) = x.dims2()?;
     let (_, k2) = w.dims2()?;
@@ -32,24 +41,49 @@ pub fn linear(x: &Tensor, w: &Tensor, threads: usize) -> Result<Tensor> {
     if x.dtype() != w.dtype() {
         bail!("linear: input is {:?} but the weight is {:?}", x.dtype(), w.dtype());
     }
-    let op = Linear { threads: threads.max(1) };
-    if x.dtype() == DType::BF16 {
-        let xf = x.to_dtype(DType::F32)?.contiguous()?;
-        let wf = w.to_dtype(DType::F32)?.contiguous()?;
-        return xf.apply_op2(&wf, op)?.to_dtype(DType::BF16);
+    x.contiguous()?.apply_op2(&w.contiguous()?, Linear { threads: threads.max(1) })
+}
+
+/// Rows per half-precision tile: one gemm call each. Fixed, so every tile is the same call whatever
+/// the thread count; large enough that packing the weight once per tile costs little.
+const TILE: usize = 128;
+
+/// Tiles per parallel step: the tiles of a step run on the threads at once, each in its own
+/// scratch, and the steps run in turn. Fixed, so the scratch does not depend on the thread
+/// count either (and neither does the estimator's replay of it).
+const STEP: usize = 8;
+
+/// How the half-precision path cuts N rows: tiles of `tile` rows, `step` tiles at a time.
+#[derive(Debug, Clone, Copy)]
+struct Tiles {
+    tile: usize,
+    step: usize,
+}
+
+impl Tiles {
+    fn new(n_rows: usize) -> Self {
+        let tile = TILE.min(n_rows).max(1);
+        Self { tile, step: STEP.min(n_rows.div_ceil(tile)).max(1) }
     }
-    x.contiguous()?.apply_op2(&w.contiguous()?, op)
+}
+
+/// The f32s of scratch the half-precision path holds through one forward or backward call of
+/// x (N, in) and w (out, in), besides the weight's f32 copy (out·in) and, in backward, dW's
+/// f32 accumulator (out·in): one step of tiles of input rows and of product rows. The
+/// estimator's replay allocates the same.
+pub(crate) fn half_scratch_len(n_rows: usize, k: usize, out_dim: usize) -> usize {
+    let t = Tiles::new(n_rows);
+    t.step * t.tile * (k + out_dim)
 }
 
 struct Linear {
     threads: usize,
 }
 
-/// Element types `gemm` multiplies.
+/// Element types the op hands to `gemm` as they are.
 trait Gemm: WithDType {}
 impl Gemm for f32 {}
 impl Gemm for f64 {}
-impl Gemm for f16 {}
 
 /// A row-major matrix operand: where it starts and its strides (elements) along rows and
 /// columns.
@@ -81,37 +115,94 @@ fn matmul_into<T: Gemm>(
     rows: usize,
 ) {
     dst.par_chunks_mut(rows * n).enumerate().for_each(|(i, out)| {
-        let part_rows = out.len() / n;
-        let a_part = &a.data[i * rows * a.row_stride..];
-        debug_assert!(a_part.len() > (part_rows - 1) * a.row_stride + (k - 1) * a.col_stride);
-        debug_assert!(b.data.len() > (k - 1) * b.row_stride + (n - 1) * b.col_stride);
-        // SAFETY: `out` holds part_rows × n elements, all written (read_dst is false) with
-        // row stride n; `a_part` and `b.data` cover every element the strides address
-        // (checked above in debug builds, guaranteed by the shapes the callers pass).
-        unsafe {
-            gemm::gemm(
-                part_rows,
-                n,
-                k,
-                out.as_mut_ptr().cast::<T>(),
-                1,
-                n as isize,
-                false,
-                a_part.as_ptr(),
-                a.col_stride as isize,
-                a.row_stride as isize,
-                b.data.as_ptr(),
-                b.col_stride as isize,
-                b.row_stride as isize,
-                T::from_f64(0.0),
-                T::from_f64(1.0),
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
-            )
+        let a_part = Operand { data: &a.data[i * rows * a.row_stride..], ..a };
+        // SAFETY: `out` holds whole rows of n; gemm writes all of them (no accumulation).
+        unsafe { gemm_call(out.as_mut_ptr().cast::<T>(), out.len() / n, n, k, a_part, b, false) }
+    });
+}
+
+/// One single-threaded gemm call: `dst (m, n) = a (m, k) · b (k, n)`, or `dst += a · b` with
+/// `accumulate`; dst is row-major with row stride n.
+///
+/// # Safety
+/// `dst` must be valid for writes of m·n elements (and initialized if `accumulate`).
+unsafe fn gemm_call<T: Gemm>(
+    dst: *mut T,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_, T>,
+    b: Operand<'_, T>,
+    accumulate: bool,
+) {
+    assert!(a.data.len() > (m - 1) * a.row_stride + (k - 1) * a.col_stride, "gemm: lhs too short");
+    assert!(b.data.len() > (k - 1) * b.row_stride + (n - 1) * b.col_stride, "gemm: rhs too short");
+    // SAFETY: the caller vouches for dst; `a.data` and `b.data` cover every element the
+    // strides address (checked above).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            n as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.col_stride as isize,
+            a.row_stride as isize,
+            b.data.as_ptr(),
+            b.col_stride as isize,
+            b.row_stride as isize,
+            T::from_f64(if accumulate { 1.0 } else { 0.0 }),
+            T::from_f64(1.0),
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// Widens half values into f32 (`dst` as long as `src`), in parallel chunks.
+fn widen_into<S: Stored<C = f32>>(dst: &mut [f32], src: &[S]) {
+    const CHUNK: usize = 1 << 14;
+    dst.par_chunks_mut(CHUNK).zip(src.par_chunks(CHUNK)).for_each(|(d, s)| {
+        for (o, &v) in d.iter_mut().zip(s) {
+            *o = v.load();
         }
     });
+}
+
+/// `dst (N, m) = a (N, ka) · b (ka, m)` for half `a` and an f32 `b`, tile by tile: each tile
+/// of a's rows widened into its own scratch, multiplied by one gemm call into scratch, and
+/// rounded into dst.
+fn tiled<S: Stored<C = f32>>(
+    dst: &mut [MaybeUninit<S>],
+    a: &[S],
+    ka: usize,
+    m: usize,
+    b: Operand<'_, f32>,
+    tiles: Tiles,
+    scratch: &mut [f32],
+) {
+    let Tiles { tile, step } = tiles;
+    for (d_step, a_step) in dst.chunks_mut(step * tile * m).zip(a.chunks(step * tile * ka)) {
+        let tiles = d_step.par_chunks_mut(tile * m).zip(a_step.par_chunks(tile * ka));
+        tiles.zip(scratch.par_chunks_mut(tile * (ka + m))).for_each(|((d_tile, a_tile), s)| {
+            let rows = d_tile.len() / m;
+            let (sa, sd) = s.split_at_mut(tile * ka); // (tile, ka) and (tile, m)
+            for (o, &v) in sa.iter_mut().zip(a_tile) {
+                *o = v.load();
+            }
+            let a_op = Operand { data: &sa[..rows * ka], row_stride: ka, col_stride: 1 };
+            // SAFETY: sd holds tile ≥ rows rows of m.
+            unsafe { gemm_call(sd.as_mut_ptr(), rows, m, ka, a_op, b, false) };
+            for (o, &v) in d_tile.iter_mut().zip(&sd[..rows * m]) {
+                o.write(S::store(v));
+            }
+        });
+    }
 }
 
 impl Linear {
@@ -133,6 +224,57 @@ impl Linear {
         let dw = matmul(out_dim, k, n_rows, a, b, self.threads); // (out, in)
         (dx, dw)
     }
+
+    /// `x Wᵀ` for half x and w through f32 tiles (see the module docs).
+    fn fwd_half<S: Stored<C = f32>>(&self, x: &[S], w: &[S], n_rows: usize, k: usize) -> Vec<S> {
+        let out_dim = w.len() / k.max(1);
+        if n_rows == 0 || out_dim == 0 || k == 0 {
+            return vec![S::store(0.0); n_rows * out_dim];
+        }
+        let tiles = Tiles::new(n_rows);
+        let mut wf = vec![0f32; w.len()]; // (out, in), freed on return
+        widen_into(&mut wf, w);
+        let mut scratch = vec![0f32; half_scratch_len(n_rows, k, out_dim)]; // (step·tile, in + out)
+        let b = Operand { data: &wf, row_stride: 1, col_stride: k }; // Wᵀ: (in, out)
+        // SAFETY: the steps cover y in whole tiles and every tile's rows are written.
+        unsafe { super::filled(n_rows * out_dim, |y| tiled(y, x, k, out_dim, b, tiles, &mut scratch)) } // (N, out)
+    }
+
+    /// (dx, dw) for half x (N, in), w (out, in) and g (N, out) through f32 tiles.
+    fn bwd_half<S: Stored<C = f32>>(&self, x: &[S], w: &[S], g: &[S], n_rows: usize, k: usize) -> (Vec<S>, Vec<S>) {
+        let out_dim = w.len() / k.max(1);
+        if n_rows == 0 || out_dim == 0 || k == 0 {
+            return (vec![S::store(0.0); n_rows * k], vec![S::store(0.0); w.len()]);
+        }
+        let tiles = Tiles::new(n_rows);
+        let mut scratch = vec![0f32; half_scratch_len(n_rows, k, out_dim)]; // (step·tile, in + out)
+        let mut wf = vec![0f32; w.len()]; // (out, in)
+        widen_into(&mut wf, w);
+        let b = Operand { data: &wf, row_stride: k, col_stride: 1 }; // W: (out, in)
+        // SAFETY: as in fwd_half.
+        let dx = unsafe { super::filled(n_rows * k, |dx| tiled(dx, g, out_dim, k, b, tiles, &mut scratch)) }; // (N, in)
+        drop(wf);
+        // dW = Σ over steps of g_stepᵀ x_step, accumulated in f32 in step order, the rows of
+        // dW split over the threads (which leaves each element's sum unchanged).
+        let mut dw32 = vec![0f32; w.len()]; // (out, in)
+        let step_rows = tiles.step * tiles.tile;
+        let (gs, xs) = scratch.split_at_mut(step_rows * out_dim); // (step·tile, out) and (step·tile, in)
+        let dw_rows = out_dim.div_ceil(self.threads.min(out_dim));
+        for (i, (g_step, x_step)) in g.chunks(step_rows * out_dim).zip(x.chunks(step_rows * k)).enumerate() {
+            let rows = g_step.len() / out_dim;
+            widen_into(&mut gs[..g_step.len()], g_step);
+            widen_into(&mut xs[..x_step.len()], x_step);
+            let (gs, xs) = (&gs[..g_step.len()], &xs[..x_step.len()]);
+            dw32.par_chunks_mut(dw_rows * k).enumerate().for_each(|(p, part)| {
+                let a = Operand { data: &gs[p * dw_rows..], row_stride: 1, col_stride: out_dim }; // gᵀ rows
+                let b = Operand { data: xs, row_stride: k, col_stride: 1 };
+                // SAFETY: `part` is whole rows of dW, initialized (zeros, then earlier steps).
+                unsafe { gemm_call(part.as_mut_ptr(), part.len() / k, k, rows, a, b, i > 0) };
+            });
+        }
+        let dw = dw32.iter().map(|&v| S::store(v)).collect(); // (out, in)
+        (dx, dw)
+    }
 }
 
 impl CustomOp2 for Linear {
@@ -150,30 +292,39 @@ impl CustomOp2 for Linear {
             (CpuStorage::F64(_), CpuStorage::F64(_)) => {
                 CpuStorage::F64(self.fwd(values(s1, l1, "linear")?, values(s2, l2, "linear")?, n_rows, k))
             }
-            (CpuStorage::F16(_), CpuStorage::F16(_)) => {
-                CpuStorage::F16(self.fwd(values(s1, l1, "linear")?, values(s2, l2, "linear")?, n_rows, k))
+            (CpuStorage::BF16(_), CpuStorage::BF16(_)) => {
+                CpuStorage::BF16(self.fwd_half(values(s1, l1, "linear")?, values(s2, l2, "linear")?, n_rows, k))
             }
-            _ => bail!("linear: input and weight must both be f32, f64 or f16"),
+            (CpuStorage::F16(_), CpuStorage::F16(_)) => {
+                CpuStorage::F16(self.fwd_half(values(s1, l1, "linear")?, values(s2, l2, "linear")?, n_rows, k))
+            }
+            _ => bail!("linear: input and weight must both be f32, f64, f16 or bf16"),
         };
         Ok((y, Shape::from((n_rows, out_dim))))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let _span = crate::profile::scope("backward: linear");
-        fn run<T: Gemm>(op: &Linear, x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        fn run<T: WithDType>(
+            x: &Tensor,
+            w: &Tensor,
+            g: &Tensor,
+            bwd: impl FnOnce(&[T], &[T], &[T], usize, usize) -> (Vec<T>, Vec<T>),
+        ) -> Result<(Option<Tensor>, Option<Tensor>)> {
             let (n_rows, k) = x.dims2()?;
             let g = g.to_dtype(T::DTYPE)?;
             let (dx, dw) = with_values::<T, _>(x, "linear", |xv| {
                 with_values::<T, _>(w, "linear", |wv| {
-                    with_values::<T, _>(&g, "linear", |gv| Ok(op.bwd_values(xv, wv, gv, n_rows, k)))
+                    with_values::<T, _>(&g, "linear", |gv| Ok(bwd(xv, wv, gv, n_rows, k)))
                 })
             })?;
             Ok((Some(Tensor::from_vec(dx, x.dims(), x.device())?), Some(Tensor::from_vec(dw, w.dims(), w.device())?)))
         }
         match x.dtype() {
-            DType::F32 => run::<f32>(self, x, w, g),
-            DType::F64 => run::<f64>(self, x, w, g),
-            DType::F16 => run::<f16>(self, x, w, g),
+            DType::F32 => run::<f32>(x, w, g, |x, w, g, n, k| self.bwd_values(x, w, g, n, k)),
+            DType::F64 => run::<f64>(x, w, g, |x, w, g, n, k| self.bwd_values(x, w, g, n, k)),
+            DType::BF16 => run::<bf16>(x, w, g, |x, w, g, n, k| self.bwd_half(x, w, g, n, k)),
+            DType::F16 => run::<f16>(x, w, g, |x, w, g, n, k| self.bwd_half(x, w, g, n, k)),
             dt => bail!("linear: backward for {dt:?} is not supported"),
         }
     }

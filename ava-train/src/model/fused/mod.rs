@@ -1,6 +1,7 @@
 //! The model's ops written as single candle custom ops with their own backward: the linear
 //! layer, RMSNorm, the head split with the rotary embedding (and its inverse, the head
-//! merge), and the SwiGLU gate.
+//! merge), the SwiGLU gate, and for half types the residual addition and the cast of the
+//! weights (`convert`).
 //!
 //! Why: each is a chain of 5–10 candle primitives, and candle's backward gives every node of
 //! a chain a zero-filled gradient plus an addition, computes gradients for untracked inputs
@@ -8,17 +9,21 @@
 //! those passes were most of the step. Each op here reads its inputs once and writes its
 //! output once, keeps nothing but its inputs, and returns detached gradients.
 //!
-//! The element-wise ops compute in f32 for f32, f16 and bf16 inputs (half inputs are cast
-//! around the op) and in f64 for f64 inputs (the finite-difference checks); the linear op
-//! multiplies f32, f64 and f16 natively and bf16 in f32. The element-wise ops split their
-//! work into fixed chunks on candle's rayon pool and add partial sums in a fixed order; the
-//! linear op splits rows, which leaves each element's summation unchanged. Either way the
-//! results do not depend on the thread count. The composed forms in `ops` stay as the
-//! reference the tests compare against.
+//! Every op reads and writes the type its inputs are stored in (f32, bf16, f16, or f64 for
+//! the finite-difference checks) and returns its gradients in that type; a half input is
+//! widened to f32 element by element inside the kernel and the result rounded once, so no
+//! f32 copy of a half activation exists outside an op's call ([`Stored`]). The linear op
+//! multiplies f32 and f64 natively and bf16 and f16 through f32 scratch tiles. The
+//! element-wise ops split their work into fixed chunks on candle's rayon pool and
+//! add partial sums in a fixed order; the linear op splits rows, which leaves each element's
+//! summation unchanged. Either way the results do not depend on the thread count. The
+//! composed forms in `ops` stay as the reference the tests compare against.
 
+mod convert;
 mod linear;
 mod norm;
 mod rope;
+mod stored;
 mod swiglu;
 
 #[cfg(test)]
@@ -26,11 +31,16 @@ mod tests;
 
 use std::mem::MaybeUninit;
 
-use candle_core::{CpuStorage, DType, Layout, Result, Storage, Tensor, WithDType, bail};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, Layout, Result, Storage, Tensor, WithDType, bail};
 
+pub use convert::{add, cast};
+pub(crate) use convert::{rounded, widened};
+pub(crate) use linear::half_scratch_len;
 pub use linear::linear;
 pub use norm::rms_norm;
 pub use rope::{RopeTables, merge_heads, split_heads};
+pub(crate) use stored::{Stored, with_stored};
 pub use swiglu::swiglu_gate;
 
 /// The element types the fused ops compute in.
@@ -86,7 +96,10 @@ pub(crate) unsafe fn filled<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T
     v
 }
 
-/// The compute type for a tensor of type `dtype`: f64 stays f64, everything else is f32.
-pub(crate) fn compute_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 { DType::F64 } else { DType::F32 }
+/// Fails unless the two inputs of a two-input op have the same type.
+pub(crate) fn same_dtype(a: &CpuStorage, b: &CpuStorage, op: &str) -> Result<()> {
+    if a.dtype() != b.dtype() {
+        bail!("{op}: inputs of {:?} and {:?} (both must have one type)", a.dtype(), b.dtype());
+    }
+    Ok(())
 }

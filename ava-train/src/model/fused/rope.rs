@@ -6,15 +6,17 @@
 //! way back. `merge_heads` is the plain inverse transposition, (B, C, T, D) → (B·T, C·D).
 //! candle's form of the same (transpose, contiguous copy, narrow, negate, concatenate, two
 //! broadcast products, a sum, and the reverse in backward, plus gradients for the tables)
-//! was ten passes over q and k.
+//! was ten passes over q and k. Both keep the stored type (bf16 heads for bf16 projections),
+//! rotating in f32.
 
 use std::mem::MaybeUninit;
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, bail};
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType, bail};
 use rayon::prelude::*;
 
-use super::{Real, compute_dtype, filled, values, with_values};
+use super::{Real, Stored, filled, values, with_stored, with_values};
 use crate::model::RopeSpec;
 
 /// Rotary tables for positions `0..seq` and a head size: `a·cos` and `a·sin` of `t · fᵢ`, with
@@ -99,7 +101,7 @@ struct Heads {
 }
 
 /// Splits `p` (B·T, C·D) into heads (B, C, T, D), rotated by `rope` when given (q and k)
-/// or not (v). Returns f32 (f64 for f64 input): the attention kernel's type.
+/// or not (v). Returns `p`'s type; the rotation is computed in f32 (f64 for f64 input).
 pub fn split_heads(p: &Tensor, b: usize, t: usize, c: usize, rope: Option<&Arc<RopeTables>>) -> Result<Tensor> {
     let (n, cd) = p.dims2()?;
     if n != b * t || cd % c != 0 {
@@ -111,20 +113,24 @@ pub fn split_heads(p: &Tensor, b: usize, t: usize, c: usize, rope: Option<&Arc<R
             bail!("sequence of {t} tokens is longer than the rotary tables ({}) or head size {d} differs", r.seq);
         }
     }
-    let p = p.to_dtype(compute_dtype(p.dtype()))?.contiguous()?;
-    p.apply_op1(Heads { dir: Dir::Split, b, t, c, d, rope: rope.cloned() })
+    p.contiguous()?.apply_op1(Heads { dir: Dir::Split, b, t, c, d, rope: rope.cloned() })
 }
 
-/// Merges heads (B, C, T, D) into rows (B·T, C·D), in f32 (f64 for f64 input).
+/// Merges heads (B, C, T, D) into rows (B·T, C·D), in `x`'s type.
 pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
     let (b, c, t, d) = x.dims4()?;
-    let x = x.to_dtype(compute_dtype(x.dtype()))?.contiguous()?;
-    x.apply_op1(Heads { dir: Dir::Merge, b, t, c, d, rope: None })
+    x.contiguous()?.apply_op1(Heads { dir: Dir::Merge, b, t, c, d, rope: None })
 }
 
-/// One head row: copy, or rotate (`transposed`: by the transposed rotation, for backward).
+/// One head row: copy, or rotate in the compute type (`transposed`: by the transposed
+/// rotation, for backward).
 #[inline]
-fn row<F: Real>(src: &[F], dst: &mut [MaybeUninit<F>], tables: Option<(&[F], &[F])>, transposed: bool) {
+fn row<S: Stored<C = F>, F: Real>(
+    src: &[S],
+    dst: &mut [MaybeUninit<S>],
+    tables: Option<(&[F], &[F])>,
+    transposed: bool,
+) {
     let Some((cos, sin)) = tables else {
         for (o, &v) in dst.iter_mut().zip(src) {
             o.write(v);
@@ -137,23 +143,24 @@ fn row<F: Real>(src: &[F], dst: &mut [MaybeUninit<F>], tables: Option<(&[F], &[F
     let (c1, c2) = cos.split_at(h);
     let (n1, n2) = sin.split_at(h);
     for j in 0..h {
+        let (a, b) = (s1[j].load(), s2[j].load());
         if transposed {
-            d1[j].write(s1[j] * c1[j] + s2[j] * n2[j]);
-            d2[j].write(s2[j] * c2[j] - s1[j] * n1[j]);
+            d1[j].write(S::store(a * c1[j] + b * n2[j]));
+            d2[j].write(S::store(b * c2[j] - a * n1[j]));
         } else {
-            d1[j].write(s1[j] * c1[j] - s2[j] * n1[j]);
-            d2[j].write(s2[j] * c2[j] + s1[j] * n2[j]);
+            d1[j].write(S::store(a * c1[j] - b * n1[j]));
+            d2[j].write(S::store(b * c2[j] + a * n2[j]));
         }
     }
 }
 
 impl Heads {
     /// Moves `src` to the layout `to`, rotating with the tables (transposed or not).
-    fn run<F: Tabled>(&self, src: &[F], to: Dir, transposed: bool) -> Vec<F> {
+    fn run<S: Stored<C = F>, F: Tabled>(&self, src: &[S], to: Dir, transposed: bool) -> Vec<S> {
         let (t, c, d) = (self.t, self.c, self.d);
         let tables = self.rope.as_ref().map(|r| F::tables(r));
         let at = |pos: usize| tables.map(|(cos, sin)| (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]));
-        let fill = |dst: &mut [MaybeUninit<F>]| match to {
+        let fill = |dst: &mut [MaybeUninit<S>]| match to {
             // dst (B, C, T, D): one task per (b, c), reading rows (b, t, c) of src (B, T, C, D).
             Dir::Split => dst.par_chunks_mut(t * d).enumerate().for_each(|(i, out)| {
                 let (bb, cc) = (i / c, i % c);
@@ -201,11 +208,9 @@ impl CustomOp1 for Heads {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let name = self.name();
-        let out = match storage {
-            CpuStorage::F32(_) => CpuStorage::F32(self.run(values::<f32>(storage, layout, name)?, self.dir, false)),
-            CpuStorage::F64(_) => CpuStorage::F64(self.run(values::<f64>(storage, layout, name)?, self.dir, false)),
-            _ => bail!("{name}: input must be f32 or f64"),
-        };
+        let out = with_stored!(storage.dtype(), name, |S| {
+            S::to_cpu_storage_owned(self.run::<S, _>(values(storage, layout, name)?, self.dir, false))
+        });
         Ok((out, self.out_shape(self.dir)))
     }
 
@@ -213,16 +218,10 @@ impl CustomOp1 for Heads {
         let _span = crate::profile::scope("backward: heads split/merge + rope");
         let back = self.other();
         let grad = grad.to_dtype(arg.dtype())?;
-        let dx = match arg.dtype() {
-            candle_core::DType::F64 => {
-                let v = with_values::<f64, _>(&grad, self.name(), |g| Ok(self.run(g, back, true)))?;
-                Tensor::from_vec(v, self.out_shape(back), arg.device())?
-            }
-            _ => {
-                let v = with_values::<f32, _>(&grad, self.name(), |g| Ok(self.run(g, back, true)))?;
-                Tensor::from_vec(v, self.out_shape(back), arg.device())?
-            }
-        };
+        let dx = with_stored!(arg.dtype(), self.name(), |S| {
+            let v = with_values::<S, _>(&grad, self.name(), |g| Ok(self.run::<S, _>(g, back, true)))?;
+            Tensor::from_vec(v, self.out_shape(back), arg.device())?
+        });
         Ok(Some(dx))
     }
 }

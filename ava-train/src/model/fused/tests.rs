@@ -212,16 +212,94 @@ fn swiglu_gradients_match_finite_differences() {
     against_finite_differences(&[&[3, 5], &[3, 5]], &[3, 5], |x| swiglu_gate(&x[0], &x[1]).unwrap());
 }
 
+/// The op `f` on half inputs against the same op on the f32 values of those (rounded)
+/// inputs: the output and each input's gradient (with an f32 probe rounded alike) agree
+/// within the half type's rounding, and come back in the half type.
+fn half_against_f32(shapes: &[&[usize]], out_shape: &[usize], f: impl Fn(&[Tensor]) -> Tensor) {
+    for (dt, tol) in [(DType::BF16, 2e-2), (DType::F16, 4e-3)] {
+        let half: Vec<Tensor> = shapes.iter().enumerate().map(|(i, s)| tensor(s, i as u64 + 21, dt)).collect();
+        let wide: Vec<Tensor> = half.iter().map(|t| t.to_dtype(DType::F32).unwrap()).collect();
+        let probe = tensor(out_shape, 97, dt);
+        // Run on the half inputs: output and gradients must stay in the stored type.
+        let vars: Vec<Var> = half.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let out = f(&ts);
+        assert_eq!(out.dtype(), dt, "output of {dt:?} inputs");
+        let grads = (&out * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+        let (v_half, g_half): (Vec<f64>, Vec<Vec<f64>>) = (
+            flat(&out),
+            vars.iter()
+                .map(|v| {
+                    let g = grads.get(v.as_tensor()).expect("input has a gradient");
+                    assert_eq!(g.dtype(), dt, "gradient of a {dt:?} input");
+                    flat(g)
+                })
+                .collect(),
+        );
+        let (v32, g32) = value_and_grads(&wide, &probe.to_dtype(DType::F32).unwrap(), &f);
+        // The f32 op on the same inputs differs only by the half op's roundings: one on store
+        // of each value and gradient, plus, in attention's backward, the rounded output it
+        // reads. bf16 keeps 8 significant bits (a rounding is off by up to 2⁻⁸ ≈ 0.4%),
+        // f16 11 (2⁻¹¹ ≈ 0.05%); the tolerances allow five to eight such roundings, relative
+        // to the largest magnitude, since an element that is a sum of cancelling terms can
+        // carry its terms' rounding with no bound relative to itself.
+        let close = |what: &str, got: &[f64], want: &[f64]| {
+            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-3);
+            assert_close(&format!("{dt:?} {what}"), got, want, tol * scale, tol);
+        };
+        close("value", &v_half, &v32);
+        for (i, (a, b)) in g_half.iter().zip(&g32).enumerate() {
+            close(&format!("gradient of input {i}"), a, b);
+        }
+    }
+}
+
 #[test]
-fn half_inputs_come_back_in_their_type() {
+fn half_linear_matches_f32_linear() {
+    // More rows than one step of half tiles (8 × 128), a last tile of 1 row, odd widths.
+    for (n, k, out) in [(7, 5, 3), (1025, 33, 17), (300, 96, 40)] {
+        half_against_f32(&[&[n, k], &[out, k]], &[n, out], |x| linear(&x[0], &x[1], 3).unwrap());
+    }
+}
+
+#[test]
+fn half_rms_norm_matches_f32_rms_norm() {
+    for d in [8, 13, 64] {
+        half_against_f32(&[&[3, 70, d], &[d]], &[3, 70, d], |x| rms_norm(&x[0], &x[1], 1e-5).unwrap());
+    }
+}
+
+#[test]
+fn half_head_ops_match_f32_head_ops() {
+    let (b, t, c, d) = (2, 5, 3, 8);
+    let tables = RopeTables::new(9, d, &RopeSpec::plain(10000.0)).unwrap();
+    half_against_f32(&[&[b * t, c * d]], &[b, c, t, d], |x| split_heads(&x[0], b, t, c, Some(&tables)).unwrap());
+    half_against_f32(&[&[b * t, c * d]], &[b, c, t, d], |x| split_heads(&x[0], b, t, c, None).unwrap());
+    half_against_f32(&[&[b, c, t, d]], &[b * t, c * d], |x| merge_heads(&x[0]).unwrap());
+}
+
+#[test]
+fn half_swiglu_matches_f32_swiglu() {
+    half_against_f32(&[&[7, 33], &[7, 33]], &[7, 33], |x| swiglu_gate(&x[0], &x[1]).unwrap());
+}
+
+#[test]
+fn half_attention_matches_f32_attention() {
+    let kernel = ava_plugins::Registry::builtins().attention("standard", "{}").unwrap();
+    // GQA: 4 query heads over 2 key/value heads.
+    half_against_f32(&[&[2, 4, 6, 8], &[2, 2, 6, 8], &[2, 2, 6, 8]], &[2, 4, 6, 8], |x| {
+        crate::model::attention(&kernel, "standard", &x[0], &x[1], &x[2], 2).unwrap()
+    });
+}
+
+#[test]
+fn mixed_types_are_refused() {
     let x = tensor(&[4, 8], 3, DType::BF16);
-    let w = tensor(&[8], 4, DType::BF16);
-    let y = rms_norm(&x, &w, 1e-5).unwrap();
-    assert_eq!(y.dtype(), DType::BF16);
-    let want = ops::rms_norm(&x.to_dtype(DType::F32).unwrap(), &w.to_dtype(DType::F32).unwrap(), 1e-5).unwrap();
-    assert_close("bf16 rms_norm", &flat(&y), &flat(&want), 2e-2, 1e-2);
-    assert_eq!(swiglu_gate(&x, &x).unwrap().dtype(), DType::BF16);
-    assert_eq!(split_heads(&x, 1, 4, 2, None).unwrap().dtype(), DType::F32, "heads are in the kernel's f32");
+    let w = tensor(&[8], 4, DType::F32);
+    let err = rms_norm(&x, &w, 1e-5).unwrap_err().to_string();
+    assert!(err.contains("BF16") && err.contains("F32"), "{err}");
+    let err = linear(&x, &tensor(&[3, 8], 4, DType::F32), 1).unwrap_err().to_string();
+    assert!(err.contains("input is BF16 but the weight is F32"), "{err}");
 }
 
 #[test]
@@ -260,4 +338,57 @@ fn thread_count_does_not_change_bits() {
         (v, g)
     };
     assert_eq!(lin(1), lin(3));
+    // Half types: the linear op's tiles are fixed (1025 rows: more than one step of tiles, a
+    // last tile of one row), and the element-wise ops' chunks too.
+    for dt in [DType::BF16, DType::F16] {
+        let xh = tensor(&[1025, 96], 10, dt);
+        let wh = tensor(&[40, 96], 11, dt);
+        let probe = tensor(&[1025, 40], 12, dt);
+        let lin = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            pool.install(|| {
+                let (v, mut g) =
+                    value_and_grads(&[xh.clone(), wh.clone()], &probe, |t| linear(&t[0], &t[1], threads).unwrap());
+                let normed = value_and_grads(&[xh.clone(), tensor(&[96], 13, dt)], &xh, |t| {
+                    rms_norm(&t[0], &t[1], 1e-5).unwrap()
+                });
+                g.push(normed.0);
+                g.extend(normed.1);
+                (v, g)
+            })
+        };
+        assert_eq!(lin(1), lin(3), "{dt:?}");
+    }
+}
+
+/// `cast` and `add` give what candle's `to_dtype` and `+` give, bit for bit (both round to
+/// nearest with ties to even), values and gradients, in both directions of the cast.
+#[test]
+fn cast_and_add_match_candle_bit_for_bit() {
+    let bits = |t: &Tensor| flat(t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for dt in [DType::BF16, DType::F16] {
+        // f32 → half (the weights' cast), gradients back to f32.
+        let x = tensor(&[37, 29], 31, DType::F32);
+        let probe = tensor(&[37, 29], 32, dt);
+        let (v, g) = value_and_grads(std::slice::from_ref(&x), &probe, |t| cast(&t[0], dt).unwrap());
+        let (v_ref, g_ref) = value_and_grads(std::slice::from_ref(&x), &probe, |t| t[0].to_dtype(dt).unwrap());
+        assert_eq!((v, g), (v_ref, g_ref), "{dt:?}: f32 → half");
+        assert_eq!(cast(&x, dt).unwrap().dtype(), dt);
+        // half → f32.
+        let h = tensor(&[37, 29], 33, dt);
+        let probe = tensor(&[37, 29], 34, DType::F32);
+        let (v, g) = value_and_grads(std::slice::from_ref(&h), &probe, |t| cast(&t[0], DType::F32).unwrap());
+        let (v_ref, g_ref) = value_and_grads(std::slice::from_ref(&h), &probe, |t| t[0].to_dtype(DType::F32).unwrap());
+        assert_eq!((v, g), (v_ref, g_ref), "{dt:?}: half → f32");
+        // The residual addition, more elements than one task.
+        let (a, b) = (tensor(&[3, 100, 97], 35, dt), tensor(&[3, 100, 97], 36, dt));
+        let probe = tensor(&[3, 100, 97], 37, dt);
+        let sum = add(&a, &b).unwrap();
+        assert_eq!(bits(&sum), bits(&(&a + &b).unwrap()), "{dt:?}: add");
+        let (v, g) = value_and_grads(&[a.clone(), b.clone()], &probe, |t| add(&t[0], &t[1]).unwrap());
+        let (v_ref, g_ref) = value_and_grads(&[a.clone(), b.clone()], &probe, |t| (&t[0] + &t[1]).unwrap());
+        assert_eq!((v, g), (v_ref, g_ref), "{dt:?}: add gradients");
+    }
+    let err = add(&tensor(&[2, 3], 1, DType::BF16), &tensor(&[3, 2], 2, DType::BF16)).unwrap_err().to_string();
+    assert!(err.contains("shapes [2, 3] and [3, 2] differ"), "{err}");
 }
