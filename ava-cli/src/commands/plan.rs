@@ -245,13 +245,25 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     let base = context::load_config(&config_args, p)?.into_config();
     let spec = ava_train::train::model_spec(&base).usage()?;
     let registry = &ctx.registry;
+    let base_offloaded = base.offload.tiers.offloaded().is_some();
     let offload = args.offload.as_deref().map(|o| OffloadArg::parse(o, registry)).transpose()?;
-    // The tier whose preflight checks each streaming plan's records fit on its disk.
+    if offload.is_some() && base_offloaded {
+        p.warn(&format!(
+            "--offload: the config already streams the optimizer state through {} (offload.tiers); its plans use \
+             that tier, not --offload's",
+            base.plugins.offload.name
+        ));
+    }
+    let offload = offload.filter(|_| !base_offloaded);
+    // The tier whose preflight checks each streaming plan's records fit on its disk: the
+    // --offload one, or the config's own.
     let tier = match &offload {
         Some(o) => Some(registry.offload(&o.tier, &o.options_json()).usage()?),
+        None if base_offloaded => {
+            Some(registry.offload(&base.plugins.offload.name, &base.plugins.offload.options_json()).usage()?)
+        }
         None => None,
     };
-    let base_offloaded = base.offload.tiers.offloaded().is_some();
 
     // The choices. Attention: the configured kernel, and flash for standard (the same
     // attention, O(T) memory); kernels that change what attends to what are not offered.
@@ -362,7 +374,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         match plan_one(registry, &spec, &base, &c, aim) {
             Ok(Some(x)) => {
                 // A plan that streams must fit on the tier's disk.
-                if let (Some(tier), true) = (&tier, x.candidate.offload.is_some()) {
+                if let (Some(tier), true) = (&tier, x.estimate.offloaded > 0) {
                     if let Err(e) = tier.preflight(&x.estimate.offload_records) {
                         no_room.get_or_insert(e.to_string());
                         refused += 1;
@@ -469,6 +481,13 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                     o.tier,
                     o.path.display(),
                     o.tier,
+                    no_room.as_ref().map_or(String::new(), |e| format!(" (some plans did not fit on it: {e})"))
+                ),
+                None if base_offloaded => format!(
+                    "\noffload: the config streams the optimizer state through {} (offload.tiers), checked for room \
+                     for each plan; on this CPU engine the device is RAM, so only a disk tier takes bytes out of the \
+                     budget{}",
+                    base.plugins.offload.name,
                     no_room.as_ref().map_or(String::new(), |e| format!(" (some plans did not fit on it: {e})"))
                 ),
                 None => "\noffload: not searched; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the \
