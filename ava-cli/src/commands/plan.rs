@@ -95,17 +95,23 @@ fn optimizer_cost(name: &str) -> f64 {
 }
 
 /// Rounding a parameter kept only in bf16 back after its step (stochastic rounding: a
-/// random draw per element), in forward-FLOP equivalents per parameter.
+/// random draw per element), in forward-FLOP equivalents per parameter: about a third of
+/// AdamW's step (60), as the bf16-only step on configs/small.yaml took 2% longer than with
+/// f32 masters (`ava bench train --modes`, within its noise).
 const ROUNDING_COST: f64 = 20.0;
 
 /// This engine's rate in forward-FLOP equivalents per second, to turn the seconds a step
-/// waits on the offload tier into the cost model's units.
+/// waits on the offload tier into the cost model's units: configs/tiny.yaml's fp32 step,
+/// 8·N·tokens = 7.1 GFLOP in 0.19 s (`ava bench train --modes`), rounded down.
 const ENGINE_RATE: f64 = 25e9;
 
-/// Seconds a step waits on the tier per byte it streams (read and written): with the step
-/// inside backward most of the traffic hides behind compute; after backward, reads ahead
-/// hide behind other parameters' updates only.
-const TIER_WAIT_PER_BYTE: [f64; 2] = [2.0e-9, 0.5e-9];
+/// Seconds a step waits on the tier per byte it streams (read and written), [inside
+/// backward, after it]. Inside, most of the traffic hides behind backward: the step waited
+/// 1.5e-9 s a byte on configs/small.yaml (82 ms for 53 MB, `ava bench train --modes
+/// --offload`) and 0.6e-9 on the 7B config (16 s for 27.4 GB). After backward only the
+/// reads ahead overlap other parameters' updates: about the disk's 0.5–0.85 GB/s (README,
+/// `ava bench offload`), 2e-9.
+const TIER_WAIT_PER_BYTE: [f64; 2] = [1.0e-9, 2.0e-9];
 
 /// An attention kernel's forward + backward time against `standard`'s: flash took
 /// 1.01–1.11× standard's (it recomputes the scores in backward, in tiles that stay in
