@@ -13,12 +13,13 @@
 //!
 //! bf16 and f16 go through f32 scratch inside the op: `gemm` lacks bf16, and its f16 path
 //! rounds its running sums to f16 between blocks of the inner dimension. The weight is widened
-//! once per call, and the rows of x (of g in backward) a fixed step of fixed tiles at a time,
-//! each tile multiplied by one f32 gemm call and rounded once into the stored type (f32
-//! accumulation, as half-precision autocast does on hardware). `dW` sums the steps' products
-//! in f32 in step order and is rounded once. The scratch lives for one call, so the graph
-//! holds only the half inputs and output; its size and the tiles are fixed, so neither the
-//! result nor the memory depends on the thread count.
+//! once per call, and the rows of x (of g in backward) a fixed step of rows at a time: the
+//! threads split a step's rows, each widening its share, multiplying it by one f32 gemm call
+//! and rounding the product once into the stored type (f32 accumulation, as half-precision
+//! autocast does on hardware). `dW` sums the steps' products in f32 in step order and is
+//! rounded once. The scratch lives for one call, so the graph holds only the half inputs and
+//! output; its size is fixed by the shapes, and a row split leaves every element's sum as it
+//! is, so neither the result nor the memory depends on the thread count.
 
 use std::mem::MaybeUninit;
 
@@ -30,7 +31,7 @@ use super::{Stored, values, with_values};
 
 /// `x Wᵀ` for x (N, in) and w (out, in), computed with `threads` parts, in their type.
 ///
-/// f32 and f64 are multiplied natively; bf16 and f16 through f32 tiles inside the op, each
+/// f32 and f64 are multiplied natively; bf16 and f16 through f32 scratch inside the op, each
 /// product rounded once into the stored type.
 pub fn linear(x: &Tensor, w: &Tensor, threads: usize) -> Result<Tensor> {
     let (_, k) = x.dims2()?;
@@ -44,36 +45,17 @@ pub fn linear(x: &Tensor, w: &Tensor, threads: usize) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&w.contiguous()?, Linear { threads: threads.max(1) })
 }
 
-/// Rows per half-precision tile: one gemm call each. Fixed, so every tile is the same call whatever
-/// the thread count; large enough that packing the weight once per tile costs little.
-const TILE: usize = 128;
-
-/// Tiles per parallel step: the tiles of a step run on the threads at once, each in its own
-/// scratch, and the steps run in turn. Fixed, so the scratch does not depend on the thread
-/// count either (and neither does the estimator's replay of it).
-const STEP: usize = 8;
-
-/// How the half-precision path cuts N rows: tiles of `tile` rows, `step` tiles at a time.
-#[derive(Debug, Clone, Copy)]
-struct Tiles {
-    tile: usize,
-    step: usize,
-}
-
-impl Tiles {
-    fn new(n_rows: usize) -> Self {
-        let tile = TILE.min(n_rows).max(1);
-        Self { tile, step: STEP.min(n_rows.div_ceil(tile)).max(1) }
-    }
-}
+/// Rows of x (of g in backward) the half-precision path widens and multiplies per step.
+/// Fixed, so the scratch does not depend on the thread count (nor does the estimator's replay
+/// of it); large enough that each thread's share packs the weight for many rows at once.
+const STEP_ROWS: usize = 1024;
 
 /// The f32s of scratch the half-precision path holds through one forward or backward call of
 /// x (N, in) and w (out, in), besides the weight's f32 copy (out·in) and, in backward, dW's
-/// f32 accumulator (out·in): one step of tiles of input rows and of product rows. The
-/// estimator's replay allocates the same.
+/// f32 accumulator (out·in): one step of rows of input and of product. The estimator's
+/// replay allocates the same.
 pub(crate) fn half_scratch_len(n_rows: usize, k: usize, out_dim: usize) -> usize {
-    let t = Tiles::new(n_rows);
-    t.step * t.tile * (k + out_dim)
+    STEP_ROWS.min(n_rows) * (k + out_dim)
 }
 
 struct Linear {
@@ -174,31 +156,32 @@ fn widen_into<S: Stored<C = f32>>(dst: &mut [f32], src: &[S]) {
     });
 }
 
-/// `dst (N, m) = a (N, ka) · b (ka, m)` for half `a` and an f32 `b`, tile by tile: each tile
-/// of a's rows widened into its own scratch, multiplied by one gemm call into scratch, and
-/// rounded into dst.
-fn tiled<S: Stored<C = f32>>(
+/// `dst (N, m) = a (N, ka) · b (ka, m)` for half `a` and an f32 `b`, a step of rows at a
+/// time, the step's rows split into `parts`: each part widened into its own scratch,
+/// multiplied by one gemm call into scratch, and rounded into dst.
+fn stepped<S: Stored<C = f32>>(
     dst: &mut [MaybeUninit<S>],
     a: &[S],
     ka: usize,
     m: usize,
     b: Operand<'_, f32>,
-    tiles: Tiles,
+    parts: usize,
     scratch: &mut [f32],
 ) {
-    let Tiles { tile, step } = tiles;
-    for (d_step, a_step) in dst.chunks_mut(step * tile * m).zip(a.chunks(step * tile * ka)) {
-        let tiles = d_step.par_chunks_mut(tile * m).zip(a_step.par_chunks(tile * ka));
-        tiles.zip(scratch.par_chunks_mut(tile * (ka + m))).for_each(|((d_tile, a_tile), s)| {
-            let rows = d_tile.len() / m;
-            let (sa, sd) = s.split_at_mut(tile * ka); // (tile, ka) and (tile, m)
-            for (o, &v) in sa.iter_mut().zip(a_tile) {
+    let step_rows = STEP_ROWS.min(a.len() / ka);
+    for (d_step, a_step) in dst.chunks_mut(step_rows * m).zip(a.chunks(step_rows * ka)) {
+        let part_rows = (a_step.len() / ka).div_ceil(parts);
+        let shares = d_step.par_chunks_mut(part_rows * m).zip(a_step.par_chunks(part_rows * ka));
+        shares.zip(scratch.par_chunks_mut(part_rows * (ka + m))).for_each(|((d_part, a_part), s)| {
+            let rows = d_part.len() / m;
+            let (sa, sd) = s.split_at_mut(rows * ka); // (rows, ka) and (rows, m)
+            for (o, &v) in sa.iter_mut().zip(a_part) {
                 *o = v.load();
             }
-            let a_op = Operand { data: &sa[..rows * ka], row_stride: ka, col_stride: 1 };
-            // SAFETY: sd holds tile ≥ rows rows of m.
+            let a_op = Operand { data: sa, row_stride: ka, col_stride: 1 };
+            // SAFETY: sd holds at least rows rows of m (part_rows · (ka + m) ≥ rows · ka + rows · m).
             unsafe { gemm_call(sd.as_mut_ptr(), rows, m, ka, a_op, b, false) };
-            for (o, &v) in d_tile.iter_mut().zip(&sd[..rows * m]) {
+            for (o, &v) in d_part.iter_mut().zip(&sd[..rows * m]) {
                 o.write(S::store(v));
             }
         });
@@ -225,40 +208,40 @@ impl Linear {
         (dx, dw)
     }
 
-    /// `x Wᵀ` for half x and w through f32 tiles (see the module docs).
+    /// `x Wᵀ` for half x and w through f32 scratch (see the module docs).
     fn fwd_half<S: Stored<C = f32>>(&self, x: &[S], w: &[S], n_rows: usize, k: usize) -> Vec<S> {
         let out_dim = w.len() / k.max(1);
         if n_rows == 0 || out_dim == 0 || k == 0 {
             return vec![S::store(0.0); n_rows * out_dim];
         }
-        let tiles = Tiles::new(n_rows);
         let mut wf = vec![0f32; w.len()]; // (out, in), freed on return
         widen_into(&mut wf, w);
-        let mut scratch = vec![0f32; half_scratch_len(n_rows, k, out_dim)]; // (step·tile, in + out)
+        let mut scratch = vec![0f32; half_scratch_len(n_rows, k, out_dim)]; // (step rows, in + out)
         let b = Operand { data: &wf, row_stride: 1, col_stride: k }; // Wᵀ: (in, out)
-        // SAFETY: the steps cover y in whole tiles and every tile's rows are written.
-        unsafe { super::filled(n_rows * out_dim, |y| tiled(y, x, k, out_dim, b, tiles, &mut scratch)) } // (N, out)
+        let parts = self.threads;
+        // SAFETY: the steps' parts cover y in whole rows and every row is written.
+        unsafe { super::filled(n_rows * out_dim, |y| stepped(y, x, k, out_dim, b, parts, &mut scratch)) } // (N, out)
     }
 
-    /// (dx, dw) for half x (N, in), w (out, in) and g (N, out) through f32 tiles.
+    /// (dx, dw) for half x (N, in), w (out, in) and g (N, out) through f32 scratch.
     fn bwd_half<S: Stored<C = f32>>(&self, x: &[S], w: &[S], g: &[S], n_rows: usize, k: usize) -> (Vec<S>, Vec<S>) {
         let out_dim = w.len() / k.max(1);
         if n_rows == 0 || out_dim == 0 || k == 0 {
             return (vec![S::store(0.0); n_rows * k], vec![S::store(0.0); w.len()]);
         }
-        let tiles = Tiles::new(n_rows);
-        let mut scratch = vec![0f32; half_scratch_len(n_rows, k, out_dim)]; // (step·tile, in + out)
+        let mut scratch = vec![0f32; half_scratch_len(n_rows, k, out_dim)]; // (step rows, in + out)
         let mut wf = vec![0f32; w.len()]; // (out, in)
         widen_into(&mut wf, w);
         let b = Operand { data: &wf, row_stride: k, col_stride: 1 }; // W: (out, in)
+        let parts = self.threads;
         // SAFETY: as in fwd_half.
-        let dx = unsafe { super::filled(n_rows * k, |dx| tiled(dx, g, out_dim, k, b, tiles, &mut scratch)) }; // (N, in)
+        let dx = unsafe { super::filled(n_rows * k, |dx| stepped(dx, g, out_dim, k, b, parts, &mut scratch)) }; // (N, in)
         drop(wf);
         // dW = Σ over steps of g_stepᵀ x_step, accumulated in f32 in step order, the rows of
         // dW split over the threads (which leaves each element's sum unchanged).
         let mut dw32 = vec![0f32; w.len()]; // (out, in)
-        let step_rows = tiles.step * tiles.tile;
-        let (gs, xs) = scratch.split_at_mut(step_rows * out_dim); // (step·tile, out) and (step·tile, in)
+        let step_rows = STEP_ROWS.min(n_rows);
+        let (gs, xs) = scratch.split_at_mut(step_rows * out_dim); // (step rows, out) and (step rows, in)
         let dw_rows = out_dim.div_ceil(self.threads.min(out_dim));
         for (i, (g_step, x_step)) in g.chunks(step_rows * out_dim).zip(x.chunks(step_rows * k)).enumerate() {
             let rows = g_step.len() / out_dim;

@@ -13,7 +13,7 @@
 //! the finite-difference checks) and returns its gradients in that type; a half input is
 //! widened to f32 element by element inside the kernel and the result rounded once, so no
 //! f32 copy of a half activation exists outside an op's call ([`Stored`]). The linear op
-//! multiplies f32 and f64 natively and bf16 and f16 through f32 scratch tiles. The
+//! multiplies f32 and f64 natively and bf16 and f16 through bounded f32 scratch. The
 //! element-wise ops split their work into fixed chunks on candle's rayon pool and
 //! add partial sums in a fixed order; the linear op splits rows, which leaves each element's
 //! summation unchanged. Either way the results do not depend on the thread count. The

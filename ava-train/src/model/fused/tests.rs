@@ -256,7 +256,7 @@ fn half_against_f32(shapes: &[&[usize]], out_shape: &[usize], f: impl Fn(&[Tenso
 
 #[test]
 fn half_linear_matches_f32_linear() {
-    // More rows than one step of half tiles (8 × 128), a last tile of 1 row, odd widths.
+    // More rows than one step of the half path (1024 rows), a last step of 1 row, odd widths.
     for (n, k, out) in [(7, 5, 3), (1025, 33, 17), (300, 96, 40)] {
         half_against_f32(&[&[n, k], &[out, k]], &[n, out], |x| linear(&x[0], &x[1], 3).unwrap());
     }
@@ -338,8 +338,9 @@ fn thread_count_does_not_change_bits() {
         (v, g)
     };
     assert_eq!(lin(1), lin(3));
-    // Half types: the linear op's tiles are fixed (1025 rows: more than one step of tiles, a
-    // last tile of one row), and the element-wise ops' chunks too.
+    // Half types: the linear op's steps are fixed and its threads split their rows (1025
+    // rows: more than one step, a last step of one row), and the element-wise ops' chunks
+    // are fixed too.
     for dt in [DType::BF16, DType::F16] {
         let xh = tensor(&[1025, 96], 10, dt);
         let wh = tensor(&[40, 96], 11, dt);
