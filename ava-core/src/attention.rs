@@ -179,6 +179,16 @@ pub trait AttentionKernel: Send + Sync {
         false
     }
 
+    /// Whether the saved buffer tolerates being held rounded to the run's half type: when
+    /// training in bf16 or f16, the host then keeps it between forward and backward in that
+    /// type (half the bytes) and widens it back to f32 for the backward call. Say yes for
+    /// values that tolerate rounding as activations do (standard's probabilities, in [0, 1]);
+    /// keep the default, no, for values whose error backward amplifies (flash's logsumexp
+    /// feeds exp(s - lse)). In f32 runs the buffer is always kept as written.
+    fn saved_tolerates_half(&self) -> bool {
+        false
+    }
+
     /// Writes (overwrites) `dq`, `dk`, `dv` from `dout`, using what forward saved;
     /// `workspace` is the backward's declared scratch.
     #[allow(clippy::too_many_arguments)]
@@ -224,6 +234,8 @@ pub trait FfiAttention: Send + Sync {
     ) -> RResult<(), PluginError>;
     /// See [`AttentionKernel::supports_backward`].
     fn supports_backward(&self) -> bool;
+    /// See [`AttentionKernel::saved_tolerates_half`].
+    fn saved_tolerates_half(&self) -> bool;
     /// See [`AttentionKernel::backward`].
     #[allow(clippy::too_many_arguments)]
     fn backward(
@@ -273,6 +285,10 @@ impl<T: AttentionKernel> FfiAttention for Guarded<T> {
     fn supports_backward(&self) -> bool {
         // A panic here would abort; a kernel that panics in a bool getter gets "no backward".
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.supports_backward())).unwrap_or(false)
+    }
+    fn saved_tolerates_half(&self) -> bool {
+        // As above: a panic means no (the buffer is kept as written).
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.saved_tolerates_half())).unwrap_or(false)
     }
     fn backward(
         &self,
@@ -335,6 +351,9 @@ impl AttentionKernel for ForeignAttention {
     }
     fn supports_backward(&self) -> bool {
         self.0.supports_backward()
+    }
+    fn saved_tolerates_half(&self) -> bool {
+        self.0.saved_tolerates_half()
     }
     fn backward(
         &self,

@@ -1,6 +1,7 @@
 //! The attention kernel's workspace is the host's: a kernel that declares N f32s for a call
 //! receives exactly N, the counting allocator's peak rises by those bytes, and `ava estimate`
-//! counts them where they are live.
+//! counts them where they are live. The saved buffer of a kernel that tolerates rounding is
+//! held in the run's half type between the passes.
 
 #[global_allocator]
 static A: ava_train::memory::CountingAlloc = ava_train::memory::CountingAlloc;
@@ -181,4 +182,100 @@ fn estimate_counts_a_declared_workspace_where_it_is_live() {
     // Standard's own: a (32, 32) dP block for each of the 2 threads.
     assert_eq!(inner, 2 * 32 * 32);
     assert!(term(&plain).is_some_and(|t| t.formula.contains("backward 2,048 · 4")), "{:?}", term(&plain));
+}
+
+/// `standard`, saying whether its saved buffer tolerates the half type as told, and keeping
+/// what forward wrote into it and what backward was handed.
+struct Recording {
+    inner: Arc<dyn AttentionKernel>,
+    tolerates: bool,
+    written: Mutex<Vec<f32>>,
+    handed: Mutex<Vec<f32>>,
+}
+
+impl AttentionKernel for Recording {
+    fn saved_len(&self, shape: &AttnShape) -> Result<u64, PluginError> {
+        self.inner.saved_len(shape)
+    }
+    fn workspace_len(&self, shape: &AttnShape, pass: Pass, ctx: &KernelContext) -> Result<u64, PluginError> {
+        self.inner.workspace_len(shape, pass, ctx)
+    }
+    fn forward(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        saved: &mut [f32],
+        workspace: &mut [f32],
+        ctx: &KernelContext,
+    ) -> Result<(), PluginError> {
+        self.inner.forward(shape, q, k, v, out, saved, workspace, ctx)?;
+        *self.written.lock().unwrap() = saved.to_vec();
+        Ok(())
+    }
+    fn supports_backward(&self) -> bool {
+        true
+    }
+    fn saved_tolerates_half(&self) -> bool {
+        self.tolerates
+    }
+    fn backward(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &[f32],
+        dout: &[f32],
+        saved: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+        workspace: &mut [f32],
+        ctx: &KernelContext,
+    ) -> Result<(), PluginError> {
+        *self.handed.lock().unwrap() = saved.to_vec();
+        self.inner.backward(shape, q, k, v, out, dout, saved, dq, dk, dv, workspace, ctx)
+    }
+}
+
+/// In a bf16 run a kernel whose saved buffer tolerates rounding has it held in bf16 between
+/// forward and backward (half the bytes of one it keeps in f32) and gets back exactly the
+/// bf16 rounding of what it wrote; in an f32 run it gets back what it wrote, bit for bit.
+#[test]
+fn a_saved_buffer_that_tolerates_rounding_is_held_in_the_half_type() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let [q, k, v] = inputs();
+    let shape = AttnShape::self_attention(2, 4, 4, 32, 16, true);
+    let saved_len = Registry::builtins().attention("standard", "{}").unwrap().saved_len(&shape).unwrap() as usize;
+    let run = |tolerates: bool, dtype: candle_core::DType| {
+        let recording = Arc::new(Recording {
+            inner: Registry::builtins().attention("standard", "{}").unwrap(),
+            tolerates,
+            written: Mutex::new(vec![0f32; saved_len]), // as large as what it records: the count stays comparable
+            handed: Mutex::new(Vec::new()),
+        });
+        let kernel: Arc<dyn AttentionKernel> = recording.clone();
+        let [q, k, v] = [&q, &k, &v].map(|x| Var::from_tensor(&x.as_tensor().to_dtype(dtype).unwrap()).unwrap());
+        let before = memory::current();
+        let out = attention(&kernel, "recording", &q, &k, &v, 2).unwrap();
+        let held = memory::current() - before; // the output and the saved buffer
+        out.sum_all().unwrap().backward().unwrap();
+        let written = recording.written.lock().unwrap().clone();
+        let handed = recording.handed.lock().unwrap().clone();
+        (held, written, handed)
+    };
+    let bf16 = candle_core::DType::BF16;
+    run(false, bf16); // warm-up (thread-locals)
+    let (held_half, written, handed) = run(true, bf16);
+    let rounded: Vec<f32> = written.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect();
+    assert!(handed.iter().map(|x| x.to_bits()).eq(rounded.iter().map(|x| x.to_bits())), "the bf16 rounding");
+    assert!(written.iter().zip(&handed).any(|(a, b)| a != b), "the probabilities really were rounded");
+    let (held_f32, written, handed) = run(false, bf16);
+    assert_eq!(held_f32 as i64 - held_half as i64, 2 * saved_len as i64, "held {held_half} in bf16, {held_f32} in f32");
+    assert!(handed.iter().map(|x| x.to_bits()).eq(written.iter().map(|x| x.to_bits())), "kept as written");
+    let (_, written, handed) = run(true, candle_core::DType::F32);
+    assert!(handed.iter().map(|x| x.to_bits()).eq(written.iter().map(|x| x.to_bits())), "f32 runs keep it as written");
 }

@@ -137,6 +137,12 @@ impl AttentionKernel for Kernel {
         true
     }
 
+    /// Dense saves the probabilities (they round as activations do); flash saves the
+    /// logsumexp, whose error exp(s - lse) would amplify.
+    fn saved_tolerates_half(&self) -> bool {
+        matches!(self.algorithm, Algorithm::Dense)
+    }
+
     fn backward(
         &self,
         shape: &AttnShape,
@@ -203,6 +209,9 @@ macro_rules! delegate_attention {
             }
             fn supports_backward(&self) -> bool {
                 self.$field.supports_backward()
+            }
+            fn saved_tolerates_half(&self) -> bool {
+                self.$field.saved_tolerates_half()
             }
             fn backward(
                 &self,

@@ -63,6 +63,11 @@ impl AttentionKernel for Standard {
         true
     }
 
+    /// The probabilities, in [0, 1], round as activations do.
+    fn saved_tolerates_half(&self) -> bool {
+        true
+    }
+
     fn backward(
         &self,
         shape: &AttnShape,

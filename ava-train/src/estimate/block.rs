@@ -64,13 +64,15 @@ fn term(name: &str, formula: String, bytes: u64) -> Term {
 }
 
 /// The activation terms of one kept block; `saved_len` is the attention kernel's declared
-/// saved f32s for one call, `moe` the (experts, top_k) of a mixture-of-experts block.
-pub(crate) fn block_terms(x: &Dims, saved_len: u64, moe: Option<(u64, u64)>) -> Vec<Term> {
+/// saved f32s for one call, held in `saved_size` bytes each (4, or 2 when a half run holds
+/// them in its type), `moe` the (experts, top_k) of a mixture-of-experts block.
+pub(crate) fn block_terms(x: &Dims, saved_len: u64, saved_size: u64, moe: Option<(u64, u64)>) -> Vec<Term> {
     let (n, d, p) = (x.n(), x.d, x.p);
     let qkv = x.h + 2 * x.hkv;
     let mut out = Vec::new();
     // Each fused op keeps its inputs and output, all in the compute type (a half type's f32
-    // scratch lives only inside the op's call); the attention kernel's saved buffer is f32.
+    // scratch lives only inside the op's call); the attention kernel's saved buffer is f32,
+    // or the half type when the kernel says it tolerates rounding.
     out.push(term("norms (2): fused RMSNorm output", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));
     out.push(term("q, k, v projections", format!("B·T·(H + 2·Hkv)·D·p = {n}·{qkv}·{}·{p}", x.hd), n * qkv * x.hd * p));
     if x.bias.qkv {
@@ -88,8 +90,12 @@ pub(crate) fn block_terms(x: &Dims, saved_len: u64, moe: Option<(u64, u64)>) -> 
     out.push(term("attention output", format!("B·H·T·D·p = {n}·{}·{}·{p}", x.h, x.hd), n * x.h * x.hd * p));
     out.push(term(
         "attention kernel's saved buffer",
-        format!("saved_len · 4 = {saved_len} · 4 (the kernel's declaration)"),
-        saved_len * 4,
+        if saved_size == 4 {
+            format!("saved_len · 4 = {saved_len} · 4 (the kernel's declaration)")
+        } else {
+            format!("saved_len · p = {saved_len} · {saved_size} (the kernel's declaration, held in the half type)")
+        },
+        saved_len * saved_size,
     ));
     out.push(term("heads merged to (B·T, H·D)", format!("B·T·H·D·p = {n}·{}·{}·{p}", x.h, x.hd), n * x.h * x.hd * p));
     out.push(term("o_proj output and residual sum", format!("2 · B·T·d·p = 2 · {n}·{d}·{p}"), 2 * n * d * p));

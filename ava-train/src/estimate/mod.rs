@@ -295,7 +295,7 @@ pub fn block_facts(
         return Err(EstimateError::Zero { key: "data.seq_len" });
     }
     let saved = saved_len(spec, batch, seq, attention)?;
-    let replay = Replay::new(spec, batch, seq, dt(precision), saved);
+    let replay = Replay::new(spec, batch, seq, dt(precision), saved).with_saved_half(attention.saved_tolerates_half());
     let activation_bytes = replay.block_activation_bytes();
     let input_bytes = (batch * seq * spec.hidden * precision.bytes()) as u64;
     let defs = spec.params();
@@ -349,6 +349,7 @@ pub fn micro_batch(
     let saved = saved_len(spec, batch, seq, attention)?;
     let [fwd, bwd] = workspace_lens(spec, batch, seq, attention, threads)?;
     let peak = Replay::new(spec, batch, seq, dt(precision), saved)
+        .with_saved_half(attention.saved_tolerates_half())
         .with_workspace(fwd, bwd)
         .forward_backward(plan, accumulating);
     Ok(MicroBatch {
@@ -586,6 +587,7 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
     // by default); the replay counts an offloaded input as held, which is what `ram` does.
     let mut ctx = CheckpointContext { budget_bytes: target, offload_available: true };
     let replay = Replay::new(spec, batch, seq, dt(precision), saved)
+        .with_saved_half(plugins.attention.saved_tolerates_half())
         .with_workspace(kernel_workspace[0], kernel_workspace[1])
         .with_step(step.clone());
     // The policy predicts the blocks' memory from their facts; the logits, the loss and the
@@ -732,9 +734,11 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
     };
     add(&mut terms, Component::Gradients, label, formula, grads_now + at(Cat::Accumulators));
 
-    let block = block::block_terms(&x, saved, spec.moe.map(|m| (m.experts as u64, m.top_k as u64)));
+    // The saved buffer's bytes per element as held between the passes.
+    let saved_size = if precision != Precision::Fp32 && plugins.attention.saved_tolerates_half() { 2 } else { 4 };
+    let block = block::block_terms(&x, saved, saved_size, spec.moe.map(|m| (m.experts as u64, m.top_k as u64)));
     let block_bytes = facts.first().map_or(0, |f| f.activation_bytes);
-    let per_block = block_bytes.saturating_sub(saved * 4).max(1);
+    let per_block = block_bytes.saturating_sub(saved * saved_size).max(1);
     let nd_p = x.n() * x.d * x.p;
     let count = |bytes: u64, unit: u64| bytes as f64 / unit.max(1) as f64;
     let activation_terms = [
@@ -756,9 +760,9 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
             Cat::AttnSaved,
             "attention kernel's saved buffers".to_string(),
             format!(
-                "{:.0} × saved_len · 4 = {:.0} × {} · 4",
-                count(at(Cat::AttnSaved), saved * 4),
-                count(at(Cat::AttnSaved), saved * 4),
+                "{:.0} × saved_len · {saved_size} = {:.0} × {} · {saved_size}",
+                count(at(Cat::AttnSaved), saved * saved_size),
+                count(at(Cat::AttnSaved), saved * saved_size),
                 grouped(saved)
             ),
         ),

@@ -85,6 +85,9 @@ pub(crate) struct Replay<'a> {
     seq: usize,
     dtype: Dt,
     saved_len: u64,
+    /// Whether the kernel's saved buffer is held in the half type (a half run, and the
+    /// kernel tolerates it).
+    saved_half: bool,
     /// The kernel's declared workspace, forward and backward (f32s).
     workspace: [u64; 2],
     /// How the optimizer steps the parameters (`train.master_weights`, `step_in_backward`).
@@ -153,6 +156,7 @@ impl<'a> Replay<'a> {
             seq,
             dtype,
             saved_len,
+            saved_half: false,
             workspace: [0, 0],
             step: StepModel::default(),
             stepped: Default::default(),
@@ -170,6 +174,13 @@ impl<'a> Replay<'a> {
     /// With an attention kernel that declares `forward` and `backward` f32s of workspace.
     pub(crate) fn with_workspace(mut self, forward: u64, backward: u64) -> Self {
         self.workspace = [forward, backward];
+        self
+    }
+
+    /// With the kernel's saved buffer held in the half type in a half run (the kernel's
+    /// [`saved_tolerates_half`](ava_core::AttentionKernel::saved_tolerates_half)).
+    pub(crate) fn with_saved_half(mut self, tolerates: bool) -> Self {
+        self.saved_half = tolerates;
         self
     }
 
@@ -211,7 +222,7 @@ impl<'a> Replay<'a> {
 
     /// `model::attention`: the kernel op on q, k, v in their type (widened to f32 inside it).
     fn attention(&self, q: &T, k: &T, v: &T) -> T {
-        T::attention(&q.contiguous(), &k.contiguous(), &v.contiguous(), self.saved_len, self.workspace)
+        T::attention(&q.contiguous(), &k.contiguous(), &v.contiguous(), self.saved_len, self.saved_half, self.workspace)
     }
 
     /// `llama::projection`: the product, plus the bias when the projection has one.

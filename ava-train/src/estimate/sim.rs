@@ -211,9 +211,10 @@ enum Op {
     Sum(T, Vec<usize>),
     /// The fused cross-entropy; it holds a copy of the targets.
     CrossEntropy(T, #[allow(dead_code)] Rc<Buf>), // the buffer is held only to be counted
-    /// The attention kernel; it holds the kernel's saved buffer until backward takes it, and
-    /// the bytes of its backward workspace.
-    Attention(T, T, T, RefCell<Option<Rc<Buf>>>, u64),
+    /// The attention kernel; it holds the kernel's saved buffer until backward takes it, the
+    /// bytes of its backward workspace, and the bytes of the f32 copy backward widens a
+    /// half-held saved buffer into (0 when it is held in f32).
+    Attention(T, T, T, RefCell<Option<Rc<Buf>>>, u64, u64),
     IndexSelect(T, T, usize),
     IndexAdd(T, T, T, usize),
     Gather(T, T, usize),
@@ -227,10 +228,10 @@ pub(crate) enum Fused {
     /// x Wᵀ (x, w) in f32, multiplied as they are.
     Linear,
     /// x Wᵀ (x, w) in a half type through f32 inside the op: each call (forward, backward)
-    /// holds the weight's f32 copy and `scratch` f32s of row tiles; backward also dW's f32
+    /// holds the weight's f32 copy and `scratch` f32s for a step of rows; backward also dW's f32
     /// accumulator.
     LinearHalf {
-        /// `fused::linear`'s tile scratch, in f32s.
+        /// `fused::linear`'s step scratch, in f32s.
         scratch: u64,
     },
     /// RMSNorm (x, w).
@@ -280,7 +281,7 @@ impl Op {
         match self {
             Op::Add(a, b) | Op::Sub(a, b) | Op::Mul(a, b) | Op::Div(a, b) | Op::Matmul(a, b) => vec![a, b],
             Op::IndexSelect(a, b, _) | Op::Gather(a, b, _) => vec![a, b],
-            Op::Attention(a, b, c, _, _) | Op::IndexAdd(a, b, c, _) => vec![a, b, c],
+            Op::Attention(a, b, c, _, _, _) | Op::IndexAdd(a, b, c, _) => vec![a, b, c],
             Op::Cat(args, _) | Op::Fused(_, args) => args.iter().collect(),
             // Affine with a zero factor would stop the walk; the model never uses one.
             Op::Transpose(a, ..)
@@ -640,7 +641,7 @@ impl T {
     }
 
     /// A fused op on contiguous inputs of the stored type: a fresh output of `dims` in the
-    /// first input's type. The half linear op also holds the weight's f32 copy and its tile
+    /// first input's type. The half linear op also holds the weight's f32 copy and its step
     /// scratch while it runs.
     pub(crate) fn fused(kind: Fused, args: &[&T], dims: &[usize]) -> T {
         let m = args[0].meter();
@@ -656,10 +657,11 @@ impl T {
 
     /// The attention op on contiguous q, k, v of one type: the output (q's shape and type)
     /// and the kernel's saved buffer of `saved_len` f32s (counted under [`Cat::AttnSaved`]),
-    /// held by the op; `workspace` is the f32s the kernel declared for its forward and
+    /// held by the op, in the half type when the inputs are half and `saved_half` (the
+    /// kernel tolerates it); `workspace` is the f32s the kernel declared for its forward and
     /// backward call (counted under [`Cat::AttnWorkspace`] while the call runs). Half inputs
     /// are widened to f32 buffers that live through the kernel call.
-    pub(crate) fn attention(q: &T, k: &T, v: &T, saved_len: u64, workspace: [u64; 2]) -> T {
+    pub(crate) fn attention(q: &T, k: &T, v: &T, saved_len: u64, saved_half: bool, workspace: [u64; 2]) -> T {
         let m = q.meter();
         let dtype = q.0.dtype;
         // cpu_fwd widens q, k, v (half), allocates the f32 `out`, then `saved`, then the
@@ -669,6 +671,15 @@ impl T {
         let out32 = m.alloc(q.elem_count() * 4, None);
         let saved = m.alloc(saved_len * 4, Some(Cat::AttnSaved));
         drop(m.alloc(workspace[0] * 4, Some(Cat::AttnWorkspace)));
+        // A saved buffer held in the half type: rounded into its own buffer, the f32 freed.
+        let saved_half = saved_half && dtype == Dt::Half;
+        let saved = if saved_half {
+            let held = m.alloc(saved_len * dtype.size(), Some(Cat::AttnSaved));
+            drop(saved);
+            held
+        } else {
+            saved
+        };
         let out_buf = if dtype == Dt::F32 {
             out32
         } else {
@@ -676,9 +687,10 @@ impl T {
             drop((out32, widened));
             out
         };
-        let bwd = workspace[1] * 4;
-        let op =
-            T::op_if(&[q, k, v], || Op::Attention(q.clone(), k.clone(), v.clone(), RefCell::new(Some(saved)), bwd));
+        let (bwd, widen) = (workspace[1] * 4, if saved_half { saved_len * 4 } else { 0 });
+        let op = T::op_if(&[q, k, v], || {
+            Op::Attention(q.clone(), k.clone(), v.clone(), RefCell::new(Some(saved)), bwd, widen)
+        });
         let dims = q.0.dims.clone();
         T(Rc::new(Inner {
             id: m.id(),
@@ -894,9 +906,17 @@ pub(crate) fn backward(root: &T) -> GradStore {
                 };
                 grads.accumulate(arg, |s| s.add(&arg_grad));
             }
-            Op::Attention(q, k, v, saved, workspace) => {
+            Op::Attention(q, k, v, saved, workspace, widen) => {
                 let (dq, dk, dv) = {
                     let saved = saved.borrow_mut().take();
+                    // A half-held saved buffer is widened first, the half copy freed.
+                    let saved = if *widen > 0 {
+                        let wide = raw(&meter, *widen);
+                        drop(saved);
+                        Some(wide)
+                    } else {
+                        saved
+                    };
                     let dq = raw(&meter, q.elem_count() * 4);
                     let dk = raw(&meter, k.elem_count() * 4);
                     let dv = raw(&meter, v.elem_count() * 4);
@@ -931,7 +951,7 @@ pub(crate) fn backward(root: &T) -> GradStore {
             Op::Fused(kind, args) => {
                 // bwd returns a fresh gradient per input, in the input's type; RMSNorm also
                 // fills one f32 partial dw per task of 64 rows (with its Vec header) while dx
-                // is held; the half linear op holds its tile scratch throughout, the weight's
+                // is held; the half linear op holds its step scratch throughout, the weight's
                 // f32 copy while it computes dx, and dW's f32 accumulator while it computes
                 // and rounds dW.
                 let arg_grads: Vec<T> = match *kind {

@@ -11,7 +11,9 @@
 //! kernel contract is f32, so for any other type the op widens q, k and v into f32 buffers
 //! inside its forward (and q, k, v, out and the output gradient inside its backward), runs
 //! the kernel, rounds the result into the stored type and frees the f32 buffers on return:
-//! the graph keeps the half inputs and output only.
+//! the graph keeps the half inputs and output only. A kernel whose saved buffer tolerates
+//! rounding ([`AttentionKernel::saved_tolerates_half`]: standard's probabilities) has it held
+//! in the half type between the passes, widened back for its backward call.
 
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
@@ -64,7 +66,36 @@ struct AttentionOp {
     name: String,
     shape: AttnShape,
     ctx: KernelContext,
-    saved: Mutex<Option<Vec<f32>>>, // (saved_len,) as the kernel declared
+    saved: Mutex<Option<Saved>>, // (saved_len,) as the kernel declared
+}
+
+/// The kernel's saved buffer between forward and backward: as written, or rounded to the
+/// run's half type when the kernel says it tolerates that.
+enum Saved {
+    F32(Vec<f32>),
+    Bf16(Vec<half::bf16>),
+    F16(Vec<half::f16>),
+}
+
+impl Saved {
+    /// Keeps what forward wrote, rounded to `dtype` (the inputs' type) if `half_ok` and it is
+    /// a half type; the f32 buffer is freed once rounded.
+    fn keep(values: Vec<f32>, dtype: DType, half_ok: bool) -> Saved {
+        match dtype {
+            DType::BF16 if half_ok => Saved::Bf16(rounded(&values)),
+            DType::F16 if half_ok => Saved::F16(rounded(&values)),
+            _ => Saved::F32(values),
+        }
+    }
+
+    /// The f32 values for the backward call: moved, or widened into a buffer of their own.
+    fn into_f32(self) -> Vec<f32> {
+        match self {
+            Saved::F32(v) => v,
+            Saved::Bf16(v) => widened(&v),
+            Saved::F16(v) => widened(&v),
+        }
+    }
 }
 
 /// A contiguous CPU storage's values as f32: borrowed when they are f32, widened into a
@@ -150,6 +181,7 @@ impl CustomOp3 for AttentionOp {
             .forward(&self.shape, &q, &k, &v, &mut out, &mut saved, &mut workspace, &self.ctx)
             .map_err(|e| self.plugin_error("forward", e))?;
         drop(workspace);
+        let saved = Saved::keep(saved, s1.dtype(), self.kernel.saved_tolerates_half()); // (saved_len,)
         *self.saved.lock().expect("attention op lock") = Some(saved);
         let out = to_storage(out, s1.dtype())?; // (B, H, T, D) in q's type
         drop((q, k, v));
@@ -171,6 +203,7 @@ impl CustomOp3 for AttentionOp {
             bail!("attention kernel '{}': backward ran twice over one forward (its saved buffer is gone)", self.name);
         };
         let _span = crate::profile::scope("backward: attention kernel");
+        let saved = saved.into_f32(); // (saved_len,) f32, the half copy freed once widened
         let mut dq = vec![0f32; q.elem_count()]; // (B, H, T, D)
         let mut dk = vec![0f32; k.elem_count()]; // (B, Hkv, T, D)
         let mut dv = vec![0f32; v.elem_count()]; // (B, Hkv, T, D)
