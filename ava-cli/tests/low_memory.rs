@@ -358,3 +358,58 @@ fn bench_train_shows_the_modes() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--offload goes with --modes"));
 }
+
+/// A disk that fails in the middle of a step-in-backward step (the tier refuses every write
+/// after half the parameters' worth, as a full disk would, once some parameters were
+/// stepped): the run stops naming the step, the disk's error and the checkpoint to resume
+/// from; that checkpoint is byte for byte the one a run without the failure saved, and
+/// resumed from it the run ends exactly where that one does.
+#[test]
+fn a_disk_error_inside_backward_leaves_the_last_checkpoint_resumable() {
+    use ava_plugins::{HostConfig, Registry};
+    use ava_train::train::{Silent, TrainError, TrainOptions, Trainer};
+
+    let plugins = ava_tests::workspace_plugins_dir();
+    let registry = Registry::load(&HostConfig { search_paths: vec![plugins], ..HostConfig::default() }).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = |run: &str| {
+        let (out, disk) = (dir.path().join(run), dir.path().join(format!("{run}-nvme")));
+        let own = [
+            format!("train.out_dir={}", out.display()),
+            format!("plugins.offload={{name: nvme, path: {}}}", disk.display()),
+            "offload.tiers=[nvme: 100%]".to_string(),
+            "train.master_weights=tier".to_string(),
+            "train.step_in_backward=true".to_string(),
+            "train.max_steps=4".to_string(),
+        ];
+        let sets = common::SMALL.iter().chain(BASE).map(|s| s.to_string()).chain(own);
+        ava_train::config::ConfigLoader::new().sets(sets).load().unwrap().into_config()
+    };
+    let straight = TrainOptions::default();
+    Trainer::new(&config("straight"), &registry, &straight).unwrap().run(&straight, &mut Silent).unwrap();
+
+    let failing = TrainOptions { tier_fault_at_step: Some(3), ..TrainOptions::default() };
+    let mut t = Trainer::new(&config("failed"), &registry, &failing).unwrap();
+    let err = t.run(&failing, &mut Silent).unwrap_err();
+    assert!(matches!(err, TrainError::FailedInBackward { step: 3, saved: 2, .. }), "{err:?}");
+    let text = err.to_string();
+    for part in
+        ["step 3 failed inside backward", "No space left on device", "the last checkpoint (step 2", "--resume latest"]
+    {
+        assert!(text.contains(part), "{part}: {text}");
+    }
+    drop(t);
+    let (failed, reference) = (dir.path().join("failed"), dir.path().join("straight"));
+    let steps: Vec<String> = std::fs::read_dir(failed.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step"))
+        .collect();
+    assert_eq!(steps, ["step-00000002"], "nothing saved after the failure");
+    let files = ["model.safetensors", "optimizer.safetensors", "trainer.json"];
+    same_files(&checkpoint(&failed, 2), &checkpoint(&reference, 2), &files);
+
+    let resume = TrainOptions { resume: Some("latest".into()), ..TrainOptions::default() };
+    Trainer::new(&config("failed"), &registry, &resume).unwrap().run(&resume, &mut Silent).unwrap();
+    same_files(&checkpoint(&failed, 4), &checkpoint(&reference, 4), &files);
+}

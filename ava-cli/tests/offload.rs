@@ -170,6 +170,24 @@ fn a_full_disk_during_a_checkpoint_fails_cleanly_and_keeps_the_earlier_one() {
     );
 }
 
+/// The run directory on a disk without room for even one checkpoint: refused before the
+/// first step, saying how much a checkpoint takes, where, and what to change.
+#[test]
+fn a_disk_without_room_for_a_checkpoint_is_refused_before_the_first_step() {
+    ava_tests::workspace_plugins_dir();
+    let Some(small) = SmallDisk::mount("300k") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = small.path().join("run");
+    let o = train(dir.path(), out.to_str().unwrap(), &set(&["train.max_steps=4"]));
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = failed(&o);
+    let checkpoints = out.join("checkpoints").display().to_string();
+    for part in ["a checkpoint of this run takes", checkpoints.as_str(), "train.out_dir", "before any step ran"] {
+        assert!(err.contains(part), "{part}: {err}");
+    }
+    assert!(!out.join("metrics.jsonl").exists(), "no step ran");
+}
+
 /// The last validation loss of a run.
 fn val_loss(run: &Path) -> f64 {
     std::fs::read_to_string(run.join("metrics.jsonl"))

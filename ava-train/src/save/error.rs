@@ -21,6 +21,30 @@ pub enum SaveError {
         #[source]
         source: io::Error,
     },
+    /// The disk of the checkpoints has no room for the next one (checked before training).
+    #[error(
+        "a checkpoint of this run takes {} (weights {}, optimizer state {}, with headers) in {}, but its disk has \
+         {} free: free up space there, or point train.out_dir at a disk with room; an older checkpoint is removed \
+         only once a newer one is complete, so the disk needs room for one more. Checked before any step ran, so \
+         nothing was lost",
+        ava_core::format_size(*need),
+        ava_core::format_size(*weights),
+        ava_core::format_size(*state),
+        root.display(),
+        ava_core::format_size(*free)
+    )]
+    NoRoom {
+        /// The checkpoint directory.
+        root: PathBuf,
+        /// Bytes of the weights.
+        weights: u64,
+        /// Bytes of the optimizer state (and of masters kept with it).
+        state: u64,
+        /// Bytes the checkpoint takes, headers included.
+        need: u64,
+        /// Bytes free on its disk.
+        free: u64,
+    },
     /// A file name given to [`CheckpointStore::save`](super::CheckpointStore::save) cannot be used.
     #[error("cannot save checkpoint file '{name}': {reason}")]
     BadFileName {

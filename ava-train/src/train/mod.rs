@@ -4,6 +4,7 @@
 //! accounting against the budget with the memory policy in the loop, checkpoints and exact
 //! resume. Progress goes to a [`Reporter`]; metrics to `metrics.jsonl`.
 
+mod fault;
 mod in_backward;
 pub mod metrics;
 mod optim;
@@ -90,6 +91,21 @@ pub enum TrainError {
         at: u64,
         /// The last completed step.
         saved: u64,
+    },
+    /// An error inside a step whose parameters are stepped in backward (a disk tier that
+    /// failed, a plugin): some had been stepped, so the step can neither be retried nor saved.
+    #[error(
+        "step {step} failed inside backward: {source}\nWith train.step_in_backward some parameters may already have \
+         been stepped, so nothing of the step was saved: the last checkpoint (step {saved}, if one was saved) is intact. \
+         Fix the cause above, then resume from it with --resume latest"
+    )]
+    FailedInBackward {
+        /// The step that failed.
+        step: u64,
+        /// The last completed step.
+        saved: u64,
+        /// What failed.
+        source: Box<TrainError>,
     },
     /// A checkpoint's optimizer state does not fit the optimizer.
     #[error("the checkpoint's optimizer state does not match the optimizer:\n  - {}", problems.join("\n  - "))]

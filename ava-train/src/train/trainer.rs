@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::TrainError;
+use super::fault::FailingTier;
 use super::in_backward::{StepInBackward, StepSettings};
 use super::optim::{HostState, OptimizerState, Placement, StreamStats, optimizer_options};
 use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
@@ -39,6 +40,10 @@ pub struct TrainOptions {
     /// Test hook: the first micro-step of this step runs out of memory, as if an allocation
     /// had crossed `memory.hard_limit` (needs the counting allocator).
     pub oom_at_step: Option<u64>,
+    /// Test hook: in this step, after as many writes to the offload tier as half the model's
+    /// parameters, every write fails as on a full disk (the failure lands in the middle of
+    /// the step, after some parameters were stepped).
+    pub tier_fault_at_step: Option<u64>,
 }
 
 /// The trainer's own state in a checkpoint (`trainer.json`).
@@ -118,6 +123,8 @@ pub struct Trainer {
     hard_limit: Option<u64>,
     /// [`TrainOptions::oom_at_step`], until it fires.
     oom_at_step: Option<u64>,
+    /// [`TrainOptions::tier_fault_at_step`]: the wrapped tier, armed when that step starts.
+    tier_fault: Option<(Arc<FailingTier>, u64)>,
 }
 
 /// How a step's micro-steps ended.
@@ -404,6 +411,11 @@ impl Trainer {
         let policy = registry.checkpoint(&ckpt_sel.name, &ckpt_sel.options_json())?;
         let off_sel = plugin(PluginKind::Offload);
         let offload = registry.offload(&off_sel.name, &off_sel.options_json())?;
+        let tier_fault = options.tier_fault_at_step.map(|step| (Arc::new(FailingTier::new(offload.clone())), step));
+        let offload: Arc<dyn OffloadTier> = match &tier_fault {
+            Some((failing, _)) => failing.clone(),
+            None => offload,
+        };
         let mem_sel = plugin(PluginKind::Memory);
         let memory_policy = registry.memory(&mem_sel.name, &mem_sel.options_json())?;
 
@@ -638,6 +650,7 @@ impl Trainer {
             data_position: trainer_state.data_position,
             hard_limit,
             oom_at_step: options.oom_at_step,
+            tier_fault,
             config,
         })
     }
@@ -704,6 +717,7 @@ impl Trainer {
             Some(n) => (self.step + n).min(t.max_steps),
             None => t.max_steps,
         };
+        self.check_checkpoint_room()?;
         let mut metrics = self.open_metrics()?;
         reporter.start(&self.header());
         let mut summary = RunSummary {
@@ -845,6 +859,11 @@ impl Trainer {
             _ => 0,
         };
         let held_optimizer = self.state.resident_bytes() + tier_held;
+        if let Some((tier, at)) = &self.tier_fault
+            && *at == step
+        {
+            tier.arm((self.model.params().len() / 2) as u64);
+        }
         let baseline = memory::current();
         memory::reset_peak();
 
@@ -875,12 +894,16 @@ impl Trainer {
                 memory::set_limit(self.hard_limit);
             }
             let sumsq = sink.sumsq;
+            // Some parameters may be stepped already: the step can be neither retried nor
+            // saved, and the error says the last checkpoint is what to resume from.
+            let failed =
+                |source: TrainError| TrainError::FailedInBackward { step, saved: self.step, source: Box::new(source) };
             let done = match outcome {
                 // The step's own error (a disk that failed, a plugin) over candle's wrapper of it.
-                Err(e) => return Err(sink.failure.take().unwrap_or(e)),
+                Err(e) => return Err(failed(sink.failure.take().unwrap_or(e))),
                 Ok(done) => done,
             };
-            stream = sink.finish()?;
+            stream = sink.finish().map_err(failed)?;
             match done {
                 MicroSteps::Done { ce, aux, tier_peak } => (ce, aux, tier_peak, sumsq.sqrt(), true, 0),
                 MicroSteps::OutOfMemory { at } => {
@@ -1130,6 +1153,18 @@ impl Trainer {
             (AVA_CONFIG_FILE.to_string(), FileBody::Bytes(&config)),
         ];
         Ok(self.store.save_files(self.step, &mut files)?)
+    }
+
+    /// A run saves at least at its end: a disk without room for that checkpoint is found
+    /// before the first step (the tier already holds its records), not after the last. A
+    /// disk whose free space cannot be read is left to the save to report.
+    fn check_checkpoint_room(&self) -> Result<(), TrainError> {
+        let numel: u64 = self.model.params().iter().map(|p| p.var.as_tensor().elem_count() as u64).sum();
+        let weights = numel * self.model.storage().size_in_bytes() as u64;
+        if let Ok(free) = crate::save::free_space(self.store.root()) {
+            crate::save::check_room(self.store.root(), weights, self.state.bytes(), free)?;
+        }
+        Ok(())
     }
 
     /// The checkpoint store of this run.
