@@ -19,18 +19,24 @@ use candle_core::{Device, Tensor, Var};
 /// The allocator is process-wide: tests that measure must not overlap.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// `standard` with `extra` more f32s of workspace declared per pass; records the length of
-/// every workspace it is handed and writes all of it (so it is really there).
+/// `standard` with `extra` more f32s of workspace declared per pass, saying its saved buffer
+/// tolerates the half type as told; records the length of every workspace it is handed and
+/// writes all of it (so it is really there), what its forward saved, and the saved values
+/// its backward was handed.
 struct Declaring {
     inner: Arc<dyn AttentionKernel>,
     extra: [u64; 2],
+    tolerates: bool,
     got: Mutex<Vec<(Pass, usize)>>,
+    written: Mutex<Vec<f32>>,
+    handed: Mutex<Vec<f32>>,
 }
 
 impl Declaring {
     fn new(forward: u64, backward: u64) -> Self {
         let inner = Registry::builtins().attention("standard", "{}").unwrap();
-        Self { inner, extra: [forward, backward], got: Mutex::new(Vec::new()) }
+        let (got, written, handed) = (Mutex::default(), Mutex::default(), Mutex::default());
+        Self { inner, extra: [forward, backward], tolerates: false, got, written, handed }
     }
 
     /// Records `workspace` and returns the part the inner kernel declared.
@@ -68,10 +74,15 @@ impl AttentionKernel for Declaring {
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
         let ws = self.take(shape, Pass::Forward, ctx, workspace)?;
-        self.inner.forward(shape, q, k, v, out, saved, ws, ctx)
+        self.inner.forward(shape, q, k, v, out, saved, ws, ctx)?;
+        *self.written.lock().unwrap() = saved.to_vec();
+        Ok(())
     }
     fn supports_backward(&self) -> bool {
         true
+    }
+    fn saved_tolerates_half(&self) -> bool {
+        self.tolerates
     }
     fn backward(
         &self,
@@ -89,6 +100,7 @@ impl AttentionKernel for Declaring {
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
         let ws = self.take(shape, Pass::Backward, ctx, workspace)?;
+        *self.handed.lock().unwrap() = saved.to_vec();
         self.inner.backward(shape, q, k, v, out, dout, saved, dq, dk, dv, ws, ctx)
     }
 }
@@ -184,63 +196,6 @@ fn estimate_counts_a_declared_workspace_where_it_is_live() {
     assert!(term(&plain).is_some_and(|t| t.formula.contains("backward 2,048 · 4")), "{:?}", term(&plain));
 }
 
-/// `standard`, saying whether its saved buffer tolerates the half type as told, and keeping
-/// what forward wrote into it and what backward was handed.
-struct Recording {
-    inner: Arc<dyn AttentionKernel>,
-    tolerates: bool,
-    written: Mutex<Vec<f32>>,
-    handed: Mutex<Vec<f32>>,
-}
-
-impl AttentionKernel for Recording {
-    fn saved_len(&self, shape: &AttnShape) -> Result<u64, PluginError> {
-        self.inner.saved_len(shape)
-    }
-    fn workspace_len(&self, shape: &AttnShape, pass: Pass, ctx: &KernelContext) -> Result<u64, PluginError> {
-        self.inner.workspace_len(shape, pass, ctx)
-    }
-    fn forward(
-        &self,
-        shape: &AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &mut [f32],
-        saved: &mut [f32],
-        workspace: &mut [f32],
-        ctx: &KernelContext,
-    ) -> Result<(), PluginError> {
-        self.inner.forward(shape, q, k, v, out, saved, workspace, ctx)?;
-        *self.written.lock().unwrap() = saved.to_vec();
-        Ok(())
-    }
-    fn supports_backward(&self) -> bool {
-        true
-    }
-    fn saved_tolerates_half(&self) -> bool {
-        self.tolerates
-    }
-    fn backward(
-        &self,
-        shape: &AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        out: &[f32],
-        dout: &[f32],
-        saved: &[f32],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
-        workspace: &mut [f32],
-        ctx: &KernelContext,
-    ) -> Result<(), PluginError> {
-        *self.handed.lock().unwrap() = saved.to_vec();
-        self.inner.backward(shape, q, k, v, out, dout, saved, dq, dk, dv, workspace, ctx)
-    }
-}
-
 /// In a bf16 run a kernel whose saved buffer tolerates rounding has it held in bf16 between
 /// forward and backward (half the bytes of one it keeps in f32) and gets back exactly the
 /// bf16 rounding of what it wrote; in an f32 run it gets back what it wrote, bit for bit.
@@ -251,12 +206,9 @@ fn a_saved_buffer_that_tolerates_rounding_is_held_in_the_half_type() {
     let shape = AttnShape::self_attention(2, 4, 4, 32, 16, true);
     let saved_len = Registry::builtins().attention("standard", "{}").unwrap().saved_len(&shape).unwrap() as usize;
     let run = |tolerates: bool, dtype: candle_core::DType| {
-        let recording = Arc::new(Recording {
-            inner: Registry::builtins().attention("standard", "{}").unwrap(),
-            tolerates,
-            written: Mutex::new(vec![0f32; saved_len]), // as large as what it records: the count stays comparable
-            handed: Mutex::new(Vec::new()),
-        });
+        let recording = Arc::new(Declaring { tolerates, ..Declaring::new(0, 0) });
+        // As large as what it records: the count across forward stays comparable.
+        *recording.written.lock().unwrap() = vec![0f32; saved_len];
         let kernel: Arc<dyn AttentionKernel> = recording.clone();
         let [q, k, v] = [&q, &k, &v].map(|x| Var::from_tensor(&x.as_tensor().to_dtype(dtype).unwrap()).unwrap());
         let before = memory::current();

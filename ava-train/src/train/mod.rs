@@ -93,7 +93,7 @@ pub enum TrainError {
         saved: u64,
     },
     /// An error inside a step whose parameters are stepped in backward (a disk tier that
-    /// failed, a plugin): some had been stepped, so the step can neither be retried nor saved.
+    /// failed, a plugin): some may have been stepped, so it can neither be retried nor saved.
     #[error(
         "step {step} failed inside backward: {source}\nWith train.step_in_backward some parameters may already have \
          been stepped, so nothing of the step was saved: the last checkpoint (step {saved}, if one was saved) is intact. \
