@@ -388,3 +388,61 @@ impl AttentionKernel for ForeignAttention {
             .into_result()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use abi_stable::sabi_trait::TD_Opaque;
+
+    use super::*;
+
+    /// A kernel that keeps the default answer to `saved_tolerates_half`.
+    struct Quiet;
+
+    /// A kernel that answers it (`Some`), or panics in it (`None`).
+    struct Says(Option<bool>);
+
+    macro_rules! no_op_kernel {
+        ($t:ty $(, $extra:item)?) => {
+            impl AttentionKernel for $t {
+                fn saved_len(&self, _: &AttnShape) -> Result<u64, PluginError> {
+                    Ok(0)
+                }
+                fn forward(
+                    &self,
+                    _: &AttnShape,
+                    _: &[f32],
+                    _: &[f32],
+                    _: &[f32],
+                    _: &mut [f32],
+                    _: &mut [f32],
+                    _: &mut [f32],
+                    _: &KernelContext,
+                ) -> Result<(), PluginError> {
+                    Ok(())
+                }
+                $($extra)?
+            }
+        };
+    }
+    no_op_kernel!(Quiet);
+    no_op_kernel!(
+        Says,
+        fn saved_tolerates_half(&self) -> bool {
+            self.0.expect("a kernel that panics in its getter")
+        }
+    );
+
+    fn foreign<K: AttentionKernel + 'static>(k: K) -> ForeignAttention {
+        ForeignAttention(FfiAttention_TO::from_value(Guarded(k), TD_Opaque))
+    }
+
+    /// Through the FFI object, as the host sees a loaded plugin: the kernel's answer, the
+    /// default's (no), and no when the getter panics.
+    #[test]
+    fn saved_tolerates_half_crosses_the_boundary() {
+        assert!(foreign(Says(Some(true))).saved_tolerates_half());
+        assert!(!foreign(Says(Some(false))).saved_tolerates_half());
+        assert!(!foreign(Quiet).saved_tolerates_half());
+        assert!(!foreign(Says(None)).saved_tolerates_half());
+    }
+}
