@@ -201,13 +201,11 @@ fn modes(offload: Option<&OffloadArg>) -> Vec<Mode> {
         mode("bf16 only (stochastic rounding)", &[bf16, "train.master_weights=none", "train.step_in_backward=false"]),
         mode("bf16 only, step in backward", &[bf16, "train.master_weights=none", "train.step_in_backward=true"]),
     ];
-    if offload.is_some() {
+    if let Some(o) = offload {
         out.push(mode(
             "bf16, f32 masters, step in backward",
             &[bf16, "train.master_weights=f32", "train.step_in_backward=true"],
         ));
-    }
-    if let Some(o) = offload {
         let streamed = |label: String, masters: &str, in_memory| Mode {
             label,
             sets: [bf16.to_string(), format!("train.master_weights={masters}"), "train.step_in_backward=true".into()]

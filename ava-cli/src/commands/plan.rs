@@ -479,27 +479,25 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                 .collect();
             out.push_str(&crate::output::table(&headers, &rows));
             out.push_str("\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see `ava plan --help`)");
+            let ram = "on this CPU engine the device is RAM, so only a disk tier takes bytes out of the budget";
+            let room = no_room.as_ref().map_or(String::new(), |e| format!(" (some plans did not fit on it: {e})"));
             out.push_str(&match &offload {
                 Some(o) => format!(
                     "\noffload: {} at {}: a plan that streams keeps its optimizer state (and with weights \"bf16 + \
-                     masters in {}\" its f32 masters) on that disk, checked for room; on this CPU engine the device is \
-                     RAM, so only a disk tier takes bytes out of the budget{}",
+                     masters in {}\" its f32 masters) on that disk, checked for room; {ram}{room}",
                     o.tier,
                     o.path.display(),
                     o.tier,
-                    no_room.as_ref().map_or(String::new(), |e| format!(" (some plans did not fit on it: {e})"))
                 ),
                 None if base_offloaded => format!(
                     "\noffload: the config streams the optimizer state through {} (offload.tiers), checked for room \
-                     for each plan; on this CPU engine the device is RAM, so only a disk tier takes bytes out of the \
-                     budget{}",
+                     for each plan; {ram}{room}",
                     base.plugins.offload.name,
-                    no_room.as_ref().map_or(String::new(), |e| format!(" (some plans did not fit on it: {e})"))
                 ),
-                None => "\noffload: not searched; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the \
-                         optimizer state to disk (on this CPU engine the device is RAM: only a disk tier takes bytes \
-                         out of the budget)"
-                    .to_string(),
+                None => format!(
+                    "\noffload: not searched; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the \
+                     optimizer state to disk ({ram})"
+                ),
             });
             if top.iter().any(|x| x.candidate.in_backward && base.train.grad_clip > 0.0) {
                 out.push_str(&format!(

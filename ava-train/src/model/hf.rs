@@ -10,17 +10,31 @@ use crate::save::{BufDType, NamedBuffer, SaveError, TensorSpec};
 
 use super::{ModelError, ModelSpec, cerr};
 
+/// The checkpoint element type of a tensor of `dtype`, or an error naming tensor `name`.
+fn buf_dtype(name: &str, dtype: DType) -> Result<BufDType, ModelError> {
+    Ok(match dtype {
+        DType::F32 => BufDType::F32,
+        DType::F64 => BufDType::F64,
+        DType::U32 => BufDType::U32,
+        DType::U8 => BufDType::U8,
+        DType::BF16 => BufDType::BF16,
+        DType::F16 => BufDType::F16,
+        other => return Err(ModelError::Candle(format!("{name}: saving {other:?} tensors is not supported"))),
+    })
+}
+
 /// A tensor as a named little-endian buffer for the checkpoint writer.
 pub fn tensor_to_buffer(name: &str, t: &Tensor) -> Result<NamedBuffer, ModelError> {
+    let dtype = buf_dtype(name, t.dtype())?;
     let t = t.contiguous().map_err(cerr)?.flatten_all().map_err(cerr)?;
-    let (dtype, data): (BufDType, Vec<u8>) = match t.dtype() {
-        DType::F32 => (BufDType::F32, bytemuck::cast_slice(&t.to_vec1::<f32>().map_err(cerr)?).to_vec()),
-        DType::F64 => (BufDType::F64, bytemuck::cast_slice(&t.to_vec1::<f64>().map_err(cerr)?).to_vec()),
-        DType::U32 => (BufDType::U32, bytemuck::cast_slice(&t.to_vec1::<u32>().map_err(cerr)?).to_vec()),
-        DType::U8 => (BufDType::U8, t.to_vec1::<u8>().map_err(cerr)?),
-        DType::BF16 => (BufDType::BF16, bytemuck::cast_slice(&t.to_vec1::<half::bf16>().map_err(cerr)?).to_vec()),
-        DType::F16 => (BufDType::F16, bytemuck::cast_slice(&t.to_vec1::<half::f16>().map_err(cerr)?).to_vec()),
-        other => return Err(ModelError::Candle(format!("{name}: saving {other:?} tensors is not supported"))),
+    let data: Vec<u8> = match dtype {
+        BufDType::F32 => bytemuck::cast_slice(&t.to_vec1::<f32>().map_err(cerr)?).to_vec(),
+        BufDType::F64 => bytemuck::cast_slice(&t.to_vec1::<f64>().map_err(cerr)?).to_vec(),
+        BufDType::U32 => bytemuck::cast_slice(&t.to_vec1::<u32>().map_err(cerr)?).to_vec(),
+        BufDType::U8 => t.to_vec1::<u8>().map_err(cerr)?,
+        BufDType::BF16 => bytemuck::cast_slice(&t.to_vec1::<half::bf16>().map_err(cerr)?).to_vec(),
+        BufDType::F16 => bytemuck::cast_slice(&t.to_vec1::<half::f16>().map_err(cerr)?).to_vec(),
+        BufDType::I64 => unreachable!("buf_dtype gives no I64"),
     };
     Ok(NamedBuffer { name: name.to_string(), dtype, shape: Vec::new(), data })
 }
@@ -39,17 +53,7 @@ pub fn write_tensors(out: &mut dyn std::io::Write, tensors: &[(String, Tensor)])
     let specs = tensors
         .iter()
         .map(|(name, t)| {
-            let dtype = match t.dtype() {
-                DType::F32 => BufDType::F32,
-                DType::F64 => BufDType::F64,
-                DType::U32 => BufDType::U32,
-                DType::U8 => BufDType::U8,
-                DType::BF16 => BufDType::BF16,
-                DType::F16 => BufDType::F16,
-                other => {
-                    return Err(bad(name, ModelError::Candle(format!("saving {other:?} tensors is not supported"))));
-                }
-            };
+            let dtype = buf_dtype(name, t.dtype()).map_err(|e| bad(name, e))?;
             Ok(TensorSpec { name: name.clone(), dtype, shape: t.dims().to_vec() })
         })
         .collect::<Result<Vec<_>, SaveError>>()?;

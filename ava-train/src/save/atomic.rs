@@ -25,28 +25,7 @@ pub fn write_atomic_streamed(
     path: impl AsRef<Path>,
     write: impl FnOnce(&mut dyn std::io::Write) -> Result<(), SaveError>,
 ) -> Result<(), SaveError> {
-    let path = path.as_ref();
-    let dir = parent_dir(path);
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let tmp = dir.join(format!(".{name}.tmp-{}-{n}", std::process::id()));
-    let result = (|| {
-        let file = durable(None, "write", &tmp, || File::create(&tmp))?;
-        let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
-        write(&mut out)?;
-        let file = out.into_inner().map_err(|e| SaveError::Io {
-            action: "write".into(),
-            path: tmp.clone(),
-            source: e.into_error(),
-        })?;
-        durable(None, "fsync", &tmp, || file.sync_all())?;
-        durable(None, &format!("rename {} to", tmp.display()), path, || fs::rename(&tmp, path))?;
-        fsync_dir_with(&dir, None)
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    result
+    replace_atomically(path.as_ref(), None, |tmp| write_streamed_synced(tmp, write, None))
 }
 
 /// Fsyncs the directory `dir`, so that entries created, renamed or removed in it are durable.
@@ -77,13 +56,41 @@ pub(crate) fn write_synced(path: &Path, bytes: &[u8], faults: Option<&FaultInjec
     durable(faults, "fsync", path, || file.sync_all())
 }
 
+/// [`write_synced`] of content that `write` produces piece by piece, through a 1 MiB buffer:
+/// the same two durable operations.
+pub(crate) fn write_streamed_synced(
+    path: &Path,
+    write: impl FnOnce(&mut dyn std::io::Write) -> Result<(), SaveError>,
+    faults: Option<&FaultInjector>,
+) -> Result<(), SaveError> {
+    let file = durable(faults, "write", path, || File::create(path))?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+    write(&mut out)?;
+    let file = out.into_inner().map_err(|e| SaveError::Io {
+        action: "write".into(),
+        path: path.to_path_buf(),
+        source: e.into_error(),
+    })?;
+    durable(faults, "fsync", path, || file.sync_all())
+}
+
 /// [`write_atomic`], counted by `faults`.
 pub(crate) fn write_atomic_with(path: &Path, bytes: &[u8], faults: Option<&FaultInjector>) -> Result<(), SaveError> {
+    replace_atomically(path, faults, |tmp| write_synced(tmp, bytes, faults))
+}
+
+/// Replaces `path` with the file `fill` writes (durably) under a temp name beside it: the
+/// rename and the directory fsync that follow make the swap atomic and durable.
+fn replace_atomically(
+    path: &Path,
+    faults: Option<&FaultInjector>,
+    fill: impl FnOnce(&Path) -> Result<(), SaveError>,
+) -> Result<(), SaveError> {
     let dir = parent_dir(path);
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     let tmp = dir.join(format!(".{name}.tmp-{}-{n}", std::process::id()));
-    let result = write_synced(&tmp, bytes, faults)
+    let result = fill(&tmp)
         .and_then(|()| durable(faults, &format!("rename {} to", tmp.display()), path, || fs::rename(&tmp, path)))
         .and_then(|()| fsync_dir_with(&dir, faults));
     if result.is_err() && !has_fired(faults) {

@@ -7,7 +7,7 @@ use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
 use super::SaveError;
-use super::atomic::{fsync_dir_with, parent_dir, write_atomic_with, write_synced};
+use super::atomic::{fsync_dir_with, parent_dir, write_atomic_with, write_streamed_synced, write_synced};
 use super::faults::{FaultInjector, durable, has_fired};
 use super::manifest::{FileEntry, MANIFEST_FILE, MANIFEST_FORMAT, Manifest, check_bytes, check_file_name, sha256_hex};
 
@@ -394,8 +394,8 @@ pub enum FileBody<'a> {
     Stream(WriteFile<'a>),
 }
 
-/// Creates `path`, lets `write` fill it through a buffer that hashes what passes, and fsyncs
-/// it: two durable operations, as [`write_synced`]. Returns the file's manifest entry.
+/// [`write_streamed_synced`] of `path`, hashing what passes on its way to the file. Returns
+/// the file's manifest entry.
 fn write_streamed(
     path: &Path,
     write: &mut (dyn FnMut(&mut dyn io::Write) -> Result<(), SaveError> + '_),
@@ -418,13 +418,18 @@ fn write_streamed(
             self.inner.flush()
         }
     }
-    let file = durable(faults, "write", path, || fs::File::create(path))?;
-    let mut out = Hashing { inner: io::BufWriter::with_capacity(1 << 20, file), hash: sha2::Sha256::default(), len: 0 };
-    write(&mut out)?;
-    let file = out.inner.into_inner().map_err(|e| io_error("write", path, e.into_error()))?;
-    durable(faults, "fsync", path, || file.sync_all())?;
-    let sha256 = hex::encode(sha2::Digest::finalize(out.hash));
-    Ok(FileEntry { sha256, bytes: out.len })
+    let (mut hash, mut len) = (sha2::Sha256::default(), 0);
+    write_streamed_synced(
+        path,
+        |out| {
+            let mut hashing = Hashing { inner: out, hash: sha2::Sha256::default(), len: 0 };
+            write(&mut hashing)?;
+            (hash, len) = (hashing.hash, hashing.len);
+            Ok(())
+        },
+        faults,
+    )?;
+    Ok(FileEntry { sha256: hex::encode(sha2::Digest::finalize(hash)), bytes: len })
 }
 
 fn io_error(action: &str, path: &Path, source: io::Error) -> SaveError {

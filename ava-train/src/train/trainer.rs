@@ -1159,8 +1159,7 @@ impl Trainer {
     /// before the first step (the tier already holds its records), not after the last. A
     /// disk whose free space cannot be read is left to the save to report.
     fn check_checkpoint_room(&self) -> Result<(), TrainError> {
-        let numel: u64 = self.model.params().iter().map(|p| p.var.as_tensor().elem_count() as u64).sum();
-        let weights = numel * self.model.storage().size_in_bytes() as u64;
+        let weights = (self.model.spec().num_params() * self.model.storage().size_in_bytes()) as u64;
         if let Ok(free) = crate::save::free_space(self.store.root()) {
             crate::save::check_room(self.store.root(), weights, self.state.bytes(), free)?;
         }
