@@ -4,6 +4,7 @@
 //! before opening anything, opens each file on its own ([`load`]), and keeps every plugin —
 //! built-in ([`builtin`]) or dynamic — in one [`Registry`] keyed by (kind, name).
 
+pub mod bounded;
 pub mod builtin;
 pub mod discover;
 mod error;
