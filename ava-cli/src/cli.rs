@@ -489,6 +489,32 @@ pub enum PluginsCommand {
         #[command(flatten)]
         config: ConfigArgs,
     },
+    /// Sign the lock file (ed25519) for machines whose policy names trusted keys: there an
+    /// unsigned lock, or one changed since it was signed, is refused whole. Writes
+    /// `<lock>.sig` beside it; re-sign after every `ava plugins vet`.
+    ///
+    /// Example: ava plugins sign --key ~/.config/ava/team.key
+    Sign {
+        /// The secret key file, from `ava plugins keygen`.
+        #[arg(long, value_name = "FILE")]
+        key: PathBuf,
+        /// Lock file to sign (default: the lock file in force: the machine policy's, else
+        /// plugins.lock_file).
+        #[arg(long, value_name = "FILE")]
+        lock: Option<PathBuf>,
+        /// Where the configuration comes from.
+        #[command(flatten)]
+        config: ConfigArgs,
+    },
+    /// Make an ed25519 key pair for `ava plugins sign`. The secret key goes to FILE (mode 600,
+    /// never overwritten: keep it off the machines that run ava); the public key is printed,
+    /// for the machine policy's `trusted_keys` (/etc/ava/policy.yaml).
+    ///
+    /// Example: ava plugins keygen ~/.config/ava/team.key
+    Keygen {
+        /// Where to write the secret key.
+        out: PathBuf,
+    },
     /// Select a plugin for its kind by writing it into the config file.
     ///
     /// Example: ava plugins enable optimizer lion --set betas=[0.9,0.98]

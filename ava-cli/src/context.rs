@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ava_plugins::{HostConfig, Registry, VettingPolicy};
+use ava_plugins::{HostConfig, HostError, Registry, VettingPolicy};
 use ava_train::config::{ConfigLoader, LoadedConfig, PluginsConfig};
 
 use crate::{Failure, UsageExt, cli::ConfigArgs, output::Printer};
@@ -15,10 +15,17 @@ pub const DEFAULT_CONFIG_FILE: &str = "ava.yaml";
 pub struct Ctx {
     /// Built-ins plus the plugins found in the search paths.
     pub registry: Registry,
-    /// The vetting policy in force.
+    /// The vetting policy in force (the config's, raised to the machine policy's floor).
     pub policy: VettingPolicy,
-    /// The lock file in force.
+    /// The lock file in force (the machine policy's, else the config's).
     pub lock_file: PathBuf,
+}
+
+impl Ctx {
+    fn new(registry: Registry) -> Ctx {
+        let (policy, lock_file) = (registry.config().policy, registry.config().lock_file.clone());
+        Ctx { registry, policy, lock_file }
+    }
 }
 
 /// The config file to read: the one named, else `./ava.yaml` if it exists.
@@ -33,8 +40,8 @@ pub fn load_config(args: &ConfigArgs, p: &Printer) -> Result<LoadedConfig, Failu
     loader(args, p).load().usage()
 }
 
-/// The host settings from the `plugins` section.
-fn host_from(plugins: &PluginsConfig) -> HostConfig {
+/// The host settings from the `plugins` section, over the machine policy's floor.
+pub fn host_from(plugins: &PluginsConfig) -> Result<HostConfig, HostError> {
     HostConfig {
         search_paths: plugins.search_paths.clone(),
         policy: plugins.policy,
@@ -42,6 +49,27 @@ fn host_from(plugins: &PluginsConfig) -> HostConfig {
         ..HostConfig::default()
     }
     .with_process_defaults()
+    .with_machine_policy()
+}
+
+/// The host settings in force (config plus the machine policy's floor), without building a
+/// registry: for commands that must work while the lock file is not yet acceptable (`plugins
+/// sign`, `plugins vet PATH`).
+pub fn host_settings(args: &ConfigArgs, p: &Printer) -> Result<HostConfig, Failure> {
+    let loaded = load_config(args, p)?;
+    let mut host = host_from(&loaded.config().plugins).map_err(registry_failure)?;
+    host.policy = host.effective_policy();
+    host.lock_file = host.effective_lock_file().to_path_buf();
+    Ok(host)
+}
+
+/// Building the registry: a lock file or policy file that cannot be used is a configuration
+/// error (exit code 2), like a bad config file; anything else (I/O) is a failure.
+fn registry_failure(e: HostError) -> Failure {
+    match e {
+        HostError::Lock { .. } | HostError::Policy { .. } => Failure::Usage(e.into()),
+        other => Failure::Runtime(other.into()),
+    }
 }
 
 fn loader(args: &ConfigArgs, p: &Printer) -> ConfigLoader<'static> {
@@ -56,12 +84,12 @@ fn loader(args: &ConfigArgs, p: &Printer) -> ConfigLoader<'static> {
 /// Configuration and registry, with every plugin selection checked by its plugin: unknown
 /// keys, wrong types and refused plugin options come in one report (exit code 2).
 pub fn load_checked(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> {
-    let (loaded, registry) =
-        loader(args, p).load_checked(|plugins| Registry::load(&host_from(plugins)).map_err(Box::new))?.usage()?;
+    let (_loaded, registry) = loader(args, p)
+        .load_checked(|plugins| host_from(plugins).and_then(|host| Registry::load(&host)))
+        .map_err(registry_failure)?
+        .usage()?;
     report(&registry, p, false);
-    // A valid configuration's host settings are the ones the registry was built from.
-    let plugins = &loaded.config().plugins;
-    Ok(Ctx { registry, policy: plugins.policy, lock_file: plugins.lock_file.clone() })
+    Ok(Ctx::new(registry))
 }
 
 /// Prints the searched directories (`-v`) and the registry's warnings. `listing` commands
@@ -89,8 +117,8 @@ pub fn load_for_listing(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> 
 
 fn load_inner(args: &ConfigArgs, p: &Printer, listing: bool) -> Result<Ctx, Failure> {
     let loaded = load_config(args, p)?;
-    let host = host_from(&loaded.config().plugins);
-    let registry = Registry::load(&host)?;
+    let host = host_from(&loaded.config().plugins).map_err(registry_failure)?;
+    let registry = Registry::load(&host).map_err(registry_failure)?;
     report(&registry, p, listing);
-    Ok(Ctx { registry, policy: host.policy, lock_file: host.lock_file })
+    Ok(Ctx::new(registry))
 }

@@ -324,7 +324,8 @@ fn plugins_list_text() {
 NAME        KIND        VERSION  STATUS   SOURCE
 {BUILTIN_ROWS}lion        optimizer   0.1.0    loaded   $BIN/libava_plugin_lion.so
 
-policy: open   lock file: ava-plugins.lock
+policy: open (from plugins.policy; no machine policy)
+lock file: ava-plugins.lock (from plugins.lock_file)
 "
         ),
     );
@@ -377,7 +378,8 @@ adamw  optimizer  0.1.0    builtin  builtin
 sgd    optimizer  0.1.0    builtin  builtin
 lion   optimizer  0.1.0    loaded   $BIN/libava_plugin_lion.so
 
-policy: open   lock file: ava-plugins.lock
+policy: open (from plugins.policy; no machine policy)
+lock file: ava-plugins.lock (from plugins.lock_file)
 ",
     );
 }
@@ -408,7 +410,8 @@ NAME        KIND        VERSION  STATUS    SOURCE
 optimizer 'lion' (unvetted): $BIN/libava_plugin_lion.so is not pinned in the lock file; \
 policy 'vetted' would refuse it (pin it with `ava plugins vet $BIN/libava_plugin_lion.so`)
 
-policy: warn   lock file: ava-plugins.lock
+policy: warn (from plugins.policy; no machine policy)
+lock file: ava-plugins.lock (from plugins.lock_file)
 ",
             BUILTIN_ROWS.replace("builtin  builtin", "builtin   builtin")
         ),
@@ -426,7 +429,8 @@ fn plugins_list_missing_search_path_warns() {
 NAME        KIND    VERSION  STATUS   SOURCE
 thresholds  memory  0.1.0    builtin  builtin
 
-policy: open   lock file: ava-plugins.lock
+policy: open (from plugins.policy; no machine policy)
+lock file: ava-plugins.lock (from plugins.lock_file)
 ",
     );
     assert_golden(
@@ -570,7 +574,8 @@ pinned optimizer 'lion' 0.1.0 in ava-plugins.lock
 NAME        KIND        VERSION  STATUS   SOURCE
 {BUILTIN_ROWS}lion        optimizer   0.1.0    vetted   $BIN/libava_plugin_lion.so
 
-policy: vetted   lock file: ava-plugins.lock
+policy: vetted (from plugins.policy; no machine policy)
+lock file: ava-plugins.lock (from plugins.lock_file)
 "
         ),
     );
@@ -616,7 +621,8 @@ search/libava_plugin_sign_sgd.so (refused): not pinned in the lock file (sha256 
 $BIN/libava_plugin_lion.so (refused): not pinned in the lock file (sha256 $SHA); policy \
 'vetted' opens only pinned plugins: review it, then pin it with `ava plugins vet $BIN/libava_plugin_lion.so`
 
-policy: vetted   lock file: ava-plugins.lock
+policy: vetted (from plugins.policy; no machine policy)
+lock file: ava-plugins.lock (from plugins.lock_file)
 "
         ),
     );
@@ -662,7 +668,8 @@ NAME        KIND        VERSION  STATUS   SOURCE
 $BIN/libava_plugin_lion.so (refused): not pinned in the lock file (sha256 $SHA); policy \
 'vetted' opens only pinned plugins: review it, then pin it with `ava plugins vet $BIN/libava_plugin_lion.so`
 
-policy: vetted   lock file: other.yaml
+policy: vetted (from plugins.policy; no machine policy)
+lock file: other.yaml (from plugins.lock_file)
 "
         ),
     );
@@ -699,7 +706,8 @@ lion        optimizer   0.1.0    vetted    $BIN/libava_plugin_lion.so
 mine/libava_plugin_lion.so (modified): pinned as optimizer 'lion' 0.1.0 with sha256 $SHA, but the \
 file's sha256 is $MODIFIED_SHA; if the change is intended, re-vet it with `ava plugins vet mine/libava_plugin_lion.so`
 
-policy: vetted   lock file: ava-plugins.lock
+policy: vetted (from plugins.policy; no machine policy)
+lock file: ava-plugins.lock (from plugins.lock_file)
 ",
             BUILTIN_ROWS.replace("builtin  builtin", "builtin   builtin")
         ),
@@ -1151,4 +1159,151 @@ fn unknown_subcommand_is_a_usage_error() {
     let out = s.ava(&["plugins", "lst"]);
     assert_eq!(out.code, 2, "{out:#?}");
     assert!(out.stderr.contains("unrecognized subcommand 'lst'"), "{out:#?}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The machine policy floor, signed lock files, refusal messages (issue 20)
+// ---------------------------------------------------------------------------------------------
+
+impl Sandbox {
+    /// A policy file in the sandbox (mode 0600), for `$AVA_POLICY_FILE`; `$TMP` in `text` is
+    /// the sandbox's absolute path.
+    fn policy(&self, text: &str) -> String {
+        self.write("policy.yaml", &text.replace("$TMP", &self.root.display().to_string()));
+        set_mode(&self.path("policy.yaml"), 0o600);
+        self.path("policy.yaml").display().to_string()
+    }
+}
+
+#[test]
+fn user_layers_cannot_loosen_the_machine_policy() {
+    let s = Sandbox::new();
+    s.copy_library(&ava_tests::fixture("sign-sgd"), "search");
+    s.subdir("team");
+    let policy = s.policy("policy: vetted\nlock_file: $TMP/team/ava-plugins.lock\nsearch_paths: [$TMP/search]\n");
+    // Every way a user could lower it: --set, AVA__*, another lock file, another search path.
+    let out = s.ava_env(
+        &[
+            "plugins",
+            "list",
+            "--set",
+            "plugins.policy=open",
+            "--set",
+            "plugins.lock_file=mine.lock",
+            "--set",
+            "plugins.search_paths=[elsewhere]",
+        ],
+        &[("AVA_POLICY_FILE", &policy), ("AVA__PLUGINS__POLICY", "open")],
+    );
+    let stdout = out.success();
+    assert!(stdout.contains("refused  $TMP/search/libava_plugin_sign_sgd.so"), "{stdout}");
+    assert!(!stdout.contains("libava_plugin_lion.so"), "the executable's directory is not searched: {stdout}");
+    assert!(
+        stdout.contains(
+            "policy: vetted (from the machine policy $TMP/policy.yaml (it raises plugins.policy 'open' to 'vetted'))\n\
+             lock file: $TMP/team/ava-plugins.lock (from the machine policy $TMP/policy.yaml)"
+        ),
+        "{stdout}"
+    );
+    let shown = s.ava_env(&["config", "show", "--set", "plugins.policy=open"], &[("AVA_POLICY_FILE", &policy)]);
+    assert!(
+        shown.success().contains("# in force: plugins.policy vetted (from the machine policy $TMP/policy.yaml"),
+        "{shown:#?}"
+    );
+
+    // A floor that cannot be read stops everything (exit 2), it never becomes no floor.
+    s.write("policy.yaml", "policy: vetted\nlock_file: relative.lock\n");
+    let err = s.ava_env(&["plugins", "list"], &[("AVA_POLICY_FILE", &policy)]);
+    assert!(err.usage_error().contains("lock_file: 'relative.lock' is relative"), "{err:#?}");
+}
+
+#[test]
+fn a_lock_file_must_be_signed_by_a_key_the_policy_trusts() {
+    let s = Sandbox::new();
+    s.copy_library(&ava_tests::fixture("sign-sgd"), "search");
+    s.subdir("team");
+    let keygen = s.ava(&["--format", "json", "plugins", "keygen", "team/signing.key"]);
+    let public = keygen.json()["public_key"].as_str().unwrap().to_string();
+    let other = s.ava(&["--format", "json", "plugins", "keygen", "team/other.key"]).json()["public_key"].clone();
+    assert!(s.ava(&["plugins", "keygen", "team/signing.key"]).usage_error().contains("never overwritten"));
+    let policy = s.policy(&format!(
+        "policy: vetted\nlock_file: $TMP/team/ava-plugins.lock\nsearch_paths: [$TMP/search]\ntrusted_keys: [\"{public}\"]\n"
+    ));
+    let env = [("AVA_POLICY_FILE", policy.as_str())];
+
+    // Vetting by path works before the lock is acceptable; listing then refuses it unsigned.
+    s.ava_env(&["plugins", "vet", "search/libava_plugin_sign_sgd.so"], &env).success();
+    let err = s.ava_env(&["plugins", "list"], &env);
+    let text = err.usage_error();
+    assert!(text.contains("$TMP/team/ava-plugins.lock: it is not signed"), "{text}");
+    assert!(text.contains("ava plugins sign --key KEYFILE"), "{text}");
+
+    let signed = s.ava_env(&["plugins", "sign", "--key", "team/signing.key"], &env);
+    assert!(signed.success().contains(&format!("with {public}")), "{signed:#?}");
+    let list = s.ava_env(&["plugins", "list"], &env);
+    let listing = list.success();
+    assert!(
+        listing.contains("sign-sgd    optimizer   0.1.0    vetted   $TMP/search/libava_plugin_sign_sgd.so"),
+        "{listing}"
+    );
+    assert!(listing.contains("must be signed by a key the machine policy trusts"), "{listing}");
+
+    // A change after signing, or another key's signature, is refused whole.
+    let lock = s.read("team/ava-plugins.lock");
+    s.write("team/ava-plugins.lock", &format!("{lock}\n# edited\n"));
+    let text = s.ava_env(&["plugins", "list"], &env).usage_error().to_string();
+    assert!(text.contains("does not match the lock file's bytes"), "{text}");
+    s.ava_env(&["plugins", "sign", "--key", "team/other.key"], &env).success();
+    let text = s.ava_env(&["plugins", "list"], &env).usage_error().to_string();
+    assert!(
+        text.contains(&format!("it is signed by {}, which the machine policy does not trust", other.as_str().unwrap())),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_refused_plugin_is_reported_as_refused_not_unknown() {
+    let s = Sandbox::new();
+    s.copy_library(&ava_tests::fixture("sign-sgd"), "search");
+    s.write("ava.yaml", "plugins: {}\n");
+    let out = s.ava(&[
+        "config",
+        "validate",
+        "ava.yaml",
+        "--set",
+        "plugins.policy=vetted",
+        "--set",
+        "plugins.search_paths=[search]",
+        "--set",
+        "plugins.optimizer=sign-sgd",
+    ]);
+    let text = out.usage_error();
+    assert!(
+        text.contains(
+            "plugins.optimizer: optimizer 'sign-sgd' cannot be used: its library search/libava_plugin_sign_sgd.so \
+             was found but was refused: not pinned in the lock file"
+        ),
+        "{text}"
+    );
+    assert!(!text.contains("unknown optimizer"), "{text}");
+}
+
+#[test]
+fn a_lock_file_others_can_change_is_refused_under_vetted() {
+    let s = Sandbox::new();
+    s.write("ava-plugins.lock", "version = 1\n");
+    set_mode(&s.path("ava-plugins.lock"), 0o666);
+    let out = s.ava(&["plugins", "list", "--set", "plugins.policy=vetted"]);
+    let text = out.usage_error();
+    assert!(text.contains("the lock file $TMP/ava-plugins.lock is writable by group and others (mode 666)"), "{text}");
+    // Another user's lock file: root can give it away to check; others cannot, and skip.
+    set_mode(&s.path("ava-plugins.lock"), 0o644);
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped the ownership half: giving a file to another user needs root");
+        return;
+    }
+    std::os::unix::fs::chown(s.path("ava-plugins.lock"), Some(65534), None).unwrap();
+    let out = s.ava(&["plugins", "list", "--set", "plugins.policy=vetted"]);
+    assert!(out.usage_error().contains("belongs to uid 65534, not to root or to you (uid 0)"), "{out:#?}");
 }

@@ -27,6 +27,8 @@ pub enum DirSource {
     Env,
     /// The directory of the running `ava` executable.
     ExeDir,
+    /// The machine policy's `search_paths` (the only directories searched then).
+    Policy,
 }
 
 impl DirSource {
@@ -36,6 +38,7 @@ impl DirSource {
             Self::Config => "plugins.search_paths",
             Self::Env => "$AVA_PLUGIN_PATH",
             Self::ExeDir => "the ava executable's directory",
+            Self::Policy => "the machine policy",
         }
     }
 }
@@ -177,36 +180,10 @@ pub fn exports_root_symbol(bytes: &[u8]) -> Result<(), String> {
     }
 }
 
-#[cfg(unix)]
-fn writable_by_others(path: &Path, file_meta: &fs::Metadata) -> Option<String> {
-    use std::os::unix::fs::PermissionsExt;
-    let mode = file_meta.permissions().mode();
-    if mode & 0o022 != 0 {
-        return Some(format!("the file is writable by {} (mode {:o})", who(mode), mode & 0o777));
-    }
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    match fs::metadata(dir) {
-        Ok(m) if m.permissions().mode() & 0o022 != 0 => {
-            let mode = m.permissions().mode();
-            Some(format!("its directory {} is writable by {} (mode {:o})", dir.display(), who(mode), mode & 0o7777))
-        }
-        Ok(_) => None,
-        Err(e) => Some(format!("its directory {} cannot be checked: {e}", dir.display())),
-    }
-}
-
-#[cfg(unix)]
-fn who(mode: u32) -> &'static str {
-    match (mode & 0o020 != 0, mode & 0o002 != 0) {
-        (true, true) => "group and others",
-        (true, false) => "group",
-        _ => "others",
-    }
-}
-
-#[cfg(not(unix))]
-fn writable_by_others(_path: &Path, _file_meta: &fs::Metadata) -> Option<String> {
-    None
+/// Why the file, or any directory above it, could be changed by someone other than root and
+/// the invoking user ([`crate::trust`]).
+fn writable_by_others(path: &Path, _file_meta: &fs::Metadata) -> Option<String> {
+    crate::trust::untrusted_reason(path, "the library")
 }
 
 #[cfg(test)]

@@ -161,6 +161,20 @@ pub enum HostError {
         reason: String,
     },
 
+    /// A plugin policy file (the machine's, or `$AVA_POLICY_FILE`) is not usable. Nothing is
+    /// loaded then: a floor that cannot be read must not silently become no floor.
+    #[error(
+        "{}: the plugin policy file is not usable: {}; fix it (it is the machine's floor under every run: ask whoever manages this machine)",
+        path.display(),
+        problems.join("; ")
+    )]
+    Policy {
+        /// The policy file.
+        path: PathBuf,
+        /// Every problem found.
+        problems: Vec<String>,
+    },
+
     /// Other I/O.
     #[error("{}: {source}", path.display())]
     Io {

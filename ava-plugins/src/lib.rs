@@ -2,7 +2,9 @@
 //!
 //! Finds plugin libraries ([`discover`]), vets them against `ava-plugins.lock` ([`lock`])
 //! before opening anything, opens each file on its own ([`load`]), and keeps every plugin —
-//! built-in ([`builtin`]) or dynamic — in one [`Registry`] keyed by (kind, name).
+//! built-in ([`builtin`]) or dynamic — in one [`Registry`] keyed by (kind, name). A machine
+//! policy ([`policy`]) sets a floor no user layer can loosen; under it the lock file must be
+//! signed ([`sign`]) and every file trusted must be out of other users' reach ([`trust`]).
 
 pub mod bounded;
 pub mod builtin;
@@ -11,9 +13,13 @@ mod error;
 mod instance;
 pub mod load;
 pub mod lock;
+pub mod policy;
 pub mod registry;
+pub mod sign;
+pub mod trust;
 
 pub use error::HostError;
 pub use instance::Instance;
 pub use lock::{LockFile, Pin, VettingPolicy};
+pub use policy::MachinePolicy;
 pub use registry::{HostConfig, Registry, Row, Source, Status, open_file, vet_file};

@@ -24,7 +24,8 @@ use serde::{Deserialize, Serialize};
 use crate::HostError;
 
 /// How strictly plugin libraries are checked before they are opened.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+/// Ordered from loosest to strictest, so a floor is a maximum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum VettingPolicy {
     /// Load whatever is found (a pinned plugin whose bytes changed is still refused).
@@ -121,19 +122,25 @@ impl LockFile {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(LockFile::default()),
             Err(e) => return Err(HostError::io(path, e)),
         };
+        Self::parse(path, &text)
+    }
+
+    /// Parses the text of the lock file at `path` (named in errors; its extension picks the
+    /// format).
+    pub fn parse(path: &Path, text: &str) -> Result<LockFile, HostError> {
         let bad = |reason: String| HostError::Lock {
             path: path.to_path_buf(),
             reason: format!("{reason}; fix it by hand or delete it and re-pin with `ava plugins vet`"),
         };
         let lock: LockFile = if is_yaml(path) {
             let value: serde_json::Value = config::Config::builder()
-                .add_source(config::File::from_str(&text, config::FileFormat::Yaml))
+                .add_source(config::File::from_str(text, config::FileFormat::Yaml))
                 .build()
                 .and_then(|c| c.try_deserialize())
                 .map_err(|e| bad(format!("not a valid YAML lock file: {e}")))?;
             serde_json::from_value(value).map_err(|e| bad(format!("not a valid lock file: {e}")))?
         } else {
-            toml::from_str(&text).map_err(|e| bad(format!("not a valid TOML lock file: {e}")))?
+            toml::from_str(text).map_err(|e| bad(format!("not a valid TOML lock file: {e}")))?
         };
         if lock.version != 1 {
             return Err(bad(format!(

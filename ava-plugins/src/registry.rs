@@ -22,6 +22,7 @@ use crate::{
     discover::{Candidate, DirSource, SearchDir, library_files, search_dirs},
     load::{self, Library},
     lock::{LockFile, Pin, VettingPolicy},
+    policy::MachinePolicy,
 };
 
 /// What the host needs to know to build a registry.
@@ -39,6 +40,8 @@ pub struct HostConfig {
     pub exe_dir: Option<PathBuf>,
     /// Threads plugins may use.
     pub threads: u32,
+    /// The machine policy's floor, when there is one ([`HostConfig::with_machine_policy`]).
+    pub floor: Option<MachinePolicy>,
 }
 
 impl Default for HostConfig {
@@ -50,6 +53,7 @@ impl Default for HostConfig {
             plugin_path_env: None,
             exe_dir: None,
             threads: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
+            floor: None,
         }
     }
 }
@@ -60,6 +64,50 @@ impl HostConfig {
         self.plugin_path_env = std::env::var_os("AVA_PLUGIN_PATH");
         self.exe_dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf));
         self
+    }
+
+    /// Puts this machine's policy floor under the config ([`MachinePolicy::load`]). A policy
+    /// file that exists but cannot be used is an error, never "no floor".
+    pub fn with_machine_policy(mut self) -> Result<Self, HostError> {
+        self.floor = MachinePolicy::load()?;
+        Ok(self)
+    }
+
+    /// The policy in force: the config's, raised to the floor's.
+    pub fn effective_policy(&self) -> VettingPolicy {
+        self.floor.as_ref().map_or(self.policy, |f| self.policy.max(f.policy.0))
+    }
+
+    /// The lock file in force: the floor's, else the config's.
+    pub fn effective_lock_file(&self) -> &Path {
+        self.floor.as_ref().and_then(|f| f.lock_file.as_ref()).map_or(&self.lock_file, |(p, _)| p)
+    }
+
+    /// Where the policy in force comes from, for `plugins list` and `config show`.
+    pub fn policy_origin(&self) -> String {
+        match &self.floor {
+            Some(f) if f.policy.0 > self.policy => format!(
+                "the machine policy {} (it raises plugins.policy '{}' to '{}')",
+                f.policy.1.display(),
+                self.policy,
+                f.policy.0
+            ),
+            Some(f) if f.policy.0 == self.policy => {
+                format!("plugins.policy and the machine policy {}", f.policy.1.display())
+            }
+            Some(f) => {
+                format!("plugins.policy, above the machine policy {}'s floor '{}'", f.policy.1.display(), f.policy.0)
+            }
+            None => "plugins.policy; no machine policy".into(),
+        }
+    }
+
+    /// Where the lock file in force comes from.
+    pub fn lock_origin(&self) -> String {
+        match self.floor.as_ref().and_then(|f| f.lock_file.as_ref()) {
+            Some((_, from)) => format!("the machine policy {}", from.display()),
+            None => "plugins.lock_file".into(),
+        }
     }
 }
 
@@ -167,7 +215,10 @@ pub struct Registry {
     warnings: Vec<String>,
     dirs: Vec<SearchDir>,
     lock: LockFile,
+    /// The settings in force (the floor applied).
     config: HostConfig,
+    /// The settings as asked for, for saying where those in force come from.
+    requested: HostConfig,
 }
 
 impl Registry {
@@ -181,6 +232,7 @@ impl Registry {
             dirs: Vec::new(),
             lock: LockFile::default(),
             config: HostConfig::default(),
+            requested: HostConfig::default(),
         };
         let mut builtins: Vec<&'static Builtin> = builtin::all().collect();
         builtins.sort_by_key(|b| {
@@ -211,8 +263,17 @@ impl Registry {
     pub fn load(config: &HostConfig) -> Result<Registry, HostError> {
         let mut reg = Registry::builtins();
         reg.config = config.clone();
-        reg.lock = LockFile::read(&config.lock_file)?;
-        reg.dirs = search_dirs(&config.search_paths, config.plugin_path_env.clone(), config.exe_dir.clone());
+        reg.requested = config.clone();
+        // What the rest of the load sees is the floor applied: policy raised, its lock file.
+        reg.config.policy = config.effective_policy();
+        reg.config.lock_file = config.effective_lock_file().to_path_buf();
+        reg.lock = read_lock(&reg.config)?;
+        reg.dirs = match config.floor.as_ref().and_then(|f| f.search_paths.as_ref()) {
+            Some((paths, _)) => {
+                paths.iter().map(|p| SearchDir { path: p.clone(), source: DirSource::Policy }).collect()
+            }
+            None => search_dirs(&config.search_paths, config.plugin_path_env.clone(), config.exe_dir.clone()),
+        };
         for dir in reg.dirs.clone() {
             if dir.source == DirSource::Config && !dir.path.is_dir() {
                 reg.warnings.push(format!(
@@ -320,6 +381,18 @@ impl Registry {
         });
     }
 
+    /// The host settings this registry was built with, the floor applied: `config().policy`
+    /// and `config().lock_file` are the ones in force.
+    pub fn config(&self) -> &HostConfig {
+        &self.config
+    }
+
+    /// The host settings as asked for (before the floor): their
+    /// [`policy_origin`](HostConfig::policy_origin) says where those in force come from.
+    pub fn requested(&self) -> &HostConfig {
+        &self.requested
+    }
+
     /// Every row: built-ins first (by kind, name), then files in search order.
     pub fn rows(&self) -> &[Row] {
         &self.rows
@@ -406,6 +479,24 @@ impl Registry {
                 reason: row.reason.clone().unwrap_or_else(|| row.status.as_str().to_string()),
             });
         }
+        // A library refused before it was opened (not pinned, writable by others, unreadable):
+        // its manifest is unknown, but a file named after the plugin is most likely it.
+        if let Some(row) = self.rows.iter().find(|r| {
+            r.manifest.is_none()
+                && !r.status.is_usable()
+                && matches!(&r.source, Source::File(p) if plugin_name_of_file(p).as_deref() == Some(name))
+        }) {
+            return Err(HostError::Unusable {
+                kind,
+                name: name.to_string(),
+                reason: format!(
+                    "its library {} was found but {}: {}",
+                    row.source,
+                    if row.status == Status::Incompatible { "cannot be loaded" } else { "was refused" },
+                    row.reason.clone().unwrap_or_else(|| row.status.as_str().to_string())
+                ),
+            });
+        }
         let available = self.names(kind);
         let suggestion = did_you_mean(name, available.iter().map(String::as_str)).map(str::to_string);
         let unopened = self.rows.iter().filter(|r| r.manifest.is_none()).count();
@@ -415,6 +506,15 @@ impl Registry {
             String::new()
         };
         Err(HostError::Unknown { kind, name: name.to_string(), suggestion, available, note })
+    }
+
+    /// Why plugin (kind, name) exists but cannot be used — refused, modified, incompatible —
+    /// or `None` when it is usable or unknown.
+    pub fn unusable(&self, kind: PluginKind, name: &str) -> Option<String> {
+        match self.entry(kind, name) {
+            Err(e @ HostError::Unusable { .. }) => Some(e.to_string()),
+            _ => None,
+        }
     }
 
     /// Builds plugin (kind, name) with options given as JSON text (`""` for none).
@@ -561,6 +661,37 @@ fn plugin_name_of_file(path: &Path) -> Option<String> {
     Some(stem.strip_prefix("ava_plugin_").unwrap_or(stem).replace('_', "-"))
 }
 
+/// The lock file in force. Under policy `vetted` it must be out of other users' reach (owner,
+/// mode, every directory up to `/`, no symlink); under a floor with trusted keys, signed by
+/// one of them — and the bytes verified are the bytes parsed.
+fn read_lock(config: &HostConfig) -> Result<LockFile, HostError> {
+    let path = &config.lock_file;
+    let exists = std::fs::symlink_metadata(path).is_ok();
+    if !exists {
+        return Ok(LockFile::default());
+    }
+    let refuse = |why: String| HostError::Lock {
+        path: path.clone(),
+        reason: format!("{why}; refused under policy 'vetted' (a lock file others can change vets nothing)"),
+    };
+    if config.policy == VettingPolicy::Vetted
+        && let Some(why) = crate::trust::untrusted_reason(path, "the lock file")
+    {
+        return Err(refuse(why));
+    }
+    match config.floor.as_ref().filter(|f| f.requires_signature()) {
+        None => LockFile::read(path),
+        Some(floor) => {
+            let bytes = crate::bounded::read(path, crate::bounded::limits::LOCK)
+                .map_err(|e| HostError::Lock { path: path.clone(), reason: e.to_string() })?;
+            crate::sign::check_signed(path, &bytes, &floor.trusted_keys)?;
+            let text = String::from_utf8(bytes)
+                .map_err(|_| HostError::Lock { path: path.clone(), reason: "not UTF-8 text".into() })?;
+            LockFile::parse(path, &text)
+        }
+    }
+}
+
 /// The outcome of vetting one file, decided from its bytes alone.
 enum Verdict {
     Refuse(Status, String),
@@ -608,12 +739,7 @@ fn vet(c: &Candidate, policy: VettingPolicy, lock: &LockFile) -> Verdict {
                 );
             }
             if let Some(why) = &c.writable_by_others {
-                return Verdict::Refuse(
-                    Status::Refused,
-                    format!(
-                        "{why}, so it could be replaced after vetting; refused under policy 'vetted' (fix with chmod go-w)"
-                    ),
-                );
+                return Verdict::Refuse(Status::Refused, format!("{why}; refused under policy 'vetted'"));
             }
             match pinned {
                 Some(_) => Verdict::Open { status: Status::Vetted, warning: None },

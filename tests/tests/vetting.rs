@@ -272,7 +272,8 @@ fn writable_directory_or_file_is_refused_under_vetted() {
         assert_eq!(
             why,
             format!(
-                "its directory {} is writable by group and others (mode 777), so it could be replaced after vetting; refused under policy 'vetted' (fix with chmod go-w)",
+                "the library's directory {} is writable by group and others (mode 777), so it could be changed after vetting; fix with chmod go-w {}; refused under policy 'vetted'",
+                tmp.path().display(),
                 tmp.path().display()
             )
         );
@@ -287,7 +288,11 @@ fn writable_directory_or_file_is_refused_under_vetted() {
     assert_eq!(row.status, Status::Refused);
     assert_eq!(
         reason(row),
-        "the file is writable by group (mode 775), so it could be replaced after vetting; refused under policy 'vetted' (fix with chmod go-w)"
+        format!(
+            "the library {} is writable by group (mode 775), so it could be changed after vetting; fix with chmod go-w {}; refused under policy 'vetted'",
+            lib.display(),
+            lib.display()
+        )
     );
     set_mode(&lib, 0o755);
     assert_eq!(file_row(&load(&host(&[tmp.path()], VettingPolicy::Vetted)), &lib).status, Status::Vetted);

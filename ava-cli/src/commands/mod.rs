@@ -13,7 +13,9 @@ mod plan;
 mod plugins_disable;
 mod plugins_enable;
 mod plugins_info;
+mod plugins_keygen;
 mod plugins_list;
+mod plugins_sign;
 mod plugins_vet;
 mod progress;
 mod report;
@@ -54,6 +56,8 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
             PluginsCommand::List { kind, config } => plugins_list::run(p, kind.as_deref(), &config),
             PluginsCommand::Info { name, kind, config } => plugins_info::run(p, &name, kind.as_deref(), &config),
             PluginsCommand::Vet { path_or_name, lock, config } => plugins_vet::run(p, &path_or_name, lock, &config),
+            PluginsCommand::Sign { key, lock, config } => plugins_sign::run(p, &key, lock, &config),
+            PluginsCommand::Keygen { out } => plugins_keygen::run(p, &out),
             PluginsCommand::Enable { kind, name, config, set } => plugins_enable::run(p, &kind, &name, config, &set),
             PluginsCommand::Disable { kind, config } => plugins_disable::run(p, &kind, config),
         },

@@ -48,7 +48,18 @@ fn render_text(rows: &[&Row], ctx: &context::Ctx) -> String {
             out.push_str(&format!("\n{} ({}): {}", what, r.status.as_str(), r.reason.as_deref().unwrap_or("")));
         }
     }
-    out.push_str(&format!("\n\npolicy: {}   lock file: {}", ctx.policy, ctx.lock_file.display()));
+    let host = ctx.registry.requested();
+    out.push_str(&format!(
+        "\n\npolicy: {} (from {})\nlock file: {} (from {}{})",
+        ctx.policy,
+        host.policy_origin(),
+        ctx.lock_file.display(),
+        host.lock_origin(),
+        match host.floor.as_ref() {
+            Some(f) if f.requires_signature() => ", must be signed by a key the machine policy trusts",
+            _ => "",
+        }
+    ));
     out
 }
 

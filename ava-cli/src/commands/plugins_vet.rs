@@ -7,10 +7,25 @@ use serde_json::json;
 use crate::{CmdResult, Failure, cli::ConfigArgs, context, output::Printer};
 
 pub fn run(p: &Printer, path_or_name: &str, lock: Option<std::path::PathBuf>, args: &ConfigArgs) -> CmdResult {
-    let ctx = context::load(args, p)?;
-    let lock_path = lock.unwrap_or_else(|| ctx.lock_file.clone());
-    let path = ctx.registry.locate(path_or_name).map_err(|e| not_found(path_or_name, e))?;
+    // A path needs no registry, so a platform team can vet into a lock the machine policy
+    // does not accept yet (unsigned), then sign it.
+    let as_path = std::path::Path::new(path_or_name);
+    let (path, lock_in_force) = if as_path.is_file() {
+        (as_path.to_path_buf(), context::host_settings(args, p)?.lock_file)
+    } else {
+        let ctx = context::load(args, p)?;
+        (ctx.registry.locate(path_or_name).map_err(|e| not_found(path_or_name, e))?, ctx.lock_file)
+    };
+    let lock_path = lock.unwrap_or(lock_in_force);
     let (pin, replaced) = ava_plugins::vet_file(&path, &lock_path)?;
+    let sig = ava_plugins::sign::signature_path(&lock_path);
+    if sig.exists() {
+        p.warn(&format!(
+            "{} no longer matches the lock file: re-sign it with `ava plugins sign --key KEYFILE --lock {}`",
+            sig.display(),
+            lock_path.display()
+        ));
+    }
     p.result(
         || {
             let mut s = format!(

@@ -24,6 +24,12 @@ pub trait PluginCatalog {
     /// `unknown option 'foo' (did you mean 'bar'?)`; those two shapes are reported at the key
     /// path of the option (`plugins.memory.critical`), anything else at the selection.
     fn check_options(&self, kind: PluginKind, name: &str, options_json: &str) -> Result<(), Vec<String>>;
+
+    /// Why plugin `name` of `kind`, though not among [`names`](Self::names), exists and
+    /// cannot be used (refused by the vetting policy, modified, incompatible), if it does.
+    fn unusable(&self, _kind: PluginKind, _name: &str) -> Option<String> {
+        None
+    }
 }
 
 /// One problem found in the configuration.
@@ -308,6 +314,10 @@ fn check_plugin(
     names.sort();
     names.dedup();
     if !names.contains(&selection.name) {
+        if let Some(message) = catalog.unusable(kind, &selection.name) {
+            out.push(ConfigProblem { path: at.to_string(), message, origin: origin_of(None) });
+            return;
+        }
         let noun = kind.article_noun().split_once(' ').map_or(kind.as_str(), |(_, noun)| noun);
         let mut message = format!("unknown {noun} '{}'", selection.name);
         let candidates: Vec<&str> = names.iter().map(String::as_str).collect();
@@ -382,6 +392,10 @@ impl PluginCatalog for ava_plugins::Registry {
 
     fn check_options(&self, kind: PluginKind, name: &str, options_json: &str) -> Result<(), Vec<String>> {
         ava_plugins::Registry::check_options(self, kind, name, options_json)
+    }
+
+    fn unusable(&self, kind: PluginKind, name: &str) -> Option<String> {
+        ava_plugins::Registry::unusable(self, kind, name)
     }
 }
 
