@@ -147,11 +147,13 @@ fn vetted_policy_refuses_unpinned_and_opens_pinned() {
         )
     );
     let err = reg.optimizer("lion", "").err().expect("a refused plugin cannot be used");
-    let installed = reg.names(PluginKind::Optimizer).join(", ");
+    // Said to exist and why it was refused, not "unknown".
     assert_eq!(
         err.to_string(),
         format!(
-            "unknown optimizer 'lion'; installed: {installed}; 1 plugin file(s) were not loaded (see `ava plugins list`)"
+            "optimizer 'lion' cannot be used: its library {} was found but was refused: {}",
+            lib.display(),
+            reason(row)
         )
     );
 
@@ -256,8 +258,13 @@ fn symlink_to_pinned_library_is_refused_under_vetted() {
 #[test]
 fn writable_directory_or_file_is_refused_under_vetted() {
     let tmp = tempfile::tempdir().unwrap();
+    // The lock file lives apart: in the writable directory it would be refused itself
+    // (`a_lock_file_others_can_change_fails_the_load`).
+    let team = tempfile::tempdir().unwrap();
+    let lock = lock_path(team.path());
+    let host = |dirs: &[&Path], policy| host_with_lock(dirs, policy, &lock);
     let lib = private_copy(&workspace_plugin("lion"), tmp.path());
-    vet_file(&lib, &lock_path(tmp.path())).unwrap();
+    vet_file(&lib, &lock).unwrap();
     assert_eq!(file_row(&load(&host(&[tmp.path()], VettingPolicy::Vetted)), &lib).status, Status::Vetted);
 
     {
@@ -296,6 +303,27 @@ fn writable_directory_or_file_is_refused_under_vetted() {
     );
     set_mode(&lib, 0o755);
     assert_eq!(file_row(&load(&host(&[tmp.path()], VettingPolicy::Vetted)), &lib).status, Status::Vetted);
+}
+
+/// Under vetted, a lock file in a directory others can write fails the whole load: whoever
+/// can write there can pin anything.
+#[test]
+fn a_lock_file_others_can_change_fails_the_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    let lib = private_copy(&workspace_plugin("lion"), tmp.path());
+    vet_file(&lib, &lock_path(tmp.path())).unwrap();
+    set_mode(tmp.path(), 0o777);
+    let _restore = RestoreMode(tmp.path(), 0o700);
+    let e = ava_plugins::Registry::load(&host(&[tmp.path()], VettingPolicy::Vetted)).err().expect("refused");
+    assert!(
+        e.to_string().contains(&format!(
+            "the lock file's directory {} is writable by group and others (mode 777)",
+            tmp.path().display()
+        )),
+        "{e}"
+    );
+    // Policy warn reads it as before.
+    assert!(ava_plugins::Registry::load(&host(&[tmp.path()], VettingPolicy::Warn)).is_ok());
 }
 
 #[test]
