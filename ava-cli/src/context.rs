@@ -41,7 +41,7 @@ pub fn load_config(args: &ConfigArgs, p: &Printer) -> Result<LoadedConfig, Failu
 }
 
 /// The host settings from the `plugins` section, over the machine policy's floor.
-pub fn host_from(plugins: &PluginsConfig) -> Result<HostConfig, HostError> {
+pub fn host_from(plugins: &PluginsConfig) -> Result<HostConfig, Box<HostError>> {
     HostConfig {
         search_paths: plugins.search_paths.clone(),
         policy: plugins.policy,
@@ -50,6 +50,7 @@ pub fn host_from(plugins: &PluginsConfig) -> Result<HostConfig, HostError> {
     }
     .with_process_defaults()
     .with_machine_policy()
+    .map_err(Box::new)
 }
 
 /// The host settings in force (config plus the machine policy's floor), without building a
@@ -65,8 +66,8 @@ pub fn host_settings(args: &ConfigArgs, p: &Printer) -> Result<HostConfig, Failu
 
 /// Building the registry: a lock file or policy file that cannot be used is a configuration
 /// error (exit code 2), like a bad config file; anything else (I/O) is a failure.
-fn registry_failure(e: HostError) -> Failure {
-    match e {
+fn registry_failure(e: Box<HostError>) -> Failure {
+    match *e {
         HostError::Lock { .. } | HostError::Policy { .. } => Failure::Usage(e.into()),
         other => Failure::Runtime(other.into()),
     }
@@ -85,7 +86,7 @@ fn loader(args: &ConfigArgs, p: &Printer) -> ConfigLoader<'static> {
 /// keys, wrong types and refused plugin options come in one report (exit code 2).
 pub fn load_checked(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> {
     let (_loaded, registry) = loader(args, p)
-        .load_checked(|plugins| host_from(plugins).and_then(|host| Registry::load(&host)))
+        .load_checked(|plugins| host_from(plugins).and_then(|host| Registry::load(&host).map_err(Box::new)))
         .map_err(registry_failure)?
         .usage()?;
     report(&registry, p, false);
@@ -118,7 +119,7 @@ pub fn load_for_listing(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> 
 fn load_inner(args: &ConfigArgs, p: &Printer, listing: bool) -> Result<Ctx, Failure> {
     let loaded = load_config(args, p)?;
     let host = host_from(&loaded.config().plugins).map_err(registry_failure)?;
-    let registry = Registry::load(&host).map_err(registry_failure)?;
+    let registry = Registry::load(&host).map_err(|e| registry_failure(Box::new(e)))?;
     report(&registry, p, listing);
     Ok(Ctx::new(registry))
 }
