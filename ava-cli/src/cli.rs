@@ -66,6 +66,12 @@ pub enum Command {
     /// Writes <train.out_dir>/metrics.jsonl, checkpoints/ (resumable) and, at the end,
     /// model/ (Hugging Face config.json + model.safetensors).
     ///
+    /// One run per train.out_dir: a second run on it is refused while the first holds its
+    /// lock, and a fresh run into a directory holding an earlier run needs --resume or
+    /// --overwrite. Ctrl-C (SIGINT), SIGTERM or SIGHUP finishes the step under way, saves a
+    /// checkpoint, prints the command that resumes and exits with 130, 143 or 129; a second
+    /// signal stops at once.
+    ///
     /// Examples:
     ///   ava train
     ///   ava train -c configs/small.yaml --set plugins.optimizer=lion --max-steps 200
@@ -178,6 +184,11 @@ pub struct TrainArgs {
     /// Resume even if the config changes the model, the data or the plugins.
     #[arg(long, requires = "resume")]
     pub force: bool,
+    /// Start a fresh run in a train.out_dir that holds an earlier run: deletes that run's
+    /// metrics.jsonl, checkpoints/, model/ and report/ (nothing else in the directory), once
+    /// this run holds the directory's lock. Without it such a run is refused.
+    #[arg(long, conflicts_with = "resume")]
+    pub overwrite: bool,
 }
 
 /// `ava report` options.

@@ -7,6 +7,7 @@ mod cli;
 mod commands;
 mod context;
 mod output;
+mod signals;
 
 use std::process::ExitCode;
 
@@ -25,6 +26,8 @@ pub enum Failure {
     Usage(anyhow::Error),
     /// Anything else: exit code 1.
     Runtime(anyhow::Error),
+    /// Stopped by a signal after saving what it could: exit code 128 + the signal's number.
+    Signal(i32, anyhow::Error),
 }
 
 impl<E: Into<anyhow::Error>> From<E> for Failure {
@@ -72,6 +75,7 @@ fn main() -> ExitCode {
             let (code, err) = match f {
                 Failure::Usage(e) => (2, e),
                 Failure::Runtime(e) => (1, e),
+                Failure::Signal(signal, e) => ((128 + signal) as u8, e),
             };
             match printer.format {
                 output::Format::Json => {

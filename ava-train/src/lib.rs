@@ -10,6 +10,7 @@
 //!   recompute mechanism behind checkpoint policies.
 //! - [`memory`]: the counting allocator and the memory breakdown.
 //! - [`profile`]: named wall-clock scopes for `ava bench`.
+//! - [`run_dir`]: one run per output directory (the lock, an earlier run's files).
 //! - [`train`]: the training loop, checkpoints and exact resume.
 //! - [`save`]: checkpoints on disk (atomic writes, manifests with sha256, keep-last-k).
 
@@ -19,5 +20,6 @@ pub mod estimate;
 pub mod memory;
 pub mod model;
 pub mod profile;
+pub mod run_dir;
 pub mod save;
 pub mod train;

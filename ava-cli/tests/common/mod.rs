@@ -11,6 +11,11 @@ use serde_json::Value;
 /// `ava ARGS` run in `dir` (no stray ./ava.yaml is read from elsewhere) without any `AVA*`
 /// variable of the test's environment.
 pub fn ava(dir: &Path, args: &[&str]) -> Output {
+    ava_command(dir, args).output().expect("ava runs")
+}
+
+/// The command [`ava`] runs, to spawn it instead.
+pub fn ava_command(dir: &Path, args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_ava"));
     cmd.current_dir(dir).env("NO_COLOR", "1");
     for (key, _) in std::env::vars() {
@@ -18,7 +23,8 @@ pub fn ava(dir: &Path, args: &[&str]) -> Output {
             cmd.env_remove(key);
         }
     }
-    cmd.args(args).output().expect("ava runs")
+    cmd.args(args);
+    cmd
 }
 
 /// The output of a successful run; the full output in the panic message otherwise.
@@ -70,6 +76,11 @@ pub const SMALL: &[&str] = &[
 
 /// `ava train` with the [`SMALL`] settings, writing to `dir/out`, plus `extra` arguments.
 pub fn train_small(dir: &Path, out: &str, extra: &[&str]) -> Output {
+    train_small_command(dir, out, extra).output().expect("ava runs")
+}
+
+/// The command [`train_small`] runs, to spawn it instead.
+pub fn train_small_command(dir: &Path, out: &str, extra: &[&str]) -> Command {
     let mut args = vec!["train".to_string()];
     for s in SMALL {
         args.extend(["--set".to_string(), s.to_string()]);
@@ -77,7 +88,7 @@ pub fn train_small(dir: &Path, out: &str, extra: &[&str]) -> Output {
     args.extend(["--set".to_string(), format!("train.out_dir={out}")]);
     args.extend(extra.iter().map(|s| s.to_string()));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    ava(dir, &args)
+    ava_command(dir, &args)
 }
 
 /// The step losses in a run's metrics.jsonl, by step.

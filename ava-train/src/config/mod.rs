@@ -46,7 +46,7 @@ pub use load::{ConfigLoader, ENV_PREFIX, LoadedConfig};
 pub use schema::{Config, DEFAULT_CONFIG_YAML, PluginSelection, PluginsConfig, VettingPolicy};
 pub use sections::{
     ByteSize, CheckpointsConfig, DataConfig, DataSource, LossScaleConfig, MasterWeights, MemoryConfig, ModelConfig,
-    MoeConfig, OffloadConfig, Precision, SyntheticConfig, TierShare, Tiers, TrainConfig,
+    MoeConfig, NanPolicy, OffloadConfig, Precision, SyntheticConfig, TierShare, Tiers, TrainConfig,
 };
 pub use show::ConfigEntry;
 pub use tree::Origin;

@@ -127,6 +127,7 @@ const TRAIN: &[Field] = &[
     Field { key: "precision", kind: Kind::OneOf(Precision::NAMES) },
     Field { key: "master_weights", kind: Kind::OneOf(MasterWeights::NAMES) },
     Field { key: "step_in_backward", kind: Kind::Bool },
+    Field { key: "nan_policy", kind: Kind::OneOf(NanPolicy::NAMES) },
     Field { key: "lr", kind: Kind::Float(0.0, 1e3) },
     Field { key: "min_lr", kind: Kind::Float(0.0, 1e3) },
     Field { key: "warmup_steps", kind: Kind::Int(0, i64::MAX) },

@@ -161,6 +161,36 @@ impl MasterWeights {
     }
 }
 
+/// `train.nan_policy`: what a step whose loss or gradient is not finite (NaN or infinite)
+/// does, when f16's loss scaler cannot absorb it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NanPolicy {
+    /// End the run with an error naming the step, what was not finite and the last
+    /// checkpoint; nothing of the step is applied or saved.
+    Stop,
+    /// Skip the step's optimizer update (the state stays as it was), warn, and stop as
+    /// `stop` does after [`NanPolicy::MAX_CONSECUTIVE_SKIPS`] skipped steps in a row.
+    Skip,
+}
+
+impl NanPolicy {
+    /// The names accepted in a config.
+    pub const NAMES: &'static [&'static str] = &["stop", "skip"];
+
+    /// Under `skip`, this many non-finite steps in a row end the run: a run that produces
+    /// nothing but NaN does not recover by skipping.
+    pub const MAX_CONSECUTIVE_SKIPS: u64 = 10;
+
+    /// The name as written in a config.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Skip => "skip",
+        }
+    }
+}
+
 /// The `train` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -180,6 +210,8 @@ pub struct TrainConfig {
     /// Step each parameter as soon as its gradient is final, inside backward, so the
     /// whole-model gradient buffer never exists.
     pub step_in_backward: bool,
+    /// What a step with a non-finite loss or gradient does.
+    pub nan_policy: NanPolicy,
     /// Peak learning rate.
     pub lr: f64,
     /// Learning rate at the end of the cosine decay.

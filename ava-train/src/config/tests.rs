@@ -941,3 +941,15 @@ fn offload_tiers_are_read_and_checked() {
         assert!(e.contains(problem), "{tiers}: {e}");
     }
 }
+
+/// `train.nan_policy` is `stop` by default, reads `skip`, and a bad word is named with the
+/// words it takes.
+#[test]
+fn nan_policy_defaults_to_stop_and_names_its_words() {
+    let config = ConfigLoader::new().load().unwrap().into_config();
+    assert_eq!(config.train.nan_policy, super::NanPolicy::Stop);
+    let config = ConfigLoader::new().set("train.nan_policy=skip").load().unwrap().into_config();
+    assert_eq!(config.train.nan_policy, super::NanPolicy::Skip);
+    let err = file_error("bad.yaml", "train:\n  nan_policy: ignore\n");
+    assert!(err.contains("train.nan_policy: ") && err.contains("stop") && err.contains("skip"), "{err}");
+}

@@ -171,6 +171,7 @@ impl Model {
         dtype: DType,
     ) -> Result<Self, ModelError> {
         let mut problems = Vec::new();
+        let mut non_finite = Vec::new();
         let mut params = Vec::new();
         for def in spec.params() {
             match tensors.remove(&def.name) {
@@ -180,9 +181,16 @@ impl Model {
                 }
                 Some(t) => {
                     let t = t.to_dtype(dtype).map_err(cerr)?;
+                    // In the stored type: an f32 value beyond f16's range is infinite there.
+                    if let Some(problem) = non_finite_values(&def.name, &t)? {
+                        non_finite.push(problem);
+                    }
                     params.push(Param { def, var: Var::from_tensor(&t).map_err(cerr)? });
                 }
             }
+        }
+        if !non_finite.is_empty() && problems.is_empty() {
+            return Err(ModelError::NonFiniteWeights { path: source.to_path_buf(), problems: non_finite });
         }
         let mut extra: Vec<String> = tensors.into_keys().filter(|k| !k.ends_with("rotary_emb.inv_freq")).collect();
         extra.sort();
@@ -427,4 +435,18 @@ mod tests {
             assert!(a.iter().map(|x| x.to_bits()).eq(b.iter().map(|x| x.to_bits())), "n = {n}");
         }
     }
+}
+
+/// A loaded tensor's NaN and infinite values, said in one line (`None` when all are finite).
+/// One pass over a copy of one tensor: cheap next to reading the file.
+fn non_finite_values(name: &str, t: &Tensor) -> Result<Option<String>, ModelError> {
+    let values = t.flatten_all().and_then(|t| t.to_dtype(DType::F32)).and_then(|t| t.to_vec1::<f32>()).map_err(cerr)?;
+    let mut bad = values.iter().enumerate().filter(|(_, v)| !v.is_finite());
+    let Some((first, value)) = bad.next() else { return Ok(None) };
+    let count = 1 + bad.count();
+    let what = if value.is_nan() { "NaN" } else { "infinite" };
+    Ok(Some(format!(
+        "{name}: {count} of {} values are NaN or infinite (the first, element {first}, is {what})",
+        values.len()
+    )))
 }

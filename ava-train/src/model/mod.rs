@@ -55,6 +55,19 @@ pub enum ModelError {
         /// Every mismatch.
         problems: Vec<String>,
     },
+    /// Weights holding NaN or infinite values (checked as they are loaded).
+    #[error(
+        "the weights in {} hold values that are not finite, so every step's loss would be NaN:\n  - {}\nstart from \
+         finite weights: an earlier checkpoint (--resume with its directory) or the original model",
+        path.display(),
+        problems.join("\n  - ")
+    )]
+    NonFiniteWeights {
+        /// The folder or checkpoint.
+        path: PathBuf,
+        /// One line per tensor: its name, how many values, the first one.
+        problems: Vec<String>,
+    },
     /// Reading or writing a file.
     #[error("{}: {message}", path.display())]
     Io {

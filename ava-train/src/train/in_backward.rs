@@ -68,12 +68,25 @@ pub(crate) struct StepInBackward<'a> {
     pub sumsq: f64,
     /// The first error, kept whole (the sink's own error type is candle's).
     pub failure: Option<TrainError>,
+    /// Test hook: the second gradient to arrive is made NaN.
+    poison: bool,
+    /// Gradients stepped so far.
+    stepped: usize,
 }
 
 impl<'a> StepInBackward<'a> {
-    pub(crate) fn new(settings: StepSettings<'a>, state: &'a mut OptimizerState) -> Self {
+    pub(crate) fn new(settings: StepSettings<'a>, state: &'a mut OptimizerState, poison: bool) -> Self {
         let n = settings.params.len();
-        Self { settings, state: Some(state), session: None, pending: vec![None; n], sumsq: 0.0, failure: None }
+        Self {
+            settings,
+            state: Some(state),
+            session: None,
+            pending: vec![None; n],
+            sumsq: 0.0,
+            failure: None,
+            poison,
+            stepped: 0,
+        }
     }
 
     /// Ends the step: waits for the tier's writes (an I/O error is this step's).
@@ -94,6 +107,22 @@ impl<'a> StepInBackward<'a> {
     }
 
     fn step(&mut self, i: usize, grad: Tensor) -> Result<(), TrainError> {
+        let grad = if self.poison && self.stepped == 1 {
+            grad.affine(f64::NAN, 0.0).map_err(TrainError::candle)?
+        } else {
+            grad
+        };
+        self.stepped += 1;
+        // Checked before the step: a NaN stepped into a parameter cannot be taken back, and
+        // the parameters stepped before it are already updated, so the run stops here.
+        let sumsq =
+            grad.sqr().and_then(|s| s.sum_all()).and_then(|s| s.to_scalar::<f32>()).map_err(TrainError::candle)?;
+        if !sumsq.is_finite() {
+            let name = &self.settings.params[i].def.name;
+            let word = if sumsq.is_nan() { "NaN" } else { "infinite" };
+            let what = format!("the gradient of {name} is {word}");
+            return Err(TrainError::NonFiniteInBackward { step: self.settings.step, what });
+        }
         let session = self.session.as_mut().ok_or_else(|| {
             TrainError::Invalid("step in backward: a gradient arrived before backward announced its order".into())
         })?;

@@ -107,6 +107,31 @@ pub enum TrainError {
         /// What failed.
         source: Box<TrainError>,
     },
+    /// A non-finite loss or gradient under `train.nan_policy: stop`, or after too many
+    /// skipped steps in a row under `skip`: nothing of the step was applied or saved.
+    #[error("{}", non_finite_message(*step, what, *skipped, checkpoint.as_deref()))]
+    NonFinite {
+        /// The step whose loss or gradient was not finite.
+        step: u64,
+        /// What was not finite, e.g. "the loss is NaN".
+        what: String,
+        /// Steps skipped in a row before this one (under `skip`).
+        skipped: u64,
+        /// The last checkpoint saved, to resume from.
+        checkpoint: Option<PathBuf>,
+    },
+    /// A non-finite gradient inside a step whose parameters are stepped in backward; always
+    /// the source of a [`TrainError::FailedInBackward`], which says what was saved.
+    #[error(
+        "{what} at step {step}, before its optimizer step: lower train.lr (or set train.grad_clip with \
+         train.step_in_backward: false), and check the data and the initial weights"
+    )]
+    NonFiniteInBackward {
+        /// The step.
+        step: u64,
+        /// What was not finite.
+        what: String,
+    },
     /// A checkpoint's optimizer state does not fit the optimizer.
     #[error("the checkpoint's optimizer state does not match the optimizer:\n  - {}", problems.join("\n  - "))]
     OptimizerState {
@@ -137,6 +162,30 @@ pub enum TrainError {
     /// A tensor operation failed.
     #[error("tensor operation failed: {0}")]
     Candle(String),
+}
+
+/// The message of [`TrainError::NonFinite`].
+fn non_finite_message(step: u64, what: &str, skipped: u64, checkpoint: Option<&std::path::Path>) -> String {
+    let streak = if skipped > 0 {
+        format!(
+            ", after {skipped} steps in a row skipped for the same reason (train.nan_policy: skip stops after {})",
+            crate::config::NanPolicy::MAX_CONSECUTIVE_SKIPS
+        )
+    } else {
+        String::new()
+    };
+    let resume = match checkpoint {
+        Some(dir) => format!(
+            "the last checkpoint, {}, is intact: resume from it with --resume latest after the change (or from \
+             an earlier one, --resume DIR, if the loss was already climbing before it)",
+            dir.display()
+        ),
+        None => "no checkpoint was saved yet: start again after the change".to_string(),
+    };
+    format!(
+        "step {step}: {what}{streak}. Nothing of the step was applied or saved; {resume}. Lower train.lr (or set \
+         train.grad_clip), and check the data and the initial weights (model.from, or the checkpoint resumed from)"
+    )
 }
 
 /// The wrapped errors are boxed: they are large, and `TrainError` travels through every

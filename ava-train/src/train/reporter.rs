@@ -20,8 +20,12 @@ pub struct StepRecord {
     pub lr: f64,
     /// Global gradient norm before clipping.
     pub grad_norm: f64,
-    /// Whether the update was skipped (f16 overflow).
+    /// Whether the update was skipped (f16 overflow, or `train.nan_policy: skip`).
     pub skipped: bool,
+    /// Why a step was skipped under `train.nan_policy: skip` (its loss or gradient was not
+    /// finite), as warned.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub nonfinite: Option<String>,
     /// Loss scale (f16), 1 otherwise.
     pub loss_scale: f64,
     /// Tokens processed per second in this step.
@@ -165,4 +169,7 @@ pub struct RunSummary {
     pub model_dir: Option<String>,
     /// Why the run stopped early, if it did (memory policy).
     pub stopped: Option<String>,
+    /// Whether the run stopped because [`TrainOptions::stop`](super::TrainOptions) asked it
+    /// to (after saving a checkpoint of the last completed step).
+    pub interrupted: bool,
 }

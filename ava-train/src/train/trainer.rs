@@ -4,6 +4,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use ava_core::{
@@ -21,7 +22,7 @@ use super::in_backward::{StepInBackward, StepSettings};
 use super::optim::{HostState, OptimizerState, Placement, StreamStats, optimizer_options};
 use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
 use super::schedule::{LossScaler, learning_rate};
-use crate::config::{Config, DataSource, MasterWeights, PluginSelection, Precision};
+use crate::config::{Config, DataSource, MasterWeights, NanPolicy, PluginSelection, Precision};
 use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Source, Split};
 use crate::memory::{self, Breakdown};
 use crate::model::{self, GradSink, Grads, Model, ModelSpec, forward_backward};
@@ -44,6 +45,12 @@ pub struct TrainOptions {
     /// parameters, every write fails as on a full disk (the failure lands in the middle of
     /// the step, after some parameters were stepped).
     pub tier_fault_at_step: Option<u64>,
+    /// Test hook: in these steps one parameter's gradient is NaN (the last one to be stepped
+    /// after backward; with `train.step_in_backward`, the second one stepped inside it).
+    pub nan_grad_at_steps: Option<std::ops::Range<u64>>,
+    /// Set from outside (e.g. a signal handler) to ask the run to stop: it finishes the
+    /// step under way, saves a checkpoint and returns with [`RunSummary::interrupted`].
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 /// The trainer's own state in a checkpoint (`trainer.json`).
@@ -125,6 +132,10 @@ pub struct Trainer {
     oom_at_step: Option<u64>,
     /// [`TrainOptions::tier_fault_at_step`]: the wrapped tier, armed when that step starts.
     tier_fault: Option<(Arc<FailingTier>, u64)>,
+    /// [`TrainOptions::nan_grad_at_steps`].
+    nan_grad_at_steps: Option<std::ops::Range<u64>>,
+    /// Steps skipped in a row for a non-finite loss or gradient (`train.nan_policy: skip`).
+    skipped_in_a_row: u64,
 }
 
 /// How a step's micro-steps ended.
@@ -306,6 +317,14 @@ pub fn check_training_modes(config: &Config) -> Result<(), TrainError> {
                 "{why}, before the global gradient norm is known, so train.grad_clip ({}) cannot apply: set \
                  train.grad_clip: 0 (the norm is still computed and logged), or train.step_in_backward: false",
                 t.grad_clip
+            ));
+        }
+        if t.nan_policy == NanPolicy::Skip {
+            problems.push(format!(
+                "{why}, so a parameter may be stepped before a later gradient of the step turns out not finite, and \
+                 the step can no longer be skipped, but train.nan_policy is skip: set train.nan_policy: stop (a \
+                 non-finite gradient then stops the run before it is applied, naming the checkpoint to resume from), \
+                 or train.step_in_backward: false"
             ));
         }
         if t.precision == Precision::F16 {
@@ -651,6 +670,8 @@ impl Trainer {
             hard_limit,
             oom_at_step: options.oom_at_step,
             tier_fault,
+            nan_grad_at_steps: options.nan_grad_at_steps.clone(),
+            skipped_in_a_row: 0,
             config,
         })
     }
@@ -730,12 +751,20 @@ impl Trainer {
             checkpoint: None,
             model_dir: None,
             stopped: None,
+            interrupted: false,
         };
+        let stop_requested = || options.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
         let mut timed = (0.0f64, 0usize);
         let mut first = true;
         let mut saved_at = None;
         let mut prev_micro_batch = None;
         while self.step < last {
+            if stop_requested() {
+                // Asked before this step started (e.g. while the run was being built): the
+                // last completed step is saved already, or nothing ran.
+                summary.interrupted = true;
+                break;
+            }
             let mut record = match self.train_step() {
                 Ok(record) => record,
                 Err(e @ TrainError::OutOfMemory { .. }) => {
@@ -767,8 +796,13 @@ impl Trainer {
                 reporter.warn(&event);
                 record.memory_events.push(event);
             }
+            if let Some(warning) = &record.nonfinite {
+                reporter.warn(warning);
+            }
             let policy = self.apply_memory_policy(&mut record, reporter);
             let stop = policy.stop;
+            // Checked once the step is done: the step under way always completes and is saved.
+            let interrupted = stop_requested() && record.step < last;
             summary.step = record.step;
             summary.loss = record.loss;
             summary.peak_bytes = summary.peak_bytes.max(record.memory.peak);
@@ -782,7 +816,11 @@ impl Trainer {
             // and the first step at a new micro-batch, so `ava report` sees every change.
             let changed = prev_micro_batch.is_some_and(|m| m != record.micro_batch);
             prev_micro_batch = Some(record.micro_batch);
-            let eventful = !record.memory_events.is_empty() || !record.backoffs.is_empty() || changed;
+            let eventful = !record.memory_events.is_empty()
+                || !record.backoffs.is_empty()
+                || changed
+                || record.nonfinite.is_some()
+                || interrupted;
             if record.step % t.log_every == 0 || record.step == last || eventful {
                 write_line(&mut metrics, &self.metrics_path(), &serde_json::json!({"type": "step", "data": record}))?;
             }
@@ -794,7 +832,12 @@ impl Trainer {
                 reporter.eval(&eval);
             }
             let every = self.config.checkpoints.every;
-            if (every > 0 && record.step % every == 0) || record.step == last || stop.is_some() || policy.checkpoint {
+            if (every > 0 && record.step % every == 0)
+                || record.step == last
+                || stop.is_some()
+                || policy.checkpoint
+                || interrupted
+            {
                 let dir = self.save_checkpoint()?;
                 reporter.checkpoint(record.step, &dir);
                 summary.checkpoint = Some(dir.display().to_string());
@@ -804,12 +847,16 @@ impl Trainer {
                 summary.stopped = Some(reason);
                 break;
             }
+            if interrupted {
+                summary.interrupted = true;
+                break;
+            }
         }
         if saved_at.is_none() && self.step > 0 {
             // Nothing ran (already at max_steps): still point at the latest checkpoint.
             summary.checkpoint = self.store.latest()?.map(|p| p.display().to_string());
         }
-        if self.step == t.max_steps && summary.stopped.is_none() {
+        if self.step == t.max_steps && summary.stopped.is_none() && !summary.interrupted {
             let dir = self.out_dir.join("model");
             model::save_hf_folder(&dir, self.model.spec(), &self.model.named_tensors())?;
             summary.model_dir = Some(dir.display().to_string());
@@ -878,6 +925,8 @@ impl Trainer {
         let opt_name = self.config.plugins.optimizer.name.clone();
         let mut backoffs = Vec::new();
         let mut stream = StreamStats::default();
+        // Set when the step's loss or gradient is not finite and `nan_policy: skip` skips it.
+        let mut nonfinite = None;
         let (ce, aux, parked_peak, norm, applied, grads_bytes) = if t.step_in_backward {
             // Each parameter is stepped inside backward; nothing can be retried or skipped.
             let inject = self.oom_at_step == Some(step);
@@ -886,8 +935,9 @@ impl Trainer {
                 self.oom_at_step = None;
                 memory::set_limit(Some(held_before + 1));
             }
+            let poison = self.poisoned(step);
             let settings = step_settings(self.optimizer.as_mut(), &opt_name, &self.model, &t, step, lr, self.threads);
-            let mut sink = StepInBackward::new(settings, &mut self.state);
+            let mut sink = StepInBackward::new(settings, &mut self.state, poison);
             let run = MicroBatches { model: &self.model, plan: &self.plan, scale: 1.0, offload: self.offload.as_ref() };
             let outcome = run.run(&weights, &batches, self.split, &mut sink);
             if inject {
@@ -905,6 +955,12 @@ impl Trainer {
             };
             stream = sink.finish().map_err(failed)?;
             match done {
+                // Every gradient was finite (each is checked before its step), but the loss
+                // may not be: the step is applied, and the run stops before it is saved.
+                MicroSteps::Done { ce, .. } if !ce.is_finite() => {
+                    let what = format!("the loss is {}", non_finite_word(ce));
+                    return Err(failed(TrainError::NonFiniteInBackward { step, what }));
+                }
                 MicroSteps::Done { ce, aux, tier_peak } => (ce, aux, tier_peak, sumsq.sqrt(), true, 0),
                 MicroSteps::OutOfMemory { at } => {
                     let limit = if inject { held_before + 1 } else { self.hard_limit.unwrap_or(0) };
@@ -954,18 +1010,48 @@ impl Trainer {
             };
             let grads_bytes = grads.iter().flatten().map(|g| (g.elem_count() * 4) as u64).sum::<u64>();
 
-            // Global norm of the unscaled gradients; a non-finite one is an f16 overflow.
+            if self.poisoned(step)
+                && let Some(g) = grads.iter_mut().rev().flatten().next()
+            {
+                *g = g.affine(f64::NAN, 0.0).map_err(TrainError::candle)?;
+            }
+            // Global norm of the unscaled gradients; a non-finite one is an f16 overflow, or
+            // garbage (`train.nan_policy`). The first parameter whose gradient is not finite is
+            // named in the error.
             let mut sumsq = 0f64;
-            for g in grads.iter().flatten() {
-                sumsq +=
+            let mut first_bad = None;
+            for (i, g) in grads.iter().enumerate() {
+                let Some(g) = g else { continue };
+                let s =
                     g.sqr().and_then(|s| s.sum_all()).and_then(|s| s.to_scalar::<f32>()).map_err(TrainError::candle)?
                         as f64;
+                if !s.is_finite() && first_bad.is_none() {
+                    first_bad = Some(i);
+                }
+                sumsq += s;
             }
             let norm = sumsq.sqrt() / self.scaler.scale;
             let finite = norm.is_finite();
             let scale = self.scaler.scale; // the gradients carry this one; update may change it
-            let applied = self.scaler.update(finite);
+            // f16's scaler absorbs an overflow of the gradients while it can lower the scale;
+            // a non-finite loss, or one at the lowest scale, is the run's to handle.
+            let scalable = self.scaler.enabled && scale > 1.0 && ce.is_finite();
+            let applied = self.scaler.update(finite && ce.is_finite());
+            if !applied && !scalable {
+                let what = if !ce.is_finite() {
+                    format!("the loss is {}", non_finite_word(ce))
+                } else {
+                    let name = first_bad.map(|i| self.model.params()[i].def.name.as_str());
+                    format!(
+                        "the gradient norm is {}{}",
+                        non_finite_word(norm),
+                        name.map(|n| format!(" (the first non-finite gradient: {n})")).unwrap_or_default()
+                    )
+                };
+                nonfinite = Some(self.non_finite(step, what)?);
+            }
             if applied {
+                self.skipped_in_a_row = 0;
                 let clip = if t.grad_clip > 0.0 && norm > t.grad_clip { t.grad_clip / (norm + 1e-6) } else { 1.0 };
                 let factor = clip / scale;
                 let _span = crate::profile::scope("optimizer step");
@@ -1014,9 +1100,33 @@ impl Trainer {
             micro_batch: self.config.train.micro_batch_size / self.split,
             backoffs,
             memory_events: Vec::new(),
+            nonfinite,
             offload_bytes: stream.peak_tier.max(parked_peak),
             stream: self.state.streamed_bytes().gt(&0).then_some(stream),
         })
+    }
+
+    /// Whether the [`TrainOptions::nan_grad_at_steps`] hook poisons `step`'s gradients.
+    fn poisoned(&self, step: u64) -> bool {
+        self.nan_grad_at_steps.as_ref().is_some_and(|r| r.contains(&step))
+    }
+
+    /// `train.nan_policy` on a step whose loss or gradient is not finite: under `skip`, the
+    /// warning the step's record carries (the caller leaves the state as it was); under
+    /// `stop`, or after too many skipped steps in a row, the error that ends the run, naming
+    /// the last checkpoint (nothing of this step is saved).
+    fn non_finite(&mut self, step: u64, what: String) -> Result<String, TrainError> {
+        let limit = NanPolicy::MAX_CONSECUTIVE_SKIPS;
+        if self.config.train.nan_policy == NanPolicy::Skip && self.skipped_in_a_row + 1 < limit {
+            self.skipped_in_a_row += 1;
+            return Ok(format!(
+                "step {step}: {what}; its optimizer update was skipped (train.nan_policy: skip; {} in a row, the \
+                 run stops at {limit})",
+                self.skipped_in_a_row
+            ));
+        }
+        let skipped = if self.config.train.nan_policy == NanPolicy::Skip { self.skipped_in_a_row } else { 0 };
+        Err(TrainError::NonFinite { step, what, skipped, checkpoint: self.store.latest()? })
     }
 
     /// Halves the micro-batch (each loaded batch is split into twice the pieces, so the
@@ -1192,6 +1302,11 @@ fn step_settings<'a>(
         threads: threads as u32,
         seed: t.seed,
     }
+}
+
+/// How a non-finite number is said in errors.
+fn non_finite_word(x: f64) -> &'static str {
+    if x.is_nan() { "NaN" } else { "infinite" }
 }
 
 /// Pretty JSON bytes of a value, with a final newline.
