@@ -12,6 +12,7 @@ mod instance;
 pub mod load;
 pub mod lock;
 pub mod registry;
+pub mod yaml_guard;
 
 pub use error::HostError;
 pub use instance::Instance;
