@@ -26,6 +26,9 @@ pub mod limits {
     /// Small JSON documents: a checkpoint manifest, `trainer.json`, a model's `config.json`,
     /// a safetensors index.
     pub const JSON: u64 = 64 << 20;
+    /// Files that are legitimately as large as a model or a corpus (safetensors weights,
+    /// text data): only the file type is really checked (a FIFO or device is refused).
+    pub const LARGE: u64 = 1 << 42;
 }
 
 /// Why a file could not be read within bounds.

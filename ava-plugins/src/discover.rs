@@ -9,7 +9,6 @@ use std::{
     collections::HashSet,
     ffi::OsString,
     fs,
-    io::Read,
     path::{Path, PathBuf},
 };
 
@@ -138,11 +137,14 @@ impl Candidate {
             Err(e) => return Err(HostError::io(path, e)),
         };
         let symlink = meta.file_type().is_symlink();
-        let mut file = fs::File::open(path).map_err(|e| HostError::io(path, e))?;
-        let mut bytes = Vec::new();
-        file.read_to_end(&mut bytes).map_err(|e| HostError::io(path, e))?;
-        // Checked on the opened file, so a swap of the path after the read does not matter.
+        // Bounded: a FIFO, a device (a symlink to /dev/zero) or a huge file in a search
+        // directory is refused here instead of hanging or exhausting memory.
+        let (file, size) = crate::bounded::open_regular(path, crate::bounded::limits::LIBRARY).map_err(read_refused)?;
         let file_meta = file.metadata().map_err(|e| HostError::io(path, e))?;
+        let bytes =
+            crate::bounded::read_opened(file, path, size, crate::bounded::limits::LIBRARY).map_err(read_refused)?;
+        // `file_meta` was taken on the opened file, so a swap of the path after the read
+        // does not matter.
         let writable_by_others = writable_by_others(path, &file_meta);
         let sha256 = hex::encode(Sha256::digest(&bytes));
         let header = exports_root_symbol(&bytes);
@@ -157,6 +159,23 @@ impl Candidate {
     /// Whether the bytes are a shared library exporting abi_stable's root-module header.
     pub fn exports_plugin_header(&self) -> Result<(), String> {
         self.header.clone()
+    }
+}
+
+/// A bounded read's refusal as a host error: a file that is not a regular file or is too
+/// large is refused (a row in `plugins list`), not an I/O failure.
+fn read_refused(e: crate::bounded::ReadError) -> HostError {
+    use crate::bounded::ReadError;
+    match e {
+        ReadError::Missing(path) => HostError::Missing { path },
+        ReadError::Io { path, source } => HostError::io(path, source),
+        e @ (ReadError::NotRegular { .. } | ReadError::TooLarge { .. }) => {
+            let path = e.path().to_path_buf();
+            let full = e.to_string();
+            let prefix = format!("{}: ", path.display());
+            let reason = full.strip_prefix(&prefix).unwrap_or(&full).to_string();
+            HostError::Refused { path, reason }
+        }
     }
 }
 
@@ -209,6 +228,28 @@ mod tests {
     fn non_libraries_are_not_candidates() {
         let err = exports_root_symbol(b"#!/bin/sh\necho hi\n").unwrap_err();
         assert!(err.starts_with("not a shared library"), "{err}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_fifo_or_a_link_to_a_device_is_refused_without_blocking_or_reading() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("libfifo.so");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = Candidate::read(&fifo).unwrap_err();
+        assert!(matches!(e, HostError::Refused { .. }), "{e:?}");
+        assert!(
+            e.to_string().ends_with(
+                "libfifo.so: refused: is a FIFO (named pipe), not a regular file; name a regular file instead"
+            ),
+            "{e}"
+        );
+        let zero = dir.path().join("libzero.so");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        let e = Candidate::read(&zero).unwrap_err();
+        assert!(e.to_string().contains("refused: is a character device, not a regular file"), "{e}");
     }
 
     #[cfg(unix)]

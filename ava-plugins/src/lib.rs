@@ -17,6 +17,7 @@ pub mod policy;
 pub mod registry;
 pub mod sign;
 pub mod trust;
+pub mod yaml_guard;
 
 pub use error::HostError;
 pub use instance::Instance;

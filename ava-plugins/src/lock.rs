@@ -13,7 +13,7 @@
 //! ```
 
 use std::{
-    fmt, fs,
+    fmt,
     io::Write,
     path::{Path, PathBuf},
     str::FromStr,
@@ -117,22 +117,35 @@ fn is_yaml(path: &Path) -> bool {
 impl LockFile {
     /// Reads `path`; a missing file is an empty lock.
     pub fn read(path: &Path) -> Result<LockFile, HostError> {
-        let text = match fs::read_to_string(path) {
+        let bad = |reason: String| HostError::Lock {
+            path: path.to_path_buf(),
+            reason: format!("{reason}; fix it by hand or delete it and re-pin with `ava plugins vet`"),
+        };
+        // Bounded: a FIFO or a device at the lock path would hang or exhaust memory.
+        let text = match crate::bounded::read_to_string(path, crate::bounded::limits::LOCK) {
             Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(LockFile::default()),
-            Err(e) => return Err(HostError::io(path, e)),
+            Err(e) if e.is_missing() => return Ok(LockFile::default()),
+            Err(crate::bounded::ReadError::Io { path, source }) => return Err(HostError::io(path, source)),
+            Err(e) => {
+                let full = e.to_string();
+                let prefix = format!("{}: ", path.display());
+                return Err(bad(full.strip_prefix(&prefix).unwrap_or(&full).to_string()));
+            }
         };
         Self::parse(path, &text)
     }
 
     /// Parses the text of the lock file at `path` (named in errors; its extension picks the
-    /// format).
+    /// format). The signature check reads the bytes once and parses them here.
     pub fn parse(path: &Path, text: &str) -> Result<LockFile, HostError> {
         let bad = |reason: String| HostError::Lock {
             path: path.to_path_buf(),
             reason: format!("{reason}; fix it by hand or delete it and re-pin with `ava plugins vet`"),
         };
         let lock: LockFile = if is_yaml(path) {
+            // Bounded before the loader expands aliases.
+            crate::yaml_guard::check(text, &crate::yaml_guard::YamlLimits::DEFAULT)
+                .map_err(|e| bad(format!("not a usable YAML lock file: {e}")))?;
             let value: serde_json::Value = config::Config::builder()
                 .add_source(config::File::from_str(text, config::FileFormat::Yaml))
                 .build()
@@ -234,6 +247,8 @@ impl LockFile {
 
 #[cfg(test)]
 mod tests {
+    use std::fs;
+
     use super::*;
 
     fn pin(name: &str, sha: char) -> Pin {

@@ -143,6 +143,8 @@ fn read_layer(path: &Path, machine: bool) -> Result<Layer, HostError> {
     let file: PolicyFile = if text.trim().is_empty() {
         PolicyFile::default()
     } else {
+        crate::yaml_guard::check(&text, &crate::yaml_guard::YamlLimits::DEFAULT)
+            .map_err(|e| bad(vec![format!("not a usable YAML policy: {e}")]))?;
         let value: serde_json::Value = config::Config::builder()
             .add_source(config::File::from_str(&text, config::FileFormat::Yaml))
             .build()

@@ -53,11 +53,7 @@ pub fn set_plugin_selection(
         Ok(meta) if meta.file_type().is_symlink() => fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()),
         _ => path.to_path_buf(),
     };
-    let old = match fs::read_to_string(&target) {
-        Ok(text) => Some(text),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => None,
-        Err(source) => return Err(ConfigError::Read { path: path.to_path_buf(), source }),
-    };
+    let old = super::load::read_config_text(&target)?;
     let key = kind.as_str();
     let edit_error = |reason: String| ConfigError::Edit { path: path.to_path_buf(), reason };
 

@@ -47,6 +47,17 @@ pub enum ConfigError {
         /// The parser's message.
         message: String,
     },
+    /// Well-formed, but refused before it is loaded: an alias bomb, too deep, a non-finite
+    /// number (the message names the key and the limit).
+    #[error("{}{}: {message}", path.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
+    Refused {
+        /// The path as given.
+        path: PathBuf,
+        /// 1-based line.
+        line: Option<usize>,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
     /// A malformed `--set` argument.
     #[error("--set '{arg}': {reason}")]
     BadSet {

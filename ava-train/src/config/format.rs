@@ -39,11 +39,13 @@ pub(crate) struct SyntaxError {
     pub(crate) line: Option<usize>,
     pub(crate) column: Option<usize>,
     pub(crate) message: String,
+    /// Well-formed YAML refused by the bounds or for a non-finite number, not a syntax error.
+    pub(crate) refused: bool,
 }
 
 impl SyntaxError {
     fn plain(message: impl Into<String>) -> Self {
-        Self { line: None, column: None, message: message.into() }
+        Self { line: None, column: None, message: message.into(), refused: false }
     }
 }
 
@@ -56,6 +58,7 @@ pub(crate) fn parse_document(format: Format, text: &str) -> Result<Map<String, V
 }
 
 fn parse_yaml_document(text: &str) -> Result<Map<String, Value>, SyntaxError> {
+    guard(text)?;
     let table = FileFormat::Yaml.parse(None, text).map_err(|e| yaml_error(&e.to_string()))?;
     let mut out = Map::new();
     for (key, value) in table {
@@ -64,13 +67,32 @@ fn parse_yaml_document(text: &str) -> Result<Map<String, Value>, SyntaxError> {
     Ok(out)
 }
 
+/// Bounds `text` before the loader expands its aliases, and names the key of a non-finite
+/// number (the loader's own error for `.nan` names no key).
+fn guard(text: &str) -> Result<(), SyntaxError> {
+    use ava_plugins::yaml_guard::{self, YamlGuardError, YamlLimits};
+    yaml_guard::check(text, &YamlLimits::DEFAULT).map_err(|e| match e {
+        YamlGuardError::NonFinite { line, .. } => {
+            SyntaxError { line: Some(line), column: None, message: e.to_string(), refused: true }
+        }
+        YamlGuardError::TooManyNodes { line, .. }
+        | YamlGuardError::TooMuchText { line, .. }
+        | YamlGuardError::TooDeep { line, .. } => {
+            // The guard's message starts with "line N: "; the position is kept apart.
+            let full = e.to_string();
+            let message = full.split_once(": ").map(|(_, m)| m.to_string()).unwrap_or(full);
+            SyntaxError { line: Some(line), column: None, message, refused: true }
+        }
+    })
+}
+
 /// Splits yaml-rust2's "<what> at byte N line L column C" into its parts.
 fn yaml_error(text: &str) -> SyntaxError {
     if let Some((message, position)) = text.rsplit_once(" at byte ") {
         let mut numbers = position.split(' ').filter_map(|w| w.parse::<usize>().ok());
         let (_byte, line, column) = (numbers.next(), numbers.next(), numbers.next());
         if line.is_some() {
-            return SyntaxError { line, column, message: message.to_string() };
+            return SyntaxError { line, column, message: message.to_string(), refused: false };
         }
     }
     match text {
@@ -121,54 +143,87 @@ fn parse_toml_document(text: &str) -> Result<Map<String, Value>, SyntaxError> {
             }
             None => (None, None),
         };
-        SyntaxError { line, column, message: e.message().trim().to_string() }
+        SyntaxError { line, column, message: e.message().trim().to_string(), refused: false }
     })?;
-    toml_table(doc.as_table()).map_err(SyntaxError::plain)
+    // Its only errors are non-finite numbers at a key: refused, not a syntax error.
+    toml_table(doc.as_table(), "").map_err(|message| SyntaxError { line: None, column: None, message, refused: true })
 }
 
-fn toml_table(table: &dyn toml_edit::TableLike) -> Result<Map<String, Value>, String> {
+/// `path.key` (or `key` at the top).
+fn join(path: &str, key: &str) -> String {
+    if path.is_empty() { key.to_string() } else { format!("{path}.{key}") }
+}
+
+/// The errors name the key path (`train.lr: NaN is not a finite number`).
+fn toml_table(table: &dyn toml_edit::TableLike, path: &str) -> Result<Map<String, Value>, String> {
     let mut out = Map::new();
     for (key, item) in table.iter() {
-        if let Some(value) = toml_item(item)? {
+        if let Some(value) = toml_item(item, &join(path, key))? {
             out.insert(key.to_string(), value);
         }
     }
     Ok(out)
 }
 
-fn toml_item(item: &toml_edit::Item) -> Result<Option<Value>, String> {
+fn toml_item(item: &toml_edit::Item, path: &str) -> Result<Option<Value>, String> {
     Ok(Some(match item {
         toml_edit::Item::None => return Ok(None),
-        toml_edit::Item::Value(v) => toml_value(v)?,
-        toml_edit::Item::Table(t) => Value::Object(toml_table(t)?),
-        toml_edit::Item::ArrayOfTables(a) => {
-            Value::Array(a.iter().map(|t| toml_table(t).map(Value::Object)).collect::<Result<_, _>>()?)
-        }
+        toml_edit::Item::Value(v) => toml_value(v, path)?,
+        toml_edit::Item::Table(t) => Value::Object(toml_table(t, path)?),
+        toml_edit::Item::ArrayOfTables(a) => Value::Array(
+            a.iter()
+                .enumerate()
+                .map(|(i, t)| toml_table(t, &format!("{path}[{i}]")).map(Value::Object))
+                .collect::<Result<_, _>>()?,
+        ),
     }))
 }
 
-fn toml_value(value: &toml_edit::Value) -> Result<Value, String> {
+fn toml_value(value: &toml_edit::Value, path: &str) -> Result<Value, String> {
     use toml_edit::Value as T;
     Ok(match value {
         T::String(s) => Value::String(s.value().clone()),
         T::Integer(i) => Value::from(*i.value()),
-        T::Float(f) => number(*f.value())?,
+        T::Float(f) => number(*f.value()).map_err(|e| format!("{path}: {e}; write a finite number"))?,
         T::Boolean(b) => Value::Bool(*b.value()),
         T::Datetime(d) => Value::String(d.value().to_string()),
-        T::Array(a) => Value::Array(a.iter().map(toml_value).collect::<Result<_, _>>()?),
-        T::InlineTable(t) => Value::Object(toml_table(t)?),
+        T::Array(a) => Value::Array(
+            a.iter().enumerate().map(|(i, v)| toml_value(v, &format!("{path}[{i}]"))).collect::<Result<_, _>>()?,
+        ),
+        T::InlineTable(t) => Value::Object(toml_table(t, path)?),
     })
 }
 
 /// Parses the text of one value as YAML (`0.9`, `true`, `lion`, `[a, b]`,
 /// `{name: lion, betas: [0.9, 0.98]}`); an empty text is `null`.
 pub(crate) fn parse_yaml_value(text: &str) -> Result<Value, String> {
+    parse_yaml_value_at(text, "")
+}
+
+/// [`parse_yaml_value`] for the value of `key` (a dotted path, empty when the caller names
+/// the key itself): a non-finite number's message starts with its full key path.
+pub(crate) fn parse_yaml_value_at(text: &str, key: &str) -> Result<Value, String> {
     // Indented under a key, any YAML value (also a multi-line block) reads as that key's value.
     let mut doc = String::from("v:\n");
     for line in text.lines() {
         doc.push_str("  ");
         doc.push_str(line);
         doc.push('\n');
+    }
+    // The wrapper adds the key `v` (one node, one level); the guard's path drops it.
+    if let Err(e) = guard(&doc) {
+        let message = match e.message.strip_prefix("v: ") {
+            Some(rest) if key.is_empty() => rest.to_string(),
+            Some(rest) => format!("{key}: {rest}"),
+            None => match e.message.strip_prefix("v.").or_else(|| e.message.strip_prefix('v')) {
+                Some(rest) if rest.contains(" is not a finite number") => {
+                    let sep = if key.is_empty() || rest.starts_with('[') { "" } else { "." };
+                    format!("{key}{sep}{rest}")
+                }
+                _ => e.message,
+            },
+        };
+        return Err(message);
     }
     let table = FileFormat::Yaml.parse(None, &doc).map_err(|e| {
         let e = yaml_error(&e.to_string());

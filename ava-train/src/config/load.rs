@@ -2,7 +2,6 @@
 //! turned into an origin-tracked tree and merged, then validated as a whole.
 
 use std::fs;
-use std::io;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -272,32 +271,50 @@ fn parse_set(arg: &str) -> Result<(String, Vec<String>, Value), ConfigError> {
             "the key '{key}' has an empty part; levels are separated by single dots, e.g. plugins.memory.critical"
         )));
     }
-    let value = format::parse_yaml_value(text.trim()).map_err(bad)?;
+    let value = format::parse_yaml_value_at(text.trim(), key).map_err(bad)?;
     Ok((arg.to_string(), path, value))
 }
 
 /// Reads a config file into a tree (all of it from [`Origin::File`]).
 pub(crate) fn read_file(path: &Path) -> Result<Node, ConfigError> {
-    let text = match fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            return Err(ConfigError::NotFound { path: path.to_path_buf(), suggestion: similar_file(path) });
-        }
-        Err(source) => return Err(ConfigError::Read { path: path.to_path_buf(), source }),
-    };
+    let text = read_config_text(path)?
+        .ok_or_else(|| ConfigError::NotFound { path: path.to_path_buf(), suggestion: similar_file(path) })?;
     let value = parse_file_text(path, &text)?;
     Ok(Node::from_value(value, &Origin::File(path.to_path_buf())))
+}
+
+/// The text of the config file `path`, `None` when there is none. Bounded: a FIFO, a device
+/// or a file over [`limits::CONFIG`](ava_plugins::bounded::limits::CONFIG) is refused
+/// instead of hanging or filling memory.
+pub(crate) fn read_config_text(path: &Path) -> Result<Option<String>, ConfigError> {
+    use ava_plugins::bounded::{self, ReadError};
+    match bounded::read_to_string(path, bounded::limits::CONFIG) {
+        Ok(text) => Ok(Some(text)),
+        Err(e) if e.is_missing() => Ok(None),
+        Err(ReadError::Io { source, .. }) => Err(ConfigError::Read { path: path.to_path_buf(), source }),
+        Err(e) => {
+            let full = e.to_string();
+            let message = full.strip_prefix(&format!("{}: ", path.display())).map(str::to_string).unwrap_or(full);
+            Err(ConfigError::Refused { path: path.to_path_buf(), line: None, message })
+        }
+    }
 }
 
 /// Parses the text of the config file `path` (format from its extension).
 pub(crate) fn parse_file_text(path: &Path, text: &str) -> Result<Value, ConfigError> {
     let format = Format::of(path).ok_or_else(|| ConfigError::UnknownFormat { path: path.to_path_buf() })?;
-    format::parse_document(format, text).map(Value::Object).map_err(|e| ConfigError::Syntax {
-        path: path.to_path_buf(),
-        format: format.name(),
-        line: e.line,
-        column: e.column,
-        message: e.message,
+    format::parse_document(format, text).map(Value::Object).map_err(|e| {
+        if e.refused {
+            ConfigError::Refused { path: path.to_path_buf(), line: e.line, message: e.message }
+        } else {
+            ConfigError::Syntax {
+                path: path.to_path_buf(),
+                format: format.name(),
+                line: e.line,
+                column: e.column,
+                message: e.message,
+            }
+        }
     })
 }
 

@@ -953,3 +953,76 @@ fn nan_policy_defaults_to_stop_and_names_its_words() {
     let err = file_error("bad.yaml", "train:\n  nan_policy: ignore\n");
     assert!(err.contains("train.nan_policy: ") && err.contains("stop") && err.contains("skip"), "{err}");
 }
+
+// Outside input (issue 20): bounded before it is loaded, non-finite numbers by key path.
+
+/// A "billion laughs" document: 9 levels of 9 aliases, under 600 bytes, 9^9 values expanded.
+fn alias_bomb() -> String {
+    let mut s = String::from("a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for i in 1..9 {
+        let p = i - 1;
+        s.push_str(&format!("a{i}: &a{i} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n"));
+    }
+    s
+}
+
+#[test]
+fn an_alias_bomb_file_is_refused_before_it_is_expanded() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(&dir, "bomb.yaml", &alias_bomb());
+    let err = ConfigLoader::new().file(&path).load().unwrap_err();
+    assert!(matches!(err, ConfigError::Refused { line: Some(6), .. }), "{err:?}");
+    let text = err.to_string();
+    assert!(text.contains("bomb.yaml:6: the YAML expands to more than 100000 values"), "{text}");
+    // The editor reads the same way.
+    let err = set_plugin_selection(&path, PluginKind::Optimizer, Some(&PluginSelection::new("lion"))).unwrap_err();
+    assert!(matches!(err, ConfigError::Refused { .. }), "{err}");
+}
+
+#[test]
+fn an_alias_bomb_in_a_set_value_or_a_variable_names_it() {
+    let flow = "[&a [&b [&c [&d [&e [x,x,x,x,x,x,x,x,x,x],*e,*e,*e,*e,*e,*e,*e,*e,*e],*d,*d,*d,*d,*d,*d,*d,*d,*d],\
+                *c,*c,*c,*c,*c,*c,*c,*c,*c],*b,*b,*b,*b,*b,*b,*b,*b,*b],*a,*a,*a,*a,*a,*a,*a,*a,*a]";
+    let err = ConfigLoader::new().set(format!("train.lr={flow}")).load().unwrap_err().to_string();
+    assert!(err.starts_with("--set 'train.lr=") && err.contains("the YAML expands to more than 100000"), "{err}");
+    let err = ConfigLoader::new().env([("AVA__TRAIN__LR", flow)]).load().unwrap_err().to_string();
+    assert!(err.contains("train.lr: the YAML expands to more than 100000") && err.contains("AVA__TRAIN__LR"), "{err}");
+}
+
+#[test]
+fn non_finite_numbers_are_refused_at_their_key_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(&dir, "nan.yaml", "train:\n  lr: .nan\n");
+    let err = ConfigLoader::new().file(&path).load().unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "{}:2: train.lr: .nan is not a finite number; write a finite number (e.g. 0.001 or 1e30)",
+            path.display()
+        )
+    );
+    let err = ConfigLoader::new().set("train.lr=.inf").load().unwrap_err().to_string();
+    assert!(err.contains("--set 'train.lr=.inf': train.lr: .inf is not a finite number"), "{err}");
+    let err = ConfigLoader::new().set("plugins.optimizer={name: lion, betas: [0.9, -.inf]}").load().unwrap_err();
+    assert!(err.to_string().contains("plugins.optimizer.betas[1]: -.inf is not a finite number"), "{err}");
+    let err = ConfigLoader::new().env([("AVA__TRAIN__LR", "1e999")]).load().unwrap_err().to_string();
+    assert!(err.contains("train.lr: 1e999 is not a finite number"), "{err}");
+    let path = write(&dir, "nan.toml", "[train]\nlr = nan\n");
+    let err = ConfigLoader::new().file(&path).load().unwrap_err().to_string();
+    assert!(err.ends_with("nan.toml: train.lr: NaN is not a finite number; write a finite number"), "{err}");
+}
+
+#[test]
+fn a_fifo_or_a_device_as_the_config_file_is_refused_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo.yaml");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let err = ConfigLoader::new().file(&fifo).load().unwrap_err().to_string();
+    assert!(err.ends_with("fifo.yaml: is a FIFO (named pipe), not a regular file; name a regular file instead"), "{err}");
+    let zero = dir.path().join("zero.yaml");
+    std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+    let err = ConfigLoader::new().file(&zero).load().unwrap_err().to_string();
+    assert!(err.contains("is a character device"), "{err}");
+}

@@ -3,7 +3,6 @@
 //! the rest the training split; sequence `i` of a split is a window of `seq_len + 1` tokens at
 //! an offset drawn uniformly from `(seed, split, i)`, entirely inside that split.
 
-use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
@@ -66,9 +65,18 @@ impl TextDataset {
         }
         // Load the tokenizer first: a bad tokenizer.json fails before reading a large file.
         let tokenizer = tokenizer.map(TextTokenizer::from_file).transpose()?;
-        let bytes = fs::read(path).map_err(|source| match source.kind() {
-            io::ErrorKind::NotFound => DataError::NotFound { path: path.to_path_buf() },
-            _ => DataError::Read { path: path.to_path_buf(), source },
+        // A corpus is legitimately large, so only the file type is bounded: a FIFO or a
+        // device (a link to /dev/zero) is refused instead of hanging or filling memory.
+        let bytes = ava_plugins::bounded::read(path, ava_plugins::bounded::limits::LARGE).map_err(|e| match e {
+            ava_plugins::bounded::ReadError::Missing(_) => DataError::NotFound { path: path.to_path_buf() },
+            ava_plugins::bounded::ReadError::Io { source, .. } => DataError::Read { path: path.to_path_buf(), source },
+            other => DataError::Read {
+                path: path.to_path_buf(),
+                source: io::Error::new(io::ErrorKind::InvalidInput, {
+                    let full = other.to_string();
+                    full.strip_prefix(&format!("{}: ", path.display())).map(str::to_string).unwrap_or(full)
+                }),
+            },
         })?;
         let (tokens, vocab_size) = match &tokenizer {
             None => (Tokens::Bytes(bytes), 256),

@@ -26,8 +26,13 @@ impl TextTokenizer {
         if !path.is_file() {
             return Err(DataError::TokenizerNotFound { path: path.to_path_buf() });
         }
-        let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| DataError::Tokenizer { path: path.to_path_buf(), message: e.to_string() })?;
+        let bad = |message: String| DataError::Tokenizer { path: path.to_path_buf(), message };
+        // Bounded: a tokenizer.json is at most tens of megabytes.
+        let bytes = ava_plugins::bounded::read(path, ava_plugins::bounded::limits::JSON).map_err(|e| {
+            let full = e.to_string();
+            bad(full.strip_prefix(&format!("{}: ", path.display())).map(str::to_string).unwrap_or(full))
+        })?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(e.to_string()))?;
         Ok(Self { path: path.to_path_buf(), inner })
     }
 

@@ -87,8 +87,9 @@ pub fn load_hf_folder(dir: &Path) -> Result<(ModelSpec, HashMap<String, Tensor>)
     let spec = ModelSpec::from_hf_config(&config)?;
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<PathBuf> = if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(|e| io(&index, e))?;
         let bad = |message: String| ModelError::Weights { path: index.clone(), problems: vec![message] };
+        let text = read_bounded(&index, ava_plugins::bounded::limits::JSON)?;
+        let text = String::from_utf8(text).map_err(|_| bad("not UTF-8 text".into()))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
         let map = v
             .get("weight_map")
@@ -120,10 +121,20 @@ pub fn load_hf_folder(dir: &Path) -> Result<(ModelSpec, HashMap<String, Tensor>)
     }
     let mut tensors = HashMap::new();
     for file in files {
-        let bytes = std::fs::read(&file).map_err(|e| io(&file, e))?;
+        let bytes = read_bounded(&file, ava_plugins::bounded::limits::LARGE)?;
         tensors.extend(tensors_from_safetensors(&bytes, &file)?);
     }
     Ok((spec, tensors))
+}
+
+/// The bytes of `path`, a regular file of at most `limit` bytes (a FIFO or a device named by
+/// a model folder is refused instead of hanging or filling memory).
+pub(crate) fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, ModelError> {
+    ava_plugins::bounded::read(path, limit).map_err(|e| {
+        let full = e.to_string();
+        let message = full.strip_prefix(&format!("{}: ", path.display())).map(str::to_string).unwrap_or(full);
+        ModelError::Io { path: path.to_path_buf(), message }
+    })
 }
 
 /// Writes `config.json` and `model.safetensors` into `dir` (created if needed), each

@@ -504,6 +504,8 @@ fn window_of(r: &mut Reader<'_>, arch: Arch, layers: usize) -> Option<usize> {
     }
 }
 
+use super::spec::{MAX_LAYER_EXPERTS, MAX_PARAMS, param_count};
+
 /// Reads a config.json value; `path` names the file in errors.
 pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
     let err = |problems: Vec<String>| ModelError::HfConfig {
@@ -525,7 +527,20 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
     let ffn = r.int("intermediate_size", None, 1 << 22);
     let kv_heads = r.int("num_key_value_heads", Some(d.kv_heads.unwrap_or(heads)), 1 << 16);
     // transformers: `head_dim` if set, else hidden_size // num_attention_heads.
+    let head_dim_given = r.obj.get("head_dim").is_some_and(|v| !v.is_null());
     let head_dim = r.int("head_dim", Some(hidden / heads.max(1)), 1 << 16);
+    if !head_dim_given && heads > 0 && hidden % heads != 0 {
+        r.problems.push(format!(
+            "hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}), and there is no head_dim: \
+             fix one of them, or set head_dim"
+        ));
+    }
+    if heads > 0 && kv_heads > 0 && heads % kv_heads != 0 {
+        r.problems.push(format!(
+            "num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads}); grouped-query \
+             attention shares each key/value head among a whole number of query heads"
+        ));
+    }
     if let Some(act) = r.get("hidden_act")
         && !matches!(act.as_str(), Some("silu" | "swish"))
     {
@@ -598,6 +613,26 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
             map["AutoModelForCausalLM"]
         ));
     }
+    // Each number is in range alone, but together they may describe more parameters than any
+    // machine holds: refused here, before the model (or its estimate) is sized by them.
+    let experts = moe.map_or(1, |m| m.experts);
+    // Every expert of every layer is its own tensors (and its own bookkeeping).
+    if (layers as u128) * (experts as u128) > MAX_LAYER_EXPERTS {
+        r.problems.push(format!(
+            "num_hidden_layers {layers} × num_local_experts {experts} is more than the {MAX_LAYER_EXPERTS} expert \
+             blocks Ava accepts; is it the right config.json?"
+        ));
+    }
+    if let Some(total) = param_count(vocab, hidden, layers, heads, kv_heads, head_dim, ffn, experts, tie_embeddings)
+        && total > MAX_PARAMS
+    {
+        r.problems.push(format!(
+            "vocab_size {vocab}, hidden_size {hidden}, num_hidden_layers {layers}, num_attention_heads {heads}, \
+             intermediate_size {ffn}{} make {total} parameters, more than the {MAX_PARAMS} Ava accepts; is it the \
+             right config.json?",
+            if moe.is_some() { format!(", num_local_experts {experts}") } else { String::new() }
+        ));
+    }
     let mut unknown: Vec<&str> =
         obj.keys().map(String::as_str).filter(|k| !r.used.contains(k) && !INERT.contains(k)).collect();
     unknown.sort_unstable();
@@ -635,9 +670,8 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
 
 /// Reads `path` (a config.json).
 pub fn read_hf_config(path: &Path) -> Result<HfConfig, ModelError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| ModelError::Io { path: path.to_path_buf(), message: e.to_string() })?;
-    let v: Value = serde_json::from_str(&text)
+    let text = super::hf::read_bounded(path, ava_plugins::bounded::limits::JSON)?;
+    let v: Value = serde_json::from_slice(&text)
         .map_err(|e| ModelError::HfConfig { path: path.to_path_buf(), message: format!("not JSON: {e}") })?;
     parse_hf_config(&v, path)
 }
@@ -775,6 +809,28 @@ mod tests {
             v[k] = x.clone();
         }
         v
+    }
+
+    /// Issue 20: sizes are checked alone and together, by key, before anything is sized by
+    /// them.
+    #[test]
+    fn zero_heads_and_sizes_that_do_not_fit_together_are_refused_by_key() {
+        let e = parse(llama(json!({"num_attention_heads": 0}))).unwrap_err();
+        assert!(e.starts_with("m/config.json: num_attention_heads must be an integer from 1 to 65536, got 0"), "{e}");
+        let e = parse(llama(json!({"num_attention_heads": 5}))).unwrap_err();
+        assert!(e.contains("hidden_size (32) is not a multiple of num_attention_heads (5)"), "{e}");
+        let e = parse(llama(json!({"num_key_value_heads": 3}))).unwrap_err();
+        assert!(e.contains("num_attention_heads (4) is not a multiple of num_key_value_heads (3)"), "{e}");
+        // Each in range, together 4.5 × 10^15 parameters.
+        let huge = json!({"vocab_size": 1u64 << 31, "hidden_size": 1 << 20, "num_hidden_layers": 4096,
+            "intermediate_size": 1 << 22, "num_attention_heads": 1 << 12});
+        let e = parse(llama(huge)).unwrap_err();
+        assert!(e.contains("parameters, more than the 2000000000000 Ava accepts; is it the right config.json?"), "{e}");
+        let mut moe = llama(json!({"num_hidden_layers": 4096, "num_local_experts": 4096}));
+        moe["model_type"] = "mixtral".into();
+        moe["architectures"] = json!(["MixtralForCausalLM"]);
+        let e = parse(moe).unwrap_err();
+        assert!(e.contains("num_hidden_layers 4096 × num_local_experts 4096 is more than the 65536"), "{e}");
     }
 
     /// A missing field takes the value of transformers' config class of that architecture.

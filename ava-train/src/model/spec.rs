@@ -307,6 +307,23 @@ impl ModelSpec {
         if !problems.is_empty() {
             return Err(ModelError::Spec { origin: origin.to_string(), problems });
         }
+        let experts = self.moe.map_or(1, |m| m.experts);
+        if (self.layers as u128) * (experts as u128) > MAX_LAYER_EXPERTS {
+            problems.push(format!(
+                "num_layers {} × num_experts {experts} is more than the {MAX_LAYER_EXPERTS} expert blocks Ava accepts",
+                self.layers
+            ));
+        }
+        let (v, d, l, h, kv, hd, f) =
+            (self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim, self.ffn);
+        if let Some(total) = param_count(v, d, l, h, kv, hd, f, experts, self.tie_embeddings)
+            && total > MAX_PARAMS
+        {
+            problems.push(format!("these sizes make {total} parameters, more than the {MAX_PARAMS} Ava accepts"));
+        }
+        if !problems.is_empty() {
+            return Err(ModelError::Spec { origin: origin.to_string(), problems });
+        }
         if self.head_dim % 2 != 0 {
             problems.push(format!("the head size ({}) must be even for rotary embeddings", self.head_dim));
         }
@@ -422,4 +439,38 @@ impl ModelSpec {
     pub fn train_flops_per_token(&self, seq: usize) -> f64 {
         6.0 * self.matmul_params_per_token() as f64 + 12.0 * (self.layers * self.heads * self.head_dim * seq) as f64
     }
+}
+
+/// The most parameters a model may have: 2 × 10^12, past the largest open models. Sizes from
+/// a config.json or a config file are refused past it, before anything is sized by them.
+pub const MAX_PARAMS: u128 = 2_000_000_000_000;
+
+/// The most expert blocks (layers × experts) a model may have; the largest open mixtures
+/// have about 16 thousand (61 layers of 256). Each is its own tensors and bookkeeping.
+pub const MAX_LAYER_EXPERTS: u128 = 65_536;
+
+/// The parameter count of a Llama-style model with these sizes (an upper bound: biases and
+/// norms are counted generously), `None` when a size is zero (reported elsewhere). In
+/// `u128`, so no size within the per-key limits overflows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn param_count(
+    vocab: usize,
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    ffn: usize,
+    experts: usize,
+    tied: bool,
+) -> Option<u128> {
+    let [v, d, l, h, kv, hd, f, e] =
+        [vocab, hidden, layers, heads, kv_heads, head_dim, ffn, experts].map(|n| n as u128);
+    if [v, d, l, h, kv, hd, f, e].contains(&0) {
+        return None;
+    }
+    let attention = d * h * hd * 2 + d * kv * hd * 2 + (h + kv * 2) * hd;
+    let mlp = e * (3 * d * f + 2 * f + d) + d * e;
+    let embeddings = v * d * if tied { 1 } else { 2 };
+    Some(embeddings + l * (attention + mlp + 2 * d) + d)
 }

@@ -58,14 +58,16 @@ impl Manifest {
     /// Reads and checks `dir/manifest.json` (format, file names), without looking at the files.
     pub fn read(dir: &Path) -> Result<Self, SaveError> {
         let path = dir.join(MANIFEST_FILE);
-        let text = match std::fs::read(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                return Err(SaveError::ManifestMissing { dir: dir.to_path_buf() });
-            }
-            Err(source) => return Err(SaveError::Io { action: "read".into(), path, source }),
-        };
         let invalid = |reason: String| SaveError::ManifestInvalid { path: path.clone(), reason };
+        // Bounded: a manifest is a few kilobytes; a FIFO or a device in its place is refused.
+        let text = match ava_plugins::bounded::read(&path, ava_plugins::bounded::limits::JSON) {
+            Ok(text) => text,
+            Err(e) if e.is_missing() => return Err(SaveError::ManifestMissing { dir: dir.to_path_buf() }),
+            Err(ava_plugins::bounded::ReadError::Io { source, .. }) => {
+                return Err(SaveError::Io { action: "read".into(), path, source });
+            }
+            Err(e) => return Err(invalid(unprefixed(&e))),
+        };
         let manifest: Self = serde_json::from_slice(&text).map_err(|e| invalid(format!("not a manifest: {e}")))?;
         if manifest.format != MANIFEST_FORMAT {
             return Err(invalid(format!(
@@ -73,11 +75,31 @@ impl Manifest {
                 manifest.format
             )));
         }
-        for name in manifest.files.keys() {
+        for (name, entry) in &manifest.files {
             check_file_name(name).map_err(|reason| invalid(format!("file name '{name}': {reason}")))?;
+            if entry.sha256.len() != 64 || !entry.sha256.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(invalid(format!("files.{name}.sha256 is {:?}, not 64 hex digits", entry.sha256)));
+            }
+            // A size past what any disk holds is damage, refused before anything is sized by it.
+            if entry.bytes > MAX_FILE_BYTES {
+                return Err(invalid(format!(
+                    "files.{name}.bytes is {}, more than the {MAX_FILE_BYTES} bytes a checkpoint file can have",
+                    entry.bytes
+                )));
+            }
         }
         Ok(manifest)
     }
+}
+
+/// The largest checkpoint file a manifest may list (1 PiB): a bound on sizes read from it.
+pub const MAX_FILE_BYTES: u64 = 1 << 50;
+
+/// A bounded read's error without its leading "path: " (the caller's message names the path).
+pub(crate) fn unprefixed(e: &ava_plugins::bounded::ReadError) -> String {
+    let full = e.to_string();
+    let prefix = format!("{}: ", e.path().display());
+    full.strip_prefix(&prefix).map(str::to_string).unwrap_or(full)
 }
 
 /// Checks `bytes`, read from `path`, against its manifest `entry`.
@@ -133,18 +155,30 @@ pub(crate) fn check_file_name(name: &str) -> Result<(), String> {
 }
 
 /// Opens a file the manifest lists; absent is [`SaveError::FileMissing`].
+/// Opened without blocking and checked to be a regular file: a FIFO in a checkpoint would
+/// otherwise hang `File::open` itself.
 pub(crate) fn open(path: &Path) -> Result<File, SaveError> {
-    File::open(path).map_err(|source| match source.kind() {
-        io::ErrorKind::NotFound => SaveError::FileMissing { path: path.to_path_buf() },
-        _ => read_error(path, source),
-    })
+    use ava_plugins::bounded::{ReadError, open_regular};
+    match open_regular(path, u64::MAX) {
+        Ok((file, _)) => Ok(file),
+        Err(ReadError::Missing(_)) => Err(SaveError::FileMissing { path: path.to_path_buf() }),
+        Err(ReadError::Io { source, .. }) => Err(read_error(path, source)),
+        Err(e) => {
+            let dir = path.parent().unwrap_or(Path::new("."));
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            Err(SaveError::ManifestInvalid {
+                path: dir.join(MANIFEST_FILE),
+                reason: format!("it lists '{name}', which {}", unprefixed(&e).split(';').next().unwrap_or_default()),
+            })
+        }
+    }
 }
 
 fn read_error(path: &Path, source: io::Error) -> SaveError {
     SaveError::Io { action: "read".into(), path: PathBuf::from(path), source }
 }
 
-fn check_size(path: &Path, entry: &FileEntry, found: u64) -> Result<(), SaveError> {
+pub(crate) fn check_size(path: &Path, entry: &FileEntry, found: u64) -> Result<(), SaveError> {
     if found != entry.bytes {
         return Err(SaveError::SizeMismatch { path: path.to_path_buf(), expected: entry.bytes, found });
     }

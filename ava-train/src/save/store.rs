@@ -282,10 +282,15 @@ impl CheckpointStore {
     /// is no pointer (nothing saved yet).
     pub fn latest(&self) -> Result<Option<PathBuf>, SaveError> {
         let path = self.root.join(LATEST_FILE);
-        let text = match fs::read_to_string(&path) {
+        // Bounded: the pointer is one directory name.
+        let text = match ava_plugins::bounded::read_to_string(&path, 4096) {
             Ok(text) => text,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => return Err(io_error("read", &path, source)),
+            Err(e) if e.is_missing() => return Ok(None),
+            Err(ava_plugins::bounded::ReadError::Io { source, .. }) => return Err(io_error("read", &path, source)),
+            Err(e) => {
+                let detail = format!(" ({}: {})", path.display(), super::manifest::unprefixed(&e));
+                return Err(SaveError::NoCheckpoint { root: self.root.clone(), detail });
+            }
         };
         let name = text.trim();
         if parse_step(name).is_none() {
@@ -343,6 +348,10 @@ impl CheckpointStore {
         for (name, entry) in &manifest.files {
             let path = dir.join(name);
             let mut file = super::manifest::open(&path)?;
+            // The size on disk is checked against the manifest before the manifest's number
+            // sizes anything: a damaged `bytes` is a clear error, not a huge allocation.
+            let meta = file.metadata().map_err(|e| io_error("read", &path, e))?;
+            super::manifest::check_size(&path, entry, meta.len())?;
             let data = if entry.bytes >= FileData::MAP_FROM {
                 // SAFETY: checkpoint files are written once, under a temporary name, and never
                 // modified after the rename that publishes them; the map is read-only. A file
@@ -351,7 +360,8 @@ impl CheckpointStore {
                 FileData::Mapped(map)
             } else {
                 let mut bytes = Vec::with_capacity(usize::try_from(entry.bytes).unwrap_or(0));
-                file.read_to_end(&mut bytes).map_err(|e| io_error("read", &path, e))?;
+                // At most one byte more than the manifest says, should the file grow meanwhile.
+                (&mut file).take(entry.bytes + 1).read_to_end(&mut bytes).map_err(|e| io_error("read", &path, e))?;
                 FileData::Read(bytes)
             };
             check_bytes(&path, entry, &data)?;

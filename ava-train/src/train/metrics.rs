@@ -167,13 +167,14 @@ pub fn read_run(file: &Path) -> Result<RunMetrics, MetricsError> {
 }
 
 fn read(file: &Path) -> Result<String, MetricsError> {
-    std::fs::read_to_string(file).map_err(|e| MetricsError::Io {
+    // Bounded: only the file type matters (a FIFO would hang the read); metrics can be long.
+    ava_plugins::bounded::read_to_string(file, ava_plugins::bounded::limits::LARGE).map_err(|e| MetricsError::Io {
         path: file.to_path_buf(),
-        message: match e.kind() {
-            std::io::ErrorKind::NotFound => {
-                format!("not found: give a run directory (train.out_dir) holding {METRICS_FILE}, or the file itself")
-            }
-            _ => e.to_string(),
+        message: if e.is_missing() {
+            format!("not found: give a run directory (train.out_dir) holding {METRICS_FILE}, or the file itself")
+        } else {
+            let full = e.to_string();
+            full.strip_prefix(&format!("{}: ", file.display())).map(str::to_string).unwrap_or(full)
         },
     })
 }

@@ -69,6 +69,40 @@ struct TrainerState {
     micro_batch_split: usize,
 }
 
+/// Checks `trainer.json` against its checkpoint and the run: every field in range and the
+/// step the manifest's. Its numbers size and index what follows (micro-batch split, data
+/// position), so a damaged one must stop here. All problems are reported at once.
+fn check_trainer_state(state: &TrainerState, ckpt: &LoadedCheckpoint, config: &Config) -> Result<(), TrainError> {
+    let mut problems = Vec::new();
+    if state.step != ckpt.step {
+        problems.push(format!("step is {}, but the manifest says the checkpoint is of step {}", state.step, ckpt.step));
+    }
+    let micro = config.train.micro_batch_size;
+    let split = state.micro_batch_split;
+    if split == 0 || !split.is_power_of_two() || micro % split != 0 {
+        problems.push(format!(
+            "micro_batch_split is {split}; it must be a power of two dividing train.micro_batch_size ({micro})"
+        ));
+    }
+    // data_position is any batch index: batch k is a pure function of (seed, k).
+    let ls = &state.loss_scale;
+    if !(ls.scale.is_finite() && ls.scale >= 1.0) && ls.enabled {
+        problems.push(format!("loss_scale.scale is {}; it must be a finite number of at least 1", ls.scale));
+    }
+    if ls.enabled && ls.growth_interval == 0 {
+        problems.push("loss_scale.growth_interval is 0; it must be at least 1".into());
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    let path = ckpt.dir.join(TRAINER_FILE);
+    Err(TrainError::Invalid(format!(
+        "{}: {}; this checkpoint is damaged or from another run; resume from an older one",
+        path.display(),
+        problems.join("; ")
+    )))
+}
+
 /// Files of a checkpoint directory.
 const MODEL_FILE: &str = "model.safetensors";
 const HF_CONFIG_FILE: &str = "config.json";
@@ -566,6 +600,18 @@ impl Trainer {
                 for b in masters {
                     let name = b.name.trim_end_matches(&format!(".{}", super::MASTER));
                     if let Some(p) = model.params().iter().find(|p| p.def.name == name) {
+                        let numel: usize = p.def.shape.iter().product();
+                        if b.data.len() != numel.saturating_mul(4) {
+                            return Err(TrainError::Invalid(format!(
+                                "{}: {} holds {} bytes, but the f32 master of {name} (shape {:?}) takes {}; this \
+                                 checkpoint is damaged or from another run; resume from an older one",
+                                ckpt.dir.join(OPTIMIZER_FILE).display(),
+                                b.name,
+                                b.data.len(),
+                                p.def.shape,
+                                numel.saturating_mul(4)
+                            )));
+                        }
                         let values: Vec<f32> =
                             b.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                         let t = Tensor::from_vec(values, p.def.shape.as_slice(), &Device::Cpu);
@@ -574,8 +620,13 @@ impl Trainer {
                 }
             }
             trainer_state = serde_json::from_slice(ckpt.file(TRAINER_FILE)?).map_err(|e| {
-                TrainError::Invalid(format!("{}: unreadable trainer state: {e}", ckpt.dir.join(TRAINER_FILE).display()))
+                TrainError::Invalid(format!(
+                    "{}: unreadable trainer state: {e}; this checkpoint is damaged or from another version; resume \
+                     from an older one",
+                    ckpt.dir.join(TRAINER_FILE).display()
+                ))
             })?;
+            check_trainer_state(&trainer_state, &ckpt, &config)?;
             resumed_from = Some(ckpt.dir.clone());
         }
 
@@ -875,7 +926,7 @@ impl Trainer {
     fn open_metrics(&self) -> Result<std::fs::File, TrainError> {
         let path = self.metrics_path();
         if self.step == 0 || self.resumed_from.is_some() {
-            let kept: Vec<String> = std::fs::read_to_string(&path)
+            let kept: Vec<String> = ava_plugins::bounded::read_to_string(&path, ava_plugins::bounded::limits::LARGE)
                 .unwrap_or_default()
                 .lines()
                 .filter(|l| {
@@ -1357,4 +1408,92 @@ fn write_line(file: &mut std::fs::File, path: &Path, value: &Value) -> Result<()
     let mut line = serde_json::to_string(value).expect("a JSON value serializes");
     line.push('\n');
     file.write_all(line.as_bytes()).and_then(|_| file.flush()).map_err(|e| TrainError::io(path, e))
+}
+
+#[cfg(test)]
+mod trainer_state_tests {
+    //! `trainer.json` as outside input: every field checked against the checkpoint and the
+    //! run, and any bytes at all an error or a valid state, never a panic.
+
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn ckpt(step: u64) -> LoadedCheckpoint {
+        LoadedCheckpoint { dir: PathBuf::from("/ckpt/step-00000004"), step, files: BTreeMap::new() }
+    }
+
+    fn check(json: &str, step: u64) -> Result<(), String> {
+        let state: TrainerState = serde_json::from_str(json).map_err(|e| e.to_string())?;
+        check_trainer_state(&state, &ckpt(step), &Config::default()).map_err(|e| e.to_string())
+    }
+
+    const GOOD: &str = r#"{"step":4,"data_position":8,"seed":1,"micro_batch_split":1,
+        "loss_scale":{"scale":65536.0,"clean_steps":0,"growth_interval":2000,"enabled":true}}"#;
+
+    #[test]
+    fn a_consistent_state_passes() {
+        check(GOOD, 4).unwrap();
+    }
+
+    #[test]
+    fn a_step_other_than_the_manifests_is_refused() {
+        let e = check(GOOD, 6).unwrap_err();
+        assert!(e.starts_with("/ckpt/step-00000004/trainer.json: step is 4, but the manifest says"), "{e}");
+        assert!(e.ends_with("this checkpoint is damaged or from another run; resume from an older one"), "{e}");
+    }
+
+    #[test]
+    fn a_split_that_does_not_divide_the_micro_batch_is_refused() {
+        for split in [0usize, 3, 1 << 40] {
+            let e = check(&GOOD.replace(r#""micro_batch_split":1"#, &format!(r#""micro_batch_split":{split}"#)), 4)
+                .unwrap_err();
+            assert!(e.contains(&format!("micro_batch_split is {split}; it must be a power of two")), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_bad_loss_scale_is_refused_with_every_other_problem() {
+        let json = GOOD.replace("65536.0", "0.0").replace(r#""growth_interval":2000"#, r#""growth_interval":0"#);
+        let e = check(&json, 5).unwrap_err();
+        assert!(
+            e.contains("step is 4") && e.contains("loss_scale.scale is 0") && e.contains("growth_interval is 0"),
+            "{e}"
+        );
+    }
+
+    fn cases() -> proptest::test_runner::Config {
+        let n = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
+        proptest::test_runner::Config { cases: n, failure_persistence: None, ..Default::default() }
+    }
+
+    proptest! {
+        #![proptest_config(cases())]
+
+        /// Any numbers in every field: Ok or an error naming trainer.json, never a panic.
+        #[test]
+        fn any_trainer_json_is_checked_without_panic(
+            step in any::<u64>(), pos in any::<u64>(), split in any::<u64>(), scale in any::<f64>(),
+            interval in any::<u64>(), enabled in any::<bool>(), manifest_step in any::<u64>(),
+            edits in prop::collection::vec((any::<usize>(), any::<u8>()), 0..4),
+        ) {
+            let json = format!(
+                r#"{{"step":{step},"data_position":{pos},"seed":1,"micro_batch_split":{split},
+                "loss_scale":{{"scale":{scale:?},"clean_steps":0,"growth_interval":{interval},"enabled":{enabled}}}}}"#
+            );
+            let mut bytes = json.into_bytes();
+            for (at, b) in edits {
+                let i = at % bytes.len();
+                bytes[i] = b;
+            }
+            let text = String::from_utf8_lossy(&bytes);
+            if let Err(e) = check(&text, manifest_step)
+                && e.contains("trainer.json")
+            {
+                prop_assert!(e.contains("resume from an older one"), "{}", e);
+            }
+        }
+    }
 }

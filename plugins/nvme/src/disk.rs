@@ -86,10 +86,11 @@ fn open(path: &Path, direct: bool, write: bool) -> io::Result<File> {
     if write {
         o.write(true).create(true).truncate(true);
     } else {
-        o.read(true);
+        // Non-blocking: a FIFO put in place of a record must not hang `open`.
+        o.read(true).custom_flags(libc::O_NONBLOCK);
     }
     if direct {
-        o.custom_flags(libc::O_DIRECT);
+        o.custom_flags(libc::O_DIRECT | if write { 0 } else { libc::O_NONBLOCK });
     }
     o.open(path)
 }
@@ -120,10 +121,22 @@ pub fn write_file(path: &Path, buf: &[u8], direct: bool) -> io::Result<()> {
     Ok(())
 }
 
-/// Reads the whole file at `path` into an aligned buffer.
-pub fn read_file(path: &Path, direct: bool) -> io::Result<AlignedBuf> {
+/// Reads the whole file at `path` into an aligned buffer. The file must be a regular file of
+/// at most `max_len` bytes (the record stored there): its size on disk, which anyone who can
+/// write the directory controls, never sizes an allocation past that.
+pub fn read_file(path: &Path, direct: bool, max_len: u64) -> io::Result<AlignedBuf> {
     let file = open(path, direct, false)?;
-    let len = file.metadata()?.len() as usize;
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "not a regular file (was it replaced?)"));
+    }
+    if meta.len() > max_len {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("the file has {} bytes, more than the {max_len} bytes of the record stored there", meta.len()),
+        ));
+    }
+    let len = meta.len() as usize;
     let mut buf = AlignedBuf::zeroed(len);
     let mut done = 0;
     {
@@ -148,7 +161,7 @@ pub fn probe_direct(dir: &Path) -> io::Result<()> {
     let mut buf = AlignedBuf::zeroed(ALIGN);
     buf[..8].copy_from_slice(b"AVAPROBE");
     let result = write_file(&path, &buf, true).and_then(|()| {
-        let back = read_file(&path, true)?;
+        let back = read_file(&path, true, ALIGN as u64)?;
         if back[..] == buf[..] { Ok(()) } else { Err(io::Error::other("the bytes read back differ")) }
     });
     let _ = std::fs::remove_file(&path);
@@ -191,7 +204,24 @@ mod tests {
         let path = dir.path().join("r");
         let data: Vec<u8> = (0..10_000u32).map(|i| i as u8).collect();
         write_file(&path, &data, false).unwrap();
-        assert_eq!(&read_file(&path, false).unwrap()[..], &data[..]);
+        assert_eq!(&read_file(&path, false, 1 << 20).unwrap()[..], &data[..]);
         assert!(free_space(dir.path()).unwrap() > 0);
+    }
+
+    /// Issue 20: a record file replaced by a FIFO or by a larger file is an error, without
+    /// blocking and without an allocation sized by the file.
+    #[test]
+    fn a_replaced_record_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("rec");
+        let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let Err(e) = read_file(&path, false, 4096) else { panic!("read") };
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, vec![0u8; 8192]).unwrap();
+        let Err(e) = read_file(&path, false, 4096) else { panic!("read") };
+        assert!(e.to_string().contains("the file has 8192 bytes, more than the 4096 bytes"), "{e}");
     }
 }

@@ -176,7 +176,18 @@ pub fn decode(bytes: &[u8], expect: Expect<'_>) -> Result<std::ops::Range<usize>
     if len != expect.len {
         return Err(RecordError::Length { found: len, expected: expect.len });
     }
-    let end = off + len as usize;
+    // Checked: the length was compared with the caller's, but a length past the address
+    // space must not wrap into a small range.
+    let end = match usize::try_from(len).ok().and_then(|l| off.checked_add(l)) {
+        Some(end) if end <= bytes.len() => end,
+        _ => {
+            let need = usize::try_from(len).ok().and_then(|l| off.checked_add(l)).unwrap_or(usize::MAX);
+            return Err(RecordError::Truncated {
+                have: bytes.len(),
+                need: need.checked_next_multiple_of(ALIGN).unwrap_or(need),
+            });
+        }
+    };
     if bytes.len() < end {
         return Err(RecordError::Truncated { have: bytes.len(), need: end.next_multiple_of(ALIGN) });
     }
@@ -231,5 +242,49 @@ mod tests {
         let moved = record(&run, 3, "opt/v/exp_avg", &payload);
         assert_eq!(decode(&moved, expect), Err(RecordError::OtherKey { found: "opt/v/exp_avg".into() }));
         assert_eq!(decode(&good, Expect { len: 4, ..expect }), Err(RecordError::Length { found: 5000, expected: 4 }));
+    }
+
+    /// Property test: a record read back from disk, damaged anywhere (or replaced by any
+    /// bytes), is an error or the exact range of the stored payload; never a panic, never a
+    /// range past the buffer. `PROPTEST_CASES` raises the count.
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn cases() -> proptest::test_runner::Config {
+            let n = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
+            proptest::test_runner::Config { cases: n, failure_persistence: None, ..Default::default() }
+        }
+
+        proptest! {
+            #![proptest_config(cases())]
+
+            #[test]
+            fn damaged_records_never_panic(
+                payload in prop::collection::vec(any::<u8>(), 0..300),
+                flips in prop::collection::vec((any::<usize>(), any::<u8>()), 0..8),
+                cut in any::<usize>(),
+                expect_len in prop_oneof![Just(None), any::<u64>().prop_map(Some)],
+            ) {
+                let run = [3u8; 16];
+                let mut bytes = record(&run, 9, "k/exp_avg", &payload);
+                for (at, b) in flips {
+                    let i = at % bytes.len();
+                    bytes[i] ^= b;
+                }
+                bytes.truncate(cut % (bytes.len() + 1));
+                let len = expect_len.unwrap_or(payload.len() as u64);
+                if let Ok(range) = decode(&bytes, Expect { run: &run, key: "k/exp_avg", seq: 9, len }) {
+                    prop_assert!(range.end <= bytes.len());
+                    prop_assert_eq!(range.len() as u64, len);
+                }
+            }
+
+            #[test]
+            fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..5000), len in any::<u64>()) {
+                let run = [0u8; 16];
+                let _ = decode(&bytes, Expect { run: &run, key: "", seq: 0, len });
+            }
+        }
     }
 }

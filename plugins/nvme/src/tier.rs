@@ -354,7 +354,8 @@ impl Started {
 }
 
 fn read_record(shared: &Shared, key: &str, entry: &Entry) -> Result<(AlignedBuf, std::ops::Range<usize>), PluginError> {
-    let buf = disk::read_file(&entry.file, shared.direct).map_err(|e| io_error(&entry.file, "reading", &e))?;
+    let buf =
+        disk::read_file(&entry.file, shared.direct, entry.stored).map_err(|e| io_error(&entry.file, "reading", &e))?;
     let range = record::decode(&buf, Expect { run: &shared.run, key, seq: entry.seq, len: entry.len })
         .map_err(|e| record_error(&entry.file, e))?;
     Ok((buf, range))

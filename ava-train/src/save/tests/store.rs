@@ -281,3 +281,53 @@ fn a_real_io_error_leaves_no_temp_directory() {
 fn contents(loaded: &crate::save::LoadedCheckpoint) -> std::collections::BTreeMap<String, Vec<u8>> {
     loaded.files.iter().map(|(k, v)| (k.clone(), v.to_vec())).collect()
 }
+
+/// Issue 20: a manifest's numbers are checked before they size anything.
+fn rewrite_manifest(dir: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let path = dir.join(MANIFEST_FILE);
+    let mut v: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+    edit(&mut v);
+    fs::write(&path, v.to_string()).unwrap();
+}
+
+#[test]
+fn a_damaged_manifest_size_is_refused_before_any_allocation() {
+    let root = tempfile::tempdir().unwrap();
+    let store = CheckpointStore::new(root.path(), 3);
+    let dir = store.save(2, &[("a.bin".into(), vec![7; 100])]).unwrap();
+    // Past any disk: refused when the manifest is read (it used to be a capacity overflow).
+    rewrite_manifest(&dir, |v| v["files"]["a.bin"]["bytes"] = u64::MAX.into());
+    let e = CheckpointStore::load(&dir).unwrap_err().to_string();
+    assert!(e.contains("is invalid: files.a.bin.bytes is 18446744073709551615, more than the"), "{e}");
+    assert!(store.resolve(dir.to_str().unwrap()).is_err());
+    // Plausible but wrong: the size on disk is compared first (it used to reserve 1 TiB).
+    rewrite_manifest(&dir, |v| v["files"]["a.bin"]["bytes"] = (1u64 << 40).into());
+    let e = CheckpointStore::load(&dir).unwrap_err().to_string();
+    assert!(e.contains("is truncated or was changed (100 bytes, the manifest says 1099511627776)"), "{e}");
+    rewrite_manifest(&dir, |v| v["files"]["a.bin"]["sha256"] = "zz".into());
+    let e = Manifest::read(&dir).unwrap_err().to_string();
+    assert!(e.contains("files.a.bin.sha256 is \"zz\", not 64 hex digits"), "{e}");
+}
+
+#[test]
+fn a_fifo_in_a_checkpoint_is_refused_without_blocking() {
+    let root = tempfile::tempdir().unwrap();
+    let store = CheckpointStore::new(root.path(), 3);
+    let dir = store.save(2, &[("a.bin".into(), vec![7; 100])]).unwrap();
+    fs::remove_file(dir.join("a.bin")).unwrap();
+    let c = std::ffi::CString::new(dir.join("a.bin").to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let e = CheckpointStore::load(&dir).unwrap_err().to_string();
+    assert!(e.contains("is invalid: it lists 'a.bin', which is a FIFO (named pipe), not a regular file"), "{e}");
+    assert!(verify(&dir).is_err());
+    // The manifest itself, and the latest pointer.
+    fs::remove_file(dir.join(MANIFEST_FILE)).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", dir.join(MANIFEST_FILE)).unwrap();
+    let e = Manifest::read(&dir).unwrap_err().to_string();
+    assert!(e.contains("is invalid: is a character device, not a regular file"), "{e}");
+    fs::remove_file(root.path().join("latest")).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", root.path().join("latest")).unwrap();
+    let e = store.resolve("latest").unwrap_err().to_string();
+    assert!(e.contains("is a character device"), "{e}");
+}
