@@ -1307,3 +1307,108 @@ fn a_lock_file_others_can_change_is_refused_under_vetted() {
     let out = s.ava(&["plugins", "list", "--set", "plugins.policy=vetted"]);
     assert!(out.usage_error().contains("belongs to uid 65534, not to root or to you (uid 0)"), "{out:#?}");
 }
+
+
+// ---------------------------------------------------------------------------------------------
+// Outside input (issue 20): each hostile or careless input is a clear, bounded error
+// ---------------------------------------------------------------------------------------------
+
+/// A "billion laughs" YAML document: 9 levels of 9 aliases, a few hundred bytes that expand
+/// to 9^9 values.
+fn alias_bomb() -> String {
+    let mut s = String::from("a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for i in 1..9 {
+        let p = i - 1;
+        s.push_str(&format!("a{i}: &a{i} [*a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}, *a{p}]\n"));
+    }
+    s
+}
+
+#[test]
+fn a_fifo_and_a_device_in_a_search_dir_are_refused_rows_and_list_still_answers() {
+    let s = Sandbox::new();
+    let dir = s.subdir("plugins");
+    let fifo = std::ffi::CString::new(dir.join("libfifo.so").to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    std::os::unix::fs::symlink("/dev/zero", dir.join("libzero.so")).unwrap();
+    let out = s.ava(&["plugins", "list", "--set", "plugins.search_paths=[plugins]"]);
+    assert_eq!(out.code, 0, "{out:#?}");
+    assert!(out.stdout.contains("lion"), "{out:#?}");
+    let all = format!("{}{}", out.stdout, out.stderr);
+    assert!(all.contains("libfifo.so") && all.contains("a FIFO (named pipe), not a regular file"), "{out:#?}");
+    assert!(all.contains("libzero.so") && all.contains("a character device, not a regular file"), "{out:#?}");
+}
+
+#[test]
+fn an_alias_bomb_is_refused_quickly_in_a_file_a_set_value_and_a_variable() {
+    let s = Sandbox::new();
+    s.write("bomb.yaml", &alias_bomb());
+    let err = s.ava(&["config", "validate", "bomb.yaml"]).usage_error().to_string();
+    assert!(err.starts_with("error: bomb.yaml:6: the YAML expands to more than 100000 values"), "{err}");
+    assert!(err.contains("alias bomb"), "{err}");
+
+    let laughs = "[&a [&b [&c [&d [&e [x,x,x,x,x,x,x,x,x,x],*e,*e,*e,*e,*e,*e,*e,*e,*e],*d,*d,*d,*d,*d,*d,*d,*d,*d],\
+                  *c,*c,*c,*c,*c,*c,*c,*c,*c],*b,*b,*b,*b,*b,*b,*b,*b,*b],*a,*a,*a,*a,*a,*a,*a,*a,*a]";
+    let err = s.ava(&["config", "show", "--set", &format!("train.lr={laughs}")]).usage_error().to_string();
+    assert!(err.contains("--set 'train.lr=") && err.contains("alias bomb"), "{err}");
+    let out = s.ava_env(&["config", "show"], &[("AVA__TRAIN__LR", laughs)]);
+    let err = out.usage_error();
+    assert!(err.contains("train.lr") && err.contains("AVA__TRAIN__LR") && err.contains("alias bomb"), "{err}");
+}
+
+#[test]
+fn a_non_finite_number_names_its_key() {
+    let s = Sandbox::new();
+    s.write("nan.yaml", "train:\n  lr: .nan\n");
+    assert_golden(
+        s.ava(&["config", "validate", "nan.yaml"]).usage_error(),
+        "error: nan.yaml:2: train.lr: .nan is not a finite number; write a finite number (e.g. 0.001 or 1e30)\n",
+    );
+    let err = s.ava(&["config", "show", "--set", "train.lr=-.inf"]).usage_error().to_string();
+    assert!(err.contains("train.lr: -.inf is not a finite number"), "{err}");
+}
+
+#[test]
+fn a_config_json_with_zero_heads_names_the_key_and_the_file() {
+    let s = Sandbox::new();
+    let model = s.subdir("model");
+    let config = fs::read_to_string(setup().repo.join("ava-train/tests/hf/llama3-v4/config.json")).unwrap();
+    let mut v: Value = serde_json::from_str(&config).unwrap();
+    v["num_attention_heads"] = 0.into();
+    fs::write(model.join("config.json"), v.to_string()).unwrap();
+    fs::copy(setup().repo.join("ava-train/tests/hf/llama3-v4/model.safetensors"), model.join("model.safetensors"))
+        .unwrap();
+    let out = s.ava(&["plan", "--budget", "1G", "--set", "model.from=model"]);
+    let err = out.usage_error();
+    assert!(
+        err.contains("model/config.json") && err.contains("num_attention_heads must be an integer from 1"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_damaged_manifest_size_is_a_clear_error() {
+    let s = Sandbox::new();
+    let ckpt = s.subdir("ckpt/step-00000002");
+    fs::write(ckpt.join("model.safetensors"), b"12345678").unwrap();
+    let manifest = |bytes: u64| {
+        format!(
+            "{{\"format\": 1, \"step\": 2, \"files\": {{\"model.safetensors\": {{\"sha256\": \"{}\", \"bytes\": {bytes}}}}}}}\n",
+            "0".repeat(64)
+        )
+    };
+    fs::write(ckpt.join("manifest.json"), manifest(u64::MAX)).unwrap();
+    let out = s.ava(&["train", "--resume", ckpt.to_str().unwrap()]);
+    let all = format!("{}{}", out.stdout, out.stderr);
+    assert!(out.code != 0 && all.contains("files.model.safetensors.bytes is 18446744073709551615"), "{out:#?}");
+    assert!(all.contains("manifest.json is invalid"), "{out:#?}");
+
+    fs::write(ckpt.join("manifest.json"), manifest(1 << 40)).unwrap();
+    let out = s.ava(&["train", "--resume", ckpt.to_str().unwrap()]);
+    let all = format!("{}{}", out.stdout, out.stderr);
+    assert!(
+        out.code != 0 && all.contains("truncated or was changed (8 bytes, the manifest says 1099511627776)"),
+        "{out:#?}"
+    );
+}

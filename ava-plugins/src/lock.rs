@@ -294,4 +294,26 @@ mod tests {
         let err = LockFile::read(&path).unwrap_err().to_string();
         assert!(err.contains("pin 'x' has sha256 \"zz\", which is not 64 hex digits"), "{err}");
     }
+
+    /// Issue 20: a YAML lock file is bounded before it is loaded, and a FIFO or a device at
+    /// the lock path is refused without blocking.
+    #[test]
+    fn an_alias_bomb_or_a_fifo_as_the_lock_file_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ava-plugins.yaml");
+        let mut bomb = String::from("a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n");
+        for i in 1..7 {
+            let p = i - 1;
+            bomb.push_str(&format!("a{i}: &a{i} [{}]\n", vec![format!("*a{p}"); 10].join(", ")));
+        }
+        fs::write(&path, bomb).unwrap();
+        let e = LockFile::read(&path).unwrap_err().to_string();
+        assert!(e.contains("not a usable YAML lock file: line 5: the YAML expands to more than 100000 values"), "{e}");
+        let fifo = dir.path().join("fifo.lock");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = LockFile::read(&fifo).unwrap_err().to_string();
+        assert!(e.contains("fifo.lock: is a FIFO (named pipe), not a regular file"), "{e}");
+    }
 }
