@@ -1308,7 +1308,6 @@ fn a_lock_file_others_can_change_is_refused_under_vetted() {
     assert!(out.usage_error().contains("belongs to uid 65534, not to root or to you (uid 0)"), "{out:#?}");
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Outside input (issue 20): each hostile or careless input is a clear, bounded error
 // ---------------------------------------------------------------------------------------------
