@@ -204,7 +204,7 @@ fn ctrl_c_saves_the_step_reached_and_the_printed_command_resumes_bit_exactly() {
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(130), "{err}");
     let run = dir.path().join("split");
-    assert!(step >= 3 && step < 300, "{err}");
+    assert!((3..300).contains(&step), "{err}");
     assert!(checkpoint(&run, step).join("manifest.json").is_file());
     assert_eq!(losses(&run).last().unwrap().0, step, "the last logged step is the one saved");
     assert!(err.contains(&format!("interrupted by SIGINT at step {step}: checkpoint ")), "{err}");

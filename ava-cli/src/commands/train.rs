@@ -156,3 +156,16 @@ fn shell_quote(arg: &str) -> String {
         format!("'{}'", arg.replace('\'', "'\\''"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::shell_quote;
+
+    #[test]
+    fn resume_command_words_are_quoted_for_a_shell() {
+        assert_eq!(shell_quote("train.out_dir=runs/a-1"), "train.out_dir=runs/a-1");
+        assert_eq!(shell_quote("plugins.optimizer={name: lion}"), "'plugins.optimizer={name: lion}'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+        assert_eq!(shell_quote(""), "''");
+    }
+}

@@ -399,6 +399,20 @@ fn moe(
     Ok((out, aux))
 }
 
+/// A loaded tensor's NaN and infinite values, said in one line (`None` when all are finite).
+/// One pass over a copy of one tensor: cheap next to reading the file.
+fn non_finite_values(name: &str, t: &Tensor) -> Result<Option<String>, ModelError> {
+    let values = t.flatten_all().and_then(|t| t.to_dtype(DType::F32)).and_then(|t| t.to_vec1::<f32>()).map_err(cerr)?;
+    let mut bad = values.iter().enumerate().filter(|(_, v)| !v.is_finite());
+    let Some((first, value)) = bad.next() else { return Ok(None) };
+    let count = 1 + bad.count();
+    let what = if value.is_nan() { "NaN" } else { "infinite" };
+    Ok(Some(format!(
+        "{name}: {count} of {} values are NaN or infinite (the first, element {first}, is {what})",
+        values.len()
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     /// The samples made in parallel chunks are the single pass over the stream (the
@@ -435,18 +449,4 @@ mod tests {
             assert!(a.iter().map(|x| x.to_bits()).eq(b.iter().map(|x| x.to_bits())), "n = {n}");
         }
     }
-}
-
-/// A loaded tensor's NaN and infinite values, said in one line (`None` when all are finite).
-/// One pass over a copy of one tensor: cheap next to reading the file.
-fn non_finite_values(name: &str, t: &Tensor) -> Result<Option<String>, ModelError> {
-    let values = t.flatten_all().and_then(|t| t.to_dtype(DType::F32)).and_then(|t| t.to_vec1::<f32>()).map_err(cerr)?;
-    let mut bad = values.iter().enumerate().filter(|(_, v)| !v.is_finite());
-    let Some((first, value)) = bad.next() else { return Ok(None) };
-    let count = 1 + bad.count();
-    let what = if value.is_nan() { "NaN" } else { "infinite" };
-    Ok(Some(format!(
-        "{name}: {count} of {} values are NaN or infinite (the first, element {first}, is {what})",
-        values.len()
-    )))
 }
