@@ -1008,7 +1008,10 @@ fn a_fifo_or_a_device_as_the_config_file_is_refused_without_blocking() {
     // SAFETY: a valid NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
     let err = ConfigLoader::new().file(&fifo).load().unwrap_err().to_string();
-    assert!(err.ends_with("fifo.yaml: is a FIFO (named pipe), not a regular file; name a regular file instead"), "{err}");
+    assert!(
+        err.ends_with("fifo.yaml: is a FIFO (named pipe), not a regular file; name a regular file instead"),
+        "{err}"
+    );
     let zero = dir.path().join("zero.yaml");
     std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
     let err = ConfigLoader::new().file(&zero).load().unwrap_err().to_string();
