@@ -10,7 +10,7 @@
 //! - [`rows`]: the elementwise row loops (softmax pieces), compiled for AVX2 when the CPU
 //!   has it.
 //! - [`testing`]: the checks every attention kernel's tests share (f64 reference, dense
-//!   comparison, finite differences).
+//!   comparison, finite differences), and the byte mutator the parsers' property tests share.
 
 pub mod attention;
 pub mod parallel;

@@ -253,3 +253,40 @@ pub fn against_dense_everywhere(
     }
     Ok(cases)
 }
+
+/// One edit of [`mutate`]: (operation, position, byte), each taken modulo what applies.
+pub type Edit = (u8, usize, u8);
+
+/// `seed` with `edits` applied, for the property tests of the parsers that read outside
+/// input: bytes replaced, inserted, removed, chunks repeated, and `tokens` (text the parser
+/// treats specially) spliced in.
+pub fn mutate(seed: &[u8], edits: &[Edit], tokens: &[&str]) -> Vec<u8> {
+    let mut v = seed.to_vec();
+    for &(op, at, b) in edits {
+        let i = at % (v.len() + 1);
+        match op % 5 {
+            0 if i < v.len() => v[i] = b,
+            1 => v.insert(i, b),
+            2 if i < v.len() => {
+                v.remove(i);
+            }
+            3 => {
+                let end = (i + b as usize).min(v.len());
+                let chunk = v[i..end].to_vec();
+                v.splice(i..i, chunk);
+            }
+            _ if !tokens.is_empty() => {
+                let token = tokens[b as usize % tokens.len()];
+                v.splice(i..i, token.bytes());
+            }
+            _ => {}
+        }
+    }
+    v
+}
+
+/// A property test's case count: `$PROPTEST_CASES` when set (to fuzz longer), else `default`
+/// (small, so the ordinary `cargo test` stays quick).
+pub fn proptest_cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}

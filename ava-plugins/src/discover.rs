@@ -108,8 +108,9 @@ pub struct Candidate {
     pub sha256: String,
     /// The path is a symbolic link.
     pub symlink: bool,
-    /// Why the file or its directory can be changed by other users, if it can.
-    pub writable_by_others: Option<String>,
+    /// Why the file, or a directory above it, could be changed by someone other than root
+    /// and the invoking user, if it could ([`crate::trust`]).
+    pub untrusted: Option<String>,
     /// Whether the symbol table exports abi_stable's header, read once with the bytes.
     header: Result<(), String>,
 }
@@ -121,7 +122,7 @@ impl std::fmt::Debug for Candidate {
             .field("len", &self.bytes.len())
             .field("sha256", &self.sha256)
             .field("symlink", &self.symlink)
-            .field("writable_by_others", &self.writable_by_others)
+            .field("untrusted", &self.untrusted)
             .finish()
     }
 }
@@ -140,15 +141,13 @@ impl Candidate {
         // Bounded: a FIFO, a device (a symlink to /dev/zero) or a huge file in a search
         // directory is refused here instead of hanging or exhausting memory.
         let (file, size) = crate::bounded::open_regular(path, crate::bounded::limits::LIBRARY).map_err(read_refused)?;
-        let file_meta = file.metadata().map_err(|e| HostError::io(path, e))?;
         let bytes =
             crate::bounded::read_opened(file, path, size, crate::bounded::limits::LIBRARY).map_err(read_refused)?;
-        // `file_meta` was taken on the opened file, so a swap of the path after the read
-        // does not matter.
-        let writable_by_others = writable_by_others(path, &file_meta);
+        // The bytes loaded are the bytes hashed, so this is only about a later replacement.
+        let untrusted = crate::trust::untrusted_reason(path, "the library");
         let sha256 = hex::encode(Sha256::digest(&bytes));
         let header = exports_root_symbol(&bytes);
-        Ok(Candidate { path: path.to_path_buf(), bytes, sha256, symlink, writable_by_others, header })
+        Ok(Candidate { path: path.to_path_buf(), bytes, sha256, symlink, untrusted, header })
     }
 
     /// The file name without directory.
@@ -197,12 +196,6 @@ pub fn exports_root_symbol(bytes: &[u8]) -> Result<(), String> {
             "it exports no abi_stable library header (symbol {ROOT_SYMBOL}); build it with ava_core::export_plugin!"
         ))
     }
-}
-
-/// Why the file, or any directory above it, could be changed by someone other than root and
-/// the invoking user ([`crate::trust`]).
-fn writable_by_others(path: &Path, _file_meta: &fs::Metadata) -> Option<String> {
-    crate::trust::untrusted_reason(path, "the library")
 }
 
 #[cfg(test)]
@@ -260,9 +253,9 @@ mod tests {
         let file = dir.path().join("libx.so");
         fs::write(&file, b"x").unwrap();
         fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
-        assert_eq!(Candidate::read(&file).unwrap().writable_by_others, None);
+        assert_eq!(Candidate::read(&file).unwrap().untrusted, None);
         fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o777)).unwrap();
-        let why = Candidate::read(&file).unwrap().writable_by_others.unwrap();
+        let why = Candidate::read(&file).unwrap().untrusted.unwrap();
         assert!(why.contains("writable by group and others (mode 777)"), "{why}");
         fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o700)).unwrap();
     }

@@ -738,7 +738,7 @@ fn vet(c: &Candidate, policy: VettingPolicy, lock: &LockFile) -> Verdict {
                     "symbolic links are refused under policy 'vetted' (the link's target can change after vetting); put the file itself in the search path".into(),
                 );
             }
-            if let Some(why) = &c.writable_by_others {
+            if let Some(why) = &c.untrusted {
                 return Verdict::Refuse(Status::Refused, format!("{why}; refused under policy 'vetted'"));
             }
             match pinned {

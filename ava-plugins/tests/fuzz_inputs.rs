@@ -3,6 +3,7 @@
 //! library files found in a search directory. Arbitrary bytes and mutations of real inputs
 //! must give Ok or Err, never a panic or a hang. `PROPTEST_CASES` raises the case count.
 
+use ava_kernels::testing::{mutate, proptest_cases};
 use ava_plugins::discover::{Candidate, exports_root_symbol};
 use ava_plugins::lock::{LockFile, Pin};
 use ava_plugins::yaml_guard::{self, YamlLimits};
@@ -10,8 +11,7 @@ use proptest::prelude::*;
 use proptest::test_runner::Config as PropConfig;
 
 fn cases(default: u32) -> PropConfig {
-    let from_env = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok());
-    PropConfig { cases: from_env.unwrap_or(default), failure_persistence: None, ..PropConfig::default() }
+    PropConfig { cases: proptest_cases(default), failure_persistence: None, ..PropConfig::default() }
 }
 
 /// Text that YAML and TOML parsers treat specially, spliced in by [`mutate`].
@@ -43,32 +43,6 @@ const TOKENS: &[&str] = &[
     "[[plugins]]\n",
     "---\n",
 ];
-
-/// `seed` with edits applied: bytes replaced, inserted, removed, chunks repeated, tokens
-/// spliced in.
-fn mutate(seed: &[u8], edits: &[(u8, usize, u8)]) -> Vec<u8> {
-    let mut v = seed.to_vec();
-    for &(op, at, b) in edits {
-        let i = at % (v.len() + 1);
-        match op % 5 {
-            0 if i < v.len() => v[i] = b,
-            1 => v.insert(i, b),
-            2 if i < v.len() => {
-                v.remove(i);
-            }
-            3 => {
-                let end = (i + b as usize).min(v.len());
-                let chunk = v[i..end].to_vec();
-                v.splice(i..i, chunk);
-            }
-            _ => {
-                let token = TOKENS[b as usize % TOKENS.len()];
-                v.splice(i..i, token.bytes());
-            }
-        }
-    }
-    v
-}
 
 fn edits() -> impl Strategy<Value = Vec<(u8, usize, u8)>> {
     prop::collection::vec((any::<u8>(), any::<usize>(), any::<u8>()), 1..12)
@@ -113,14 +87,14 @@ proptest! {
     fn lock_files_never_panic(which in 0usize..2, edits in edits(), bytes in prop::collection::vec(any::<u8>(), 0..300)) {
         let seeds = lock_seeds();
         let (name, seed) = &seeds[which];
-        read_lock(name, &mutate(seed, &edits));
+        read_lock(name, &mutate(seed, &edits, TOKENS));
         read_lock(name, &bytes);
     }
 
     #[test]
     fn the_yaml_bound_never_panics(text in any::<String>(), edits in edits()) {
         let seed = b"plugins:\n  optimizer: &o {name: lion, betas: [0.9, 0.98]}\n  other: *o\ntrain: {lr: 0.001}\n";
-        let mutated = String::from_utf8_lossy(&mutate(seed, &edits)).into_owned();
+        let mutated = String::from_utf8_lossy(&mutate(seed, &edits, TOKENS)).into_owned();
         for t in [text, mutated] {
             if let Err(e) = yaml_guard::check(&t, &YamlLimits::DEFAULT) {
                 let _ = e.to_string();
@@ -133,7 +107,7 @@ proptest! {
     #[test]
     fn what_the_yaml_bound_admits_expands_within_it(edits in edits()) {
         let seed = b"a: &a [x, y, {k: &b z}]\nb: &c [*a, *a, *b]\nc: [*c, *c, *a]\n";
-        let text = String::from_utf8_lossy(&mutate(seed, &edits)).into_owned();
+        let text = String::from_utf8_lossy(&mutate(seed, &edits, TOKENS)).into_owned();
         let limits = YamlLimits { nodes: 200, text_bytes: 4096, depth: 16 };
         if yaml_guard::check(&text, &limits).is_ok()
             && let Ok(docs) = yaml_rust2::YamlLoader::load_from_str(&text)
@@ -162,7 +136,7 @@ proptest! {
             head
         });
         let dir = tempfile::tempdir().unwrap();
-        for (i, input) in [mutate(head, &edits), bytes].into_iter().enumerate() {
+        for (i, input) in [mutate(head, &edits, TOKENS), bytes].into_iter().enumerate() {
             let _ = exports_root_symbol(&input);
             let path = dir.path().join(format!("lib{i}.so"));
             std::fs::write(&path, &input).unwrap();

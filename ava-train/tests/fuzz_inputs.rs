@@ -11,6 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
+use ava_kernels::testing::{Edit, mutate, proptest_cases};
 use ava_train::config::ConfigLoader;
 use ava_train::model::parse_hf_config;
 use ava_train::save::{CheckpointStore, Manifest, from_safetensors};
@@ -25,9 +26,7 @@ static ALLOC: ava_train::memory::CountingAlloc = ava_train::memory::CountingAllo
 const PEAK_LIMIT: u64 = 1 << 30;
 
 fn cases(default: u32) -> PropConfig {
-    // PROPTEST_CASES, when set, wins (proptest reads it into the default config).
-    let from_env = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok());
-    PropConfig { cases: from_env.unwrap_or(default), failure_persistence: None, ..PropConfig::default() }
+    PropConfig { cases: proptest_cases(default), failure_persistence: None, ..PropConfig::default() }
 }
 
 fn bounded_memory() {
@@ -74,37 +73,9 @@ const TOKENS: &[&str] = &[
     "---\n",
 ];
 
-/// One edit: (operation, position, byte).
-type Edit = (u8, usize, u8);
-
+/// A few edits for [`mutate`].
 fn edits() -> impl Strategy<Value = Vec<Edit>> {
     prop::collection::vec((any::<u8>(), any::<usize>(), any::<u8>()), 1..12)
-}
-
-/// `seed` with `edits` applied: bytes replaced, inserted, removed, chunks repeated, tokens
-/// spliced in.
-fn mutate(seed: &[u8], edits: &[Edit]) -> Vec<u8> {
-    let mut v = seed.to_vec();
-    for &(op, at, b) in edits {
-        let i = at % (v.len() + 1);
-        match op % 5 {
-            0 if i < v.len() => v[i] = b,
-            1 => v.insert(i, b),
-            2 if i < v.len() => {
-                v.remove(i);
-            }
-            3 => {
-                let end = (i + b as usize).min(v.len());
-                let chunk = v[i..end].to_vec();
-                v.splice(i..i, chunk);
-            }
-            _ => {
-                let token = TOKENS[b as usize % TOKENS.len()];
-                v.splice(i..i, token.bytes());
-            }
-        }
-    }
-    v
 }
 
 fn seeds(dir: &str, ext: &str) -> Vec<Vec<u8>> {
@@ -144,13 +115,13 @@ proptest! {
     #[test]
     fn yaml_config_files_never_panic(seed in 0usize..64, edits in edits()) {
         let seeds = seeds("configs", "yaml");
-        load_config_file("c.yaml", &mutate(&seeds[seed % seeds.len()], &edits));
+        load_config_file("c.yaml", &mutate(&seeds[seed % seeds.len()], &edits, TOKENS));
     }
 
     #[test]
     fn toml_config_files_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256), edits in edits()) {
         let seed = b"[train]\nlr = 0.001\nsteps = 10\n[plugins]\noptimizer = { name = \"lion\", betas = [0.9, 0.98] }\n";
-        load_config_file("c.toml", &mutate(seed, &edits));
+        load_config_file("c.toml", &mutate(seed, &edits, TOKENS));
         load_config_file("c.toml", &bytes);
     }
 
@@ -161,7 +132,7 @@ proptest! {
 
     #[test]
     fn set_and_env_values_never_panic(key in "[a-z_.]{0,24}", value in any::<String>(), edits in edits()) {
-        let mutated = String::from_utf8_lossy(&mutate(value.as_bytes(), &edits)).into_owned();
+        let mutated = String::from_utf8_lossy(&mutate(value.as_bytes(), &edits, TOKENS)).into_owned();
         for v in [&value, &mutated] {
             let r = ConfigLoader::new().set(format!("{key}={v}")).load();
             if let Err(e) = r { let _ = e.to_string(); }
@@ -176,7 +147,7 @@ proptest! {
     #[test]
     fn hf_config_json_never_panics(seed in 0usize..16, edits in edits()) {
         let seeds = hf_configs();
-        let bytes = mutate(&seeds[seed % seeds.len()], &edits);
+        let bytes = mutate(&seeds[seed % seeds.len()], &edits, TOKENS);
         if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
             match parse_hf_config(&v, Path::new("config.json")) {
                 Ok(c) => { let _ = c.spec.params(); }
@@ -213,7 +184,7 @@ proptest! {
         let seed = std::fs::read(root().join("ava-train/tests/hf/llama3-v4/model.safetensors")).unwrap();
         // Mostly the header: the first 512 bytes and a tail.
         let head = &seed[..seed.len().min(600)];
-        for input in [mutate(head, &edits), mutate(&seed, &edits), bytes] {
+        for input in [mutate(head, &edits, TOKENS), mutate(&seed, &edits, TOKENS), bytes] {
             if let Err(e) = from_safetensors(&input) { let _ = e.to_string(); }
         }
         bounded_memory();
@@ -225,7 +196,7 @@ proptest! {
         let store = CheckpointStore::new(root_dir.path(), 2);
         let dir = store.save(3, &[("a.bin".into(), vec![1, 2, 3]), ("trainer.json".into(), b"{\"step\":3}".to_vec())]).unwrap();
         let manifest = std::fs::read(dir.join("manifest.json")).unwrap();
-        for input in [mutate(&manifest, &edits), bytes.clone()] {
+        for input in [mutate(&manifest, &edits, TOKENS), bytes.clone()] {
             std::fs::write(dir.join("manifest.json"), &input).unwrap();
             if let Err(e) = Manifest::read(&dir) { let _ = e.to_string(); }
             if let Err(e) = CheckpointStore::load(&dir) { let _ = e.to_string(); }

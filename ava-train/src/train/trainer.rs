@@ -1465,8 +1465,8 @@ mod trainer_state_tests {
     }
 
     fn cases() -> proptest::test_runner::Config {
-        let n = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256);
-        proptest::test_runner::Config { cases: n, failure_persistence: None, ..Default::default() }
+        // proptest reads $PROPTEST_CASES into its default (256).
+        proptest::test_runner::Config { failure_persistence: None, ..Default::default() }
     }
 
     proptest! {
