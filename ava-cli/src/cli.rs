@@ -76,6 +76,10 @@ pub enum Command {
     ///   ava train
     ///   ava train -c configs/small.yaml --set plugins.optimizer=lion --max-steps 200
     ///   ava train --resume latest
+    ///   ava train --nproc 2 --set distributed.zero_stage=2     (or: mpirun -np 2 ava train ...)
+    ///
+    /// Under mpirun, rank 0 prints and writes the run's files; an error on any rank is printed
+    /// with its rank and stops every rank.
     #[command(verbatim_doc_comment)]
     Train(TrainArgs),
     /// Predict peak memory (parameters, gradients, optimizer state, data, activations)
@@ -189,6 +193,12 @@ pub struct TrainArgs {
     /// this run holds the directory's lock. Without it such a run is refused.
     #[arg(long, conflicts_with = "resume")]
     pub overwrite: bool,
+    /// Train with N data-parallel ranks on this machine: runs this same command under
+    /// `mpirun -np N` (needs Open MPI's mpirun and an ava built with `--features mpi`).
+    /// Each rank takes train.micro_batch_size sequences per micro-step; distributed.zero_stage
+    /// picks what the ranks split. Same as `mpirun -np N ava train ...`.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub nproc: Option<u32>,
 }
 
 /// `ava report` options.

@@ -71,28 +71,28 @@ fn main() -> ExitCode {
     let printer = Printer { format: cli.global.format, verbosity: cli.global.verbosity() };
     match commands::run(cli.command, &printer) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(f) => {
-            let (code, err) = match f {
-                Failure::Usage(e) => (2, e),
-                Failure::Runtime(e) => (1, e),
-                Failure::Signal(signal, e) => ((128 + signal) as u8, e),
-            };
-            match printer.format {
-                output::Format::Json => {
-                    let chain: Vec<String> = err.chain().skip(1).map(|c| c.to_string()).collect();
-                    println!(
-                        "{}",
-                        serde_json::json!({"error": err.to_string(), "caused_by": chain, "exit_code": code})
-                    );
-                }
-                output::Format::Text => {
-                    eprintln!("error: {err}");
-                    for cause in err.chain().skip(1) {
-                        eprintln!("  caused by: {cause}");
-                    }
-                }
+        Err(f) => ExitCode::from(print_failure(&printer, f)),
+    }
+}
+
+/// Prints a command's failure (JSON or text) and returns its exit code.
+pub fn print_failure(printer: &Printer, f: Failure) -> u8 {
+    let (code, err) = match f {
+        Failure::Usage(e) => (2, e),
+        Failure::Runtime(e) => (1, e),
+        Failure::Signal(signal, e) => ((128 + signal) as u8, e),
+    };
+    match printer.format {
+        output::Format::Json => {
+            let chain: Vec<String> = err.chain().skip(1).map(|c| c.to_string()).collect();
+            println!("{}", serde_json::json!({"error": err.to_string(), "caused_by": chain, "exit_code": code}));
+        }
+        output::Format::Text => {
+            eprintln!("error: {err}");
+            for cause in err.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
             }
-            ExitCode::from(code)
         }
     }
+    code
 }

@@ -4,6 +4,8 @@
 //!   memory budget, plugins).
 //! - [`data`]: token sources (a synthetic corpus with a known entropy floor, text files,
 //!   `tokenizer.json`) and the background batch loader.
+//! - [`dist`]: data-parallel ranks (`mpirun -np N ava train`): the collectives trait and
+//!   ZeRO stages 0–2.
 //! - [`estimate`]: `ava estimate`, the peak memory of a training step predicted from the config
 //!   alone (closed formulas, and a replay of the model on byte-counting shadow tensors).
 //! - [`model`]: the Llama-style decoder on candle, the attention-kernel adapter and the
@@ -16,6 +18,7 @@
 
 pub mod config;
 pub mod data;
+pub mod dist;
 pub mod estimate;
 pub mod memory;
 pub mod model;

@@ -220,12 +220,15 @@ fn a_saved_buffer_that_tolerates_rounding_is_held_in_the_half_type() {
         (held, written, handed)
     };
     let bf16 = candle_core::DType::BF16;
-    run(false, bf16); // warm-up (thread-locals)
-    let (held_half, written, handed) = run(true, bf16);
+    // A pool thread's first use of a path allocates its thread-locals into the global count,
+    // whichever run it falls in: those bytes only add, so the least of a few runs is the op's.
+    let least = |tolerates: bool| (0..3).map(|_| run(tolerates, bf16).0).min().expect("three runs");
+    let (held_half, held_f32) = (least(true), least(false));
+    let (_, written, handed) = run(true, bf16);
     let rounded: Vec<f32> = written.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect();
     assert!(handed.iter().map(|x| x.to_bits()).eq(rounded.iter().map(|x| x.to_bits())), "the bf16 rounding");
     assert!(written.iter().zip(&handed).any(|(a, b)| a != b), "the probabilities really were rounded");
-    let (held_f32, written, handed) = run(false, bf16);
+    let (_, written, handed) = run(false, bf16);
     assert_eq!(held_f32 as i64 - held_half as i64, 2 * saved_len as i64, "held {held_half} in bf16, {held_f32} in f32");
     assert!(handed.iter().map(|x| x.to_bits()).eq(written.iter().map(|x| x.to_bits())), "kept as written");
     let (_, written, handed) = run(true, candle_core::DType::F32);

@@ -43,6 +43,9 @@ impl Reporter for CliReporter<'_> {
         let plugins: Vec<String> = h.plugins.iter().map(|(k, v)| format!("{k} {v}")).collect();
         lines.push(format!("plugins: {}", plugins.join(", ")));
         lines.push(format!("checkpoint plan: {}", h.plan.join(" ")));
+        if let Some(ranks) = &h.ranks {
+            lines.push(ranks.clone());
+        }
         if let Some(offload) = &h.offload {
             lines.push(offload.clone());
         }

@@ -1,6 +1,9 @@
 //! `ava train`: runs the training loop of `ava-train` with a progress bar and the memory
 //! dashboard, then prints a summary (text or JSON).
 
+use std::sync::Arc;
+
+use ava_train::dist::{self, Collectives};
 use ava_train::train::{TrainError, TrainOptions, Trainer};
 use serde_json::json;
 
@@ -32,23 +35,116 @@ pub fn set_threads(threads: usize) {
 }
 
 pub fn run(p: &Printer, args: &TrainArgs) -> CmdResult {
+    if let Some(n) = args.nproc.filter(|&n| n > 1)
+        && dist::launched_size().is_none()
+    {
+        return Err(launch(n));
+    }
+    let group = dist::join().map_err(|e| Failure::Usage(anyhow::anyhow!(e)))?;
+    let collectives = group.collectives();
+    let (rank, world) = (collectives.rank(), collectives.size());
+    if world == 1 {
+        return train(p, args, None);
+    }
+    // Rank 0 prints; the others only their errors. An error on any rank ends every rank
+    // (MPI aborts the job; mpirun names the rank), after it is printed with its rank.
+    let quiet = Printer { format: p.format, verbosity: 0 };
+    let printer = if rank == 0 { p } else { &quiet };
+    match train(printer, args, Some(collectives)) {
+        Ok(()) => Ok(()),
+        Err(f) => {
+            let code = crate::print_failure(p, in_rank(f, rank, world));
+            group.abort(code.into())
+        }
+    }
+}
+
+/// The failure with its rank in front.
+fn in_rank(f: Failure, rank: usize, world: usize) -> Failure {
+    let tag = |e: anyhow::Error| e.context(format!("rank {rank} of {world}"));
+    match f {
+        Failure::Usage(e) => Failure::Usage(tag(e)),
+        Failure::Runtime(e) => Failure::Runtime(tag(e)),
+        Failure::Signal(s, e) => Failure::Signal(s, tag(e)),
+    }
+}
+
+/// `ava train --nproc N`: this command again under `mpirun -np N` (exec, so signals and
+/// the exit code are mpirun's). Returns only on failure.
+fn launch(n: u32) -> Failure {
+    if !cfg!(feature = "mpi") {
+        return Failure::Usage(anyhow::anyhow!(
+            "--nproc {n} runs {n} ranks over MPI, but this ava was built without MPI support: build it with \
+             `cargo build --release -p ava-cli --features mpi` (after apt-get install libopenmpi-dev openmpi-bin \
+             libclang1-14 libclang-common-14-dev), or leave out --nproc"
+        ));
+    }
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return Failure::Runtime(anyhow::anyhow!("--nproc: cannot find this program's own path: {e}")),
+    };
+    let mut cmd = std::process::Command::new("mpirun");
+    cmd.args(["-np", &n.to_string()]);
+    // More ranks than cores is legal (slow); Open MPI refuses it unless told.
+    cmd.arg("--oversubscribe");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        cmd.arg("--allow-run-as-root");
+    }
+    cmd.arg(exe);
+    let mut skip = false;
+    for a in std::env::args().skip(1) {
+        if skip {
+            skip = false;
+        } else if a == "--nproc" {
+            skip = true;
+        } else if !a.starts_with("--nproc=") {
+            cmd.arg(a);
+        }
+    }
+    use std::os::unix::process::CommandExt;
+    let e = cmd.exec();
+    let how = if e.kind() == std::io::ErrorKind::NotFound {
+        "mpirun is not installed (Open MPI: apt-get install openmpi-bin)".to_string()
+    } else {
+        e.to_string()
+    };
+    Failure::Runtime(anyhow::anyhow!("--nproc {n}: cannot start mpirun: {how}"))
+}
+
+fn train(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> CmdResult {
+    let root = group.as_ref().is_none_or(|g| g.rank() == 0);
     let mut config_args = args.config.clone();
     if let Some(n) = args.max_steps {
         config_args.set.push(format!("train.max_steps={n}"));
     }
     let ctx = context::load_checked(&config_args, p)?;
     let config = context::load_config(&config_args, p)?.into_config();
-    set_threads(config.train.threads);
+    // Ranks on one machine share its cores.
+    let threads = match (config.train.threads, dist::local_size()) {
+        (0, 1) => 0,
+        (0, local) => (ava_train::train::resolve_threads(0) / local).max(1),
+        (n, _) => n,
+    };
+    set_threads(threads);
     // Held until this function returns (the process's end releases it however it ends).
-    let _lock = claim_run_dir(&config.train.out_dir, args)?;
+    // Rank 0 writes the run's files, so it alone claims the directory.
+    let _lock = if root { Some(claim_run_dir(&config.train.out_dir, args)?) } else { None };
     let mut options =
-        TrainOptions { resume: args.resume.clone(), force: args.force, steps: args.steps, ..Default::default() };
+        TrainOptions { resume: args.resume.clone(), force: args.force, steps: args.steps, group, ..Default::default() };
     let mut trainer = Trainer::new(&config, &ctx.registry, &options).map_err(failure)?;
     // From here on a signal stops the run at the end of a step, with a checkpoint; before
     // it, there is nothing to save and a signal ends the process as usual.
     options.stop = Some(signals::install());
-    let mut reporter = CliReporter::new(p, config.train.log_every);
-    let summary = trainer.run(&options, &mut reporter).map_err(failure)?;
+    let summary = if root {
+        trainer.run(&options, &mut CliReporter::new(p, config.train.log_every))
+    } else {
+        trainer.run(&options, &mut ava_train::train::Silent)
+    }
+    .map_err(failure)?;
+    if !root {
+        return Ok(());
+    }
     let text = || {
         let mut lines = vec![format!("trained to step {} — loss {:.4}", summary.step, summary.loss)];
         if let Some(v) = summary.val_loss {

@@ -154,6 +154,9 @@ const OFFLOAD: &[Field] =
     &[Field { key: "tiers", kind: Kind::Tiers }, Field { key: "prefetch", kind: Kind::Int(0, 1 << 20) }];
 
 /// The top level: one entry per section.
+const DISTRIBUTED: &[Field] =
+    &[Field { key: "zero_stage", kind: Kind::Int(0, 3) }, Field { key: "bucket_size", kind: Kind::Size }];
+
 pub(crate) const ROOT: &[Field] = &[
     Field { key: "model", kind: Kind::Section(MODEL) },
     Field { key: "data", kind: Kind::Section(DATA) },
@@ -161,6 +164,7 @@ pub(crate) const ROOT: &[Field] = &[
     Field { key: "checkpoints", kind: Kind::Section(CHECKPOINTS) },
     Field { key: "memory", kind: Kind::Section(MEMORY) },
     Field { key: "offload", kind: Kind::Section(OFFLOAD) },
+    Field { key: "distributed", kind: Kind::Section(DISTRIBUTED) },
     Field { key: "plugins", kind: Kind::Section(PLUGINS) },
 ];
 
@@ -200,6 +204,8 @@ pub struct Config {
     pub memory: MemoryConfig,
     /// Where the optimizer state lives between steps.
     pub offload: OffloadConfig,
+    /// How ranks share the work under `mpirun` (ignored by a single process).
+    pub distributed: DistributedConfig,
     /// Which plugin provides each technique, and where plugins are found.
     pub plugins: PluginsConfig,
 }

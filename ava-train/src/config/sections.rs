@@ -294,6 +294,17 @@ pub struct OffloadConfig {
     pub prefetch: usize,
 }
 
+/// The `distributed` section: how the ranks of `mpirun -np N ava train` share the work.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DistributedConfig {
+    /// ZeRO stage: 0 all-reduces gradients (plain data parallel); 1 also partitions the
+    /// optimizer state; 2 also the gradients.
+    pub zero_stage: u8,
+    /// Gradients and parameters travel in buckets of about this many bytes.
+    pub bucket_size: ByteSize,
+}
+
 /// One share of the optimizer state: a tier's name and the fraction of the bytes it holds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TierShare {

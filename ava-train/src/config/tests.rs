@@ -94,6 +94,7 @@ fn defaults_load_and_are_complete() {
             tiers: super::Tiers(vec![super::TierShare { name: "ram".into(), fraction: 1.0 }]),
             prefetch: 2,
         },
+        distributed: super::DistributedConfig { zero_stage: 0, bucket_size: super::ByteSize(25 << 20) },
         plugins: PluginsConfig {
             attention: PluginSelection::new("standard"),
             optimizer: PluginSelection::new("adamw"),

@@ -16,6 +16,22 @@ use std::thread::{self, JoinHandle};
 use super::dataset::{Dataset, Split};
 use super::error::DataError;
 
+/// Which rows of each global batch a rank reads: with `world` ranks a global batch holds
+/// `world × batch_size` sequences and rank `r` reads rows `r·B .. (r+1)·B` of it, so the
+/// ranks together read what one process with the whole batch would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Share {
+    /// This rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world: usize,
+}
+
+impl Share {
+    /// One process reading whole batches.
+    pub const WHOLE: Share = Share { rank: 0, world: 1 };
+}
+
 /// `batch_size` sequences of `seq_len + 1` tokens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Batch {
@@ -35,8 +51,20 @@ impl Batch {
     /// # Panics
     /// If the dataset returns a sequence that is not `seq_len + 1` tokens long.
     pub fn build(dataset: &dyn Dataset, split: Split, index: u64, batch_size: usize, seq_len: usize) -> Self {
+        Self::build_share(dataset, split, index, batch_size, seq_len, Share::WHOLE)
+    }
+
+    /// This rank's `batch_size` rows of global batch `index` (see [`Share`]).
+    pub fn build_share(
+        dataset: &dyn Dataset,
+        split: Split,
+        index: u64,
+        batch_size: usize,
+        seq_len: usize,
+        share: Share,
+    ) -> Self {
         let mut tokens = Vec::with_capacity(batch_size * (seq_len + 1));
-        let first = index * batch_size as u64;
+        let first = (index * share.world as u64 + share.rank as u64) * batch_size as u64;
         for row in 0..batch_size as u64 {
             let sequence = dataset.sequence(split, first + row, seq_len);
             assert_eq!(sequence.len(), seq_len + 1, "dataset returned a sequence of the wrong length");
@@ -115,6 +143,13 @@ struct Job {
     split: Split,
     batch_size: usize,
     seq_len: usize,
+    share: Share,
+}
+
+impl Job {
+    fn build(&self, index: u64) -> Batch {
+        Batch::build_share(&*self.dataset, self.split, index, self.batch_size, self.seq_len, self.share)
+    }
 }
 
 /// An infinite, ordered stream of batches of one split, built synchronously or by workers.
@@ -154,6 +189,21 @@ impl Loader {
         num_workers: usize,
         prefetch_factor: usize,
     ) -> Result<Self, DataError> {
+        Self::new_shared(dataset, split, batch_size, seq_len, start_batch, num_workers, prefetch_factor, Share::WHOLE)
+    }
+
+    /// [`new`](Self::new) for one rank's [`Share`] of each batch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_shared(
+        dataset: Arc<dyn Dataset>,
+        split: Split,
+        batch_size: usize,
+        seq_len: usize,
+        start_batch: u64,
+        num_workers: usize,
+        prefetch_factor: usize,
+        share: Share,
+    ) -> Result<Self, DataError> {
         let invalid =
             |key, value: usize, reason: String| DataError::InvalidOption { key, value: value.to_string(), reason };
         if batch_size == 0 {
@@ -176,7 +226,7 @@ impl Loader {
                 "must be at least 1 when data.num_workers > 0 (batches queued per worker)".into(),
             ));
         }
-        let job = Arc::new(Job { dataset, split, batch_size, seq_len });
+        let job = Arc::new(Job { dataset, split, batch_size, seq_len, share });
         let queued_bytes = Arc::new(AtomicU64::new(0));
         let mut loader = Self {
             job,
@@ -217,13 +267,8 @@ impl Loader {
         let batch = match &self.shared {
             None => {
                 let (job, index) = (&*self.job, self.position);
-                panic::catch_unwind(AssertUnwindSafe(|| {
-                    Batch::build(&*job.dataset, job.split, index, job.batch_size, job.seq_len)
-                }))
-                .map_err(|payload| DataError::WorkerPanicked {
-                    worker: None,
-                    batch: index,
-                    message: panic_message(&*payload),
+                panic::catch_unwind(AssertUnwindSafe(|| job.build(index))).map_err(|payload| {
+                    DataError::WorkerPanicked { worker: None, batch: index, message: panic_message(&*payload) }
                 })?
             }
             Some(shared) => {
@@ -329,9 +374,7 @@ fn work(shared: &Shared, job: &Job, worker: usize, stride: usize, first: u64) {
                 state = shared.space.wait(state).unwrap_or_else(PoisonError::into_inner);
             }
         }
-        let built = panic::catch_unwind(AssertUnwindSafe(|| {
-            Batch::build(&*job.dataset, job.split, index, job.batch_size, job.seq_len)
-        }));
+        let built = panic::catch_unwind(AssertUnwindSafe(|| job.build(index)));
         let mut state = shared.lock();
         if state.stop {
             return;

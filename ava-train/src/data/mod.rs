@@ -36,7 +36,7 @@ use std::sync::Arc;
 
 pub use dataset::{Dataset, Split};
 pub use error::DataError;
-pub use loader::{Batch, Loader};
+pub use loader::{Batch, Loader, Share};
 pub use rng::{Rng, hash64, mix, splitmix64};
 pub use synthetic::{
     MAX_CONTEXTS, MAX_TABLE_ENTRIES, MarkovSpec, START, SyntheticDataset, branch_probabilities, entropy_nats,

@@ -162,6 +162,9 @@ pub enum TrainError {
     /// A tensor operation failed.
     #[error("tensor operation failed: {0}")]
     Candle(String),
+    /// Another rank failed or the ranks disagree.
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
 }
 
 /// The message of [`TrainError::NonFinite`].
@@ -204,6 +207,9 @@ boxed_from!(Data: crate::data::DataError, Model: crate::model::ModelError, Save:
 impl TrainError {
     pub(crate) fn candle(e: candle_core::Error) -> Self {
         Self::Candle(e.to_string())
+    }
+    pub(crate) fn dist(e: crate::dist::DistError) -> Self {
+        Self::Dist(e)
     }
     pub(crate) fn io(path: impl Into<PathBuf>, e: impl std::fmt::Display) -> Self {
         Self::Io { path: path.into(), message: e.to_string() }

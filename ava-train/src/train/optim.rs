@@ -170,6 +170,8 @@ pub struct OptimizerState {
     /// streamed parameter between steps).
     pub buffers: Vec<Vec<StateBuffer>>,
     streamed: Option<Streamed>,
+    /// Per parameter, whether this process holds its state (under ZeRO, another rank may).
+    held: Vec<bool>,
 }
 
 /// Equal when every buffer has the same bytes, wherever they live (tests compare runs).
@@ -260,7 +262,30 @@ impl OptimizerState {
         placement: Option<Placement>,
         master: &dyn Fn(&Param) -> Vec<f32>,
     ) -> Result<Self, TrainError> {
-        let layouts = params
+        Self::allocate_shard(optimizer, params, plugin, host, placement, master, &|_| true)
+    }
+
+    /// Each parameter's state layout (the plugin's buffers and the engine's), nothing
+    /// allocated: what sizes a ZeRO partition before the state is placed.
+    pub fn layout_bytes(
+        optimizer: &dyn Optimizer,
+        params: &[Param],
+        plugin: &str,
+        host: HostState,
+    ) -> Result<Vec<u64>, TrainError> {
+        Ok(Self::layouts(optimizer, params, plugin, host)?
+            .iter()
+            .map(|b| b.iter().map(|b| b.spec.bytes()).sum())
+            .collect())
+    }
+
+    fn layouts(
+        optimizer: &dyn Optimizer,
+        params: &[Param],
+        plugin: &str,
+        host: HostState,
+    ) -> Result<Vec<Vec<StateBuffer>>, TrainError> {
+        params
             .iter()
             .map(|p| {
                 let shape = shape_u64(p);
@@ -271,8 +296,25 @@ impl OptimizerState {
                 bufs.extend(host.spec(p.def.numel()).map(|s| StateBuffer::empty(s, true)));
                 Ok(bufs)
             })
-            .collect::<Result<Vec<Vec<StateBuffer>>, TrainError>>()?;
-        let mut state = Self { buffers: layouts, streamed: None };
+            .collect()
+    }
+
+    /// [`allocate_with`](Self::allocate_with) for the parameters `held` selects (a ZeRO
+    /// rank's share): the others' buffers are declared (so a checkpoint can name them) but
+    /// hold no memory here, and never go to the tier; their bytes live on another rank.
+    #[allow(clippy::too_many_arguments)]
+    pub fn allocate_shard(
+        optimizer: &dyn Optimizer,
+        params: &[Param],
+        plugin: &str,
+        host: HostState,
+        placement: Option<Placement>,
+        master: &dyn Fn(&Param) -> Vec<f32>,
+        held: &dyn Fn(usize) -> bool,
+    ) -> Result<Self, TrainError> {
+        let held: Vec<bool> = (0..params.len()).map(held).collect();
+        let layouts = Self::layouts(optimizer, params, plugin, host)?;
+        let mut state = Self { buffers: layouts, streamed: None, held: held.clone() };
         let offloaded = match &placement {
             Some(p) => {
                 if !p.tier.exact() {
@@ -283,8 +325,10 @@ impl OptimizerState {
                         p.name
                     )));
                 }
-                let per_param: Vec<u64> =
-                    state.buffers.iter().map(|b| b.iter().map(|b| b.spec.bytes()).sum()).collect();
+                // The split is of this rank's own state.
+                let per_param: Vec<u64> = (state.buffers.iter().zip(&held))
+                    .map(|(b, &h)| if h { b.iter().map(|b| b.spec.bytes()).sum() } else { 0 })
+                    .collect();
                 streamed_params(&per_param, p.in_ram)
             }
             None => vec![false; params.len()],
@@ -321,7 +365,7 @@ impl OptimizerState {
             tier.flush().map_err(|e| tier_error(&name, "writing the initial optimizer state", e))?;
             state.streamed = Some(Streamed { tier, name, offloaded: offloaded.clone(), keys, prefetch });
         }
-        for (i, p) in params.iter().enumerate().filter(|&(i, _)| !offloaded[i]) {
+        for (i, p) in params.iter().enumerate().filter(|&(i, _)| held[i] && !offloaded[i]) {
             for b in state.buffers[i].iter_mut() {
                 b.reserve();
                 if b.host && b.spec.name.as_str() == MASTER {
@@ -343,9 +387,34 @@ impl OptimizerState {
         }
     }
 
-    /// Total bytes of state, wherever it lives.
+    /// Total bytes of state, wherever it lives (on every rank).
     pub fn bytes(&self) -> u64 {
         self.buffers.iter().flatten().map(|b| b.spec.bytes()).sum()
+    }
+
+    /// Bytes of the state this process holds (its ZeRO share; all of it alone).
+    pub fn held_bytes(&self) -> u64 {
+        (self.buffers.iter().zip(&self.held)).filter(|(_, h)| **h).flat_map(|(b, _)| b).map(|b| b.spec.bytes()).sum()
+    }
+
+    /// Whether this process holds parameter `i`'s state.
+    pub fn holds(&self, i: usize) -> bool {
+        self.held[i]
+    }
+
+    /// Bytes of buffer `j` of parameter `i`, which this process holds (read from the tier
+    /// if streamed).
+    pub fn buffer_bytes(&self, i: usize, j: usize) -> Result<Vec<u8>, TrainError> {
+        match &self.streamed {
+            Some(s) if s.offloaded[i] => {
+                let mut bytes = vec![0u8; self.buffers[i][j].spec.bytes() as usize];
+                s.tier
+                    .get(&s.keys[i][j], &mut bytes)
+                    .map_err(|e| tier_error(&s.name, &format!("reading {}", s.keys[i][j]), e))?;
+                Ok(bytes)
+            }
+            _ => Ok(self.buffers[i][j].bytes().to_vec()),
+        }
     }
 
     /// Bytes of state held in memory between steps (all of it unless streamed).
@@ -360,6 +429,9 @@ impl OptimizerState {
 
     /// Parameter `i`'s buffers' bytes, read from the tier (checksums checked) if streamed.
     fn read(&self, i: usize) -> Result<Vec<Vec<u8>>, TrainError> {
+        if !self.held[i] {
+            return Ok(Vec::new());
+        }
         match &self.streamed {
             Some(s) if s.offloaded[i] => self.buffers[i]
                 .iter()
@@ -379,6 +451,23 @@ impl OptimizerState {
     /// [`load_buffers`](Self::load_buffers) reads), one buffer at a time: a streamed buffer is read from the tier when its turn
     /// comes and freed once written, so a state larger than memory can be saved.
     pub fn write_safetensors(&self, params: &[Param], out: &mut dyn std::io::Write) -> Result<(), SaveError> {
+        self.write_safetensors_gathered(params, out, &mut |i, j, _| {
+            Err(SaveError::BadBuffer {
+                name: format!("{}.{}", params[i].def.name, self.buffers[i][j].spec.name),
+                reason: "another rank holds this buffer".into(),
+            })
+        })
+    }
+
+    /// [`write_safetensors`](Self::write_safetensors) of the whole state when this process
+    /// holds only its ZeRO share: a buffer another rank holds comes from
+    /// `remote(param, buffer, bytes)`, called in file order.
+    pub fn write_safetensors_gathered(
+        &self,
+        params: &[Param],
+        out: &mut dyn std::io::Write,
+        remote: &mut dyn FnMut(usize, usize, usize) -> Result<Vec<u8>, SaveError>,
+    ) -> Result<(), SaveError> {
         let mut at = Vec::new(); // (parameter, buffer) of each spec
         let mut specs = Vec::new();
         for (i, (p, bufs)) in params.iter().zip(&self.buffers).enumerate() {
@@ -394,6 +483,9 @@ impl OptimizerState {
         crate::save::write_safetensors(out, &specs, None, &mut |k| {
             let (i, j) = at[k];
             let b = &self.buffers[i][j];
+            if !self.held[i] {
+                return remote(i, j, b.spec.bytes() as usize).map(std::borrow::Cow::Owned);
+            }
             match &self.streamed {
                 Some(s) if s.offloaded[i] => {
                     let mut bytes = vec![0u8; b.spec.bytes() as usize]; // (len · size,) one buffer
@@ -426,6 +518,11 @@ impl OptimizerState {
         for (i, (p, bufs)) in params.iter().zip(&mut self.buffers).enumerate() {
             for (j, b) in bufs.iter_mut().enumerate() {
                 let name = format!("{}.{}", p.def.name, b.spec.name);
+                if !self.held[i] {
+                    // Another rank's: it loads these itself.
+                    by_name.remove(&name);
+                    continue;
+                }
                 match by_name.remove(&name) {
                     None if b.host => {}
                     None => problems.push(format!("missing {name}")),

@@ -120,6 +120,9 @@ pub struct RunHeader {
     pub entropy_floor: Option<f64>,
     /// Compute threads.
     pub threads: usize,
+    /// Data-parallel ranks, ZeRO stage and this rank's share of the state (several ranks).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<String>,
 }
 
 fn is_zero(n: &u64) -> bool {

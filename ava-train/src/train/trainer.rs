@@ -23,7 +23,8 @@ use super::optim::{HostState, OptimizerState, Placement, StreamStats, optimizer_
 use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
 use super::schedule::{LossScaler, learning_rate};
 use crate::config::{Config, DataSource, MasterWeights, NanPolicy, PluginSelection, Precision};
-use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Source, Split};
+use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Share, Source, Split};
+use crate::dist::{Collectives, Single, Zero};
 use crate::memory::{self, Breakdown};
 use crate::model::{self, GradSink, Grads, Model, ModelSpec, forward_backward};
 use crate::save::{CheckpointStore, FileBody, LoadedCheckpoint, differing_keys, safetensors_views};
@@ -51,6 +52,9 @@ pub struct TrainOptions {
     /// Set from outside (e.g. a signal handler) to ask the run to stop: it finishes the
     /// step under way, saves a checkpoint and returns with [`RunSummary::interrupted`].
     pub stop: Option<Arc<AtomicBool>>,
+    /// The ranks this process trains with (`crate::dist::join` under `mpirun`); alone
+    /// when `None`.
+    pub group: Option<Arc<dyn Collectives>>,
 }
 
 /// The trainer's own state in a checkpoint (`trainer.json`).
@@ -67,6 +71,14 @@ struct TrainerState {
     loss_scale: LossScaler,
     /// How many pieces the memory policy split each micro-batch into.
     micro_batch_split: usize,
+    /// Ranks that trained it: the loader's position counts batches of
+    /// `micro_batch_size × world_size` sequences.
+    #[serde(default = "one")]
+    world_size: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Checks `trainer.json` against its checkpoint and the run: every field in range and the
@@ -170,6 +182,8 @@ pub struct Trainer {
     nan_grad_at_steps: Option<std::ops::Range<u64>>,
     /// Steps skipped in a row for a non-finite loss or gradient (`train.nan_policy: skip`).
     skipped_in_a_row: u64,
+    /// The ranks and which parameters each steps (one rank when alone).
+    zero: Zero,
 }
 
 /// How a step's micro-steps ended.
@@ -317,9 +331,24 @@ pub fn check_attention(spec: &ModelSpec, sel: &PluginSelection, seq: usize) -> R
 
 /// Checks that `train.master_weights` and `train.step_in_backward` work with the rest of
 /// the config; every problem is reported at once, each naming the keys and what to change.
-pub fn check_training_modes(config: &Config) -> Result<(), TrainError> {
+///
+/// `world`: the ranks the run has, for the `distributed` section's own conditions.
+pub fn check_training_modes(config: &Config, world: usize) -> Result<(), TrainError> {
     let t = &config.train;
     let mut problems = Vec::new();
+    if config.distributed.zero_stage == 3 {
+        problems.push(
+            "distributed.zero_stage: 3 (parameters partitioned and gathered block by block) is not built yet: use zero_stage 2, which partitions the optimizer state and the gradients"
+                .to_string(),
+        );
+    }
+    if world > 1 {
+        if t.step_in_backward {
+            problems.push(format!(
+                "train.step_in_backward is not supported with {world} ranks yet (each gradient would have to be reduced before its step inside backward): set train.step_in_backward: false"
+            ));
+        }
+    }
     let mw = t.master_weights;
     if mw != MasterWeights::F32 && t.precision == Precision::Fp32 {
         problems.push(format!(
@@ -414,8 +443,14 @@ impl Trainer {
     /// resuming, restores everything from the checkpoint.
     pub fn new(config: &Config, registry: &Registry, options: &TrainOptions) -> Result<Self, TrainError> {
         let config = config.clone();
-        check_training_modes(&config)?;
-        let threads = resolve_threads(config.train.threads);
+        let group: Arc<dyn Collectives> = options.group.clone().unwrap_or_else(|| Arc::new(Single));
+        let (rank, world) = (group.rank(), group.size());
+        check_training_modes(&config, world)?;
+        // Ranks on one machine share its cores.
+        let threads = match config.train.threads {
+            0 => (resolve_threads(0) / crate::dist::local_size()).max(1),
+            n => n,
+        };
         let plugin = |kind: PluginKind| config.selection(kind);
 
         let dataset = data::open(&data_options(&config)?)?;
@@ -539,8 +574,20 @@ impl Trainer {
         let master = move |p: &model::Param| {
             if fresh { Model::initial_values(&spec_ref, seed, &p.def) } else { super::optim::widened(p) }
         };
-        let mut state =
-            OptimizerState::allocate_with(optimizer.as_ref(), model.params(), &opt_sel.name, host, placement, &master)?;
+        // ZeRO: the state is split by whole parameters, sized by the layout before anything
+        // is allocated; from stage 1 each rank allocates (and places) only its own share.
+        let layout = OptimizerState::layout_bytes(optimizer.as_ref(), model.params(), &opt_sel.name, host)?;
+        let stage = if world > 1 { config.distributed.zero_stage } else { 0 };
+        let zero = Zero::new(group, stage, &layout, config.distributed.bucket_size.0);
+        let mut state = OptimizerState::allocate_shard(
+            optimizer.as_ref(),
+            model.params(),
+            &opt_sel.name,
+            host,
+            placement,
+            &master,
+            &|i| zero.steps(i),
+        )?;
 
         // The checkpoint plan: the policy decides per block from the facts.
         let facts = crate::estimate::block_facts(
@@ -587,10 +634,14 @@ impl Trainer {
                 config.train.loss_scale.growth_interval,
             ),
             micro_batch_split: 1,
+            world_size: world,
         };
         let mut resumed_from = None;
         if let Some(ckpt) = resume {
-            check_config(&ckpt, &config, options.force)?;
+            // The saved world size decides what "the same micro-batch" means.
+            let saved_world =
+                serde_json::from_slice::<TrainerState>(ckpt.file(TRAINER_FILE)?).map_or(1, |s| s.world_size);
+            check_config(&ckpt, &config, options.force, saved_world, world)?;
             // Views into the (mapped) file: a state larger than memory goes straight to its tier.
             let (buffers, _) = safetensors_views(ckpt.file(OPTIMIZER_FILE)?)?;
             let masters = state.load_buffers(model.params(), buffers)?;
@@ -627,6 +678,9 @@ impl Trainer {
                 ))
             })?;
             check_trainer_state(&trainer_state, &ckpt, &config)?;
+            trainer_state.world_size = world;
+            // Masters converted into weights above are the owners' (stage ≥ 1): everyone's now.
+            zero.gather_parameters(model.params())?;
             resumed_from = Some(ckpt.dir.clone());
         }
 
@@ -666,7 +720,9 @@ impl Trainer {
             })
         });
 
-        let loader = Loader::new(
+        // Each rank reads its own rows of every global micro-batch (micro_batch_size × world
+        // sequences): the same samples as one process with the whole batch.
+        let loader = Loader::new_shared(
             dataset.clone(),
             Split::Train,
             config.train.micro_batch_size,
@@ -674,8 +730,11 @@ impl Trainer {
             trainer_state.data_position,
             config.data.num_workers,
             config.data.prefetch_factor,
+            Share { rank, world },
         )?;
-        std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::io(&out_dir, e))?;
+        if zero.is_root() {
+            std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::io(&out_dir, e))?;
+        }
         let compute = compute_dtype(config.train.precision);
         let hard_limit = Some(config.memory.hard_limit.0).filter(|&l| l > 0);
         if let Some(limit) = hard_limit {
@@ -723,6 +782,7 @@ impl Trainer {
             tier_fault,
             nan_grad_at_steps: options.nan_grad_at_steps.clone(),
             skipped_in_a_row: 0,
+            zero,
             config,
         })
     }
@@ -763,8 +823,8 @@ impl Trainer {
         RunHeader {
             params: self.model.spec().num_params(),
             data: self.dataset.describe(),
-            effective_batch: t.effective_batch(),
-            tokens_per_step: t.effective_batch() * self.config.data.seq_len,
+            effective_batch: self.global_batch(),
+            tokens_per_step: self.global_batch() * self.config.data.seq_len,
             first_step: self.step + 1,
             max_steps: t.max_steps,
             plugins: PluginKind::ALL
@@ -778,7 +838,34 @@ impl Trainer {
             model_notes: self.model_notes.clone(),
             entropy_floor: self.dataset.entropy_floor_nats(),
             threads: self.threads,
+            ranks: (self.zero.size() > 1).then(|| {
+                let z = &self.zero;
+                format!(
+                    "{} ranks over {}, ZeRO stage {}: rank 0 holds {} of the {} of optimizer state",
+                    z.size(),
+                    z.group().describe(),
+                    z.stage(),
+                    ava_core::format_size(self.state.held_bytes()),
+                    ava_core::format_size(self.state.bytes())
+                )
+            }),
         }
+    }
+
+    /// The maximum of each flag over the ranks.
+    fn agreed_flags<const N: usize>(&self, mut flags: [u64; N]) -> Result<[u64; N], TrainError> {
+        self.zero.agree(&mut flags)?;
+        Ok(flags)
+    }
+
+    /// Sequences per optimizer step over all ranks.
+    fn global_batch(&self) -> usize {
+        self.config.train.effective_batch() * self.zero.size()
+    }
+
+    /// The ranks, and which parameters this one steps.
+    pub fn zero(&self) -> &Zero {
+        &self.zero
     }
 
     /// Runs until `train.max_steps` (or `options.steps` more steps), evaluating and saving
@@ -789,8 +876,12 @@ impl Trainer {
             Some(n) => (self.step + n).min(t.max_steps),
             None => t.max_steps,
         };
-        self.check_checkpoint_room()?;
-        let mut metrics = self.open_metrics()?;
+        // Rank 0 writes the run's files; the others train and take part in its collectives.
+        let root = self.zero.is_root();
+        if root {
+            self.check_checkpoint_room()?;
+        }
+        let mut metrics = if root { Some(self.open_metrics()?) } else { None };
         reporter.start(&self.header());
         let mut summary = RunSummary {
             step: self.step,
@@ -810,7 +901,7 @@ impl Trainer {
         let mut saved_at = None;
         let mut prev_micro_batch = None;
         while self.step < last {
-            if stop_requested() {
+            if first && self.agreed_flags([stop_requested() as u64])?[0] > 0 {
                 // Asked before this step started (e.g. while the run was being built): the
                 // last completed step is saved already, or nothing ran.
                 summary.interrupted = true;
@@ -818,7 +909,9 @@ impl Trainer {
             }
             let mut record = match self.train_step() {
                 Ok(record) => record,
-                Err(e @ TrainError::OutOfMemory { .. }) => {
+                // With several ranks the others are waiting in this step's collectives: the
+                // error ends the job (the last checkpoint is intact).
+                Err(e @ TrainError::OutOfMemory { .. }) if self.zero.size() == 1 => {
                     // Nothing of the step was applied: save what the last step left (unless
                     // it is saved already, e.g. the checkpoint this run resumed from), and stop.
                     let existing = self.store.root().join(crate::save::step_dir_name(self.step));
@@ -851,16 +944,24 @@ impl Trainer {
                 reporter.warn(warning);
             }
             let policy = self.apply_memory_policy(&mut record, reporter);
-            let stop = policy.stop;
             // Checked once the step is done: the step under way always completes and is saved.
-            let interrupted = stop_requested() && record.step < last;
+            // The ranks agree: one asked to stop (a signal, its memory policy) stops them all.
+            let [interrupted, stopped, policy_checkpoint] =
+                self.agreed_flags([stop_requested() as u64, policy.stop.is_some() as u64, policy.checkpoint as u64])?;
+            let stop = match policy.stop {
+                Some(reason) => Some(reason),
+                None if stopped > 0 => Some("another rank's memory policy stopped the run".to_string()),
+                None => None,
+            };
+            let interrupted = interrupted > 0 && record.step < last;
+            let policy_checkpoint = policy_checkpoint > 0;
             summary.step = record.step;
             summary.loss = record.loss;
             summary.peak_bytes = summary.peak_bytes.max(record.memory.peak);
             // The first step of a run warms up caches and threads; it is left out of the mean.
             if !first {
                 timed.0 += record.step_seconds;
-                timed.1 += t.effective_batch() * self.config.data.seq_len;
+                timed.1 += self.global_batch() * self.config.data.seq_len;
             }
             first = false;
             // Off the log_every grid too: a step where the memory policy or the back-off acted,
@@ -873,20 +974,24 @@ impl Trainer {
                 || record.nonfinite.is_some()
                 || interrupted;
             if record.step % t.log_every == 0 || record.step == last || eventful {
-                write_line(&mut metrics, &self.metrics_path(), &serde_json::json!({"type": "step", "data": record}))?;
+                write_line(
+                    metrics.as_mut(),
+                    &self.metrics_path(),
+                    &serde_json::json!({"type": "step", "data": record}),
+                )?;
             }
             reporter.step(&record);
             if (t.eval_every > 0 && record.step % t.eval_every == 0) || record.step == last {
                 let eval = self.evaluate()?;
                 summary.val_loss = Some(eval.val_loss);
-                write_line(&mut metrics, &self.metrics_path(), &serde_json::json!({"type": "eval", "data": eval}))?;
+                write_line(metrics.as_mut(), &self.metrics_path(), &serde_json::json!({"type": "eval", "data": eval}))?;
                 reporter.eval(&eval);
             }
             let every = self.config.checkpoints.every;
             if (every > 0 && record.step % every == 0)
                 || record.step == last
                 || stop.is_some()
-                || policy.checkpoint
+                || policy_checkpoint
                 || interrupted
             {
                 let dir = self.save_checkpoint()?;
@@ -903,11 +1008,11 @@ impl Trainer {
                 break;
             }
         }
-        if saved_at.is_none() && self.step > 0 {
+        if saved_at.is_none() && self.step > 0 && root {
             // Nothing ran (already at max_steps): still point at the latest checkpoint.
             summary.checkpoint = self.store.latest()?.map(|p| p.display().to_string());
         }
-        if self.step == t.max_steps && summary.stopped.is_none() && !summary.interrupted {
+        if self.step == t.max_steps && summary.stopped.is_none() && !summary.interrupted && root {
             let dir = self.out_dir.join("model");
             model::save_hf_folder(&dir, self.model.spec(), &self.model.named_tensors())?;
             summary.model_dir = Some(dir.display().to_string());
@@ -1038,7 +1143,15 @@ impl Trainer {
                     memory::set_limit(self.hard_limit);
                 }
                 match outcome? {
-                    MicroSteps::Done { ce, aux, tier_peak } => break (grads, ce, aux, tier_peak),
+                    MicroSteps::Done { ce, aux, tier_peak } => {
+                        // Every rank's gradients summed and averaged (from stage 2, only this
+                        // rank's parameters' kept), and the loss the mean over the ranks.
+                        let _span = crate::profile::scope("gradients: reduce over ranks");
+                        self.zero.reduce_gradients(self.model.params(), &mut grads)?;
+                        let mut losses = [ce, aux];
+                        self.zero.mean(&mut losses)?;
+                        break (grads, losses[0], losses[1], tier_peak);
+                    }
                     MicroSteps::OutOfMemory { at } => {
                         drop(grads);
                         let micro_batch = t.micro_batch_size / self.split;
@@ -1081,6 +1194,12 @@ impl Trainer {
                 }
                 sumsq += s;
             }
+            if self.zero.stage() >= 2 {
+                // Each rank holds its own parameters' gradients only.
+                let mut total = [sumsq];
+                self.zero.sum(&mut total)?;
+                sumsq = total[0];
+            }
             let norm = sumsq.sqrt() / self.scaler.scale;
             let finite = norm.is_finite();
             let scale = self.scaler.scale; // the gradients carry this one; update may change it
@@ -1106,7 +1225,9 @@ impl Trainer {
                 let clip = if t.grad_clip > 0.0 && norm > t.grad_clip { t.grad_clip / (norm + 1e-6) } else { 1.0 };
                 let factor = clip / scale;
                 let _span = crate::profile::scope("optimizer step");
-                let active: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].is_some()).collect();
+                // From stage 1 a rank steps only the parameters whose state it holds.
+                let active: Vec<usize> =
+                    (0..grads.len()).filter(|&i| grads[i].is_some() && self.state.holds(i)).collect();
                 let mut settings =
                     step_settings(self.optimizer.as_mut(), &opt_name, &self.model, &t, step, lr, self.threads);
                 stream = self.state.for_each(&active, |i, buffers| {
@@ -1114,6 +1235,8 @@ impl Trainer {
                     let g = if factor != 1.0 { g.affine(factor, 0.0).map_err(TrainError::candle)? } else { g };
                     settings.apply(i, &g, buffers).map(drop)
                 })?;
+                // Every rank gets the parameters the others stepped.
+                self.zero.gather_parameters(self.model.params())?;
             }
             (ce, aux, parked_peak, norm, applied, grads_bytes)
         };
@@ -1135,7 +1258,7 @@ impl Trainer {
             self.config.memory.budget.0,
         );
         let seconds = started.elapsed().as_secs_f64();
-        let tokens = self.config.train.effective_batch() * self.config.data.seq_len;
+        let tokens = self.global_batch() * self.config.data.seq_len;
         Ok(StepRecord {
             step,
             loss: ce,
@@ -1268,7 +1391,9 @@ impl Trainer {
     pub fn evaluate(&mut self) -> Result<EvalRecord, TrainError> {
         let seq = self.config.data.seq_len;
         let batch = self.config.train.eval_batch();
-        let mut loader = Loader::new(self.dataset.clone(), Split::Validation, batch, seq, 0, 0, 1)?;
+        // Each rank evaluates its rows of the global batches (as in training).
+        let share = Share { rank: self.zero.rank(), world: self.zero.size() };
+        let mut loader = Loader::new_shared(self.dataset.clone(), Split::Validation, batch, seq, 0, 0, 1, share)?;
         let weights: Vec<Tensor> =
             self.model.weights(self.compute).map_err(TrainError::candle)?.into_iter().map(|w| w.detach()).collect();
         let n = self.config.train.eval_batches;
@@ -1283,12 +1408,24 @@ impl Trainer {
                 .map_err(TrainError::candle)?;
             total += loss / n as f64;
         }
+        let mut mean = [total];
+        self.zero.mean(&mut mean)?;
+        let total = mean[0];
         let floor = self.dataset.entropy_floor_nats();
         Ok(EvalRecord { step: self.step, val_loss: total, entropy_floor: floor, gap: floor.map(|f| total / f - 1.0) })
     }
 
     /// Writes a checkpoint of the current step; returns its directory.
+    ///
+    /// With several ranks every rank calls it: rank 0 writes the whole checkpoint, the
+    /// optimizer state of parameters other ranks hold sent by them buffer by buffer (so the
+    /// checkpoint is the same whatever the world size and ZeRO stage, and resumes on any).
     pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
+        let dir = self.store.root().join(crate::save::step_dir_name(self.step));
+        if !self.zero.is_root() {
+            self.send_state_to_root()?;
+            return Ok(dir);
+        }
         let named = self.model.named_tensors();
         let trainer = TrainerState {
             step: self.step,
@@ -1296,6 +1433,7 @@ impl Trainer {
             seed: self.config.train.seed,
             loss_scale: self.scaler,
             micro_batch_split: self.split,
+            world_size: self.zero.size(),
         };
         let (hf_config, trainer, config) = (
             json_bytes(&self.model.spec().to_hf_config()),
@@ -1305,15 +1443,70 @@ impl Trainer {
         // The weights and the optimizer state stream into their files a tensor at a time (a
         // streamed state is read back from the tier buffer by buffer): saving holds one
         // tensor's copy, not the model's and the state's.
-        let (state, params) = (&self.state, self.model.params());
+        let (state, params, zero) = (&self.state, self.model.params(), &self.zero);
+        // A buffer another rank holds: rank 0 names it (the file's order is its own), then
+        // its owner sends it.
+        let mut remote = move |i: usize, j: usize, len: usize| {
+            let failed = |e: TrainError| crate::save::SaveError::BadBuffer {
+                name: params[i].def.name.clone(),
+                reason: format!("receiving it from rank {}: {e}", zero.owner(i)),
+            };
+            zero.broadcast(&mut state_request(i as u64, j as u64), 0).map_err(failed)?;
+            let mut bytes = vec![0u8; len]; // (len,) one buffer
+            zero.broadcast(&mut bytes, zero.owner(i)).map_err(failed)?;
+            Ok(bytes)
+        };
         let mut files = vec![
             (HF_CONFIG_FILE.to_string(), FileBody::Bytes(&hf_config)),
             (MODEL_FILE.to_string(), FileBody::Stream(Box::new(|out| model::write_tensors(out, &named)))),
-            (OPTIMIZER_FILE.to_string(), FileBody::Stream(Box::new(move |out| state.write_safetensors(params, out)))),
+            (
+                OPTIMIZER_FILE.to_string(),
+                FileBody::Stream(Box::new(move |out| state.write_safetensors_gathered(params, out, &mut remote))),
+            ),
             (TRAINER_FILE.to_string(), FileBody::Bytes(&trainer)),
             (AVA_CONFIG_FILE.to_string(), FileBody::Bytes(&config)),
         ];
-        Ok(self.store.save_files(self.step, &mut files)?)
+        let dir = self.store.save_files(self.step, &mut files)?;
+        if self.zero.stage() >= 1 {
+            // The other ranks wait for requests until this one.
+            self.zero.broadcast(&mut state_request(u64::MAX, 0), 0)?;
+        }
+        Ok(dir)
+    }
+
+    /// The other ranks' side of [`save_checkpoint`](Self::save_checkpoint): rank 0 names
+    /// each buffer it lacks as it writes the file, and the rank holding it sends it (every
+    /// rank takes part in each broadcast) until rank 0 says the file is done.
+    fn send_state_to_root(&self) -> Result<(), TrainError> {
+        if self.zero.stage() == 0 {
+            return Ok(()); // rank 0 holds all of it
+        }
+        loop {
+            let mut request = state_request(0, 0);
+            self.zero.broadcast(&mut request, 0)?;
+            let (i, j) = (
+                u64::from_le_bytes(request[..8].try_into().expect("8 bytes")),
+                u64::from_le_bytes(request[8..].try_into().expect("8 bytes")),
+            );
+            if i == u64::MAX {
+                return Ok(());
+            }
+            let (i, j) = (i as usize, j as usize);
+            let (Some(buffer), true) =
+                (self.state.buffers.get(i).and_then(|b| b.get(j)), i < self.model.params().len())
+            else {
+                return Err(TrainError::Invalid(format!(
+                    "rank 0 asked for optimizer buffer {j} of parameter {i}, which does not exist: the ranks disagree on the model"
+                )));
+            };
+            let owner = self.zero.owner(i);
+            let mut bytes = if owner == self.zero.rank() {
+                self.state.buffer_bytes(i, j)?
+            } else {
+                vec![0u8; buffer.spec.bytes() as usize] // (len,) received and dropped
+            };
+            self.zero.broadcast(&mut bytes, owner)?;
+        }
     }
 
     /// A run saves at least at its end: a disk without room for that checkpoint is found
@@ -1355,6 +1548,15 @@ fn step_settings<'a>(
     }
 }
 
+/// Rank 0's request for buffer `j` of parameter `i` while it writes a checkpoint
+/// (`u64::MAX`: done).
+fn state_request(i: u64, j: u64) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    out[..8].copy_from_slice(&i.to_le_bytes());
+    out[8..].copy_from_slice(&j.to_le_bytes());
+    out
+}
+
 /// How a non-finite number is said in errors.
 fn non_finite_word(x: f64) -> &'static str {
     if x.is_nan() { "NaN" } else { "infinite" }
@@ -1368,12 +1570,48 @@ fn json_bytes(value: &Value) -> Vec<u8> {
 }
 
 /// Refuses a resume whose config changes what the checkpoint's state means.
-fn check_config(ckpt: &LoadedCheckpoint, config: &Config, force: bool) -> Result<(), TrainError> {
-    let saved: Value = serde_json::from_slice(ckpt.file(AVA_CONFIG_FILE)?).map_err(|e| {
+///
+/// A checkpoint written by `saved_world` ranks resumes on `world` ranks when the global
+/// micro-batch (`train.micro_batch_size` × ranks) is the same: the loader's position counts
+/// global batches, and the state is whole in the checkpoint.
+fn check_config(
+    ckpt: &LoadedCheckpoint,
+    config: &Config,
+    force: bool,
+    saved_world: usize,
+    world: usize,
+) -> Result<(), TrainError> {
+    let mut saved: Value = serde_json::from_slice(ckpt.file(AVA_CONFIG_FILE)?).map_err(|e| {
         TrainError::Invalid(format!("{}: unreadable config: {e}", ckpt.dir.join(AVA_CONFIG_FILE).display()))
     })?;
     let current = serde_json::to_value(config).expect("the config serializes");
-    let differences = differing_keys(&saved, &current, STRUCTURAL_KEYS);
+    let micro = config.train.micro_batch_size;
+    let saved_micro = saved.pointer("/train/micro_batch_size").and_then(Value::as_u64);
+    let mut global_change = None;
+    if let Some(saved_micro) = saved_micro
+        && saved_world != world
+    {
+        let (before, after) = (saved_micro as usize * saved_world, micro * world);
+        if before == after {
+            // The same global batch: not a change.
+            saved["train"]["micro_batch_size"] = Value::from(micro);
+        } else {
+            global_change = Some(format!(
+                "global micro-batch (train.micro_batch_size × ranks): {saved_micro} × {saved_world} = {before} -> \
+                 {micro} × {world} = {after} (on {world} ranks, resume with train.micro_batch_size: {})",
+                if before % world == 0 {
+                    (before / world).to_string()
+                } else {
+                    format!("{before}/{world}, which is not whole: use a world size dividing {before}")
+                }
+            ));
+        }
+    }
+    let mut differences = differing_keys(&saved, &current, STRUCTURAL_KEYS);
+    if let Some(change) = global_change {
+        differences.retain(|d| !d.starts_with("train.micro_batch_size"));
+        differences.push(change);
+    }
     if differences.is_empty() || force {
         return Ok(());
     }
@@ -1403,8 +1641,10 @@ fn split_batch(batch: &Batch, pieces: usize) -> Result<Vec<(Tensor, Vec<u32>)>, 
         .collect()
 }
 
-/// Appends one JSON line and flushes it (so a killed run keeps its metrics).
-fn write_line(file: &mut std::fs::File, path: &Path, value: &Value) -> Result<(), TrainError> {
+/// Appends one JSON line and flushes it (so a killed run keeps its metrics); nothing on a
+/// rank that does not write the run's files.
+fn write_line(file: Option<&mut std::fs::File>, path: &Path, value: &Value) -> Result<(), TrainError> {
+    let Some(file) = file else { return Ok(()) };
     let mut line = serde_json::to_string(value).expect("a JSON value serializes");
     line.push('\n');
     file.write_all(line.as_bytes()).and_then(|_| file.flush()).map_err(|e| TrainError::io(path, e))

@@ -1,0 +1,83 @@
+//! The collectives trait: the only way the engine talks to other ranks.
+
+/// What a collective call can fail with. The MPI implementation never returns one (MPI's
+/// default error handler ends the job, and `mpirun` names the rank that died); the
+/// in-process group does, when a peer is gone or late.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    /// A rank left the group (its thread returned or panicked).
+    #[error("rank {rank} left the group during {what}; this rank stops too (see rank {rank}'s error)")]
+    PeerGone {
+        /// The rank that left.
+        rank: usize,
+        /// The collective under way.
+        what: &'static str,
+    },
+    /// Not every rank joined a collective in time.
+    #[error(
+        "{what}: ranks {missing:?} did not join within {seconds} s; they are stuck or dead (see their errors), so \
+         this rank stops"
+    )]
+    Timeout {
+        /// The collective under way.
+        what: &'static str,
+        /// The ranks that had not arrived.
+        missing: Vec<usize>,
+        /// The timeout.
+        seconds: u64,
+    },
+    /// The ranks called collectives with buffers that do not match.
+    #[error("{what}: {message}")]
+    Mismatch {
+        /// The collective.
+        what: &'static str,
+        /// What differed.
+        message: String,
+    },
+}
+
+/// The collectives data-parallel training needs, over the ranks of one job. Every rank
+/// calls the same collectives in the same order with buffers of the same length; `counts`
+/// split a buffer into consecutive ranges, range `r` belonging to rank `r`.
+///
+/// Sums add the ranks' values in rank order where the implementation controls it (the
+/// in-process group); MPI chooses its own order, which for two ranks is the same number.
+pub trait Collectives: std::fmt::Debug {
+    /// This process's rank, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn size(&self) -> usize;
+    /// What carries the data, for the run header (e.g. "MPI (Open MPI v4.1.4)").
+    fn describe(&self) -> String;
+    /// Element-wise sum over the ranks, the result on every rank.
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), DistError>;
+    /// Element-wise sum over the ranks in f64 (norms, losses).
+    fn all_reduce_sum_f64(&self, buf: &mut [f64]) -> Result<(), DistError>;
+    /// Element-wise maximum over the ranks (agreeing on flags).
+    fn all_reduce_max(&self, buf: &mut [u64]) -> Result<(), DistError>;
+    /// Element-wise sum over the ranks, of which rank `r` needs only range `r` of `counts`:
+    /// on return that range holds the sum, the rest of `buf` is unspecified.
+    fn reduce_scatter_sum(&self, buf: &mut [f32], counts: &[usize]) -> Result<(), DistError>;
+    /// Range `r` of `counts` comes from rank `r`: on return every rank holds every range.
+    fn all_gather(&self, buf: &mut [u8], counts: &[usize]) -> Result<(), DistError>;
+    /// `root`'s bytes on every rank.
+    fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<(), DistError>;
+    /// Returns once every rank has called it.
+    fn barrier(&self) -> Result<(), DistError>;
+}
+
+/// Checks that `counts` has one entry per rank and covers `len` elements.
+pub(crate) fn check_counts(what: &'static str, counts: &[usize], size: usize, len: usize) -> Result<(), DistError> {
+    if counts.len() != size || counts.iter().sum::<usize>() != len {
+        return Err(DistError::Mismatch {
+            what,
+            message: format!("counts {counts:?} for {size} ranks do not cover a buffer of {len}"),
+        });
+    }
+    Ok(())
+}
+
+/// The offsets of the ranges `counts` describes.
+pub(crate) fn offsets(counts: &[usize]) -> Vec<usize> {
+    counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect()
+}

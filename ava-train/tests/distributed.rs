@@ -1,0 +1,212 @@
+//! Data-parallel training on ranks that are threads of this process (the in-process
+//! collectives, the same trait the MPI group implements): for ZeRO stages 0, 1 and 2,
+//! 2 ranks × micro-batch B train like 1 process × micro-batch 2B; from stage 1 each rank
+//! holds half of the optimizer state; a checkpoint written by 2 ranks resumes on 1 and on 2
+//! ranks, and with another stage, continuing as the run that was not interrupted.
+//!
+//! Tolerance: the ranks' gradients are summed across ranks and then halved, where one
+//! process sums over the whole batch inside its kernels; the order of f32 additions differs,
+//! so per-step losses agree to 1e-5 relative and weights after 4 AdamW steps to 1e-5
+//! absolute (they differ from the first step in the last bits; Adam's normalized update
+//! keeps that at the level of f32 rounding times the learning rate and the steps).
+
+use std::sync::Arc;
+
+use ava_plugins::Registry;
+use ava_train::config::{Config, ConfigLoader};
+use ava_train::dist::{Collectives, thread_group};
+use ava_train::train::{Silent, TrainOptions, Trainer};
+
+fn config(out: &std::path::Path, sets: &[String]) -> Config {
+    let out_dir = format!("train.out_dir={}", out.display());
+    let base = [
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        "model.num_layers=2",
+        "data.seq_len=16",
+        "data.num_workers=0",
+        "train.max_steps=4",
+        "train.warmup_steps=1",
+        "train.eval_every=0",
+        "train.eval_batches=2",
+        "train.threads=1",
+        "checkpoints.every=2",
+        out_dir.as_str(),
+    ];
+    let sets = base.iter().map(|s| s.to_string()).chain(sets.iter().cloned());
+    ConfigLoader::new().sets(sets).load().unwrap().into_config()
+}
+
+/// What a rank saw: each step's loss, and the final weights.
+#[derive(Debug, Clone)]
+struct Outcome {
+    losses: Vec<f64>,
+    weights: Vec<Vec<f32>>,
+    state_bytes: u64,
+    /// The most state one parameter has.
+    largest: u64,
+    val_loss: Option<f64>,
+}
+
+fn weights(t: &Trainer) -> Vec<Vec<f32>> {
+    t.model()
+        .named_tensors()
+        .iter()
+        .map(|(_, w)| w.flatten_all().unwrap().to_dtype(candle_core::DType::F32).unwrap().to_vec1().unwrap())
+        .collect()
+}
+
+/// Trains `config` on `world` thread ranks up to step `until` (at most `train.max_steps`),
+/// saving every `checkpoints.every` steps (rank 0 writes), resuming from `resume` if
+/// given; returns every rank's outcome.
+fn train_until(world: usize, config: &Config, resume: Option<&str>, until: u64) -> Vec<Outcome> {
+    let groups = thread_group(world);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                s.spawn(move || {
+                    let group: Arc<dyn Collectives> = Arc::new(g);
+                    let options =
+                        TrainOptions { group: Some(group), resume: resume.map(str::to_string), ..Default::default() };
+                    let mut t = Trainer::new(config, &Registry::builtins(), &options).unwrap();
+                    let state_bytes = t.optimizer_state().held_bytes();
+                    let per_param = t.optimizer_state().buffers.iter().map(|b| b.iter().map(|b| b.spec.bytes()).sum());
+                    let largest = per_param.max().unwrap_or(0);
+                    let mut losses = Vec::new();
+                    let last = until.min(config.train.max_steps);
+                    while t.step() < last {
+                        losses.push(t.train_step().unwrap().loss);
+                        if t.step() % config.checkpoints.every == 0 {
+                            t.save_checkpoint().unwrap();
+                        }
+                    }
+                    let val_loss = Some(t.evaluate().unwrap().val_loss);
+                    Outcome { losses, weights: weights(&t), state_bytes, largest, val_loss }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("a rank panicked")).collect()
+    })
+}
+
+fn train(world: usize, config: &Config, resume: Option<&str>) -> Vec<Outcome> {
+    train_until(world, config, resume, u64::MAX)
+}
+
+fn assert_close(a: &Outcome, b: &Outcome, what: &str) {
+    assert_eq!(a.losses.len(), b.losses.len(), "{what}: steps");
+    for (x, y) in a.losses.iter().zip(&b.losses) {
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "{what}: loss {x} vs {y}");
+    }
+    let (va, vb) = (a.val_loss.unwrap(), b.val_loss.unwrap());
+    assert!((va - vb).abs() <= 1e-5 * vb.abs(), "{what}: validation loss {va} vs {vb}");
+    let mut worst = 0f32;
+    for (wa, wb) in a.weights.iter().zip(&b.weights) {
+        for (x, y) in wa.iter().zip(wb) {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    assert!(worst <= 1e-5, "{what}: weights differ by up to {worst}");
+}
+
+fn sets(stage: u8, micro: usize, extra: &[&str]) -> Vec<String> {
+    let mut v = vec![format!("distributed.zero_stage={stage}"), format!("train.micro_batch_size={micro}")];
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
+#[test]
+fn two_ranks_train_like_one_process_with_the_whole_batch_at_every_stage() {
+    for extra in [&[][..], &["train.gradient_accumulation_steps=2", "train.grad_clip=0.05"][..]] {
+        let dir = tempfile::tempdir().unwrap();
+        let one = train(1, &config(&dir.path().join("one"), &sets(0, 4, extra)), None).remove(0);
+        for stage in 0..=2u8 {
+            let out = dir.path().join(format!("stage{stage}"));
+            let ranks = train(2, &config(&out, &sets(stage, 2, extra)), None);
+            for (r, o) in ranks.iter().enumerate() {
+                assert_close(o, &one, &format!("stage {stage} rank {r} {extra:?}"));
+            }
+            // Every rank ends with the same weights, bit for bit.
+            assert!(ranks[0].weights == ranks[1].weights, "stage {stage}: the ranks' weights differ");
+            let total = one.state_bytes;
+            if stage == 0 {
+                assert!(ranks.iter().all(|o| o.state_bytes == total), "stage 0 keeps all of the state on each rank");
+            } else {
+                // Split by whole parameters: each half within one parameter's state of even.
+                assert_eq!(ranks[0].state_bytes + ranks[1].state_bytes, total);
+                for o in &ranks {
+                    assert!(
+                        o.state_bytes.abs_diff(total / 2) <= o.largest,
+                        "stage {stage}: {} of {total}",
+                        o.state_bytes
+                    );
+                    assert!(o.state_bytes < total, "stage {stage}: a rank holds all of the state");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_checkpoint_of_two_ranks_resumes_on_one_and_on_two_with_any_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    let straight = train(2, &config(&dir.path().join("straight"), &sets(1, 2, &[])), None).remove(0);
+    // Stopped after step 2 (of 4: the schedule is the same), then resumed to step 4 in four ways.
+    let first = dir.path().join("first");
+    train_until(2, &config(&first, &sets(1, 2, &[])), None, 2);
+    let checkpoint = first.join("checkpoints").join("step-00000002");
+    let resume = checkpoint.to_str().unwrap();
+    for (world, stage, micro) in [(2usize, 1u8, 2usize), (2, 2, 2), (2, 0, 2), (1, 0, 4)] {
+        let out = dir.path().join(format!("resumed-{world}-{stage}"));
+        let resumed = train(world, &config(&out, &sets(stage, micro, &[])), Some(resume)).remove(0);
+        let tail = Outcome { losses: straight.losses[2..].to_vec(), ..straight.clone() };
+        if world == 2 {
+            // The same ranks: the same numbers, bit for bit, whatever the stage.
+            assert_eq!(resumed.losses, tail.losses, "{world} ranks, stage {stage}");
+            assert!(resumed.weights == straight.weights, "{world} ranks, stage {stage}: weights");
+        } else {
+            assert_close(&resumed, &tail, &format!("{world} rank, stage {stage}"));
+        }
+    }
+}
+
+#[test]
+fn a_changed_global_batch_is_refused_naming_the_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = dir.path().join("first");
+    train_until(2, &config(&first, &sets(0, 2, &[])), None, 2);
+    let resume = first.join("checkpoints").join("step-00000002");
+    // One process with micro-batch 2 would read half the batch the two ranks read.
+    let options = TrainOptions { resume: Some(resume.display().to_string()), ..Default::default() };
+    let e = Trainer::new(&config(&dir.path().join("r"), &sets(0, 2, &[])), &Registry::builtins(), &options)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("global micro-batch (train.micro_batch_size × ranks): 2 × 2 = 4 -> 2 × 1 = 2"), "{e}");
+    assert!(e.contains("resume with train.micro_batch_size: 4"), "{e}");
+}
+
+#[test]
+fn modes_that_cannot_work_on_several_ranks_are_refused_on_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), &sets(3, 2, &["train.step_in_backward=true", "train.grad_clip=0"]));
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = thread_group(2)
+            .into_iter()
+            .map(|g| {
+                let cfg = &cfg;
+                s.spawn(move || {
+                    let options = TrainOptions { group: Some(Arc::new(g)), ..Default::default() };
+                    Trainer::new(cfg, &Registry::builtins(), &options).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errors {
+        assert!(e.contains("distributed.zero_stage: 3"), "{e}");
+        assert!(e.contains("train.step_in_backward is not supported with 2 ranks"), "{e}");
+    }
+}
