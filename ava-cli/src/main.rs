@@ -36,6 +36,17 @@ impl<E: Into<anyhow::Error>> From<E> for Failure {
     }
 }
 
+impl Failure {
+    /// The exit code it maps to.
+    pub fn code(&self) -> u8 {
+        match self {
+            Failure::Usage(_) => 2,
+            Failure::Runtime(_) => 1,
+            Failure::Signal(signal, _) => (128 + signal) as u8,
+        }
+    }
+}
+
 /// Marks an error as a usage/config error (exit code 2).
 pub trait UsageExt<T> {
     /// Maps the error to [`Failure::Usage`].
@@ -77,11 +88,8 @@ fn main() -> ExitCode {
 
 /// Prints a command's failure (JSON or text) and returns its exit code.
 pub fn print_failure(printer: &Printer, f: Failure) -> u8 {
-    let (code, err) = match f {
-        Failure::Usage(e) => (2, e),
-        Failure::Runtime(e) => (1, e),
-        Failure::Signal(signal, e) => ((128 + signal) as u8, e),
-    };
+    let code = f.code();
+    let (Failure::Usage(err) | Failure::Runtime(err) | Failure::Signal(_, err)) = f;
     match printer.format {
         output::Format::Json => {
             let chain: Vec<String> = err.chain().skip(1).map(|c| c.to_string()).collect();

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use ava_plugins::Registry;
 use ava_train::config::{Config, ConfigLoader};
 use ava_train::dist::{Collectives, thread_group};
-use ava_train::train::{Silent, TrainOptions, Trainer};
+use ava_train::train::{TrainOptions, Trainer};
 
 fn config(out: &std::path::Path, sets: &[String]) -> Config {
     let out_dir = format!("train.out_dir={}", out.display());
@@ -59,8 +59,8 @@ fn weights(t: &Trainer) -> Vec<Vec<f32>> {
 }
 
 /// Trains `config` on `world` thread ranks up to step `until` (at most `train.max_steps`),
-/// saving every `checkpoints.every` steps (rank 0 writes), resuming from `resume` if
-/// given; returns every rank's outcome.
+/// saving every `checkpoints.every` steps (rank 0 writes; the others send it their state),
+/// resuming from `resume` if given; returns every rank's outcome.
 fn train_until(world: usize, config: &Config, resume: Option<&str>, until: u64) -> Vec<Outcome> {
     let groups = thread_group(world);
     std::thread::scope(|s| {

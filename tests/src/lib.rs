@@ -111,6 +111,13 @@ pub fn workspace_plugin_packages() -> Vec<String> {
 /// once per process into the main target directory ([`main_target_dir`]) and returns the directory
 /// holding the libraries (`<target>/debug`). Panics with cargo's output if the build fails.
 pub fn workspace_plugins_dir() -> PathBuf {
+    workspace_plugins_dir_with(&[])
+}
+
+/// [`workspace_plugins_dir`] for a test built with cargo `features` (e.g. `ava-cli/mpi`):
+/// the `ava` binary the same build makes is the one the test runs, so it must have them.
+/// One feature set per test process.
+pub fn workspace_plugins_dir_with(features: &[&str]) -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let root = repo_root();
@@ -127,6 +134,9 @@ pub fn workspace_plugins_dir() -> PathBuf {
         // among them), so this build reuses the test build's artifacts. Alone, the plugins
         // resolved other features and recompiled ~40 crates, a minute or two of CI.
         cmd.arg("-p").arg("ava-cli");
+        if !features.is_empty() {
+            cmd.arg("--features").arg(features.join(","));
+        }
         run_build(cmd, &format!("the workspace plugins ({})", packages.join(", ")));
         target.join("debug")
     })

@@ -44,13 +44,32 @@ pub fn run(p: &Printer, args: &TrainArgs) -> CmdResult {
     let collectives = group.collectives();
     let (rank, world) = (collectives.rank(), collectives.size());
     if world == 1 {
-        return train(p, args, None);
+        return train(p, start(p, args, None)?);
     }
-    // Rank 0 prints; the others only their errors. An error on any rank ends every rank
-    // (MPI aborts the job; mpirun names the rank), after it is printed with its rank.
+    // Rank 0 prints; the others only their errors, each with its rank.
     let quiet = Printer { format: p.format, verbosity: 0 };
     let printer = if rank == 0 { p } else { &quiet };
-    match train(printer, args, Some(collectives)) {
+    // Every rank builds its run, then they agree before the first collective: a rank that
+    // cannot start (a config error, a busy run directory) stops them all, each printing its
+    // own error, with the highest exit code of any rank.
+    let started = start(printer, args, Some(collectives.clone()));
+    let mut code = [started.as_ref().err().map_or(0, Failure::code) as u64];
+    if let Err(e) = collectives.all_reduce_max(&mut code) {
+        crate::print_failure(p, in_rank(Failure::Runtime(e.into()), rank, world));
+        group.abort(1)
+    }
+    let started = match started {
+        Err(f) => return Err(in_rank(f, rank, world)),
+        Ok(_) if code[0] > 0 => {
+            let e = anyhow::anyhow!("another rank could not start the run (its error is printed with its rank)");
+            return Err(in_rank(if code[0] == 2 { Failure::Usage(e) } else { Failure::Runtime(e) }, rank, world));
+        }
+        Ok(started) => started,
+    };
+    // Once training runs, the others may be waiting for this rank in a collective: an
+    // error ends every rank (MPI aborts the job, and mpirun says which rank), after it is
+    // printed with its rank.
+    match train(printer, started) {
         Ok(()) => Ok(()),
         Err(f) => {
             let code = crate::print_failure(p, in_rank(f, rank, world));
@@ -59,9 +78,19 @@ pub fn run(p: &Printer, args: &TrainArgs) -> CmdResult {
     }
 }
 
+/// A run built and ready to train.
+struct Started {
+    trainer: Trainer,
+    options: TrainOptions,
+    log_every: u64,
+    root: bool,
+    /// The run directory's lock (rank 0's), held until the run ends.
+    _lock: Option<RunLock>,
+}
+
 /// The failure with its rank in front.
 fn in_rank(f: Failure, rank: usize, world: usize) -> Failure {
-    let tag = |e: anyhow::Error| e.context(format!("rank {rank} of {world}"));
+    let tag = |e: anyhow::Error| anyhow::anyhow!("rank {rank} of {world}: {e:#}");
     match f {
         Failure::Usage(e) => Failure::Usage(tag(e)),
         Failure::Runtime(e) => Failure::Runtime(tag(e)),
@@ -112,7 +141,9 @@ fn launch(n: u32) -> Failure {
     Failure::Runtime(anyhow::anyhow!("--nproc {n}: cannot start mpirun: {how}"))
 }
 
-fn train(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> CmdResult {
+/// Loads the config, claims the run directory (rank 0) and builds the run; nothing in it
+/// talks to the other ranks.
+fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> Result<Started, Failure> {
     let root = group.as_ref().is_none_or(|g| g.rank() == 0);
     let mut config_args = args.config.clone();
     if let Some(n) = args.max_steps {
@@ -129,15 +160,21 @@ fn train(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
     set_threads(threads);
     // Held until this function returns (the process's end releases it however it ends).
     // Rank 0 writes the run's files, so it alone claims the directory.
-    let _lock = if root { Some(claim_run_dir(&config.train.out_dir, args)?) } else { None };
-    let mut options =
+    let lock = if root { Some(claim_run_dir(&config.train.out_dir, args)?) } else { None };
+    let options =
         TrainOptions { resume: args.resume.clone(), force: args.force, steps: args.steps, group, ..Default::default() };
-    let mut trainer = Trainer::new(&config, &ctx.registry, &options).map_err(failure)?;
+    let trainer = Trainer::new(&config, &ctx.registry, &options).map_err(failure)?;
+    Ok(Started { trainer, options, log_every: config.train.log_every, root, _lock: lock })
+}
+
+/// Trains a started run and prints its summary (rank 0).
+fn train(p: &Printer, started: Started) -> CmdResult {
+    let Started { mut trainer, mut options, log_every, root, _lock } = started;
     // From here on a signal stops the run at the end of a step, with a checkpoint; before
     // it, there is nothing to save and a signal ends the process as usual.
     options.stop = Some(signals::install());
     let summary = if root {
-        trainer.run(&options, &mut CliReporter::new(p, config.train.log_every))
+        trainer.run(&options, &mut CliReporter::new(p, log_every))
     } else {
         trainer.run(&options, &mut ava_train::train::Silent)
     }

@@ -76,6 +76,9 @@ pub fn join() -> Result<Group, String> {
 }
 
 #[cfg(feature = "mpi")]
+// Only the main thread calls MPI (MPI_THREAD_SINGLE), so the group is neither Send nor Sync;
+// it is in an Arc because the trainer holds every group as `Arc<dyn Collectives>`.
+#[allow(clippy::arc_with_non_send_sync)]
 fn join_mpi(_n: usize) -> Result<Group, String> {
     MpiGroup::init()
         .map(|g| Group::Mpi(Arc::new(g)))

@@ -261,7 +261,7 @@ mod tests {
             let o = owners(&bytes, world);
             assert!(o.windows(2).all(|w| w[0] <= w[1]), "contiguous runs");
             for r in 0..world {
-                let mine: u64 = bytes.iter().zip(&o).filter(|(_, &w)| w == r).map(|(b, _)| b).sum();
+                let mine: u64 = bytes.iter().zip(&o).filter(|(_, w)| **w == r).map(|(b, _)| b).sum();
                 assert!(mine.abs_diff(total / world as u64) <= largest, "world {world} rank {r}: {mine}");
             }
         }

@@ -184,6 +184,10 @@ pub struct Trainer {
     skipped_in_a_row: u64,
     /// The ranks and which parameters each steps (one rank when alone).
     zero: Zero,
+    /// Weights some ranks may have changed since the last gather (masters of a resumed
+    /// checkpoint turned into weights by their owners): gathered before the first step,
+    /// not while the run is built, when the ranks have yet to agree that all of them started.
+    gather_pending: bool,
 }
 
 /// How a step's micro-steps ended.
@@ -338,16 +342,16 @@ pub fn check_training_modes(config: &Config, world: usize) -> Result<(), TrainEr
     let mut problems = Vec::new();
     if config.distributed.zero_stage == 3 {
         problems.push(
-            "distributed.zero_stage: 3 (parameters partitioned and gathered block by block) is not built yet: use zero_stage 2, which partitions the optimizer state and the gradients"
+            "distributed.zero_stage: 3 (parameters partitioned and gathered block by block) is not built yet: use \
+             zero_stage 2, which partitions the optimizer state and the gradients"
                 .to_string(),
         );
     }
-    if world > 1 {
-        if t.step_in_backward {
-            problems.push(format!(
-                "train.step_in_backward is not supported with {world} ranks yet (each gradient would have to be reduced before its step inside backward): set train.step_in_backward: false"
-            ));
-        }
+    if world > 1 && t.step_in_backward {
+        problems.push(format!(
+            "train.step_in_backward is not supported with {world} ranks yet (each gradient would have to be \
+             reduced before its step inside backward): set train.step_in_backward: false"
+        ));
     }
     let mw = t.master_weights;
     if mw != MasterWeights::F32 && t.precision == Precision::Fp32 {
@@ -679,8 +683,6 @@ impl Trainer {
             })?;
             check_trainer_state(&trainer_state, &ckpt, &config)?;
             trainer_state.world_size = world;
-            // Masters converted into weights above are the owners' (stage ≥ 1): everyone's now.
-            zero.gather_parameters(model.params())?;
             resumed_from = Some(ckpt.dir.clone());
         }
 
@@ -756,6 +758,7 @@ impl Trainer {
             }
         }
         memory::set_limit(hard_limit);
+        let gather_pending = resumed_from.is_some() && zero.stage() >= 1;
         Ok(Self {
             model,
             optimizer,
@@ -782,6 +785,7 @@ impl Trainer {
             tier_fault,
             nan_grad_at_steps: options.nan_grad_at_steps.clone(),
             skipped_in_a_row: 0,
+            gather_pending,
             zero,
             config,
         })
@@ -1050,6 +1054,9 @@ impl Trainer {
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.
     pub fn train_step(&mut self) -> Result<StepRecord, TrainError> {
+        if std::mem::take(&mut self.gather_pending) {
+            self.zero.gather_parameters(self.model.params())?;
+        }
         let started = Instant::now();
         let t = self.config.train.clone();
         let step = self.step + 1;
@@ -1496,7 +1503,8 @@ impl Trainer {
                 (self.state.buffers.get(i).and_then(|b| b.get(j)), i < self.model.params().len())
             else {
                 return Err(TrainError::Invalid(format!(
-                    "rank 0 asked for optimizer buffer {j} of parameter {i}, which does not exist: the ranks disagree on the model"
+                    "rank 0 asked for optimizer buffer {j} of parameter {i}, which does not exist: the ranks \
+                     disagree on the model"
                 )));
             };
             let owner = self.zero.owner(i);
