@@ -31,7 +31,8 @@ impl MpiGroup {
         let universe = mpi::initialize()?;
         let world = universe.world();
         let version = mpi::environment::library_version().unwrap_or_else(|_| "MPI".into());
-        let version = version.lines().next().unwrap_or("MPI").trim().trim_end_matches(',').to_string();
+        // "Open MPI v4.1.4, package: ..., ident: ...": the name and version are enough.
+        let version = version.split([',', '\n']).next().unwrap_or("MPI").trim().to_string();
         Some(Self { world, _universe: universe, version })
     }
 

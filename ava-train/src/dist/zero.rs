@@ -132,6 +132,9 @@ impl Zero {
     /// dropped). A gradient a rank lacks (an expert its tokens did not reach) counts as
     /// zeros; after the reduction every parameter some rank had a gradient for has one.
     pub fn reduce_gradients(&self, params: &[Param], grads: &mut [Option<Tensor>]) -> Result<(), TrainError> {
+        if self.size() == 1 {
+            return Ok(()); // nothing to add, nothing to copy
+        }
         let numel = |i: usize| params[i].def.numel();
         let n = self.size();
         // Whether any rank has a gradient for each parameter (so all agree on which exist).
