@@ -90,6 +90,11 @@ pub enum Command {
         /// Where the configuration comes from.
         #[command(flatten)]
         config: ConfigArgs,
+        /// Estimate one rank of N data-parallel ranks (`mpirun -np N`): the micro-batch is
+        /// per rank, and with distributed.zero_stage ≥ 1 the optimizer state is the largest
+        /// rank's share (split by whole parameters, as training splits it).
+        #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
+        world_size: u32,
     },
     /// Benchmarks.
     #[command(subcommand)]

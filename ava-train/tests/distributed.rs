@@ -210,3 +210,30 @@ fn modes_that_cannot_work_on_several_ranks_are_refused_on_every_rank() {
         assert!(e.contains("train.step_in_backward is not supported with 2 ranks"), "{e}");
     }
 }
+
+/// `estimate_on` predicts the state of the rank holding the most, as the trainer splits it;
+/// stage 0 (and one rank) the whole state.
+#[test]
+fn the_estimate_for_a_rank_holds_the_largest_share_of_the_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let registry = Registry::builtins();
+    for stage in 0..=2u8 {
+        let cfg = config(&dir.path().join(format!("e{stage}")), &sets(stage, 2, &[]));
+        let ranks = train_until(2, &cfg, None, 1);
+        let spec = ava_train::train::model_spec(&cfg).unwrap();
+        let optimizer = registry.optimizer("adamw", "{}").unwrap();
+        let attention = registry.attention("standard", "{}").unwrap();
+        let checkpoint = registry.checkpoint("none", "{}").unwrap();
+        let plugins = ava_train::estimate::Plugins {
+            optimizer: optimizer.as_ref(),
+            attention: attention.as_ref(),
+            checkpoint: checkpoint.as_ref(),
+        };
+        let est = ava_train::estimate::estimate_on(&spec, &cfg, &plugins, 2).unwrap();
+        let largest = ranks.iter().map(|o| o.state_bytes).max().unwrap();
+        assert_eq!(est.breakdown.optimizer, largest, "stage {stage}");
+        let alone = ava_train::estimate::estimate_on(&spec, &cfg, &plugins, 1).unwrap();
+        let total: u64 = if stage == 0 { ranks[0].state_bytes } else { ranks.iter().map(|o| o.state_bytes).sum() };
+        assert_eq!(alone.breakdown.optimizer, total, "stage {stage}, one rank holds it all");
+    }
+}

@@ -2,12 +2,12 @@
 //! terms; nothing model-sized is allocated, so it works for models bigger than the machine.
 
 use ava_core::PluginKind;
-use ava_train::estimate::{Plugins, estimate};
+use ava_train::estimate::{Plugins, estimate_on};
 use serde_json::json;
 
 use crate::{CmdResult, UsageExt, cli::ConfigArgs, context, output::Printer};
 
-pub fn run(p: &Printer, args: &ConfigArgs) -> CmdResult {
+pub fn run(p: &Printer, args: &ConfigArgs, world: usize) -> CmdResult {
     let ctx = context::load_checked(args, p)?;
     let config = context::load_config(args, p)?.into_config();
     let sel = |k: PluginKind| config.selection(k).clone();
@@ -19,7 +19,7 @@ pub fn run(p: &Printer, args: &ConfigArgs) -> CmdResult {
     let checkpoint = ctx.registry.checkpoint(&c.name, &c.options_json())?;
     let plugins =
         Plugins { optimizer: optimizer.as_ref(), attention: attention.as_ref(), checkpoint: checkpoint.as_ref() };
-    let est = estimate(&spec, &config, &plugins).usage()?;
+    let est = estimate_on(&spec, &config, &plugins, world).usage()?;
     p.result(|| est.render(), || json!(est));
     Ok(())
 }

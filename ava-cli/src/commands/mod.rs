@@ -34,7 +34,7 @@ use crate::{
 pub fn run(command: Command, p: &Printer) -> CmdResult {
     match command {
         Command::Train(args) => train::run(p, &args),
-        Command::Estimate { config } => estimate::run(p, &config),
+        Command::Estimate { config, world_size } => estimate::run(p, &config, world_size as usize),
         Command::Plan(args) => plan::run(p, &args),
         Command::Report(args) => report::run(p, &args),
         Command::Bench(BenchCommand::Train { config, steps, warmup, modes, offload }) => {

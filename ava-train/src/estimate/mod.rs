@@ -401,6 +401,19 @@ fn status(fraction: f64, budget: u64) -> &'static str {
 
 /// Predicts the peak memory of one training step of `spec` under `config` with `plugins`.
 pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Result<Estimate, EstimateError> {
+    estimate_on(spec, config, plugins, 1)
+}
+
+/// [`estimate`] for one rank of `world` data-parallel ranks (`mpirun -np N`): the micro-batch
+/// is per rank, and from `distributed.zero_stage` 1 the optimizer state is the largest
+/// rank's share, split by whole parameters as the trainer splits it (`dist::owners`).
+/// Gradients stay whole at the peak: stage 2 reduce-scatters them after backward.
+pub fn estimate_on(
+    spec: &ModelSpec,
+    config: &Config,
+    plugins: &Plugins<'_>,
+    world: usize,
+) -> Result<Estimate, EstimateError> {
     let (batch, seq) = (config.train.micro_batch_size, config.data.seq_len);
     let precision = config.train.precision;
     let accumulation = config.train.gradient_accumulation_steps.max(1);
@@ -463,8 +476,7 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
         }),
         _ => HostState::Nothing,
     };
-    let mut per_param = Vec::with_capacity(defs.len());
-    let mut buffers_of = Vec::with_capacity(defs.len()); // per parameter, its buffers' bytes
+    let mut layouts = Vec::with_capacity(defs.len());
     for def in &defs {
         let shape: Vec<u64> = def.shape.iter().map(|&s| s as u64).collect();
         let mut layout: Vec<StateSpec> =
@@ -473,6 +485,31 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
             })?;
         // The engine's own buffers, placed with the plugin's: f32 masters, a compensation.
         layout.extend(host.spec(def.numel()));
+        layouts.push(layout);
+    }
+    // ZeRO stage ≥ 1 on several ranks: the rank holding the most state holds only its own
+    // parameters' (whole parameters, contiguous in model order).
+    let stage = if world > 1 { config.distributed.zero_stage } else { 0 };
+    let all_bytes: Vec<u64> = layouts.iter().map(|l| l.iter().map(StateSpec::bytes).sum()).collect();
+    let held: Vec<bool> = if stage >= 1 {
+        let owner = crate::dist::owners(&all_bytes, world);
+        let share = |r: usize| all_bytes.iter().zip(&owner).filter(|(_, o)| **o == r).map(|(b, _)| b).sum::<u64>();
+        let largest = (0..world).max_by_key(|&r| (share(r), std::cmp::Reverse(r))).unwrap_or(0);
+        owner.iter().map(|&o| o == largest).collect()
+    } else {
+        vec![true; layouts.len()]
+    };
+    let share_note = (stage >= 1).then(|| {
+        let total: u64 = all_bytes.iter().sum();
+        format!(
+            " (one rank's share of {}: ZeRO stage {stage} over {world} ranks, whole parameters)",
+            ava_core::format_size(total)
+        )
+    });
+    let mut per_param = Vec::with_capacity(defs.len());
+    let mut buffers_of = Vec::with_capacity(defs.len()); // per parameter, its buffers' bytes
+    for ((layout, &mine), def) in layouts.into_iter().zip(&held).zip(&defs) {
+        let layout = if mine { layout } else { Vec::new() };
         per_param.push(layout.iter().map(StateSpec::bytes).sum::<u64>());
         buffers_of.push(layout.iter().map(StateSpec::bytes).collect::<Vec<_>>());
         for spec in layout {
@@ -509,7 +546,7 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
             add(
                 &mut terms,
                 Component::Optimizer,
-                "state kept in memory",
+                &format!("state kept in memory{}", share_note.as_deref().unwrap_or("")),
                 format!(
                     "the first parameters' state, up to the ram share of offload.tiers ({:.0}%)",
                     (config.offload.tiers.in_ram() * 100.0).abs()
@@ -533,6 +570,7 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
             crate::train::COMPENSATION => format!("{} compensation of the weights (ava.kahan)", precision.as_str()),
             _ => s.name.clone(),
         };
+        let name = format!("{name}{}", share_note.as_deref().unwrap_or(""));
         add(&mut terms, Component::Optimizer, &name, formula, s.bytes);
     }
     if states.is_empty() {

@@ -612,7 +612,7 @@ impl Trainer {
                 attention: kernel.as_ref(),
                 checkpoint: policy.as_ref(),
             };
-            crate::estimate::estimate(model.spec(), &config, &plugins)
+            crate::estimate::estimate_on(model.spec(), &config, &plugins, world)
                 .map_err(|e| TrainError::Invalid(e.to_string()))?
                 .activation_budget
         };
