@@ -330,6 +330,39 @@ pub enum BenchCommand {
     ///   ava bench offload --path /tmp --record 64MiB --total 1GiB --steps 0 --format json
     #[command(verbatim_doc_comment)]
     Offload(BenchOffloadArgs),
+    /// The collectives data-parallel training uses, between the ranks of an MPI job: time
+    /// per call and bandwidth for all-reduce (gradients, stages 0-1), reduce-scatter (stage
+    /// 2) and all-gather (the updated weights, stages 1-2) of one buffer, through the same
+    /// trait the trainer calls. Run it under mpirun; rank 0 prints.
+    ///
+    /// Columns (NCCL-tests' conventions, n ranks, S bytes):
+    ///   ms        median time of one call over --iters calls (after --warmup)
+    ///   algbw     S / time
+    ///   busbw     what each rank's links carried: algbw · 2(n-1)/n for all-reduce,
+    ///             algbw · (n-1)/n for reduce-scatter and all-gather
+    ///
+    /// Examples:
+    ///   mpirun -np 2 ava bench collectives --size 64MiB
+    ///   ava bench collectives --nproc 2 --size 25MiB --format json
+    #[command(verbatim_doc_comment)]
+    Collectives(BenchCollectivesArgs),
+}
+
+/// `ava bench collectives` options.
+#[derive(Debug, Args)]
+pub struct BenchCollectivesArgs {
+    /// Bytes per call (f32 elements: SIZE / 4), e.g. 25MiB, the default gradient bucket.
+    #[arg(long, default_value = "64MiB", value_name = "SIZE", value_parser = parse_size_arg)]
+    pub size: u64,
+    /// Calls measured per collective.
+    #[arg(long, default_value_t = 20, value_name = "N")]
+    pub iters: usize,
+    /// Calls run first and not measured.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    pub warmup: usize,
+    /// Start N ranks under mpirun (as `ava train --nproc`).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub nproc: Option<u32>,
 }
 
 /// `ava bench offload` options.

@@ -2,6 +2,7 @@
 
 mod bench_args;
 mod bench_attention;
+mod bench_collectives;
 mod bench_offload;
 mod bench_optimizer;
 mod bench_train;
@@ -52,6 +53,7 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
         Command::Bench(BenchCommand::Attention(args)) => bench_attention::run(p, &args),
         Command::Bench(BenchCommand::Optimizer(args)) => bench_optimizer::run(p, &args),
         Command::Bench(BenchCommand::Offload(args)) => bench_offload::run(p, &args),
+        Command::Bench(BenchCommand::Collectives(args)) => bench_collectives::run(p, &args),
         Command::Plugins(c) => match c {
             PluginsCommand::List { kind, config } => plugins_list::run(p, kind.as_deref(), &config),
             PluginsCommand::Info { name, kind, config } => plugins_info::run(p, &name, kind.as_deref(), &config),

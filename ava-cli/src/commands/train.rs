@@ -100,7 +100,7 @@ fn in_rank(f: Failure, rank: usize, world: usize) -> Failure {
 
 /// `ava train --nproc N`: this command again under `mpirun -np N` (exec, so signals and
 /// the exit code are mpirun's). Returns only on failure.
-fn launch(n: u32) -> Failure {
+pub(crate) fn launch(n: u32) -> Failure {
     if !cfg!(feature = "mpi") {
         return Failure::Usage(anyhow::anyhow!(
             "--nproc {n} runs {n} ranks over MPI, but this ava was built without MPI support: build it with \
