@@ -90,6 +90,7 @@ fn join_mpi(n: usize) -> Result<Group, String> {
     Err(format!(
         "this ava was started by an MPI launcher as one of {n} ranks, but it was built without MPI support, so \
          each copy would train alone: build it with `cargo build --release -p ava-cli --features mpi` (after \
-         `apt-get install libopenmpi-dev openmpi-bin libclang-dev`), or run it without mpirun"
+         `apt-get install libopenmpi-dev openmpi-bin libclang1-14 libclang-common-14-dev`), or run it \
+         without mpirun"
     ))
 }
