@@ -118,11 +118,12 @@ impl Zero {
         out
     }
 
-    /// Elements of a bucket's range that belong to each rank.
-    fn counts(&self, range: std::ops::Range<usize>, numel: impl Fn(usize) -> usize) -> Vec<usize> {
+    /// How much of a bucket's range (`size(i)` per parameter: elements or bytes) belongs to
+    /// each rank.
+    fn counts(&self, range: std::ops::Range<usize>, size: impl Fn(usize) -> usize) -> Vec<usize> {
         let mut counts = vec![0; self.size()];
         for i in range {
-            counts[self.owner[i]] += numel(i);
+            counts[self.owner[i]] += size(i);
         }
         counts
     }
