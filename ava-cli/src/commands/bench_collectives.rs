@@ -9,11 +9,7 @@ use serde_json::json;
 use crate::{CmdResult, Failure, cli::BenchCollectivesArgs, output::Printer};
 
 pub fn run(p: &Printer, args: &BenchCollectivesArgs) -> CmdResult {
-    if let Some(n) = args.nproc.filter(|&n| n > 1)
-        && dist::launched_size().is_none()
-    {
-        return Err(super::train::launch(n));
-    }
+    super::train::launch_if_asked(args.nproc)?;
     let group = dist::join().map_err(|e| Failure::Usage(anyhow::anyhow!(e)))?;
     let c = group.collectives();
     let n = c.size();

@@ -35,11 +35,7 @@ pub fn set_threads(threads: usize) {
 }
 
 pub fn run(p: &Printer, args: &TrainArgs) -> CmdResult {
-    if let Some(n) = args.nproc.filter(|&n| n > 1)
-        && dist::launched_size().is_none()
-    {
-        return Err(launch(n));
-    }
+    launch_if_asked(args.nproc)?;
     let group = dist::join().map_err(|e| Failure::Usage(anyhow::anyhow!(e)))?;
     let collectives = group.collectives();
     let (rank, world) = (collectives.rank(), collectives.size());
@@ -98,9 +94,18 @@ fn in_rank(f: Failure, rank: usize, world: usize) -> Failure {
     }
 }
 
+/// `--nproc N` (N > 1) outside an MPI job: runs this command under mpirun instead
+/// ([`launch`]), returning only on failure; otherwise nothing to do.
+pub(crate) fn launch_if_asked(nproc: Option<u32>) -> Result<(), Failure> {
+    match nproc.filter(|&n| n > 1) {
+        Some(n) if dist::launched_size().is_none() => Err(launch(n)),
+        _ => Ok(()),
+    }
+}
+
 /// `ava train --nproc N`: this command again under `mpirun -np N` (exec, so signals and
 /// the exit code are mpirun's). Returns only on failure.
-pub(crate) fn launch(n: u32) -> Failure {
+fn launch(n: u32) -> Failure {
     if !cfg!(feature = "mpi") {
         return Failure::Usage(anyhow::anyhow!(
             "--nproc {n} runs {n} ranks over MPI, but this ava was built without MPI support: build it with \
@@ -151,13 +156,12 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
     }
     let ctx = context::load_checked(&config_args, p)?;
     let config = context::load_config(&config_args, p)?.into_config();
-    // Ranks on one machine share its cores.
-    let threads = match (config.train.threads, dist::local_size()) {
-        (0, 1) => 0,
-        (0, local) => (ava_train::train::resolve_threads(0) / local).max(1),
-        (n, _) => n,
-    };
-    set_threads(threads);
+    // Alone with threads 0, the pool keeps rayon's own default; ranks on one machine share
+    // its cores.
+    set_threads(match config.train.threads {
+        0 if dist::local_size() == 1 => 0,
+        n => ava_train::train::resolve_threads(n),
+    });
     // Held until this function returns (the process's end releases it however it ends).
     // Rank 0 writes the run's files, so it alone claims the directory.
     let lock = if root { Some(claim_run_dir(&config.train.out_dir, args)?) } else { None };

@@ -140,7 +140,7 @@ impl Zero {
         let n = self.size();
         // Whether any rank has a gradient for each parameter (so all agree on which exist).
         let mut present: Vec<u64> = grads.iter().map(|g| g.is_some() as u64).collect();
-        self.group.all_reduce_max(&mut present).map_err(TrainError::dist)?;
+        self.group.all_reduce_max(&mut present)?;
         let scale = 1.0 / n as f32;
         for range in self.buckets(params.len(), |i| numel(i) * 4) {
             let mut flat: Vec<f32> = Vec::with_capacity(range.clone().map(numel).sum()); // (bucket,) f32
@@ -154,9 +154,9 @@ impl Zero {
             }
             if self.stage >= 2 {
                 let counts = self.counts(range.clone(), numel);
-                self.group.reduce_scatter_sum(&mut flat, &counts).map_err(TrainError::dist)?;
+                self.group.reduce_scatter_sum(&mut flat, &counts)?;
             } else {
-                self.group.all_reduce_sum(&mut flat).map_err(TrainError::dist)?;
+                self.group.all_reduce_sum(&mut flat)?;
             }
             let mut at = 0;
             for i in range {
@@ -190,7 +190,7 @@ impl Zero {
                 }
             }
             let counts = self.counts(range.clone(), bytes_of);
-            self.group.all_gather(&mut flat, &counts).map_err(TrainError::dist)?;
+            self.group.all_gather(&mut flat, &counts)?;
             let mut at = 0;
             for i in range {
                 let len = bytes_of(i);
@@ -207,12 +207,12 @@ impl Zero {
 
     /// Agreement on flags: the maximum of each over the ranks.
     pub fn agree(&self, flags: &mut [u64]) -> Result<(), TrainError> {
-        self.group.all_reduce_max(flags).map_err(TrainError::dist)
+        self.group.all_reduce_max(flags).map_err(TrainError::from)
     }
 
     /// The mean over the ranks of each value.
     pub fn mean(&self, values: &mut [f64]) -> Result<(), TrainError> {
-        self.group.all_reduce_sum_f64(values).map_err(TrainError::dist)?;
+        self.group.all_reduce_sum_f64(values)?;
         let n = self.size() as f64;
         values.iter_mut().for_each(|v| *v /= n);
         Ok(())
@@ -220,12 +220,12 @@ impl Zero {
 
     /// The sum over the ranks of each value.
     pub fn sum(&self, values: &mut [f64]) -> Result<(), TrainError> {
-        self.group.all_reduce_sum_f64(values).map_err(TrainError::dist)
+        self.group.all_reduce_sum_f64(values).map_err(TrainError::from)
     }
 
     /// `bytes` from `root` (a buffer of the right length on every rank).
     pub fn broadcast(&self, bytes: &mut [u8], root: usize) -> Result<(), TrainError> {
-        self.group.broadcast(bytes, root).map_err(TrainError::dist)
+        self.group.broadcast(bytes, root).map_err(TrainError::from)
     }
 }
 

@@ -208,9 +208,6 @@ impl TrainError {
     pub(crate) fn candle(e: candle_core::Error) -> Self {
         Self::Candle(e.to_string())
     }
-    pub(crate) fn dist(e: crate::dist::DistError) -> Self {
-        Self::Dist(e)
-    }
     pub(crate) fn io(path: impl Into<PathBuf>, e: impl std::fmt::Display) -> Self {
         Self::Io { path: path.into(), message: e.to_string() }
     }

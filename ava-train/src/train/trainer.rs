@@ -263,9 +263,15 @@ impl std::fmt::Debug for Trainer {
     }
 }
 
-/// The compute threads a config asks for (0: one per core).
+/// The compute threads a config asks for (0: one per core, shared out among the ranks that
+/// run on this machine).
 pub fn resolve_threads(threads: usize) -> usize {
-    if threads > 0 { threads } else { std::thread::available_parallelism().map_or(1, |n| n.get()) }
+    if threads > 0 {
+        threads
+    } else {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (cores / crate::dist::local_size()).max(1)
+    }
 }
 
 /// The data options of a config.
@@ -450,11 +456,7 @@ impl Trainer {
         let group: Arc<dyn Collectives> = options.group.clone().unwrap_or_else(|| Arc::new(Single));
         let (rank, world) = (group.rank(), group.size());
         check_training_modes(&config, world)?;
-        // Ranks on one machine share its cores.
-        let threads = match config.train.threads {
-            0 => (resolve_threads(0) / crate::dist::local_size()).max(1),
-            n => n,
-        };
+        let threads = resolve_threads(config.train.threads);
         let plugin = |kind: PluginKind| config.selection(kind);
 
         let dataset = data::open(&data_options(&config)?)?;
@@ -1499,9 +1501,7 @@ impl Trainer {
                 return Ok(());
             }
             let (i, j) = (i as usize, j as usize);
-            let (Some(buffer), true) =
-                (self.state.buffers.get(i).and_then(|b| b.get(j)), i < self.model.params().len())
-            else {
+            let Some(buffer) = self.state.buffers.get(i).and_then(|b| b.get(j)) else {
                 return Err(TrainError::Invalid(format!(
                     "rank 0 asked for optimizer buffer {j} of parameter {i}, which does not exist: the ranks \
                      disagree on the model"
