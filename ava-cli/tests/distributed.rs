@@ -5,8 +5,11 @@
 //!
 //! - 2 ranks × micro-batch B train like 1 process × micro-batch 2B, for ZeRO stages 0–2,
 //!   with adamw and adam-8bit: per-step losses within 1e-5 relative (f32 sums over the ranks
-//!   in another order than one process's), and every stage writes the same checkpoint bytes;
-//! - a checkpoint of 2 ranks resumes on 1 process (micro-batch 2B) and on 2 ranks;
+//!   in another order than one process's); stages 0 and 1 write the same checkpoint bytes
+//!   (stage 2 reduces each micro-batch as backward finishes it, so with accumulation its
+//!   sums are added in another order);
+//! - a checkpoint of 2 ranks resumes on 1 process (micro-batch 2B), on 2 ranks (bit for bit)
+//!   and on 2 ranks at another stage;
 //! - a rank killed mid-run makes the job exit non-zero within 30 s naming it, and the last
 //!   checkpoint stays intact (resuming from it works);
 //! - a config that cannot work is refused by every rank, naming the keys, exit 2;
@@ -82,35 +85,38 @@ fn two_ranks_train_like_one_process_at_every_stage_with_adamw_and_adam_8bit() {
             assert!(stderr.contains("2 ranks over MPI (Open MPI"), "{stderr}");
             assert!(stderr.contains(&format!("ZeRO stage {stage}")), "{stderr}");
             assert_losses_close(&losses(&dir.path().join(&out)), &reference, &format!("{optimizer} stage {stage}"));
-            let ckpt = checkpoint(&dir.path().join(&out), 3);
-            bytes.push(["model.safetensors", "optimizer.safetensors"].map(|f| std::fs::read(ckpt.join(f)).unwrap()));
+            if stage < 2 {
+                let ckpt = checkpoint(&dir.path().join(&out), 3);
+                let files = ["model.safetensors", "optimizer.safetensors"];
+                bytes.push(files.map(|f| std::fs::read(ckpt.join(f)).unwrap()));
+            }
         }
-        assert!(bytes.windows(2).all(|w| w[0] == w[1]), "{optimizer}: the stages' checkpoints differ");
+        assert!(bytes[0] == bytes[1], "{optimizer}: stages 0 and 1 wrote different checkpoints");
     }
 }
 
 #[test]
 fn a_checkpoint_of_two_ranks_resumes_on_one_process_and_on_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
-    let stage = ["--set", "distributed.zero_stage=2"];
-    ok(mpirun(2, dir.path(), "straight", &["--max-steps", "4"]).args(stage).output().unwrap());
-    for (run, world) in [("on-two", 2), ("on-one", 1)] {
-        ok(mpirun(2, dir.path(), run, &["--max-steps", "4", "--steps", "2"]).args(stage).output().unwrap());
+    let stage = |s: u8| ["--set".to_string(), format!("distributed.zero_stage={s}")];
+    ok(mpirun(2, dir.path(), "straight", &["--max-steps", "4"]).args(stage(2)).output().unwrap());
+    for (run, world, resumed_stage) in [("on-two", 2, 2), ("on-two-stage-1", 2, 1), ("on-one", 1, 0)] {
+        ok(mpirun(2, dir.path(), run, &["--max-steps", "4", "--steps", "2"]).args(stage(2)).output().unwrap());
         let resume = ["--max-steps", "4", "--resume", "latest"];
         let o = if world == 2 {
-            mpirun(2, dir.path(), run, &resume).args(["--set", "distributed.zero_stage=1"]).output().unwrap()
+            mpirun(2, dir.path(), run, &resume).args(stage(resumed_stage)).output().unwrap()
         } else {
             one_process(dir.path(), run, &resume)
         };
         let stderr = String::from_utf8_lossy(&ok(o).stderr).into_owned();
         assert!(stderr.contains("continuing at step 3"), "{stderr}");
         let (a, b) = (losses(&dir.path().join("straight")), losses(&dir.path().join(run)));
-        if world == 2 {
+        if resumed_stage == 2 {
             assert_eq!(a, b, "resumed on 2 ranks");
             let model = |r: &str| std::fs::read(checkpoint(&dir.path().join(r), 4).join("model.safetensors")).unwrap();
             assert!(model("straight") == model(run), "resumed on 2 ranks: final weights differ");
         } else {
-            assert_losses_close(&b, &a, "resumed on 1 process");
+            assert_losses_close(&b, &a, &format!("resumed on {world} ranks at stage {resumed_stage}"));
         }
     }
 }

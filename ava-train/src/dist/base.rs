@@ -1,5 +1,8 @@
 //! The collectives trait: the only way the engine talks to other ranks.
 
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
 /// What a collective call can fail with. The MPI implementation never returns one (MPI's
 /// default error handler ends the job, and `mpirun` names the rank that died); the
 /// in-process group does, when a peer is gone or late.
@@ -64,6 +67,39 @@ pub trait Collectives: std::fmt::Debug {
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<(), DistError>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), DistError>;
+
+    /// Starts [`Collectives::reduce_scatter_sum`] of `buf` and returns at once when the
+    /// group can run it beside the caller's work (MPI runs it on a communication thread);
+    /// [`Pending::wait`] hands the buffer back. Started reduce-scatters run in the order
+    /// they were started, apart from the blocking collectives. By default it runs now.
+    fn start_reduce_scatter(&self, mut buf: Vec<f32>, counts: Vec<usize>) -> Result<Pending, DistError> {
+        let started = Instant::now();
+        self.reduce_scatter_sum(&mut buf, &counts)?;
+        Ok(Pending::Done(Ok((buf, started.elapsed()))))
+    }
+}
+
+/// A reduce-scatter under way (or done): see [`Collectives::start_reduce_scatter`].
+#[derive(Debug)]
+pub enum Pending {
+    /// Finished when it was started: the buffer and how long it took.
+    Done(Result<(Vec<f32>, Duration), DistError>),
+    /// Running elsewhere; the result arrives on this channel.
+    Running(Receiver<Result<(Vec<f32>, Duration), DistError>>),
+}
+
+impl Pending {
+    /// Waits for the collective: the reduced buffer, and how long the collective itself ran
+    /// (from when it began, not from when it was started, if others were queued before it).
+    pub fn wait(self) -> Result<(Vec<f32>, Duration), DistError> {
+        match self {
+            Self::Done(result) => result,
+            Self::Running(rx) => rx.recv().unwrap_or(Err(DistError::Mismatch {
+                what: "reduce-scatter",
+                message: "the communication thread ended before finishing it (see the error before this one)".into(),
+            })),
+        }
+    }
 }
 
 /// Checks that `counts` has one entry per rank and covers `len` elements.

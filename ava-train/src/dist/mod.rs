@@ -7,15 +7,17 @@
 mod base;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod reduce;
 mod single;
 mod threads;
 mod zero;
 
 use std::sync::Arc;
 
-pub use base::{Collectives, DistError};
+pub use base::{Collectives, DistError, Pending};
 #[cfg(feature = "mpi")]
 pub use mpi::MpiGroup;
+pub use reduce::{CommTimes, IN_FLIGHT, ReduceInBackward};
 pub use single::Single;
 pub use threads::{ThreadRank, thread_group};
 pub use zero::{Zero, owners};
@@ -76,7 +78,7 @@ pub fn join() -> Result<Group, String> {
 }
 
 #[cfg(feature = "mpi")]
-// Only the main thread calls MPI (MPI_THREAD_SINGLE), so the group is neither Send nor Sync;
+// The group's communicators are MPI handles, so it is neither Send nor Sync;
 // it is in an Arc because the trainer holds every group as `Arc<dyn Collectives>`.
 #[allow(clippy::arc_with_non_send_sync)]
 fn join_mpi(_n: usize) -> Result<Group, String> {

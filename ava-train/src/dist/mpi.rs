@@ -2,21 +2,84 @@
 //!
 //! MPI's default error handler ends the whole job when a call fails, and `mpirun` stops
 //! every rank when one dies and names it, so these calls return no errors of their own.
-//! Only the main thread calls MPI (`MPI_THREAD_SINGLE` is enough).
+//!
+//! The blocking collectives run on the caller's thread over the world communicator. The
+//! reduce-scatters started with [`Collectives::start_reduce_scatter`] (stage 2's, during
+//! backward) run on a communication thread of their own, over a duplicate of it, so they
+//! proceed while the caller computes: two communicators keep the two streams of collectives
+//! apart, and MPI is asked for `MPI_THREAD_MULTIPLE`. An MPI without it gets no thread, and
+//! those reduce-scatters run when started.
+
+use std::sync::mpsc::{Sender, channel};
+use std::thread::JoinHandle;
+use std::time::Instant;
 
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
+use mpi::environment::Threading;
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
 
-use super::base::{Collectives, DistError, check_counts, offsets};
+use super::base::{Collectives, DistError, Pending, check_counts, offsets};
 
 /// The world communicator of an MPI job; MPI is finalized when it is dropped.
 pub struct MpiGroup {
+    /// The communication thread (None: the MPI has no `MPI_THREAD_MULTIPLE`).
+    comm: Option<CommThread>,
     // Field order: the communicator goes before the universe that finalizes MPI.
     world: SimpleCommunicator,
     _universe: mpi::environment::Universe,
     version: String,
+}
+
+/// A reduce-scatter for the communication thread, and where its result goes.
+struct Job {
+    buf: Vec<f32>,
+    counts: Vec<usize>,
+    reply: Sender<Result<(Vec<f32>, std::time::Duration), DistError>>,
+}
+
+/// The communication thread and the queue it takes jobs from.
+struct CommThread {
+    jobs: Option<Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for CommThread {
+    fn drop(&mut self) {
+        // Closing the queue ends the thread after the jobs in it; it must end (and free its
+        // communicator) before MPI is finalized.
+        drop(self.jobs.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A communicator moved to the communication thread. Sound because MPI was initialized
+/// with `MPI_THREAD_MULTIPLE` (any thread may call it) and only that thread uses it.
+struct Moved(SimpleCommunicator);
+// SAFETY: see above: the MPI library is thread-safe at MPI_THREAD_MULTIPLE, and the handle
+// is used by one thread at a time (the one it was moved to).
+unsafe impl Send for Moved {}
+
+impl CommThread {
+    fn start(comm: SimpleCommunicator) -> Self {
+        let (jobs, queue) = channel::<Job>();
+        let comm = Moved(comm);
+        let thread = std::thread::Builder::new()
+            .name("ava-mpi-comm".into())
+            .spawn(move || {
+                let comm = comm;
+                for Job { mut buf, counts, reply } in queue {
+                    let started = Instant::now();
+                    let result = reduce_scatter_on(&comm.0, &mut buf, &counts).map(|()| (buf, started.elapsed()));
+                    let _ = reply.send(result); // a caller that stopped waiting has gone
+                }
+            })
+            .expect("the communication thread starts");
+        Self { jobs: Some(jobs), thread: Some(thread) }
+    }
 }
 
 impl std::fmt::Debug for MpiGroup {
@@ -28,12 +91,13 @@ impl std::fmt::Debug for MpiGroup {
 impl MpiGroup {
     /// Initializes MPI (once per process); `None` if it was initialized already.
     pub fn init() -> Option<Self> {
-        let universe = mpi::initialize()?;
+        let (universe, threading) = mpi::initialize_with_threading(Threading::Multiple)?;
         let world = universe.world();
+        let comm = (threading == Threading::Multiple).then(|| CommThread::start(world.duplicate()));
         let version = mpi::environment::library_version().unwrap_or_else(|_| "MPI".into());
         // "Open MPI v4.1.4, package: ..., ident: ...": the name and version are enough.
         let version = version.split([',', '\n']).next().unwrap_or("MPI").trim().to_string();
-        Some(Self { world, _universe: universe, version })
+        Some(Self { comm, world, _universe: universe, version })
     }
 
     /// Ends every rank of the job with `code` (after an error on this rank).
@@ -72,23 +136,20 @@ impl Collectives for MpiGroup {
     }
 
     fn reduce_scatter_sum(&self, buf: &mut [f32], counts: &[usize]) -> Result<(), DistError> {
-        check_counts("reduce-scatter", counts, self.size(), buf.len())?;
-        // MPI's reduce-scatter with uneven ranges (MPI_Reduce_scatter) is not in rsmpi: one
-        // reduce to each range's owner, which moves the same bytes.
-        let me = self.rank();
-        for (r, (&at, &n)) in offsets(counts).iter().zip(counts).enumerate() {
-            if n == 0 {
-                continue;
-            }
-            let root = self.world.process_at_rank(r as i32);
-            if r == me {
-                let send = buf[at..at + n].to_vec();
-                root.reduce_into_root(&send[..], &mut buf[at..at + n], SystemOperation::sum());
-            } else {
-                root.reduce_into(&buf[at..at + n], SystemOperation::sum());
-            }
-        }
-        Ok(())
+        reduce_scatter_on(&self.world, buf, counts)
+    }
+
+    fn start_reduce_scatter(&self, mut buf: Vec<f32>, counts: Vec<usize>) -> Result<Pending, DistError> {
+        let Some(jobs) = self.comm.as_ref().and_then(|c| c.jobs.as_ref()) else {
+            let started = Instant::now();
+            self.reduce_scatter_sum(&mut buf, &counts)?;
+            return Ok(Pending::Done(Ok((buf, started.elapsed()))));
+        };
+        check_counts("reduce-scatter", &counts, self.size(), buf.len())?;
+        let (reply, result) = channel();
+        // The thread outlives every job (it ends when the group is dropped).
+        jobs.send(Job { buf, counts, reply }).expect("the communication thread is running");
+        Ok(Pending::Running(result))
     }
 
     fn all_gather(&self, buf: &mut [u8], counts: &[usize]) -> Result<(), DistError> {
@@ -115,6 +176,27 @@ impl Collectives for MpiGroup {
         self.world.barrier();
         Ok(())
     }
+}
+
+/// Reduce-scatter over `comm`. MPI's reduce-scatter with uneven ranges
+/// (`MPI_Reduce_scatter`) is not in rsmpi: one reduce to each range's owner, which moves
+/// the same bytes.
+fn reduce_scatter_on(comm: &SimpleCommunicator, buf: &mut [f32], counts: &[usize]) -> Result<(), DistError> {
+    check_counts("reduce-scatter", counts, comm.size() as usize, buf.len())?;
+    let me = comm.rank() as usize;
+    for (r, (&at, &n)) in offsets(counts).iter().zip(counts).enumerate() {
+        if n == 0 {
+            continue;
+        }
+        let root = comm.process_at_rank(r as i32);
+        if r == me {
+            let send = buf[at..at + n].to_vec();
+            root.reduce_into_root(&send[..], &mut buf[at..at + n], SystemOperation::sum());
+        } else {
+            root.reduce_into(&buf[at..at + n], SystemOperation::sum());
+        }
+    }
+    Ok(())
 }
 
 /// An MPI count: buffers are bucketed well below 2 GiB elements.

@@ -11,8 +11,9 @@
 //! - Stage 0: gradients are all-reduced; every rank steps every parameter.
 //! - Stage 1: gradients are all-reduced; each rank steps (and holds the state of) its own
 //!   parameters, then the updated parameters are all-gathered.
-//! - Stage 2: gradients are reduce-scattered: each rank keeps only its own parameters'
-//!   (summed) gradients; then as stage 1.
+//! - Stage 2: gradients are reduce-scattered during backward, stretch by stretch
+//!   ([`super::ReduceInBackward`]): each rank keeps only its own parameters' (summed)
+//!   gradients; then as stage 1.
 //!
 //! Gradients are averaged (each rank's loss is the mean over its own tokens, so the mean of
 //! the ranks' gradients is the gradient of the mean over all of them), in buckets of about
@@ -95,6 +96,11 @@ impl Zero {
         self.owner[i]
     }
 
+    /// Bytes per bucket of gradients or parameters.
+    pub fn bucket_bytes(&self) -> usize {
+        self.bucket
+    }
+
     /// Whether this rank steps parameter `i` and holds its optimizer state.
     pub fn steps(&self, i: usize) -> bool {
         self.stage == 0 || self.owner[i] == self.rank()
@@ -128,20 +134,20 @@ impl Zero {
         counts
     }
 
-    /// Sums the ranks' gradients and divides by the number of ranks. Stages 0 and 1 leave
-    /// every gradient on every rank; stage 2 only this rank's parameters' (the others are
-    /// dropped). A gradient a rank lacks (an expert its tokens did not reach) counts as
-    /// zeros; after the reduction every parameter some rank had a gradient for has one.
+    /// Stages 0 and 1, after backward: sums the ranks' gradients and divides by the number
+    /// of ranks, leaving every gradient on every rank (stage 2 reduces during backward:
+    /// [`super::ReduceInBackward`]). A gradient a rank lacks (an expert its tokens did not
+    /// reach) counts as zeros; after the reduction every parameter some rank had a gradient
+    /// for has one.
     pub fn reduce_gradients(&self, params: &[Param], grads: &mut [Option<Tensor>]) -> Result<(), TrainError> {
         if self.size() == 1 {
             return Ok(()); // nothing to add, nothing to copy
         }
         let numel = |i: usize| params[i].def.numel();
-        let n = self.size();
         // Whether any rank has a gradient for each parameter (so all agree on which exist).
         let mut present: Vec<u64> = grads.iter().map(|g| g.is_some() as u64).collect();
         self.group.all_reduce_max(&mut present)?;
-        let scale = 1.0 / n as f32;
+        let scale = 1.0 / self.size() as f32;
         for range in self.buckets(params.len(), |i| numel(i) * 4) {
             let mut flat: Vec<f32> = Vec::with_capacity(range.clone().map(numel).sum()); // (bucket,) f32
             for i in range.clone() {
@@ -152,17 +158,11 @@ impl Zero {
                     None => flat.resize(flat.len() + numel(i), 0.0),
                 }
             }
-            if self.stage >= 2 {
-                let counts = self.counts(range.clone(), numel);
-                self.group.reduce_scatter_sum(&mut flat, &counts)?;
-            } else {
-                self.group.all_reduce_sum(&mut flat)?;
-            }
+            self.group.all_reduce_sum(&mut flat)?;
             let mut at = 0;
             for i in range {
                 let len = numel(i);
-                let keep = present[i] > 0 && (self.stage < 2 || self.owner[i] == self.rank());
-                if keep {
+                if present[i] > 0 {
                     let values: Vec<f32> = flat[at..at + len].iter().map(|v| v * scale).collect();
                     let t = Tensor::from_vec(values, params[i].def.shape.as_slice(), &Device::Cpu);
                     grads[i] = Some(t.map_err(TrainError::candle)?);

@@ -79,6 +79,14 @@ pub trait GradSink {
     /// Parameter `i`'s gradient (f32, detached) from one stretch. `last`: no more of it
     /// will come in this micro-batch (false only for a tied embedding's head use).
     fn receive(&mut self, i: usize, grad: Tensor, last: bool) -> Result<()>;
+
+    /// Called after each stretch's backward: the first `final_count` parameters of the
+    /// order given to [`GradSink::expect`] have all the gradient they will get in this
+    /// micro-batch (one that did not arrive gets none: an expert no token reached). Lets a
+    /// sink hand on whole stretches, such as stage 2's reduce-scatter.
+    fn stretch_done(&mut self, _final_count: usize) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Accumulation: each gradient is added to what is there.
@@ -186,7 +194,13 @@ pub fn forward_backward(
         loss = (loss + aux.to_dtype(ce.dtype())?.affine(aux_weight, 0.0)?)?;
     }
     let ce_value = ce.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    grads.expect(&gradient_order(model, &current, &stages))?;
+    // Stretch by stretch, the parameters whose gradients are final after it.
+    let order = gradient_order(model, &current, &stages);
+    let mut final_counts = order.iter().scan(0, |n, s| {
+        *n += s.len();
+        Some(*n)
+    });
+    grads.expect(&order.concat())?;
     // The tier reads the first input backward needs while the last stretch back-propagates.
     prefetch(offload, &stages)?;
     let span = crate::profile::scope("backward: autograd (all)");
@@ -199,6 +213,7 @@ pub fn forward_backward(
     // collected (last stretch) before its embedding use (first stretch).
     let mut grad_out = collect(model, &current.blocks, current.start.as_ref(), store, grads)?;
     drop(current);
+    grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
 
     while let Some(stage) = stages.pop() {
         let g = grad_out.take().expect("a stage after the first always receives a gradient");
@@ -227,6 +242,7 @@ pub fn forward_backward(
                 drop(span);
                 drop((surrogate, hidden, aux));
                 grad_out = collect(model, &blocks, Some(&start), store, grads)?;
+                grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
             }
             Stage::Kept(kept) => {
                 let surrogate = surrogate(&kept.end, &g, kept.aux.as_ref(), aux_weight * scale / divisor)?;
@@ -235,6 +251,7 @@ pub fn forward_backward(
                 drop(span);
                 drop(surrogate);
                 grad_out = collect(model, &kept.blocks, kept.start.as_ref(), store, grads)?;
+                grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
             }
         }
     }
@@ -279,22 +296,24 @@ fn collect(
 /// Index of the token embedding among the parameters (also the head, when tied).
 const EMBEDDING: usize = 0;
 
-/// The order in which backward will hand over final gradients: the last stretch's blocks,
-/// the final norm and head, then each earlier stage's blocks, the embedding last (a tied
-/// embedding's head use is not final, so it is listed once, at the end).
-fn gradient_order(model: &Model, last: &Kept, stages: &[Stage]) -> Vec<usize> {
+/// The order in which backward will hand over final gradients, one list per stretch in the
+/// order backward walks them: the last stretch's blocks, the final norm and head, then each
+/// earlier stage's blocks, the embedding last, in its own stretch (a tied embedding's head
+/// use is not final, so it is listed once, at the end).
+fn gradient_order(model: &Model, last: &Kept, stages: &[Stage]) -> Vec<Vec<usize>> {
     let all = model.params();
     let outside = |i: &usize| all[*i].def.block.is_none() && *i != EMBEDDING;
-    let mut order: Vec<usize> = last.blocks.iter().flat_map(|&b| model.block_params(b)).collect();
-    order.extend((0..all.len()).filter(outside));
+    let mut first: Vec<usize> = last.blocks.iter().flat_map(|&b| model.block_params(b)).collect();
+    first.extend((0..all.len()).filter(outside));
+    let mut order = vec![first];
     for stage in stages.iter().rev() {
-        let blocks = match stage {
-            Stage::Kept(k) => &k.blocks,
-            Stage::Recompute { blocks, .. } => blocks,
-        };
-        order.extend(blocks.iter().flat_map(|&b| model.block_params(b)));
+        order.push(match stage {
+            Stage::Kept(k) if k.start.is_none() => vec![EMBEDDING], // the embedding's stretch
+            Stage::Kept(Kept { blocks, .. }) | Stage::Recompute { blocks, .. } => {
+                blocks.iter().flat_map(|&b| model.block_params(b)).collect()
+            }
+        });
     }
-    order.push(EMBEDDING);
     order
 }
 

@@ -49,6 +49,10 @@ pub struct StepRecord {
     /// streamed optimizer state in flight); 0 when nothing went through it.
     #[serde(skip_serializing_if = "is_zero", default)]
     pub offload_bytes: u64,
+    /// Stage 2's reduce-scatter during backward (several ranks only): how long it ran and
+    /// how much of it held training up.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub communication: Option<crate::dist::CommTimes>,
     /// The optimizer state streamed through the tier this step: bytes each way and the
     /// seconds the step waited on it; absent when no state is offloaded.
     #[serde(skip_serializing_if = "Option::is_none", default)]

@@ -24,7 +24,7 @@ use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Step
 use super::schedule::{LossScaler, learning_rate};
 use crate::config::{Config, DataSource, MasterWeights, NanPolicy, PluginSelection, Precision};
 use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Share, Source, Split};
-use crate::dist::{Collectives, Single, Zero};
+use crate::dist::{Collectives, ReduceInBackward, Single, Zero};
 use crate::memory::{self, Breakdown};
 use crate::model::{self, GradSink, Grads, Model, ModelSpec, forward_backward};
 use crate::save::{CheckpointStore, FileBody, LoadedCheckpoint, differing_keys, safetensors_views};
@@ -1092,6 +1092,8 @@ impl Trainer {
         let mut stream = StreamStats::default();
         // Set when the step's loss or gradient is not finite and `nan_policy: skip` skips it.
         let mut nonfinite = None;
+        // Stage 2's reduction during backward: how long it ran and how much was exposed.
+        let mut comm = None;
         let (ce, aux, parked_peak, norm, applied, grads_bytes) = if t.step_in_backward {
             // Each parameter is stepped inside backward; nothing can be retried or skipped.
             let inject = self.oom_at_step == Some(step);
@@ -1147,16 +1149,33 @@ impl Trainer {
                     scale: self.scaler.scale,
                     offload: self.offload.as_ref(),
                 };
-                let outcome = run.run(&weights, &batches, self.split, &mut grads);
+                // Stage 2 reduces during backward, stretch by stretch; stages 0 and 1 after it.
+                let outcome = if self.zero.stage() >= 2 && self.zero.size() > 1 {
+                    let mut sink = ReduceInBackward::new(&self.zero, self.model.params());
+                    match run.run(&weights, &batches, self.split, &mut sink) {
+                        Err(e) => Err(sink.take_failure().unwrap_or(e)),
+                        Ok(done @ MicroSteps::Done { .. }) => {
+                            let (reduced, times) = sink.finish()?;
+                            grads = reduced;
+                            comm = Some(times);
+                            Ok(done)
+                        }
+                        Ok(oom) => Ok(oom),
+                    }
+                } else {
+                    run.run(&weights, &batches, self.split, &mut grads)
+                };
                 if inject {
                     memory::set_limit(self.hard_limit);
                 }
                 match outcome? {
                     MicroSteps::Done { ce, aux, tier_peak } => {
-                        // Every rank's gradients summed and averaged (from stage 2, only this
-                        // rank's parameters' kept), and the loss the mean over the ranks.
-                        let _span = crate::profile::scope("gradients: reduce over ranks");
-                        self.zero.reduce_gradients(self.model.params(), &mut grads)?;
+                        // Every rank's gradients summed and averaged (stages 0 and 1; stage 2
+                        // did it in backward), and the loss the mean over the ranks.
+                        if comm.is_none() {
+                            let _span = crate::profile::scope("gradients: reduce over ranks");
+                            self.zero.reduce_gradients(self.model.params(), &mut grads)?;
+                        }
                         let mut losses = [ce, aux];
                         self.zero.mean(&mut losses)?;
                         break (grads, losses[0], losses[1], tier_peak);
@@ -1286,6 +1305,7 @@ impl Trainer {
             nonfinite,
             offload_bytes: stream.peak_tier.max(parked_peak),
             stream: self.state.streamed_bytes().gt(&0).then_some(stream),
+            communication: comm,
         })
     }
 
