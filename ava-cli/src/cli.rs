@@ -91,10 +91,15 @@ pub enum Command {
         #[command(flatten)]
         config: ConfigArgs,
         /// Estimate one rank of N data-parallel ranks (`mpirun -np N`): the micro-batch is
-        /// per rank, and with distributed.zero_stage ≥ 1 the optimizer state is the largest
-        /// rank's share (split by whole parameters, as training splits it).
+        /// per rank; with distributed.zero_stage ≥ 1 the optimizer state is the rank's share
+        /// (split by whole parameters, as training splits it), and at stage 2 so are the
+        /// gradients. Prints each rank's peak; the breakdown is the rank holding the most
+        /// state's (or --rank's).
         #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
         world_size: u32,
+        /// With --world-size: the breakdown of this rank (0-based) instead.
+        #[arg(long, value_name = "R", requires = "world_size")]
+        rank: Option<u32>,
     },
     /// Benchmarks.
     #[command(subcommand)]
@@ -171,6 +176,11 @@ pub struct PlanArgs {
     /// it). The plan checks the disk has room for the records.
     #[arg(long, value_name = "TIER:PATH")]
     pub offload: Option<String>,
+    /// Plan one rank of N data-parallel ranks (`mpirun -np N`), the budget being each
+    /// rank's: the micro-batch is per rank, and the ZeRO stage (distributed.zero_stage 0, 1,
+    /// 2) is searched too.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub world_size: u32,
 }
 
 /// `ava train` options.

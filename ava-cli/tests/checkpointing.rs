@@ -1,7 +1,8 @@
 //! The `selective` checkpoint plugin through `ava`: with a memory budget, training plans
 //! exactly as `ava estimate` predicts and stays under the budget; every, layers and sqrt
 //! plans; identical weights and a falling activation peak as more blocks are recomputed;
-//! `memory.hard_limit`'s back-off and stop.
+//! `memory.hard_limit`'s back-off and stop; `ava estimate` and `ava plan` for one rank of
+//! several (`--world-size`).
 
 use std::path::Path;
 use std::process::Output;
@@ -319,4 +320,53 @@ fn plan_picks_a_config_that_trains_under_the_budget() {
         err.contains("--budget \"lots\" is neither a size (e.g. 24GiB, 512MB) nor a device: rtx-3060-12gb"),
         "{err}"
     );
+}
+
+/// `ava estimate --world-size 2` at ZeRO stage 2 lists each rank's peak, `--rank` gives
+/// that rank's breakdown, and a rank that is not one is refused naming the ranks.
+#[test]
+fn estimate_gives_each_ranks_peak_and_one_ranks_breakdown() {
+    let dir = tempfile::tempdir().unwrap();
+    let stage = ["distributed.zero_stage=2".to_string(), "distributed.bucket_size=8KiB".to_string()];
+    let est = |extra: &[&str]| {
+        let mut head = vec!["--format", "json", "estimate", "--world-size", "2"];
+        head.extend_from_slice(extra);
+        json_of(&ok(run(dir.path(), &head, &stage)))
+    };
+    let all = est(&[]);
+    let peaks: Vec<u64> = all["rank_peaks"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(peaks.len(), 2, "{all}");
+    for (r, &peak) in peaks.iter().enumerate() {
+        let one = est(&["--rank", &r.to_string()]);
+        assert_eq!(one["breakdown"]["peak"].as_u64().unwrap(), peak, "rank {r}");
+    }
+    // The breakdown without --rank is the rank holding the most state.
+    assert!(peaks.contains(&all["breakdown"]["peak"].as_u64().unwrap()), "{all}");
+    // Half the optimizer state of one process, within one parameter's.
+    let alone = json_of(&ok(run(dir.path(), &["--format", "json", "estimate"], &stage)));
+    let (share, whole) =
+        (all["breakdown"]["optimizer"].as_u64().unwrap(), alone["breakdown"]["optimizer"].as_u64().unwrap());
+    assert!(share < whole && share >= whole / 2, "{share} of {whole}");
+    let e = common::usage_error(run(dir.path(), &["estimate", "--world-size", "2", "--rank", "2"], &stage));
+    assert!(e.contains("--rank 2 is not a rank of --world-size 2: ranks are 0..=1"), "{e}");
+}
+
+/// `ava plan --world-size 2` plans one rank: it searches the ZeRO stages, never the step
+/// inside backward (refused with several ranks), and writes a config to run with `--nproc`.
+#[test]
+fn plan_for_several_ranks_searches_the_zero_stages() {
+    let dir = tempfile::tempdir().unwrap();
+    let alone = json_of(&ok(run(dir.path(), &["--format", "json", "estimate"], &[])));
+    let budget = (alone["breakdown"]["peak"].as_u64().unwrap() * 2).to_string();
+    let head =
+        ["--format", "json", "plan", "--budget", &budget, "--world-size", "2", "--top", "400", "--write", "p.yaml"];
+    let plan = json_of(&ok(run(dir.path(), &head, &[])));
+    assert_eq!(plan["world_size"], 2, "{plan}");
+    let configs = plan["configs"].as_array().unwrap();
+    let stages: std::collections::BTreeSet<u64> = configs.iter().map(|c| c["zero_stage"].as_u64().unwrap()).collect();
+    assert_eq!(stages.into_iter().collect::<Vec<_>>(), vec![0, 1, 2], "{plan}");
+    assert!(configs.iter().all(|c| c["step_in_backward"] == false), "{plan}");
+    let written = std::fs::read_to_string(dir.path().join("p.yaml")).unwrap();
+    assert!(written.starts_with("# ava train --nproc 2 -c p.yaml"), "{written}");
+    assert!(written.contains("zero_stage: "), "{written}");
 }

@@ -12,6 +12,9 @@
 //!   and on 2 ranks at another stage;
 //! - a rank killed mid-run makes the job exit non-zero within 30 s naming it, and the last
 //!   checkpoint stays intact (resuming from it works);
+//! - each rank's measured peak memory is within 5% of `ava estimate --world-size 2 --rank r`,
+//!   at every stage (gradient- and state-heavy sizes: kilobytes of allocator jitter against
+//!   tens of megabytes);
 //! - a config that cannot work is refused by every rank, naming the keys, exit 2;
 //! - `ava train --nproc 2` is the same as mpirun.
 #![cfg(feature = "mpi")]
@@ -195,4 +198,49 @@ fn nproc_runs_the_same_command_under_mpirun() {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(stderr.contains("2 ranks over MPI"), "{stderr}");
     assert_eq!(losses(&dir.path().join("run")).len(), 1);
+}
+
+#[test]
+fn each_ranks_peak_is_within_five_percent_of_its_estimate_at_every_stage() {
+    let dir = tempfile::tempdir().unwrap();
+    // Width 256: the parameters, gradients and state (tens of MB) dominate; small buckets.
+    let size = [
+        "model.hidden_size=256",
+        "model.intermediate_size=704",
+        "model.num_heads=4",
+        "model.num_kv_heads=4",
+        "model.vocab_size=256",
+        "data.seq_len=32",
+        "train.micro_batch_size=1",
+        "distributed.bucket_size=2MiB",
+    ];
+    for stage in 0..=2 {
+        let stage_set = format!("distributed.zero_stage={stage}");
+        let mut args = vec!["--max-steps", "3"];
+        for s in size.iter().chain([&stage_set.as_str()]) {
+            args.extend(["--set", s]);
+        }
+        let out = format!("peaks-{stage}");
+        ok(mpirun(2, dir.path(), &out, &args).output().unwrap());
+        let metrics = std::fs::read_to_string(dir.path().join(&out).join("metrics.jsonl")).unwrap();
+        let mut measured = [0u64; 2];
+        for line in metrics.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            for (r, p) in v["data"]["rank_peaks"].as_array().into_iter().flatten().enumerate() {
+                measured[r] = measured[r].max(p.as_u64().unwrap());
+            }
+        }
+        for (r, &m) in measured.iter().enumerate() {
+            let mut est = std::process::Command::new(env!("CARGO_BIN_EXE_ava"));
+            est.args(["--format", "json", "estimate", "--world-size", "2", "--rank", &r.to_string()]);
+            for s in common::SMALL.iter().chain(&size).chain([&stage_set.as_str()]) {
+                est.args(["--set", s]);
+            }
+            let est = common::json_of(&ok(est.current_dir(dir.path()).output().unwrap()));
+            let predicted = est["breakdown"]["peak"].as_u64().unwrap();
+            let off = m as f64 / predicted as f64 - 1.0;
+            println!("stage {stage} rank {r}: measured {m}, estimated {predicted} ({:+.1}%)", 100.0 * off);
+            assert!(m > 0 && off.abs() <= 0.05, "stage {stage} rank {r}: measured {m} vs estimated {predicted}");
+        }
+    }
 }

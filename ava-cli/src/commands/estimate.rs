@@ -2,12 +2,22 @@
 //! terms; nothing model-sized is allocated, so it works for models bigger than the machine.
 
 use ava_core::PluginKind;
-use ava_train::estimate::{Plugins, estimate_on};
+use ava_core::format_size;
+use ava_train::estimate::{Plugins, estimate_rank};
 use serde_json::json;
 
 use crate::{CmdResult, UsageExt, cli::ConfigArgs, context, output::Printer};
 
-pub fn run(p: &Printer, args: &ConfigArgs, world: usize) -> CmdResult {
+/// Ranks listed one by one up to this world size (each is a replay of the step).
+const MAX_LISTED: usize = 16;
+
+pub fn run(p: &Printer, args: &ConfigArgs, world: usize, rank: Option<usize>) -> CmdResult {
+    if let Some(r) = rank.filter(|&r| r >= world) {
+        return Err(crate::Failure::Usage(anyhow::anyhow!(
+            "--rank {r} is not a rank of --world-size {world}: ranks are 0..={}",
+            world - 1
+        )));
+    }
     let ctx = context::load_checked(args, p)?;
     let config = context::load_config(args, p)?.into_config();
     let sel = |k: PluginKind| config.selection(k).clone();
@@ -19,7 +29,33 @@ pub fn run(p: &Printer, args: &ConfigArgs, world: usize) -> CmdResult {
     let checkpoint = ctx.registry.checkpoint(&c.name, &c.options_json())?;
     let plugins =
         Plugins { optimizer: optimizer.as_ref(), attention: attention.as_ref(), checkpoint: checkpoint.as_ref() };
-    let est = estimate_on(&spec, &config, &plugins, world).usage()?;
-    p.result(|| est.render(), || json!(est));
+    let est = estimate_rank(&spec, &config, &plugins, world, rank).usage()?;
+    // Each rank's peak, when the ranks differ (from stage 1 they own different parameters).
+    let ranks: Vec<u64> = if world > 1 && config.distributed.zero_stage >= 1 && world <= MAX_LISTED {
+        (0..world)
+            .map(|r| estimate_rank(&spec, &config, &plugins, world, Some(r)).map(|e| e.breakdown.peak))
+            .collect::<Result<_, _>>()
+            .usage()?
+    } else {
+        Vec::new()
+    };
+    p.result(
+        || {
+            let mut out = est.render();
+            if !ranks.is_empty() {
+                let each: Vec<String> =
+                    ranks.iter().enumerate().map(|(r, &b)| format!("rank {r} {}", format_size(b))).collect();
+                out.push_str(&format!("\npeak by rank: {}", each.join(", ")));
+            }
+            out
+        },
+        || {
+            let mut v = json!(est);
+            if !ranks.is_empty() {
+                v["rank_peaks"] = json!(ranks);
+            }
+            v
+        },
+    );
     Ok(())
 }

@@ -35,7 +35,9 @@ use crate::{
 pub fn run(command: Command, p: &Printer) -> CmdResult {
     match command {
         Command::Train(args) => train::run(p, &args),
-        Command::Estimate { config, world_size } => estimate::run(p, &config, world_size as usize),
+        Command::Estimate { config, world_size, rank } => {
+            estimate::run(p, &config, world_size as usize, rank.map(|r| r as usize))
+        }
         Command::Plan(args) => plan::run(p, &args),
         Command::Report(args) => report::run(p, &args),
         Command::Bench(BenchCommand::Train { config, steps, warmup, modes, offload }) => {

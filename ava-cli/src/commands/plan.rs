@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 use ava_core::{PluginKind, format_size, parse_size};
 use ava_train::config::{Config, MasterWeights, PluginSelection, Precision, TierShare, Tiers};
-use ava_train::estimate::{Estimate, Plugins, estimate};
+use ava_train::estimate::{Estimate, Plugins, estimate_on};
 use ava_train::model::ModelSpec;
 use serde_json::json;
 
@@ -172,6 +172,8 @@ struct Candidate {
     in_backward: bool,
     /// The optimizer state (and `tier` masters) stream through the `--offload` tier.
     offload: Option<OffloadArg>,
+    /// `distributed.zero_stage` (with `--world-size` N > 1).
+    zero_stage: u8,
 }
 
 impl Candidate {
@@ -196,6 +198,7 @@ impl Candidate {
             format!("memory.budget={budget}"),
             format!("train.master_weights={}", self.masters.as_str()),
             format!("train.step_in_backward={}", self.in_backward),
+            format!("distributed.zero_stage={}", self.zero_stage),
         ]
         .into_iter()
         // Stepping inside backward cannot wait for the global norm.
@@ -214,6 +217,7 @@ impl Candidate {
         config.plugins.checkpoint = self.checkpoint.clone();
         config.train.master_weights = self.masters;
         config.train.step_in_backward = self.in_backward;
+        config.distributed.zero_stage = self.zero_stage;
         if self.in_backward {
             config.train.grad_clip = 0.0;
         }
@@ -309,6 +313,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         _ => 1.0,
     };
     let aim = (usable as f64 * target) as u64;
+    let world = args.world_size as usize;
     let effective = base.train.effective_batch();
     let micro_batches: Vec<usize> = (0..)
         .map(|k| base.train.micro_batch_size >> k)
@@ -339,7 +344,8 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
             }
             for &m in &these {
                 for in_backward in [false, true] {
-                    if in_backward && (accumulation != 1 || precision == Precision::F16) {
+                    // Not with several ranks, which reduce the gradients after backward.
+                    if in_backward && (accumulation != 1 || precision == Precision::F16 || world > 1) {
                         continue;
                     }
                     out.push((m, in_backward, offloaded.then(|| offload.clone()).flatten()));
@@ -348,6 +354,8 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         }
         out
     };
+    // With several ranks, every ZeRO stage the engine runs; alone, the config's.
+    let stages: Vec<u8> = if world > 1 { vec![0, 1, 2] } else { vec![base.distributed.zero_stage] };
     let mut candidates = Vec::new();
     for attention in &attentions {
         for optimizer in &optimizers {
@@ -355,8 +363,11 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                 for &micro_batch in &micro_batches {
                     let accumulation = effective / micro_batch;
                     for (masters, in_backward, offload) in weight_modes(precision, accumulation) {
-                        for checkpoint in &checkpoints {
+                        for (checkpoint, &zero_stage) in
+                            checkpoints.iter().flat_map(|c| stages.iter().map(move |s| (c, s)))
+                        {
                             candidates.push(Candidate {
+                                zero_stage,
                                 micro_batch,
                                 accumulation,
                                 precision,
@@ -377,7 +388,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     let mut planned = Vec::new();
     let (mut refused, mut no_room) = (0, None);
     for c in candidates {
-        match plan_one(registry, &spec, &base, &c, aim) {
+        match plan_one(registry, &spec, &base, &c, aim, world) {
             Ok(Some(x)) => {
                 // A plan that streams must fit on the tier's disk.
                 if let (Some(tier), true) = (&tier, x.estimate.offloaded > 0) {
@@ -403,8 +414,9 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         masters: base.train.master_weights,
         in_backward: base.train.step_in_backward,
         offload: None,
+        zero_stage: base.distributed.zero_stage,
     };
-    let reference = plan_one(registry, &spec, &base, &given, 0).ok().flatten();
+    let reference = plan_one(registry, &spec, &base, &given, 0, world).ok().flatten();
     let reference_cost = reference.as_ref().map_or(1.0, |r| r.cost);
 
     // A selective plan that keeps or recomputes every block is `none` or `full` again.
@@ -433,7 +445,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
 
     let mut written = None;
     if let Some(file) = &args.write {
-        write_config(p, &config_args, best, usable, file, &args.budget)?;
+        write_config(p, &config_args, best, usable, file, &args.budget, world)?;
         written = Some(file.clone());
     }
     let top: Vec<&&Planned> = fitting.iter().take(args.top.max(1)).collect();
@@ -454,13 +466,21 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                     if r.estimate.breakdown.peak <= aim { "fits" } else { "over the budget" }
                 ));
             }
-            let headers = ["#", "micro × acc", "precision", "weights", "opt. step", "attention", "optimizer", "state", "checkpoint", "peak", "of budget", "step time", "params / grads / optimizer / activations"];
+            if world > 1 {
+                out.push_str(&format!(
+                    "each rank of {world} (mpirun -np {world}): the budget, micro-batch and peak are per rank\n"
+                ));
+            }
+            let mut headers = vec!["#", "micro × acc", "precision", "weights", "opt. step", "attention", "optimizer", "state", "checkpoint", "peak", "of budget", "step time", "params / grads / optimizer / activations"];
+            if world > 1 {
+                headers.insert(2, "ZeRO");
+            }
             let rows: Vec<Vec<String>> = top
                 .iter()
                 .enumerate()
                 .map(|(i, x)| {
                     let b = &x.estimate.breakdown;
-                    vec![
+                    let mut row = vec![
                         (i + 1).to_string(),
                         format!("{} × {}", x.candidate.micro_batch, x.candidate.accumulation),
                         x.candidate.precision.as_str().to_string(),
@@ -474,7 +494,11 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                         format!("{:.0}%", 100.0 * b.peak as f64 / usable as f64),
                         format!("×{:.2}", x.cost / reference_cost),
                         format!("{} / {} / {} / {}", format_size(b.params), format_size(b.grads), format_size(b.optimizer), format_size(b.activations)),
-                    ]
+                    ];
+                    if world > 1 {
+                        row.insert(2, format!("stage {}", x.candidate.zero_stage));
+                    }
+                    row
                 })
                 .collect();
             out.push_str(&crate::output::table(&headers, &rows));
@@ -507,13 +531,15 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                 ));
             }
             if let Some(f) = &written {
-                out.push_str(&format!("\nwrote {}: run it with ava train -c {}", f.display(), f.display()));
+                let run = if world > 1 { format!("ava train --nproc {world}") } else { "ava train".into() };
+                out.push_str(&format!("\nwrote {}: run it with {run} -c {}", f.display(), f.display()));
             }
             out
         },
         || {
             json!({
                 "budget": usable,
+                "world_size": world,
                 "searched": total,
                 "fit": fitting.len(),
                 "written": written.as_ref().map(|f| f.display().to_string()),
@@ -526,6 +552,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                     "checkpoint": x.candidate.checkpoint.name,
                     "master_weights": x.candidate.masters.as_str(),
                     "step_in_backward": x.candidate.in_backward,
+                    "zero_stage": x.candidate.zero_stage,
                     "offload": x.candidate.offload.as_ref().map(|o| json!({"tier": o.tier, "path": o.path})),
                     "offloaded_bytes": x.estimate.offloaded,
                     "plan": x.estimate.plan.iter().map(|d| d.as_str()).collect::<Vec<_>>(),
@@ -548,6 +575,7 @@ fn plan_one(
     base: &Config,
     c: &Candidate,
     usable: u64,
+    world: usize,
 ) -> Result<Option<Planned>, Failure> {
     let mut config = base.clone();
     c.apply(&mut config);
@@ -567,13 +595,13 @@ fn plan_one(
     }
     let plugins =
         Plugins { optimizer: optimizer.as_ref(), attention: attention.as_ref(), checkpoint: checkpoint.as_ref() };
-    let Ok(est) = estimate(spec, &config, &plugins) else { return Ok(None) };
-    let cost = cost(spec, c, &est);
+    let Ok(est) = estimate_on(spec, &config, &plugins, world) else { return Ok(None) };
+    let cost = cost(spec, c, &est, world);
     Ok(Some(Planned { candidate: c.clone(), estimate: est, cost }))
 }
 
 /// The predicted step cost in forward-FLOP equivalents (see the module docs).
-fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate) -> f64 {
+fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate, world: usize) -> f64 {
     let (b, t) = (c.micro_batch as f64, est.seq_len as f64);
     let blocks: f64 = est.block_facts.iter().map(|f| f.forward_flops as f64).sum();
     let head = 2.0 * b * t * (spec.hidden * spec.vocab) as f64;
@@ -596,7 +624,10 @@ fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate) -> f64 {
         if matches!(c.masters, MasterWeights::None | MasterWeights::Kahan) { ROUNDING_COST * n } else { 0.0 };
     // Read and written back every step; what the step waits for of it.
     let wait = 2.0 * est.offloaded as f64 * TIER_WAIT_PER_BYTE[usize::from(!c.in_backward)];
-    compute + optimizer_cost(&c.optimizer.name) * n + rounding + wait * ENGINE_RATE
+    // From ZeRO stage 1 a rank steps its share of the parameters. (The stages move the same
+    // bytes between ranks, 2 · 4·N per step, so communication does not rank them.)
+    let stepped = if c.zero_stage >= 1 { n / world as f64 } else { n };
+    compute + optimizer_cost(&c.optimizer.name) * stepped + rounding + wait * ENGINE_RATE
 }
 
 /// Where the weights live: `f32`, `bf16 only`, `bf16 + kahan`, `bf16 + masters in nvme`.
@@ -632,6 +663,7 @@ fn changes(given: &Candidate, c: &Candidate) -> usize {
         c.masters != given.masters,
         c.in_backward != given.in_backward,
         c.offload.is_some(),
+        c.zero_stage != given.zero_stage,
     ]
     .iter()
     .filter(|&&d| d)
@@ -672,14 +704,20 @@ fn write_config(
     usable: u64,
     file: &PathBuf,
     budget_arg: &str,
+    world: usize,
 ) -> CmdResult {
     let mut args = base.clone();
     args.set.extend(best.candidate.sets(usable, &best.estimate));
     let loaded = context::load_config(&args, p)?;
+    let (command, per_rank) = if world > 1 {
+        (format!("ava train --nproc {world} -c {}", file.display()), format!(" --world-size {world} (per rank)"))
+    } else {
+        (format!("ava train -c {}", file.display()), String::new())
+    };
     let text = format!(
-        "# ava train -c {}\n# Written by ava plan --budget {budget_arg}: its choices are the values \"from: --set\"; \
-         memory.budget is\n# what the plan fits under (the thresholds memory policy acts at fractions of it).\n{}",
-        file.display(),
+        "# {command}\n# Written by ava plan --budget {budget_arg}{per_rank}: its choices are the values \"from: \
+         --set\"; memory.budget is\n# what the plan fits under (the thresholds memory policy acts at fractions of \
+         it).\n{}",
         loaded.to_yaml()
     );
     std::fs::write(file, text)

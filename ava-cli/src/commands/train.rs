@@ -197,8 +197,15 @@ fn train(p: &Printer, started: Started) -> CmdResult {
                 None => lines.push(format!("validation loss {v:.4}")),
             }
         }
+        let ranks = if summary.rank_peak_bytes.is_empty() {
+            String::new()
+        } else {
+            let each: Vec<String> =
+                summary.rank_peak_bytes.iter().map(|&b| format!("{:.3}", ava_train::memory::gib(b))).collect();
+            format!(" (by rank: {} GiB)", each.join(", "))
+        };
         lines.push(format!(
-            "{} tokens/s; peak memory {:.2} GiB",
+            "{} tokens/s; peak memory {:.2} GiB{ranks}",
             super::progress::rate(summary.tokens_per_sec),
             ava_train::memory::gib(summary.peak_bytes)
         ));

@@ -1,8 +1,8 @@
 //! Stage 2's reduction during backward: a [`GradSink`] that reduce-scatters each stretch's
 //! gradients as soon as backward has finished them, while backward goes on below.
 //!
-//! Backward hands over gradients stretch by stretch (`model::forward_backward`). After each
-//! stretch the sink moves the now-final gradients into the current bucket; a bucket of
+//! Backward hands over gradients stretch by stretch (`model::forward_backward`), and this
+//! sink asks for a stretch per block, kept blocks included. After each stretch the sink moves the now-final gradients into the current bucket; a bucket of
 //! `distributed.bucket_size` bytes is started as a reduce-scatter
 //! ([`Collectives::start_reduce_scatter`]: over MPI it runs on a communication thread while
 //! this one computes the next stretch) and the gradients it copied are freed. Each rank
@@ -191,6 +191,10 @@ impl GradSink for ReduceInBackward<'_> {
             None => g,
         });
         Ok(())
+    }
+
+    fn block_stretches(&self) -> bool {
+        true // a bucket can start as soon as a block's backward ends
     }
 
     fn stretch_done(&mut self, final_count: usize) -> candle_core::Result<()> {

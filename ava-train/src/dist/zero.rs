@@ -223,6 +223,15 @@ impl Zero {
         self.group.all_reduce_sum_f64(values).map_err(TrainError::from)
     }
 
+    /// Every rank's `value`, by rank.
+    pub fn gather_each(&self, value: u64) -> Result<Vec<u64>, TrainError> {
+        let mut bytes = vec![0u8; 8 * self.size()]; // (ranks,) u64
+        let me = self.rank();
+        bytes[8 * me..8 * me + 8].copy_from_slice(&value.to_le_bytes());
+        self.group.all_gather(&mut bytes, &vec![8; self.size()])?;
+        Ok(bytes.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+    }
+
     /// `bytes` from `root` (a buffer of the right length on every rank).
     pub fn broadcast(&self, bytes: &mut [u8], root: usize) -> Result<(), TrainError> {
         self.group.broadcast(bytes, root).map_err(TrainError::from)

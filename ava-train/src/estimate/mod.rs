@@ -404,15 +404,29 @@ pub fn estimate(spec: &ModelSpec, config: &Config, plugins: &Plugins<'_>) -> Res
     estimate_on(spec, config, plugins, 1)
 }
 
-/// [`estimate`] for one rank of `world` data-parallel ranks (`mpirun -np N`): the micro-batch
-/// is per rank, and from `distributed.zero_stage` 1 the optimizer state is the largest
-/// rank's share, split by whole parameters as the trainer splits it (`dist::owners`).
-/// Gradients stay whole at the peak: stage 2 reduce-scatters them after backward.
+/// [`estimate`] for the rank of `world` data-parallel ranks (`mpirun -np N`) that holds the
+/// most optimizer state: see [`estimate_rank`].
 pub fn estimate_on(
     spec: &ModelSpec,
     config: &Config,
     plugins: &Plugins<'_>,
     world: usize,
+) -> Result<Estimate, EstimateError> {
+    estimate_rank(spec, config, plugins, world, None)
+}
+
+/// [`estimate`] for rank `rank` (None: the one holding the most optimizer state) of `world`
+/// data-parallel ranks. The micro-batch is per rank. From `distributed.zero_stage` 1 the
+/// optimizer state is the rank's share, split by whole parameters as the trainer splits it
+/// (`dist::owners`), and the updated weights are all-gathered a bucket at a time; stages 0
+/// and 1 all-reduce whole gradients after backward (a bucket's copy beside them); stage 2
+/// reduce-scatters them during backward, a bucket at a time, and keeps only the rank's own.
+pub fn estimate_rank(
+    spec: &ModelSpec,
+    config: &Config,
+    plugins: &Plugins<'_>,
+    world: usize,
+    rank: Option<usize>,
 ) -> Result<Estimate, EstimateError> {
     let (batch, seq) = (config.train.micro_batch_size, config.data.seq_len);
     let precision = config.train.precision;
@@ -495,14 +509,16 @@ pub fn estimate_on(
         let owner = crate::dist::owners(&all_bytes, world);
         let share = |r: usize| all_bytes.iter().zip(&owner).filter(|(_, o)| **o == r).map(|(b, _)| b).sum::<u64>();
         let largest = (0..world).max_by_key(|&r| (share(r), std::cmp::Reverse(r))).unwrap_or(0);
-        owner.iter().map(|&o| o == largest).collect()
+        let who = rank.unwrap_or(largest);
+        owner.iter().map(|&o| o == who).collect()
     } else {
         vec![true; layouts.len()]
     };
     let share_note = (stage >= 1).then(|| {
         let total: u64 = all_bytes.iter().sum();
+        let whose = rank.map_or("the largest rank's".to_string(), |r| format!("rank {r}'s"));
         format!(
-            " (one rank's share of {}: ZeRO stage {stage} over {world} ranks, whole parameters)",
+            " ({whose} share of {}: ZeRO stage {stage} over {world} ranks, whole parameters)",
             ava_core::format_size(total)
         )
     });
@@ -604,13 +620,27 @@ pub fn estimate_on(
         workspace_lens(spec, batch, seq, plugins.attention, crate::train::resolve_threads(config.train.threads))?;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     let workspace = threads * l2_bytes();
+    // Gradient elements accumulated between micro-batches: every parameter's, or from ZeRO
+    // stage 2 only this rank's (the others' are reduce-scattered away during backward).
+    let accumulated = if stage >= 2 {
+        defs.iter().zip(&held).filter(|(_, own)| **own).map(|(d, _)| d.numel() as u64).sum()
+    } else {
+        n_params
+    };
     // Held through the micro-batch: every term so far, the accumulators, the workspace.
     let outside_micro_batch =
-        terms.iter().map(|t| t.bytes).sum::<u64>() + if accumulation > 1 { 4 * n_params } else { 0 } + workspace;
+        terms.iter().map(|t| t.bytes).sum::<u64>() + if accumulation > 1 { 4 * accumulated } else { 0 } + workspace;
     // What is not activations: the above and this micro-batch's gradients (inside backward,
     // only a few at a time).
     let fixed = outside_micro_batch + if inside { 0 } else { 4 * n_params };
+    let zero = (world > 1).then(|| crate::estimate::replay::ZeroModel {
+        stage,
+        owned: held.clone(),
+        bucket: config.distributed.bucket_size.0.clamp(4096, 1 << 30),
+        stored: defs.iter().map(|d| d.numel() as u64 * if stored_half { 2 } else { 4 }).collect(),
+    });
     let step = StepModel {
+        zero,
         inside,
         stored_half,
         scratch: stored_half && masters != MasterWeights::Tier,
@@ -714,7 +744,15 @@ pub fn estimate_on(
     };
     drop(replay);
     let at = |c: Cat| peak.by_cat[c as usize];
-    if accumulation > 1 {
+    if accumulation > 1 && stage >= 2 {
+        add(
+            &mut terms,
+            Component::Gradients,
+            &format!("f32 gradient accumulators of this rank's parameters (ZeRO stage 2 over {world} ranks)"),
+            format!("4 · N/{world} ≈ 4 · {} (whole parameters)", grouped(accumulated)),
+            4 * accumulated,
+        );
+    } else if accumulation > 1 {
         add(
             &mut terms,
             Component::Gradients,
@@ -754,6 +792,8 @@ pub fn estimate_on(
     let grads_now = at(Cat::ParamGrads);
     let label = if inside {
         "f32 gradients in flight (each stepped inside backward and freed)"
+    } else if stage >= 2 {
+        "f32 gradients: this micro-batch's not yet reduced, buckets in flight, this rank's reduced ones"
     } else if accumulation > 1 {
         "this micro-batch's f32 gradients"
     } else {

@@ -36,6 +36,109 @@ pub(crate) struct StepModel {
     /// Streamed parameters whose records the tier reads ahead of the one being stepped
     /// (`offload.prefetch`).
     pub prefetch: usize,
+    /// Data parallelism over several ranks (`dist`), for the rank estimated.
+    pub zero: Option<ZeroModel>,
+}
+
+/// ZeRO as the engine runs it, for one rank (`dist::zero`, `dist::reduce`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct ZeroModel {
+    /// The stage, 0..=2.
+    pub stage: u8,
+    /// The parameters this rank steps (every one at stage 0).
+    pub owned: Vec<bool>,
+    /// Bytes per bucket (`distributed.bucket_size`, as `dist::Zero` clamps it).
+    pub bucket: u64,
+    /// Bytes of each parameter as stored (for the all-gather of the weights).
+    pub stored: Vec<u64>,
+}
+
+impl ZeroModel {
+    /// The largest bucket of consecutive parameters of `bytes` each, as `Zero::buckets`
+    /// forms them (one larger than a bucket travels alone).
+    fn largest_bucket(&self, bytes: impl Iterator<Item = u64>) -> u64 {
+        let (mut most, mut fill) = (0u64, 0u64);
+        for b in bytes {
+            if fill > 0 && fill + b > self.bucket {
+                most = most.max(fill);
+                fill = 0;
+            }
+            fill += b;
+        }
+        most.max(fill)
+    }
+}
+
+/// Stage 2's buckets during backward (`dist::ReduceInBackward`): final gradients go into a
+/// bucket; a full bucket becomes one flat copy in flight (its gradients freed); the oldest
+/// of more than `IN_FLIGHT` lands as this rank's reduced gradients.
+struct Buckets<'a> {
+    zero: &'a ZeroModel,
+    /// Whether each parameter is in a bucket already (this micro-batch).
+    handed: Vec<bool>,
+    filling: Vec<usize>,
+    fill: u64,
+    flight: std::collections::VecDeque<(T, Vec<usize>)>,
+    /// This rank's reduced gradients (accumulated over micro-batches).
+    reduced: Vec<Option<T>>,
+}
+
+impl Buckets<'_> {
+    /// After a stretch: every gradient that is final goes into a bucket (a tied embedding's
+    /// is final only in the embedding's own stretch, the one without a start).
+    fn stretch_done(&mut self, replay: &Replay, grads: &mut [Option<T>], embedding_stretch: bool) {
+        for i in 0..grads.len() {
+            if self.handed[i] || grads[i].is_none() || (i == 0 && !embedding_stretch) {
+                continue;
+            }
+            self.handed[i] = true;
+            self.filling.push(i);
+            self.fill += 4 * (replay.defs[i].numel() as u64 + 1);
+            if self.fill >= self.zero.bucket {
+                self.start(replay, grads);
+            }
+        }
+        if embedding_stretch && !self.filling.is_empty() {
+            self.start(replay, grads);
+        }
+    }
+
+    fn start(&mut self, replay: &Replay, grads: &mut [Option<T>]) {
+        if self.flight.len() >= crate::dist::IN_FLIGHT {
+            self.complete_oldest(replay);
+        }
+        let params = std::mem::take(&mut self.filling);
+        let len: usize = params.iter().map(|&i| replay.defs[i].numel() + 1).sum();
+        let flat = T::new(&replay.meter, &[len], Dt::F32); // (Σ numel + 1,) the bucket's copy
+        for &i in &params {
+            grads[i] = None;
+        }
+        self.fill = 0;
+        self.flight.push_back((flat, params));
+    }
+
+    fn complete_oldest(&mut self, replay: &Replay) {
+        let Some((flat, params)) = self.flight.pop_front() else { return };
+        for i in params.into_iter().filter(|&i| self.zero.owned[i]) {
+            let g = T::new(&replay.meter, &replay.defs[i].shape, Dt::F32); // averaged share
+            self.reduced[i] = Some(match self.reduced[i].take() {
+                Some(acc) => acc.add(&g),
+                None => g,
+            });
+        }
+        drop(flat);
+    }
+
+    /// Ends the micro-batch: the last bucket started, every one landed.
+    fn finish(mut self, replay: &Replay, grads: &mut [Option<T>]) -> Vec<Option<T>> {
+        if !self.filling.is_empty() {
+            self.start(replay, grads);
+        }
+        while !self.flight.is_empty() {
+            self.complete_oldest(replay);
+        }
+        self.reduced
+    }
 }
 
 /// A block's output and its load-balancing loss (MoE).
@@ -397,8 +500,29 @@ impl<'a> Replay<'a> {
         let m = &self.meter;
         let (b, t) = (self.batch, self.seq);
         m.set_cat(Cat::Accumulators);
-        let mut accumulators: Vec<Option<T>> =
-            self.defs.iter().map(|d| accumulating.then(|| T::new(m, &d.shape, Dt::F32))).collect();
+        // Stage 2 reduces each stretch's gradients during backward, into this rank's own
+        // accumulators only; its backward hands over a stretch per block.
+        let zero = self.step.zero.as_ref();
+        let stage2 = zero.filter(|z| z.stage >= 2);
+        let kept_from_before = |i: usize| accumulating && stage2.is_none_or(|z| z.owned[i]);
+        let held: Vec<Option<T>> = (0..self.defs.len())
+            .map(|i| kept_from_before(i).then(|| T::new(m, &self.defs[i].shape, Dt::F32)))
+            .collect();
+        let mut buckets = stage2.map(|zero| Buckets {
+            zero,
+            handed: vec![false; self.defs.len()],
+            filling: Vec::new(),
+            fill: 0,
+            flight: Default::default(),
+            reduced: Vec::new(),
+        });
+        let mut accumulators = match &mut buckets {
+            Some(b) => {
+                b.reduced = held;
+                vec![None; self.defs.len()]
+            }
+            None => held,
+        };
         m.set_cat(Cat::Params);
         let tokens = T::new(m, &[b, t], Dt::U32); // the caller's (B, T) ids
         let before = m.current_by_cat();
@@ -415,6 +539,11 @@ impl<'a> Replay<'a> {
                 BlockDecision::Keep => {
                     m.set_phase(format!("forward: block {i} (keep)"));
                     m.set_cat(Cat::Blocks);
+                    if buckets.is_some() && !current.blocks.is_empty() {
+                        let start = current.end.detach().make_var();
+                        let next = Kept { end: start.clone(), start: Some(start), aux: None, blocks: vec![] };
+                        stages.push(Stage::Kept(std::mem::replace(&mut current, next)));
+                    }
                     let out = self.block(i, &current.end);
                     current.end = out.hidden;
                     current.aux = add_opt(current.aux.take(), out.aux);
@@ -469,6 +598,9 @@ impl<'a> Replay<'a> {
         drop((root, loss, ce, logits));
         let mut grad_out = self.collect(&current.blocks, current.start.as_ref(), store, &mut accumulators);
         drop(current);
+        if let Some(b) = &mut buckets {
+            b.stretch_done(self, &mut accumulators, false);
+        }
 
         while let Some(stage) = stages.pop() {
             let g = grad_out.take().expect("a stage after the first receives a gradient");
@@ -494,6 +626,9 @@ impl<'a> Replay<'a> {
                     let store = backward(&surrogate);
                     drop((surrogate, hidden, aux));
                     grad_out = self.collect(&blocks, Some(&start), store, &mut accumulators);
+                    if let Some(b) = &mut buckets {
+                        b.stretch_done(self, &mut accumulators, false);
+                    }
                 }
                 Stage::Kept(kept) => {
                     m.set_phase(format!("backward: {}", stretch_name(&kept.blocks)));
@@ -501,22 +636,55 @@ impl<'a> Replay<'a> {
                     let surrogate = Self::surrogate(&kept.end, &g, kept.aux.as_ref());
                     let store = backward(&surrogate);
                     drop(surrogate);
+                    let embedding = kept.start.is_none();
                     grad_out = self.collect(&kept.blocks, kept.start.as_ref(), store, &mut accumulators);
+                    if let Some(b) = &mut buckets {
+                        b.stretch_done(self, &mut accumulators, embedding);
+                    }
                 }
             }
+        }
+        if let Some(b) = buckets {
+            m.set_cat(Cat::ParamGrads);
+            accumulators = b.finish(self, &mut accumulators);
         }
         if self.step.after && !self.step.inside {
             // The step after backward: the global norm (g² of each gradient, one at a
             // time), then each parameter stepped and its gradient freed, in model order.
+            if let Some(z) = zero.filter(|z| z.stage < 2) {
+                // Stages 0 and 1 all-reduce after backward, a bucket at a time: the bucket's
+                // flat copy beside the gradients (its own are replaced as it lands).
+                m.set_phase("gradients: all-reduce over ranks".into());
+                m.set_cat(Cat::ParamGrads);
+                let largest = z.largest_bucket(self.defs.iter().map(|d| 4 * d.numel() as u64));
+                drop(T::new(m, &[largest.div_ceil(4) as usize], Dt::F32)); // (bucket,) f32
+            }
             m.set_phase("optimizer step".into());
             m.set_cat(Cat::Step);
             for g in accumulators.iter().flatten() {
                 drop(T::new(m, g.dims(), Dt::F32)); // g²
             }
+            // A rank steps only its own parameters; the others' gradients go first.
+            if let Some(z) = zero.filter(|z| z.stage >= 1) {
+                m.set_cat(Cat::ParamGrads);
+                for (g, _) in accumulators.iter_mut().zip(&z.owned).filter(|(_, own)| !**own) {
+                    *g = None;
+                }
+            }
             for i in 0..accumulators.len() {
                 if accumulators[i].is_some() {
                     self.step_param(i, &mut accumulators);
                 }
+            }
+            if let Some(z) = zero.filter(|z| z.stage >= 1) {
+                // The updated weights all-gathered a bucket at a time, each parameter read
+                // out of it into a tensor of its own before it is set.
+                m.set_phase("parameters: all-gather over ranks".into());
+                m.set_cat(Cat::Step);
+                let words = |bytes: u64| [bytes.div_ceil(4) as usize];
+                let flat = T::new(m, &words(z.largest_bucket(z.stored.iter().copied())), Dt::F32);
+                let one = T::new(m, &words(z.stored.iter().copied().max().unwrap_or(0)), Dt::F32);
+                drop((flat, one)); // (bucket,) bytes, and one parameter's
             }
         }
         let peak = m.peak();

@@ -87,6 +87,14 @@ pub trait GradSink {
     fn stretch_done(&mut self, _final_count: usize) -> Result<()> {
         Ok(())
     }
+
+    /// Whether backward should end a stretch after every block, kept blocks included, so
+    /// that each block's gradients are handed on as soon as they are final rather than at
+    /// the end of a stretch of kept blocks. The gradients are the same; each extra stretch
+    /// costs one product of its output with its output gradient.
+    fn block_stretches(&self) -> bool {
+        false
+    }
 }
 
 /// Accumulation: each gradient is added to what is there.
@@ -134,6 +142,15 @@ pub fn forward_backward(
     for (i, decision) in plan.iter().enumerate() {
         match decision {
             BlockDecision::Keep => {
+                if grads.block_stretches() && !current.blocks.is_empty() {
+                    // The stretch ends here; the block starts the next from its input's Var.
+                    if let Some(a) = &current.aux {
+                        aux_total += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                    }
+                    let start = Var::from_tensor(&current.end.detach())?;
+                    let next = Kept { end: start.as_tensor().clone(), start: Some(start), aux: None, blocks: vec![] };
+                    stages.push(Stage::Kept(std::mem::replace(&mut current, next)));
+                }
                 let out = model.block(weights, i, &current.end)?;
                 current.end = out.hidden;
                 current.aux = add_opt(current.aux.take(), out.aux)?;

@@ -227,6 +227,68 @@ fn recomputed_blocks_give_identical_gradients() {
     }
 }
 
+/// Accumulates like [`Grads`] but asks for a stretch per block, and records the final
+/// counts it is told after each stretch.
+struct PerBlock {
+    grads: Grads,
+    order: Vec<usize>,
+    finals: Vec<usize>,
+    received: Vec<usize>,
+}
+
+impl GradSink for PerBlock {
+    fn expect(&mut self, order: &[usize]) -> candle_core::Result<()> {
+        self.order = order.to_vec();
+        Ok(())
+    }
+    fn receive(&mut self, i: usize, g: Tensor, last: bool) -> candle_core::Result<()> {
+        if last {
+            self.received.push(i);
+        }
+        self.grads.receive(i, g, last)
+    }
+    fn stretch_done(&mut self, final_count: usize) -> candle_core::Result<()> {
+        // Everything said to be final has arrived, and in the announced order.
+        let mut arrived = self.received.clone();
+        arrived.sort_unstable();
+        let mut said = self.order[..final_count].to_vec();
+        said.sort_unstable();
+        assert_eq!(arrived, said, "final after {} stretches", self.finals.len() + 1);
+        self.finals.push(final_count);
+        Ok(())
+    }
+    fn block_stretches(&self) -> bool {
+        true
+    }
+}
+
+/// A sink that asks for a stretch per block (stage 2's reduction) gets the plain run's
+/// gradients exactly, a stretch per block (under any plan), and each stretch's final count
+/// names exactly the parameters that arrived.
+#[test]
+fn a_stretch_per_block_gives_identical_gradients_and_says_what_is_final() {
+    use BlockDecision::*;
+    for (moe, tie) in [(None, false), (None, true), (Some(MoeSpec { experts: 3, top_k: 2, aux_weight: 0.1 }), false)] {
+        let m = model(ModelSpec { layers: 3, ..spec(moe, tie) }, 5);
+        let (tokens, targets) = batch(2, 6, 11, 3);
+        let (plain_loss, plain) = grads_of(&m, DType::F32, &tokens, &targets, &[Keep, Keep, Keep]);
+        for plan in [[Keep, Keep, Keep], [Keep, Recompute, Keep], [Recompute, Segment, Keep]] {
+            let w = m.weights(DType::F32).unwrap();
+            let mut sink =
+                PerBlock { grads: vec![None; m.params().len()], order: vec![], finals: vec![], received: vec![] };
+            let loss = forward_backward(&m, &w, &tokens, &targets, &plan, 1.0, 1.0, None, &mut sink).unwrap();
+            assert_eq!(loss.ce, plain_loss.ce, "{plan:?}");
+            assert!((loss.aux - plain_loss.aux).abs() < 1e-6, "{plan:?}");
+            assert_eq!(max_diff(&sink.grads, &plain), 0.0, "{plan:?}, moe {moe:?}, tied {tie}");
+            // One per block (a segment is one; the last block's holds the head), then the
+            // embedding's.
+            let blocks = if plan[1] == Segment { 2 } else { 3 };
+            assert_eq!(sink.finals.len(), blocks + 1, "{plan:?}: {:?}", sink.finals);
+            assert_eq!(*sink.finals.last().unwrap(), m.params().len(), "{plan:?}");
+        }
+    }
+}
+
 #[test]
 fn offloaded_block_inputs_give_identical_gradients() {
     let m = model(spec(None, false), 6);

@@ -53,6 +53,10 @@ pub struct StepRecord {
     /// how much of it held training up.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub communication: Option<crate::dist::CommTimes>,
+    /// Each rank's peak memory over the step, by rank (several ranks only; `memory` is
+    /// rank 0's).
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub rank_peaks: Vec<u64>,
     /// The optimizer state streamed through the tier this step: bytes each way and the
     /// seconds the step waited on it; absent when no state is offloaded.
     #[serde(skip_serializing_if = "Option::is_none", default)]
@@ -170,6 +174,9 @@ pub struct RunSummary {
     pub tokens_per_sec: f64,
     /// The highest peak memory of any step.
     pub peak_bytes: u64,
+    /// Each rank's highest peak (several ranks only).
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub rank_peak_bytes: Vec<u64>,
     /// The last checkpoint written.
     pub checkpoint: Option<String>,
     /// The Hugging Face folder with the final weights.

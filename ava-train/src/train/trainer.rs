@@ -614,7 +614,7 @@ impl Trainer {
                 attention: kernel.as_ref(),
                 checkpoint: policy.as_ref(),
             };
-            crate::estimate::estimate_on(model.spec(), &config, &plugins, world)
+            crate::estimate::estimate_rank(model.spec(), &config, &plugins, world, Some(zero.rank()))
                 .map_err(|e| TrainError::Invalid(e.to_string()))?
                 .activation_budget
         };
@@ -896,6 +896,7 @@ impl Trainer {
             entropy_floor: self.dataset.entropy_floor_nats(),
             tokens_per_sec: 0.0,
             peak_bytes: 0,
+            rank_peak_bytes: Vec::new(),
             checkpoint: None,
             model_dir: None,
             stopped: None,
@@ -964,6 +965,10 @@ impl Trainer {
             summary.step = record.step;
             summary.loss = record.loss;
             summary.peak_bytes = summary.peak_bytes.max(record.memory.peak);
+            summary.rank_peak_bytes.resize(record.rank_peaks.len(), 0);
+            for (most, &p) in summary.rank_peak_bytes.iter_mut().zip(&record.rank_peaks) {
+                *most = (*most).max(p);
+            }
             // The first step of a run warms up caches and threads; it is left out of the mean.
             if !first {
                 timed.0 += record.step_seconds;
@@ -1253,9 +1258,14 @@ impl Trainer {
                 let clip = if t.grad_clip > 0.0 && norm > t.grad_clip { t.grad_clip / (norm + 1e-6) } else { 1.0 };
                 let factor = clip / scale;
                 let _span = crate::profile::scope("optimizer step");
-                // From stage 1 a rank steps only the parameters whose state it holds.
-                let active: Vec<usize> =
-                    (0..grads.len()).filter(|&i| grads[i].is_some() && self.state.holds(i)).collect();
+                // From stage 1 a rank steps only the parameters whose state it holds; the
+                // others' gradients (stage 1 reduces them whole) go before the step.
+                for (i, g) in grads.iter_mut().enumerate() {
+                    if !self.state.holds(i) {
+                        *g = None;
+                    }
+                }
+                let active: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].is_some()).collect();
                 let mut settings =
                     step_settings(self.optimizer.as_mut(), &opt_name, &self.model, &t, step, lr, self.threads);
                 stream = self.state.for_each(&active, |i, buffers| {
@@ -1287,6 +1297,7 @@ impl Trainer {
         );
         let seconds = started.elapsed().as_secs_f64();
         let tokens = self.global_batch() * self.config.data.seq_len;
+        let rank_peaks = if self.zero.size() > 1 { self.zero.gather_each(peak)? } else { Vec::new() };
         Ok(StepRecord {
             step,
             loss: ce,
@@ -1306,6 +1317,7 @@ impl Trainer {
             offload_bytes: stream.peak_tier.max(parked_peak),
             stream: self.state.streamed_bytes().gt(&0).then_some(stream),
             communication: comm,
+            rank_peaks,
         })
     }
 
