@@ -23,6 +23,11 @@ pub fn run(p: &Printer, args: &ConfigArgs, world: usize, rank: Option<usize>) ->
     let sel = |k: PluginKind| config.selection(k).clone();
     let (o, a, c) = (sel(PluginKind::Optimizer), sel(PluginKind::Attention), sel(PluginKind::Checkpoint));
     let spec = ava_train::train::model_spec(&config).usage()?;
+    if world > 1 {
+        // What training on that many ranks would refuse (ZeRO stage 3, the step inside
+        // backward) is not estimated either.
+        ava_train::train::check_training_modes(&config, world).usage()?;
+    }
     let optimizer_options = ava_train::train::optimizer_options(&ctx.registry, &o, &spec).usage()?;
     let optimizer = ctx.registry.optimizer(&o.name, &optimizer_options)?;
     let attention = ctx.registry.attention(&a.name, &a.options_json())?;

@@ -156,6 +156,24 @@ pub struct Estimate {
     /// `preflight` is asked about.
     #[serde(skip)]
     pub offload_records: Vec<u64>,
+    /// With several ranks: one rank's model states (weights, gradients, optimizer state)
+    /// under each ZeRO stage, by the ZeRO paper's accounting in Ava's layout.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub zero_stages: Vec<ZeroStage>,
+}
+
+/// One rank's model states under one ZeRO stage (Rajbhandari et al. 2020, §5: stage 1 =
+/// 2Ψ + 2Ψ + KΨ/N, stage 2 = 2Ψ + (2 + K)Ψ/N, stage 3 = (4 + K)Ψ/N in mixed precision).
+#[derive(Debug, Clone, Serialize)]
+pub struct ZeroStage {
+    /// 0..=3.
+    pub stage: u8,
+    /// e.g. `P + 4Ψ/N + KΨ/N = 12.81 MiB + 6.38 MiB + 12.76 MiB`.
+    pub formula: String,
+    /// Bytes for the rank estimated (its own share of whole parameters, not exactly 1/N).
+    pub bytes: u64,
+    /// Whether `ava train` runs this stage.
+    pub supported: bool,
 }
 
 fn plan_names<S: Serializer>(plan: &[BlockDecision], s: S) -> Result<S::Ok, S::Error> {
@@ -929,7 +947,44 @@ pub fn estimate_rank(
     };
     breakdown.peak = breakdown.params + breakdown.grads + breakdown.optimizer + breakdown.data + breakdown.activations;
     let peak_at = if peak.op.is_empty() { peak.phase.clone() } else { format!("{}, in {}", peak.phase, peak.op) };
+    // One rank's model states under each stage, for comparison with the configured one.
+    let zero_stages = if world > 1 {
+        let params: u64 = terms.iter().filter(|t| t.component == Component::Parameters).map(|t| t.bytes).sum();
+        let state_all: u64 = all_bytes.iter().sum();
+        // The rank estimated: its own parameters (at stage 0, the largest share's).
+        let mine: Vec<bool> = if stage >= 1 {
+            held.clone()
+        } else {
+            let owner = crate::dist::owners(&all_bytes, world);
+            let share = |r: usize| all_bytes.iter().zip(&owner).filter(|(_, o)| **o == r).map(|(b, _)| b).sum::<u64>();
+            let who = rank.unwrap_or_else(|| (0..world).max_by_key(|&r| (share(r), std::cmp::Reverse(r))).unwrap_or(0));
+            owner.iter().map(|&o| o == who).collect()
+        };
+        let state_mine: u64 = all_bytes.iter().zip(&mine).filter(|(_, m)| **m).map(|(b, _)| b).sum();
+        let grads_mine: u64 = defs.iter().zip(&mine).filter(|(_, m)| **m).map(|(d, _)| 4 * d.numel() as u64).sum();
+        let (g, b) = (4 * n_params, render::bytes);
+        let k = state_all as f64 / n_params.max(1) as f64;
+        let line = |stage: u8, formula: &str, parts: &[u64], supported: bool| ZeroStage {
+            stage,
+            formula: format!(
+                "{} = {}",
+                formula.replace('K', &format!("K({k:.2})")),
+                parts.iter().map(|&p| b(p)).collect::<Vec<_>>().join(" + ")
+            ),
+            bytes: parts.iter().sum(),
+            supported,
+        };
+        vec![
+            line(0, "P + 4Ψ + KΨ", &[params, g, state_all], true),
+            line(1, "P + 4Ψ + KΨ/N", &[params, g, state_mine], true),
+            line(2, "P + 4Ψ/N + KΨ/N", &[params, grads_mine, state_mine], true),
+            line(3, "(P + 4Ψ + KΨ)/N", &[(params + g + state_all).div_ceil(world as u64)], false),
+        ]
+    } else {
+        Vec::new()
+    };
     Ok(Estimate {
+        zero_stages,
         batch,
         seq_len: seq,
         precision,

@@ -21,7 +21,7 @@ pub use optim::{
 };
 pub use reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Silent, StepRecord};
 pub use schedule::{LossScaler, learning_rate};
-pub use trainer::{TrainOptions, Trainer, data_options, model_spec, resolve_threads};
+pub use trainer::{TrainOptions, Trainer, check_training_modes, data_options, model_spec, resolve_threads};
 
 /// What can stop a training run.
 #[derive(Debug, thiserror::Error)]
