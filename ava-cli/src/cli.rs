@@ -177,8 +177,8 @@ pub struct PlanArgs {
     #[arg(long, value_name = "TIER:PATH")]
     pub offload: Option<String>,
     /// Plan one rank of N data-parallel ranks (`mpirun -np N`), the budget being each
-    /// rank's: the micro-batch is per rank, and the ZeRO stage (distributed.zero_stage 0, 1,
-    /// 2) is searched too.
+    /// rank's: the micro-batch is per rank, and the ZeRO stage (distributed.zero_stage 0 to
+    /// 3) is searched too.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub world_size: u32,
 }

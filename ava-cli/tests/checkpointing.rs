@@ -364,7 +364,12 @@ fn plan_for_several_ranks_searches_the_zero_stages() {
     assert_eq!(plan["world_size"], 2, "{plan}");
     let configs = plan["configs"].as_array().unwrap();
     let stages: std::collections::BTreeSet<u64> = configs.iter().map(|c| c["zero_stage"].as_u64().unwrap()).collect();
-    assert_eq!(stages.into_iter().collect::<Vec<_>>(), vec![0, 1, 2], "{plan}");
+    assert_eq!(stages.into_iter().collect::<Vec<_>>(), vec![0, 1, 2, 3], "{plan}");
+    // Stage 3 holds only the rank's share of the weights: its smallest peak is below stage 2's.
+    let least = |stage: u64| {
+        configs.iter().filter(|c| c["zero_stage"] == stage).map(|c| c["peak"].as_u64().unwrap()).min().unwrap()
+    };
+    assert!(least(3) < least(2), "stage 3 {} vs stage 2 {}", least(3), least(2));
     assert!(configs.iter().all(|c| c["step_in_backward"] == false), "{plan}");
     let written = std::fs::read_to_string(dir.path().join("p.yaml")).unwrap();
     assert!(written.starts_with("# ava train --nproc 2 -c p.yaml"), "{written}");

@@ -20,11 +20,11 @@ fn measure(model: &Model, plan: &[BlockDecision]) -> (u64, Grads) {
     let tokens: Vec<u32> = (0..b * t).map(|i| ((i * 7 + i / 5) % v) as u32).collect();
     let targets: Vec<u32> = (0..b * t).map(|i| ((i * 3 + 1) % v) as u32).collect();
     let tokens = Tensor::from_vec(tokens, (b, t), &Device::Cpu).unwrap();
-    let weights = model.weights(DType::F32).unwrap();
+    let mut weights = model.weights(DType::F32).unwrap();
     let mut grads = vec![None; model.params().len()];
     let start = memory::current();
     memory::reset_peak();
-    forward_backward(model, &weights, &tokens, &targets, plan, 1.0, 1.0, None, &mut grads).unwrap();
+    forward_backward(model, &mut weights, &tokens, &targets, plan, 1.0, 1.0, None, &mut grads).unwrap();
     (memory::peak() - start, grads)
 }
 

@@ -47,7 +47,7 @@ fn measure(
     accumulating: bool,
 ) -> u64 {
     let model = Model::new(spec.clone(), 7, t, kernel(), "standard", 1).unwrap();
-    let w = model.weights(dtype(precision)).unwrap();
+    let mut w = model.weights(dtype(precision)).unwrap();
     let all: Vec<u32> = (0..b * (t + 1)).map(|i| ((i * 7 + i / 3) % spec.vocab) as u32).collect();
     let (mut inputs, mut targets) = (Vec::new(), Vec::new());
     for row in all.chunks(t + 1) {
@@ -55,8 +55,8 @@ fn measure(
         targets.extend_from_slice(&row[1..]);
     }
     let tokens = Tensor::from_vec(inputs, (b, t), &Device::Cpu).unwrap();
-    let run = |mut grads| {
-        forward_backward(&model, &w, &tokens, &targets, plan, 1.0, 2.0, None, &mut grads).unwrap();
+    let mut run = |mut grads| {
+        forward_backward(&model, &mut w, &tokens, &targets, plan, 1.0, 2.0, None, &mut grads).unwrap();
         grads
     };
     let empty = || vec![None; model.params().len()];

@@ -183,7 +183,7 @@ fn pressure_that_comes_and_goes_changes_the_micro_batch_a_bounded_number_of_time
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     // A longer sequence, so activations (which the micro-batch scales) dominate the peak.
-    let sets = ["data.seq_len=128", "model.num_layers=4", "train.log_every=1"];
+    let sets = ["data.seq_len=256", "model.num_layers=4", "train.log_every=1"];
     let peak_at = |micro: &str| {
         let cfg = config(dir.path(), &[&sets[..], &[micro]].concat());
         let mut t = trainer(&cfg, TrainOptions::default());

@@ -24,7 +24,7 @@ pub fn run(p: &Printer, args: &ConfigArgs, world: usize, rank: Option<usize>) ->
     let (o, a, c) = (sel(PluginKind::Optimizer), sel(PluginKind::Attention), sel(PluginKind::Checkpoint));
     let spec = ava_train::train::model_spec(&config).usage()?;
     if world > 1 {
-        // What training on that many ranks would refuse (ZeRO stage 3, the step inside
+        // What training on that many ranks would refuse (the step inside
         // backward) is not estimated either.
         ava_train::train::check_training_modes(&config, world).usage()?;
     }

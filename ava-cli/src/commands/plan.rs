@@ -113,6 +113,10 @@ const ENGINE_RATE: f64 = 25e9;
 /// `ava bench offload`), 2e-9.
 const TIER_WAIT_PER_BYTE: [f64; 2] = [1.0e-9, 2.0e-9];
 
+/// Seconds per byte of weights all-gathered over the ranks: 25 MiB over 2 ranks took
+/// 11.5–14.8 ms here (`ava bench collectives`, 2026-11-24), about 0.5e-9.
+const GATHER_PER_BYTE: f64 = 0.5e-9;
+
 /// An attention kernel's forward + backward time against `standard`'s: flash took
 /// 1.01–1.11× standard's (it recomputes the scores in backward, in tiles that stay in
 /// cache), `ava bench attention --kernels standard,flash --seq 256,1024 --heads 4
@@ -355,7 +359,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         out
     };
     // With several ranks, every ZeRO stage the engine runs; alone, the config's.
-    let stages: Vec<u8> = if world > 1 { vec![0, 1, 2] } else { vec![base.distributed.zero_stage] };
+    let stages: Vec<u8> = if world > 1 { vec![0, 1, 2, 3] } else { vec![base.distributed.zero_stage] };
     let mut candidates = Vec::new();
     for attention in &attentions {
         for optimizer in &optimizers {
@@ -624,10 +628,28 @@ fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate, world: usize) -> f64 {
         if matches!(c.masters, MasterWeights::None | MasterWeights::Kahan) { ROUNDING_COST * n } else { 0.0 };
     // Read and written back every step; what the step waits for of it.
     let wait = 2.0 * est.offloaded as f64 * TIER_WAIT_PER_BYTE[usize::from(!c.in_backward)];
-    // From ZeRO stage 1 a rank steps its share of the parameters. (The stages move the same
-    // bytes between ranks, 2 · 4·N per step, so communication does not rank them.)
+    // From ZeRO stage 1 a rank steps its share of the parameters. (Stages 0–2 move the same
+    // bytes between ranks, gradients reduced and weights gathered once a step, so that
+    // does not rank them; stage 3 gathers the weights again for every micro-batch's forward,
+    // and for each recomputed block's backward, instead of once after the step.)
     let stepped = if c.zero_stage >= 1 { n / world as f64 } else { n };
-    compute + optimizer_cost(&c.optimizer.name) * stepped + rounding + wait * ENGINE_RATE
+    let gathers = if c.zero_stage >= 3 && world > 1 {
+        let stored = if matches!(c.masters, MasterWeights::F32) { 4.0 } else { 2.0 };
+        let all: f64 = est.block_facts.iter().map(|f| f.parameter_bytes as f64).sum();
+        let again: f64 = est
+            .block_facts
+            .iter()
+            .zip(&est.plan)
+            .filter(|(_, d)| d.is_recomputed())
+            .map(|(f, _)| f.parameter_bytes as f64)
+            .sum();
+        // block_facts count f32 bytes; the weights travel in their stored type.
+        let per_micro = (stored / 4.0) * (all + again) + stored * (n - all / 4.0);
+        (c.accumulation as f64 * per_micro - stored * n).max(0.0) * GATHER_PER_BYTE
+    } else {
+        0.0
+    };
+    compute + optimizer_cost(&c.optimizer.name) * stepped + rounding + (wait + gathers) * ENGINE_RATE
 }
 
 /// Where the weights live: `f32`, `bf16 only`, `bf16 + kahan`, `bf16 + masters in nvme`.

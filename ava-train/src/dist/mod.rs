@@ -5,6 +5,7 @@
 //! Nothing outside this module calls MPI; NCCL would be another [`Collectives`].
 
 mod base;
+mod gather;
 #[cfg(feature = "mpi")]
 mod mpi;
 mod reduce;
@@ -15,6 +16,7 @@ mod zero;
 use std::sync::Arc;
 
 pub use base::{Collectives, DistError, Pending};
+pub use gather::Gathered;
 #[cfg(feature = "mpi")]
 pub use mpi::MpiGroup;
 pub use reduce::{CommTimes, IN_FLIGHT, ReduceInBackward};

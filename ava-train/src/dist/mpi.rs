@@ -180,24 +180,31 @@ impl Collectives for MpiGroup {
 
 /// Reduce-scatter over `comm`. MPI's reduce-scatter with uneven ranges
 /// (`MPI_Reduce_scatter`) is not in rsmpi: one reduce to each range's owner, which moves
-/// the same bytes.
+/// the same bytes. rsmpi has no `MPI_IN_PLACE` either, so the owner copies its range out as
+/// the send buffer: in pieces of [`REDUCE_PIECE`] values (every rank cuts the same pieces),
+/// so the copy is that small however large the bucket.
 fn reduce_scatter_on(comm: &SimpleCommunicator, buf: &mut [f32], counts: &[usize]) -> Result<(), DistError> {
     check_counts("reduce-scatter", counts, comm.size() as usize, buf.len())?;
     let me = comm.rank() as usize;
+    let mut send = Vec::new(); // (≤ REDUCE_PIECE,) f32, the owner's copy of one piece
     for (r, (&at, &n)) in offsets(counts).iter().zip(counts).enumerate() {
-        if n == 0 {
-            continue;
-        }
         let root = comm.process_at_rank(r as i32);
-        if r == me {
-            let send = buf[at..at + n].to_vec();
-            root.reduce_into_root(&send[..], &mut buf[at..at + n], SystemOperation::sum());
-        } else {
-            root.reduce_into(&buf[at..at + n], SystemOperation::sum());
+        for piece in (at..at + n).step_by(REDUCE_PIECE) {
+            let range = piece..(piece + REDUCE_PIECE).min(at + n);
+            if r == me {
+                send.clear();
+                send.extend_from_slice(&buf[range.clone()]);
+                root.reduce_into_root(&send[..], &mut buf[range], SystemOperation::sum());
+            } else {
+                root.reduce_into(&buf[range], SystemOperation::sum());
+            }
         }
     }
     Ok(())
 }
+
+/// Values per reduce in [`reduce_scatter_on`]: 1 MiB of f32.
+const REDUCE_PIECE: usize = 1 << 18;
 
 /// An MPI count: buffers are bucketed well below 2 GiB elements.
 fn count(n: usize) -> i32 {

@@ -37,6 +37,14 @@ pub struct CommTimes {
     pub seconds: f64,
     /// Seconds the training thread was held up by them: what did not overlap backward.
     pub exposed_seconds: f64,
+    /// ZeRO stage 3: seconds the training thread spent gathering weights from the other
+    /// ranks (the all-gathers block, so all of it is exposed).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gather_seconds: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 impl CommTimes {
@@ -223,9 +231,9 @@ mod tests {
 
     #[test]
     fn overlap_is_the_hidden_fraction_of_the_communication() {
-        let t = CommTimes { seconds: 2.0, exposed_seconds: 0.5 };
+        let t = CommTimes { seconds: 2.0, exposed_seconds: 0.5, ..Default::default() };
         assert!((t.overlap() - 0.75).abs() < 1e-12);
-        assert_eq!(CommTimes { seconds: 1.0, exposed_seconds: 3.0 }.overlap(), 0.0);
+        assert_eq!(CommTimes { seconds: 1.0, exposed_seconds: 3.0, ..Default::default() }.overlap(), 0.0);
         assert_eq!(CommTimes::default().overlap(), 0.0);
     }
 }

@@ -14,6 +14,9 @@
 //! - Stage 2: gradients are reduce-scattered during backward, stretch by stretch
 //!   ([`super::ReduceInBackward`]): each rank keeps only its own parameters' (summed)
 //!   gradients; then as stage 1.
+//! - Stage 3: as stage 2, and each rank holds only its own parameters' values: a block's
+//!   weights are all-gathered before its forward and again before its backward, and let
+//!   go after each ([`super::Gathered`]); nothing is gathered after the step.
 //!
 //! Gradients are averaged (each rank's loss is the mean over its own tokens, so the mean of
 //! the ranks' gradients is the gradient of the mean over all of them), in buckets of about
@@ -124,16 +127,6 @@ impl Zero {
         out
     }
 
-    /// How much of a bucket's range (`size(i)` per parameter: elements or bytes) belongs to
-    /// each rank.
-    fn counts(&self, range: std::ops::Range<usize>, size: impl Fn(usize) -> usize) -> Vec<usize> {
-        let mut counts = vec![0; self.size()];
-        for i in range {
-            counts[self.owner[i]] += size(i);
-        }
-        counts
-    }
-
     /// Stages 0 and 1, after backward: sums the ranks' gradients and divides by the number
     /// of ranks, leaving every gradient on every rank (stage 2 reduces during backward:
     /// [`super::ReduceInBackward`]). A gradient a rank lacks (an expert its tokens did not
@@ -173,36 +166,83 @@ impl Zero {
         Ok(())
     }
 
-    /// After each rank stepped its own parameters (stage ≥ 1): every rank gets every
-    /// updated parameter, in its stored type, bit for bit.
+    /// After each rank stepped its own parameters (stages 1 and 2): every rank gets every
+    /// updated parameter, in its stored type, bit for bit. Stage 3 keeps only its own, and
+    /// gathers the others block by block when it needs them ([`super::Gathered`]).
     pub fn gather_parameters(&self, params: &[Param]) -> Result<(), TrainError> {
-        if self.stage == 0 || self.size() == 1 {
+        if self.stage == 0 || self.stage >= 3 || self.size() == 1 {
             return Ok(());
         }
         let bytes_of = |i: usize| params[i].def.numel() * params[i].var.dtype().size_in_bytes();
         for range in self.buckets(params.len(), bytes_of) {
-            let mut flat = Vec::with_capacity(range.clone().map(bytes_of).sum()); // (bucket,) bytes
-            for i in range.clone() {
-                if self.owner[i] == self.rank() {
-                    flat.extend(tensor_bytes(params[i].var.as_tensor())?);
-                } else {
-                    flat.resize(flat.len() + bytes_of(i), 0);
-                }
-            }
-            let counts = self.counts(range.clone(), bytes_of);
-            self.group.all_gather(&mut flat, &counts)?;
-            let mut at = 0;
-            for i in range {
-                let len = bytes_of(i);
+            let ids: Vec<usize> = range.collect();
+            // Each parameter is set as it is read out of the bucket: one copy beside it.
+            self.gather_into(params, &ids, &mut |i, t| {
                 if self.owner[i] != self.rank() {
-                    let p = &params[i];
-                    let t = Tensor::from_raw_buffer(&flat[at..at + len], p.var.dtype(), &p.def.shape, &Device::Cpu);
-                    t.and_then(|t| p.var.set(&t)).map_err(TrainError::candle)?;
+                    params[i].var.set(&t).map_err(TrainError::candle)?;
                 }
-                at += len;
-            }
+                Ok(())
+            })?;
         }
         Ok(())
+    }
+
+    /// Parameters `ids` (ascending) as their owners hold them, in their stored type: one
+    /// all-gather of their bytes. A rank's own parameters come back as its own tensors.
+    pub fn gather_some(&self, params: &[Param], ids: &[usize]) -> Result<Vec<Tensor>, TrainError> {
+        let mut out = Vec::with_capacity(ids.len());
+        self.gather_into(params, ids, &mut |_, t| {
+            out.push(t);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// One all-gather of parameters `ids` (ascending, so the byte ranges follow the ranks),
+    /// each handed to `take` as it is read out of the gathered bytes.
+    fn gather_into(
+        &self,
+        params: &[Param],
+        ids: &[usize],
+        take: &mut dyn FnMut(usize, Tensor) -> Result<(), TrainError>,
+    ) -> Result<(), TrainError> {
+        debug_assert!(ids.windows(2).all(|w| w[0] < w[1]), "ascending, so the ranges follow the ranks");
+        let bytes_of = |i: usize| params[i].def.numel() * params[i].var.dtype().size_in_bytes();
+        let me = self.rank();
+        // Every rank takes part, even one that holds them all (the others need them).
+        if self.size() == 1 {
+            return ids.iter().try_for_each(|&i| take(i, params[i].var.as_tensor().clone()));
+        }
+        let mut flat = Vec::with_capacity(ids.iter().map(|&i| bytes_of(i)).sum()); // (Σ bytes,) u8
+        let mut counts = vec![0; self.size()];
+        for &i in ids {
+            if self.owner[i] == me {
+                flat.extend(tensor_bytes(params[i].var.as_tensor())?);
+            } else {
+                flat.resize(flat.len() + bytes_of(i), 0);
+            }
+            counts[self.owner[i]] += bytes_of(i);
+        }
+        self.group.all_gather(&mut flat, &counts)?;
+        let mut at = 0;
+        for &i in ids {
+            let (p, len) = (&params[i], bytes_of(i));
+            let t = if self.owner[i] == me {
+                p.var.as_tensor().clone()
+            } else {
+                Tensor::from_raw_buffer(&flat[at..at + len], p.var.dtype(), &p.def.shape, &Device::Cpu)
+                    .map_err(TrainError::candle)?
+            };
+            take(i, t)?;
+            at += len;
+        }
+        Ok(())
+    }
+
+    /// Whether this rank holds parameter `i`'s values between steps (all of them, except
+    /// at stage 3, where only its own).
+    pub fn holds_values(&self, i: usize) -> bool {
+        self.stage < 3 || self.size() == 1 || self.owner[i] == self.rank()
     }
 
     /// Agreement on flags: the maximum of each over the ranks.

@@ -172,8 +172,6 @@ pub struct ZeroStage {
     pub formula: String,
     /// Bytes for the rank estimated (its own share of whole parameters, not exactly 1/N).
     pub bytes: u64,
-    /// Whether `ava train` runs this stage.
-    pub supported: bool,
 }
 
 fn plan_names<S: Serializer>(plan: &[BlockDecision], s: S) -> Result<S::Ok, S::Error> {
@@ -405,6 +403,18 @@ fn l2_bytes() -> u64 {
     parsed.unwrap_or(1 << 20)
 }
 
+/// The compute threads of one rank of `world`, as the trainer resolves them
+/// (`train::resolve_threads`): `train.threads`, or this machine's cores shared by its ranks.
+/// Under a launcher the ranks on this machine are known; otherwise the `world` ranks are
+/// taken to share it, as `ava train --nproc` starts them.
+fn rank_threads(threads: usize, world: usize) -> usize {
+    if threads > 0 || crate::dist::launched_size().is_some() {
+        return crate::train::resolve_threads(threads);
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / world.clamp(1, cores)).max(1)
+}
+
 /// The memory policy's words for a fraction of the budget (the `thresholds` defaults: target
 /// 0.90, critical 0.95).
 fn status(fraction: f64, budget: u64) -> &'static str {
@@ -463,26 +473,6 @@ pub fn estimate_rank(
     let masters = config.train.master_weights;
     let stored_half = masters != MasterWeights::F32 && precision != Precision::Fp32;
     let inside = config.train.step_in_backward;
-    if stored_half {
-        add(
-            &mut terms,
-            Component::Parameters,
-            &format!("{} weights (the only resident copy; master_weights: {})", precision.as_str(), masters.as_str()),
-            format!("2 · N = 2 · {n}"),
-            2 * n_params,
-        );
-    } else {
-        add(&mut terms, Component::Parameters, "f32 master weights", format!("4 · N = 4 · {n}"), 4 * n_params);
-    }
-    if precision != Precision::Fp32 && !stored_half {
-        add(
-            &mut terms,
-            Component::Parameters,
-            &format!("{} copy of the weights (cast in the graph)", precision.as_str()),
-            format!("2 · N = 2 · {n}"),
-            2 * n_params,
-        );
-    }
     add(
         &mut terms,
         Component::Parameters,
@@ -532,6 +522,34 @@ pub fn estimate_rank(
     } else {
         vec![true; layouts.len()]
     };
+    // The weights: all of them, or at stage 3 this rank's own (the others are gathered block
+    // by block, counted with the activations' peak below).
+    let (resident, resident_n) = if stage >= 3 {
+        let mine: u64 = defs.iter().zip(&held).filter(|(_, h)| **h).map(|(d, _)| d.numel() as u64).sum();
+        (mine, format!("N/{world} ≈ {} (this rank's whole parameters, ZeRO stage 3)", grouped(mine)))
+    } else {
+        (n_params, format!("N = {n}"))
+    };
+    if stored_half {
+        add(
+            &mut terms,
+            Component::Parameters,
+            &format!("{} weights (the only resident copy; master_weights: {})", precision.as_str(), masters.as_str()),
+            format!("2 · {resident_n}"),
+            2 * resident,
+        );
+    } else {
+        add(&mut terms, Component::Parameters, "f32 master weights", format!("4 · {resident_n}"), 4 * resident);
+    }
+    if precision != Precision::Fp32 && !stored_half && stage < 3 {
+        add(
+            &mut terms,
+            Component::Parameters,
+            &format!("{} copy of the weights (cast in the graph)", precision.as_str()),
+            format!("2 · N = 2 · {n}"),
+            2 * n_params,
+        );
+    }
     let share_note = (stage >= 1).then(|| {
         let total: u64 = all_bytes.iter().sum();
         let whose = rank.map_or("the largest rank's".to_string(), |r| format!("rank {r}'s"));
@@ -634,9 +652,9 @@ pub fn estimate_rank(
     // The checkpoint policy decides on the block facts, with the budget left for activations.
     let facts = block_facts(spec, batch, seq, precision, plugins.attention)?;
     let saved = saved_len(spec, batch, seq, plugins.attention)?;
-    let kernel_workspace =
-        workspace_lens(spec, batch, seq, plugins.attention, crate::train::resolve_threads(config.train.threads))?;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let rank_threads = rank_threads(config.train.threads, world);
+    let kernel_workspace = workspace_lens(spec, batch, seq, plugins.attention, rank_threads)?;
+    let threads = rank_threads as u64;
     let workspace = threads * l2_bytes();
     // Gradient elements accumulated between micro-batches: every parameter's, or from ZeRO
     // stage 2 only this rank's (the others' are reduce-scattered away during backward).
@@ -807,6 +825,17 @@ pub fn estimate_rank(
             peak.tier_peak,
         );
     }
+    if stage >= 3 {
+        add(
+            &mut terms,
+            Component::Parameters,
+            &format!("weights gathered from the other ranks, and their casts (ZeRO stage 3 over {world} ranks)"),
+            "at the peak: the blocks whose graph holds them (kept blocks until their backward; one recomputed \
+             block), the embedding and the head, each in the stored type plus its cast to the compute type"
+                .to_string(),
+            at(Cat::Params),
+        );
+    }
     let grads_now = at(Cat::ParamGrads);
     let label = if inside {
         "f32 gradients in flight (each stepped inside backward and freed)"
@@ -961,10 +990,12 @@ pub fn estimate_rank(
             owner.iter().map(|&o| o == who).collect()
         };
         let state_mine: u64 = all_bytes.iter().zip(&mine).filter(|(_, m)| **m).map(|(b, _)| b).sum();
+        let params_n: u64 = defs.iter().zip(&mine).filter(|(_, m)| **m).map(|(d, _)| d.numel() as u64).sum();
+        let params_mine = params_n * if stored_half { 2 } else { 4 };
         let grads_mine: u64 = defs.iter().zip(&mine).filter(|(_, m)| **m).map(|(d, _)| 4 * d.numel() as u64).sum();
         let (g, b) = (4 * n_params, render::bytes);
         let k = state_all as f64 / n_params.max(1) as f64;
-        let line = |stage: u8, formula: &str, parts: &[u64], supported: bool| ZeroStage {
+        let line = |stage: u8, formula: &str, parts: &[u64]| ZeroStage {
             stage,
             formula: format!(
                 "{} = {}",
@@ -972,13 +1003,12 @@ pub fn estimate_rank(
                 parts.iter().map(|&p| b(p)).collect::<Vec<_>>().join(" + ")
             ),
             bytes: parts.iter().sum(),
-            supported,
         };
         vec![
-            line(0, "P + 4Ψ + KΨ", &[params, g, state_all], true),
-            line(1, "P + 4Ψ + KΨ/N", &[params, g, state_mine], true),
-            line(2, "P + 4Ψ/N + KΨ/N", &[params, grads_mine, state_mine], true),
-            line(3, "(P + 4Ψ + KΨ)/N", &[(params + g + state_all).div_ceil(world as u64)], false),
+            line(0, "P + 4Ψ + KΨ", &[params, g, state_all]),
+            line(1, "P + 4Ψ + KΨ/N", &[params, g, state_mine]),
+            line(2, "P + 4Ψ/N + KΨ/N", &[params, grads_mine, state_mine]),
+            line(3, "P/N + 4Ψ/N + KΨ/N", &[params_mine, grads_mine, state_mine]),
         ]
     } else {
         Vec::new()

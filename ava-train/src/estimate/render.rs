@@ -75,12 +75,12 @@ impl Estimate {
                 out,
                 "model states per rank by ZeRO stage (P: the weights as held; Ψ = {} parameters; K: bytes of \
                  optimizer state per parameter, f32 masters included; /N is this rank's own share, whole \
-                 parameters); activations and buffers in flight come on top:",
+                 parameters; at stage 3 the weights too, less the rotary tables); activations, the weights \
+                 stage 3 gathers and buffers in flight come on top:",
                 super::grouped(self.num_params),
             );
             for z in &self.zero_stages {
-                let note = if z.supported { "" } else { " (not supported yet: ava train refuses it)" };
-                let _ = writeln!(out, "    stage {}: {:<70} {:>12}{note}", z.stage, z.formula, bytes(z.bytes));
+                let _ = writeln!(out, "    stage {}: {:<70} {:>12}", z.stage, z.formula, bytes(z.bytes));
             }
         }
         let _ = writeln!(out, "{}", self.breakdown.line(&self.status));

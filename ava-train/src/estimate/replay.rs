@@ -6,6 +6,7 @@
 //! will only see once it is mirrored here. The calibration tests in
 //! `tests/estimate_vs_measured.rs` compare the two.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 
 use ava_core::BlockDecision;
@@ -43,13 +44,13 @@ pub(crate) struct StepModel {
 /// ZeRO as the engine runs it, for one rank (`dist::zero`, `dist::reduce`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct ZeroModel {
-    /// The stage, 0..=2.
+    /// The stage, 0..=3.
     pub stage: u8,
     /// The parameters this rank steps (every one at stage 0).
     pub owned: Vec<bool>,
     /// Bytes per bucket (`distributed.bucket_size`, as `dist::Zero` clamps it).
     pub bucket: u64,
-    /// Bytes of each parameter as stored (for the all-gather of the weights).
+    /// Bytes of each parameter as stored (for the all-gathers of the weights).
     pub stored: Vec<u64>,
 }
 
@@ -198,8 +199,12 @@ pub(crate) struct Replay<'a> {
     /// The streamed parameters in the order the replay stepped them.
     stepped: std::cell::RefCell<Vec<usize>>,
     defs: Vec<ParamDef>,
-    vars: Vec<T>,
-    weights: Vec<T>,
+    /// By parameter: its `Var`, and the weight the forward pass uses. At ZeRO stage 3 they
+    /// change as blocks are gathered and released (see [`Replay::fetch`]).
+    vars: RefCell<Vec<T>>,
+    weights: RefCell<Vec<T>>,
+    /// Stage 3: which parameters are gathered now.
+    present: RefCell<Vec<bool>>,
     /// The rotary tables (f32 and f64), held with the parameters.
     _rope: Rc<Buf>,
     blocks: Vec<BlockIndex>,
@@ -252,9 +257,11 @@ impl<'a> Replay<'a> {
         // Each block's parameters in `params()` order, for `collect`.
         let block_all =
             (0..spec.layers).map(|i| (0..defs.len()).filter(|&j| defs[j].block == Some(i)).collect()).collect();
+        let present = RefCell::new(vec![true; defs.len()]);
         Self {
             spec,
             meter,
+            present,
             batch,
             seq,
             dtype,
@@ -264,8 +271,8 @@ impl<'a> Replay<'a> {
             step: StepModel::default(),
             stepped: Default::default(),
             defs,
-            vars,
-            weights,
+            vars: RefCell::new(vars),
+            weights: RefCell::new(weights),
             _rope,
             blocks,
             block_all,
@@ -290,11 +297,24 @@ impl<'a> Replay<'a> {
     /// With the optimizer step modelled as `step` (the weights stored in the compute type
     /// when it says so: the cast copies then do not exist).
     pub(crate) fn with_step(mut self, step: StepModel) -> Self {
+        let stored = if step.stored_half { self.dtype } else { Dt::F32 };
         if step.stored_half && self.dtype != Dt::F32 {
             self.meter.set_cat(Cat::Params);
-            self.weights.clear();
-            self.vars = self.defs.iter().map(|d| T::param_as(&self.meter, &d.shape, self.dtype)).collect();
-            self.weights = self.vars.clone();
+            self.weights.get_mut().clear();
+            *self.vars.get_mut() = self.defs.iter().map(|d| T::param_as(&self.meter, &d.shape, self.dtype)).collect();
+            *self.weights.get_mut() = self.vars.borrow().clone();
+        }
+        if let Some(z) = step.zero.as_ref().filter(|z| z.stage >= 3) {
+            // Stage 3: only this rank's own parameters are held; nothing is cast until a
+            // block's weights are fetched.
+            self.meter.set_cat(Cat::Params);
+            let empty = |dtype| T::new(&self.meter, &[0], dtype);
+            self.weights.get_mut().clear();
+            *self.vars.get_mut() = (self.defs.iter().zip(&z.owned))
+                .map(|(d, &own)| if own { T::param_as(&self.meter, &d.shape, stored) } else { empty(stored) })
+                .collect();
+            *self.weights.get_mut() = self.defs.iter().map(|_| empty(self.dtype)).collect();
+            *self.present.get_mut() = vec![false; self.defs.len()];
         }
         self.step = step;
         self
@@ -330,9 +350,9 @@ impl<'a> Replay<'a> {
 
     /// `llama::projection`: the product, plus the bias when the projection has one.
     fn projection(&self, x: &T, weight: usize, bias: Option<usize>) -> T {
-        let y = linear(x, &self.weights[weight]);
+        let y = linear(x, &self.weights.borrow()[weight]);
         match bias {
-            Some(b) => y.broadcast_add(&self.weights[b]),
+            Some(b) => y.broadcast_add(&self.weights.borrow()[b]),
             None => y,
         }
     }
@@ -354,7 +374,7 @@ impl<'a> Replay<'a> {
         let (n, d) = (x.dims()[0], x.dims()[1]);
         let e_count = experts.len();
         let m = &self.meter;
-        let probs = softmax_last(&linear(x, &self.weights[router]).to_dtype(Dt::F32)); // (N, E) f32
+        let probs = softmax_last(&linear(x, &self.weights.borrow()[router]).to_dtype(Dt::F32)); // (N, E) f32
         // probs.to_vec2 (rows of E f32 plus a Vec header each), the chosen ids, the counts.
         let _values = sim::raw(m, (n * e_count * 4 + n * 24) as u64);
         let _chosen = sim::raw(m, (n * top_k * 4) as u64);
@@ -381,17 +401,78 @@ impl<'a> Replay<'a> {
         (out, aux)
     }
 
+    /// ZeRO stage 3's `Gathered::fetch`: the parameters of `ids` not gathered yet come in one
+    /// all-gather of their stored bytes (the flat buffer beside the tensors read out of it),
+    /// then each becomes a `Var` (another rank's) and its cast for the forward pass. Other
+    /// stages hold every weight: nothing happens.
+    fn fetch(&self, ids: &[usize]) {
+        let Some(z) = self.step.zero.as_ref().filter(|z| z.stage >= 3) else { return };
+        let missing: Vec<usize> = ids.iter().copied().filter(|&i| !self.present.borrow()[i]).collect();
+        if missing.is_empty() {
+            return;
+        }
+        let m = &self.meter;
+        let cat = m.cat();
+        m.set_cat(Cat::Params);
+        let stored = if self.step.stored_half { self.dtype } else { Dt::F32 };
+        let bytes: u64 = missing.iter().map(|&i| z.stored[i]).sum();
+        let flat = T::new(m, &[bytes.div_ceil(4) as usize], Dt::F32); // (Σ bytes,) u8
+        let gathered: Vec<(usize, T)> = missing
+            .iter()
+            .filter(|&&i| !z.owned[i])
+            .map(|&i| (i, T::param_as(m, &self.defs[i].shape, stored)))
+            .collect();
+        drop(flat);
+        for (i, var) in gathered {
+            self.vars.borrow_mut()[i] = var;
+        }
+        for &i in &missing {
+            let cast = self.vars.borrow()[i].to_dtype(self.dtype);
+            self.weights.borrow_mut()[i] = cast;
+            self.present.borrow_mut()[i] = true;
+        }
+        if let Some(cat) = cat {
+            m.set_cat(cat);
+        }
+    }
+
+    /// ZeRO stage 3's `Gathered::release`: the references go (a graph may still hold them).
+    fn release(&self, ids: &[usize]) {
+        let Some(z) = self.step.zero.as_ref().filter(|z| z.stage >= 3) else { return };
+        let stored = if self.step.stored_half { self.dtype } else { Dt::F32 };
+        for &i in ids {
+            if !std::mem::replace(&mut self.present.borrow_mut()[i], false) {
+                continue;
+            }
+            self.weights.borrow_mut()[i] = T::new(&self.meter, &[0], self.dtype);
+            if !z.owned[i] {
+                self.vars.borrow_mut()[i] = T::new(&self.meter, &[0], stored);
+            }
+        }
+    }
+
+    /// The parameters outside the blocks: embedding, final norm, head.
+    fn outside(&self) -> Vec<usize> {
+        (0..self.defs.len()).filter(|&i| self.defs[i].block.is_none()).collect()
+    }
+
+    fn release_blocks(&self, blocks: &[usize]) {
+        for &b in blocks {
+            self.release(&self.block_all[b]);
+        }
+    }
+
     /// `Model::embed`: (B, T) ids → (B, T, d).
     fn embed(&self, tokens: &T) -> T {
         let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
-        self.weights[0].index_select(&tokens.reshape(&[b * t]), 0).reshape(&[b, t, self.spec.hidden])
+        self.weights.borrow()[0].index_select(&tokens.reshape(&[b * t]), 0).reshape(&[b, t, self.spec.hidden])
     }
 
     /// `Model::block`.
     fn block(&self, i: usize, x: &T) -> BlockOut {
         let bi = &self.blocks[i];
         let s = self.spec;
-        let w = &self.weights;
+        let w = self.weights.borrow();
         let (b, t, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
         let (h, hkv) = (s.heads, s.kv_heads);
         let n = b * t;
@@ -423,8 +504,8 @@ impl<'a> Replay<'a> {
     /// `Model::head`: final norm and LM head, (B, T, d) → (B·T, V).
     fn head(&self, x: &T) -> T {
         let (b, t, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
-        let normed = self.rms_norm(x, &self.weights[self.final_norm]).reshape(&[b * t, d]);
-        linear(&normed, &self.weights[self.head])
+        let normed = self.rms_norm(x, &self.weights.borrow()[self.final_norm]).reshape(&[b * t, d]);
+        linear(&normed, &self.weights.borrow()[self.head])
     }
 
     /// Bytes a kept block adds to the graph (its activations, the kernel's saved buffer and its
@@ -454,7 +535,8 @@ impl<'a> Replay<'a> {
         let outside = (0..self.defs.len()).filter(|&i| self.defs[i].block.is_none());
         let indices: Vec<usize> = blocks.iter().flat_map(|&b| self.block_all[b].clone()).chain(outside).collect();
         for i in indices {
-            if let Some(g) = store.remove(&self.vars[i]) {
+            let var = self.vars.borrow()[i].clone();
+            if let Some(g) = store.remove(&var) {
                 let g = g.detach().to_dtype(Dt::F32);
                 grads[i] = Some(match grads[i].take() {
                     Some(acc) => acc.add(&g),
@@ -530,6 +612,7 @@ impl<'a> Replay<'a> {
 
         m.set_phase("forward: embedding".into());
         m.set_cat(Cat::Embedding);
+        self.fetch(&[0]);
         let embedded = self.embed(&tokens);
         let first = embedded.detach().make_var();
         let mut stages = vec![Stage::Kept(Kept { start: None, end: embedded, aux: None, blocks: vec![] })];
@@ -544,6 +627,7 @@ impl<'a> Replay<'a> {
                         let next = Kept { end: start.clone(), start: Some(start), aux: None, blocks: vec![] };
                         stages.push(Stage::Kept(std::mem::replace(&mut current, next)));
                     }
+                    self.fetch(&self.block_all[i]);
                     let out = self.block(i, &current.end);
                     current.end = out.hidden;
                     current.aux = add_opt(current.aux.take(), out.aux);
@@ -556,7 +640,9 @@ impl<'a> Replay<'a> {
                         Some(Stage::Recompute { blocks, .. }) => blocks.push(i),
                         _ => panic!("block {i} is 'segment' with no recomputed block below (check_plan refuses it)"),
                     }
+                    self.fetch(&self.block_all[i]);
                     let out = self.block(i, &current.end.detach());
+                    self.release(&self.block_all[i]);
                     let hidden = out.hidden.detach();
                     drop(out);
                     m.set_cat(Cat::Inputs);
@@ -568,7 +654,9 @@ impl<'a> Replay<'a> {
                     m.set_phase(format!("forward: block {i} (run detached, recomputed in backward)"));
                     m.set_cat(Cat::Recompute);
                     let input = current.end.detach(); // (B, T, d)
+                    self.fetch(&self.block_all[i]);
                     let out = self.block(i, &input);
+                    self.release(&self.block_all[i]);
                     let hidden = out.hidden.detach();
                     drop(out);
                     if !current.blocks.is_empty() {
@@ -585,6 +673,8 @@ impl<'a> Replay<'a> {
 
         m.set_phase("forward: head and loss".into());
         m.set_cat(Cat::Head);
+        let outside = self.outside();
+        self.fetch(&outside);
         let logits = self.head(&current.end); // (B·T, V)
         let ce = logits.to_dtype(Dt::F32).contiguous().cross_entropy_rows().sum_all().affine(1.0);
         let mut loss = ce.clone();
@@ -597,6 +687,8 @@ impl<'a> Replay<'a> {
         let store = backward(&root);
         drop((root, loss, ce, logits));
         let mut grad_out = self.collect(&current.blocks, current.start.as_ref(), store, &mut accumulators);
+        self.release(&outside.iter().copied().filter(|&i| i != 0).collect::<Vec<_>>());
+        self.release_blocks(&current.blocks);
         drop(current);
         if let Some(b) = &mut buckets {
             b.stretch_done(self, &mut accumulators, false);
@@ -617,6 +709,7 @@ impl<'a> Replay<'a> {
                     m.set_cat(Cat::Recompute);
                     let (mut hidden, mut aux) = (start.clone(), None);
                     for &block in &blocks {
+                        self.fetch(&self.block_all[block]);
                         let out = self.block(block, &hidden);
                         hidden = out.hidden;
                         aux = add_opt(aux, out.aux);
@@ -626,6 +719,7 @@ impl<'a> Replay<'a> {
                     let store = backward(&surrogate);
                     drop((surrogate, hidden, aux));
                     grad_out = self.collect(&blocks, Some(&start), store, &mut accumulators);
+                    self.release_blocks(&blocks);
                     if let Some(b) = &mut buckets {
                         b.stretch_done(self, &mut accumulators, false);
                     }
@@ -638,6 +732,10 @@ impl<'a> Replay<'a> {
                     drop(surrogate);
                     let embedding = kept.start.is_none();
                     grad_out = self.collect(&kept.blocks, kept.start.as_ref(), store, &mut accumulators);
+                    self.release_blocks(&kept.blocks);
+                    if embedding {
+                        self.release(&[0]);
+                    }
                     if let Some(b) = &mut buckets {
                         b.stretch_done(self, &mut accumulators, embedding);
                     }
@@ -676,7 +774,7 @@ impl<'a> Replay<'a> {
                     self.step_param(i, &mut accumulators);
                 }
             }
-            if let Some(z) = zero.filter(|z| z.stage >= 1) {
+            if let Some(z) = zero.filter(|z| (1..=2).contains(&z.stage)) {
                 // The updated weights all-gathered a bucket at a time, each parameter read
                 // out of it into a tensor of its own before it is set.
                 m.set_phase("parameters: all-gather over ranks".into());

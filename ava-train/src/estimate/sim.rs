@@ -125,6 +125,11 @@ impl Meter {
         };
     }
 
+    /// The category new buffers are counted under.
+    pub(crate) fn cat(&self) -> Option<Cat> {
+        self.cat.get()
+    }
+
     /// New buffers are counted under `cat`.
     pub(crate) fn set_cat(&self, cat: Cat) {
         self.cat.set(Some(cat));

@@ -57,11 +57,26 @@ pub fn write_tensors(out: &mut dyn std::io::Write, tensors: &[(String, Tensor)])
             Ok(TensorSpec { name: name.clone(), dtype, shape: t.dims().to_vec() })
         })
         .collect::<Result<Vec<_>, SaveError>>()?;
-    crate::save::write_safetensors(out, &specs, None, &mut |i| {
+    write_tensors_from(out, &specs, &mut |i| {
         let (name, t) = &tensors[i];
-        Ok(std::borrow::Cow::Owned(tensor_to_buffer(name, t).map_err(|e| bad(name, e))?.data))
-    })?;
+        Ok(tensor_to_buffer(name, t).map_err(|e| bad(name, e))?.data)
+    })
+}
+
+/// [`write_tensors`] of tensors described by `specs` whose bytes `bytes(i)` gives one at
+/// a time (ZeRO stage 3: from the rank that holds each).
+pub fn write_tensors_from(
+    out: &mut dyn std::io::Write,
+    specs: &[TensorSpec],
+    bytes: &mut dyn FnMut(usize) -> Result<Vec<u8>, SaveError>,
+) -> Result<(), SaveError> {
+    crate::save::write_safetensors(out, specs, None, &mut |i| Ok(std::borrow::Cow::Owned(bytes(i)?)))?;
     Ok(())
+}
+
+/// How a tensor of `dtype` and `shape` named `name` is described in a safetensors header.
+pub fn tensor_spec(name: &str, dtype: DType, shape: &[usize]) -> Result<TensorSpec, ModelError> {
+    Ok(TensorSpec { name: name.to_string(), dtype: buf_dtype(name, dtype)?, shape: shape.to_vec() })
 }
 
 /// Named tensors from safetensors bytes; `path` names the source in errors.
@@ -140,6 +155,15 @@ pub(crate) fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, ModelErro
 /// Writes `config.json` and `model.safetensors` into `dir` (created if needed), each
 /// atomically.
 pub fn save_hf_folder(dir: &Path, spec: &ModelSpec, tensors: &[(String, Tensor)]) -> Result<(), ModelError> {
+    save_hf_folder_with(dir, spec, &mut |out| write_tensors(out, tensors))
+}
+
+/// [`save_hf_folder`] with the weights written by `weights` (e.g. [`write_tensors_from`]).
+pub fn save_hf_folder_with(
+    dir: &Path,
+    spec: &ModelSpec,
+    weights: &mut dyn FnMut(&mut dyn std::io::Write) -> Result<(), SaveError>,
+) -> Result<(), ModelError> {
     let io = |path: &Path, e: std::io::Error| ModelError::Io { path: path.to_path_buf(), message: e.to_string() };
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let config = serde_json::to_vec_pretty(&spec.to_hf_config()).expect("a JSON value serializes");
@@ -148,6 +172,6 @@ pub fn save_hf_folder(dir: &Path, spec: &ModelSpec, tensors: &[(String, Tensor)]
         .map_err(|e| ModelError::Io { path: path.clone(), message: e.to_string() })?;
     // The weights stream to the file, one tensor's copy at a time.
     let path = dir.join("model.safetensors");
-    crate::save::write_atomic_streamed(&path, |out| write_tensors(out, tensors))
+    crate::save::write_atomic_streamed(&path, weights)
         .map_err(|e| ModelError::Io { path: path.clone(), message: e.to_string() })
 }

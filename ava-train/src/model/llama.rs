@@ -237,6 +237,19 @@ impl Model {
         self.params.iter().map(|p| cast(p.var.as_tensor(), dtype)).collect()
     }
 
+    /// Drops the values of every parameter `keep` rejects (ZeRO stage 3: another rank
+    /// holds them, and they are gathered when needed). Such a parameter keeps its
+    /// definition and stored type; its `Var` holds no values.
+    pub fn keep_only(&mut self, keep: impl Fn(usize) -> bool) -> Result<(), ModelError> {
+        for (i, p) in self.params.iter_mut().enumerate() {
+            if !keep(i) {
+                let empty = Tensor::zeros(0, p.var.dtype(), &Device::Cpu).map_err(cerr)?;
+                p.var = Var::from_tensor(&empty).map_err(cerr)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The type the parameters are stored in.
     pub fn storage(&self) -> DType {
         self.params.first().map_or(DType::F32, |p| p.var.dtype())

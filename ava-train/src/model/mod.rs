@@ -19,11 +19,12 @@ use std::path::PathBuf;
 
 pub use attention::attention;
 pub use hf::{
-    load_hf_folder, save_hf_folder, tensor_to_buffer, tensors_from_safetensors, tensors_to_safetensors, write_tensors,
+    load_hf_folder, save_hf_folder, save_hf_folder_with, tensor_spec, tensor_to_buffer, tensors_from_safetensors,
+    tensors_to_safetensors, write_tensors, write_tensors_from,
 };
 pub use hf_config::{HfConfig, parse_hf_config, read_hf_config};
 pub use llama::{BlockOut, Model, Param};
-pub use recompute::{GradSink, Grads, MicroLoss, forward_backward};
+pub use recompute::{GradSink, Grads, MicroLoss, Weights, forward_backward, forward_logits};
 pub use rope::{RopeScaling, RopeSpec};
 pub use spec::{Arch, Biases, ModelSpec, MoeSpec, ParamDef, ParamRole};
 pub(crate) use spec::{BlockIndex, MlpIndex, ParamIndex};

@@ -97,6 +97,47 @@ pub trait GradSink {
     }
 }
 
+/// Where the forward pass finds its weights. One process (and ZeRO stages 0–2) holds them
+/// all: a `Vec<Tensor>` indexed by parameter. ZeRO stage 3 holds only its own parameters
+/// and gathers each block's weights from the ranks that own them before the block's
+/// forward, and again before its backward ([`crate::dist::Gathered`]).
+///
+/// [`forward_backward`] fetches a block's parameters before running it and releases them
+/// as soon as nothing needs them: after a recomputed block's forward (it is run again in
+/// backward) and after a stretch's backward. A kept block's weights stay in its graph
+/// until its backward anyway, so they are released then.
+pub trait Weights {
+    /// Makes parameters `params` available in [`tensors`](Self::tensors). Every rank calls
+    /// this with the same parameters in the same order (stage 3 gathers here).
+    fn fetch(&mut self, _model: &Model, _params: &[usize]) -> Result<()> {
+        Ok(())
+    }
+
+    /// Says parameters `params` are not needed until fetched again.
+    fn release(&mut self, _params: &[usize]) {}
+
+    /// The weights by parameter index, as the forward pass uses them (in the compute type,
+    /// inside the graph); only fetched entries are meaningful.
+    fn tensors(&self) -> &[Tensor];
+
+    /// The leaf backward's gradient of parameter `i` is keyed by: the parameter's `Var`,
+    /// or the one its gathered copy was made into.
+    fn leaf(&self, model: &Model, i: usize) -> Tensor {
+        model.params()[i].var.as_tensor().clone()
+    }
+    /// Seconds spent waiting for other ranks' weights so far (stage 3's all-gathers).
+    fn gather_seconds(&self) -> f64 {
+        0.0
+    }
+}
+
+/// All the weights at hand (see [`Model::weights`]).
+impl Weights for Vec<Tensor> {
+    fn tensors(&self) -> &[Tensor] {
+        self
+    }
+}
+
 /// Accumulation: each gradient is added to what is there.
 impl GradSink for Grads {
     fn receive(&mut self, i: usize, g: Tensor, _last: bool) -> Result<()> {
@@ -119,7 +160,7 @@ impl GradSink for Grads {
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     model: &Model,
-    weights: &[Tensor],
+    weights: &mut dyn Weights,
     tokens: &Tensor,
     targets: &[u32],
     plan: &[BlockDecision],
@@ -133,7 +174,8 @@ pub fn forward_backward(
     // used by the embedding and the head, and keeping the two uses in separate graphs makes
     // candle sum the gradients in the same order whatever the plan (in one graph the order
     // depends on its shape, and the sums differed in the last bit).
-    let embedded = Kept { start: None, end: model.embed(weights, tokens)?, aux: None, blocks: vec![] };
+    weights.fetch(model, &[EMBEDDING])?;
+    let embedded = Kept { start: None, end: model.embed(weights.tensors(), tokens)?, aux: None, blocks: vec![] };
     let first = Var::from_tensor(&embedded.end.detach())?;
     let mut stages: Vec<Stage> = vec![Stage::Kept(embedded)];
     let mut current = Kept { end: first.as_tensor().clone(), start: Some(first), aux: None, blocks: vec![] };
@@ -151,7 +193,8 @@ pub fn forward_backward(
                     let next = Kept { end: start.as_tensor().clone(), start: Some(start), aux: None, blocks: vec![] };
                     stages.push(Stage::Kept(std::mem::replace(&mut current, next)));
                 }
-                let out = model.block(weights, i, &current.end)?;
+                weights.fetch(model, &model.block_params(i))?;
+                let out = model.block(weights.tensors(), i, &current.end)?;
                 current.end = out.hidden;
                 current.aux = add_opt(current.aux.take(), out.aux)?;
                 current.blocks.push(i);
@@ -162,7 +205,10 @@ pub fn forward_backward(
                     candle_core::bail!("block {i} is 'segment' with no recomputed block below it");
                 };
                 blocks.push(i);
-                let out = model.block(weights, i, &current.end.detach())?;
+                let own = model.block_params(i);
+                weights.fetch(model, &own)?;
+                let out = model.block(weights.tensors(), i, &current.end.detach())?;
+                weights.release(&own);
                 let hidden = out.hidden.detach();
                 if let Some(a) = &out.aux {
                     aux_total += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
@@ -173,7 +219,10 @@ pub fn forward_backward(
             }
             BlockDecision::Recompute | BlockDecision::Offload => {
                 let input = current.end.detach(); // (B, T, d)
-                let out = model.block(weights, i, &input)?;
+                let own = model.block_params(i);
+                weights.fetch(model, &own)?;
+                let out = model.block(weights.tensors(), i, &input)?;
+                weights.release(&own);
                 let hidden = out.hidden.detach();
                 if let Some(a) = &out.aux {
                     aux_total += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
@@ -203,7 +252,9 @@ pub fn forward_backward(
     }
 
     // The last stretch ends in the loss.
-    let logits = model.head(weights, &current.end)?; // (B·T, V)
+    let outside = outside_blocks(model);
+    weights.fetch(model, &outside)?;
+    let logits = model.head(weights.tensors(), &current.end)?; // (B·T, V)
     let ce = cross_entropy(&logits, targets)?;
     let mut loss = ce.clone();
     if let Some(aux) = &current.aux {
@@ -228,7 +279,10 @@ pub fn forward_backward(
     // them is held. The additions happen in the same order whatever the plan: every
     // parameter belongs to one stretch, except a tied embedding, whose head use is always
     // collected (last stretch) before its embedding use (first stretch).
-    let mut grad_out = collect(model, &current.blocks, current.start.as_ref(), store, grads)?;
+    let mut grad_out = collect(model, weights, &current.blocks, current.start.as_ref(), store, grads)?;
+    // The head's weights go (but a tied one, which is the embedding, stays for its stretch).
+    weights.release(&outside.iter().copied().filter(|&i| i != EMBEDDING).collect::<Vec<_>>());
+    release_blocks(model, weights, &current.blocks);
     drop(current);
     grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
 
@@ -249,7 +303,8 @@ pub fn forward_backward(
                 drop(input);
                 let (mut hidden, mut aux) = (start.as_tensor().clone(), None);
                 for &block in &blocks {
-                    let out = model.block(weights, block, &hidden)?;
+                    weights.fetch(model, &model.block_params(block))?;
+                    let out = model.block(weights.tensors(), block, &hidden)?;
                     hidden = out.hidden;
                     aux = add_opt(aux, out.aux)?;
                 }
@@ -258,7 +313,8 @@ pub fn forward_backward(
                 let store = surrogate.backward()?;
                 drop(span);
                 drop((surrogate, hidden, aux));
-                grad_out = collect(model, &blocks, Some(&start), store, grads)?;
+                grad_out = collect(model, weights, &blocks, Some(&start), store, grads)?;
+                release_blocks(model, weights, &blocks);
                 grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
             }
             Stage::Kept(kept) => {
@@ -267,12 +323,35 @@ pub fn forward_backward(
                 let store = surrogate.backward()?;
                 drop(span);
                 drop(surrogate);
-                grad_out = collect(model, &kept.blocks, kept.start.as_ref(), store, grads)?;
+                grad_out = collect(model, weights, &kept.blocks, kept.start.as_ref(), store, grads)?;
+                release_blocks(model, weights, &kept.blocks);
+                if kept.start.is_none() {
+                    weights.release(&[EMBEDDING]); // the embedding's own stretch: the last
+                }
                 grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
             }
         }
     }
     Ok(MicroLoss { ce: ce_value, aux: aux_total, tier_peak })
+}
+
+/// Forward pass only (evaluation): logits (B·T, V) for `tokens` (B, T), each block's
+/// weights fetched before it and released after it; without a graph when `weights` are
+/// detached.
+pub fn forward_logits(model: &Model, weights: &mut dyn Weights, tokens: &Tensor) -> Result<Tensor> {
+    weights.fetch(model, &[EMBEDDING])?;
+    let mut x = model.embed(weights.tensors(), tokens)?; // (B, T, d)
+    for i in 0..model.spec().layers {
+        let own = model.block_params(i);
+        weights.fetch(model, &own)?;
+        x = model.block(weights.tensors(), i, &x)?.hidden;
+        weights.release(&own);
+    }
+    let outside = outside_blocks(model);
+    weights.fetch(model, &outside)?;
+    let logits = model.head(weights.tensors(), &x)?;
+    weights.release(&outside);
+    Ok(logits)
 }
 
 /// `(out · grad_out).sum() + aux_scale · aux`: its gradient with respect to `out` is exactly
@@ -291,15 +370,14 @@ fn surrogate(out: &Tensor, grad_out: &Tensor, aux: Option<&Tensor>, aux_scale: f
 /// gradient of the stretch's `start`. The store is dropped before returning.
 fn collect(
     model: &Model,
+    weights: &dyn Weights,
     blocks: &[usize],
     start: Option<&Var>,
     mut store: GradStore,
     grads: &mut dyn GradSink,
 ) -> Result<Option<Tensor>> {
-    let all = model.params();
-    let outside_blocks = (0..all.len()).filter(|&i| all[i].def.block.is_none());
-    for i in blocks.iter().flat_map(|&b| model.block_params(b)).chain(outside_blocks) {
-        if let Some(g) = store.remove(all[i].var.as_tensor()) {
+    for i in blocks.iter().flat_map(|&b| model.block_params(b)).chain(outside_blocks(model)) {
+        if let Some(g) = store.remove(&weights.leaf(model, i)) {
             let g = g.detach().to_dtype(DType::F32)?;
             // Only the embedding's own stretch (it has no start) holds its last use.
             grads.receive(i, g, start.is_none() || i != EMBEDDING)?;
@@ -308,6 +386,19 @@ fn collect(
     let start = start.and_then(|v| store.remove(v.as_tensor())).map(|g| g.detach());
     drop(store);
     Ok(start)
+}
+
+/// The parameters outside the blocks: the embedding, the final norm and the head.
+fn outside_blocks(model: &Model) -> Vec<usize> {
+    let all = model.params();
+    (0..all.len()).filter(|&i| all[i].def.block.is_none()).collect()
+}
+
+/// Releases the weights of `blocks`.
+fn release_blocks(model: &Model, weights: &mut dyn Weights, blocks: &[usize]) {
+    for &b in blocks {
+        weights.release(&model.block_params(b));
+    }
 }
 
 /// Index of the token embedding among the parameters (also the head, when tied).

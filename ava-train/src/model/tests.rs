@@ -42,9 +42,9 @@ fn batch(b: usize, t: usize, vocab: usize, salt: usize) -> (Tensor, Vec<u32>) {
 }
 
 fn grads_of(m: &Model, dtype: DType, tokens: &Tensor, targets: &[u32], plan: &[BlockDecision]) -> (MicroLoss, Grads) {
-    let w = m.weights(dtype).unwrap();
+    let mut w = m.weights(dtype).unwrap();
     let mut grads = vec![None; m.params().len()];
-    let loss = forward_backward(m, &w, tokens, targets, plan, 1.0, 1.0, None, &mut grads).unwrap();
+    let loss = forward_backward(m, &mut w, tokens, targets, plan, 1.0, 1.0, None, &mut grads).unwrap();
     (loss, grads)
 }
 
@@ -273,10 +273,10 @@ fn a_stretch_per_block_gives_identical_gradients_and_says_what_is_final() {
         let (tokens, targets) = batch(2, 6, 11, 3);
         let (plain_loss, plain) = grads_of(&m, DType::F32, &tokens, &targets, &[Keep, Keep, Keep]);
         for plan in [[Keep, Keep, Keep], [Keep, Recompute, Keep], [Recompute, Segment, Keep]] {
-            let w = m.weights(DType::F32).unwrap();
+            let mut w = m.weights(DType::F32).unwrap();
             let mut sink =
                 PerBlock { grads: vec![None; m.params().len()], order: vec![], finals: vec![], received: vec![] };
-            let loss = forward_backward(&m, &w, &tokens, &targets, &plan, 1.0, 1.0, None, &mut sink).unwrap();
+            let loss = forward_backward(&m, &mut w, &tokens, &targets, &plan, 1.0, 1.0, None, &mut sink).unwrap();
             assert_eq!(loss.ce, plain_loss.ce, "{plan:?}");
             assert!((loss.aux - plain_loss.aux).abs() < 1e-6, "{plan:?}");
             assert_eq!(max_diff(&sink.grads, &plain), 0.0, "{plan:?}, moe {moe:?}, tied {tie}");
@@ -295,10 +295,10 @@ fn offloaded_block_inputs_give_identical_gradients() {
     let (tokens, targets) = batch(2, 6, 11, 4);
     let (_, plain) = grads_of(&m, DType::F32, &tokens, &targets, &[BlockDecision::Keep; 2]);
     let tier: Arc<dyn OffloadTier> = Registry::builtins().offload("ram", "{}").unwrap();
-    let w = m.weights(DType::F32).unwrap();
+    let mut w = m.weights(DType::F32).unwrap();
     let mut grads = vec![None; m.params().len()];
     let plan = [BlockDecision::Offload, BlockDecision::Offload];
-    forward_backward(&m, &w, &tokens, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
+    forward_backward(&m, &mut w, &tokens, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
     assert_eq!(max_diff(&grads, &plain), 0.0);
     assert_eq!(tier.used_bytes(), 0, "inputs are evicted after use");
 }
@@ -312,10 +312,10 @@ fn int8_parked_inputs_give_gradients_within_a_bounded_error() {
     let (tokens, targets) = batch(2, 6, 11, 4);
     let (plain_loss, plain) = grads_of(&m, DType::F32, &tokens, &targets, &[BlockDecision::Keep; 2]);
     let tier: Arc<dyn OffloadTier> = Arc::new(ava_plugin_int8::Int8Tier::new(64));
-    let w = m.weights(DType::F32).unwrap();
+    let mut w = m.weights(DType::F32).unwrap();
     let mut grads = vec![None; m.params().len()];
     let plan = [BlockDecision::Offload, BlockDecision::Offload];
-    let loss = forward_backward(&m, &w, &tokens, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
+    let loss = forward_backward(&m, &mut w, &tokens, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
     let (mut err, mut norm) = (0f64, 0f64);
     for (a, b) in grads.iter().zip(&plain) {
         for (p, q) in values(a.as_ref().unwrap()).iter().zip(values(b.as_ref().unwrap())) {
@@ -338,12 +338,12 @@ fn accumulated_micro_batches_equal_one_large_batch() {
     let (tokens, targets) = batch(4, 6, 11, 5);
     let plan = [BlockDecision::Keep; 2];
     let (_, whole) = grads_of(&m, DType::F32, &tokens, &targets, &plan);
-    let w = m.weights(DType::F32).unwrap();
+    let mut w = m.weights(DType::F32).unwrap();
     let mut acc = vec![None; m.params().len()];
     for k in 0..2 {
         let part = tokens.narrow(0, 2 * k, 2).unwrap();
         let part_targets = &targets[12 * k..12 * (k + 1)];
-        forward_backward(&m, &w, &part, part_targets, &plan, 1.0, 2.0, None, &mut acc).unwrap();
+        forward_backward(&m, &mut w, &part, part_targets, &plan, 1.0, 2.0, None, &mut acc).unwrap();
     }
     for (i, p) in m.params().iter().enumerate() {
         let (a, b) = (values(acc[i].as_ref().unwrap()), values(whole[i].as_ref().unwrap()));

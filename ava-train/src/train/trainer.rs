@@ -24,9 +24,9 @@ use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Step
 use super::schedule::{LossScaler, learning_rate};
 use crate::config::{Config, DataSource, MasterWeights, NanPolicy, PluginSelection, Precision};
 use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Share, Source, Split};
-use crate::dist::{Collectives, ReduceInBackward, Single, Zero};
+use crate::dist::{Collectives, Gathered, ReduceInBackward, Single, Zero};
 use crate::memory::{self, Breakdown};
-use crate::model::{self, GradSink, Grads, Model, ModelSpec, forward_backward};
+use crate::model::{self, GradSink, Grads, Model, ModelSpec, Weights, forward_backward};
 use crate::save::{CheckpointStore, FileBody, LoadedCheckpoint, differing_keys, safetensors_views};
 
 /// How a run starts.
@@ -183,7 +183,8 @@ pub struct Trainer {
     /// Steps skipped in a row for a non-finite loss or gradient (`train.nan_policy: skip`).
     skipped_in_a_row: u64,
     /// The ranks and which parameters each steps (one rank when alone).
-    zero: Zero,
+    /// Shared with stage 3's [`Gathered`] weights, which live through a step.
+    zero: Arc<Zero>,
     /// Weights some ranks may have changed since the last gather (masters of a resumed
     /// checkpoint turned into weights by their owners): gathered before the first step,
     /// not while the run is built, when the ranks have yet to agree that all of them started.
@@ -214,7 +215,7 @@ impl MicroBatches<'_> {
     /// which an allocation crossed the hard limit (the caller drops what it received).
     fn run(
         &self,
-        weights: &[Tensor],
+        weights: &mut dyn Weights,
         batches: &[Batch],
         split: usize,
         sink: &mut dyn GradSink,
@@ -346,13 +347,6 @@ pub fn check_attention(spec: &ModelSpec, sel: &PluginSelection, seq: usize) -> R
 pub fn check_training_modes(config: &Config, world: usize) -> Result<(), TrainError> {
     let t = &config.train;
     let mut problems = Vec::new();
-    if config.distributed.zero_stage == 3 {
-        problems.push(
-            "distributed.zero_stage: 3 (parameters partitioned and gathered block by block) is not built yet: use \
-             zero_stage 2, which partitions the optimizer state and the gradients"
-                .to_string(),
-        );
-    }
     if world > 1 && t.step_in_backward {
         problems.push(format!(
             "train.step_in_backward is not supported with {world} ranks yet (each gradient would have to be \
@@ -760,6 +754,11 @@ impl Trainer {
             }
         }
         memory::set_limit(hard_limit);
+        // Stage 3: each rank keeps only its own parameters' values from here on.
+        let mut model = model;
+        if zero.stage() >= 3 {
+            model.keep_only(|i| zero.holds_values(i))?;
+        }
         let gather_pending = resumed_from.is_some() && zero.stage() >= 1;
         Ok(Self {
             model,
@@ -788,7 +787,7 @@ impl Trainer {
             nan_grad_at_steps: options.nan_grad_at_steps.clone(),
             skipped_in_a_row: 0,
             gather_pending,
-            zero,
+            zero: Arc::new(zero),
             config,
         })
     }
@@ -796,6 +795,19 @@ impl Trainer {
     /// The model.
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// Every parameter's values by Hugging Face name, in their stored type. At ZeRO stage 3
+    /// they are gathered from the ranks holding them (every rank must call this); otherwise
+    /// they are this rank's own tensors.
+    pub fn consolidated_weights(&self) -> Result<Vec<(String, Tensor)>, TrainError> {
+        if self.zero.stage() < 3 || self.zero.size() == 1 {
+            return Ok(self.model.named_tensors());
+        }
+        let params = self.model.params();
+        let ids: Vec<usize> = (0..params.len()).collect();
+        let values = self.zero.gather_some(params, &ids)?;
+        Ok(params.iter().zip(values).map(|(p, t)| (p.def.name.clone(), t)).collect())
     }
 
     /// Steps completed.
@@ -846,13 +858,22 @@ impl Trainer {
             threads: self.threads,
             ranks: (self.zero.size() > 1).then(|| {
                 let z = &self.zero;
+                let weights = (z.stage() >= 3).then(|| {
+                    let all = (self.model.spec().num_params() * self.model.storage().size_in_bytes()) as u64;
+                    format!(
+                        ", and {} of the {} of weights (each block's gathered as it runs)",
+                        ava_core::format_size(self.held_weight_bytes()),
+                        ava_core::format_size(all)
+                    )
+                });
                 format!(
-                    "{} ranks over {}, ZeRO stage {}: rank 0 holds {} of the {} of optimizer state",
+                    "{} ranks over {}, ZeRO stage {}: rank 0 holds {} of the {} of optimizer state{}",
                     z.size(),
                     z.group().describe(),
                     z.stage(),
                     ava_core::format_size(self.state.held_bytes()),
-                    ava_core::format_size(self.state.bytes())
+                    ava_core::format_size(self.state.bytes()),
+                    weights.unwrap_or_default()
                 )
             }),
         }
@@ -1023,10 +1044,8 @@ impl Trainer {
             // Nothing ran (already at max_steps): still point at the latest checkpoint.
             summary.checkpoint = self.store.latest()?.map(|p| p.display().to_string());
         }
-        if self.step == t.max_steps && summary.stopped.is_none() && !summary.interrupted && root {
-            let dir = self.out_dir.join("model");
-            model::save_hf_folder(&dir, self.model.spec(), &self.model.named_tensors())?;
-            summary.model_dir = Some(dir.display().to_string());
+        if self.step == t.max_steps && summary.stopped.is_none() && !summary.interrupted {
+            summary.model_dir = self.save_final_model()?.map(|dir| dir.display().to_string());
         }
         summary.tokens_per_sec = if timed.0 > 0.0 { timed.1 as f64 / timed.0 } else { 0.0 };
         reporter.finish(&summary);
@@ -1059,6 +1078,24 @@ impl Trainer {
         std::fs::OpenOptions::new().append(true).create(true).open(&path).map_err(|e| TrainError::io(&path, e))
     }
 
+    /// The weights a step (or, `detached`, an evaluation) computes with: all of them, cast
+    /// to the compute type; at ZeRO stage 3, gathered block by block from their ranks.
+    fn step_weights(&self, detached: bool) -> Result<Box<dyn Weights>, TrainError> {
+        if self.zero.stage() >= 3 && self.zero.size() > 1 {
+            let gathered = Gathered::new(Arc::clone(&self.zero), &self.model, self.compute, detached);
+            return Ok(Box::new(gathered.map_err(TrainError::candle)?));
+        }
+        let weights = self.model.weights(self.compute).map_err(TrainError::candle)?;
+        Ok(Box::new(if detached { weights.into_iter().map(|w| w.detach()).collect() } else { weights }))
+    }
+
+    /// Bytes of weights this rank holds between steps (at stage 3, its own parameters').
+    fn held_weight_bytes(&self) -> u64 {
+        let size = self.model.storage().size_in_bytes();
+        let params = self.model.params();
+        (0..params.len()).filter(|&i| self.zero.holds_values(i)).map(|i| (params[i].def.numel() * size) as u64).sum()
+    }
+
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.
     pub fn train_step(&mut self) -> Result<StepRecord, TrainError> {
         if std::mem::take(&mut self.gather_pending) {
@@ -1068,7 +1105,7 @@ impl Trainer {
         let t = self.config.train.clone();
         let step = self.step + 1;
         let lr = learning_rate(step, t.lr, t.min_lr, t.warmup_steps, t.max_steps);
-        let params_bytes = (self.model.spec().num_params() * self.model.storage().size_in_bytes()) as u64;
+        let params_bytes = self.held_weight_bytes();
         // State held between steps: the engine's, and a built-in tier's records (the
         // counting allocator sees both).
         let tier_held = match self.state.tier() {
@@ -1084,7 +1121,8 @@ impl Trainer {
         let baseline = memory::current();
         memory::reset_peak();
 
-        let weights = self.model.weights(self.compute).map_err(TrainError::candle)?;
+        // Stage 3 gathers each block's weights as forward and backward reach it.
+        let mut weights = self.step_weights(false)?;
         // The step's batches, read once: a retry after running out of memory trains on the
         // same samples, and the loader moves on exactly as without one.
         let mut batches = Vec::with_capacity(t.gradient_accumulation_steps);
@@ -1111,7 +1149,7 @@ impl Trainer {
             let settings = step_settings(self.optimizer.as_mut(), &opt_name, &self.model, &t, step, lr, self.threads);
             let mut sink = StepInBackward::new(settings, &mut self.state, poison);
             let run = MicroBatches { model: &self.model, plan: &self.plan, scale: 1.0, offload: self.offload.as_ref() };
-            let outcome = run.run(&weights, &batches, self.split, &mut sink);
+            let outcome = run.run(weights.as_mut(), &batches, self.split, &mut sink);
             if inject {
                 memory::set_limit(self.hard_limit);
             }
@@ -1157,7 +1195,7 @@ impl Trainer {
                 // Stage 2 reduces during backward, stretch by stretch; stages 0 and 1 after it.
                 let outcome = if self.zero.stage() >= 2 && self.zero.size() > 1 {
                     let mut sink = ReduceInBackward::new(&self.zero, self.model.params());
-                    match run.run(&weights, &batches, self.split, &mut sink) {
+                    match run.run(weights.as_mut(), &batches, self.split, &mut sink) {
                         Err(e) => Err(sink.take_failure().unwrap_or(e)),
                         Ok(done @ MicroSteps::Done { .. }) => {
                             let (reduced, times) = sink.finish()?;
@@ -1168,7 +1206,7 @@ impl Trainer {
                         Ok(oom) => Ok(oom),
                     }
                 } else {
-                    run.run(&weights, &batches, self.split, &mut grads)
+                    run.run(weights.as_mut(), &batches, self.split, &mut grads)
                 };
                 if inject {
                     memory::set_limit(self.hard_limit);
@@ -1278,6 +1316,9 @@ impl Trainer {
             }
             (ce, aux, parked_peak, norm, applied, grads_bytes)
         };
+        if let Some(times) = comm.as_mut() {
+            times.gather_seconds = weights.gather_seconds();
+        }
         drop(weights);
         self.step = step;
         self.data_position = self.loader.position();
@@ -1435,14 +1476,13 @@ impl Trainer {
         // Each rank evaluates its rows of the global batches (as in training).
         let share = Share { rank: self.zero.rank(), world: self.zero.size() };
         let mut loader = Loader::new_shared(self.dataset.clone(), Split::Validation, batch, seq, 0, 0, 1, share)?;
-        let weights: Vec<Tensor> =
-            self.model.weights(self.compute).map_err(TrainError::candle)?.into_iter().map(|w| w.detach()).collect();
+        let mut weights = self.step_weights(true)?;
         let n = self.config.train.eval_batches;
         let mut total = 0.0;
         for _ in 0..n {
             let b = loader.next()?;
             let (tokens, targets) = tensors(&b)?;
-            let (logits, _) = self.model.forward(&weights, &tokens).map_err(TrainError::candle)?;
+            let logits = model::forward_logits(&self.model, weights.as_mut(), &tokens).map_err(TrainError::candle)?;
             let loss = model::ops::cross_entropy(&logits, &targets)
                 .and_then(|l| l.to_dtype(DType::F64))
                 .and_then(|l| l.to_scalar::<f64>())
@@ -1467,7 +1507,6 @@ impl Trainer {
             self.send_state_to_root()?;
             return Ok(dir);
         }
-        let named = self.model.named_tensors();
         let trainer = TrainerState {
             step: self.step,
             data_position: self.data_position,
@@ -1497,9 +1536,10 @@ impl Trainer {
             zero.broadcast(&mut bytes, zero.owner(i)).map_err(failed)?;
             Ok(bytes)
         };
+        let mut weights = self.weights_writer();
         let mut files = vec![
             (HF_CONFIG_FILE.to_string(), FileBody::Bytes(&hf_config)),
-            (MODEL_FILE.to_string(), FileBody::Stream(Box::new(|out| model::write_tensors(out, &named)))),
+            (MODEL_FILE.to_string(), FileBody::Stream(Box::new(|out| weights(out)))),
             (
                 OPTIMIZER_FILE.to_string(),
                 FileBody::Stream(Box::new(move |out| state.write_safetensors_gathered(params, out, &mut remote))),
@@ -1515,9 +1555,68 @@ impl Trainer {
         Ok(dir)
     }
 
+    /// Rank 0's writer of the model's weights (safetensors, a tensor at a time). At ZeRO
+    /// stage 3 it asks each other rank's parameters of their owner as it goes (the other
+    /// ranks answer in [`send_state_to_root`](Self::send_state_to_root)); rank 0 never
+    /// holds more than one of them.
+    fn weights_writer(&self) -> impl FnMut(&mut dyn std::io::Write) -> Result<(), crate::save::SaveError> + '_ {
+        move |out| {
+            if self.zero.stage() < 3 || self.zero.size() == 1 {
+                return model::write_tensors(out, &self.model.named_tensors());
+            }
+            let (params, zero) = (self.model.params(), &self.zero);
+            let bad = |i: usize, reason: String| crate::save::SaveError::BadBuffer {
+                name: params[i].def.name.clone(),
+                reason,
+            };
+            let specs = params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    model::tensor_spec(&p.def.name, p.var.dtype(), &p.def.shape).map_err(|e| bad(i, e.to_string()))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            model::write_tensors_from(out, &specs, &mut |i| {
+                let p = &params[i];
+                if zero.owner(i) == zero.rank() {
+                    return model::tensor_to_buffer(&p.def.name, p.var.as_tensor())
+                        .map(|b| b.data)
+                        .map_err(|e| bad(i, e.to_string()));
+                }
+                let failed = |e: TrainError| bad(i, format!("receiving it from rank {}: {e}", zero.owner(i)));
+                zero.broadcast(&mut state_request(i as u64, WEIGHTS_REQUEST), 0).map_err(failed)?;
+                let mut bytes = vec![0u8; p.def.numel() * p.var.dtype().size_in_bytes()]; // (numel,) stored type
+                zero.broadcast(&mut bytes, zero.owner(i)).map_err(failed)?;
+                Ok(bytes)
+            })
+        }
+    }
+
+    /// Writes the trained model's `model/` folder: rank 0 writes it whole; at ZeRO stage 3
+    /// the other ranks send it their parameters as it goes.
+    fn save_final_model(&self) -> Result<Option<PathBuf>, TrainError> {
+        let dir = self.out_dir.join("model");
+        if !self.zero.is_root() {
+            if self.zero.stage() >= 3 {
+                self.send_state_to_root()?;
+            }
+            return Ok(None);
+        }
+        let mut weights = self.weights_writer();
+        let written = model::save_hf_folder_with(&dir, self.model.spec(), &mut weights);
+        drop(weights);
+        if self.zero.stage() >= 3 && self.zero.size() > 1 {
+            // The other ranks wait for requests until this one.
+            self.zero.broadcast(&mut state_request(u64::MAX, 0), 0)?;
+        }
+        written?;
+        Ok(Some(dir))
+    }
+
     /// The other ranks' side of [`save_checkpoint`](Self::save_checkpoint): rank 0 names
     /// each buffer it lacks as it writes the file, and the rank holding it sends it (every
-    /// rank takes part in each broadcast) until rank 0 says the file is done.
+    /// rank takes part in each broadcast) until rank 0 says the file is done. At stage 3
+    /// the buffers include the weights ([`WEIGHTS_REQUEST`]).
     fn send_state_to_root(&self) -> Result<(), TrainError> {
         if self.zero.stage() == 0 {
             return Ok(()); // rank 0 holds all of it
@@ -1531,6 +1630,21 @@ impl Trainer {
             );
             if i == u64::MAX {
                 return Ok(());
+            }
+            if j == WEIGHTS_REQUEST {
+                let Some(p) = self.model.params().get(i as usize) else {
+                    return Err(TrainError::Invalid(format!(
+                        "rank 0 asked for parameter {i}, which does not exist: the ranks disagree on the model"
+                    )));
+                };
+                let owner = self.zero.owner(i as usize);
+                let mut bytes = if owner == self.zero.rank() {
+                    model::tensor_to_buffer(&p.def.name, p.var.as_tensor())?.data
+                } else {
+                    vec![0u8; p.def.numel() * p.var.dtype().size_in_bytes()] // (numel,) received and dropped
+                };
+                self.zero.broadcast(&mut bytes, owner)?;
+                continue;
             }
             let (i, j) = (i as usize, j as usize);
             let Some(buffer) = self.state.buffers.get(i).and_then(|b| b.get(j)) else {
@@ -1588,8 +1702,11 @@ fn step_settings<'a>(
     }
 }
 
+/// The buffer index of a request for a parameter's weights (ZeRO stage 3).
+const WEIGHTS_REQUEST: u64 = u64::MAX;
+
 /// Rank 0's request for buffer `j` of parameter `i` while it writes a checkpoint
-/// (`u64::MAX`: done).
+/// (`u64::MAX`: done; `j` = [`WEIGHTS_REQUEST`]: the weights).
 fn state_request(i: u64, j: u64) -> [u8; 16] {
     let mut out = [0u8; 16];
     out[..8].copy_from_slice(&i.to_le_bytes());
