@@ -2,7 +2,7 @@
 //! collectives, the same trait the MPI group implements): for ZeRO stages 0 to 3,
 //! 2 ranks × micro-batch B train like 1 process × micro-batch 2B; from stage 1 each rank
 //! holds half of the optimizer state, at stage 3 only its own parameters' values too; a
-//! checkpoint written by 2 ranks resumes on 1 and on 2 ranks, and with another stage,
+//! checkpoint written by 2 ranks resumes on 1, 2 and 3 ranks, and with another stage,
 //! continuing as the run that was not interrupted.
 //!
 //! Tolerance: the ranks' gradients are summed across ranks and then halved, where one
@@ -232,6 +232,25 @@ fn a_checkpoint_of_two_ranks_resumes_on_one_and_on_two_with_any_stage() {
             }
         }
     }
+}
+
+/// A checkpoint of 2 ranks at stage 3 resumes on 3 ranks, keeping the global micro-batch
+/// (2 × 3 = 3 × 2 sequences): it continues as the run that was not interrupted, within the
+/// reduction-order tolerance, and the 3 ranks end with the same weights.
+#[test]
+fn a_checkpoint_of_two_ranks_resumes_on_three() {
+    let dir = tempfile::tempdir().unwrap();
+    let straight = train(2, &config(&dir.path().join("straight"), &sets(3, 3, &[])), None).remove(0);
+    let first = dir.path().join("first");
+    train_until(2, &config(&first, &sets(3, 3, &[])), None, 2);
+    let checkpoint = first.join("checkpoints").join("step-00000002");
+    let resumed = train(3, &config(&dir.path().join("three"), &sets(3, 2, &[])), Some(checkpoint.to_str().unwrap()));
+    let tail =
+        Outcome { losses: straight.losses[2..].to_vec(), norms: straight.norms[2..].to_vec(), ..straight.clone() };
+    for (r, o) in resumed.iter().enumerate() {
+        assert_close(o, &tail, &format!("3 ranks, rank {r}"));
+    }
+    assert!(resumed.windows(2).all(|w| w[0].weights == w[1].weights), "the 3 ranks' weights differ");
 }
 
 #[test]
