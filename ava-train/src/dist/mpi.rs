@@ -203,8 +203,8 @@ fn reduce_scatter_on(comm: &SimpleCommunicator, buf: &mut [f32], counts: &[usize
     Ok(())
 }
 
-/// Values per reduce in [`reduce_scatter_on`]: 1 MiB of f32.
-const REDUCE_PIECE: usize = 1 << 18;
+/// Values per reduce in [`reduce_scatter_on`]: 256 KiB of f32.
+const REDUCE_PIECE: usize = 1 << 16;
 
 /// An MPI count: buffers are bucketed well below 2 GiB elements.
 fn count(n: usize) -> i32 {

@@ -216,9 +216,17 @@ impl GradSink for ReduceInBackward<'_> {
                     s.start_bucket()?;
                 }
             }
-            // The micro-batch's last stretch: what is left goes now, not with the next one's.
-            if final_count == s.order.len() && !s.bucket.is_empty() {
-                s.start_bucket()?;
+            // The micro-batch's last stretch: what is left goes now, not with the next one's,
+            // and every bucket lands before the next micro-batch: their copies would
+            // otherwise stay through its forward, where activations peak (the estimator's
+            // replay drains them here too).
+            if final_count == s.order.len() {
+                if !s.bucket.is_empty() {
+                    s.start_bucket()?;
+                }
+                while !s.in_flight.is_empty() {
+                    s.complete_oldest()?;
+                }
             }
             Ok(())
         })

@@ -978,7 +978,12 @@ pub fn estimate_rank(
     let peak_at = if peak.op.is_empty() { peak.phase.clone() } else { format!("{}, in {}", peak.phase, peak.op) };
     // One rank's model states under each stage, for comparison with the configured one.
     let zero_stages = if world > 1 {
-        let params: u64 = terms.iter().filter(|t| t.component == Component::Parameters).map(|t| t.bytes).sum();
+        // Every weight as held at stages 0–2 (whatever the configured stage): the stored
+        // copy, the compute type's cast of f32 masters, the rotary tables.
+        let cast_copy = if precision != Precision::Fp32 && !stored_half { 2 * n_params } else { 0 };
+        let params = n_params * if stored_half { 2 } else { 4 }
+            + cast_copy
+            + crate::model::fused::RopeTables::bytes(x.t as usize, x.hd as usize);
         let state_all: u64 = all_bytes.iter().sum();
         // The rank estimated: its own parameters (at stage 0, the largest share's).
         let mine: Vec<bool> = if stage >= 1 {
