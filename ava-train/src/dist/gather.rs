@@ -12,7 +12,7 @@
 //! gathered copy becomes a fresh `Var`, so backward gives its gradient, which the stage's
 //! sink reduce-scatters to the owner ([`super::ReduceInBackward`]) like any other.
 
-use std::sync::Arc;
+use std::rc::Rc;
 
 use candle_core::{DType, Result, Tensor, Var};
 
@@ -22,7 +22,7 @@ use crate::model::{Model, Weights};
 
 /// The weights of one step (or one evaluation) at stage 3: see the module documentation.
 pub struct Gathered {
-    zero: Arc<Zero>,
+    zero: Rc<Zero>,
     /// The type the forward pass computes in.
     compute: DType,
     /// For evaluation: plain tensors, no graph.
@@ -45,7 +45,7 @@ pub struct Gathered {
 
 impl Gathered {
     /// Nothing fetched yet; `detached` for a forward pass without backward.
-    pub fn new(zero: Arc<Zero>, model: &Model, compute: DType, detached: bool) -> Result<Self> {
+    pub fn new(zero: Rc<Zero>, model: &Model, compute: DType, detached: bool) -> Result<Self> {
         let n = model.params().len();
         let empty = Tensor::zeros(0, compute, &candle_core::Device::Cpu)?;
         Ok(Self {

@@ -3,6 +3,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -184,7 +185,7 @@ pub struct Trainer {
     skipped_in_a_row: u64,
     /// The ranks and which parameters each steps (one rank when alone).
     /// Shared with stage 3's [`Gathered`] weights, which live through a step.
-    zero: Arc<Zero>,
+    zero: Rc<Zero>,
     /// Weights some ranks may have changed since the last gather (masters of a resumed
     /// checkpoint turned into weights by their owners): gathered before the first step,
     /// not while the run is built, when the ranks have yet to agree that all of them started.
@@ -787,7 +788,7 @@ impl Trainer {
             nan_grad_at_steps: options.nan_grad_at_steps.clone(),
             skipped_in_a_row: 0,
             gather_pending,
-            zero: Arc::new(zero),
+            zero: Rc::new(zero),
             config,
         })
     }
@@ -1082,7 +1083,7 @@ impl Trainer {
     /// to the compute type; at ZeRO stage 3, gathered block by block from their ranks.
     fn step_weights(&self, detached: bool) -> Result<Box<dyn Weights>, TrainError> {
         if self.zero.stage() >= 3 && self.zero.size() > 1 {
-            let gathered = Gathered::new(Arc::clone(&self.zero), &self.model, self.compute, detached);
+            let gathered = Gathered::new(Rc::clone(&self.zero), &self.model, self.compute, detached);
             return Ok(Box::new(gathered.map_err(TrainError::candle)?));
         }
         let weights = self.model.weights(self.compute).map_err(TrainError::candle)?;
