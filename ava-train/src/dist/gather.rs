@@ -33,12 +33,7 @@ pub struct Gathered {
     /// By parameter: the weight as the forward pass uses it, or `empty` when not fetched.
     tensors: Vec<Tensor>,
     present: Vec<bool>,
-    /// By parameter: bytes of a gathered copy of another rank's parameter now held.
-    held_of: Vec<u64>,
     empty: Tensor,
-    /// Bytes of other ranks' parameters now held, and the most held at once.
-    held: u64,
-    peak: u64,
     /// Time spent in the all-gathers.
     waited: std::time::Duration,
 }
@@ -55,17 +50,9 @@ impl Gathered {
             leaves: vec![None; n],
             tensors: vec![empty.clone(); n],
             present: vec![false; n],
-            held_of: vec![0; n],
             empty,
-            held: 0,
-            peak: 0,
             waited: std::time::Duration::ZERO,
         })
-    }
-
-    /// The most bytes of other ranks' parameters (in their stored type) held at once.
-    pub fn peak_bytes(&self) -> u64 {
-        self.peak
     }
 }
 
@@ -86,25 +73,18 @@ impl Weights for Gathered {
         self.waited += started.elapsed();
         for (i, t) in missing.into_iter().zip(values) {
             let own = self.zero.owner(i) == self.zero.rank();
-            let leaf = if own {
+            let leaf = if own || self.detached {
                 t
             } else {
-                self.held_of[i] = (t.elem_count() * t.dtype().size_in_bytes()) as u64;
-                self.held += self.held_of[i];
-                if self.detached {
-                    t
-                } else {
-                    let var = Var::from_tensor(&t)?;
-                    let leaf = var.as_tensor().clone();
-                    self.leaves[i] = Some(var);
-                    leaf
-                }
+                let var = Var::from_tensor(&t)?;
+                let leaf = var.as_tensor().clone();
+                self.leaves[i] = Some(var);
+                leaf
             };
             let leaf = if self.detached { leaf.detach() } else { leaf };
             self.tensors[i] = cast(&leaf, self.compute)?;
             self.present[i] = true;
         }
-        self.peak = self.peak.max(self.held);
         Ok(())
     }
 
@@ -113,7 +93,6 @@ impl Weights for Gathered {
             if !std::mem::replace(&mut self.present[i], false) {
                 continue;
             }
-            self.held -= std::mem::take(&mut self.held_of[i]);
             self.leaves[i] = None;
             self.tensors[i] = self.empty.clone();
         }
