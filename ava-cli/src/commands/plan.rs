@@ -607,15 +607,14 @@ fn plan_one(
 /// The predicted step cost in forward-FLOP equivalents (see the module docs).
 fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate, world: usize) -> f64 {
     let (b, t) = (c.micro_batch as f64, est.seq_len as f64);
-    let blocks: f64 = est.block_facts.iter().map(|f| f.forward_flops as f64).sum();
+    // Σ of `value` over the blocks, or over the blocks the plan recomputes.
+    let over_blocks = |recomputed_only: bool, value: fn(&ava_core::BlockFacts) -> u64| -> f64 {
+        let blocks = est.block_facts.iter().zip(&est.plan);
+        blocks.filter(|(_, d)| !recomputed_only || d.is_recomputed()).map(|(f, _)| value(f) as f64).sum()
+    };
+    let blocks = over_blocks(false, |f| f.forward_flops);
     let head = 2.0 * b * t * (spec.hidden * spec.vocab) as f64;
-    let recomputed: f64 = est
-        .block_facts
-        .iter()
-        .zip(&est.plan)
-        .filter(|(_, d)| d.is_recomputed())
-        .map(|(f, _)| f.forward_flops as f64)
-        .sum();
+    let recomputed = over_blocks(true, |f| f.forward_flops);
     // The attention kernel's measured cost against standard's, on its share of the FLOPs
     // (scores and weighted sum, forward and backward: 3 · 4·d·T per token and block).
     let attention_flops = 3.0 * 4.0 * spec.hidden as f64 * t * b * t * spec.layers as f64;
@@ -635,14 +634,7 @@ fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate, world: usize) -> f64 {
     let stepped = if c.zero_stage >= 1 { n / world as f64 } else { n };
     let gathers = if c.zero_stage >= 3 && world > 1 {
         let stored = if matches!(c.masters, MasterWeights::F32) { 4.0 } else { 2.0 };
-        let all: f64 = est.block_facts.iter().map(|f| f.parameter_bytes as f64).sum();
-        let again: f64 = est
-            .block_facts
-            .iter()
-            .zip(&est.plan)
-            .filter(|(_, d)| d.is_recomputed())
-            .map(|(f, _)| f.parameter_bytes as f64)
-            .sum();
+        let (all, again) = (over_blocks(false, |f| f.parameter_bytes), over_blocks(true, |f| f.parameter_bytes));
         // block_facts count f32 bytes; the weights travel in their stored type.
         let per_micro = (stored / 4.0) * (all + again) + stored * (n - all / 4.0);
         (c.accumulation as f64 * per_micro - stored * n).max(0.0) * GATHER_PER_BYTE

@@ -39,12 +39,8 @@ pub struct CommTimes {
     pub exposed_seconds: f64,
     /// ZeRO stage 3: seconds the training thread spent gathering weights from the other
     /// ranks (the all-gathers block, so all of it is exposed).
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "crate::train::is_zero")]
     pub gather_seconds: f64,
-}
-
-fn is_zero(x: &f64) -> bool {
-    *x == 0.0
 }
 
 impl CommTimes {

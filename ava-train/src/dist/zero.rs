@@ -173,7 +173,7 @@ impl Zero {
         if self.stage == 0 || self.stage >= 3 || self.size() == 1 {
             return Ok(());
         }
-        let bytes_of = |i: usize| params[i].def.numel() * params[i].var.dtype().size_in_bytes();
+        let bytes_of = |i: usize| params[i].stored_bytes();
         for range in self.buckets(params.len(), bytes_of) {
             let ids: Vec<usize> = range.collect();
             // Each parameter is set as it is read out of the bucket: one copy beside it.
@@ -207,7 +207,7 @@ impl Zero {
         take: &mut dyn FnMut(usize, Tensor) -> Result<(), TrainError>,
     ) -> Result<(), TrainError> {
         debug_assert!(ids.windows(2).all(|w| w[0] < w[1]), "ascending, so the ranges follow the ranks");
-        let bytes_of = |i: usize| params[i].def.numel() * params[i].var.dtype().size_in_bytes();
+        let bytes_of = |i: usize| params[i].stored_bytes();
         let me = self.rank();
         // Every rank takes part, even one that holds them all (the others need them).
         if self.size() == 1 {

@@ -472,6 +472,8 @@ pub fn estimate_rank(
     let n = grouped(n_params);
     let masters = config.train.master_weights;
     let stored_half = masters != MasterWeights::F32 && precision != Precision::Fp32;
+    // Bytes per weight as stored: the compute type's 2 without f32 masters, else 4.
+    let stored_size: u64 = if stored_half { 2 } else { 4 };
     let inside = config.train.step_in_backward;
     add(
         &mut terms,
@@ -673,7 +675,7 @@ pub fn estimate_rank(
         stage,
         owned: held.clone(),
         bucket: config.distributed.bucket_size.0.clamp(4096, 1 << 30),
-        stored: defs.iter().map(|d| d.numel() as u64 * if stored_half { 2 } else { 4 }).collect(),
+        stored: defs.iter().map(|d| d.numel() as u64 * stored_size).collect(),
     });
     let step = StepModel {
         zero,
@@ -981,9 +983,8 @@ pub fn estimate_rank(
         // Every weight as held at stages 0–2 (whatever the configured stage): the stored
         // copy, the compute type's cast of f32 masters, the rotary tables.
         let cast_copy = if precision != Precision::Fp32 && !stored_half { 2 * n_params } else { 0 };
-        let params = n_params * if stored_half { 2 } else { 4 }
-            + cast_copy
-            + crate::model::fused::RopeTables::bytes(x.t as usize, x.hd as usize);
+        let params =
+            n_params * stored_size + cast_copy + crate::model::fused::RopeTables::bytes(x.t as usize, x.hd as usize);
         let state_all: u64 = all_bytes.iter().sum();
         // The rank estimated: its own parameters (at stage 0, the largest share's).
         let mine: Vec<bool> = if stage >= 1 {
@@ -996,7 +997,7 @@ pub fn estimate_rank(
         };
         let state_mine: u64 = all_bytes.iter().zip(&mine).filter(|(_, m)| **m).map(|(b, _)| b).sum();
         let params_n: u64 = defs.iter().zip(&mine).filter(|(_, m)| **m).map(|(d, _)| d.numel() as u64).sum();
-        let params_mine = params_n * if stored_half { 2 } else { 4 };
+        let params_mine = params_n * stored_size;
         let grads_mine: u64 = defs.iter().zip(&mine).filter(|(_, m)| **m).map(|(d, _)| 4 * d.numel() as u64).sum();
         let (g, b) = (4 * n_params, render::bytes);
         let k = state_all as f64 / n_params.max(1) as f64;

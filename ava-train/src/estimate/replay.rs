@@ -297,14 +297,15 @@ impl<'a> Replay<'a> {
     /// With the optimizer step modelled as `step` (the weights stored in the compute type
     /// when it says so: the cast copies then do not exist).
     pub(crate) fn with_step(mut self, step: StepModel) -> Self {
-        let stored = if step.stored_half { self.dtype } else { Dt::F32 };
-        if step.stored_half && self.dtype != Dt::F32 {
+        self.step = step;
+        let stored = self.stored_dtype();
+        if stored != Dt::F32 {
             self.meter.set_cat(Cat::Params);
             self.weights.get_mut().clear();
             *self.vars.get_mut() = self.defs.iter().map(|d| T::param_as(&self.meter, &d.shape, self.dtype)).collect();
             *self.weights.get_mut() = self.vars.borrow().clone();
         }
-        if let Some(z) = step.zero.as_ref().filter(|z| z.stage >= 3) {
+        if let Some(z) = self.step.zero.as_ref().filter(|z| z.stage >= 3) {
             // Stage 3: only this rank's own parameters are held; nothing is cast until a
             // block's weights are fetched.
             self.meter.set_cat(Cat::Params);
@@ -316,7 +317,6 @@ impl<'a> Replay<'a> {
             *self.weights.get_mut() = self.defs.iter().map(|_| empty(self.dtype)).collect();
             *self.present.get_mut() = vec![false; self.defs.len()];
         }
-        self.step = step;
         self
     }
 
@@ -414,7 +414,7 @@ impl<'a> Replay<'a> {
         let m = &self.meter;
         let cat = m.cat();
         m.set_cat(Cat::Params);
-        let stored = if self.step.stored_half { self.dtype } else { Dt::F32 };
+        let stored = self.stored_dtype();
         let bytes: u64 = missing.iter().map(|&i| z.stored[i]).sum();
         let flat = T::new(m, &[bytes.div_ceil(4) as usize], Dt::F32); // (Σ bytes,) u8
         let gathered: Vec<(usize, T)> = missing
@@ -439,7 +439,7 @@ impl<'a> Replay<'a> {
     /// ZeRO stage 3's `Gathered::release`: the references go (a graph may still hold them).
     fn release(&self, ids: &[usize]) {
         let Some(z) = self.step.zero.as_ref().filter(|z| z.stage >= 3) else { return };
-        let stored = if self.step.stored_half { self.dtype } else { Dt::F32 };
+        let stored = self.stored_dtype();
         for &i in ids {
             if !std::mem::replace(&mut self.present.borrow_mut()[i], false) {
                 continue;
@@ -449,6 +449,11 @@ impl<'a> Replay<'a> {
                 self.vars.borrow_mut()[i] = T::new(&self.meter, &[0], stored);
             }
         }
+    }
+
+    /// The type the weights are stored in: the compute type when no f32 masters are held.
+    fn stored_dtype(&self) -> Dt {
+        if self.step.stored_half { self.dtype } else { Dt::F32 }
     }
 
     /// The parameters outside the blocks: embedding, final norm, head.
@@ -532,8 +537,8 @@ impl<'a> Replay<'a> {
     /// its start out; the store is dropped.
     fn collect(&self, blocks: &[usize], start: Option<&T>, mut store: GradStore, grads: &mut [Option<T>]) -> Option<T> {
         self.meter.set_cat(Cat::ParamGrads);
-        let outside = (0..self.defs.len()).filter(|&i| self.defs[i].block.is_none());
-        let indices: Vec<usize> = blocks.iter().flat_map(|&b| self.block_all[b].clone()).chain(outside).collect();
+        let indices: Vec<usize> =
+            blocks.iter().flat_map(|&b| self.block_all[b].clone()).chain(self.outside()).collect();
         for i in indices {
             let var = self.vars.borrow()[i].clone();
             if let Some(g) = store.remove(&var) {

@@ -52,10 +52,7 @@ pub fn write_tensors(out: &mut dyn std::io::Write, tensors: &[(String, Tensor)])
     let bad = |name: &str, e: ModelError| SaveError::BadBuffer { name: name.to_string(), reason: e.to_string() };
     let specs = tensors
         .iter()
-        .map(|(name, t)| {
-            let dtype = buf_dtype(name, t.dtype()).map_err(|e| bad(name, e))?;
-            Ok(TensorSpec { name: name.clone(), dtype, shape: t.dims().to_vec() })
-        })
+        .map(|(name, t)| tensor_spec(name, t.dtype(), t.dims()).map_err(|e| bad(name, e)))
         .collect::<Result<Vec<_>, SaveError>>()?;
     write_tensors_from(out, &specs, &mut |i| {
         let (name, t) = &tensors[i];

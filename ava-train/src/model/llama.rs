@@ -26,6 +26,13 @@ pub struct Param {
     pub var: Var,
 }
 
+impl Param {
+    /// Bytes of its values in the type they are stored in.
+    pub fn stored_bytes(&self) -> usize {
+        self.def.numel() * self.var.dtype().size_in_bytes()
+    }
+}
+
 /// A block's output and, for a MoE block, its load-balancing loss (a scalar).
 pub struct BlockOut {
     /// (B, T, d)
@@ -39,6 +46,10 @@ pub struct Model {
     spec: ModelSpec,
     params: Vec<Param>,
     blocks: Vec<BlockIndex>,
+    /// Indices of each block's parameters, and of those outside the blocks (embedding,
+    /// final norm, head): the forward pass asks for them per block.
+    block_params: Vec<Vec<usize>>,
+    outside_params: Vec<usize>,
     head: usize,
     final_norm: usize,
     rope: Arc<RopeTables>,
@@ -212,7 +223,22 @@ impl Model {
         // `params` are in `spec.params()` order (both constructors build them so).
         let ParamIndex { blocks, head, final_norm } = spec.param_index();
         let rope = RopeTables::new(max_seq, spec.head_dim(), &spec.rope).map_err(cerr)?;
-        Ok(Self { spec, params, blocks, head, final_norm, rope, kernel, kernel_name: kernel_name.to_string(), threads })
+        let in_block = |b: Option<usize>| (0..params.len()).filter(|&j| params[j].def.block == b).collect();
+        let block_params = (0..spec.layers).map(|i| in_block(Some(i))).collect();
+        let outside_params = in_block(None);
+        Ok(Self {
+            spec,
+            params,
+            blocks,
+            block_params,
+            outside_params,
+            head,
+            final_norm,
+            rope,
+            kernel,
+            kernel_name: kernel_name.to_string(),
+            threads,
+        })
     }
 
     /// The architecture.
@@ -226,8 +252,13 @@ impl Model {
     }
 
     /// Indices (into [`params`](Self::params)) of block `i`'s parameters.
-    pub fn block_params(&self, i: usize) -> Vec<usize> {
-        (0..self.params.len()).filter(|&j| self.params[j].def.block == Some(i)).collect()
+    pub fn block_params(&self, i: usize) -> &[usize] {
+        &self.block_params[i]
+    }
+
+    /// Indices of the parameters outside the blocks: the embedding, the final norm, the head.
+    pub fn outside_params(&self) -> &[usize] {
+        &self.outside_params
     }
 
     /// The weights as the forward pass uses them: the `Var`s themselves when they are

@@ -193,7 +193,7 @@ pub fn forward_backward(
                     let next = Kept { end: start.as_tensor().clone(), start: Some(start), aux: None, blocks: vec![] };
                     stages.push(Stage::Kept(std::mem::replace(&mut current, next)));
                 }
-                weights.fetch(model, &model.block_params(i))?;
+                weights.fetch(model, model.block_params(i))?;
                 let out = model.block(weights.tensors(), i, &current.end)?;
                 current.end = out.hidden;
                 current.aux = add_opt(current.aux.take(), out.aux)?;
@@ -206,9 +206,9 @@ pub fn forward_backward(
                 };
                 blocks.push(i);
                 let own = model.block_params(i);
-                weights.fetch(model, &own)?;
+                weights.fetch(model, own)?;
                 let out = model.block(weights.tensors(), i, &current.end.detach())?;
-                weights.release(&own);
+                weights.release(own);
                 let hidden = out.hidden.detach();
                 if let Some(a) = &out.aux {
                     aux_total += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
@@ -220,9 +220,9 @@ pub fn forward_backward(
             BlockDecision::Recompute | BlockDecision::Offload => {
                 let input = current.end.detach(); // (B, T, d)
                 let own = model.block_params(i);
-                weights.fetch(model, &own)?;
+                weights.fetch(model, own)?;
                 let out = model.block(weights.tensors(), i, &input)?;
-                weights.release(&own);
+                weights.release(own);
                 let hidden = out.hidden.detach();
                 if let Some(a) = &out.aux {
                     aux_total += a.to_dtype(DType::F64)?.to_scalar::<f64>()?;
@@ -252,8 +252,8 @@ pub fn forward_backward(
     }
 
     // The last stretch ends in the loss.
-    let outside = outside_blocks(model);
-    weights.fetch(model, &outside)?;
+    let outside = model.outside_params();
+    weights.fetch(model, outside)?;
     let logits = model.head(weights.tensors(), &current.end)?; // (B·T, V)
     let ce = cross_entropy(&logits, targets)?;
     let mut loss = ce.clone();
@@ -303,7 +303,7 @@ pub fn forward_backward(
                 drop(input);
                 let (mut hidden, mut aux) = (start.as_tensor().clone(), None);
                 for &block in &blocks {
-                    weights.fetch(model, &model.block_params(block))?;
+                    weights.fetch(model, model.block_params(block))?;
                     let out = model.block(weights.tensors(), block, &hidden)?;
                     hidden = out.hidden;
                     aux = add_opt(aux, out.aux)?;
@@ -343,14 +343,14 @@ pub fn forward_logits(model: &Model, weights: &mut dyn Weights, tokens: &Tensor)
     let mut x = model.embed(weights.tensors(), tokens)?; // (B, T, d)
     for i in 0..model.spec().layers {
         let own = model.block_params(i);
-        weights.fetch(model, &own)?;
+        weights.fetch(model, own)?;
         x = model.block(weights.tensors(), i, &x)?.hidden;
-        weights.release(&own);
+        weights.release(own);
     }
-    let outside = outside_blocks(model);
-    weights.fetch(model, &outside)?;
+    let outside = model.outside_params();
+    weights.fetch(model, outside)?;
     let logits = model.head(weights.tensors(), &x)?;
-    weights.release(&outside);
+    weights.release(outside);
     Ok(logits)
 }
 
@@ -376,7 +376,7 @@ fn collect(
     mut store: GradStore,
     grads: &mut dyn GradSink,
 ) -> Result<Option<Tensor>> {
-    for i in blocks.iter().flat_map(|&b| model.block_params(b)).chain(outside_blocks(model)) {
+    for &i in blocks.iter().flat_map(|&b| model.block_params(b)).chain(model.outside_params()) {
         if let Some(g) = store.remove(&weights.leaf(model, i)) {
             let g = g.detach().to_dtype(DType::F32)?;
             // Only the embedding's own stretch (it has no start) holds its last use.
@@ -388,16 +388,10 @@ fn collect(
     Ok(start)
 }
 
-/// The parameters outside the blocks: the embedding, the final norm and the head.
-fn outside_blocks(model: &Model) -> Vec<usize> {
-    let all = model.params();
-    (0..all.len()).filter(|&i| all[i].def.block.is_none()).collect()
-}
-
 /// Releases the weights of `blocks`.
 fn release_blocks(model: &Model, weights: &mut dyn Weights, blocks: &[usize]) {
     for &b in blocks {
-        weights.release(&model.block_params(b));
+        weights.release(model.block_params(b));
     }
 }
 
@@ -409,16 +403,14 @@ const EMBEDDING: usize = 0;
 /// earlier stage's blocks, the embedding last, in its own stretch (a tied embedding's head
 /// use is not final, so it is listed once, at the end).
 fn gradient_order(model: &Model, last: &Kept, stages: &[Stage]) -> Vec<Vec<usize>> {
-    let all = model.params();
-    let outside = |i: &usize| all[*i].def.block.is_none() && *i != EMBEDDING;
-    let mut first: Vec<usize> = last.blocks.iter().flat_map(|&b| model.block_params(b)).collect();
-    first.extend((0..all.len()).filter(outside));
+    let mut first: Vec<usize> = last.blocks.iter().flat_map(|&b| model.block_params(b)).copied().collect();
+    first.extend(model.outside_params().iter().copied().filter(|&i| i != EMBEDDING));
     let mut order = vec![first];
     for stage in stages.iter().rev() {
         order.push(match stage {
             Stage::Kept(k) if k.start.is_none() => vec![EMBEDDING], // the embedding's stretch
             Stage::Kept(Kept { blocks, .. }) | Stage::Recompute { blocks, .. } => {
-                blocks.iter().flat_map(|&b| model.block_params(b)).collect()
+                blocks.iter().flat_map(|&b| model.block_params(b)).copied().collect()
             }
         });
     }

@@ -133,8 +133,9 @@ pub struct RunHeader {
     pub ranks: Option<String>,
 }
 
-fn is_zero(n: &u64) -> bool {
-    *n == 0
+/// For `skip_serializing_if`: a number that is zero.
+pub(crate) fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
+    *n == T::default()
 }
 
 /// Receives the trainer's progress. Every method has a default that does nothing.

@@ -1586,7 +1586,7 @@ impl Trainer {
                 }
                 let failed = |e: TrainError| bad(i, format!("receiving it from rank {}: {e}", zero.owner(i)));
                 zero.broadcast(&mut state_request(i as u64, WEIGHTS_REQUEST), 0).map_err(failed)?;
-                let mut bytes = vec![0u8; p.def.numel() * p.var.dtype().size_in_bytes()]; // (numel,) stored type
+                let mut bytes = vec![0u8; p.stored_bytes()]; // (numel,) stored type
                 zero.broadcast(&mut bytes, zero.owner(i)).map_err(failed)?;
                 Ok(bytes)
             })
@@ -1642,7 +1642,7 @@ impl Trainer {
                 let mut bytes = if owner == self.zero.rank() {
                     model::tensor_to_buffer(&p.def.name, p.var.as_tensor())?.data
                 } else {
-                    vec![0u8; p.def.numel() * p.var.dtype().size_in_bytes()] // (numel,) received and dropped
+                    vec![0u8; p.stored_bytes()] // (numel,) received and dropped
                 };
                 self.zero.broadcast(&mut bytes, owner)?;
                 continue;
