@@ -48,3 +48,38 @@ pub fn totals() -> Vec<(&'static str, Duration, u64)> {
     v.sort_by_key(|e| std::cmp::Reverse(e.1));
     v
 }
+
+/// The widest x86 vector instruction set this binary was compiled for, and the widest the
+/// running CPU has. The half-precision paths' conversions vectorize only as wide as the
+/// former (see `.cargo/config.toml`), so a gap between the two is speed left unused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct VectorIsa {
+    /// What the compiler was allowed to use.
+    pub built: &'static str,
+    /// What this CPU offers.
+    pub cpu: &'static str,
+}
+
+/// See [`VectorIsa`].
+pub fn vector_isa() -> VectorIsa {
+    let built = if cfg!(target_feature = "avx512f") {
+        "AVX-512"
+    } else if cfg!(target_feature = "avx2") {
+        "AVX2"
+    } else if cfg!(target_arch = "x86_64") {
+        "SSE2"
+    } else {
+        std::env::consts::ARCH
+    };
+    #[cfg(target_arch = "x86_64")]
+    let cpu = if std::arch::is_x86_feature_detected!("avx512f") {
+        "AVX-512"
+    } else if std::arch::is_x86_feature_detected!("avx2") {
+        "AVX2"
+    } else {
+        "SSE2"
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let cpu = std::env::consts::ARCH;
+    VectorIsa { built, cpu }
+}

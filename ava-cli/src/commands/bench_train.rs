@@ -57,6 +57,17 @@ impl MatmulProbe {
     }
 }
 
+/// What the binary's element-wise code was compiled for, beside what the CPU has: half
+/// precision is slower than it need be when the two differ.
+fn isa_line(isa: profile::VectorIsa) -> String {
+    let gap = if isa.built == isa.cpu {
+        String::new()
+    } else {
+        format!(" — this CPU has {}: build with the repository's .cargo/config.toml (target-cpu=native)", isa.cpu)
+    };
+    format!("vector code        built for {}{gap}", isa.built)
+}
+
 /// The median of some samples.
 fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
@@ -118,6 +129,7 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
         .map(|(name, d, _)| (name.to_string(), d.as_secs_f64() / steps as f64, d.as_secs_f64() / seconds))
         .collect();
     let m = &last.memory;
+    let isa = profile::vector_isa();
     let text = || {
         let mut lines = vec![
             format!("tokens/s           {tokens_per_sec:.0}"),
@@ -135,6 +147,7 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
                 header.threads
             ),
             format!("MFU                {:.1}% of candle's matmul rate", 100.0 * model_gflops / matmul),
+            isa_line(isa),
             format!(
                 "peak memory        {:.3} GiB — params {:.3}, grads {:.3}, optimizer {:.3}, data {:.3}, activations {:.3}",
                 gib(m.peak),
@@ -170,6 +183,7 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
             "step_seconds_fastest": fastest,
             "step_seconds_slowest": slowest,
             "mfu": model_gflops / matmul,
+            "vector_isa": isa,
             "memory": m,
             "offload_bytes": last.offload_bytes,
             "profile": ops.iter().map(|(n, s, f)| json!({"scope": n, "seconds_per_step": s, "share": f})).collect::<Vec<_>>(),
