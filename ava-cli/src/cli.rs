@@ -142,6 +142,10 @@ pub enum Command {
     ///   ava report runs/* --metric loss --csv loss.csv --plots charts
     #[command(verbatim_doc_comment)]
     Report(ReportArgs),
+    /// Prepare corpora for training: tokenize text once into checksummed shards that
+    /// training memory-maps (data.source: shards), inspect them, verify them.
+    #[command(subcommand)]
+    Data(DataCommand),
     /// List, inspect, vet, enable and disable plugins.
     #[command(subcommand)]
     Plugins(PluginsCommand),
@@ -340,6 +344,18 @@ pub enum BenchCommand {
     ///   ava bench offload --path /tmp --record 64MiB --total 1GiB --steps 0 --format json
     #[command(verbatim_doc_comment)]
     Offload(BenchOffloadArgs),
+    /// The data pipeline: `ava data prepare`'s MB/s of text (byte tokenizer, and with
+    /// --tokenizer that tokenizer.json beside the Python tokenizers package's batch encoding
+    /// of the same documents), then the training loader streaming a corpus of --corpus bytes
+    /// written for the benchmark: resident memory after the first batch and at its largest,
+    /// and again with the corpus listed --scale times over. Everything written is deleted.
+    ///
+    /// Examples:
+    ///   ava bench data                                    # 256 MB of text, an 8 GiB corpus
+    ///   ava bench data --tokenizer tokenizer.json --corpus 0
+    ///   ava bench data --text-mb 0 --corpus 1GiB --batches 2000 --dir /mnt/nvme
+    #[command(verbatim_doc_comment)]
+    Data(BenchDataArgs),
     /// The collectives data-parallel training uses, between the ranks of an MPI job: time
     /// per call and bandwidth for all-reduce (gradients, stages 0-1), reduce-scatter (stage
     /// 2) and all-gather (the updated weights, stages 1-2) of one buffer, through the same
@@ -403,6 +419,39 @@ pub struct BenchOffloadArgs {
     /// Where the training configuration comes from.
     #[command(flatten)]
     pub config: ConfigArgs,
+}
+
+/// `ava bench data` options.
+#[derive(Debug, Args)]
+pub struct BenchDataArgs {
+    /// MB of generated English-like text to prepare (0: skip preparing).
+    #[arg(long, default_value_t = 256, value_name = "MB")]
+    pub text_mb: u64,
+    /// Prepare these files or directory instead of generated text.
+    #[arg(long, value_name = "PATH")]
+    pub input: Option<PathBuf>,
+    /// Also prepare with this tokenizer.json, and compare with Python's tokenizers.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// Bytes of shards to write and stream (0: skip streaming), e.g. 8GiB.
+    #[arg(long, default_value = "8GiB", value_name = "SIZE", value_parser = parse_size_arg)]
+    pub corpus: u64,
+    /// Batches to stream.
+    #[arg(long, default_value_t = 10_000, value_name = "N")]
+    pub batches: u64,
+    /// Also stream the corpus listed this many times over (hard links), to show memory does
+    /// not grow with the corpus (1: skip).
+    #[arg(long, default_value_t = 10, value_name = "N")]
+    pub scale: usize,
+    /// Sequences per batch.
+    #[arg(long, default_value_t = 8, value_name = "B")]
+    pub batch_size: usize,
+    /// Tokens per sequence (each holds T + 1).
+    #[arg(long, default_value_t = 256, value_name = "T")]
+    pub seq_len: usize,
+    /// Where to write (a directory on the disk to measure).
+    #[arg(long, default_value = "/tmp", value_name = "DIR")]
+    pub dir: PathBuf,
 }
 
 /// Parses a byte size such as 4MiB or 1048576.
@@ -517,6 +566,103 @@ fn parse_seq(s: &str) -> Result<u32, String> {
         }
         Err(_) => Err("expected a sequence length (a whole number >= 1)".into()),
     }
+}
+
+/// `ava data ...`
+#[derive(Debug, Subcommand)]
+pub enum DataCommand {
+    /// Tokenize text into shards of token ids and a manifest, once, for any number of runs.
+    ///
+    /// Inputs are files or directories (walked in sorted order, hidden entries skipped):
+    /// text (one document per file, or cut at --separator), JSONL (*.jsonl, *.ndjson; the
+    /// text is --field), each optionally gzip (.gz) or Zstandard (.zst) compressed.
+    /// Every document gets the tokenizer's end-of-text id after it; a hash of its index
+    /// holds --val-fraction of them out for validation.
+    ///
+    /// A shard is written whole and fsynced before the manifest (replaced atomically) lists
+    /// it: a killed run, run again with the same arguments, continues from its first
+    /// unfinished shard; a finished corpus is left alone.
+    ///
+    /// Examples:
+    ///   ava data prepare books/ --out corpora/books
+    ///   ava data prepare dump.jsonl.zst --field text --tokenizer tokenizer.json --out corpora/dump
+    ///   ava data prepare notes.txt --separator $'\n\n' --invalid replace --out corpora/notes
+    ///   ava train --set data.source=shards --set data.path=corpora/books --set model.vocab_size=257
+    #[command(verbatim_doc_comment)]
+    Prepare(PrepareArgs),
+    /// Summarize a prepared corpus: tokenizer, documents and tokens per split, shards, inputs.
+    Info {
+        /// The corpus directory.
+        dir: PathBuf,
+    },
+    /// Check every shard of a prepared corpus against the manifest (size, header, SHA-256);
+    /// names every damaged shard, exit code 1 if any. Training checks the same when it
+    /// opens a corpus.
+    Verify {
+        /// The corpus directory.
+        dir: PathBuf,
+    },
+}
+
+/// What `--invalid` accepts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum InvalidArg {
+    /// Stop, naming the file and byte offset.
+    Error,
+    /// Replace each invalid sequence with U+FFFD.
+    Replace,
+    /// Leave the document out.
+    Skip,
+}
+
+impl From<InvalidArg> for ava_data::prepare::Invalid {
+    fn from(a: InvalidArg) -> Self {
+        match a {
+            InvalidArg::Error => Self::Error,
+            InvalidArg::Replace => Self::Replace,
+            InvalidArg::Skip => Self::Skip,
+        }
+    }
+}
+
+/// `ava data prepare` options.
+#[derive(Debug, Args)]
+pub struct PrepareArgs {
+    /// Text or JSONL files (.gz/.zst too) and directories, in order.
+    #[arg(required = true, value_name = "INPUT")]
+    pub inputs: Vec<PathBuf>,
+    /// The corpus directory (created; must be empty, or hold this same corpus).
+    #[arg(long, value_name = "DIR")]
+    pub out: PathBuf,
+    /// A Hugging Face tokenizer.json, or `byte` (ids 0-255 and 256 for end of text).
+    #[arg(long, value_name = "FILE|byte")]
+    pub tokenizer: Option<PathBuf>,
+    /// The tokenizer's end-of-text token (default: the first of <|endoftext|>,
+    /// <|end_of_text|>, </s>, <eos>, <|eos|>, [SEP] it has).
+    #[arg(long, value_name = "TOKEN")]
+    pub eos: Option<String>,
+    /// A token to put before every document (e.g. <s>); none by default.
+    #[arg(long, value_name = "TOKEN")]
+    pub bos: Option<String>,
+    /// Cut text files into documents at this string (default: one document per file).
+    #[arg(long, value_name = "STRING")]
+    pub separator: Option<String>,
+    /// The JSONL field holding the text.
+    #[arg(long, value_name = "NAME", default_value = "text")]
+    pub field: String,
+    /// What to do with invalid UTF-8.
+    #[arg(long, value_enum, default_value_t = InvalidArg::Error)]
+    pub invalid: InvalidArg,
+    /// Share of documents held out for validation.
+    #[arg(long, value_name = "FRACTION", default_value_t = 0.005)]
+    pub val_fraction: f64,
+    /// Token ids per shard (memory while preparing: one shard's ids).
+    #[arg(long, value_name = "N", default_value_t = ava_data::prepare::DEFAULT_SHARD_TOKENS)]
+    pub shard_tokens: u64,
+    /// Replace a different corpus, or write into a directory holding other files (they are
+    /// left alone).
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `ava plugins ...`

@@ -3,11 +3,15 @@
 mod bench_args;
 mod bench_attention;
 mod bench_collectives;
+mod bench_data;
 mod bench_offload;
 mod bench_optimizer;
 mod bench_train;
 mod config_show;
 mod config_validate;
+mod data_info;
+mod data_prepare;
+mod data_verify;
 mod estimate;
 mod offload_arg;
 mod plan;
@@ -27,7 +31,7 @@ use ava_core::PluginKind;
 
 use crate::{
     CmdResult, Failure,
-    cli::{BenchCommand, Command, ConfigCommand, PluginsCommand},
+    cli::{BenchCommand, Command, ConfigCommand, DataCommand, PluginsCommand},
     output::Printer,
 };
 
@@ -56,6 +60,12 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
         Command::Bench(BenchCommand::Optimizer(args)) => bench_optimizer::run(p, &args),
         Command::Bench(BenchCommand::Offload(args)) => bench_offload::run(p, &args),
         Command::Bench(BenchCommand::Collectives(args)) => bench_collectives::run(p, &args),
+        Command::Bench(BenchCommand::Data(args)) => bench_data::run(p, &args),
+        Command::Data(c) => match c {
+            DataCommand::Prepare(args) => data_prepare::run(p, &args),
+            DataCommand::Info { dir } => data_info::run(p, &dir),
+            DataCommand::Verify { dir } => data_verify::run(p, &dir),
+        },
         Command::Plugins(c) => match c {
             PluginsCommand::List { kind, config } => plugins_list::run(p, kind.as_deref(), &config),
             PluginsCommand::Info { name, kind, config } => plugins_info::run(p, &name, kind.as_deref(), &config),

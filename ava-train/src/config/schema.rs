@@ -102,7 +102,7 @@ const SYNTHETIC: &[Field] = &[
 
 /// The `data` section.
 const DATA: &[Field] = &[
-    Field { key: "source", kind: Kind::OneOf(&["synthetic", "text"]) },
+    Field { key: "source", kind: Kind::OneOf(&["synthetic", "text", "shards"]) },
     Field { key: "path", kind: Kind::OptPath },
     Field { key: "tokenizer", kind: Kind::OptPath },
     Field { key: "seq_len", kind: Kind::Int(1, 1 << 20) },

@@ -59,6 +59,9 @@ pub enum DataSource {
     Synthetic,
     /// A local text file (`data.path`), byte-level or through `data.tokenizer`.
     Text,
+    /// A corpus prepared by `ava data prepare` (`data.path` is its directory), read through
+    /// memory maps.
+    Shards,
 }
 
 /// The `data` section.
@@ -67,7 +70,7 @@ pub enum DataSource {
 pub struct DataConfig {
     /// Where the tokens come from.
     pub source: DataSource,
-    /// The text file (`source: text`).
+    /// The text file (`source: text`), or the corpus directory (`source: shards`).
     pub path: Option<PathBuf>,
     /// A Hugging Face `tokenizer.json`; without one, text is read as bytes.
     pub tokenizer: Option<PathBuf>,

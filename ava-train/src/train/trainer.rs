@@ -292,6 +292,16 @@ pub fn data_options(config: &Config) -> Result<DataOptions, TrainError> {
             })?,
             tokenizer: d.tokenizer.clone(),
         },
+        DataSource::Shards => Source::Shards {
+            dir: d.path.clone().ok_or_else(|| {
+                TrainError::Invalid(
+                    "data.source is shards but data.path is not set: set data.path to a directory written by `ava \
+                     data prepare`"
+                        .into(),
+                )
+            })?,
+            tokenizer: d.tokenizer.clone(),
+        },
     };
     Ok(DataOptions { source, seq_len: d.seq_len, val_fraction: d.val_fraction, seed: config.train.seed })
 }
@@ -475,6 +485,18 @@ impl Trainer {
                 dataset.vocab_size(),
                 dir.display(),
                 spec.vocab
+            )));
+        }
+        if dataset.vocab_size() > spec.vocab
+            && let (DataSource::Shards, Some(dir)) = (config.data.source, &config.data.path)
+        {
+            return Err(TrainError::Invalid(format!(
+                "the corpus in {} was prepared with a vocabulary of {} but model.vocab_size is {}: set \
+                 model.vocab_size to at least {}, or prepare the corpus with a smaller tokenizer",
+                dir.display(),
+                dataset.vocab_size(),
+                spec.vocab,
+                dataset.vocab_size()
             )));
         }
         if dataset.vocab_size() > spec.vocab {

@@ -49,6 +49,18 @@ impl TextTokenizer {
         max_id.max(vocab.len())
     }
 
+    /// The id of a token given by its text (a special token such as `</s>`), if the
+    /// vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Encodes one piece of a document without adding special tokens (the caller cuts
+    /// pieces at line ends, as [`encode`](Self::encode) does).
+    pub fn encode_piece(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.inner.encode_fast(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string())
+    }
+
     /// Encodes `text` (the contents of `data_path`, named in errors) without adding special
     /// tokens, in line-aligned chunks.
     pub fn encode(&self, text: &str, data_path: &Path) -> Result<Vec<u32>, DataError> {

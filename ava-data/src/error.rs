@@ -100,6 +100,71 @@ pub enum DataError {
         /// The validation fraction in force.
         val_fraction: f64,
     },
+    /// A corpus directory without a manifest.
+    #[error(
+        "{} is not a prepared corpus (no manifest.json); prepare one with `ava data prepare INPUT... --out {}`",
+        dir.display(),
+        dir.display()
+    )]
+    NoManifest {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// A manifest that cannot be used.
+    #[error("corpus manifest {}: {reason}", path.display())]
+    Manifest {
+        /// The manifest file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+    /// A corpus whose preparation did not finish.
+    #[error(
+        "the corpus in {} is not finished ({shards} shards so far): run the same `ava data prepare` again to          complete it",
+        dir.display()
+    )]
+    Unfinished {
+        /// The corpus directory.
+        dir: PathBuf,
+        /// Shards complete.
+        shards: usize,
+    },
+    /// A shard that does not match its manifest entry.
+    #[error("shard {}: {reason}", path.display())]
+    Shard {
+        /// The shard file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+    /// `data.tokenizer` names another tokenizer than the corpus was prepared with.
+    #[error(
+        "the corpus in {} was prepared with {corpus}, but data.tokenizer is {configured}: unset data.tokenizer,          or prepare the corpus again with that tokenizer",
+        dir.display()
+    )]
+    TokenizerMismatch {
+        /// The corpus directory.
+        dir: PathBuf,
+        /// The corpus's tokenizer.
+        corpus: String,
+        /// The configured one.
+        configured: String,
+    },
+    /// A corpus split shorter than one sequence.
+    #[error(
+        "the {split} split of the corpus in {} has {tokens} tokens, but a sequence needs data.seq_len + 1 =          {needed}: prepare more text (or a larger --val-fraction for validation), or use a smaller data.seq_len",
+        dir.display()
+    )]
+    CorpusTooShort {
+        /// The corpus directory.
+        dir: PathBuf,
+        /// The split.
+        split: Split,
+        /// Its tokens.
+        tokens: u64,
+        /// Tokens one sequence needs.
+        needed: usize,
+    },
     /// A loader worker (or, without workers, the loader itself) panicked building a batch.
     #[error("the data loader {} panicked while building batch {batch}: {message}", who(*worker))]
     WorkerPanicked {

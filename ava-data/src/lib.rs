@@ -1,5 +1,6 @@
-//! The data pipeline: token sequences from a synthetic Markov source or a local text file,
-//! batched by background workers.
+//! Ava's data pipeline: token sequences from a synthetic Markov source, a local text file,
+//! or a corpus prepared into memory-mapped token shards, batched by background workers.
+//! It knows nothing of tensors or models, so `ava data` builds and tests without the engine.
 //!
 //! [`open`] turns [`DataOptions`] into an `Arc<dyn` [`Dataset`]`>`; a [`Loader`] streams its
 //! [`Batch`]es of `(B, T+1)` token ids (plain `u32`s: this module knows nothing of tensors).
@@ -7,7 +8,7 @@
 //! `i`, and batch `k` holds sequences `k·B .. (k+1)·B`, so a run resumes from a batch index.
 //!
 //! ```
-//! use ava_train::data::{DataOptions, Loader, MarkovSpec, Source, Split, open};
+//! use ava_data::{DataOptions, Loader, MarkovSpec, Source, Split, open};
 //!
 //! let options = DataOptions { source: Source::Synthetic(MarkovSpec::default()), seq_len: 32, val_fraction: 0.1, seed: 7 };
 //! let dataset = open(&options).unwrap();
@@ -18,12 +19,21 @@
 //! ```
 //!
 //! Files: `dataset` (the trait), `synthetic` (the Markov source), `text` and `tokenizer` (real
-//! files), `loader` (batches and workers), `rng` (the deterministic RNG), `error`.
+//! files), `loader` (batches and workers), `rng` (the deterministic RNG), `error`; and for
+//! prepared corpora `prepare` (text to shards), `shard` (the file layout, writing and
+//! mapping), `manifest`, `sharded` (the dataset training reads), `permute` (the shuffle),
+//! `corpus` (verifying a corpus whole).
 
+pub mod corpus;
 mod dataset;
 mod error;
 mod loader;
+pub mod manifest;
+pub mod permute;
+pub mod prepare;
 mod rng;
+pub mod shard;
+mod sharded;
 mod synthetic;
 mod text;
 mod tokenizer;
@@ -38,6 +48,7 @@ pub use dataset::{Dataset, Split};
 pub use error::DataError;
 pub use loader::{Batch, Loader, Share};
 pub use rng::{Rng, hash64, mix, splitmix64};
+pub use sharded::{ShardedDataset, Verify};
 pub use synthetic::{
     MAX_CONTEXTS, MAX_TABLE_ENTRIES, MarkovSpec, START, SyntheticDataset, branch_probabilities, entropy_nats,
 };
@@ -57,6 +68,13 @@ pub enum Source {
         /// A Hugging Face `tokenizer.json`; `None` means raw bytes (vocabulary 256).
         tokenizer: Option<PathBuf>,
     },
+    /// A corpus prepared by `ava data prepare` (`data.path` is its directory).
+    Shards {
+        /// The corpus directory.
+        dir: PathBuf,
+        /// The `tokenizer.json` the run expects the corpus to have been prepared with.
+        tokenizer: Option<PathBuf>,
+    },
 }
 
 /// Everything [`open`] needs.
@@ -68,14 +86,16 @@ pub struct DataOptions {
     /// at least that long.
     pub seq_len: usize,
     /// Share of a text file held out for validation (its end), in (0, 1); unused by the
-    /// synthetic source, whose validation split is an independent stream.
+    /// synthetic source, whose validation split is an independent stream, and by prepared
+    /// corpora, whose held-out documents `ava data prepare` chose.
     pub val_fraction: f64,
     /// Sampling seed: which sequences / windows are drawn (the synthetic table has its own seed).
     pub seed: u64,
 }
 
-/// Opens the data source described by `options`: builds the synthetic table, or reads (and
-/// tokenizes) the text file and checks both splits hold a sequence.
+/// Opens the data source described by `options`: builds the synthetic table, reads (and
+/// tokenizes) the text file, or maps and verifies a prepared corpus; and checks both splits
+/// hold a sequence.
 pub fn open(options: &DataOptions) -> Result<Arc<dyn Dataset>, DataError> {
     if options.seq_len == 0 {
         return Err(DataError::InvalidOption {
@@ -93,5 +113,8 @@ pub fn open(options: &DataOptions) -> Result<Arc<dyn Dataset>, DataError> {
             options.val_fraction,
             options.seed,
         )?),
+        Source::Shards { dir, tokenizer } => {
+            Arc::new(ShardedDataset::open(dir, tokenizer.as_deref(), options.seq_len, options.seed)?)
+        }
     })
 }

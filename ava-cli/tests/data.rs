@@ -1,0 +1,108 @@
+//! `ava data prepare | info | verify` and `ava train` on a prepared corpus, each a fresh
+//! process: the summary lines, a damaged shard named by `verify` and by `train`, a model
+//! vocabulary smaller than the corpus's refused naming both, and exact resume on shards
+//! across a change of data.num_workers.
+
+use std::fs;
+use std::path::Path;
+
+mod common;
+
+use common::{ava, checkpoint, json_of, losses, ok, train_small, usage_error};
+
+/// A few hundred KB of text in 40 files.
+fn write_corpus_text(dir: &Path) {
+    fs::create_dir_all(dir).unwrap();
+    for i in 0..40 {
+        let text: String = (0..800).map(|w| format!("word{} ", (i * 7919 + w * 104_729) % 613)).collect();
+        fs::write(dir.join(format!("part-{i:02}.txt")), text).unwrap();
+    }
+}
+
+fn prepared(dir: &Path) -> String {
+    write_corpus_text(&dir.join("text"));
+    let out = ok(ava(
+        dir,
+        &["data", "prepare", "text", "--out", "corpus", "--val-fraction", "0.1", "--shard-tokens", "40000"],
+    ));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+const SHARDS: &[&str] = &["--set", "data.source=shards", "--set", "data.path=corpus", "--set", "model.vocab_size=257"];
+
+#[test]
+fn prepare_info_and_verify_report_the_corpus_and_name_a_damaged_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = prepared(dir.path());
+    assert!(text.contains("prepared 40 documents (") && text.contains("in 6 shards into corpus"), "{text}");
+    assert!(text.contains("train on it with: --set data.source=shards --set data.path=corpus"), "{text}");
+
+    let info = json_of(&ok(ava(dir.path(), &["--format", "json", "data", "info", "corpus"])));
+    assert_eq!(info["manifest"]["documents"], 40);
+    assert_eq!(info["manifest"]["vocab_size"], 257);
+    assert_eq!(info["manifest"]["shards"].as_array().unwrap().len(), 6);
+    let out = ok(ava(dir.path(), &["data", "verify", "corpus"]));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("corpus: all 6 shards match their checksums"));
+
+    // Again: nothing to do.
+    let out = ok(ava(
+        dir.path(),
+        &["data", "prepare", "text", "--out", "corpus", "--val-fraction", "0.1", "--shard-tokens", "40000"],
+    ));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("already holds this corpus"));
+
+    let shard = dir.path().join("corpus/shard-00002.bin");
+    let mut bytes = fs::read(&shard).unwrap();
+    bytes[200] ^= 0x10;
+    fs::write(&shard, &bytes).unwrap();
+    let out = ava(dir.path(), &["data", "verify", "corpus"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("1 of 6 shards are damaged") && stdout.contains("shard-00002.bin: its checksum is"),
+        "{stdout}"
+    );
+    let out = train_small(dir.path(), "run", &[SHARDS, &["--max-steps", "1"]].concat());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("shard-00002.bin: its checksum is"), "{err}");
+}
+
+#[test]
+fn bad_prepare_input_and_a_too_small_vocabulary_are_usage_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("bad.txt"), b"caf\xe9").unwrap();
+    let err = usage_error(ava(dir.path(), &["data", "prepare", "bad.txt", "--out", "c"]));
+    assert!(err.contains("bad.txt: invalid UTF-8 at byte offset 3; pass --invalid replace"), "{err}");
+    prepared(dir.path());
+    let err = usage_error(train_small(
+        dir.path(),
+        "run",
+        &["--set", "data.source=shards", "--set", "data.path=corpus", "--set", "model.vocab_size=256"],
+    ));
+    assert!(
+        err.contains("the corpus in corpus was prepared with a vocabulary of 257 but model.vocab_size is 256"),
+        "{err}"
+    );
+    let err = usage_error(train_small(dir.path(), "run", &["--set", "data.source=shards"]));
+    assert!(err.contains("data.source is shards but data.path is not set"), "{err}");
+}
+
+#[test]
+fn training_on_shards_resumes_bit_exactly_with_another_worker_count() {
+    let dir = tempfile::tempdir().unwrap();
+    prepared(dir.path());
+    let run = |out: &str, extra: &[&str]| ok(train_small(dir.path(), out, &[SHARDS, extra].concat()));
+    run("straight", &["--max-steps", "6", "--set", "data.num_workers=0"]);
+    run("split", &["--max-steps", "6", "--steps", "3", "--set", "data.num_workers=2"]);
+    let out = run("split", &["--max-steps", "6", "--resume", "latest", "--set", "data.num_workers=1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("continuing at step 4") && err.contains("token shards corpus"), "{err}");
+    let (a, b) = (dir.path().join("straight"), dir.path().join("split"));
+    for file in ["model.safetensors", "optimizer.safetensors", "trainer.json"] {
+        let x = fs::read(checkpoint(&a, 6).join(file)).unwrap();
+        let y = fs::read(checkpoint(&b, 6).join(file)).unwrap();
+        assert!(x == y, "{file} differs between the straight and the resumed run");
+    }
+    assert_eq!(losses(&a), losses(&b));
+    assert_eq!(losses(&a).len(), 6);
+}

@@ -1,0 +1,354 @@
+//! Inputs to `ava data prepare`: which files (directories walked in sorted order), how each
+//! is decompressed (`.gz`, `.zst`), and how it splits into documents (a whole text file, text
+//! cut at a separator, or one JSONL line's string field).
+
+use std::fs::File;
+use std::io::{self, BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::manifest::InputFile;
+
+use super::PrepareError;
+
+/// How text inputs become documents.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reading {
+    /// Split text files at this string (dropped); `None` makes each file one document.
+    pub separator: Option<String>,
+    /// The JSONL field holding a document's text.
+    pub field: String,
+    /// What to do with invalid UTF-8.
+    pub invalid: Invalid,
+}
+
+impl Reading {
+    /// The options in words, for the manifest (a rerun with other ones starts over).
+    pub fn describe(&self) -> String {
+        let separator = match &self.separator {
+            None => "one document per text file".to_string(),
+            Some(s) => format!("text split at {s:?}"),
+        };
+        format!("{separator}; JSONL field {:?}; invalid UTF-8: {}", self.field, self.invalid.name())
+    }
+}
+
+/// What to do with invalid UTF-8 in a document.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Invalid {
+    /// Stop with the file and byte offset.
+    Error,
+    /// Replace each invalid sequence with U+FFFD.
+    Replace,
+    /// Leave the document out.
+    Skip,
+}
+
+impl Invalid {
+    /// The option's value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Invalid::Error => "error",
+            Invalid::Replace => "replace",
+            Invalid::Skip => "skip",
+        }
+    }
+}
+
+/// How one file is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Plain text.
+    Text,
+    /// One JSON object per line.
+    Jsonl,
+    /// Parquet (recognized so it can be refused by name).
+    Parquet,
+}
+
+/// How one file is compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compression {
+    /// Not compressed.
+    None,
+    /// gzip.
+    Gzip,
+    /// Zstandard.
+    Zstd,
+}
+
+/// The layout and compression a file name says.
+pub fn classify(path: &Path) -> (Kind, Compression) {
+    let name = path.file_name().map(|n| n.to_string_lossy().to_lowercase()).unwrap_or_default();
+    let (stem, compression) = if let Some(s) = name.strip_suffix(".gz") {
+        (s, Compression::Gzip)
+    } else if let Some(s) = name.strip_suffix(".zst") {
+        (s, Compression::Zstd)
+    } else {
+        (name.as_str(), Compression::None)
+    };
+    let kind = if stem.ends_with(".jsonl") || stem.ends_with(".ndjson") {
+        Kind::Jsonl
+    } else if stem.ends_with(".parquet") {
+        Kind::Parquet
+    } else {
+        Kind::Text
+    };
+    (kind, compression)
+}
+
+/// The input files named by `inputs`: files as given, directories walked recursively in
+/// sorted order (hidden entries and symbolic links skipped). Each with its size and modification time.
+pub fn list(inputs: &[PathBuf]) -> Result<Vec<InputFile>, PrepareError> {
+    if inputs.is_empty() {
+        return Err(PrepareError::NoInputs);
+    }
+    let mut files = Vec::new();
+    for input in inputs {
+        let meta = std::fs::metadata(input).map_err(|source| PrepareError::Input { path: input.clone(), source })?;
+        if meta.is_dir() {
+            walk(input, &mut files)?;
+        } else {
+            files.push(input_file(input, &meta));
+        }
+    }
+    if files.is_empty() {
+        return Err(PrepareError::EmptyInput { inputs: inputs.to_vec(), what: "file" });
+    }
+    Ok(files)
+}
+
+fn input_file(path: &Path, meta: &std::fs::Metadata) -> InputFile {
+    let modified =
+        meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_secs());
+    InputFile { path: path.to_path_buf(), bytes: meta.len(), modified }
+}
+
+fn walk(dir: &Path, files: &mut Vec<InputFile>) -> Result<(), PrepareError> {
+    let err = |source| PrepareError::Input { path: dir.to_path_buf(), source };
+    let mut entries: Vec<_> = std::fs::read_dir(dir).map_err(err)?.collect::<Result<_, _>>().map_err(err)?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        if entry.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        let path = entry.path();
+        // Links inside a directory are not followed (no cycles, no second copy of a file
+        // linked beside itself); name a link as an input to include what it points to.
+        let meta =
+            std::fs::symlink_metadata(&path).map_err(|source| PrepareError::Input { path: path.clone(), source })?;
+        if meta.is_dir() {
+            walk(&path, files)?;
+        } else if meta.is_file() {
+            files.push(input_file(&path, &meta));
+        }
+    }
+    Ok(())
+}
+
+/// A reader that counts the bytes it hands out (the on-disk bytes, before decompression).
+struct Counting<R> {
+    inner: R,
+    count: Arc<AtomicU64>,
+}
+
+impl<R: Read> Read for Counting<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.count.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+}
+
+/// Opens `path` decompressed; `read` counts its on-disk bytes.
+pub fn open(path: &Path, read: Arc<AtomicU64>) -> Result<Box<dyn BufRead + Send>, PrepareError> {
+    let file = File::open(path).map_err(|source| PrepareError::Input { path: path.to_path_buf(), source })?;
+    let raw = BufReader::with_capacity(1 << 20, Counting { inner: file, count: read });
+    Ok(match classify(path).1 {
+        Compression::None => Box::new(raw),
+        Compression::Gzip => Box::new(BufReader::with_capacity(1 << 20, flate2::bufread::MultiGzDecoder::new(raw))),
+        Compression::Zstd => {
+            let decoder = ruzstd::decoding::StreamingDecoder::new(raw)
+                .map_err(|e| PrepareError::Decompress { path: path.to_path_buf(), message: e.to_string() })?;
+            Box::new(BufReader::with_capacity(1 << 20, decoder))
+        }
+    })
+}
+
+/// One document as read: its bytes and where it came from (for errors).
+#[derive(Debug)]
+pub struct RawDocument {
+    /// The text, not yet checked as UTF-8.
+    pub bytes: Vec<u8>,
+    /// The file.
+    pub path: Arc<Path>,
+    /// Byte offset of the document in the (decompressed) file.
+    pub offset: u64,
+    /// The JSONL line, when it came from one.
+    pub line: Option<u64>,
+}
+
+/// Largest single document read whole (a text file without a separator).
+pub const MAX_DOCUMENT_BYTES: u64 = 1 << 30;
+
+/// Calls `emit` with every document of `path`, in order.
+pub fn documents(
+    path: &Path,
+    reading: &Reading,
+    read: Arc<AtomicU64>,
+    emit: &mut dyn FnMut(RawDocument) -> Result<(), PrepareError>,
+) -> Result<(), PrepareError> {
+    let (kind, _) = classify(path);
+    let shared: Arc<Path> = Arc::from(path);
+    let io_err = |source| PrepareError::Input { path: path.to_path_buf(), source };
+    match kind {
+        Kind::Parquet => Err(PrepareError::Unsupported {
+            path: path.to_path_buf(),
+            what: "Parquet input is not supported by this build yet; export the text column to JSONL (e.g. with \
+                   pandas' to_json(orient=\"records\", lines=True)) and prepare that"
+                .into(),
+        }),
+        Kind::Jsonl => {
+            let mut reader = open(path, read)?;
+            let (mut line, mut offset, mut number) = (Vec::new(), 0u64, 0u64);
+            loop {
+                line.clear();
+                let n = reader.read_until(b'\n', &mut line).map_err(io_err)?;
+                if n == 0 {
+                    return Ok(());
+                }
+                number += 1;
+                let start = offset;
+                offset += n as u64;
+                let body = line.trim_ascii();
+                if body.is_empty() {
+                    continue;
+                }
+                let body = match utf8(body, reading.invalid, path, start, Some(number))? {
+                    Some(body) => body,
+                    // Handed on as it is: the reader leaves it out and counts it.
+                    None => {
+                        emit(RawDocument {
+                            bytes: body.to_vec(),
+                            path: shared.clone(),
+                            offset: start,
+                            line: Some(number),
+                        })?;
+                        continue;
+                    }
+                };
+                let bytes = json_field(&body, &reading.field).map_err(|reason| PrepareError::Jsonl {
+                    path: path.to_path_buf(),
+                    line: number,
+                    reason,
+                })?;
+                emit(RawDocument { bytes, path: shared.clone(), offset: start, line: Some(number) })?;
+            }
+        }
+        Kind::Text => {
+            let mut reader = open(path, read)?;
+            match &reading.separator {
+                None => {
+                    let mut bytes = Vec::new();
+                    let n = reader.by_ref().take(MAX_DOCUMENT_BYTES + 1).read_to_end(&mut bytes).map_err(io_err)?;
+                    if n as u64 > MAX_DOCUMENT_BYTES {
+                        return Err(PrepareError::DocumentTooLarge { path: path.to_path_buf() });
+                    }
+                    emit(RawDocument { bytes, path: shared, offset: 0, line: None })
+                }
+                Some(separator) => split_stream(&mut reader, separator.as_bytes(), &shared, emit),
+            }
+        }
+    }
+}
+
+/// The documents of a stream cut at `separator`, read in 1 MiB blocks (a document is held
+/// whole, the stream is not).
+fn split_stream(
+    reader: &mut dyn BufRead,
+    separator: &[u8],
+    path: &Arc<Path>,
+    emit: &mut dyn FnMut(RawDocument) -> Result<(), PrepareError>,
+) -> Result<(), PrepareError> {
+    let finder = memchr::memmem::Finder::new(separator);
+    let (mut pending, mut pending_offset) = (Vec::<u8>::new(), 0u64);
+    let mut block = vec![0u8; 1 << 20];
+    loop {
+        let n = reader.read(&mut block).map_err(|source| PrepareError::Input { path: path.to_path_buf(), source })?;
+        // Search only where a separator could end in the new bytes.
+        let search_from = pending.len().saturating_sub(separator.len() - 1);
+        pending.extend_from_slice(&block[..n]);
+        let mut cut = 0;
+        let mut from = search_from;
+        while let Some(at) = finder.find(&pending[from..]).map(|i| from + i) {
+            emit(RawDocument {
+                bytes: pending[cut..at].to_vec(),
+                path: path.clone(),
+                offset: pending_offset + cut as u64,
+                line: None,
+            })?;
+            cut = at + separator.len();
+            from = cut;
+        }
+        if n == 0 {
+            emit(RawDocument {
+                bytes: pending[cut..].to_vec(),
+                path: path.clone(),
+                offset: pending_offset + cut as u64,
+                line: None,
+            })?;
+            return Ok(());
+        }
+        pending.drain(..cut);
+        pending_offset += cut as u64;
+        if pending.len() as u64 > MAX_DOCUMENT_BYTES {
+            return Err(PrepareError::DocumentTooLarge { path: path.to_path_buf() });
+        }
+    }
+}
+
+/// `bytes` as text under the `--invalid` policy: `None` when the document is to be skipped.
+/// `offset` (and `line`) place it in its file for the error.
+pub fn utf8<'a>(
+    bytes: &'a [u8],
+    invalid: Invalid,
+    path: &Path,
+    offset: u64,
+    line: Option<u64>,
+) -> Result<Option<std::borrow::Cow<'a, str>>, PrepareError> {
+    match std::str::from_utf8(bytes) {
+        Ok(text) => Ok(Some(text.into())),
+        Err(e) => match invalid {
+            Invalid::Error => Err(PrepareError::InvalidUtf8 {
+                path: path.to_path_buf(),
+                offset: offset + e.valid_up_to() as u64,
+                line,
+            }),
+            Invalid::Replace => Ok(Some(String::from_utf8_lossy(bytes))),
+            Invalid::Skip => Ok(None),
+        },
+    }
+}
+
+/// The string field `field` of a JSON object line, as UTF-8 bytes.
+fn json_field(line: &str, field: &str) -> Result<Vec<u8>, String> {
+    let value: serde_json::Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+    let serde_json::Value::Object(mut object) = value else {
+        return Err("not a JSON object".into());
+    };
+    match object.remove(field) {
+        Some(serde_json::Value::String(text)) => Ok(text.into_bytes()),
+        Some(other) => {
+            let mut shown = other.to_string();
+            if shown.chars().count() > 60 {
+                shown = shown.chars().take(57).chain("...".chars()).collect();
+            }
+            Err(format!("field {field:?} is not a string but {shown}"))
+        }
+        None => {
+            let keys: Vec<_> = object.keys().map(String::as_str).collect();
+            Err(format!("no field {field:?} (it has: {}); name the text field with --field", keys.join(", ")))
+        }
+    }
+}

@@ -1,0 +1,628 @@
+//! `ava data prepare`: tokenizes a corpus once into shards of token ids and a manifest.
+//!
+//! One thread reads the inputs in order (decompressing, splitting into documents, checking
+//! UTF-8) and hands batches of about 4 MiB of text to the caller's thread, which tokenizes
+//! a batch's pieces on the rayon pool (order kept), appends each document to the shard being
+//! filled (train or validation region, by a hash of the document's index) and writes the
+//! shard when it holds `shard_tokens` ids. After every written shard the manifest is saved
+//! atomically, so a killed run leaves a manifest listing only complete shards, and the next
+//! run into the same directory skips the documents they hold and continues.
+//!
+//! Memory: one shard's ids (`shard_tokens` × id bytes), plus two batches of text in flight.
+
+pub mod input;
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::sync_channel;
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+
+use crate::dataset::Split;
+use crate::manifest::{self, Manifest, ShardEntry, TokenizerId};
+use crate::rng::hash64;
+use crate::shard::{self, ShardBuilder};
+use crate::tokenizer::TextTokenizer;
+pub use input::{Invalid, Reading};
+
+/// Everything `prepare` needs.
+#[derive(Debug, Clone)]
+pub struct PrepareOptions {
+    /// Files and directories, in order.
+    pub inputs: Vec<PathBuf>,
+    /// The corpus directory.
+    pub out: PathBuf,
+    /// A Hugging Face `tokenizer.json`; `None` is the byte tokenizer.
+    pub tokenizer: Option<PathBuf>,
+    /// The end-of-text token's text (a tokenizer.json's); `None` looks for a usual one.
+    pub eos: Option<String>,
+    /// A beginning-of-text token's text, put before every document.
+    pub bos: Option<String>,
+    /// How inputs become documents.
+    pub reading: Reading,
+    /// Share of documents held out for validation.
+    pub val_fraction: f64,
+    /// Ids per shard (a shard is written once it holds at least this many).
+    pub shard_tokens: u64,
+    /// Start over in a directory holding something else or another corpus.
+    pub force: bool,
+}
+
+/// The default ids per shard: 2²⁷ (256 MiB of u16 ids).
+pub const DEFAULT_SHARD_TOKENS: u64 = 1 << 27;
+
+/// Text per batch handed from the reader to the tokenizers.
+const BATCH_BYTES: usize = 4 << 20;
+/// Pieces a long document is cut into (at line ends) so one document can use every core.
+const PIECE_BYTES: usize = 1 << 20;
+/// Salt of the hash that picks validation documents.
+const VALIDATION_SALT: u64 = 0x7661_6c69_6461_7465;
+
+/// Whether document `index` is held out for validation.
+pub fn is_validation(index: u64, val_fraction: f64) -> bool {
+    (hash64(VALIDATION_SALT, index) as f64) < val_fraction * 2f64.powi(64)
+}
+
+/// Something went wrong preparing a corpus. Its `Display` is the whole message for the user.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PrepareError {
+    /// No input was named.
+    #[error("no inputs: name text, JSONL (.gz/.zst) files or directories to prepare")]
+    NoInputs,
+    /// The inputs hold no file, or no document.
+    #[error("the inputs hold no {what}: {}", list(inputs))]
+    EmptyInput {
+        /// What was given.
+        inputs: Vec<PathBuf>,
+        /// "file" or "document".
+        what: &'static str,
+    },
+    /// An input could not be read.
+    #[error("cannot read input {}: {source}", path.display())]
+    Input {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// A compressed input could not be decompressed.
+    #[error("cannot decompress {}: {message}", path.display())]
+    Decompress {
+        /// The file.
+        path: PathBuf,
+        /// The decoder's error.
+        message: String,
+    },
+    /// An input of a kind this build refuses.
+    #[error("{}: {what}", path.display())]
+    Unsupported {
+        /// The file.
+        path: PathBuf,
+        /// What and what to do.
+        what: String,
+    },
+    /// Invalid UTF-8 under `--invalid error`.
+    #[error(
+        "{}{}: invalid UTF-8 at byte offset {offset}; pass --invalid replace (U+FFFD) or --invalid skip (leave such \
+         documents out) to go on",
+        path.display(),
+        line.map(|l| format!(" line {l}")).unwrap_or_default()
+    )]
+    InvalidUtf8 {
+        /// The file.
+        path: PathBuf,
+        /// Byte offset of the first invalid byte, in the decompressed file.
+        offset: u64,
+        /// The JSONL line, if any.
+        line: Option<u64>,
+    },
+    /// A JSONL line that is not an object with the text field.
+    #[error("{}:{line}: {reason}", path.display())]
+    Jsonl {
+        /// The file.
+        path: PathBuf,
+        /// The line (from 1).
+        line: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A document larger than a read can hold.
+    #[error(
+        "{}: a document over {} GiB; split the text with --separator (e.g. --separator $'\\n\\n')",
+        path.display(),
+        input::MAX_DOCUMENT_BYTES >> 30
+    )]
+    DocumentTooLarge {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The tokenizer could not be loaded, or has no usable end-of-text token.
+    #[error("{0}")]
+    Tokenizer(String),
+    /// A tokenizer failed on some text.
+    #[error("the tokenizer failed on a document of {}: {message}", path.display())]
+    Encode {
+        /// The input it came from.
+        path: PathBuf,
+        /// The tokenizer's error.
+        message: String,
+    },
+    /// An option is out of range.
+    #[error("{option} {value}: {reason}")]
+    Option {
+        /// The flag.
+        option: &'static str,
+        /// The value given.
+        value: String,
+        /// What is accepted.
+        reason: String,
+    },
+    /// `--out` holds something that is not this corpus.
+    #[error("{} {what}; choose another --out, or pass --force to {action}", dir.display())]
+    OutInUse {
+        /// The directory.
+        dir: PathBuf,
+        /// What it holds.
+        what: String,
+        /// What `--force` would do.
+        action: &'static str,
+    },
+    /// The disk filled up.
+    #[error(
+        "the disk holding {} is full ({source}) after {shards} complete shards; they stay usable: free some space \
+         and run the same command again to continue from shard {shards}",
+        dir.display()
+    )]
+    DiskFull {
+        /// The corpus directory.
+        dir: PathBuf,
+        /// Shards complete and listed in the manifest.
+        shards: usize,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// The reader stopped because the writer failed first (the writer's error is the one
+    /// reported; this one never reaches a caller).
+    #[error("stopped: writing the corpus failed")]
+    Stopped,
+    /// Writing the corpus failed.
+    #[error("cannot write to {}: {source} ({shards} complete shards stay listed in its manifest)", dir.display())]
+    Write {
+        /// The corpus directory.
+        dir: PathBuf,
+        /// Shards complete.
+        shards: usize,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn list(paths: &[PathBuf]) -> String {
+    paths.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+}
+
+/// Where a run stands, for progress reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Progress {
+    /// Bytes of input files read (on disk, before decompression).
+    pub input_bytes: u64,
+    /// Bytes of all input files.
+    pub input_total: u64,
+    /// Text bytes of the documents tokenized this run.
+    pub text_bytes: u64,
+    /// Documents in the corpus so far (earlier runs' included).
+    pub documents: u64,
+    /// Ids written or waiting for the current shard, this run.
+    pub tokens: u64,
+    /// Shards complete.
+    pub shards: usize,
+    /// Time this run.
+    pub elapsed: Duration,
+}
+
+/// Receives progress (the CLI draws a bar; tests record).
+pub trait PrepareReporter {
+    /// Called once before reading, with what an earlier run left (shards, documents).
+    fn start(&mut self, total_input_bytes: u64, resumed: Option<(usize, u64)>) {
+        let _ = (total_input_bytes, resumed);
+    }
+    /// Called after every batch of documents.
+    fn progress(&mut self, progress: &Progress) {
+        let _ = progress;
+    }
+    /// Called after every written shard.
+    fn shard(&mut self, entry: &ShardEntry) {
+        let _ = entry;
+    }
+}
+
+/// A reporter that reports nothing.
+pub struct Silent;
+impl PrepareReporter for Silent {}
+
+/// What a run did.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// The manifest as written.
+    pub manifest: Manifest,
+    /// The progress at the end of this run.
+    pub progress: Progress,
+    /// Shards and documents an earlier run had finished, if this run continued one.
+    pub resumed: Option<(usize, u64)>,
+    /// True when the corpus was complete already and nothing was done.
+    pub already_complete: bool,
+    /// Documents left out (`--invalid skip`, or empty).
+    pub skipped_documents: u64,
+}
+
+/// How text becomes ids.
+enum Encoder {
+    Byte,
+    Hf(Box<TextTokenizer>),
+}
+
+impl Encoder {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        match self {
+            Encoder::Byte => Ok(text.bytes().map(u32::from).collect()),
+            Encoder::Hf(t) => t.encode_piece(text),
+        }
+    }
+}
+
+/// The usual end-of-text tokens, tried in order when `--eos` is not given.
+const EOS_NAMES: [&str; 6] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]"];
+
+/// The encoder, the corpus's tokenizer identity, vocabulary, EOS and BOS ids.
+fn encoder(options: &PrepareOptions) -> Result<(Encoder, TokenizerId, u64, u32, Option<u32>), PrepareError> {
+    let Some(path) = &options.tokenizer else {
+        if options.eos.is_some() || options.bos.is_some() {
+            return Err(PrepareError::Option {
+                option: "--eos/--bos",
+                value: options.eos.clone().or(options.bos.clone()).unwrap_or_default(),
+                reason: "the byte tokenizer's end of text is id 256 and it has no other special tokens; --eos and \
+                         --bos name tokens of a --tokenizer"
+                    .into(),
+            });
+        }
+        return Ok((Encoder::Byte, TokenizerId::Byte, 257, 256, None));
+    };
+    let tok = TextTokenizer::from_file(path).map_err(|e| PrepareError::Tokenizer(e.to_string()))?;
+    let sha256 = shard::sha256_file(path).map_err(|source| PrepareError::Input { path: path.clone(), source })?;
+    let named = |name: &str, flag: &str| {
+        tok.token_id(name).ok_or_else(|| {
+            PrepareError::Tokenizer(format!(
+                "{flag} {name:?}: tokenizer {} has no such token; name one of its special tokens",
+                path.display()
+            ))
+        })
+    };
+    let eos = match &options.eos {
+        Some(name) => named(name, "--eos")?,
+        None => EOS_NAMES.iter().find_map(|n| tok.token_id(n)).ok_or_else(|| {
+            PrepareError::Tokenizer(format!(
+                "tokenizer {} has none of the usual end-of-text tokens ({}); name the one it uses with --eos",
+                path.display(),
+                EOS_NAMES.join(", ")
+            ))
+        })?,
+    };
+    let bos = options.bos.as_deref().map(|name| named(name, "--bos")).transpose()?;
+    let vocab = tok.vocab_size() as u64;
+    Ok((Encoder::Hf(Box::new(tok)), TokenizerId::Huggingface { file: path.clone(), sha256 }, vocab, eos, bos))
+}
+
+/// One batch from the reader: pieces of text, and how many pieces each document has.
+#[derive(Default)]
+struct Batch {
+    pieces: Vec<String>,
+    /// Per document: its piece count, its text bytes, and its input file.
+    documents: Vec<(usize, u64, Arc<Path>)>,
+    bytes: usize,
+}
+
+/// Prepares a corpus (see the module docs).
+pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> Result<Summary, PrepareError> {
+    if !(0.0..1.0).contains(&options.val_fraction) {
+        return Err(PrepareError::Option {
+            option: "--val-fraction",
+            value: options.val_fraction.to_string(),
+            reason: "must be at least 0 and below 1 (the share of documents held out for validation)".into(),
+        });
+    }
+    if options.shard_tokens == 0 {
+        return Err(PrepareError::Option {
+            option: "--shard-tokens",
+            value: "0".into(),
+            reason: "must be at least 1".into(),
+        });
+    }
+    let files = input::list(&options.inputs)?;
+    let (encoder, tokenizer, vocab_size, eos_id, bos_id) = encoder(options)?;
+    let id_bytes = if vocab_size <= 1 << 16 { 2 } else { 4 };
+    let fresh = Manifest {
+        format: manifest::FORMAT.into(),
+        version: manifest::VERSION,
+        complete: false,
+        tokenizer,
+        vocab_size,
+        id_bytes,
+        eos_id,
+        bos_id,
+        val_fraction: options.val_fraction,
+        shard_tokens: options.shard_tokens,
+        reading: options.reading.describe(),
+        inputs: files.clone(),
+        documents: 0,
+        text_bytes: 0,
+        train: Default::default(),
+        validation: Default::default(),
+        shards: Vec::new(),
+    };
+    let mut manifest = match claim_out(&options.out, &fresh, options.force)? {
+        Claim::Complete(done) => {
+            return Ok(Summary {
+                progress: Progress { documents: done.documents, shards: done.shards.len(), ..Progress::default() },
+                manifest: done,
+                resumed: None,
+                already_complete: true,
+                skipped_documents: 0,
+            });
+        }
+        Claim::Continue(partial) => partial,
+        Claim::Fresh => fresh,
+    };
+    let dir = options.out.clone();
+    let resumed = (!manifest.shards.is_empty()).then_some((manifest.shards.len(), manifest.documents));
+    let skip = manifest.documents;
+    let input_total = files.iter().map(|f| f.bytes).sum();
+    reporter.start(input_total, resumed);
+
+    let started = Instant::now();
+    let read = Arc::new(AtomicU64::new(0));
+    let skipped = Arc::new(AtomicU64::new(0));
+    let mut progress =
+        Progress { input_total, documents: manifest.documents, shards: manifest.shards.len(), ..Progress::default() };
+    let mut builder = ShardBuilder::new(id_bytes, eos_id);
+    let mut shard_text = 0u64;
+    let mut first_document = manifest.documents;
+    let write_err = |shards: usize, source: io::Error| {
+        if source.kind() == io::ErrorKind::StorageFull {
+            PrepareError::DiskFull { dir: dir.clone(), shards, source }
+        } else {
+            PrepareError::Write { dir: dir.clone(), shards, source }
+        }
+    };
+
+    std::thread::scope(|scope| -> Result<(), PrepareError> {
+        let (tx, rx) = sync_channel::<Batch>(2);
+        let reading = options.reading.clone();
+        let (read2, skipped2) = (read.clone(), skipped.clone());
+        let files2 = files.clone();
+        let reader = scope.spawn(move || read_documents(&files2, &reading, skip, &read2, &skipped2, &tx));
+        for batch in rx {
+            let encoded: Vec<Result<Vec<u32>, String>> = batch.pieces.par_iter().map(|p| encoder.encode(p)).collect();
+            let mut pieces = encoded.into_iter();
+            for (count, text_bytes, path) in batch.documents {
+                let mut ids = Vec::new();
+                ids.extend(bos_id);
+                for piece in pieces.by_ref().take(count) {
+                    ids.extend(piece.map_err(|message| PrepareError::Encode { path: path.to_path_buf(), message })?);
+                }
+                let index = manifest.documents + builder.documents();
+                let split = if is_validation(index, options.val_fraction) { Split::Validation } else { Split::Train };
+                builder.push(split, &ids);
+                progress.tokens += ids.len() as u64 + 1;
+                progress.text_bytes += text_bytes;
+                shard_text += text_bytes;
+                if builder.tokens() >= options.shard_tokens {
+                    let full = std::mem::replace(&mut builder, ShardBuilder::new(id_bytes, eos_id));
+                    let entry = write_shard(full, &dir, &mut manifest, first_document, shard_text)
+                        .map_err(|e| write_err(manifest.shards.len(), e))?;
+                    first_document = manifest.documents;
+                    shard_text = 0;
+                    reporter.shard(&entry);
+                }
+            }
+            progress.documents = manifest.documents + builder.documents();
+            progress.shards = manifest.shards.len();
+            progress.input_bytes = read.load(Ordering::Relaxed);
+            progress.elapsed = started.elapsed();
+            reporter.progress(&progress);
+        }
+        // The channel closed: the reader finished, or failed.
+        reader.join().expect("the input reader does not panic")?;
+        if builder.documents() > 0 {
+            let entry = write_shard(builder, &dir, &mut manifest, first_document, shard_text)
+                .map_err(|e| write_err(manifest.shards.len(), e))?;
+            reporter.shard(&entry);
+        }
+        Ok(())
+    })?;
+    if manifest.documents == 0 {
+        return Err(PrepareError::EmptyInput { inputs: options.inputs.clone(), what: "document" });
+    }
+    manifest.complete = true;
+    manifest.save(&dir).map_err(|e| write_err(manifest.shards.len(), e))?;
+    progress.documents = manifest.documents;
+    progress.shards = manifest.shards.len();
+    progress.input_bytes = read.load(Ordering::Relaxed);
+    progress.elapsed = started.elapsed();
+    reporter.progress(&progress);
+    Ok(Summary {
+        manifest,
+        progress,
+        resumed,
+        already_complete: false,
+        skipped_documents: skipped.load(Ordering::Relaxed),
+    })
+}
+
+/// Writes a full shard and the manifest that lists it.
+fn write_shard(
+    builder: ShardBuilder,
+    dir: &Path,
+    manifest: &mut Manifest,
+    first_document: u64,
+    text_bytes: u64,
+) -> io::Result<ShardEntry> {
+    let file = shard::file_name(manifest.shards.len());
+    let entry = builder.finish(dir, &file, first_document).inspect_err(|_| {
+        let _ = fs::remove_file(dir.join(format!("{file}.tmp")));
+    })?;
+    manifest.push(entry.clone(), text_bytes);
+    manifest.save(dir)?;
+    Ok(entry)
+}
+
+/// What `--out` holds.
+enum Claim {
+    /// Nothing of ours (created or emptied): start fresh.
+    Fresh,
+    /// A partial corpus from the same inputs and options: continue it.
+    Continue(Manifest),
+    /// The same corpus, complete.
+    Complete(Manifest),
+}
+
+/// Decides what to do with `--out`: create it, continue the corpus in it, or refuse.
+fn claim_out(dir: &Path, fresh: &Manifest, force: bool) -> Result<Claim, PrepareError> {
+    let io_err = |source| PrepareError::Write { dir: dir.to_path_buf(), shards: 0, source };
+    if !dir.exists() {
+        fs::create_dir_all(dir).map_err(io_err)?;
+        return Ok(Claim::Fresh);
+    }
+    if !dir.is_dir() {
+        return Err(PrepareError::OutInUse {
+            dir: dir.to_path_buf(),
+            what: "is a file, not a directory".into(),
+            action: "(no: --force does not replace files) choose a directory",
+        });
+    }
+    let ours = |name: &str| name == manifest::FILE || name.ends_with(".tmp") || name.starts_with("shard-");
+    let entries: Vec<String> = fs::read_dir(dir)
+        .map_err(io_err)?
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect();
+    let refusal = match Manifest::load(dir) {
+        Ok(existing) if same_corpus(&existing, fresh) => {
+            return Ok(if existing.complete { Claim::Complete(existing) } else { Claim::Continue(existing) });
+        }
+        Ok(existing) => Some(format!(
+            "holds a {} corpus prepared from other inputs or options ({} inputs, {}; this run: {} inputs, {})",
+            if existing.complete { "complete" } else { "partial" },
+            existing.inputs.len(),
+            existing.reading,
+            fresh.inputs.len(),
+            fresh.reading
+        )),
+        Err(crate::error::DataError::NoManifest { .. }) => {
+            let others: Vec<&String> = entries.iter().filter(|n| !ours(n)).collect();
+            (!others.is_empty()).then(|| {
+                format!(
+                    "is not empty and not a corpus (it holds {})",
+                    others.iter().take(3).map(|s| s.as_str()).collect::<Vec<_>>().join(", ")
+                )
+            })
+        }
+        Err(e) => Some(format!("holds a manifest that cannot be read ({e})")),
+    };
+    if let Some(what) = refusal.filter(|_| !force) {
+        return Err(PrepareError::OutInUse {
+            dir: dir.to_path_buf(),
+            what,
+            action: "start a new corpus there (its shards and manifest are replaced; other files are left)",
+        });
+    }
+    for name in entries.iter().filter(|n| ours(n)) {
+        fs::remove_file(dir.join(name)).map_err(io_err)?;
+    }
+    Ok(Claim::Fresh)
+}
+
+/// Whether a manifest on disk describes the corpus this run would make.
+fn same_corpus(a: &Manifest, b: &Manifest) -> bool {
+    a.tokenizer == b.tokenizer
+        && a.eos_id == b.eos_id
+        && a.bos_id == b.bos_id
+        && a.val_fraction == b.val_fraction
+        && a.shard_tokens == b.shard_tokens
+        && a.reading == b.reading
+        && a.inputs == b.inputs
+}
+
+/// The reader thread: every document of every file, in order, cut into pieces and sent in
+/// batches; the first `skip` documents (an earlier run's) are counted, not sent.
+fn read_documents(
+    files: &[manifest::InputFile],
+    reading: &Reading,
+    skip: u64,
+    read: &Arc<AtomicU64>,
+    skipped: &AtomicU64,
+    tx: &std::sync::mpsc::SyncSender<Batch>,
+) -> Result<(), PrepareError> {
+    let mut batch = Batch::default();
+    let mut index = 0u64;
+    for file in files {
+        let mut emit = |doc: input::RawDocument| -> Result<(), PrepareError> {
+            let Some(text) = input::utf8(&doc.bytes, reading.invalid, &doc.path, doc.offset, doc.line)? else {
+                skipped.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            };
+            if text.is_empty() {
+                skipped.fetch_add(1, Ordering::Relaxed);
+                return Ok(());
+            }
+            index += 1;
+            if index <= skip {
+                return Ok(());
+            }
+            let text_bytes = text.len() as u64;
+            let mut count = 0;
+            let mut rest: &str = &text;
+            while !rest.is_empty() {
+                let end = piece_end(rest);
+                batch.pieces.push(rest[..end].to_string());
+                rest = &rest[end..];
+                count += 1;
+            }
+            batch.documents.push((count, text_bytes, doc.path.clone()));
+            batch.bytes += text_bytes as usize;
+            if batch.bytes >= BATCH_BYTES {
+                // A closed channel means the consumer stopped on an error of its own.
+                if tx.send(std::mem::take(&mut batch)).is_err() {
+                    return Err(PrepareError::Stopped);
+                }
+            }
+            Ok(())
+        };
+        match input::documents(&file.path, reading, read.clone(), &mut emit) {
+            Ok(()) => {}
+            // The writer's own error is what the user sees.
+            Err(PrepareError::Stopped) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+    }
+    if !batch.documents.is_empty() {
+        let _ = tx.send(batch);
+    }
+    Ok(())
+}
+
+/// Where the first piece of `text` ends: just after the first line end at or past
+/// [`PIECE_BYTES`], or the end of the text.
+fn piece_end(text: &str) -> usize {
+    if text.len() <= PIECE_BYTES {
+        return text.len();
+    }
+    // '\n' is ASCII, so the byte after it is a char boundary.
+    text.as_bytes()[PIECE_BYTES..].iter().position(|&b| b == b'\n').map_or(text.len(), |i| PIECE_BYTES + i + 1)
+}

@@ -1,0 +1,299 @@
+//! Token shards: the file layout ([`format`]), writing one ([`ShardBuilder`]), and reading
+//! one through a memory map ([`ShardFile`]).
+
+pub mod format;
+
+use std::fs::{self, File};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+
+use memmap2::{Mmap, UncheckedAdvice};
+use sha2::{Digest, Sha256};
+
+use crate::dataset::Split;
+use crate::error::DataError;
+use crate::manifest::{Counts, ShardEntry, sync_dir};
+use format::{HEADER_BYTES, Header};
+
+/// The file name of shard `index`.
+pub fn file_name(index: usize) -> String {
+    format!("shard-{index:05}.bin")
+}
+
+/// One region's ids (little-endian bytes) and document starts, while a shard is filled.
+#[derive(Debug, Default)]
+struct Region {
+    ids: Vec<u8>,
+    starts: Vec<u64>,
+    tokens: u64,
+}
+
+/// A shard being filled in memory, written whole by [`finish`](Self::finish). Its size is
+/// bounded by the `prepare`'s shard size, whatever the corpus size.
+#[derive(Debug)]
+pub struct ShardBuilder {
+    id_bytes: u32,
+    eos: u32,
+    train: Region,
+    val: Region,
+}
+
+impl ShardBuilder {
+    /// An empty shard of `id_bytes`-byte ids whose documents end with `eos`.
+    pub fn new(id_bytes: u32, eos: u32) -> Self {
+        assert!(matches!(id_bytes, 2 | 4), "ids are 2 or 4 bytes");
+        Self { id_bytes, eos, train: Region::default(), val: Region::default() }
+    }
+
+    /// Appends one document's ids, and the end-of-text id, to `split`'s region. The ids must
+    /// fit the id width (the vocabulary decided it).
+    pub fn push(&mut self, split: Split, ids: &[u32]) {
+        let region = match split {
+            Split::Train => &mut self.train,
+            Split::Validation => &mut self.val,
+        };
+        region.starts.push(region.tokens);
+        let width = self.id_bytes as usize;
+        region.ids.reserve((ids.len() + 1) * width);
+        for &id in ids.iter().chain([&self.eos]) {
+            region.ids.extend_from_slice(&id.to_le_bytes()[..width]);
+        }
+        region.tokens += ids.len() as u64 + 1;
+    }
+
+    /// Token ids held so far (both regions).
+    pub fn tokens(&self) -> u64 {
+        self.train.tokens + self.val.tokens
+    }
+
+    /// Documents held so far.
+    pub fn documents(&self) -> u64 {
+        (self.train.starts.len() + self.val.starts.len()) as u64
+    }
+
+    fn header(&self) -> Header {
+        Header {
+            id_bytes: self.id_bytes,
+            train_tokens: self.train.tokens,
+            val_tokens: self.val.tokens,
+            train_docs: self.train.starts.len() as u64,
+            val_docs: self.val.starts.len() as u64,
+        }
+    }
+
+    /// Writes the shard as `dir/<file>`: into a temporary file that is fsynced, then renamed
+    /// (and the directory fsynced), so the name only ever holds a complete shard. Returns its
+    /// manifest entry.
+    pub fn finish(self, dir: &Path, file: &str, first_document: u64) -> io::Result<ShardEntry> {
+        let header = self.header();
+        let tmp = dir.join(format!("{file}.tmp"));
+        let mut out = HashingWriter {
+            inner: io::BufWriter::with_capacity(1 << 20, File::create(&tmp)?),
+            hash: Sha256::new(),
+            bytes: 0,
+        };
+        out.write_all(&header.encode())?;
+        out.write_all(&self.train.ids)?;
+        out.write_all(&self.val.ids)?;
+        let pad = header.table_offset() - (HEADER_BYTES as u64 + (self.train.ids.len() + self.val.ids.len()) as u64);
+        out.write_all(&[0u8; 8][..pad as usize])?;
+        for start in self.train.starts.iter().chain(&self.val.starts) {
+            out.write_all(&start.to_le_bytes())?;
+        }
+        debug_assert_eq!(out.bytes, header.file_bytes());
+        let (bytes, sha256) = (out.bytes, hex::encode(out.hash.finalize()));
+        out.inner.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        fs::rename(&tmp, dir.join(file))?;
+        sync_dir(dir)?;
+        Ok(ShardEntry {
+            file: file.to_string(),
+            bytes,
+            sha256,
+            first_document,
+            train: Counts { tokens: header.train_tokens, documents: header.train_docs },
+            validation: Counts { tokens: header.val_tokens, documents: header.val_docs },
+        })
+    }
+}
+
+/// A writer that hashes and counts what passes through.
+struct HashingWriter<W> {
+    inner: W,
+    hash: Sha256,
+    bytes: u64,
+}
+
+impl<W: Write> Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hash.update(&buf[..n]);
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// The SHA-256 of a file, read in 1 MiB pieces with plain reads (not through a mapping, so
+/// checking a corpus leaves no pages mapped into the process).
+pub fn sha256_file(path: &Path) -> io::Result<String> {
+    let mut file = File::open(path)?;
+    let mut hash = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hash.update(&buf[..n]);
+    }
+    Ok(hex::encode(hash.finalize()))
+}
+
+/// Checks a shard against its manifest entry: size, header, and checksum.
+pub fn verify(dir: &Path, entry: &ShardEntry, id_bytes: u32) -> Result<(), DataError> {
+    let shard = ShardFile::open(dir, entry, id_bytes)?;
+    let path = shard.path.clone();
+    drop(shard);
+    let actual = sha256_file(&path).map_err(|source| DataError::Read { path: path.clone(), source })?;
+    if actual != entry.sha256 {
+        return Err(DataError::Shard {
+            path,
+            reason: format!(
+                "its checksum is {} but the manifest says {}: the file was changed or damaged; prepare the corpus \
+                 again (or restore the file)",
+                &actual[..16],
+                &entry.sha256[..16.min(entry.sha256.len())]
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// A finished shard, memory-mapped. Reading copies ids out and hands the pages back to the
+/// page cache, so reading a corpus of any size leaves the process's resident set as it was.
+#[derive(Debug)]
+pub struct ShardFile {
+    path: PathBuf,
+    header: Header,
+    map: Mmap,
+}
+
+impl ShardFile {
+    /// Maps `dir/<entry.file>` and checks its size and header against the manifest entry
+    /// (not its checksum: see [`verify`]).
+    pub fn open(dir: &Path, entry: &ShardEntry, id_bytes: u32) -> Result<Self, DataError> {
+        let path = dir.join(&entry.file);
+        let bad = |reason: String| DataError::Shard { path: path.clone(), reason };
+        let file = File::open(&path).map_err(|source| DataError::Read { path: path.clone(), source })?;
+        let size = file.metadata().map_err(|source| DataError::Read { path: path.clone(), source })?.len();
+        if size != entry.bytes {
+            return Err(bad(format!(
+                "it is {size} bytes but the manifest says {}: the file was truncated or replaced; prepare the corpus \
+                 again (or restore the file)",
+                entry.bytes
+            )));
+        }
+        // SAFETY: the mapping is read-only; a shard is never written after its rename, and a
+        // file changed under us is what `verify` catches.
+        let map = unsafe { Mmap::map(&file) }.map_err(|source| DataError::Read { path: path.clone(), source })?;
+        let header = Header::decode(&map).map_err(&bad)?;
+        let expected = Header {
+            id_bytes,
+            train_tokens: entry.train.tokens,
+            val_tokens: entry.validation.tokens,
+            train_docs: entry.train.documents,
+            val_docs: entry.validation.documents,
+        };
+        if header != expected || header.file_bytes() != size {
+            return Err(bad(format!("its header ({header:?}) does not match the manifest ({expected:?})")));
+        }
+        #[cfg(unix)]
+        let _ = map.advise(memmap2::Advice::Random);
+        Ok(Self { path, header, map })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Token ids in `split`'s region.
+    pub fn tokens(&self, split: Split) -> u64 {
+        match split {
+            Split::Train => self.header.train_tokens,
+            Split::Validation => self.header.val_tokens,
+        }
+    }
+
+    /// Documents in `split`'s region.
+    pub fn documents(&self, split: Split) -> u64 {
+        match split {
+            Split::Train => self.header.train_docs,
+            Split::Validation => self.header.val_docs,
+        }
+    }
+
+    /// Byte offset of `split`'s first id.
+    fn region_offset(&self, split: Split) -> u64 {
+        let before = match split {
+            Split::Train => 0,
+            Split::Validation => self.header.train_tokens,
+        };
+        HEADER_BYTES as u64 + before * u64::from(self.header.id_bytes)
+    }
+
+    /// Appends ids `start .. start + len` of `split`'s region to `out` as u32s, then releases
+    /// the pages read.
+    pub fn copy_ids(&self, split: Split, start: u64, len: usize, out: &mut Vec<u32>) {
+        assert!(start + len as u64 <= self.tokens(split), "ids past the end of {}", self.path.display());
+        let width = self.header.id_bytes as usize;
+        let from = (self.region_offset(split) + start * width as u64) as usize;
+        let bytes = &self.map[from..from + len * width];
+        match width {
+            2 => out.extend(bytes.chunks_exact(2).map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))),
+            _ => out.extend(bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))),
+        }
+        self.release(from, len * width);
+    }
+
+    /// The start (region offset) of document `doc` of `split`.
+    pub fn document_start(&self, split: Split, doc: u64) -> u64 {
+        let index = match split {
+            Split::Train => doc,
+            Split::Validation => self.header.train_docs + doc,
+        };
+        let at = (self.header.table_offset() + 8 * index) as usize;
+        let start = u64::from_le_bytes(self.map[at..at + 8].try_into().expect("8 bytes"));
+        self.release(at, 8);
+        start
+    }
+
+    /// Drops the pages holding `from .. from + len` from this process's mapping: they stay in
+    /// the page cache (a later access, ours or another reader's, finds them there) but stop
+    /// counting towards the resident set. Another thread reading the same page meanwhile
+    /// just faults it back in: the mapping is read-only and file-backed, so every access
+    /// sees the file's bytes.
+    fn release(&self, from: usize, len: usize) {
+        #[cfg(unix)]
+        {
+            let page = page_size();
+            let start = from / page * page;
+            let end = (from + len).next_multiple_of(page).min(self.map.len());
+            if end > start {
+                // SAFETY: see above; dropped pages of a read-only file mapping are read
+                // back from the file.
+                let _ = unsafe { self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start) };
+            }
+        }
+    }
+}
+
+#[cfg(unix)]
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if size > 0 { size as usize } else { 4096 }
+}

@@ -1,0 +1,327 @@
+//! Prepared corpora end to end: `prepare` into shards (text, separators, JSONL, gzip and
+//! zstd), the manifest, reading them back through [`ShardedDataset`], continuing a killed
+//! run, and the errors for bad input and damaged shards. Corpora are generated here, a few
+//! hundred KB at most.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use ava_data::manifest::{self, Manifest};
+use ava_data::prepare::{self, Invalid, PrepareError, PrepareOptions, Reading, Silent};
+use ava_data::{DataError, Dataset, ShardedDataset, Split};
+
+fn reading() -> Reading {
+    Reading { separator: None, field: "text".into(), invalid: Invalid::Error }
+}
+
+fn options(inputs: Vec<PathBuf>, out: &Path) -> PrepareOptions {
+    PrepareOptions {
+        inputs,
+        out: out.to_path_buf(),
+        tokenizer: None,
+        eos: None,
+        bos: None,
+        reading: reading(),
+        val_fraction: 0.2,
+        shard_tokens: 4000,
+        force: false,
+    }
+}
+
+/// `n` documents of varied lengths and content, deterministic.
+fn documents(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            let words = 20 + (i * 37) % 300;
+            (0..words).map(|w| format!("w{}", (i * 131 + w * 17) % 997)).collect::<Vec<_>>().join(" ")
+        })
+        .collect()
+}
+
+/// Writes each document to its own file in `dir`, named so sorted order is document order.
+fn write_files(dir: &Path, docs: &[String]) {
+    fs::create_dir_all(dir).unwrap();
+    for (i, d) in docs.iter().enumerate() {
+        fs::write(dir.join(format!("doc-{i:04}.txt")), d).unwrap();
+    }
+}
+
+/// The split streams `prepare` should produce from `docs` with the byte tokenizer.
+fn expected_streams(docs: &[String], val_fraction: f64) -> [Vec<u32>; 2] {
+    let mut out = [Vec::new(), Vec::new()];
+    for (i, d) in docs.iter().enumerate() {
+        let s = usize::from(prepare::is_validation(i as u64, val_fraction));
+        out[s].extend(d.bytes().map(u32::from));
+        out[s].push(256);
+    }
+    out
+}
+
+/// A split's whole stream, read back through the dataset's sequences in order (validation
+/// sequences are in order; each shares its first id with the previous one's last).
+fn read_stream(ds: &ShardedDataset, split: Split, t: usize) -> Vec<u32> {
+    assert_eq!(split, Split::Validation, "only validation is read in order");
+    let n = ds.sequences_per_epoch(split, t);
+    let mut out = Vec::new();
+    for i in 0..n {
+        let s = ds.sequence(split, i, t);
+        out.extend_from_slice(if i == 0 { &s } else { &s[1..] });
+    }
+    out
+}
+
+fn shard_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<_> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("shard-"))
+        .map(|e| (e.file_name().to_string_lossy().into_owned(), fs::read(e.path()).unwrap()))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn text_files_become_shards_whose_streams_are_the_documents_with_eos() {
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = documents(60);
+    write_files(&tmp.path().join("in"), &docs);
+    let out = tmp.path().join("corpus");
+    let summary = prepare::prepare(&options(vec![tmp.path().join("in")], &out), &mut Silent).unwrap();
+    let m = &summary.manifest;
+    assert!(m.complete && !summary.already_complete);
+    assert_eq!((m.documents, m.vocab_size, m.id_bytes, m.eos_id), (60, 257, 2, 256));
+    assert!(m.shards.len() > 3, "{} shards of ≥ 4000 ids", m.shards.len());
+    let [train, val] = expected_streams(&docs, 0.2);
+    assert_eq!((m.train.tokens, m.validation.tokens), (train.len() as u64, val.len() as u64));
+    assert!(m.validation.documents > 3 && m.validation.documents < 25, "{} held out", m.validation.documents);
+    assert_eq!(m.text_bytes, docs.iter().map(|d| d.len() as u64).sum::<u64>());
+    // Each shard but the last holds at least shard_tokens ids; first_document adds up.
+    let mut first = 0;
+    for (i, s) in m.shards.iter().enumerate() {
+        assert_eq!(s.first_document, first);
+        first += s.train.documents + s.validation.documents;
+        assert!(i + 1 == m.shards.len() || s.train.tokens + s.validation.tokens >= 4000);
+    }
+
+    let t = 64;
+    let ds = ShardedDataset::open(&out, None, t, 5).unwrap();
+    assert_eq!(ds.vocab_size(), 257);
+    let read = read_stream(&ds, Split::Validation, t);
+    assert!(read.len() + t >= val.len(), "{} of {} validation ids in whole sequences", read.len(), val.len());
+    assert_eq!(read, val[..read.len()]);
+    // One training epoch visits every window of the train stream once, in a shuffled order.
+    let n = ds.sequences_per_epoch(Split::Train, t);
+    assert_eq!(n, (train.len() as u64 - 1) / t as u64);
+    let mut starts: Vec<u64> = (0..n).map(|i| ds.sequence_start(Split::Train, i, t)).collect();
+    assert_ne!(starts, (0..n).map(|j| j * t as u64).collect::<Vec<_>>(), "not shuffled");
+    for i in 0..n {
+        let at = starts[i as usize] as usize;
+        assert_eq!(ds.sequence(Split::Train, i, t), train[at..at + t + 1], "sequence {i}");
+    }
+    starts.sort_unstable();
+    assert_eq!(starts, (0..n).map(|j| j * t as u64).collect::<Vec<_>>());
+    // The next epoch is another order; a reopened corpus gives the same sequences.
+    let epoch2: Vec<u64> = (n..2 * n).map(|i| ds.sequence_start(Split::Train, i, t)).collect();
+    assert_ne!(epoch2, (0..n).map(|i| ds.sequence_start(Split::Train, i, t)).collect::<Vec<_>>());
+    let again = ShardedDataset::open(&out, None, t, 5).unwrap();
+    assert_eq!(again.sequence(Split::Train, 17, t), ds.sequence(Split::Train, 17, t));
+    // Preparing the same inputs again does nothing.
+    let second = prepare::prepare(&options(vec![tmp.path().join("in")], &out), &mut Silent).unwrap();
+    assert!(second.already_complete);
+}
+
+#[test]
+fn a_killed_run_continues_from_its_last_complete_shard_and_ends_byte_identical() {
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = documents(50);
+    write_files(&tmp.path().join("in"), &docs);
+    let inputs = vec![tmp.path().join("in")];
+    let whole = tmp.path().join("whole");
+    prepare::prepare(&options(inputs.clone(), &whole), &mut Silent).unwrap();
+
+    // A run killed after its third shard: the manifest lists three, a fourth was being
+    // written (a .tmp file), and nothing says complete.
+    let killed = tmp.path().join("killed");
+    prepare::prepare(&options(inputs.clone(), &killed), &mut Silent).unwrap();
+    let full = Manifest::load(&killed).unwrap();
+    for s in &full.shards[3..] {
+        fs::remove_file(killed.join(&s.file)).unwrap();
+    }
+    fs::write(killed.join("shard-00003.bin.tmp"), b"half a shard").unwrap();
+    // The manifest as it was saved after the third shard.
+    let mut m = Manifest {
+        shards: Vec::new(),
+        documents: 0,
+        text_bytes: 0,
+        train: Default::default(),
+        validation: Default::default(),
+        complete: false,
+        ..full.clone()
+    };
+    for s in &full.shards[..3] {
+        m.push(s.clone(), 0);
+    }
+    m.save(&killed).unwrap();
+    assert!(matches!(ShardedDataset::open(&killed, None, 8, 1), Err(DataError::Unfinished { shards: 3, .. })));
+
+    let summary = prepare::prepare(&options(inputs, &killed), &mut Silent).unwrap();
+    assert_eq!(summary.resumed, Some((3, m.documents)));
+    assert_eq!(shard_files(&killed), shard_files(&whole));
+    let (a, b) = (Manifest::load(&killed).unwrap(), Manifest::load(&whole).unwrap());
+    assert_eq!((a.shards, a.documents, a.train, a.validation), (b.shards, b.documents, b.train, b.validation));
+}
+
+#[test]
+fn separators_jsonl_and_compressed_inputs_give_the_same_documents() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Enough text that separators fall across the reader's 1 MiB blocks.
+    let docs: Vec<String> = documents(400).into_iter().map(|d| d.repeat(8)).collect();
+    let joined = docs.join("\n===\n");
+    assert!(joined.len() > 2 << 20, "{} bytes", joined.len());
+    let text = tmp.path().join("all.txt");
+    fs::write(&text, &joined).unwrap();
+    let jsonl: String = docs.iter().map(|d| format!("{}\n", serde_json::json!({"id": 1, "body": d}))).collect();
+    let gz = tmp.path().join("all.jsonl.gz");
+    let mut enc = flate2::write::GzEncoder::new(fs::File::create(&gz).unwrap(), flate2::Compression::fast());
+    enc.write_all(jsonl.as_bytes()).unwrap();
+    enc.finish().unwrap();
+    let zst = tmp.path().join("all.jsonl.zst");
+    let compressed = ruzstd::encoding::compress_to_vec(jsonl.as_bytes(), ruzstd::encoding::CompressionLevel::Fastest);
+    fs::write(&zst, compressed).unwrap();
+
+    let run = |input: &Path, separator: Option<&str>, field: &str, out: &str| {
+        let mut o = options(vec![input.to_path_buf()], &tmp.path().join(out));
+        o.reading = Reading { separator: separator.map(str::to_string), field: field.into(), invalid: Invalid::Error };
+        o.shard_tokens = 1 << 20;
+        prepare::prepare(&o, &mut Silent).unwrap().manifest
+    };
+    let from_text = run(&text, Some("\n===\n"), "text", "a");
+    let from_gz = run(&gz, None, "body", "b");
+    let from_zst = run(&zst, None, "body", "c");
+    assert_eq!(from_text.documents, 400);
+    let [train, _] = expected_streams(&docs, 0.2);
+    for m in [&from_text, &from_gz, &from_zst] {
+        assert_eq!((m.documents, m.train.tokens), (400, train.len() as u64));
+    }
+    let shards = |d: &str| shard_files(&tmp.path().join(d));
+    assert_eq!(shards("a"), shards("b"));
+    assert_eq!(shards("a"), shards("c"));
+}
+
+#[test]
+fn bad_input_is_named_with_where_and_how_to_fix_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = tmp.path();
+    let err = |inputs: Vec<PathBuf>, edit: &dyn Fn(&mut PrepareOptions)| {
+        let mut o = options(inputs, &p.join(format!("out-{}", rand_name())));
+        edit(&mut o);
+        prepare::prepare(&o, &mut Silent).unwrap_err().to_string()
+    };
+    // Invalid UTF-8: file and byte offset; replace and skip go on.
+    let bad = p.join("bad.txt");
+    fs::write(&bad, b"good text \xff\xfe more").unwrap();
+    let good = p.join("good.txt");
+    fs::write(&good, "fine").unwrap();
+    let e = err(vec![bad.clone()], &|_| {});
+    assert!(e.contains("bad.txt: invalid UTF-8 at byte offset 10") && e.contains("--invalid replace"), "{e}");
+    let mut o = options(vec![bad.clone(), good.clone()], &p.join("replaced"));
+    o.reading.invalid = Invalid::Replace;
+    let m = prepare::prepare(&o, &mut Silent).unwrap().manifest;
+    assert_eq!(m.documents, 2);
+    o.out = p.join("skipped");
+    o.reading.invalid = Invalid::Skip;
+    let s = prepare::prepare(&o, &mut Silent).unwrap();
+    assert_eq!((s.manifest.documents, s.skipped_documents), (1, 1));
+
+    // JSONL: not JSON, and a missing field, with file:line.
+    let jsonl = p.join("x.jsonl");
+    fs::write(&jsonl, "{\"text\": \"a\"}\n\n{\"txt\": \"b\"}\n").unwrap();
+    let e = err(vec![jsonl.clone()], &|_| {});
+    assert!(e.contains("x.jsonl:3: no field \"text\" (it has: txt); name the text field with --field"), "{e}");
+    fs::write(&jsonl, "{\"text\": \"a\"}\nnot json\n").unwrap();
+    assert!(err(vec![jsonl.clone()], &|_| {}).contains("x.jsonl:2: not JSON"));
+    fs::write(&jsonl, "{\"text\": 5}\n").unwrap();
+    assert!(err(vec![jsonl], &|_| {}).contains("x.jsonl:1: field \"text\" is not a string but 5"));
+
+    // Empty inputs, Parquet, options.
+    let empty = p.join("empty");
+    fs::create_dir(&empty).unwrap();
+    assert!(err(vec![empty.clone()], &|_| {}).contains("the inputs hold no file"));
+    fs::write(empty.join("blank.txt"), "").unwrap();
+    assert!(err(vec![empty], &|_| {}).contains("the inputs hold no document"));
+    let parquet = p.join("t.parquet");
+    fs::write(&parquet, b"PAR1").unwrap();
+    assert!(err(vec![parquet], &|_| {}).contains("t.parquet: Parquet input is not supported"));
+    assert!(err(vec![good.clone()], &|o| o.val_fraction = 1.0).contains("--val-fraction 1: must be at least 0"));
+    let e = err(vec![good.clone()], &|o| o.eos = Some("</s>".into()));
+    assert!(e.contains("byte tokenizer's end of text is id 256"), "{e}");
+
+    // --out holding something else.
+    let busy = p.join("busy");
+    fs::create_dir(&busy).unwrap();
+    fs::write(busy.join("notes.md"), "mine").unwrap();
+    let mut o = options(vec![good.clone()], &busy);
+    let e = prepare::prepare(&o, &mut Silent).unwrap_err().to_string();
+    assert!(e.contains("is not empty and not a corpus (it holds notes.md)") && e.contains("--force"), "{e}");
+    o.force = true;
+    prepare::prepare(&o, &mut Silent).unwrap();
+    assert!(busy.join("notes.md").exists(), "--force leaves other files");
+    // Another corpus in --out: refused, then replaced with --force.
+    let mut other = options(vec![bad], &busy);
+    other.reading.invalid = Invalid::Replace;
+    let e = prepare::prepare(&other, &mut Silent).unwrap_err().to_string();
+    assert!(e.contains("holds a complete corpus prepared from other inputs or options"), "{e}");
+}
+
+fn rand_name() -> String {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    N.fetch_add(1, Ordering::Relaxed).to_string()
+}
+
+#[test]
+fn damaged_shards_and_newer_manifests_are_caught_before_training_reads_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_files(&tmp.path().join("in"), &documents(30));
+    let out = tmp.path().join("corpus");
+    let m = prepare::prepare(&options(vec![tmp.path().join("in")], &out), &mut Silent).unwrap().manifest;
+    let second = out.join(&m.shards[1].file);
+    let original = fs::read(&second).unwrap();
+
+    // One flipped byte in the ids: only the checksum sees it.
+    let mut flipped = original.clone();
+    flipped[100] ^= 1;
+    fs::write(&second, &flipped).unwrap();
+    let e = ShardedDataset::open(&out, None, 16, 1).unwrap_err().to_string();
+    assert!(e.contains("shard-00001.bin: its checksum is") && e.contains("prepare the corpus again"), "{e}");
+    let checks = ava_data::corpus::verify_all(&out, &m, &|_| {});
+    let bad: Vec<&str> = checks.iter().filter(|c| c.problem.is_some()).map(|c| c.entry.file.as_str()).collect();
+    assert_eq!(bad, ["shard-00001.bin"]);
+
+    // Truncated.
+    fs::write(&second, &original[..original.len() - 8]).unwrap();
+    let e = ShardedDataset::open(&out, None, 16, 1).unwrap_err().to_string();
+    assert!(e.contains("shard-00001.bin: it is") && e.contains("truncated"), "{e}");
+    fs::write(&second, &original).unwrap();
+    ShardedDataset::open(&out, None, 16, 1).unwrap();
+
+    // A newer manifest, and a directory that is not a corpus.
+    let text = fs::read_to_string(out.join(manifest::FILE)).unwrap();
+    fs::write(out.join(manifest::FILE), text.replace("\"version\": 1", "\"version\": 9")).unwrap();
+    let e = ShardedDataset::open(&out, None, 16, 1).unwrap_err().to_string();
+    assert!(e.contains("written by a newer Ava (manifest version 9; this build reads up to 1)"), "{e}");
+    let e = ShardedDataset::open(tmp.path(), None, 16, 1).unwrap_err().to_string();
+    assert!(e.contains("is not a prepared corpus (no manifest.json)") && e.contains("ava data prepare"), "{e}");
+    fs::write(out.join(manifest::FILE), text).unwrap();
+
+    // Sequences longer than a split, and another tokenizer than the corpus's.
+    let e = ShardedDataset::open(&out, None, 1 << 20, 1).unwrap_err().to_string();
+    assert!(e.contains("split of the corpus in") && e.contains("smaller data.seq_len"), "{e}");
+    let tok = tmp.path().join("tokenizer.json");
+    fs::write(&tok, "{}").unwrap();
+    let e = ShardedDataset::open(&out, Some(&tok), 16, 1).unwrap_err().to_string();
+    assert!(e.contains("was prepared with the byte tokenizer, but data.tokenizer is tokenizer"), "{e}");
+    assert!(matches!(prepare::prepare(&options(vec![], &out), &mut Silent), Err(PrepareError::NoInputs)));
+}
