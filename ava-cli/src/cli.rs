@@ -434,7 +434,7 @@ pub struct BenchDataArgs {
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// Bytes of shards to write and stream (0: skip streaming), e.g. 8GiB.
-    #[arg(long, default_value = "8GiB", value_name = "SIZE", value_parser = parse_size_arg)]
+    #[arg(long, default_value = "8GiB", value_name = "SIZE", value_parser = parse_size_or_zero)]
     pub corpus: u64,
     /// Batches to stream.
     #[arg(long, default_value_t = 10_000, value_name = "N")]
@@ -452,6 +452,11 @@ pub struct BenchDataArgs {
     /// Where to write (a directory on the disk to measure).
     #[arg(long, default_value = "/tmp", value_name = "DIR")]
     pub dir: PathBuf,
+}
+
+/// Parses a byte size, 0 included (for options where 0 skips something).
+fn parse_size_or_zero(s: &str) -> Result<u64, String> {
+    if s.trim() == "0" { Ok(0) } else { parse_size_arg(s) }
 }
 
 /// Parses a byte size such as 4MiB or 1048576.
@@ -590,6 +595,16 @@ pub enum DataCommand {
     ///   ava train --set data.source=shards --set data.path=corpora/books --set model.vocab_size=257
     #[command(verbatim_doc_comment)]
     Prepare(PrepareArgs),
+    /// Learn a byte-level BPE tokenizer (GPT-2's scheme, with the tokenizers crate) from
+    /// text read as `prepare` reads it, and write it as a Hugging Face tokenizer.json with
+    /// <|endoftext|> as its end-of-text token. Holds the documents in memory: train it on a
+    /// sample of a large corpus.
+    ///
+    /// Example:
+    ///   ava data train-tokenizer books/ --vocab-size 8192 --out books-bpe.json
+    ///   ava data prepare books/ --tokenizer books-bpe.json --out corpora/books-bpe
+    #[command(verbatim_doc_comment)]
+    TrainTokenizer(TrainTokenizerArgs),
     /// Summarize a prepared corpus: tokenizer, documents and tokens per split, shards, inputs.
     Info {
         /// The corpus directory.
@@ -623,6 +638,32 @@ impl From<InvalidArg> for ava_data::prepare::Invalid {
             InvalidArg::Skip => Self::Skip,
         }
     }
+}
+
+/// `ava data train-tokenizer` options.
+#[derive(Debug, Args)]
+pub struct TrainTokenizerArgs {
+    /// Text or JSONL files (.gz/.zst too) and directories, in order.
+    #[arg(required = true, value_name = "INPUT")]
+    pub inputs: Vec<PathBuf>,
+    /// The tokenizer.json to write.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+    /// Ids in the vocabulary: the end-of-text token, 256 bytes, and learned merges.
+    #[arg(long, value_name = "N", default_value_t = 8192)]
+    pub vocab_size: usize,
+    /// Cut text files into documents at this string (default: one document per file).
+    #[arg(long, value_name = "STRING")]
+    pub separator: Option<String>,
+    /// The JSONL field holding the text.
+    #[arg(long, value_name = "NAME", default_value = "text")]
+    pub field: String,
+    /// What to do with invalid UTF-8.
+    #[arg(long, value_enum, default_value_t = InvalidArg::Error)]
+    pub invalid: InvalidArg,
+    /// Replace --out if it exists.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// `ava data prepare` options.

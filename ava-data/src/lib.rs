@@ -24,6 +24,7 @@
 //! mapping), `manifest`, `sharded` (the dataset training reads), `permute` (the shuffle),
 //! `corpus` (verifying a corpus whole).
 
+pub mod bpe;
 pub mod corpus;
 mod dataset;
 mod error;

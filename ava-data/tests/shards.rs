@@ -325,3 +325,44 @@ fn damaged_shards_and_newer_manifests_are_caught_before_training_reads_them() {
     assert!(e.contains("was prepared with the byte tokenizer, but data.tokenizer is tokenizer"), "{e}");
     assert!(matches!(prepare::prepare(&options(vec![], &out), &mut Silent), Err(PrepareError::NoInputs)));
 }
+
+#[test]
+fn a_trained_bpe_prepares_a_corpus_that_training_checks_against_data_tokenizer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = documents(40);
+    write_files(&tmp.path().join("in"), &docs);
+    let inputs = vec![tmp.path().join("in")];
+    let tok = tmp.path().join("bpe.json");
+    let trained = ava_data::bpe::train(&inputs, &reading(), 400, &tok).unwrap();
+    assert_eq!((trained.vocab_size, trained.documents), (400, 40));
+
+    let out = tmp.path().join("corpus");
+    let mut o = options(inputs, &out);
+    o.tokenizer = Some(tok.clone());
+    let m = prepare::prepare(&o, &mut Silent).unwrap().manifest;
+    let reference = tokenizers::Tokenizer::from_file(&tok).unwrap();
+    assert_eq!((m.vocab_size, m.id_bytes), (400, 2));
+    assert_eq!(Some(m.eos_id), reference.token_to_id(ava_data::bpe::END_OF_TEXT));
+    assert!(matches!(&m.tokenizer, manifest::TokenizerId::Huggingface { sha256, .. } if sha256.len() == 64));
+    // The validation stream is the held-out documents, each encoded by the tokenizer itself
+    // and followed by the end-of-text id; merges make it much shorter than the bytes.
+    let mut want = Vec::new();
+    for (_, d) in docs.iter().enumerate().filter(|(i, _)| prepare::is_validation(*i as u64, 0.2)) {
+        want.extend_from_slice(reference.encode(d.as_str(), false).unwrap().get_ids());
+        want.push(m.eos_id);
+    }
+    let ds = ShardedDataset::open(&out, Some(&tok), 16, 3).unwrap();
+    let got = read_stream(&ds, Split::Validation, 16);
+    assert_eq!(got, want[..got.len()]);
+    let bytes: usize = docs.iter().map(String::len).sum();
+    let ids = m.train.tokens + m.validation.tokens;
+    assert!(ids * 3 < bytes as u64 * 2, "{ids} ids for {bytes} bytes");
+
+    // Another tokenizer than the corpus's is refused naming both.
+    let other = tmp.path().join("other.json");
+    ava_data::bpe::train(&[tmp.path().join("in")], &reading(), 300, &other).unwrap();
+    let e = ShardedDataset::open(&out, Some(&other), 16, 3).unwrap_err().to_string();
+    assert!(e.contains("was prepared with tokenizer") && e.contains("bpe.json") && e.contains("other.json"), "{e}");
+    let e = ava_data::bpe::train(&[tmp.path().join("in")], &reading(), 200, &other).unwrap_err().to_string();
+    assert!(e.contains("--vocab-size 200: must be above 257"), "{e}");
+}

@@ -26,20 +26,26 @@ use crate::cli::BenchDataArgs;
 use crate::output::Printer;
 use crate::{CmdResult, Failure};
 
-/// Resident bytes of this process (Linux /proc; 0 elsewhere).
-fn rss_bytes() -> u64 {
-    let statm = fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm.split_whitespace().nth(1).and_then(|v| v.parse().ok()).unwrap_or(0);
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
-    pages * page
+/// Resident bytes of this process, and of them those mapped from files (Linux /proc; 0
+/// elsewhere).
+fn rss_bytes() -> (u64, u64) {
+    let status = fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
+    };
+    (field("VmRSS:"), field("RssFile:"))
 }
 
 fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1 << 20) as f64
 }
 
-/// Writes `mb` MB of English-like text as files of about 4 MB (one document each).
+/// Writes `mb` MB of English-like text as JSONL files of about 4 MB, documents of 1–8 KB
+/// under "text" (the shape of a dataset hub's dump).
 fn write_text(dir: &Path, mb: u64) -> std::io::Result<Vec<PathBuf>> {
     const WORDS: &[&str] = &[
         "the",
@@ -112,33 +118,36 @@ fn write_text(dir: &Path, mb: u64) -> std::io::Result<Vec<PathBuf>> {
     let mut rng = Rng::new(7);
     let mut files = Vec::new();
     let mut written = 0u64;
-    let mut i = 0;
     while written < mb * 1_000_000 {
-        let mut text = String::with_capacity(4_100_000);
-        let mut line = 0;
-        while text.len() < 4_000_000 {
-            let w = WORDS[rng.below(WORDS.len() as u64) as usize];
-            text.push_str(w);
-            line += w.len() + 1;
-            let r = rng.below(100);
-            text.push_str(if line > 80 {
-                "\n"
-            } else if r < 6 {
-                ", "
-            } else if r < 10 {
-                ". "
-            } else {
-                " "
-            });
-            if line > 80 {
-                line = 0;
+        let mut jsonl = String::with_capacity(4_200_000);
+        while jsonl.len() < 4_000_000 {
+            let target = 1000 + rng.below(7000) as usize;
+            let (mut doc, mut line) = (String::with_capacity(target + 100), 0);
+            while doc.len() < target {
+                let w = WORDS[rng.below(WORDS.len() as u64) as usize];
+                doc.push_str(w);
+                line += w.len() + 1;
+                let r = rng.below(100);
+                doc.push_str(if line > 80 {
+                    "\n"
+                } else if r < 6 {
+                    ", "
+                } else if r < 10 {
+                    ". "
+                } else {
+                    " "
+                });
+                if line > 80 {
+                    line = 0;
+                }
             }
+            written += doc.len() as u64;
+            jsonl.push_str(&json!({ "text": doc }).to_string());
+            jsonl.push('\n');
         }
-        let path = dir.join(format!("text-{i:04}.txt"));
-        fs::write(&path, &text)?;
-        written += text.len() as u64;
+        let path = dir.join(format!("text-{:04}.jsonl", files.len()));
+        fs::write(&path, &jsonl)?;
         files.push(path);
-        i += 1;
     }
     Ok(files)
 }
@@ -172,7 +181,8 @@ fn python_rate(inputs: &[PathBuf], tokenizer: &Path) -> Result<f64, String> {
 import sys, time
 from tokenizers import Tokenizer
 tok = Tokenizer.from_file(sys.argv[1])
-docs = [open(p, encoding="utf-8").read() for p in sys.argv[2:]]
+import json
+docs = [json.loads(line)["text"] for p in sys.argv[2:] for line in open(p, encoding="utf-8") if line.strip()]
 encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
 start = time.perf_counter()
 encode(docs, add_special_tokens=False)
@@ -264,8 +274,38 @@ fn scaled_corpus(base: &Path, manifest: &Manifest, dir: &Path, times: usize) -> 
     Ok(())
 }
 
-/// Streams `batches` batches: (resident bytes after the first, largest after, seconds per batch).
-fn stream(dir: &Path, verify: Verify, args: &BenchDataArgs) -> anyhow::Result<(u64, u64, f64, String)> {
+/// What streaming measured.
+struct Streamed {
+    /// Resident bytes after the first batch, and the file-mapped part of them.
+    first: (u64, u64),
+    /// The largest resident bytes seen after, and the file-mapped part then.
+    most: (u64, u64),
+    seconds_per_batch: f64,
+    describe: String,
+}
+
+impl Streamed {
+    fn line(&self, label: &str) -> String {
+        format!(
+            "{label:<28} RSS {:.1} MiB after batch 1 ({:.1} of it mapped files), {:.1} MiB at most ({:.1}): +{:.1} \
+             MiB; {:.3} ms/batch",
+            mib(self.first.0),
+            mib(self.first.1),
+            mib(self.most.0),
+            mib(self.most.1),
+            mib(self.most.0.saturating_sub(self.first.0)),
+            self.seconds_per_batch * 1e3
+        )
+    }
+
+    fn json(&self) -> Value {
+        json!({"rss_first": self.first.0, "rss_file_first": self.first.1, "rss_most": self.most.0,
+               "rss_file_most": self.most.1, "seconds_per_batch": self.seconds_per_batch})
+    }
+}
+
+/// Streams `batches` batches of the training split through the loader (one worker).
+fn stream(dir: &Path, verify: Verify, args: &BenchDataArgs) -> anyhow::Result<Streamed> {
     let dataset = Arc::new(ShardedDataset::open_with(dir, None, args.seq_len, 1, verify)?);
     let describe = ava_data::Dataset::describe(&*dataset);
     let mut loader = Loader::new(dataset, Split::Train, args.batch_size, args.seq_len, 0, 1, 2)?;
@@ -275,15 +315,20 @@ fn stream(dir: &Path, verify: Verify, args: &BenchDataArgs) -> anyhow::Result<(u
     let start = Instant::now();
     for i in 1..args.batches {
         loader.next()?;
-        if i % 64 == 0 {
-            most = most.max(rss_bytes());
+        if i % 64 == 0 || i + 1 == args.batches {
+            let now = rss_bytes();
+            if now.0 > most.0 {
+                most = now;
+            }
         }
     }
-    most = most.max(rss_bytes());
-    Ok((first, most, start.elapsed().as_secs_f64() / args.batches.saturating_sub(1).max(1) as f64, describe))
+    let seconds_per_batch = start.elapsed().as_secs_f64() / args.batches.saturating_sub(1).max(1) as f64;
+    Ok(Streamed { first, most, seconds_per_batch, describe })
 }
 
 pub fn run(p: &Printer, args: &BenchDataArgs) -> CmdResult {
+    // As `ava data prepare` does; memory here is measured as the resident set.
+    ava_train::memory::stop_counting();
     let work = tempfile::Builder::new().prefix("ava-bench-data-").tempdir_in(&args.dir)?;
     let mut report = serde_json::Map::new();
     let mut lines = Vec::new();
@@ -328,40 +373,30 @@ pub fn run(p: &Printer, args: &BenchDataArgs) -> CmdResult {
         let base = work.path().join("corpus");
         p.note(&format!("writing a {:.1} GiB corpus of shards ...", args.corpus as f64 / (1u64 << 30) as f64));
         let manifest = write_corpus(&base, args.corpus, p)?;
+        // Writing left the heap grown; hand it back so the streaming numbers are the reader's.
+        // SAFETY: malloc_trim only returns free memory to the system.
+        #[cfg(target_os = "linux")]
+        unsafe {
+            libc::malloc_trim(0);
+        }
         p.note(&format!("streaming {} batches of {} x {} ...", args.batches, args.batch_size, args.seq_len + 1));
-        let (first, most, per_batch, describe) = stream(&base, Verify::Checksums, args)?;
+        let streamed = stream(&base, Verify::Checksums, args)?;
         let bytes: u64 = manifest.shards.iter().map(|s| s.bytes).sum();
-        lines.push(format!("corpus                       {describe}"));
-        lines.push(format!(
-            "stream {:>6.2} GiB            RSS {:.1} MiB after batch 1, {:.1} MiB at most (+{:.1} MiB); {:.3} ms/batch",
-            bytes as f64 / (1u64 << 30) as f64,
-            mib(first),
-            mib(most),
-            mib(most.saturating_sub(first)),
-            per_batch * 1e3
-        ));
-        report.insert(
-            "stream".into(),
-            json!({"corpus_bytes": bytes, "rss_first": first, "rss_most": most, "seconds_per_batch": per_batch}),
-        );
+        lines.push(format!("corpus                       {}", streamed.describe));
+        lines.push(streamed.line(&format!("stream {:.2} GiB", bytes as f64 / (1u64 << 30) as f64)));
+        let mut entry = streamed.json();
+        entry["corpus_bytes"] = json!(bytes);
+        report.insert("stream".into(), entry);
         if args.scale > 1 {
             let scaled = work.path().join("scaled");
             scaled_corpus(&base, &manifest, &scaled, args.scale)?;
             p.note(&format!("streaming the corpus listed {}x over (not re-verified) ...", args.scale));
-            let (first, most, per_batch, _) = stream(&scaled, Verify::Sizes, args)?;
-            lines.push(format!(
-                "stream {:>6.2} GiB ({}x)       RSS {:.1} MiB after batch 1, {:.1} MiB at most (+{:.1} MiB); {:.3} ms/batch",
-                (bytes * args.scale as u64) as f64 / (1u64 << 30) as f64,
-                args.scale,
-                mib(first),
-                mib(most),
-                mib(most.saturating_sub(first)),
-                per_batch * 1e3
-            ));
-            report.insert(
-                "stream_scaled".into(),
-                json!({"times": args.scale, "rss_first": first, "rss_most": most, "seconds_per_batch": per_batch}),
-            );
+            let streamed = stream(&scaled, Verify::Sizes, args)?;
+            let gib = (bytes * args.scale as u64) as f64 / (1u64 << 30) as f64;
+            lines.push(streamed.line(&format!("stream {gib:.2} GiB ({}x)", args.scale)));
+            let mut entry = streamed.json();
+            entry["times"] = json!(args.scale);
+            report.insert("stream_scaled".into(), entry);
         }
     }
     p.result(|| lines.join("\n"), || Value::Object(report.clone()));

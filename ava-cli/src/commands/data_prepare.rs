@@ -65,6 +65,8 @@ impl PrepareReporter for Bar<'_> {
 }
 
 pub fn run(p: &Printer, args: &PrepareArgs) -> CmdResult {
+    // Nothing here reports memory, and the tokenizers allocate per word on every core.
+    ava_train::memory::stop_counting();
     let options = PrepareOptions {
         inputs: args.inputs.clone(),
         out: args.out.clone(),

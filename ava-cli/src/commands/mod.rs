@@ -11,6 +11,7 @@ mod config_show;
 mod config_validate;
 mod data_info;
 mod data_prepare;
+mod data_train_tokenizer;
 mod data_verify;
 mod estimate;
 mod offload_arg;
@@ -63,6 +64,7 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
         Command::Bench(BenchCommand::Data(args)) => bench_data::run(p, &args),
         Command::Data(c) => match c {
             DataCommand::Prepare(args) => data_prepare::run(p, &args),
+            DataCommand::TrainTokenizer(args) => data_train_tokenizer::run(p, &args),
             DataCommand::Info { dir } => data_info::run(p, &dir),
             DataCommand::Verify { dir } => data_verify::run(p, &dir),
         },

@@ -2,13 +2,15 @@
 //!
 //! One thread reads the inputs in order (decompressing, splitting into documents, checking
 //! UTF-8) and hands batches of about 4 MiB of text to the caller's thread, which tokenizes
-//! a batch's pieces on the rayon pool (order kept), appends each document to the shard being
+//! a batch's documents on the rayon pool (order kept; only very long documents are cut into
+//! pieces, see [`TOKENIZER_PIECE_BYTES`]), appends each document to the shard being
 //! filled (train or validation region, by a hash of the document's index) and writes the
 //! shard when it holds `shard_tokens` ids. After every written shard the manifest is saved
 //! atomically, so a killed run leaves a manifest listing only complete shards, and the next
 //! run into the same directory skips the documents they hold and continues.
 //!
-//! Memory: one shard's ids (`shard_tokens` × id bytes), plus two batches of text in flight.
+//! Memory: two shards' ids (`shard_tokens` × id bytes each: one filling, one being written
+//! on its own thread), plus two batches of text in flight.
 
 pub mod input;
 
@@ -57,8 +59,14 @@ pub const DEFAULT_SHARD_TOKENS: u64 = 1 << 27;
 
 /// Text per batch handed from the reader to the tokenizers.
 const BATCH_BYTES: usize = 4 << 20;
-/// Pieces a long document is cut into (at line ends) so one document can use every core.
-const PIECE_BYTES: usize = 1 << 20;
+/// Pieces the byte tokenizer's documents are cut into (at line ends), so one long document
+/// can use every core; bytes are ids, so cutting changes nothing.
+const BYTE_PIECE_BYTES: usize = 1 << 20;
+/// A tokenizer.json sees each document whole, so its ids are exactly those of encoding the
+/// document (a cut would make the tokenizer see a new start: another pre-token split, or
+/// SentencePiece's word-start mark). Only documents beyond this size are cut, at line ends,
+/// to bound the tokenizer's working memory; a whole book is ~1 MB.
+const TOKENIZER_PIECE_BYTES: usize = 8 << 20;
 /// Salt of the hash that picks validation documents.
 const VALIDATION_SALT: u64 = 0x7661_6c69_6461_7465;
 
@@ -393,7 +401,6 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
         Progress { input_total, documents: manifest.documents, shards: manifest.shards.len(), ..Progress::default() };
     let mut builder = ShardBuilder::new(id_bytes, eos_id);
     let mut shard_text = 0u64;
-    let mut first_document = manifest.documents;
     let write_err = |shards: usize, source: io::Error| {
         if source.kind() == io::ErrorKind::StorageFull {
             PrepareError::DiskFull { dir: dir.clone(), shards, source }
@@ -407,7 +414,34 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
         let reading = options.reading.clone();
         let (read2, skipped2) = (read.clone(), skipped.clone());
         let files2 = files.clone();
-        let reader = scope.spawn(move || read_documents(&files2, &reading, skip, &read2, &skipped2, &tx));
+        let piece = if matches!(encoder, Encoder::Byte) { BYTE_PIECE_BYTES } else { TOKENIZER_PIECE_BYTES };
+        let reader = scope.spawn(move || read_documents(&files2, &reading, skip, piece, &read2, &skipped2, &tx));
+        // Shards are written (hashed, fsynced, renamed) on their own thread while the next
+        // one fills; this thread keeps the manifest and saves it, in shard order, as each
+        // lands. A rendezvous channel: a full shard waits for the writer, so at most two exist.
+        let (shard_tx, shard_rx) = sync_channel::<(ShardBuilder, String, u64, u64)>(0);
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<io::Result<(ShardEntry, u64)>>();
+        let out_dir = dir.clone();
+        let writer = scope.spawn(move || {
+            for (builder, file, first, text_bytes) in shard_rx {
+                let done = builder.finish(&out_dir, &file, first).map(|e| (e, text_bytes));
+                let failed = done.is_err();
+                if failed {
+                    let _ = fs::remove_file(out_dir.join(format!("{file}.tmp")));
+                }
+                let _ = done_tx.send(done);
+                if failed {
+                    return;
+                }
+            }
+        });
+        let mut sink = ShardSink {
+            dir: &dir,
+            shard_tx: Some(shard_tx),
+            done_rx,
+            handed: manifest.shards.len(),
+            handed_docs: manifest.documents,
+        };
         for batch in rx {
             let encoded: Vec<Result<Vec<u32>, String>> = batch.pieces.par_iter().map(|p| encoder.encode(p)).collect();
             let mut pieces = encoded.into_iter();
@@ -417,7 +451,7 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
                 for piece in pieces.by_ref().take(count) {
                     ids.extend(piece.map_err(|message| PrepareError::Encode { path: path.to_path_buf(), message })?);
                 }
-                let index = manifest.documents + builder.documents();
+                let index = sink.handed_docs + builder.documents();
                 let split = if is_validation(index, options.val_fraction) { Split::Validation } else { Split::Train };
                 builder.push(split, &ids);
                 progress.tokens += ids.len() as u64 + 1;
@@ -425,14 +459,10 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
                 shard_text += text_bytes;
                 if builder.tokens() >= options.shard_tokens {
                     let full = std::mem::replace(&mut builder, ShardBuilder::new(id_bytes, eos_id));
-                    let entry = write_shard(full, &dir, &mut manifest, first_document, shard_text)
-                        .map_err(|e| write_err(manifest.shards.len(), e))?;
-                    first_document = manifest.documents;
-                    shard_text = 0;
-                    reporter.shard(&entry);
+                    sink.hand(full, std::mem::take(&mut shard_text), &mut manifest, reporter)?;
                 }
             }
-            progress.documents = manifest.documents + builder.documents();
+            progress.documents = sink.handed_docs + builder.documents();
             progress.shards = manifest.shards.len();
             progress.input_bytes = read.load(Ordering::Relaxed);
             progress.elapsed = started.elapsed();
@@ -441,9 +471,12 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
         // The channel closed: the reader finished, or failed.
         reader.join().expect("the input reader does not panic")?;
         if builder.documents() > 0 {
-            let entry = write_shard(builder, &dir, &mut manifest, first_document, shard_text)
-                .map_err(|e| write_err(manifest.shards.len(), e))?;
-            reporter.shard(&entry);
+            sink.hand(builder, shard_text, &mut manifest, reporter)?;
+        }
+        sink.shard_tx = None; // the writer finishes what it has, then stops
+        writer.join().expect("the shard writer does not panic");
+        while let Ok(done) = sink.done_rx.recv() {
+            sink.absorb(done, &mut manifest, reporter)?;
         }
         Ok(())
     })?;
@@ -466,21 +499,65 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
     })
 }
 
-/// Writes a full shard and the manifest that lists it.
-fn write_shard(
-    builder: ShardBuilder,
-    dir: &Path,
-    manifest: &mut Manifest,
-    first_document: u64,
-    text_bytes: u64,
-) -> io::Result<ShardEntry> {
-    let file = shard::file_name(manifest.shards.len());
-    let entry = builder.finish(dir, &file, first_document).inspect_err(|_| {
-        let _ = fs::remove_file(dir.join(format!("{file}.tmp")));
-    })?;
-    manifest.push(entry.clone(), text_bytes);
-    manifest.save(dir)?;
-    Ok(entry)
+/// The preparing thread's end of the shard writer.
+struct ShardSink<'a> {
+    dir: &'a Path,
+    shard_tx: Option<std::sync::mpsc::SyncSender<(ShardBuilder, String, u64, u64)>>,
+    done_rx: std::sync::mpsc::Receiver<io::Result<(ShardEntry, u64)>>,
+    /// Shards handed to the writer.
+    handed: usize,
+    /// Their documents: the index of the next document.
+    handed_docs: u64,
+}
+
+impl ShardSink<'_> {
+    /// Hands a full shard to the writer (waiting while it writes the previous one), then
+    /// records the shards it has finished.
+    fn hand(
+        &mut self,
+        builder: ShardBuilder,
+        text_bytes: u64,
+        manifest: &mut Manifest,
+        reporter: &mut dyn PrepareReporter,
+    ) -> Result<(), PrepareError> {
+        let docs = builder.documents();
+        let tx = self.shard_tx.as_ref().expect("open until the end");
+        if tx.send((builder, shard::file_name(self.handed), self.handed_docs, text_bytes)).is_err() {
+            // The writer stopped on an error: that error is the one to report.
+            while let Ok(done) = self.done_rx.recv() {
+                self.absorb(done, manifest, reporter)?;
+            }
+            unreachable!("the writer stops only after sending its error");
+        }
+        self.handed += 1;
+        self.handed_docs += docs;
+        while let Ok(done) = self.done_rx.try_recv() {
+            self.absorb(done, manifest, reporter)?;
+        }
+        Ok(())
+    }
+
+    /// Lists a written shard in the manifest and saves it.
+    fn absorb(
+        &self,
+        done: io::Result<(ShardEntry, u64)>,
+        manifest: &mut Manifest,
+        reporter: &mut dyn PrepareReporter,
+    ) -> Result<(), PrepareError> {
+        let failed = |manifest: &Manifest, source: io::Error| {
+            let (dir, shards) = (self.dir.to_path_buf(), manifest.shards.len());
+            if source.kind() == io::ErrorKind::StorageFull {
+                PrepareError::DiskFull { dir, shards, source }
+            } else {
+                PrepareError::Write { dir, shards, source }
+            }
+        };
+        let (entry, text_bytes) = done.map_err(|e| failed(manifest, e))?;
+        manifest.push(entry.clone(), text_bytes);
+        manifest.save(self.dir).map_err(|e| failed(manifest, e))?;
+        reporter.shard(&entry);
+        Ok(())
+    }
 }
 
 /// What `--out` holds.
@@ -513,7 +590,7 @@ fn claim_out(dir: &Path, fresh: &Manifest, force: bool) -> Result<Claim, Prepare
         .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
         .collect();
     let refusal = match Manifest::load(dir) {
-        Ok(existing) if same_corpus(&existing, fresh) => {
+        Ok(existing) if same_corpus(&existing, fresh) && !force => {
             return Ok(if existing.complete { Claim::Complete(existing) } else { Claim::Continue(existing) });
         }
         Ok(existing) => Some(format!(
@@ -565,6 +642,7 @@ fn read_documents(
     files: &[manifest::InputFile],
     reading: &Reading,
     skip: u64,
+    piece_bytes: usize,
     read: &Arc<AtomicU64>,
     skipped: &AtomicU64,
     tx: &std::sync::mpsc::SyncSender<Batch>,
@@ -589,7 +667,7 @@ fn read_documents(
             let mut count = 0;
             let mut rest: &str = &text;
             while !rest.is_empty() {
-                let end = piece_end(rest);
+                let end = piece_end(rest, piece_bytes);
                 batch.pieces.push(rest[..end].to_string());
                 rest = &rest[end..];
                 count += 1;
@@ -618,11 +696,11 @@ fn read_documents(
 }
 
 /// Where the first piece of `text` ends: just after the first line end at or past
-/// [`PIECE_BYTES`], or the end of the text.
-fn piece_end(text: &str) -> usize {
-    if text.len() <= PIECE_BYTES {
+/// `piece_bytes`, or the end of the text.
+fn piece_end(text: &str, piece_bytes: usize) -> usize {
+    if text.len() <= piece_bytes {
         return text.len();
     }
     // '\n' is ASCII, so the byte after it is a char boundary.
-    text.as_bytes()[PIECE_BYTES..].iter().position(|&b| b == b'\n').map_or(text.len(), |i| PIECE_BYTES + i + 1)
+    text.as_bytes()[piece_bytes..].iter().position(|&b| b == b'\n').map_or(text.len(), |i| piece_bytes + i + 1)
 }

@@ -54,9 +54,10 @@ impl ShardBuilder {
         };
         region.starts.push(region.tokens);
         let width = self.id_bytes as usize;
-        region.ids.reserve((ids.len() + 1) * width);
-        for &id in ids.iter().chain([&self.eos]) {
-            region.ids.extend_from_slice(&id.to_le_bytes()[..width]);
+        let at = region.ids.len();
+        region.ids.resize(at + (ids.len() + 1) * width, 0);
+        for (out, &id) in region.ids[at..].chunks_exact_mut(width).zip(ids.iter().chain([&self.eos])) {
+            out.copy_from_slice(&id.to_le_bytes()[..width]);
         }
         region.tokens += ids.len() as u64 + 1;
     }
@@ -212,7 +213,9 @@ impl ShardFile {
         }
         #[cfg(unix)]
         let _ = map.advise(memmap2::Advice::Random);
-        Ok(Self { path, header, map })
+        let shard = Self { path, header, map };
+        shard.release(0, HEADER_BYTES);
+        Ok(shard)
     }
 
     /// The file.
@@ -273,15 +276,21 @@ impl ShardFile {
 
     /// Drops the pages holding `from .. from + len` from this process's mapping: they stay in
     /// the page cache (a later access, ours or another reader's, finds them there) but stop
-    /// counting towards the resident set. Another thread reading the same page meanwhile
-    /// just faults it back in: the mapping is read-only and file-backed, so every access
-    /// sees the file's bytes.
+    /// counting towards the resident set. One fault on a file mapping maps more than its
+    /// page: the cached pages around it (fault-around, 64 KiB by default) and, where the page
+    /// cache holds the file in large folios (recent kernels, after the checksum pass read it),
+    /// up to a whole 2 MiB folio. So the whole aligned 2 MiB window is dropped; with less,
+    /// those pages stayed mapped and added up (measured: +58 MiB over 10,000 batches of an
+    /// 8 GiB corpus with 64 KiB windows).
+    ///
+    /// Another thread reading the same window meanwhile just faults its page back in: the
+    /// mapping is read-only and file-backed, so every access sees the file's bytes.
     fn release(&self, from: usize, len: usize) {
         #[cfg(unix)]
         {
-            let page = page_size();
-            let start = from / page * page;
-            let end = (from + len).next_multiple_of(page).min(self.map.len());
+            let window = FAULT_WINDOW_BYTES.max(page_size());
+            let start = from / window * window;
+            let end = (from + len).next_multiple_of(window).min(self.map.len());
             if end > start {
                 // SAFETY: see above; dropped pages of a read-only file mapping are read
                 // back from the file.
@@ -290,6 +299,9 @@ impl ShardFile {
         }
     }
 }
+
+/// The most Linux maps on one fault of a file mapping: a 2 MiB folio (x86-64's PMD size).
+const FAULT_WINDOW_BYTES: usize = 2 << 20;
 
 #[cfg(unix)]
 fn page_size() -> usize {

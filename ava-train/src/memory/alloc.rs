@@ -11,10 +11,18 @@
 //! checks between micro-steps and abandons the one that crossed, as if it had failed.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 
-static CURRENT: AtomicU64 = AtomicU64::new(0);
+/// A counter alone on its cache line: every allocation writes `CURRENT`, and sharing its
+/// line with the read-mostly counters made threads that allocate a lot (a tokenizer on both
+/// cores) wait on each other.
+#[repr(align(64))]
+struct Line(AtomicU64);
+
+static CURRENT: Line = Line(AtomicU64::new(0));
 static PEAK: AtomicU64 = AtomicU64::new(0);
+/// While set, nothing is counted (see [`stop_counting`]).
+static STOPPED: AtomicBool = AtomicBool::new(false);
 /// The hard limit in bytes; 0: none.
 static LIMIT: AtomicU64 = AtomicU64::new(0);
 /// Bytes in use just after the first allocation that crossed the limit; 0: none since the
@@ -28,8 +36,14 @@ pub struct CountingAlloc;
 
 #[inline]
 fn grew(bytes: u64) {
-    let now = CURRENT.fetch_add(bytes, Relaxed) + bytes;
-    PEAK.fetch_max(now, Relaxed);
+    if STOPPED.load(Relaxed) {
+        return;
+    }
+    let now = CURRENT.0.fetch_add(bytes, Relaxed) + bytes;
+    // A read first: the read-modify-write is only needed when the peak moves.
+    if now > PEAK.load(Relaxed) {
+        PEAK.fetch_max(now, Relaxed);
+    }
     let limit = LIMIT.load(Relaxed);
     if limit != 0 && now > limit {
         // Only the first crossing is kept; later ones find it set.
@@ -38,6 +52,20 @@ fn grew(bytes: u64) {
 }
 
 // SAFETY: every method forwards to `System` with the same arguments and only adds counting.
+#[inline]
+fn shrank(bytes: u64) {
+    if !STOPPED.load(Relaxed) {
+        CURRENT.0.fetch_sub(bytes, Relaxed);
+    }
+}
+
+/// Stops counting for the rest of the process: for commands that measure no memory and
+/// allocate hard on every core (`ava data prepare` spent half its time in the counters).
+/// The counts are meaningless afterwards, so there is no way back.
+pub fn stop_counting() {
+    STOPPED.store(true, Relaxed);
+}
+
 unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: the caller's contract is passed through unchanged.
@@ -60,7 +88,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         // SAFETY: as above.
         unsafe { System.dealloc(ptr, layout) };
-        CURRENT.fetch_sub(layout.size() as u64, Relaxed);
+        shrank(layout.size() as u64);
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -72,7 +100,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
             if new >= old {
                 grew(new - old);
             } else {
-                CURRENT.fetch_sub(old - new, Relaxed);
+                shrank(old - new);
             }
         }
         p
@@ -81,7 +109,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
 
 /// Bytes allocated now.
 pub fn current() -> u64 {
-    CURRENT.load(Relaxed)
+    CURRENT.0.load(Relaxed)
 }
 
 /// The most bytes allocated at once since the start or the last [`reset_peak`].
@@ -91,7 +119,7 @@ pub fn peak() -> u64 {
 
 /// Starts a new peak measurement from the current level; returns the old peak.
 pub fn reset_peak() -> u64 {
-    PEAK.swap(CURRENT.load(Relaxed), Relaxed)
+    PEAK.swap(CURRENT.0.load(Relaxed), Relaxed)
 }
 
 /// Sets the hard limit (`None`: no limit) and forgets any earlier crossing. The limit is
@@ -114,7 +142,7 @@ pub fn take_crossed() -> Option<u64> {
 
 /// Whether the counting allocator is the global allocator (any allocation was counted).
 pub fn installed() -> bool {
-    CURRENT.load(Relaxed) > 0 || PEAK.load(Relaxed) > 0
+    CURRENT.0.load(Relaxed) > 0 || PEAK.load(Relaxed) > 0
 }
 
 /// The process's resident set size in bytes (Linux `/proc/self/statm`), if readable: what

@@ -5,5 +5,7 @@
 mod alloc;
 mod breakdown;
 
-pub use alloc::{CountingAlloc, current, installed, limit, peak, reset_peak, resident_bytes, set_limit, take_crossed};
+pub use alloc::{
+    CountingAlloc, current, installed, limit, peak, reset_peak, resident_bytes, set_limit, stop_counting, take_crossed,
+};
 pub use breakdown::{Breakdown, gib};
