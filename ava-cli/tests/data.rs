@@ -106,3 +106,64 @@ fn training_on_shards_resumes_bit_exactly_with_another_worker_count() {
     assert_eq!(losses(&a), losses(&b));
     assert_eq!(losses(&a).len(), 6);
 }
+
+/// A second corpus with other text, prepared beside the first.
+fn prepared_second(dir: &Path) {
+    let text = dir.join("text2");
+    fs::create_dir_all(&text).unwrap();
+    for i in 0..20 {
+        let body: String = (0..900).map(|w| format!("other{} ", (i * 31 + w * 17) % 211)).collect();
+        fs::write(text.join(format!("b-{i:02}.txt")), body).unwrap();
+    }
+    ok(ava(dir, &["data", "prepare", "text2", "--out", "corpus2", "--val-fraction", "0.1"]));
+}
+
+#[test]
+fn a_mixture_reports_tokens_by_source_and_resumes_bit_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    prepared(dir.path());
+    prepared_second(dir.path());
+    let mix: &[&str] = &[
+        "--set",
+        "data.source=shards",
+        "--set",
+        "data.mix=[corpus: 75%, corpus2: 25%]",
+        "--set",
+        "model.vocab_size=257",
+    ];
+    let run = |out: &str, extra: &[&str]| ok(train_small(dir.path(), out, &[mix, extra].concat()));
+    let out = run("straight", &["--max-steps", "6", "--format", "json"]);
+    let summary = json_of(&out);
+    let by_source = summary["tokens_by_source"].as_array().unwrap();
+    let tokens: Vec<u64> = by_source.iter().map(|s| s["tokens"].as_u64().unwrap()).collect();
+    // 6 steps of 2 micro-batches of 4 sequences of 32 targets.
+    assert_eq!(tokens.iter().sum::<u64>(), 6 * 2 * 4 * 32, "{summary}");
+    assert_eq!(by_source[0]["source"], "corpus");
+    assert!(tokens[0] > tokens[1] && tokens[1] > 0, "{tokens:?}");
+    run("split", &["--max-steps", "6", "--steps", "3", "--set", "data.num_workers=2"]);
+    run("split", &["--max-steps", "6", "--resume", "latest", "--set", "data.num_workers=0"]);
+    let (a, b) = (dir.path().join("straight"), dir.path().join("split"));
+    for file in ["model.safetensors", "optimizer.safetensors", "trainer.json"] {
+        let x = fs::read(checkpoint(&a, 6).join(file)).unwrap();
+        let y = fs::read(checkpoint(&b, 6).join(file)).unwrap();
+        assert!(x == y, "{file} differs between the straight and the resumed run");
+    }
+    assert_eq!(losses(&a), losses(&b));
+
+    // Shares that do not add up, and a path beside a mix.
+    let err = usage_error(train_small(
+        dir.path(),
+        "bad",
+        &[
+            "--set",
+            "data.source=shards",
+            "--set",
+            "data.mix=[corpus: 70%, corpus2: 20%]",
+            "--set",
+            "model.vocab_size=257",
+        ],
+    ));
+    assert!(err.contains("data.mix") && err.contains("the shares add up to 90%, not 100%"), "{err}");
+    let err = usage_error(train_small(dir.path(), "bad", &[mix, &["--set", "data.path=corpus"]].concat()));
+    assert!(err.contains("data.path (corpus) and data.mix are both set"), "{err}");
+}

@@ -56,4 +56,11 @@ pub trait Dataset: Send + Sync {
         let _ = split;
         None
     }
+
+    /// For a mixture of sources: how many of the first `sequences` training sequences each
+    /// source gave, by name. Empty for a single source (the default).
+    fn sources_seen(&self, sequences: u64) -> Vec<(String, u64)> {
+        let _ = sequences;
+        Vec::new()
+    }
 }

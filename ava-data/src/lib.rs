@@ -30,6 +30,7 @@ mod dataset;
 mod error;
 mod loader;
 pub mod manifest;
+mod mixture;
 pub mod permute;
 pub mod prepare;
 mod rng;
@@ -48,6 +49,7 @@ use std::sync::Arc;
 pub use dataset::{Dataset, Split};
 pub use error::DataError;
 pub use loader::{Batch, Loader, Share};
+pub use mixture::Mixture;
 pub use rng::{Rng, hash64, mix, splitmix64};
 pub use sharded::{ShardedDataset, Verify};
 pub use synthetic::{
@@ -74,6 +76,13 @@ pub enum Source {
         /// The corpus directory.
         dir: PathBuf,
         /// The `tokenizer.json` the run expects the corpus to have been prepared with.
+        tokenizer: Option<PathBuf>,
+    },
+    /// Several prepared corpora with weights adding up to 1 (`data.mix`).
+    Mix {
+        /// Each corpus directory and its weight.
+        corpora: Vec<(PathBuf, f64)>,
+        /// As for [`Source::Shards`].
         tokenizer: Option<PathBuf>,
     },
 }
@@ -116,6 +125,9 @@ pub fn open(options: &DataOptions) -> Result<Arc<dyn Dataset>, DataError> {
         )?),
         Source::Shards { dir, tokenizer } => {
             Arc::new(ShardedDataset::open(dir, tokenizer.as_deref(), options.seq_len, options.seed)?)
+        }
+        Source::Mix { corpora, tokenizer } => {
+            Arc::new(Mixture::open(corpora, tokenizer.as_deref(), options.seq_len, options.seed)?)
         }
     })
 }

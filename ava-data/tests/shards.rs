@@ -366,3 +366,29 @@ fn a_trained_bpe_prepares_a_corpus_that_training_checks_against_data_tokenizer()
     let e = ava_data::bpe::train(&[tmp.path().join("in")], &reading(), 200, &other).unwrap_err().to_string();
     assert!(e.contains("--vocab-size 200: must be above 257"), "{e}");
 }
+
+#[test]
+fn a_mixture_needs_one_tokenizer_and_shares_it_can_keep() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_files(&tmp.path().join("in"), &documents(30));
+    let inputs = vec![tmp.path().join("in")];
+    let bytes = tmp.path().join("bytes");
+    prepare::prepare(&options(inputs.clone(), &bytes), &mut Silent).unwrap();
+    let tok = tmp.path().join("bpe.json");
+    ava_data::bpe::train(&inputs, &reading(), 300, &tok).unwrap();
+    let bpe = tmp.path().join("bpe");
+    let mut o = options(inputs, &bpe);
+    o.tokenizer = Some(tok);
+    prepare::prepare(&o, &mut Silent).unwrap();
+
+    let e = ava_data::Mixture::open(&[(bytes.clone(), 0.5), (bpe, 0.5)], None, 16, 1).unwrap_err().to_string();
+    assert!(
+        e.contains("data.mix") && e.contains("must share one tokenizer") && e.contains("the byte tokenizer"),
+        "{e}"
+    );
+    let e = ava_data::Mixture::open(&[(bytes.clone(), 0.9999), (bytes.clone(), 0.0001)], None, 16, 1).unwrap_err();
+    assert!(e.to_string().contains("is below 1/1024, the finest share a mixture keeps"), "{e}");
+    let m = ava_data::Mixture::open(&[(bytes.clone(), 0.75), (bytes, 0.25)], None, 16, 1).unwrap();
+    let seen = m.sources_seen(4096);
+    assert_eq!(seen.iter().map(|s| s.1).collect::<Vec<_>>(), [3072, 1024]);
+}

@@ -209,6 +209,15 @@ fn train(p: &Printer, started: Started) -> CmdResult {
             super::progress::rate(summary.tokens_per_sec),
             ava_train::memory::gib(summary.peak_bytes)
         ));
+        let total: u64 = summary.tokens_by_source.iter().map(|s| s.tokens).sum();
+        if total > 0 {
+            let each: Vec<String> = summary
+                .tokens_by_source
+                .iter()
+                .map(|s| format!("{} {} ({:.1}%)", s.source, s.tokens, 100.0 * s.tokens as f64 / total as f64))
+                .collect();
+            lines.push(format!("tokens by source: {}", each.join(", ")));
+        }
         if let Some(c) = &summary.checkpoint {
             lines.push(format!("checkpoint: {c} (continue with: ava train --resume latest)"));
         }

@@ -46,8 +46,8 @@ pub use load::{ConfigLoader, ENV_PREFIX, LoadedConfig};
 pub use schema::{Config, DEFAULT_CONFIG_YAML, PluginSelection, PluginsConfig, VettingPolicy};
 pub use sections::{
     ByteSize, CheckpointsConfig, DataConfig, DataSource, DistributedConfig, LossScaleConfig, MasterWeights,
-    MemoryConfig, ModelConfig, MoeConfig, NanPolicy, OffloadConfig, Precision, SyntheticConfig, TierShare, Tiers,
-    TrainConfig,
+    MemoryConfig, Mix, MixShare, ModelConfig, MoeConfig, NanPolicy, OffloadConfig, Precision, SyntheticConfig,
+    TierShare, Tiers, TrainConfig,
 };
 pub use show::ConfigEntry;
 pub use tree::Origin;

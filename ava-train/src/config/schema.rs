@@ -47,6 +47,8 @@ pub(crate) enum Kind {
     Size,
     /// Tier shares such as `[ram: 60%, nvme: 40%]` ([`Tiers`]).
     Tiers,
+    /// Corpus shares such as `[corpora/a: 70%, corpora/b: 30%]` ([`Mix`]).
+    Mix,
 }
 
 /// One key of a section.
@@ -109,6 +111,7 @@ const DATA: &[Field] = &[
     Field { key: "val_fraction", kind: Kind::Float(0.0, 0.9) },
     Field { key: "num_workers", kind: Kind::Int(0, 64) },
     Field { key: "prefetch_factor", kind: Kind::Int(1, 64) },
+    Field { key: "mix", kind: Kind::Mix },
     Field { key: "synthetic", kind: Kind::Section(SYNTHETIC) },
 ];
 

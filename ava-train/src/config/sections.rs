@@ -82,6 +82,9 @@ pub struct DataConfig {
     pub num_workers: usize,
     /// Finished batches each worker may queue ahead.
     pub prefetch_factor: usize,
+    /// Several prepared corpora and their shares (`source: shards`, instead of `path`).
+    #[serde(default)]
+    pub mix: Mix,
     /// The synthetic corpus.
     pub synthetic: SyntheticConfig,
 }
@@ -308,6 +311,98 @@ pub struct DistributedConfig {
     pub bucket_size: ByteSize,
 }
 
+/// One corpus of a mixture and its share of the sequences.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MixShare {
+    /// The corpus directory (written by `ava data prepare`).
+    pub path: PathBuf,
+    /// In (0, 1].
+    pub fraction: f64,
+}
+
+/// `[corpora/books: 70%, corpora/code: 30%]`: prepared corpora whose shares add up to 100%;
+/// empty for none.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Mix(pub Vec<MixShare>);
+
+impl Mix {
+    /// What a config's `data.mix` must look like, for messages.
+    pub const EXPECTED: &str = "expected a list of corpus shares such as [corpora/books: 70%, corpora/code: 30%]";
+
+    /// Reads the list from its config value; the error says what is wrong with it.
+    pub fn from_value(value: &serde_json::Value) -> Result<Self, String> {
+        use serde_json::Value;
+        let items = match value {
+            Value::Null => return Ok(Self::default()),
+            Value::Array(items) => items,
+            other => return Err(format!("{}, got {}", Self::EXPECTED, super::format::type_phrase(other))),
+        };
+        let mut shares: Vec<MixShare> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let entry = match item {
+                Value::Object(map) if map.len() == 1 => map.iter().next().expect("one entry"),
+                _ => return Err(format!("entry {i}: {}: each entry is one `corpus: share`", Self::EXPECTED)),
+            };
+            let Some(fraction) = share(entry.1).filter(|f| *f > 0.0 && *f <= 1.0) else {
+                return Err(format!(
+                    "entry {i} ({}): the share must be a percentage such as 30% or a fraction in (0, 1], got {}",
+                    entry.0,
+                    super::format::yaml_flow(entry.1)
+                ));
+            };
+            if entry.0.trim().is_empty() {
+                return Err(format!("entry {i}: the corpus directory is empty"));
+            }
+            let path = PathBuf::from(entry.0);
+            if shares.iter().any(|s| s.path == path) {
+                return Err(format!("entry {i}: '{}' is listed twice", entry.0));
+            }
+            shares.push(MixShare { path, fraction });
+        }
+        let total: f64 = shares.iter().map(|s| s.fraction).sum();
+        if !shares.is_empty() && (total - 1.0).abs() > 1e-6 {
+            return Err(format!("the shares add up to {}%, not 100%", (total * 1e6).round() / 1e4));
+        }
+        Ok(Self(shares))
+    }
+
+    fn to_value(&self) -> serde_json::Value {
+        serde_json::Value::Array(
+            self.0.iter().map(|s| serde_json::json!({ s.path.display().to_string(): percent(s.fraction) })).collect(),
+        )
+    }
+}
+
+impl Serialize for Mix {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.to_value().serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for Mix {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let value = serde_json::Value::deserialize(deserializer)?;
+        Self::from_value(&value).map_err(serde::de::Error::custom)
+    }
+}
+
+/// A share written as `40%` or `0.4`.
+fn share(value: &serde_json::Value) -> Option<f64> {
+    match value {
+        serde_json::Value::String(s) if s.trim_end().ends_with('%') => {
+            s.trim_end().trim_end_matches('%').trim().parse::<f64>().ok().map(|p| p / 100.0)
+        }
+        serde_json::Value::Number(n) => n.as_f64(),
+        _ => None,
+    }
+}
+
+/// A fraction as a percentage, `40%` (or `12.5%`).
+fn percent(f: f64) -> String {
+    let pct = f * 100.0;
+    if (pct - pct.round()).abs() < 1e-9 { format!("{}%", pct.round()) } else { format!("{pct}%") }
+}
+
 /// One share of the optimizer state: a tier's name and the fraction of the bytes it holds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TierShare {
@@ -347,14 +442,7 @@ impl Tiers {
                 Value::Object(map) if map.len() == 1 => map.iter().next().expect("one entry"),
                 _ => return Err(format!("entry {i}: {}: each entry is one `name: share`", Self::EXPECTED)),
             };
-            let fraction = match entry.1 {
-                Value::String(s) if s.trim_end().ends_with('%') => {
-                    s.trim_end().trim_end_matches('%').trim().parse::<f64>().ok().map(|p| p / 100.0)
-                }
-                Value::Number(n) => n.as_f64(),
-                _ => None,
-            };
-            let Some(fraction) = fraction.filter(|f| (0.0..=1.0).contains(f)) else {
+            let Some(fraction) = share(entry.1).filter(|f| (0.0..=1.0).contains(f)) else {
                 return Err(format!(
                     "entry {i} ({}): the share must be a percentage such as 40% or a fraction in [0, 1], got {}",
                     entry.0,
@@ -382,12 +470,8 @@ impl Tiers {
     }
 
     fn to_value(&self) -> serde_json::Value {
-        let share = |f: f64| {
-            let pct = f * 100.0;
-            if (pct - pct.round()).abs() < 1e-9 { format!("{}%", pct.round()) } else { format!("{pct}%") }
-        };
         serde_json::Value::Array(
-            self.0.iter().map(|t| serde_json::json!({ t.name.clone(): share(t.fraction) })).collect(),
+            self.0.iter().map(|t| serde_json::json!({ t.name.clone(): percent(t.fraction) })).collect(),
         )
     }
 }

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 use super::format::type_phrase;
 use super::schema::{self, Config, Field, Kind, MISSING_NAME, PluginSelection, SELECTION_EXPECTED};
-use super::sections::Tiers;
+use super::sections::{Mix, Tiers};
 use super::tree::{Node, Origin};
 
 /// What validation needs to know about the installed plugins; the plugin registry
@@ -242,6 +242,11 @@ fn check_value(
         },
         Kind::Tiers => {
             if let Err(e) = Tiers::from_value(&value) {
+                problem(e)
+            }
+        }
+        Kind::Mix => {
+            if let Err(e) = Mix::from_value(&value) {
                 problem(e)
             }
         }

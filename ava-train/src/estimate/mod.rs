@@ -633,6 +633,15 @@ pub fn estimate_rank(
 
     // Data: the loader's queue and the batch in use.
     let (workers, prefetch) = (config.data.num_workers as u64, config.data.prefetch_factor as u64);
+    if config.data.source == crate::config::DataSource::Shards {
+        add(
+            &mut terms,
+            Component::Data,
+            "the corpus's mapped shards",
+            "0: not resident (each read's 2 MiB window is handed back to the page cache once copied)".into(),
+            0,
+        );
+    }
     let batch_bytes = x.b * (x.t + 1) * 4;
     if workers > 0 {
         add(

@@ -20,7 +20,7 @@ pub use optim::{
     optimizer_options, step_param, streamed_params,
 };
 pub(crate) use reporter::is_zero;
-pub use reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Silent, StepRecord};
+pub use reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Silent, SourceTokens, StepRecord};
 pub use schedule::{LossScaler, learning_rate};
 pub use trainer::{TrainOptions, Trainer, check_training_modes, data_options, model_spec, resolve_threads};
 

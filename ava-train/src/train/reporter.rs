@@ -61,6 +61,18 @@ pub struct StepRecord {
     /// seconds the step waited on it; absent when no state is offloaded.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub stream: Option<super::StreamStats>,
+    /// With `data.mix`: the training tokens each corpus has given since step 1.
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub tokens_by_source: Vec<SourceTokens>,
+}
+
+/// Training tokens one source of a mixture has given.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct SourceTokens {
+    /// The corpus, as `data.mix` names it.
+    pub source: String,
+    /// Target tokens of its sequences trained on.
+    pub tokens: u64,
 }
 
 /// A step's attempt abandoned because an allocation crossed `memory.hard_limit`.
@@ -187,4 +199,7 @@ pub struct RunSummary {
     /// Whether the run stopped because [`TrainOptions::stop`](super::TrainOptions) asked it
     /// to (after saving a checkpoint of the last completed step).
     pub interrupted: bool,
+    /// With `data.mix`: the training tokens each corpus gave over the run (from step 1).
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub tokens_by_source: Vec<SourceTokens>,
 }

@@ -21,7 +21,7 @@ use super::TrainError;
 use super::fault::FailingTier;
 use super::in_backward::{StepInBackward, StepSettings};
 use super::optim::{HostState, OptimizerState, Placement, StreamStats, optimizer_options};
-use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
+use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, SourceTokens, StepRecord};
 use super::schedule::{LossScaler, learning_rate};
 use crate::config::{Config, DataSource, MasterWeights, NanPolicy, PluginSelection, Precision};
 use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Share, Source, Split};
@@ -135,6 +135,7 @@ const STRUCTURAL_KEYS: &[&str] = &[
     "data.source",
     "data.path",
     "data.tokenizer",
+    "data.mix",
     "data.seq_len",
     "data.synthetic",
     "train.seed",
@@ -279,6 +280,12 @@ pub fn resolve_threads(threads: usize) -> usize {
 /// The data options of a config.
 pub fn data_options(config: &Config) -> Result<DataOptions, TrainError> {
     let d = &config.data;
+    if !d.mix.0.is_empty() && d.source != DataSource::Shards {
+        return Err(TrainError::Invalid(format!(
+            "data.mix names prepared corpora but data.source is {}: set data.source to shards",
+            serde_json::to_value(d.source).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
+        )));
+    }
     let source = match d.source {
         DataSource::Synthetic => Source::Synthetic(MarkovSpec {
             alphabet: d.synthetic.alphabet,
@@ -292,11 +299,24 @@ pub fn data_options(config: &Config) -> Result<DataOptions, TrainError> {
             })?,
             tokenizer: d.tokenizer.clone(),
         },
+        DataSource::Shards if !d.mix.0.is_empty() => {
+            if let Some(path) = &d.path {
+                return Err(TrainError::Invalid(format!(
+                    "data.path ({}) and data.mix are both set: train on one corpus (data.path) or a mixture \
+                     (data.mix), and set the other to null / []",
+                    path.display()
+                )));
+            }
+            Source::Mix {
+                corpora: d.mix.0.iter().map(|s| (s.path.clone(), s.fraction)).collect(),
+                tokenizer: d.tokenizer.clone(),
+            }
+        }
         DataSource::Shards => Source::Shards {
             dir: d.path.clone().ok_or_else(|| {
                 TrainError::Invalid(
                     "data.source is shards but data.path is not set: set data.path to a directory written by `ava \
-                     data prepare`"
+                     data prepare` (or data.mix to several)"
                         .into(),
                 )
             })?,
@@ -945,6 +965,7 @@ impl Trainer {
             model_dir: None,
             stopped: None,
             interrupted: false,
+            tokens_by_source: Vec::new(),
         };
         let stop_requested = || options.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
         let mut timed = (0.0f64, 0usize);
@@ -1008,6 +1029,7 @@ impl Trainer {
             let policy_checkpoint = policy_checkpoint > 0;
             summary.step = record.step;
             summary.loss = record.loss;
+            summary.tokens_by_source.clone_from(&record.tokens_by_source);
             summary.peak_bytes = summary.peak_bytes.max(record.memory.peak);
             summary.rank_peak_bytes.resize(record.rank_peaks.len(), 0);
             for (most, &p) in summary.rank_peak_bytes.iter_mut().zip(&record.rank_peaks) {
@@ -1382,7 +1404,17 @@ impl Trainer {
             stream: self.state.streamed_bytes().gt(&0).then_some(stream),
             communication: comm,
             rank_peaks,
+            tokens_by_source: self.tokens_by_source(),
         })
+    }
+
+    /// With `data.mix`: the training tokens each corpus has given, from the loader's
+    /// position (global micro-batches of `micro_batch_size × ranks` sequences).
+    fn tokens_by_source(&self) -> Vec<SourceTokens> {
+        let sequences = self.loader.position() * (self.config.train.micro_batch_size * self.zero.size()) as u64;
+        let per_sequence = self.config.data.seq_len as u64;
+        let seen = self.dataset.sources_seen(sequences);
+        seen.into_iter().map(|(source, n)| SourceTokens { source, tokens: n * per_sequence }).collect()
     }
 
     /// Whether the [`TrainOptions::nan_grad_at_steps`] hook poisons `step`'s gradients.
