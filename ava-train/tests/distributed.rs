@@ -316,3 +316,48 @@ fn the_estimate_for_a_rank_holds_the_largest_share_of_the_state() {
         assert_eq!(alone.breakdown.optimizer, total, "stage {stage}, one rank holds it all");
     }
 }
+
+/// Ranks reading a prepared corpus (a mixture of two, shuffled) take disjoint rows of each
+/// global batch: two ranks of 2 train like one process of 4, and a checkpoint of the two
+/// resumes on one with the same losses.
+#[test]
+fn ranks_read_disjoint_shares_of_a_prepared_mixture_like_one_process() {
+    use ava_train::data::prepare::{self, Invalid, PrepareOptions, Reading, Silent};
+    let dir = tempfile::tempdir().unwrap();
+    for (name, salt) in [("a", 7usize), ("b", 13)] {
+        let text = dir.path().join(format!("text-{name}"));
+        std::fs::create_dir_all(&text).unwrap();
+        for i in 0..12 {
+            let body: String = (0..600).map(|w| format!("{name}{} ", (i * salt + w * 31) % 97)).collect();
+            std::fs::write(text.join(format!("{i:02}.txt")), body).unwrap();
+        }
+        let options = PrepareOptions {
+            inputs: vec![text],
+            out: dir.path().join(name),
+            tokenizer: None,
+            eos: None,
+            bos: None,
+            reading: Reading { separator: None, field: "text".into(), invalid: Invalid::Error },
+            val_fraction: 0.2,
+            shard_tokens: 5000,
+            force: false,
+        };
+        prepare::prepare(&options, &mut Silent).unwrap();
+    }
+    let mix = format!("data.mix=[{}: 60%, {}: 40%]", dir.path().join("a").display(), dir.path().join("b").display());
+    let extra = ["data.source=shards", mix.as_str(), "model.vocab_size=257"];
+    let one = train(1, &config(&dir.path().join("one"), &sets(0, 4, &extra)), None).remove(0);
+    let two_dir = dir.path().join("two");
+    let ranks = train(2, &config(&two_dir, &sets(0, 2, &extra)), None);
+    for (r, o) in ranks.iter().enumerate() {
+        assert_close(o, &one, &format!("rank {r}"));
+    }
+    // The two ranks' checkpoint at step 2, resumed on one process of 4.
+    let resumed_cfg = config(&two_dir, &sets(0, 4, &extra));
+    let step2 = two_dir.join("checkpoints").join(ava_train::save::step_dir_name(2));
+    let resumed = train(1, &resumed_cfg, Some(step2.to_str().unwrap())).remove(0);
+    assert_eq!(resumed.losses.len(), 2);
+    for (x, y) in resumed.losses.iter().zip(&one.losses[2..]) {
+        assert!((x - y).abs() <= 1e-5 * y.abs(), "resumed loss {x} vs {y}");
+    }
+}
