@@ -578,9 +578,10 @@ fn parse_seq(s: &str) -> Result<u32, String> {
 pub enum DataCommand {
     /// Tokenize text into shards of token ids and a manifest, once, for any number of runs.
     ///
-    /// Inputs are files or directories (walked in sorted order, hidden entries skipped):
-    /// text (one document per file, or cut at --separator), JSONL (*.jsonl, *.ndjson; the
-    /// text is --field), each optionally gzip (.gz) or Zstandard (.zst) compressed.
+    /// Inputs are files or directories (walked in sorted order, hidden entries and links
+    /// skipped): text (one document per file, or cut at --separator), JSONL (*.jsonl,
+    /// *.ndjson; the text is --field), each optionally gzip (.gz) or Zstandard (.zst)
+    /// compressed, and Parquet (*.parquet; one document per row of the string column --field).
     /// Every document gets the tokenizer's end-of-text id after it; a hash of its index
     /// holds --val-fraction of them out for validation.
     ///
@@ -591,6 +592,7 @@ pub enum DataCommand {
     /// Examples:
     ///   ava data prepare books/ --out corpora/books
     ///   ava data prepare dump.jsonl.zst --field text --tokenizer tokenizer.json --out corpora/dump
+    ///   ava data prepare train-00000-of-00004.parquet --field content --out corpora/hub
     ///   ava data prepare notes.txt --separator $'\n\n' --invalid replace --out corpora/notes
     ///   ava train --set data.source=shards --set data.path=corpora/books --set model.vocab_size=257
     #[command(verbatim_doc_comment)]
@@ -643,7 +645,7 @@ impl From<InvalidArg> for ava_data::prepare::Invalid {
 /// `ava data train-tokenizer` options.
 #[derive(Debug, Args)]
 pub struct TrainTokenizerArgs {
-    /// Text or JSONL files (.gz/.zst too) and directories, in order.
+    /// Text, JSONL (.gz/.zst too) and Parquet files, and directories, in order.
     #[arg(required = true, value_name = "INPUT")]
     pub inputs: Vec<PathBuf>,
     /// The tokenizer.json to write.
@@ -655,7 +657,7 @@ pub struct TrainTokenizerArgs {
     /// Cut text files into documents at this string (default: one document per file).
     #[arg(long, value_name = "STRING")]
     pub separator: Option<String>,
-    /// The JSONL field holding the text.
+    /// The JSONL field, or Parquet column, holding the text.
     #[arg(long, value_name = "NAME", default_value = "text")]
     pub field: String,
     /// What to do with invalid UTF-8.
@@ -669,7 +671,7 @@ pub struct TrainTokenizerArgs {
 /// `ava data prepare` options.
 #[derive(Debug, Args)]
 pub struct PrepareArgs {
-    /// Text or JSONL files (.gz/.zst too) and directories, in order.
+    /// Text, JSONL (.gz/.zst too) and Parquet files, and directories, in order.
     #[arg(required = true, value_name = "INPUT")]
     pub inputs: Vec<PathBuf>,
     /// The corpus directory (created; must be empty, or hold this same corpus).
@@ -688,7 +690,7 @@ pub struct PrepareArgs {
     /// Cut text files into documents at this string (default: one document per file).
     #[arg(long, value_name = "STRING")]
     pub separator: Option<String>,
-    /// The JSONL field holding the text.
+    /// The JSONL field, or Parquet column, holding the text.
     #[arg(long, value_name = "NAME", default_value = "text")]
     pub field: String,
     /// What to do with invalid UTF-8.

@@ -251,9 +251,6 @@ fn bad_input_is_named_with_where_and_how_to_fix_it() {
     assert!(err(vec![empty.clone()], &|_| {}).contains("the inputs hold no file"));
     fs::write(empty.join("blank.txt"), "").unwrap();
     assert!(err(vec![empty], &|_| {}).contains("the inputs hold no document"));
-    let parquet = p.join("t.parquet");
-    fs::write(&parquet, b"PAR1").unwrap();
-    assert!(err(vec![parquet], &|_| {}).contains("t.parquet: Parquet input is not supported"));
     assert!(err(vec![good.clone()], &|o| o.val_fraction = 1.0).contains("--val-fraction 1: must be at least 0"));
     let e = err(vec![good.clone()], &|o| o.eos = Some("</s>".into()));
     assert!(e.contains("byte tokenizer's end of text is id 256"), "{e}");
@@ -391,4 +388,64 @@ fn a_mixture_needs_one_tokenizer_and_shares_it_can_keep() {
     let m = ava_data::Mixture::open(&[(bytes.clone(), 0.75), (bytes, 0.25)], None, 16, 1).unwrap();
     let seen = m.sources_seen(4096);
     assert_eq!(seen.iter().map(|s| s.1).collect::<Vec<_>>(), [3072, 1024]);
+}
+
+/// Writes `docs` as a Parquet file (snappy, row groups of 10) with an INT64 `id` column and an
+/// optional UTF-8 `text` column, with a null row after the third document.
+fn write_parquet(path: &Path, docs: &[String]) {
+    use parquet::basic::Compression;
+    use parquet::data_type::{ByteArray, ByteArrayType, Int64Type};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    use std::sync::Arc;
+    let schema = "message doc { REQUIRED INT64 id; OPTIONAL BYTE_ARRAY text (UTF8); }";
+    let schema = Arc::new(parquet::schema::parser::parse_message_type(schema).unwrap());
+    let props = Arc::new(WriterProperties::builder().set_compression(Compression::SNAPPY).build());
+    let mut writer = SerializedFileWriter::new(fs::File::create(path).unwrap(), schema, props).unwrap();
+    let mut rows: Vec<Option<&String>> = docs.iter().map(Some).collect();
+    rows.insert(3, None);
+    for (g, group) in rows.chunks(10).enumerate() {
+        let mut rg = writer.next_row_group().unwrap();
+        let ids: Vec<i64> = (0..group.len() as i64).map(|i| g as i64 * 10 + i).collect();
+        let mut col = rg.next_column().unwrap().unwrap();
+        col.typed::<Int64Type>().write_batch(&ids, None, None).unwrap();
+        col.close().unwrap();
+        let values: Vec<ByteArray> = group.iter().flatten().map(|d| ByteArray::from(d.as_str())).collect();
+        let defs: Vec<i16> = group.iter().map(|d| i16::from(d.is_some())).collect();
+        let mut col = rg.next_column().unwrap().unwrap();
+        col.typed::<ByteArrayType>().write_batch(&values, Some(&defs), None).unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+    }
+    writer.close().unwrap();
+}
+
+#[test]
+fn a_parquet_string_column_gives_the_same_corpus_as_the_same_documents_in_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let docs = documents(25);
+    write_files(&tmp.path().join("in"), &docs);
+    let pq = tmp.path().join("docs.parquet");
+    write_parquet(&pq, &docs);
+    prepare::prepare(&options(vec![tmp.path().join("in")], &tmp.path().join("from-files")), &mut Silent).unwrap();
+    let s = prepare::prepare(&options(vec![pq.clone()], &tmp.path().join("from-parquet")), &mut Silent).unwrap();
+    assert_eq!((s.manifest.documents, s.skipped_documents), (25, 1), "the null row is left out");
+    assert_eq!(shard_files(&tmp.path().join("from-files")), shard_files(&tmp.path().join("from-parquet")));
+
+    let err = |field: &str| {
+        let mut o = options(vec![pq.clone()], &tmp.path().join(format!("bad-{field}")));
+        o.reading.field = field.into();
+        prepare::prepare(&o, &mut Silent).unwrap_err().to_string()
+    };
+    let e = err("id");
+    assert!(
+        e.contains("docs.parquet: column \"id\" holds INT64, not strings; name a string column with --field"),
+        "{e}"
+    );
+    let e = err("body");
+    assert!(e.contains("docs.parquet: no column \"body\" (it has: id, text)"), "{e}");
+    let junk = tmp.path().join("junk.parquet");
+    fs::write(&junk, b"not parquet at all").unwrap();
+    let e = prepare::prepare(&options(vec![junk], &tmp.path().join("junk")), &mut Silent).unwrap_err().to_string();
+    assert!(e.contains("junk.parquet: not a readable Parquet file"), "{e}");
 }

@@ -1,6 +1,6 @@
 //! Inputs to `ava data prepare`: which files (directories walked in sorted order), how each
 //! is decompressed (`.gz`, `.zst`), and how it splits into documents (a whole text file, text
-//! cut at a separator, or one JSONL line's string field).
+//! cut at a separator, one JSONL line's string field, or one Parquet row's string column).
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read};
@@ -63,7 +63,7 @@ pub enum Kind {
     Text,
     /// One JSON object per line.
     Jsonl,
-    /// Parquet (recognized so it can be refused by name).
+    /// Parquet: one document per row, from a string column.
     Parquet,
 }
 
@@ -185,7 +185,7 @@ pub struct RawDocument {
     pub path: Arc<Path>,
     /// Byte offset of the document in the (decompressed) file.
     pub offset: u64,
-    /// The JSONL line, when it came from one.
+    /// The record it came from, if any: a JSONL line or a Parquet row (from 1).
     pub line: Option<u64>,
 }
 
@@ -203,12 +203,7 @@ pub fn documents(
     let shared: Arc<Path> = Arc::from(path);
     let io_err = |source| PrepareError::Input { path: path.to_path_buf(), source };
     match kind {
-        Kind::Parquet => Err(PrepareError::Unsupported {
-            path: path.to_path_buf(),
-            what: "Parquet input is not supported by this build yet; export the text column to JSONL (e.g. with \
-                   pandas' to_json(orient=\"records\", lines=True)) and prepare that"
-                .into(),
-        }),
+        Kind::Parquet => parquet_documents(path, &reading.field, read, &shared, emit),
         Kind::Jsonl => {
             let mut reader = open(path, read)?;
             let (mut line, mut offset, mut number) = (Vec::new(), 0u64, 0u64);
@@ -306,6 +301,91 @@ fn split_stream(
             return Err(PrepareError::DocumentTooLarge { path: path.to_path_buf() });
         }
     }
+}
+
+/// The documents of a Parquet file: the string column `field` (top level, not repeated), one
+/// document per row; a null row is an empty document (left out). Read row group by row
+/// group, a thousand values at a time.
+fn parquet_documents(
+    path: &Path,
+    field: &str,
+    read: Arc<AtomicU64>,
+    shared: &Arc<Path>,
+    emit: &mut dyn FnMut(RawDocument) -> Result<(), PrepareError>,
+) -> Result<(), PrepareError> {
+    use parquet::basic::{ConvertedType, LogicalType, Type as Physical};
+    use parquet::column::reader::ColumnReader;
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+
+    let bad = |message: String| PrepareError::Parquet { path: path.to_path_buf(), message };
+    let file = File::open(path).map_err(|source| PrepareError::Input { path: path.to_path_buf(), source })?;
+    let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let reader = SerializedFileReader::new(file).map_err(|e| bad(format!("not a readable Parquet file: {e}")))?;
+    let schema = reader.metadata().file_metadata().schema_descr_ptr();
+    let names: Vec<String> = (0..schema.num_columns()).map(|i| schema.column(i).path().string()).collect();
+    let Some(index) = names.iter().position(|n| n == field) else {
+        return Err(bad(format!(
+            "no column {field:?} (it has: {}); name the text column with --field",
+            names.join(", ")
+        )));
+    };
+    let column = schema.column(index);
+    let is_string = column.physical_type() == Physical::BYTE_ARRAY
+        && (matches!(column.logical_type(), Some(LogicalType::String))
+            || column.converted_type() == ConvertedType::UTF8);
+    if !is_string {
+        let kind = match column.logical_type() {
+            Some(logical) => format!("{logical:?}"),
+            None => format!("{}", column.physical_type()),
+        };
+        return Err(bad(format!(
+            "column {field:?} holds {kind}, not strings; name a string column with --field (columns: {})",
+            names.join(", ")
+        )));
+    }
+    if column.max_rep_level() > 0 {
+        return Err(bad(format!("column {field:?} is a list of strings; name a column of one string per row")));
+    }
+    let max_def = column.max_def_level();
+    let mut row = 0u64;
+    let (mut values, mut defs) = (Vec::new(), Vec::new());
+    for group in 0..reader.num_row_groups() {
+        let group_reader = reader.get_row_group(group).map_err(|e| bad(e.to_string()))?;
+        let ColumnReader::ByteArrayColumnReader(mut column_reader) =
+            group_reader.get_column_reader(index).map_err(|e| bad(e.to_string()))?
+        else {
+            unreachable!("a BYTE_ARRAY column has a byte-array reader");
+        };
+        loop {
+            values.clear();
+            defs.clear();
+            let levels = (max_def > 0).then_some(&mut defs);
+            let (records, _, _) =
+                column_reader.read_records(1024, levels, None, &mut values).map_err(|e| bad(e.to_string()))?;
+            if records == 0 {
+                break;
+            }
+            let mut values_iter = values.drain(..);
+            // One definition level per row (the column is not repeated); none when required.
+            let present: Box<dyn Iterator<Item = bool>> = if max_def == 0 {
+                Box::new(std::iter::repeat_n(true, records))
+            } else {
+                Box::new(defs[..records].iter().map(|&d| d == max_def))
+            };
+            for present in present {
+                row += 1;
+                let bytes = if present {
+                    values_iter.next().map(|v| v.data().to_vec()).unwrap_or_default()
+                } else {
+                    Vec::new()
+                };
+                emit(RawDocument { bytes, path: shared.clone(), offset: 0, line: Some(row) })?;
+            }
+        }
+        // Progress in whole row groups: the file's share of this one.
+        read.fetch_add(size / reader.num_row_groups().max(1) as u64, Ordering::Relaxed);
+    }
+    Ok(())
 }
 
 /// `bytes` as text under the `--invalid` policy: `None` when the document is to be skipped.

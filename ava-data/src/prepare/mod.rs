@@ -80,7 +80,7 @@ pub fn is_validation(index: u64, val_fraction: f64) -> bool {
 #[non_exhaustive]
 pub enum PrepareError {
     /// No input was named.
-    #[error("no inputs: name text, JSONL (.gz/.zst) files or directories to prepare")]
+    #[error("no inputs: name text, JSONL (.gz/.zst) or Parquet files, or directories, to prepare")]
     NoInputs,
     /// The inputs hold no file, or no document.
     #[error("the inputs hold no {what}: {}", list(inputs))]
@@ -120,15 +120,24 @@ pub enum PrepareError {
         "{}{}: invalid UTF-8 at byte offset {offset}; pass --invalid replace (U+FFFD) or --invalid skip (leave such \
          documents out) to go on",
         path.display(),
-        line.map(|l| format!(" line {l}")).unwrap_or_default()
+        line.map(|l| format!(" record {l}")).unwrap_or_default()
     )]
     InvalidUtf8 {
         /// The file.
         path: PathBuf,
-        /// Byte offset of the first invalid byte, in the decompressed file.
+        /// Byte offset of the first invalid byte: in the decompressed file, or in the
+        /// record when there is one.
         offset: u64,
-        /// The JSONL line, if any.
+        /// The record (JSONL line, Parquet row), if any.
         line: Option<u64>,
+    },
+    /// A Parquet file that cannot be read, or has no string column by that name.
+    #[error("{}: {message}", path.display())]
+    Parquet {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        message: String,
     },
     /// A JSONL line that is not an object with the text field.
     #[error("{}:{line}: {reason}", path.display())]
