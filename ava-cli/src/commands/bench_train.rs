@@ -164,6 +164,12 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
                 last.offload_bytes as f64 / (1 << 20) as f64
             ));
         }
+        let waited = ops.iter().find(|(name, ..)| name == "data: waiting for a batch").map_or(0.0, |o| o.1);
+        lines.push(format!(
+            "data wait          {:.3} ms/step, {:.3}% of the step",
+            1e3 * waited,
+            100.0 * waited / step_seconds
+        ));
         lines.push(
             "where step time goes (scopes; backward: autograd (all) includes the backward scopes below it):".into(),
         );

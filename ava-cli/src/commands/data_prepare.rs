@@ -115,7 +115,7 @@ pub fn run(p: &Printer, args: &PrepareArgs) -> CmdResult {
                 out.display()
             )];
             lines.push(format!(
-                "this run: {:.1} MB of text in {:.1} s ({:.1} MB/s, {:.2} M tokens/s); {}, vocab {}, {}-byte ids",
+                "this run: {:.1} MB of text in {:.2} s ({:.1} MB/s, {:.2} M tokens/s); {}, vocab {}, {}-byte ids",
                 pr.text_bytes as f64 / 1e6,
                 secs,
                 pr.text_bytes as f64 / secs / 1e6,
