@@ -232,7 +232,15 @@ fn a_saved_buffer_that_tolerates_rounding_is_held_in_the_half_type() {
     assert!(handed.iter().map(|x| x.to_bits()).eq(rounded.iter().map(|x| x.to_bits())), "the bf16 rounding");
     assert!(written.iter().zip(&handed).any(|(a, b)| a != b), "the probabilities really were rounded");
     let (_, written, handed) = run(false, bf16);
-    assert_eq!(held_f32 as i64 - held_half as i64, 2 * saved_len as i64, "held {held_half} in bf16, {held_f32} in f32");
+    // Within 512 bytes: the thread pool's job queues grow and shrink by a block of a few
+    // hundred bytes wherever the scheduling puts their boundaries (seen: ±152 bytes on a
+    // loaded 2-core CI machine, in either run); the buffer's own difference is 16 KiB.
+    let saved = held_f32 as i64 - held_half as i64;
+    assert!(
+        (saved - 2 * saved_len as i64).abs() <= 512,
+        "held {held_half} in bf16, {held_f32} in f32: {saved} bytes saved, not {}",
+        2 * saved_len
+    );
     assert!(handed.iter().map(|x| x.to_bits()).eq(written.iter().map(|x| x.to_bits())), "kept as written");
     let (_, written, handed) = run(true, candle_core::DType::F32);
     assert!(handed.iter().map(|x| x.to_bits()).eq(written.iter().map(|x| x.to_bits())), "f32 runs keep it as written");
