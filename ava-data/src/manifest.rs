@@ -34,6 +34,16 @@ pub enum TokenizerId {
 }
 
 impl TokenizerId {
+    /// Whether two corpora were tokenized alike: both bytes, or tokenizer files with the same
+    /// bytes wherever they were read from.
+    pub fn same_as(&self, other: &TokenizerId) -> bool {
+        match (self, other) {
+            (TokenizerId::Byte, TokenizerId::Byte) => true,
+            (TokenizerId::Huggingface { sha256: a, .. }, TokenizerId::Huggingface { sha256: b, .. }) => a == b,
+            _ => false,
+        }
+    }
+
     /// How the tokenizer reads in messages.
     pub fn describe(&self) -> String {
         match self {

@@ -53,20 +53,39 @@ impl Mixture {
         if corpora.is_empty() {
             return Err(invalid("names no corpus".into()));
         }
+        let total: f64 = corpora.iter().map(|c| c.1).sum();
+        if (total - 1.0).abs() > 1e-6 || corpora.iter().any(|c| c.1.is_nan() || c.1 <= 0.0) {
+            return Err(invalid(format!(
+                "the shares must be positive and add up to 100% (they add up to {}%)",
+                total * 100.0
+            )));
+        }
         let datasets: Vec<ShardedDataset> = corpora
             .iter()
             .map(|(dir, _)| ShardedDataset::open(dir, tokenizer, seq_len, seed))
             .collect::<Result<_, _>>()?;
-        let first = &datasets[0].manifest().tokenizer;
+        let first = datasets[0].manifest();
         for (d, (dir, _)) in datasets.iter().zip(corpora).skip(1) {
             let m = d.manifest();
-            if m.tokenizer != *first || m.eos_id != datasets[0].manifest().eos_id {
+            if !m.tokenizer.same_as(&first.tokenizer) {
                 return Err(invalid(format!(
                     "{} was prepared with {} and {} with {}: a mixture's corpora must share one tokenizer",
                     corpora[0].0.display(),
-                    first.describe(),
+                    first.tokenizer.describe(),
                     dir.display(),
                     m.tokenizer.describe()
+                )));
+            }
+            if (m.eos_id, m.bos_id) != (first.eos_id, first.bos_id) {
+                return Err(invalid(format!(
+                    "{} ends documents with id {} (begins them with {:?}) and {} with id {} ({:?}): prepare them with \
+                     the same --eos and --bos",
+                    corpora[0].0.display(),
+                    first.eos_id,
+                    first.bos_id,
+                    dir.display(),
+                    m.eos_id,
+                    m.bos_id
                 )));
             }
         }

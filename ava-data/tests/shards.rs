@@ -187,8 +187,13 @@ fn separators_jsonl_and_compressed_inputs_give_the_same_documents() {
     let mut enc = flate2::write::GzEncoder::new(fs::File::create(&gz).unwrap(), flate2::Compression::fast());
     enc.write_all(jsonl.as_bytes()).unwrap();
     enc.finish().unwrap();
+    // Two frames, as `cat a.zst b.zst` or pzstd writes, with a skippable frame between.
     let zst = tmp.path().join("all.jsonl.zst");
-    let compressed = ruzstd::encoding::compress_to_vec(jsonl.as_bytes(), ruzstd::encoding::CompressionLevel::Fastest);
+    let half = jsonl[..jsonl.len() / 2].rfind('\n').unwrap() + 1;
+    let fastest = ruzstd::encoding::CompressionLevel::Fastest;
+    let mut compressed = ruzstd::encoding::compress_to_vec(&jsonl.as_bytes()[..half], fastest);
+    compressed.extend_from_slice(&[0x50, 0x2a, 0x4d, 0x18, 3, 0, 0, 0, 1, 2, 3]); // skippable, 3 bytes
+    compressed.extend(ruzstd::encoding::compress_to_vec(&jsonl.as_bytes()[half..], fastest));
     fs::write(&zst, compressed).unwrap();
 
     let run = |input: &Path, separator: Option<&str>, field: &str, out: &str| {
@@ -252,6 +257,8 @@ fn bad_input_is_named_with_where_and_how_to_fix_it() {
     fs::write(empty.join("blank.txt"), "").unwrap();
     assert!(err(vec![empty], &|_| {}).contains("the inputs hold no document"));
     assert!(err(vec![good.clone()], &|o| o.val_fraction = 1.0).contains("--val-fraction 1: must be at least 0"));
+    let e = err(vec![good.clone()], &|o| o.reading.separator = Some(String::new()));
+    assert!(e.contains("--separator \"\": is empty"), "{e}");
     let e = err(vec![good.clone()], &|o| o.eos = Some("</s>".into()));
     assert!(e.contains("byte tokenizer's end of text is id 256"), "{e}");
 

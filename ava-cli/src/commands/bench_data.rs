@@ -356,7 +356,12 @@ pub fn run(p: &Printer, args: &BenchDataArgs) -> CmdResult {
             ));
             report.insert("prepare_tokenizer_mb_per_s".into(), json!(rate));
             p.note("encoding the same documents with Python tokenizers (encode_batch) ...");
-            match python_rate(&files, tok) {
+            let python = if args.input.is_some() {
+                Err("the comparison script reads the generated JSONL only; leave out --input".to_string())
+            } else {
+                python_rate(&files, tok)
+            };
+            match python {
                 Ok(py) => {
                     lines.push(format!("python tokenizers batch      {py:8.1} MB/s of text (ava: {:.2}x)", rate / py));
                     report.insert("python_tokenizers_mb_per_s".into(), json!(py));

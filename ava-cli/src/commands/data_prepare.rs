@@ -88,6 +88,9 @@ pub fn run(p: &Printer, args: &PrepareArgs) -> CmdResult {
         PrepareError::DiskFull { .. } | PrepareError::Write { .. } => Failure::Runtime(anyhow::anyhow!(e)),
         _ => Failure::Usage(anyhow::anyhow!(e)),
     })?;
+    for warning in &summary.warnings {
+        p.warn(warning);
+    }
     let m = &summary.manifest;
     let pr = &summary.progress;
     let secs = pr.elapsed.as_secs_f64().max(1e-9);

@@ -101,14 +101,21 @@ pub fn classify(path: &Path) -> (Kind, Compression) {
 /// The input files named by `inputs`: files as given, directories walked recursively in
 /// sorted order (hidden entries and symbolic links skipped). Each with its size and modification time.
 pub fn list(inputs: &[PathBuf]) -> Result<Vec<InputFile>, PrepareError> {
+    list_except(inputs, None)
+}
+
+/// [`list`], leaving out the directory `except` (the corpus being written, when it lies
+/// inside an input directory).
+pub fn list_except(inputs: &[PathBuf], except: Option<&Path>) -> Result<Vec<InputFile>, PrepareError> {
     if inputs.is_empty() {
         return Err(PrepareError::NoInputs);
     }
+    let except = except.and_then(|p| p.canonicalize().ok());
     let mut files = Vec::new();
     for input in inputs {
         let meta = std::fs::metadata(input).map_err(|source| PrepareError::Input { path: input.clone(), source })?;
         if meta.is_dir() {
-            walk(input, &mut files)?;
+            walk(input, except.as_deref(), &mut files)?;
         } else {
             files.push(input_file(input, &meta));
         }
@@ -125,7 +132,7 @@ fn input_file(path: &Path, meta: &std::fs::Metadata) -> InputFile {
     InputFile { path: path.to_path_buf(), bytes: meta.len(), modified }
 }
 
-fn walk(dir: &Path, files: &mut Vec<InputFile>) -> Result<(), PrepareError> {
+fn walk(dir: &Path, except: Option<&Path>, files: &mut Vec<InputFile>) -> Result<(), PrepareError> {
     let err = |source| PrepareError::Input { path: dir.to_path_buf(), source };
     let mut entries: Vec<_> = std::fs::read_dir(dir).map_err(err)?.collect::<Result<_, _>>().map_err(err)?;
     entries.sort_by_key(|e| e.file_name());
@@ -139,7 +146,10 @@ fn walk(dir: &Path, files: &mut Vec<InputFile>) -> Result<(), PrepareError> {
         let meta =
             std::fs::symlink_metadata(&path).map_err(|source| PrepareError::Input { path: path.clone(), source })?;
         if meta.is_dir() {
-            walk(&path, files)?;
+            if except.is_some_and(|e| path.canonicalize().is_ok_and(|p| p == e)) {
+                continue;
+            }
+            walk(&path, except, files)?;
         } else if meta.is_file() {
             files.push(input_file(&path, &meta));
         }
@@ -168,12 +178,62 @@ pub fn open(path: &Path, read: Arc<AtomicU64>) -> Result<Box<dyn BufRead + Send>
     Ok(match classify(path).1 {
         Compression::None => Box::new(raw),
         Compression::Gzip => Box::new(BufReader::with_capacity(1 << 20, flate2::bufread::MultiGzDecoder::new(raw))),
-        Compression::Zstd => {
-            let decoder = ruzstd::decoding::StreamingDecoder::new(raw)
-                .map_err(|e| PrepareError::Decompress { path: path.to_path_buf(), message: e.to_string() })?;
-            Box::new(BufReader::with_capacity(1 << 20, decoder))
-        }
+        Compression::Zstd => Box::new(BufReader::with_capacity(1 << 20, ZstdFrames::new(raw))),
     })
+}
+
+/// A Zstandard stream of any number of frames (`cat a.zst b.zst`, pzstd's output), skippable
+/// frames skipped: ruzstd's streaming decoder stops after the first frame.
+struct ZstdFrames<R> {
+    source: R,
+    decoder: ruzstd::decoding::FrameDecoder,
+    in_frame: bool,
+}
+
+impl<R: BufRead> ZstdFrames<R> {
+    fn new(source: R) -> Self {
+        Self { source, decoder: ruzstd::decoding::FrameDecoder::new(), in_frame: false }
+    }
+}
+
+impl<R: BufRead> Read for ZstdFrames<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use ruzstd::decoding::BlockDecodingStrategy;
+        use ruzstd::decoding::errors::{FrameDecoderError, ReadFrameHeaderError};
+        let corrupt = |e: FrameDecoderError| io::Error::new(io::ErrorKind::InvalidData, e.to_string());
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            if !self.in_frame {
+                if self.source.fill_buf()?.is_empty() {
+                    return Ok(0); // the end, between frames
+                }
+                match self.decoder.init(&mut self.source) {
+                    Ok(()) => self.in_frame = true,
+                    Err(FrameDecoderError::ReadFrameHeaderError(ReadFrameHeaderError::SkipFrame {
+                        length, ..
+                    })) => {
+                        io::copy(&mut (&mut self.source).take(u64::from(length)), &mut io::sink())?;
+                        continue;
+                    }
+                    Err(e) => return Err(corrupt(e)),
+                }
+            }
+            while self.decoder.can_collect() < buf.len() && !self.decoder.is_finished() {
+                let wanted = buf.len() - self.decoder.can_collect();
+                self.decoder
+                    .decode_blocks(&mut self.source, BlockDecodingStrategy::UptoBytes(wanted))
+                    .map_err(corrupt)?;
+            }
+            let n = self.decoder.read(buf)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            // The frame is drained: the next one, if any.
+            self.in_frame = false;
+        }
+    }
 }
 
 /// One document as read: its bytes and where it came from (for errors).

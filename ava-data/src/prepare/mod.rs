@@ -9,8 +9,9 @@
 //! atomically, so a killed run leaves a manifest listing only complete shards, and the next
 //! run into the same directory skips the documents they hold and continues.
 //!
-//! Memory: two shards' ids (`shard_tokens` × id bytes each: one filling, one being written
-//! on its own thread), plus two batches of text in flight.
+//! Memory: two shards' ids (`shard_tokens` × id bytes each, plus one document's: one filling,
+//! one being written on its own thread), plus up to four batches of text (two queued, one
+//! being sent, one being tokenized).
 
 pub mod input;
 
@@ -278,6 +279,8 @@ pub struct Summary {
     pub already_complete: bool,
     /// Documents left out (`--invalid skip`, or empty).
     pub skipped_documents: u64,
+    /// What the corpus will not do as the user may expect (no validation documents).
+    pub warnings: Vec<String>,
 }
 
 /// How text becomes ids.
@@ -355,6 +358,15 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
             reason: "must be at least 0 and below 1 (the share of documents held out for validation)".into(),
         });
     }
+    if options.reading.separator.as_deref() == Some("") {
+        return Err(PrepareError::Option {
+            option: "--separator",
+            value: "\"\"".into(),
+            reason: "is empty; give the string that separates documents (e.g. $'\\n\\n'), or leave it out for one \
+                     document per file"
+                .into(),
+        });
+    }
     if options.shard_tokens == 0 {
         return Err(PrepareError::Option {
             option: "--shard-tokens",
@@ -362,7 +374,8 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
             reason: "must be at least 1".into(),
         });
     }
-    let files = input::list(&options.inputs)?;
+    // Not the corpus itself, when it is written inside an input directory.
+    let files = input::list_except(&options.inputs, Some(&options.out))?;
     let (encoder, tokenizer, vocab_size, eos_id, bos_id) = encoder(options)?;
     let id_bytes = if vocab_size <= 1 << 16 { 2 } else { 4 };
     let fresh = Manifest {
@@ -392,6 +405,7 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
                 resumed: None,
                 already_complete: true,
                 skipped_documents: 0,
+                warnings: Vec::new(),
             });
         }
         Claim::Continue(partial) => partial,
@@ -499,12 +513,21 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
     progress.input_bytes = read.load(Ordering::Relaxed);
     progress.elapsed = started.elapsed();
     reporter.progress(&progress);
+    let mut warnings = Vec::new();
+    if manifest.validation.documents == 0 {
+        warnings.push(format!(
+            "no document was held out for validation ({} documents at --val-fraction {}), and training needs some: \
+             prepare again with a larger --val-fraction, or cut the text into more documents with --separator",
+            manifest.documents, options.val_fraction
+        ));
+    }
     Ok(Summary {
         manifest,
         progress,
         resumed,
         already_complete: false,
         skipped_documents: skipped.load(Ordering::Relaxed),
+        warnings,
     })
 }
 
@@ -536,7 +559,11 @@ impl ShardSink<'_> {
             while let Ok(done) = self.done_rx.recv() {
                 self.absorb(done, manifest, reporter)?;
             }
-            unreachable!("the writer stops only after sending its error");
+            return Err(PrepareError::Write {
+                dir: self.dir.to_path_buf(),
+                shards: manifest.shards.len(),
+                source: io::Error::other("the shard writer stopped without saying why"),
+            });
         }
         self.handed += 1;
         self.handed_docs += docs;
@@ -562,8 +589,16 @@ impl ShardSink<'_> {
             }
         };
         let (entry, text_bytes) = done.map_err(|e| failed(manifest, e))?;
+        let listed = manifest.shards.len();
         manifest.push(entry.clone(), text_bytes);
-        manifest.save(self.dir).map_err(|e| failed(manifest, e))?;
+        // On failure the manifest on disk still lists the shards before this one.
+        manifest.save(self.dir).map_err(|e| {
+            let mut error = failed(manifest, e);
+            if let PrepareError::DiskFull { shards, .. } | PrepareError::Write { shards, .. } = &mut error {
+                *shards = listed;
+            }
+            error
+        })?;
         reporter.shard(&entry);
         Ok(())
     }
@@ -639,7 +674,8 @@ fn same_corpus(a: &Manifest, b: &Manifest) -> bool {
     a.tokenizer == b.tokenizer
         && a.eos_id == b.eos_id
         && a.bos_id == b.bos_id
-        && a.val_fraction == b.val_fraction
+        // Through JSON and back a fraction may move by an ulp.
+        && (a.val_fraction - b.val_fraction).abs() <= 1e-12
         && a.shard_tokens == b.shard_tokens
         && a.reading == b.reading
         && a.inputs == b.inputs
