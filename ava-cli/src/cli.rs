@@ -642,6 +642,31 @@ impl From<InvalidArg> for ava_data::prepare::Invalid {
     }
 }
 
+/// How `ava data prepare` and `train-tokenizer` cut their inputs into documents.
+#[derive(Debug, Args)]
+pub struct ReadingArgs {
+    /// Cut text files into documents at this string (default: one document per file).
+    #[arg(long, value_name = "STRING")]
+    pub separator: Option<String>,
+    /// The JSONL field, or Parquet column, holding the text.
+    #[arg(long, value_name = "NAME", default_value = "text")]
+    pub field: String,
+    /// What to do with invalid UTF-8.
+    #[arg(long, value_enum, default_value_t = InvalidArg::Error)]
+    pub invalid: InvalidArg,
+}
+
+impl ReadingArgs {
+    /// The options as the data crate takes them.
+    pub fn reading(&self) -> ava_data::prepare::Reading {
+        ava_data::prepare::Reading {
+            separator: self.separator.clone(),
+            field: self.field.clone(),
+            invalid: self.invalid.into(),
+        }
+    }
+}
+
 /// `ava data train-tokenizer` options.
 #[derive(Debug, Args)]
 pub struct TrainTokenizerArgs {
@@ -654,15 +679,9 @@ pub struct TrainTokenizerArgs {
     /// Ids in the vocabulary: the end-of-text token, 256 bytes, and learned merges.
     #[arg(long, value_name = "N", default_value_t = 8192)]
     pub vocab_size: usize,
-    /// Cut text files into documents at this string (default: one document per file).
-    #[arg(long, value_name = "STRING")]
-    pub separator: Option<String>,
-    /// The JSONL field, or Parquet column, holding the text.
-    #[arg(long, value_name = "NAME", default_value = "text")]
-    pub field: String,
-    /// What to do with invalid UTF-8.
-    #[arg(long, value_enum, default_value_t = InvalidArg::Error)]
-    pub invalid: InvalidArg,
+    /// How the inputs become documents.
+    #[command(flatten)]
+    pub reading: ReadingArgs,
     /// Replace --out if it exists.
     #[arg(long)]
     pub force: bool,
@@ -687,15 +706,9 @@ pub struct PrepareArgs {
     /// A token to put before every document (e.g. <s>); none by default.
     #[arg(long, value_name = "TOKEN")]
     pub bos: Option<String>,
-    /// Cut text files into documents at this string (default: one document per file).
-    #[arg(long, value_name = "STRING")]
-    pub separator: Option<String>,
-    /// The JSONL field, or Parquet column, holding the text.
-    #[arg(long, value_name = "NAME", default_value = "text")]
-    pub field: String,
-    /// What to do with invalid UTF-8.
-    #[arg(long, value_enum, default_value_t = InvalidArg::Error)]
-    pub invalid: InvalidArg,
+    /// How the inputs become documents.
+    #[command(flatten)]
+    pub reading: ReadingArgs,
     /// Share of documents held out for validation.
     #[arg(long, value_name = "FRACTION", default_value_t = 0.005)]
     pub val_fraction: f64,

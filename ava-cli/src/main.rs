@@ -96,10 +96,13 @@ pub fn print_failure(printer: &Printer, f: Failure) -> u8 {
             println!("{}", serde_json::json!({"error": err.to_string(), "caused_by": chain, "exit_code": code}));
         }
         output::Format::Text => {
-            eprintln!("error: {err}");
+            let mut text = format!("error: {err}\n");
             for cause in err.chain().skip(1) {
-                eprintln!("  caused by: {cause}");
+                text.push_str(&format!("  caused by: {cause}\n"));
             }
+            // One write: eprintln! writes a message in pieces, and the ranks of an MPI job
+            // share one stderr, where their pieces interleaved mid-line.
+            let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), text.as_bytes());
         }
     }
     code

@@ -97,14 +97,18 @@ fn training_on_shards_resumes_bit_exactly_with_another_worker_count() {
     let out = run("split", &["--max-steps", "6", "--resume", "latest", "--set", "data.num_workers=1"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("continuing at step 4") && err.contains("token shards corpus"), "{err}");
-    let (a, b) = (dir.path().join("straight"), dir.path().join("split"));
+    assert_same_runs(&dir.path().join("straight"), &dir.path().join("split"));
+}
+
+/// The straight and the resumed run end at step 6 with the same bytes and losses.
+fn assert_same_runs(a: &Path, b: &Path) {
     for file in ["model.safetensors", "optimizer.safetensors", "trainer.json"] {
-        let x = fs::read(checkpoint(&a, 6).join(file)).unwrap();
-        let y = fs::read(checkpoint(&b, 6).join(file)).unwrap();
+        let x = fs::read(checkpoint(a, 6).join(file)).unwrap();
+        let y = fs::read(checkpoint(b, 6).join(file)).unwrap();
         assert!(x == y, "{file} differs between the straight and the resumed run");
     }
-    assert_eq!(losses(&a), losses(&b));
-    assert_eq!(losses(&a).len(), 6);
+    assert_eq!(losses(a), losses(b));
+    assert_eq!(losses(a).len(), 6);
 }
 
 /// A second corpus with other text, prepared beside the first.
@@ -142,13 +146,7 @@ fn a_mixture_reports_tokens_by_source_and_resumes_bit_exactly() {
     assert!(tokens[0] > tokens[1] && tokens[1] > 0, "{tokens:?}");
     run("split", &["--max-steps", "6", "--steps", "3", "--set", "data.num_workers=2"]);
     run("split", &["--max-steps", "6", "--resume", "latest", "--set", "data.num_workers=0"]);
-    let (a, b) = (dir.path().join("straight"), dir.path().join("split"));
-    for file in ["model.safetensors", "optimizer.safetensors", "trainer.json"] {
-        let x = fs::read(checkpoint(&a, 6).join(file)).unwrap();
-        let y = fs::read(checkpoint(&b, 6).join(file)).unwrap();
-        assert!(x == y, "{file} differs between the straight and the resumed run");
-    }
-    assert_eq!(losses(&a), losses(&b));
+    assert_same_runs(&dir.path().join("straight"), &dir.path().join("split"));
 
     // Shares that do not add up, and a path beside a mix.
     let err = usage_error(train_small(

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use ava_data::manifest::ShardEntry;
-use ava_data::prepare::{self, PrepareError, PrepareOptions, PrepareReporter, Progress, Reading};
+use ava_data::prepare::{self, PrepareError, PrepareOptions, PrepareReporter, Progress};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
@@ -73,7 +73,7 @@ pub fn run(p: &Printer, args: &PrepareArgs) -> CmdResult {
         tokenizer: args.tokenizer.clone().filter(|t| t.as_os_str() != "byte"),
         eos: args.eos.clone(),
         bos: args.bos.clone(),
-        reading: Reading { separator: args.separator.clone(), field: args.field.clone(), invalid: args.invalid.into() },
+        reading: args.reading.reading(),
         val_fraction: args.val_fraction,
         shard_tokens: args.shard_tokens,
         force: args.force,

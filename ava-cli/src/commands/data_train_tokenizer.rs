@@ -4,7 +4,6 @@
 use std::time::Instant;
 
 use ava_data::bpe;
-use ava_data::prepare::Reading;
 use serde_json::json;
 
 use crate::cli::TrainTokenizerArgs;
@@ -19,8 +18,7 @@ pub fn run(p: &Printer, args: &TrainTokenizerArgs) -> CmdResult {
             args.out.display()
         )));
     }
-    let reading =
-        Reading { separator: args.separator.clone(), field: args.field.clone(), invalid: args.invalid.into() };
+    let reading = args.reading.reading();
     p.note(&format!("learning {} ids of byte-level BPE ...", args.vocab_size));
     let start = Instant::now();
     let trained = bpe::train(&args.inputs, &reading, args.vocab_size, &args.out)
