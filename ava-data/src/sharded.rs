@@ -74,7 +74,7 @@ impl ShardedDataset {
         }
         if let Some(path) = tokenizer {
             let sha256 = shard::sha256_file(path).map_err(|source| DataError::Read { path: path.into(), source })?;
-            let given = TokenizerId::Huggingface { file: path.into(), sha256: sha256.clone() };
+            let given = TokenizerId::Huggingface { file: path.into(), sha256 };
             if !manifest.tokenizer.same_as(&given) {
                 return Err(DataError::TokenizerMismatch {
                     dir: dir.to_path_buf(),
