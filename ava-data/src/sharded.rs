@@ -86,11 +86,9 @@ impl ShardedDataset {
         let shards: Vec<ShardFile> = manifest
             .shards
             .par_iter()
-            .map(|entry| {
-                if verify == Verify::Checksums {
-                    shard::verify(dir, entry, manifest.id_bytes)?;
-                }
-                ShardFile::open(dir, entry, manifest.id_bytes)
+            .map(|entry| match verify {
+                Verify::Checksums => shard::verify(dir, entry, manifest.id_bytes),
+                Verify::Sizes => ShardFile::open(dir, entry, manifest.id_bytes),
             })
             .collect::<Result<_, _>>()?;
         let starts = [Split::Train, Split::Validation].map(|split| {

@@ -424,13 +424,7 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
         Progress { input_total, documents: manifest.documents, shards: manifest.shards.len(), ..Progress::default() };
     let mut builder = ShardBuilder::new(id_bytes, eos_id);
     let mut shard_text = 0u64;
-    let write_err = |shards: usize, source: io::Error| {
-        if source.kind() == io::ErrorKind::StorageFull {
-            PrepareError::DiskFull { dir: dir.clone(), shards, source }
-        } else {
-            PrepareError::Write { dir: dir.clone(), shards, source }
-        }
-    };
+    let write_err = |shards: usize, source: io::Error| write_error(&dir, shards, source);
 
     std::thread::scope(|scope| -> Result<(), PrepareError> {
         let (tx, rx) = sync_channel::<Batch>(2);
@@ -531,6 +525,17 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
     })
 }
 
+/// A failed write into the corpus directory, with the shards its manifest lists: a full disk
+/// is said as such.
+fn write_error(dir: &Path, shards: usize, source: io::Error) -> PrepareError {
+    let dir = dir.to_path_buf();
+    if source.kind() == io::ErrorKind::StorageFull {
+        PrepareError::DiskFull { dir, shards, source }
+    } else {
+        PrepareError::Write { dir, shards, source }
+    }
+}
+
 /// The preparing thread's end of the shard writer.
 struct ShardSink<'a> {
     dir: &'a Path,
@@ -580,25 +585,11 @@ impl ShardSink<'_> {
         manifest: &mut Manifest,
         reporter: &mut dyn PrepareReporter,
     ) -> Result<(), PrepareError> {
-        let failed = |manifest: &Manifest, source: io::Error| {
-            let (dir, shards) = (self.dir.to_path_buf(), manifest.shards.len());
-            if source.kind() == io::ErrorKind::StorageFull {
-                PrepareError::DiskFull { dir, shards, source }
-            } else {
-                PrepareError::Write { dir, shards, source }
-            }
-        };
-        let (entry, text_bytes) = done.map_err(|e| failed(manifest, e))?;
+        // Either way the manifest on disk lists the shards before this one.
         let listed = manifest.shards.len();
+        let (entry, text_bytes) = done.map_err(|e| write_error(self.dir, listed, e))?;
         manifest.push(entry.clone(), text_bytes);
-        // On failure the manifest on disk still lists the shards before this one.
-        manifest.save(self.dir).map_err(|e| {
-            let mut error = failed(manifest, e);
-            if let PrepareError::DiskFull { shards, .. } | PrepareError::Write { shards, .. } = &mut error {
-                *shards = listed;
-            }
-            error
-        })?;
+        manifest.save(self.dir).map_err(|e| write_error(self.dir, listed, e))?;
         reporter.shard(&entry);
         Ok(())
     }

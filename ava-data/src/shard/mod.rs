@@ -137,14 +137,12 @@ impl<W: Write> Write for HashingWriter<W> {
     }
 }
 
-/// The SHA-256 of a file, read in 1 MiB pieces with plain reads (not through a mapping, so
-/// checking a corpus leaves no pages mapped into the process).
-pub fn sha256_file(path: &Path) -> io::Result<String> {
-    let mut file = File::open(path)?;
+/// The SHA-256 of what `reader` yields, lowercase hex, read in 1 MiB pieces.
+pub fn sha256_of(mut reader: impl Read) -> io::Result<String> {
     let mut hash = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = file.read(&mut buf)?;
+        let n = reader.read(&mut buf)?;
         if n == 0 {
             break;
         }
@@ -153,15 +151,21 @@ pub fn sha256_file(path: &Path) -> io::Result<String> {
     Ok(hex::encode(hash.finalize()))
 }
 
-/// Checks a shard against its manifest entry: size, header, and checksum.
-pub fn verify(dir: &Path, entry: &ShardEntry, id_bytes: u32) -> Result<(), DataError> {
+/// The SHA-256 of a file, with plain reads (not through a mapping, so checking a corpus
+/// leaves no pages mapped into the process).
+pub fn sha256_file(path: &Path) -> io::Result<String> {
+    sha256_of(File::open(path)?)
+}
+
+/// Opens a shard (see [`ShardFile::open`]) and checks its checksum against its manifest
+/// entry too.
+pub fn verify(dir: &Path, entry: &ShardEntry, id_bytes: u32) -> Result<ShardFile, DataError> {
     let shard = ShardFile::open(dir, entry, id_bytes)?;
-    let path = shard.path.clone();
-    drop(shard);
-    let actual = sha256_file(&path).map_err(|source| DataError::Read { path: path.clone(), source })?;
+    let path = &shard.path;
+    let actual = sha256_file(path).map_err(|source| DataError::Read { path: path.clone(), source })?;
     if actual != entry.sha256 {
         return Err(DataError::Shard {
-            path,
+            path: path.clone(),
             reason: format!(
                 "its checksum is {} but the manifest says {}: the file was changed or damaged; prepare the corpus \
                  again (or restore the file)",
@@ -170,7 +174,7 @@ pub fn verify(dir: &Path, entry: &ShardEntry, id_bytes: u32) -> Result<(), DataE
             ),
         });
     }
-    Ok(())
+    Ok(shard)
 }
 
 /// A finished shard, memory-mapped. Reading copies ids out and hands the pages back to the

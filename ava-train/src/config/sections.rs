@@ -337,31 +337,20 @@ impl Mix {
             Value::Array(items) => items,
             other => return Err(format!("{}, got {}", Self::EXPECTED, super::format::type_phrase(other))),
         };
-        let mut shares: Vec<MixShare> = Vec::new();
-        for (i, item) in items.iter().enumerate() {
-            let entry = match item {
-                Value::Object(map) if map.len() == 1 => map.iter().next().expect("one entry"),
-                _ => return Err(format!("entry {i}: {}: each entry is one `corpus: share`", Self::EXPECTED)),
-            };
-            let Some(fraction) = share(entry.1).filter(|f| *f > 0.0 && *f <= 1.0) else {
-                return Err(format!(
-                    "entry {i} ({}): the share must be a percentage such as 30% or a fraction in (0, 1], got {}",
-                    entry.0,
-                    super::format::yaml_flow(entry.1)
-                ));
-            };
-            if entry.0.trim().is_empty() {
-                return Err(format!("entry {i}: the corpus directory is empty"));
-            }
-            let path = PathBuf::from(entry.0);
-            if shares.iter().any(|s| s.path == path) {
-                return Err(format!("entry {i}: '{}' is listed twice", entry.0));
-            }
-            shares.push(MixShare { path, fraction });
+        if items.is_empty() {
+            return Ok(Self::default());
         }
-        let total: f64 = shares.iter().map(|s| s.fraction).sum();
-        if !shares.is_empty() && (total - 1.0).abs() > 1e-6 {
-            return Err(format!("the shares add up to {}%, not 100%", (total * 1e6).round() / 1e4));
+        let empty_name = |name: &str| {
+            if name.trim().is_empty() { Err("the corpus directory is empty".to_string()) } else { Ok(()) }
+        };
+        let shares = named_shares(items, Self::EXPECTED, "corpus: share", ("30%", "(0, 1]"), empty_name)?;
+        let shares: Vec<MixShare> =
+            shares.into_iter().map(|(path, fraction)| MixShare { path: PathBuf::from(path), fraction }).collect();
+        // As paths, `corpora/a/` and `corpora/a` are one corpus.
+        for (i, s) in shares.iter().enumerate() {
+            if shares[..i].iter().any(|t| t.path == s.path) {
+                return Err(format!("entry {i}: '{}' is listed twice", s.path.display()));
+            }
         }
         Ok(Self(shares))
     }
@@ -384,6 +373,45 @@ impl<'de> Deserialize<'de> for Mix {
         let value = serde_json::Value::deserialize(deserializer)?;
         Self::from_value(&value).map_err(serde::de::Error::custom)
     }
+}
+
+/// The entries of a list of shares such as `[ram: 60%, nvme: 40%]`: each one `name: share`
+/// (`form` says which, for messages), the share in `range` (its example and interval, as
+/// `("40%", "[0, 1]")`; "(0" excludes zero), the name accepted by `name_ok`, no name twice,
+/// and the shares adding up to 100%.
+fn named_shares(
+    items: &[serde_json::Value],
+    expected: &str,
+    form: &str,
+    range: (&str, &str),
+    name_ok: impl Fn(&str) -> Result<(), String>,
+) -> Result<Vec<(String, f64)>, String> {
+    let (example, interval) = range;
+    let positive = interval.starts_with('(');
+    let mut shares: Vec<(String, f64)> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let (name, value) = match item {
+            serde_json::Value::Object(map) if map.len() == 1 => map.iter().next().expect("one entry"),
+            _ => return Err(format!("entry {i}: {expected}: each entry is one `{form}`")),
+        };
+        let in_range = |f: &f64| (0.0..=1.0).contains(f) && !(positive && *f == 0.0);
+        let Some(fraction) = share(value).filter(in_range) else {
+            return Err(format!(
+                "entry {i} ({name}): the share must be a percentage such as {example} or a fraction in {interval}, got {}",
+                super::format::yaml_flow(value)
+            ));
+        };
+        name_ok(name).map_err(|e| format!("entry {i}: {e}"))?;
+        if shares.iter().any(|(n, _)| n == name) {
+            return Err(format!("entry {i}: '{name}' is listed twice"));
+        }
+        shares.push((name.clone(), fraction));
+    }
+    let total: f64 = shares.iter().map(|s| s.1).sum();
+    if (total - 1.0).abs() > 1e-6 {
+        return Err(format!("the shares add up to {}%, not 100%", (total * 1e6).round() / 1e4));
+    }
+    Ok(shares)
 }
 
 /// A share written as `40%` or `0.4`.
@@ -436,28 +464,10 @@ impl Tiers {
         let Value::Array(items) = value else {
             return Err(format!("{}, got {}", Self::EXPECTED, super::format::type_phrase(value)));
         };
-        let mut shares = Vec::new();
-        for (i, item) in items.iter().enumerate() {
-            let entry = match item {
-                Value::Object(map) if map.len() == 1 => map.iter().next().expect("one entry"),
-                _ => return Err(format!("entry {i}: {}: each entry is one `name: share`", Self::EXPECTED)),
-            };
-            let Some(fraction) = share(entry.1).filter(|f| (0.0..=1.0).contains(f)) else {
-                return Err(format!(
-                    "entry {i} ({}): the share must be a percentage such as 40% or a fraction in [0, 1], got {}",
-                    entry.0,
-                    super::format::yaml_flow(entry.1)
-                ));
-            };
-            if shares.iter().any(|s: &TierShare| s.name == *entry.0) {
-                return Err(format!("entry {i}: '{}' is listed twice", entry.0));
-            }
-            shares.push(TierShare { name: entry.0.clone(), fraction });
-        }
-        let total: f64 = shares.iter().map(|s| s.fraction).sum();
-        if (total - 1.0).abs() > 1e-6 {
-            return Err(format!("the shares add up to {}%, not 100%", (total * 1e6).round() / 1e4));
-        }
+        let shares: Vec<TierShare> = named_shares(items, Self::EXPECTED, "name: share", ("40%", "[0, 1]"), |_| Ok(()))?
+            .into_iter()
+            .map(|(name, fraction)| TierShare { name, fraction })
+            .collect();
         let others: Vec<&str> = shares.iter().filter(|s| s.name != "ram").map(|s| s.name.as_str()).collect();
         if others.len() > 1 {
             return Err(format!(

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{self, Read};
+use std::io;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -119,16 +119,8 @@ pub fn verify(dir: impl AsRef<Path>) -> Result<Manifest, SaveError> {
         let mut file = open(&path)?;
         let size = file.metadata().map_err(|source| read_error(&path, source))?.len();
         check_size(&path, entry, size)?;
-        let mut hasher = Sha256::new();
-        let mut chunk = vec![0u8; 1 << 20];
-        loop {
-            let n = file.read(&mut chunk).map_err(|source| read_error(&path, source))?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(&chunk[..n]);
-        }
-        check_hash(&path, entry, hex::encode(hasher.finalize()))?;
+        let hash = ava_data::shard::sha256_of(&mut file).map_err(|source| read_error(&path, source))?;
+        check_hash(&path, entry, hash)?;
     }
     Ok(manifest)
 }
