@@ -165,3 +165,63 @@ fn a_mixture_reports_tokens_by_source_and_resumes_bit_exactly() {
     let err = usage_error(train_small(dir.path(), "bad", &[mix, &["--set", "data.path=corpus"]].concat()));
     assert!(err.contains("data.path (corpus) and data.mix are both set"), "{err}");
 }
+
+/// `n` short documents (3 to 40 words, so a 32-token sequence holds several) in one file,
+/// cut at "%" lines, prepared into `dir/name`.
+fn prepared_short(dir: &Path, name: &str, salt: usize, n: usize) {
+    let text: Vec<String> = (0..n)
+        .map(|i| {
+            (0..3 + (i * 13 + salt) % 38)
+                .map(|w| format!("s{}", (i * 7 + w * 3 + salt) % 97))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    fs::write(dir.join(format!("{name}.txt")), text.join("\n%\n")).unwrap();
+    let input = format!("{name}.txt");
+    ok(ava(dir, &["data", "prepare", &input, "--separator", "\n%\n", "--out", name, "--val-fraction", "0.1"]));
+}
+
+#[test]
+fn packed_documents_resume_bit_exactly_and_kernels_without_them_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    prepared_short(dir.path(), "short", 0, 1500);
+    prepared_short(dir.path(), "short2", 5, 1000);
+    let packed: &[&str] = &[
+        "--set",
+        "data.source=shards",
+        "--set",
+        "data.mix=[short: 60%, short2: 40%]",
+        "--set",
+        "data.packing=document",
+        "--set",
+        "model.vocab_size=257",
+    ];
+    let run = |out: &str, extra: &[&str]| ok(train_small(dir.path(), out, &[packed, extra].concat()));
+    run("straight", &["--max-steps", "6", "--set", "data.num_workers=0"]);
+    run("split", &["--max-steps", "6", "--steps", "3", "--set", "data.num_workers=2"]);
+    run("split", &["--max-steps", "6", "--resume", "latest", "--set", "data.num_workers=1"]);
+    assert_same_runs(&dir.path().join("straight"), &dir.path().join("split"));
+    // Packing is on: the same sequences without it train to other losses.
+    run("concat", &["--max-steps", "6", "--set", "data.packing=concat"]);
+    assert_ne!(losses(&dir.path().join("straight")), losses(&dir.path().join("concat")));
+
+    ava_tests::workspace_plugins_dir();
+    let err =
+        usage_error(train_small(dir.path(), "bad", &[packed, &["--set", "plugins.attention=block-sparse"]].concat()));
+    assert!(
+        err.contains(
+            "attention kernel 'block-sparse' does not support data.packing: document (attention kept inside each \
+             document); use plugins.attention: standard, flash or sliding-window, or set data.packing: concat"
+        ),
+        "{err}"
+    );
+    ok(train_small(dir.path(), "flash", &[packed, &["--max-steps", "1", "--set", "plugins.attention=flash"]].concat()));
+    let err = usage_error(train_small(dir.path(), "bad", &["--set", "data.packing=document"]));
+    assert!(
+        err.contains("data.packing = document: needs document boundaries, and data.source: synthetic has none"),
+        "{err}"
+    );
+    let err = usage_error(train_small(dir.path(), "bad", &["--set", "data.packing=documents"]));
+    assert!(err.contains("data.packing") && err.contains("concat") && err.contains("document"), "{err}");
+}

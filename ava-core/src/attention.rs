@@ -8,6 +8,12 @@
 //! needs while it runs (flash's per-thread score tiles) is declared the same way
 //! ([`AttentionKernel::workspace_len`]): the host allocates it for the call and frees it
 //! when the call returns, so it is counted too and the kernel allocates nothing big itself.
+//!
+//! Packed documents (`data.packing: document`) reach a kernel as segment ids: one `u32` per
+//! key position of each sequence, the same id for the positions of one document, so a query
+//! sees only the keys of its own document (as Llama 3 was trained). Only a kernel that says
+//! it [supports them](AttentionKernel::supports_segments) is handed any; the host refuses the
+//! others by name before a run starts.
 
 #![allow(clippy::too_many_arguments, clippy::type_complexity)] // a kernel takes q, k, v, out, dout, saved, dq, dk, dv
 
@@ -103,6 +109,28 @@ impl AttnShape {
         expect_len("v", v, self.kv_numel())?;
         expect_len("out", out, self.q_numel())
     }
+
+    /// Checks segment ids: none, or B·Tk of them, non-decreasing along each sequence (a
+    /// document is one run of positions, which is what lets kernels treat it as an interval).
+    pub fn check_segments(&self, segments: &[u32]) -> Result<(), PluginError> {
+        if segments.is_empty() {
+            return Ok(());
+        }
+        let tk = self.kv_len as usize;
+        expect_len("segments", segments.len(), self.batch as usize * tk)?;
+        for (b, row) in segments.chunks_exact(tk.max(1)).enumerate() {
+            if let Some(j) = row.windows(2).position(|w| w[1] < w[0]) {
+                return Err(PluginError::invalid_input(format!(
+                    "segment ids of sequence {b} decrease at position {} ({} after {}): a document must be one run \
+                     of positions",
+                    j + 1,
+                    row[j + 1],
+                    row[j]
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Which call of a kernel a workspace is for.
@@ -160,7 +188,10 @@ pub trait AttentionKernel: Send + Sync {
     }
 
     /// Computes `out` (B, H, Tq, D) and fills `saved` (`saved_len` elements); `workspace`
-    /// is the forward's declared scratch.
+    /// is the forward's declared scratch. `segments` is empty, or (for a kernel that
+    /// [`supports_segments`](Self::supports_segments)) B·Tk segment ids, non-decreasing along
+    /// each sequence: the query at position `p = i + Tk − Tq` of sequence `b` then sees key
+    /// `j` only if `segments[b·Tk + j] == segments[b·Tk + p]`, on top of its own mask.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -168,6 +199,7 @@ pub trait AttentionKernel: Send + Sync {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        segments: &[u32],
         out: &mut [f32],
         saved: &mut [f32],
         workspace: &mut [f32],
@@ -176,6 +208,14 @@ pub trait AttentionKernel: Send + Sync {
 
     /// Whether [`backward`](Self::backward) is implemented.
     fn supports_backward(&self) -> bool {
+        false
+    }
+
+    /// Whether the kernel honours segment ids (packed documents; see
+    /// [`forward`](Self::forward)). The default, no, makes the host refuse
+    /// `data.packing: document` with this kernel by name rather than hand it ids it would
+    /// ignore.
+    fn supports_segments(&self) -> bool {
         false
     }
 
@@ -190,7 +230,7 @@ pub trait AttentionKernel: Send + Sync {
     }
 
     /// Writes (overwrites) `dq`, `dk`, `dv` from `dout`, using what forward saved;
-    /// `workspace` is the backward's declared scratch.
+    /// `workspace` is the backward's declared scratch, `segments` the forward's.
     #[allow(clippy::too_many_arguments)]
     fn backward(
         &self,
@@ -198,6 +238,7 @@ pub trait AttentionKernel: Send + Sync {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        segments: &[u32],
         out: &[f32],
         dout: &[f32],
         saved: &[f32],
@@ -207,7 +248,7 @@ pub trait AttentionKernel: Send + Sync {
         workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
-        let _ = (shape, q, k, v, out, dout, saved, dq, dk, dv, workspace, ctx);
+        let _ = (shape, q, k, v, segments, out, dout, saved, dq, dk, dv, workspace, ctx);
         Err(PluginError::unsupported("this attention kernel has no backward pass; it can run inference only"))
     }
 }
@@ -227,6 +268,7 @@ pub trait FfiAttention: Send + Sync {
         q: RSlice<'_, f32>,
         k: RSlice<'_, f32>,
         v: RSlice<'_, f32>,
+        segments: RSlice<'_, u32>,
         out: RSliceMut<'_, f32>,
         saved: RSliceMut<'_, f32>,
         workspace: RSliceMut<'_, f32>,
@@ -234,6 +276,8 @@ pub trait FfiAttention: Send + Sync {
     ) -> RResult<(), PluginError>;
     /// See [`AttentionKernel::supports_backward`].
     fn supports_backward(&self) -> bool;
+    /// See [`AttentionKernel::supports_segments`].
+    fn supports_segments(&self) -> bool;
     /// See [`AttentionKernel::saved_tolerates_half`].
     fn saved_tolerates_half(&self) -> bool;
     /// See [`AttentionKernel::backward`].
@@ -244,6 +288,7 @@ pub trait FfiAttention: Send + Sync {
         q: RSlice<'_, f32>,
         k: RSlice<'_, f32>,
         v: RSlice<'_, f32>,
+        segments: RSlice<'_, u32>,
         out: RSlice<'_, f32>,
         dout: RSlice<'_, f32>,
         saved: RSlice<'_, f32>,
@@ -273,13 +318,15 @@ impl<T: AttentionKernel> FfiAttention for Guarded<T> {
         q: RSlice<'_, f32>,
         k: RSlice<'_, f32>,
         v: RSlice<'_, f32>,
+        segments: RSlice<'_, u32>,
         mut out: RSliceMut<'_, f32>,
         mut saved: RSliceMut<'_, f32>,
         mut workspace: RSliceMut<'_, f32>,
         ctx: KernelContext,
     ) -> RResult<(), PluginError> {
         guard("AttentionKernel::forward", || {
-            self.0.forward(&shape, &q, &k, &v, out.as_mut_slice(), saved.as_mut_slice(), workspace.as_mut_slice(), &ctx)
+            let (out, saved, workspace) = (out.as_mut_slice(), saved.as_mut_slice(), workspace.as_mut_slice());
+            self.0.forward(&shape, &q, &k, &v, &segments, out, saved, workspace, &ctx)
         })
     }
     fn supports_backward(&self) -> bool {
@@ -290,12 +337,17 @@ impl<T: AttentionKernel> FfiAttention for Guarded<T> {
         // As above: a panic means no (the buffer is kept as written).
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.saved_tolerates_half())).unwrap_or(false)
     }
+    fn supports_segments(&self) -> bool {
+        // As above: a panic means no (the host refuses packed documents with this kernel).
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.supports_segments())).unwrap_or(false)
+    }
     fn backward(
         &self,
         shape: AttnShape,
         q: RSlice<'_, f32>,
         k: RSlice<'_, f32>,
         v: RSlice<'_, f32>,
+        segments: RSlice<'_, u32>,
         out: RSlice<'_, f32>,
         dout: RSlice<'_, f32>,
         saved: RSlice<'_, f32>,
@@ -311,6 +363,7 @@ impl<T: AttentionKernel> FfiAttention for Guarded<T> {
                 &q,
                 &k,
                 &v,
+                &segments,
                 &out,
                 &dout,
                 &saved,
@@ -340,17 +393,31 @@ impl AttentionKernel for ForeignAttention {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        segments: &[u32],
         out: &mut [f32],
         saved: &mut [f32],
         workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
         self.0
-            .forward(*shape, q.into(), k.into(), v.into(), out.into(), saved.into(), workspace.into(), *ctx)
+            .forward(
+                *shape,
+                q.into(),
+                k.into(),
+                v.into(),
+                segments.into(),
+                out.into(),
+                saved.into(),
+                workspace.into(),
+                *ctx,
+            )
             .into_result()
     }
     fn supports_backward(&self) -> bool {
         self.0.supports_backward()
+    }
+    fn supports_segments(&self) -> bool {
+        self.0.supports_segments()
     }
     fn saved_tolerates_half(&self) -> bool {
         self.0.saved_tolerates_half()
@@ -361,6 +428,7 @@ impl AttentionKernel for ForeignAttention {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        segments: &[u32],
         out: &[f32],
         dout: &[f32],
         saved: &[f32],
@@ -376,6 +444,7 @@ impl AttentionKernel for ForeignAttention {
                 q.into(),
                 k.into(),
                 v.into(),
+                segments.into(),
                 out.into(),
                 dout.into(),
                 saved.into(),
@@ -413,6 +482,7 @@ mod tests {
                     _: &[f32],
                     _: &[f32],
                     _: &[f32],
+                    _: &[u32],
                     _: &mut [f32],
                     _: &mut [f32],
                     _: &mut [f32],
@@ -432,6 +502,36 @@ mod tests {
         }
     );
 
+    /// A kernel that takes segment ids and writes them to its output, to see what crossed.
+    struct Echo;
+
+    impl AttentionKernel for Echo {
+        fn saved_len(&self, _: &AttnShape) -> Result<u64, PluginError> {
+            Ok(0)
+        }
+        fn forward(
+            &self,
+            shape: &AttnShape,
+            _: &[f32],
+            _: &[f32],
+            _: &[f32],
+            segments: &[u32],
+            out: &mut [f32],
+            _: &mut [f32],
+            _: &mut [f32],
+            _: &KernelContext,
+        ) -> Result<(), PluginError> {
+            shape.check_segments(segments)?;
+            for (o, &s) in out.iter_mut().zip(segments) {
+                *o = s as f32;
+            }
+            Ok(())
+        }
+        fn supports_segments(&self) -> bool {
+            true
+        }
+    }
+
     fn foreign<K: AttentionKernel + 'static>(k: K) -> ForeignAttention {
         ForeignAttention(FfiAttention_TO::from_value(Guarded(k), TD_Opaque))
     }
@@ -444,5 +544,43 @@ mod tests {
         assert!(!foreign(Says(Some(false))).saved_tolerates_half());
         assert!(!foreign(Quiet).saved_tolerates_half());
         assert!(!foreign(Says(None)).saved_tolerates_half());
+    }
+
+    /// The capability and the ids cross the boundary; a kernel that does not say keeps the
+    /// default, no.
+    #[test]
+    fn segments_cross_the_boundary() {
+        assert!(!foreign(Quiet).supports_segments());
+        let echo = foreign(Echo);
+        assert!(echo.supports_segments());
+        let s = AttnShape::self_attention(2, 1, 1, 3, 1, true);
+        let mut out = vec![0.0; 6];
+        echo.forward(
+            &s,
+            &[0.0; 6],
+            &[0.0; 6],
+            &[0.0; 6],
+            &[0, 0, 1, 4, 4, 4],
+            &mut out,
+            &mut [],
+            &mut [],
+            &KernelContext::default(),
+        )
+        .unwrap();
+        assert_eq!(out, [0.0, 0.0, 1.0, 4.0, 4.0, 4.0]);
+    }
+
+    #[test]
+    fn segment_ids_are_checked() {
+        let s = AttnShape::self_attention(2, 1, 1, 3, 1, true);
+        assert!(s.check_segments(&[]).is_ok());
+        assert!(s.check_segments(&[0, 0, 1, 0, 1, 1]).is_ok(), "each sequence starts afresh");
+        let err = s.check_segments(&[0, 1]).unwrap_err();
+        assert_eq!(err.message.as_str(), "segments has 2 elements, expected 6");
+        let err = s.check_segments(&[0, 1, 1, 2, 3, 2]).unwrap_err();
+        assert_eq!(
+            err.message.as_str(),
+            "segment ids of sequence 1 decrease at position 2 (2 after 3): a document must be one run of positions"
+        );
     }
 }

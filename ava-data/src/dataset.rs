@@ -57,6 +57,19 @@ pub trait Dataset: Send + Sync {
         None
     }
 
+    /// With `data.packing: document`: the offsets `t` in `1..seq_len` at which input token
+    /// `t` of sequence `index` begins a new document, ascending (deterministic, like the
+    /// sequence). `None` when the source does not pack documents (the default).
+    fn document_starts(&self, split: Split, index: u64, seq_len: usize) -> Option<Vec<u32>> {
+        let _ = (split, index, seq_len);
+        None
+    }
+
+    /// Whether [`document_starts`](Self::document_starts) answers (`data.packing: document`).
+    fn packs_documents(&self) -> bool {
+        false
+    }
+
     /// For a mixture of sources: how many of the first `sequences` training sequences each
     /// source gave, by name. Empty for a single source (the default).
     fn sources_seen(&self, sequences: u64) -> Vec<(String, u64)> {

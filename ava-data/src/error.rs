@@ -120,7 +120,7 @@ pub enum DataError {
     },
     /// A corpus whose preparation did not finish.
     #[error(
-        "the corpus in {} is not finished ({shards} shards so far): run the same `ava data prepare` again to          complete it",
+        "the corpus in {} is not finished ({shards} shards so far): run the same `ava data prepare` again to complete it",
         dir.display()
     )]
     Unfinished {

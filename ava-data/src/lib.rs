@@ -8,9 +8,15 @@
 //! `i`, and batch `k` holds sequences `k·B .. (k+1)·B`, so a run resumes from a batch index.
 //!
 //! ```
-//! use ava_data::{DataOptions, Loader, MarkovSpec, Source, Split, open};
+//! use ava_data::{DataOptions, Loader, MarkovSpec, Packing, Source, Split, open};
 //!
-//! let options = DataOptions { source: Source::Synthetic(MarkovSpec::default()), seq_len: 32, val_fraction: 0.1, seed: 7 };
+//! let options = DataOptions {
+//!     source: Source::Synthetic(MarkovSpec::default()),
+//!     seq_len: 32,
+//!     val_fraction: 0.1,
+//!     seed: 7,
+//!     packing: Packing::Concat,
+//! };
 //! let dataset = open(&options).unwrap();
 //! let mut loader = Loader::new(dataset.clone(), Split::Train, 4, 32, 0, 2, 2).unwrap();
 //! let batch = loader.next().unwrap();
@@ -87,6 +93,29 @@ pub enum Source {
     },
 }
 
+/// How sequences are cut from documents (`data.packing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Packing {
+    /// Documents concatenated with an end-of-text id between them and cut every T tokens
+    /// (llm.c / GPT-2): attention and positions run across document boundaries.
+    #[default]
+    Concat,
+    /// The same sequences, but each batch also says where its documents start, so positions
+    /// restart at every document and attention stays inside it (Llama 3's packing). Needs
+    /// documents: a prepared corpus (`shards`) or a mixture of them.
+    Document,
+}
+
+impl Packing {
+    /// The config value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Packing::Concat => "concat",
+            Packing::Document => "document",
+        }
+    }
+}
+
 /// Everything [`open`] needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataOptions {
@@ -101,6 +130,8 @@ pub struct DataOptions {
     pub val_fraction: f64,
     /// Sampling seed: which sequences / windows are drawn (the synthetic table has its own seed).
     pub seed: u64,
+    /// How sequences are cut from documents.
+    pub packing: Packing,
 }
 
 /// Opens the data source described by `options`: builds the synthetic table, reads (and
@@ -114,6 +145,18 @@ pub fn open(options: &DataOptions) -> Result<Arc<dyn Dataset>, DataError> {
             reason: "must be at least 1".into(),
         });
     }
+    let packed = options.packing == Packing::Document;
+    if packed && matches!(options.source, Source::Synthetic(_) | Source::Text { .. }) {
+        let source = if matches!(options.source, Source::Synthetic(_)) { "synthetic" } else { "text" };
+        return Err(DataError::InvalidOption {
+            key: "data.packing",
+            value: "document".into(),
+            reason: format!(
+                "needs document boundaries, and data.source: {source} has none; prepare the corpus with `ava data \
+                 prepare` and train on it with data.source: shards (or data.mix), or set data.packing: concat"
+            ),
+        });
+    }
     Ok(match &options.source {
         Source::Synthetic(spec) => Arc::new(SyntheticDataset::new(spec, options.seed)?),
         Source::Text { path, tokenizer } => Arc::new(TextDataset::open(
@@ -124,10 +167,11 @@ pub fn open(options: &DataOptions) -> Result<Arc<dyn Dataset>, DataError> {
             options.seed,
         )?),
         Source::Shards { dir, tokenizer } => {
-            Arc::new(ShardedDataset::open(dir, tokenizer.as_deref(), options.seq_len, options.seed)?)
+            let dataset = ShardedDataset::open(dir, tokenizer.as_deref(), options.seq_len, options.seed)?;
+            Arc::new(dataset.with_document_packing(packed))
         }
         Source::Mix { corpora, tokenizer } => {
-            Arc::new(Mixture::open(corpora, tokenizer.as_deref(), options.seq_len, options.seed)?)
+            Arc::new(Mixture::open_packed(corpora, tokenizer.as_deref(), options.seq_len, options.seed, packed)?)
         }
     })
 }

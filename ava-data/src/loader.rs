@@ -43,6 +43,10 @@ pub struct Batch {
     pub seq_len: usize,
     /// `(B, T + 1)` tokens, row-major.
     pub tokens: Vec<u32>,
+    /// With `data.packing: document`, `(B, T)`: each input token's document within its row,
+    /// numbered from 0 at the row's first token (so non-decreasing along a row). `None` when
+    /// the source does not pack documents.
+    pub segments: Option<Vec<u32>>,
 }
 
 impl Batch {
@@ -64,13 +68,27 @@ impl Batch {
         share: Share,
     ) -> Self {
         let mut tokens = Vec::with_capacity(batch_size * (seq_len + 1));
+        let packed = dataset.packs_documents();
+        let mut segments = Vec::with_capacity(if packed { batch_size * seq_len } else { 0 });
         let first = (index * share.world as u64 + share.rank as u64) * batch_size as u64;
         for row in 0..batch_size as u64 {
             let sequence = dataset.sequence(split, first + row, seq_len);
             assert_eq!(sequence.len(), seq_len + 1, "dataset returned a sequence of the wrong length");
             tokens.extend_from_slice(&sequence);
+            if packed {
+                let starts = dataset.document_starts(split, first + row, seq_len);
+                let starts = starts.expect("a dataset that packs documents says where they start");
+                let mut next = starts.iter().peekable();
+                let mut id = 0;
+                for t in 0..seq_len as u32 {
+                    while next.next_if(|&&s| s <= t).is_some() {
+                        id += 1;
+                    }
+                    segments.push(id);
+                }
+            }
         }
-        Self { index, batch_size, seq_len, tokens }
+        Self { index, batch_size, seq_len, tokens, segments: packed.then_some(segments) }
     }
 
     /// The `seq_len + 1` tokens of row `b`.
@@ -88,9 +106,26 @@ impl Batch {
         self.tokens.chunks_exact(self.seq_len + 1).flat_map(|row| &row[1..]).copied().collect()
     }
 
-    /// Bytes of token data held (`B·(T+1)·4`).
+    /// With packed documents, `(B, T)`: each input token's position inside its document
+    /// (0 at a document's first token, and at a row's first token: nothing before it is seen).
+    pub fn positions(&self) -> Option<Vec<u32>> {
+        let segments = self.segments.as_ref()?;
+        let mut positions = Vec::with_capacity(segments.len());
+        for row in segments.chunks_exact(self.seq_len) {
+            let mut start = 0;
+            for (t, &id) in row.iter().enumerate() {
+                if t > 0 && id != row[t - 1] {
+                    start = t;
+                }
+                positions.push((t - start) as u32);
+            }
+        }
+        Some(positions)
+    }
+
+    /// Bytes of token data held: `B·(T+1)·4`, plus `B·T·4` of segment ids with packed documents.
     pub fn size_bytes(&self) -> u64 {
-        (self.tokens.len() * size_of::<u32>()) as u64
+        ((self.tokens.len() + self.segments.as_ref().map_or(0, Vec::len)) * size_of::<u32>()) as u64
     }
 }
 
@@ -310,10 +345,12 @@ impl Loader {
         self.queued_bytes.clone()
     }
 
-    /// The most bytes the queue can hold: `W · prefetch_factor · B · (T+1) · 4` (0 without
-    /// workers). Batches being built or held by the consumer come on top.
+    /// The most bytes the queue can hold: `W · prefetch_factor · B · (T+1) · 4`, `(2T+1)`
+    /// with packed documents' segment ids (0 without workers). Batches being built or held by
+    /// the consumer come on top.
     pub fn capacity_bytes(&self) -> u64 {
-        let batch = (self.job.batch_size * (self.job.seq_len + 1) * size_of::<u32>()) as u64;
+        let per_row = self.job.seq_len + 1 + if self.job.dataset.packs_documents() { self.job.seq_len } else { 0 };
+        let batch = (self.job.batch_size * per_row * size_of::<u32>()) as u64;
         (self.num_workers * self.prefetch_factor) as u64 * batch
     }
 

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::error::DataError;
+use crate::shard::Room;
 
 /// The file name inside a corpus directory.
 pub const FILE: &str = "manifest.json";
@@ -178,12 +179,24 @@ impl Manifest {
 
     /// Writes `dir/manifest.json` atomically.
     pub fn save(&self, dir: &Path) -> std::io::Result<()> {
+        self.save_within(dir, u64::MAX)
+    }
+
+    /// [`save`](Self::save) on a disk with room for `room` more bytes of the file (see
+    /// [`Room`]). A failed write removes the temporary file, giving its
+    /// space back; the manifest before stays.
+    pub(crate) fn save_within(&self, dir: &Path, room: u64) -> std::io::Result<()> {
         let tmp = dir.join(format!("{FILE}.tmp"));
-        let mut file = File::create(&tmp)?;
-        file.write_all(&serde_json::to_vec_pretty(self).expect("a manifest serializes"))?;
-        file.write_all(b"\n")?;
-        file.sync_all()?;
-        drop(file);
+        let write = || {
+            let mut file = Room { inner: File::create(&tmp)?, left: room };
+            file.write_all(&serde_json::to_vec_pretty(self).expect("a manifest serializes"))?;
+            file.write_all(b"\n")?;
+            file.inner.sync_all()
+        };
+        if let Err(e) = write() {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
         fs::rename(&tmp, dir.join(FILE))?;
         sync_dir(dir)
     }

@@ -49,6 +49,18 @@ impl Mixture {
         seq_len: usize,
         seed: u64,
     ) -> Result<Self, DataError> {
+        Self::open_packed(corpora, tokenizer, seq_len, seed, false)
+    }
+
+    /// [`open`](Self::open), each corpus [packing documents](ShardedDataset::with_document_packing)
+    /// when `packing`.
+    pub fn open_packed(
+        corpora: &[(PathBuf, f64)],
+        tokenizer: Option<&Path>,
+        seq_len: usize,
+        seed: u64,
+        packing: bool,
+    ) -> Result<Self, DataError> {
         let invalid = |reason: String| DataError::InvalidOption { key: "data.mix", value: describe(corpora), reason };
         if corpora.is_empty() {
             return Err(invalid("names no corpus".into()));
@@ -62,7 +74,9 @@ impl Mixture {
         }
         let datasets: Vec<ShardedDataset> = corpora
             .iter()
-            .map(|(dir, _)| ShardedDataset::open(dir, tokenizer, seq_len, seed))
+            .map(|(dir, _)| {
+                ShardedDataset::open(dir, tokenizer, seq_len, seed).map(|d| d.with_document_packing(packing))
+            })
             .collect::<Result<_, _>>()?;
         let first = datasets[0].manifest();
         for (d, (dir, _)) in datasets.iter().zip(corpora).skip(1) {
@@ -160,6 +174,15 @@ impl Dataset for Mixture {
     fn sequence(&self, split: Split, index: u64, seq_len: usize) -> Vec<u32> {
         let (s, within) = self.locate(index);
         self.sources[s].dataset.sequence(split, within, seq_len)
+    }
+
+    fn document_starts(&self, split: Split, index: u64, seq_len: usize) -> Option<Vec<u32>> {
+        let (s, within) = self.locate(index);
+        self.sources[s].dataset.document_starts(split, within, seq_len)
+    }
+
+    fn packs_documents(&self) -> bool {
+        self.sources.iter().all(|s| s.dataset.packs_documents())
     }
 
     fn entropy_floor_nats(&self) -> Option<f64> {

@@ -43,6 +43,8 @@ pub struct ShardedDataset {
     starts: [Vec<u64>; 2],
     seq_len: usize,
     seed: u64,
+    /// `data.packing: document`: sequences report where their documents start.
+    packing: bool,
 }
 
 fn slot(split: Split) -> usize {
@@ -98,7 +100,7 @@ impl ShardedDataset {
             }
             acc
         });
-        let dataset = Self { dir: dir.to_path_buf(), manifest, shards, starts, seq_len, seed };
+        let dataset = Self { dir: dir.to_path_buf(), manifest, shards, starts, seq_len, seed, packing: false };
         for split in [Split::Train, Split::Validation] {
             let tokens = dataset.split_tokens(split);
             if tokens < seq_len as u64 + 1 {
@@ -106,6 +108,13 @@ impl ShardedDataset {
             }
         }
         Ok(dataset)
+    }
+
+    /// With `on`, sequences report where their documents start
+    /// ([`Dataset::document_starts`], `data.packing: document`).
+    pub fn with_document_packing(mut self, on: bool) -> Self {
+        self.packing = on;
+        self
     }
 
     /// The corpus's manifest.
@@ -160,6 +169,33 @@ impl Dataset for ShardedDataset {
         let mut out = Vec::with_capacity(seq_len + 1);
         self.copy_stream(split, start, seq_len + 1, &mut out);
         out
+    }
+
+    fn document_starts(&self, split: Split, index: u64, seq_len: usize) -> Option<Vec<u32>> {
+        if !self.packing {
+            return None;
+        }
+        // Input tokens 1..T of the sequence are stream offsets start + 1 .. start + T.
+        let start = self.sequence_start(split, index, seq_len);
+        let (lo, hi) = (start + 1, start + seq_len as u64);
+        let starts = &self.starts[slot(split)];
+        let mut found = Vec::new();
+        // Shards whose region overlaps lo..hi; a region begins with a document, so a shard
+        // boundary is a document start too.
+        let mut s = starts.partition_point(|&b| b <= lo) - 1;
+        while s < self.shards.len() && starts[s] < hi {
+            let base = starts[s];
+            let mut offsets = Vec::new();
+            self.shards[s].document_starts_between(split, lo.saturating_sub(base), hi - base, &mut offsets);
+            found.extend(offsets.into_iter().map(|o| (base + o - start) as u32));
+            s += 1;
+        }
+        found.dedup(); // an empty region shares its start with the next
+        Some(found)
+    }
+
+    fn packs_documents(&self) -> bool {
+        self.packing
     }
 
     fn entropy_floor_nats(&self) -> Option<f64> {

@@ -1,8 +1,9 @@
 //! Tests of the data pipeline: the RNG, the synthetic source's entropy floor, text splits and
-//! windows, the tokenizer, error messages, and the loader's determinism, backpressure and
-//! shutdown.
+//! windows, the tokenizer, error messages, the loader's determinism, backpressure and
+//! shutdown, and the full disk that `prepare`'s test hook simulates.
 
 use std::fs;
+use std::io;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -188,6 +189,7 @@ fn text_options(path: &Path, tokenizer: Option<&Path>, seq_len: usize, val_fract
         seq_len,
         val_fraction,
         seed: 3,
+        packing: Packing::Concat,
     }
 }
 
@@ -335,8 +337,14 @@ fn a_directory_is_unreadable() {
 // ---------- loader ----------
 
 fn synthetic() -> Arc<dyn Dataset> {
-    open(&DataOptions { source: Source::Synthetic(MarkovSpec::default()), seq_len: 16, val_fraction: 0.1, seed: 4 })
-        .unwrap()
+    open(&DataOptions {
+        source: Source::Synthetic(MarkovSpec::default()),
+        seq_len: 16,
+        val_fraction: 0.1,
+        seed: 4,
+        packing: Packing::Concat,
+    })
+    .unwrap()
 }
 
 fn batches(loader: &mut Loader, n: usize) -> Vec<Batch> {
@@ -375,7 +383,7 @@ fn starting_at_batch_k_gives_the_tail() {
 
 #[test]
 fn inputs_and_targets_are_shifted_rows() {
-    let batch = Batch { index: 0, batch_size: 2, seq_len: 3, tokens: vec![1, 2, 3, 4, 5, 6, 7, 8] };
+    let batch = Batch { index: 0, batch_size: 2, seq_len: 3, tokens: vec![1, 2, 3, 4, 5, 6, 7, 8], segments: None };
     assert_eq!(batch.inputs(), [1, 2, 3, 5, 6, 7]);
     assert_eq!(batch.targets(), [2, 3, 4, 6, 7, 8]);
     assert_eq!((batch.row(1), batch.size_bytes()), (&[5, 6, 7, 8][..], 32));
@@ -493,4 +501,58 @@ fn loader_options_are_checked() {
     assert!(long.starts_with("data.seq_len = 10: the validation split of text file <dir>/t.txt"), "{long}");
     assert!(long.ends_with("supports at most 9"), "{long}");
     assert!(Loader::new(text, Split::Validation, 2, 9, 0, 1, 1).is_ok());
+}
+
+// ---------- a full disk (prepare's test hook) ----------
+
+#[test]
+fn a_full_disk_leaves_a_partial_temporary_shard_and_the_old_manifest() {
+    let dir = tempfile::tempdir().unwrap();
+    let shard = || {
+        let mut b = shard::ShardBuilder::new(2, 256);
+        for i in 0..20u32 {
+            b.push(if i % 5 == 0 { Split::Validation } else { Split::Train }, &[i; 30]);
+        }
+        b
+    };
+    let size = shard().finish(dir.path(), "whole.bin", 0).unwrap().bytes;
+
+    // Room for half the file: the write that fills the disk writes what fits, the next one
+    // fails as ENOSPC, and the name is never taken by a partial shard.
+    let err = shard().finish_within(dir.path(), "s.bin", 0, size / 2).unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::StorageFull);
+    assert_eq!(fs::metadata(dir.path().join("s.bin.tmp")).unwrap().len(), size / 2);
+    assert!(!dir.path().join("s.bin").exists());
+    // Exactly enough room is enough, and gives the same file.
+    let entry = shard().finish_within(dir.path(), "s.bin", 0, size).unwrap();
+    assert_eq!(fs::read(dir.path().join("s.bin")).unwrap(), fs::read(dir.path().join("whole.bin")).unwrap());
+    assert!(!dir.path().join("s.bin.tmp").exists());
+
+    // A manifest save that fills the disk leaves the manifest before it, and no temporary file.
+    let mut m = manifest::Manifest {
+        format: manifest::FORMAT.into(),
+        version: manifest::VERSION,
+        complete: false,
+        tokenizer: manifest::TokenizerId::Byte,
+        vocab_size: 257,
+        id_bytes: 2,
+        eos_id: 256,
+        bos_id: None,
+        val_fraction: 0.2,
+        shard_tokens: 100,
+        reading: "text".into(),
+        inputs: Vec::new(),
+        documents: 0,
+        text_bytes: 0,
+        train: Default::default(),
+        validation: Default::default(),
+        shards: Vec::new(),
+    };
+    m.save(dir.path()).unwrap();
+    let before = fs::read(dir.path().join(manifest::FILE)).unwrap();
+    m.push(entry, 600);
+    let err = m.save_within(dir.path(), 40).unwrap_err();
+    assert_eq!(err.kind(), io::ErrorKind::StorageFull);
+    assert_eq!(fs::read(dir.path().join(manifest::FILE)).unwrap(), before);
+    assert!(!dir.path().join(format!("{}.tmp", manifest::FILE)).exists());
 }

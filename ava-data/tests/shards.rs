@@ -1,7 +1,8 @@
 //! Prepared corpora end to end: `prepare` into shards (text, separators, JSONL, gzip and
 //! zstd), the manifest, reading them back through [`ShardedDataset`], continuing a killed
 //! run, and the errors for bad input and damaged shards. Corpora are generated here, a few
-//! hundred KB at most.
+//! hundred KB at most. A full disk is simulated with `prepare`'s test hook
+//! ([`prepare::DiskFault`]).
 
 use std::fs;
 use std::io::Write;
@@ -171,6 +172,88 @@ fn a_killed_run_continues_from_its_last_complete_shard_and_ends_byte_identical()
     assert_eq!(shard_files(&killed), shard_files(&whole));
     let (a, b) = (Manifest::load(&killed).unwrap(), Manifest::load(&whole).unwrap());
     assert_eq!((a.shards, a.documents, a.train, a.validation), (b.shards, b.documents, b.train, b.validation));
+}
+
+/// The files in a corpus directory, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn a_full_disk_stops_with_what_to_do_keeps_the_complete_shards_and_the_next_run_continues() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_files(&tmp.path().join("in"), &documents(50));
+    let inputs = vec![tmp.path().join("in")];
+    let whole = tmp.path().join("whole");
+    let w = prepare::prepare(&options(inputs.clone(), &whole), &mut Silent).unwrap().manifest;
+    assert!(w.shards.len() > 4, "{} shards", w.shards.len());
+
+    // The disk fills up halfway through the third shard.
+    let out = tmp.path().join("full");
+    let fault = prepare::DiskFault::Shard { index: 2, after: w.shards[2].bytes / 2 };
+    let err = prepare::prepare_with_fault(&options(inputs.clone(), &out), &mut Silent, fault).unwrap_err();
+    let PrepareError::DiskFull { dir, shards: 2, source } = &err else { panic!("not a full disk: {err:?}") };
+    assert_eq!((dir, source.kind()), (&out, std::io::ErrorKind::StorageFull));
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "the disk holding {} is full ({source}) after 2 complete shards; they stay usable: free some space and \
+             run the same command again to continue from shard 2",
+            out.display()
+        )
+    );
+    // The partial shard's temporary file is gone (its space given back); the manifest lists
+    // the two complete shards, which verify, and does not say complete.
+    assert_eq!(names(&out), ["manifest.json", "shard-00000.bin", "shard-00001.bin"]);
+    let m = Manifest::load(&out).unwrap();
+    assert!(!m.complete);
+    assert_eq!(m.shards, w.shards[..2]);
+    assert_eq!(m.documents, w.shards[2].first_document);
+    let checks = ava_data::corpus::verify_all(&out, &m, &|_| {});
+    assert!(checks.iter().all(|c| c.problem.is_none()) && checks.len() == 2);
+    // Training refuses the unfinished corpus, saying what to run.
+    let e = ShardedDataset::open(&out, None, 8, 1).unwrap_err();
+    assert!(matches!(&e, DataError::Unfinished { dir, shards: 2 } if *dir == out), "{e:?}");
+    assert!(e.to_string().contains("is not finished (2 shards so far): run the same `ava data prepare` again"), "{e}");
+
+    // The same command again continues from shard 2 and ends byte-identical to the run the
+    // disk did not interrupt, manifest included.
+    let summary = prepare::prepare(&options(inputs, &out), &mut Silent).unwrap();
+    assert_eq!(summary.resumed, Some((2, m.documents)));
+    assert_eq!(shard_files(&out), shard_files(&whole));
+    assert_eq!(fs::read(out.join(manifest::FILE)).unwrap(), fs::read(whole.join(manifest::FILE)).unwrap());
+    ShardedDataset::open(&out, None, 8, 1).unwrap();
+}
+
+#[test]
+fn a_disk_full_while_saving_the_manifest_keeps_the_one_before_and_the_next_run_continues() {
+    let tmp = tempfile::tempdir().unwrap();
+    write_files(&tmp.path().join("in"), &documents(50));
+    let inputs = vec![tmp.path().join("in")];
+    let whole = tmp.path().join("whole");
+    let w = prepare::prepare(&options(inputs.clone(), &whole), &mut Silent).unwrap().manifest;
+    let n = w.shards.len();
+
+    // Save 1 would list the second shard; the last save (after the last shard's) would mark
+    // the corpus complete.
+    for (save, listed) in [(1, 1), (n, n)] {
+        let out = tmp.path().join(format!("save-{save}"));
+        let fault = prepare::DiskFault::Manifest { save, after: 100 };
+        let err = prepare::prepare_with_fault(&options(inputs.clone(), &out), &mut Silent, fault).unwrap_err();
+        assert!(matches!(&err, PrepareError::DiskFull { shards, .. } if *shards == listed), "{err:?}");
+        assert!(err.to_string().contains(&format!("after {listed} complete shards")), "{err}");
+        assert!(!out.join(format!("{}.tmp", manifest::FILE)).exists(), "the partial manifest is removed");
+        let m = Manifest::load(&out).unwrap();
+        assert_eq!((m.complete, &m.shards[..]), (false, &w.shards[..listed]));
+
+        let summary = prepare::prepare(&options(inputs.clone(), &out), &mut Silent).unwrap();
+        assert_eq!(summary.resumed, Some((listed, m.documents)));
+        assert_eq!(shard_files(&out), shard_files(&whole));
+        assert_eq!(fs::read(out.join(manifest::FILE)).unwrap(), fs::read(whole.join(manifest::FILE)).unwrap());
+    }
 }
 
 #[test]

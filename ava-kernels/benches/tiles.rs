@@ -53,7 +53,7 @@ fn case(head_dim: u32, (tq, tk): (usize, usize)) -> Case {
         ctx,
     };
     let mut ws = workspace(&c, Pass::Forward);
-    c.kernel.forward(&c.shape, &c.q, &c.k, &c.v, &mut c.out, &mut c.lse, &mut ws, &c.ctx).expect("forward");
+    c.kernel.forward(&c.shape, &c.q, &c.k, &c.v, &[], &mut c.out, &mut c.lse, &mut ws, &c.ctx).expect("forward");
     c
 }
 
@@ -66,7 +66,7 @@ fn forward(bencher: divan::Bencher, head_dim: u32, tiles: (usize, usize)) {
     let mut c = case(head_dim, tiles);
     let mut ws = workspace(&c, Pass::Forward);
     bencher.bench_local(|| {
-        c.kernel.forward(&c.shape, &c.q, &c.k, &c.v, &mut c.out, &mut c.lse, &mut ws, &c.ctx).expect("forward");
+        c.kernel.forward(&c.shape, &c.q, &c.k, &c.v, &[], &mut c.out, &mut c.lse, &mut ws, &c.ctx).expect("forward");
     });
 }
 
@@ -78,7 +78,7 @@ fn backward(bencher: divan::Bencher, head_dim: u32, tiles: (usize, usize)) {
     let mut ws = workspace(&c, Pass::Backward);
     bencher.bench_local(|| {
         let (s, x) = (&c.shape, &c.kernel);
-        x.backward(s, &c.q, &c.k, &c.v, &c.out, &c.dout, &c.lse, &mut dq, &mut dk, &mut dv, &mut ws, &c.ctx)
+        x.backward(s, &c.q, &c.k, &c.v, &[], &c.out, &c.dout, &c.lse, &mut dq, &mut dk, &mut dv, &mut ws, &c.ctx)
             .expect("backward");
     });
 }

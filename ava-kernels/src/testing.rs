@@ -49,8 +49,9 @@ pub fn shape(b: u32, h: u32, hkv: u32, tq: u32, tk: u32, d: u32, causal: bool) -
 }
 
 /// Attention straight from the definition in f64 with its own indexing, masked by
-/// [`Mask::visible`]: returns (out (B, H, Tq, D), logsumexp (B, H, Tq)).
-pub fn reference(s: &AttnShape, mask: &Mask, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
+/// [`Mask::visible`] and, when the mask holds segment ids, by their equality (checked here
+/// from the ids themselves): returns (out (B, H, Tq, D), logsumexp (B, H, Tq)).
+pub fn reference(s: &AttnShape, mask: &Mask<'_>, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
     let (bn, hn, hkv, tq, tk, d) = (
         s.batch as usize,
         s.q_heads as usize,
@@ -63,13 +64,17 @@ pub fn reference(s: &AttnShape, mask: &Mask, q: &[f64], k: &[f64], v: &[f64]) ->
     let ki = |b: usize, h: usize, j: usize, x: usize| ((b * hkv + h) * tk + j) * d + x;
     let mut out = vec![0.0; bn * hn * tq * d];
     let mut lse = vec![0.0; bn * hn * tq];
+    let segments = mask.segments();
+    let same_segment =
+        |b: usize, i: usize, j: usize| segments.is_empty() || segments[b * tk + j] == segments[b * tk + i + (tk - tq)];
     for b in 0..bn {
+        let pattern = Mask::new(mask.pattern(), tq, tk).expect("the mask's own pattern");
         for h in 0..hn {
             let kh = h / (hn / hkv);
             for i in 0..tq {
                 let scores: Vec<f64> = (0..tk)
                     .map(|j| {
-                        if mask.visible(i, j) {
+                        if pattern.visible(i, j) && same_segment(b, i, j) {
                             s.scale as f64 * (0..d).map(|x| q[qi(b, h, i, x)] * k[ki(b, kh, j, x)]).sum::<f64>()
                         } else {
                             f64::NEG_INFINITY
@@ -90,15 +95,28 @@ pub fn reference(s: &AttnShape, mask: &Mask, q: &[f64], k: &[f64], v: &[f64]) ->
     (out, lse)
 }
 
+/// One forward and backward through a kernel, in one output layout: (out, saved, [dq, dk, dv]).
+pub type Run = (Vec<f32>, Vec<f32>, [Vec<f32>; 3]);
+
 /// One forward and backward through a kernel: (out, saved, dq, dk, dv). Output buffers
 /// start as NaN, so a kernel that leaves any element unwritten fails the comparison.
-#[allow(clippy::type_complexity)]
 pub fn run(
     kernel: &dyn AttentionKernel,
     s: &AttnShape,
+    inputs: (&[f32], &[f32], &[f32], &[f32]),
+    threads: u32,
+) -> Result<Run, String> {
+    run_segmented(kernel, s, &[], inputs, threads)
+}
+
+/// [`run`] with segment ids (B·Tk, or empty).
+pub fn run_segmented(
+    kernel: &dyn AttentionKernel,
+    s: &AttnShape,
+    segments: &[u32],
     (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
     threads: u32,
-) -> Result<(Vec<f32>, Vec<f32>, [Vec<f32>; 3]), String> {
+) -> Result<Run, String> {
     let ctx = KernelContext { threads, ..KernelContext::default() };
     let saved_len = kernel.saved_len(s).map_err(|e| format!("saved_len: {e}"))? as usize;
     let mut out = vec![f32::NAN; s.q_numel()];
@@ -109,19 +127,19 @@ pub fn run(
         Ok(vec![f32::NAN; n as usize])
     };
     let mut ws = workspace(Pass::Forward)?;
-    kernel.forward(s, q, k, v, &mut out, &mut saved, &mut ws, &ctx).map_err(|e| format!("forward: {e}"))?;
+    kernel.forward(s, q, k, v, segments, &mut out, &mut saved, &mut ws, &ctx).map_err(|e| format!("forward: {e}"))?;
     let mut dq = vec![f32::NAN; s.q_numel()];
     let mut dk = vec![f32::NAN; s.kv_numel()];
     let mut dv = vec![f32::NAN; s.kv_numel()];
     let mut ws = workspace(Pass::Backward)?;
     kernel
-        .backward(s, q, k, v, &out, dout, &saved, &mut dq, &mut dk, &mut dv, &mut ws, &ctx)
+        .backward(s, q, k, v, segments, &out, dout, &saved, &mut dq, &mut dk, &mut dv, &mut ws, &ctx)
         .map_err(|e| format!("backward: {e}"))?;
     Ok((out, saved, [dq, dk, dv]))
 }
 
 /// The dense kernel under `mask`: (out, dq, dk, dv).
-fn dense_run(s: &AttnShape, mask: &Mask, (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32])) -> [Vec<f32>; 4] {
+fn dense_run(s: &AttnShape, mask: &Mask<'_>, (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32])) -> [Vec<f32>; 4] {
     let mut out = vec![0.0; s.q_numel()];
     let mut probs = vec![0.0; dense::saved_len(s).expect("dense saved_len") as usize];
     dense::forward(s, mask, q, k, v, &mut out, &mut probs, 2).expect("dense forward");
@@ -149,20 +167,20 @@ fn allclose(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) -> Resu
     Ok(worst)
 }
 
-/// Runs `kernel` and the dense kernel under `mask` on the same random inputs and checks the
-/// output and dq, dk, dv agree within `atol 1e-4, rtol 1e-3`; returns the largest absolute
-/// difference.
+/// Runs `kernel` and the dense kernel under `mask` (and its segment ids, which the kernel is
+/// given too) on the same random inputs and checks the output and dq, dk, dv agree within
+/// `atol 1e-4, rtol 1e-3`; returns the largest absolute difference.
 pub fn against_dense(
     kernel: &dyn AttentionKernel,
     s: &AttnShape,
-    mask: &Mask,
+    mask: &Mask<'_>,
     threads: u32,
     seed: u64,
 ) -> Result<f32, String> {
     let mut rng = Rng(seed);
     let (q, k, v, dout) = (rng.vec(s.q_numel()), rng.vec(s.kv_numel()), rng.vec(s.kv_numel()), rng.vec(s.q_numel()));
     let inputs = (&q[..], &k[..], &v[..], &dout[..]);
-    let (out, _, [dq, dk, dv]) = run(kernel, s, inputs, threads)?;
+    let (out, _, [dq, dk, dv]) = run_segmented(kernel, s, mask.segments(), inputs, threads)?;
     let [r_out, r_dq, r_dk, r_dv] = dense_run(s, mask, inputs);
     let mut worst = 0f32;
     for (what, got, want) in [("out", &out, &r_out), ("dq", &dq, &r_dq), ("dk", &dk, &r_dk), ("dv", &dv, &r_dv)] {
@@ -173,11 +191,16 @@ pub fn against_dense(
 
 /// Checks `kernel`'s output against the f64 [`reference`] under `mask` (`1e-5` absolute,
 /// inputs in [-1, 1)) and its analytic gradients (f32) against central finite differences
-/// of `loss = Σ out ∘ R` computed in f64.
-pub fn finite_differences(kernel: &dyn AttentionKernel, s: &AttnShape, mask: &Mask, seed: u64) -> Result<(), String> {
+/// of `loss = Σ out ∘ R` computed in f64. The kernel is given the mask's segment ids.
+pub fn finite_differences(
+    kernel: &dyn AttentionKernel,
+    s: &AttnShape,
+    mask: &Mask<'_>,
+    seed: u64,
+) -> Result<(), String> {
     let mut rng = Rng(seed);
     let (q, k, v, r) = (rng.vec(s.q_numel()), rng.vec(s.kv_numel()), rng.vec(s.kv_numel()), rng.vec(s.q_numel()));
-    let (out, _, grads) = run(kernel, s, (&q, &k, &v, &r), 1)?;
+    let (out, _, grads) = run_segmented(kernel, s, mask.segments(), (&q, &k, &v, &r), 1)?;
     let f64s = |x: &[f32]| x.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     let (want, _) = reference(s, mask, &f64s(&q), &f64s(&k), &f64s(&v));
     for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
@@ -228,12 +251,36 @@ pub const SHAPES: &[(u32, u32, u32, u32, u32, u32)] = &[
     (2, 2, 1, 1, 9, 64),
 ];
 
+/// Segment ids for `s` (B·Tk): each sequence cut into documents of random lengths (from 1
+/// up to about a third of the keys, so a tile holds several and a document crosses tiles),
+/// numbered upwards from a random first id.
+pub fn segments(s: &AttnShape, seed: u64) -> Vec<u32> {
+    let mut rng = Rng(seed);
+    let tk = s.kv_len as usize;
+    let longest = (tk / 3).max(1) as u64;
+    let mut ids = Vec::with_capacity(s.batch as usize * tk);
+    for _ in 0..s.batch {
+        let mut id = (rng.next_u64() % 5) as u32;
+        let mut left = tk;
+        while left > 0 {
+            let len = ((1 + rng.next_u64() % longest) as usize).min(left);
+            ids.extend(std::iter::repeat_n(id, len));
+            left -= len;
+            id += 1 + (rng.next_u64() % 2) as u32; // ids need only increase
+        }
+    }
+    ids
+}
+
 /// [`against_dense`] over every shape in [`SHAPES`], causal on and off, with 1 and 3
-/// threads; `mask_for` gives the kernel's mask for a shape (`None`: the kernel refuses the
-/// shape, which must then be refused by the kernel too). Returns the cases compared.
+/// threads, without segment ids and, when the kernel [supports
+/// them](AttentionKernel::supports_segments), with [`segments`]; `mask_for` gives the
+/// kernel's mask for a shape (`None`: the kernel refuses the shape, which must then be
+/// refused by the kernel too). A kernel that does not support segments must refuse them.
+/// Returns the cases compared.
 pub fn against_dense_everywhere(
     kernel: &dyn AttentionKernel,
-    mask_for: impl Fn(&AttnShape) -> Option<Mask>,
+    mask_for: impl Fn(&AttnShape) -> Option<Mask<'static>>,
 ) -> Result<usize, String> {
     let mut cases = 0;
     for (n, &(b, h, hkv, tq, tk, d)) in SHAPES.iter().enumerate() {
@@ -245,9 +292,22 @@ pub fn against_dense_everywhere(
                 }
                 continue;
             };
-            for threads in [1, 3] {
-                against_dense(kernel, &s, &mask, threads, n as u64)?;
-                cases += 1;
+            let ids = segments(&s, n as u64);
+            if !kernel.supports_segments() {
+                let inputs = (&vec![0.0; s.q_numel()][..], &vec![0.0; s.kv_numel()][..], &vec![0.0; s.kv_numel()][..]);
+                if run_segmented(kernel, &s, &ids, (inputs.0, inputs.1, inputs.2, inputs.0), 1).is_ok() {
+                    return Err(format!("{s:?}: the kernel says it takes no segment ids but ran with them"));
+                }
+            }
+            for segmented in [false, kernel.supports_segments()] {
+                let mask = if segmented { mask.with_segments(&ids).map_err(|e| e.to_string())? } else { mask };
+                for threads in [1, 3] {
+                    against_dense(kernel, &s, &mask, threads, n as u64)?;
+                    cases += 1;
+                }
+                if !kernel.supports_segments() {
+                    break;
+                }
             }
         }
     }

@@ -68,13 +68,14 @@ impl AttentionKernel for Declaring {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        segments: &[u32],
         out: &mut [f32],
         saved: &mut [f32],
         workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
         let ws = self.take(shape, Pass::Forward, ctx, workspace)?;
-        self.inner.forward(shape, q, k, v, out, saved, ws, ctx)?;
+        self.inner.forward(shape, q, k, v, segments, out, saved, ws, ctx)?;
         *self.written.lock().unwrap() = saved.to_vec();
         Ok(())
     }
@@ -90,6 +91,7 @@ impl AttentionKernel for Declaring {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        segments: &[u32],
         out: &[f32],
         dout: &[f32],
         saved: &[f32],
@@ -101,7 +103,7 @@ impl AttentionKernel for Declaring {
     ) -> Result<(), PluginError> {
         let ws = self.take(shape, Pass::Backward, ctx, workspace)?;
         *self.handed.lock().unwrap() = saved.to_vec();
-        self.inner.backward(shape, q, k, v, out, dout, saved, dq, dk, dv, ws, ctx)
+        self.inner.backward(shape, q, k, v, segments, out, dout, saved, dq, dk, dv, ws, ctx)
     }
 }
 
@@ -124,10 +126,10 @@ fn the_host_allocates_exactly_the_declared_workspace_and_counts_it() {
     // Peak growth across one forward call with `extra` more forward workspace.
     let forward_peak = |extra: u64| {
         let kernel: Arc<dyn AttentionKernel> = Arc::new(Declaring::new(extra, 0));
-        attention(&kernel, "declaring", &q, &k, &v, 2).unwrap(); // warm-up (thread-locals)
+        attention(&kernel, "declaring", &q, &k, &v, None, 2).unwrap(); // warm-up (thread-locals)
         let before = memory::current();
         memory::reset_peak();
-        let out = attention(&kernel, "declaring", &q, &k, &v, 2).unwrap();
+        let out = attention(&kernel, "declaring", &q, &k, &v, None, 2).unwrap();
         let grown = memory::peak() - before;
         drop(out);
         grown
@@ -140,7 +142,7 @@ fn the_host_allocates_exactly_the_declared_workspace_and_counts_it() {
     // Forward and backward each get exactly what was declared for them.
     let declaring = Arc::new(Declaring::new(1000, 3000));
     let kernel: Arc<dyn AttentionKernel> = declaring.clone();
-    let out = attention(&kernel, "declaring", &q, &k, &v, 2).unwrap();
+    let out = attention(&kernel, "declaring", &q, &k, &v, None, 2).unwrap();
     out.sum_all().unwrap().backward().unwrap();
     let inner = Registry::builtins().attention("standard", "{}").unwrap();
     let [f, b] = [Pass::Forward, Pass::Backward].map(|p| inner.workspace_len(&shape, p, &ctx).unwrap() as usize);
@@ -212,7 +214,7 @@ fn a_saved_buffer_that_tolerates_rounding_is_held_in_the_half_type() {
         let kernel: Arc<dyn AttentionKernel> = recording.clone();
         let [q, k, v] = [&q, &k, &v].map(|x| Var::from_tensor(&x.as_tensor().to_dtype(dtype).unwrap()).unwrap());
         let before = memory::current();
-        let out = attention(&kernel, "recording", &q, &k, &v, 2).unwrap();
+        let out = attention(&kernel, "recording", &q, &k, &v, None, 2).unwrap();
         let held = memory::current() - before; // the output and the saved buffer
         out.sum_all().unwrap().backward().unwrap();
         let written = recording.written.lock().unwrap().clone();

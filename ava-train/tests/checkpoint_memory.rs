@@ -24,7 +24,7 @@ fn measure(model: &Model, plan: &[BlockDecision]) -> (u64, Grads) {
     let mut grads = vec![None; model.params().len()];
     let start = memory::current();
     memory::reset_peak();
-    forward_backward(model, &mut weights, &tokens, &targets, plan, 1.0, 1.0, None, &mut grads).unwrap();
+    forward_backward(model, &mut weights, &tokens, None, &targets, plan, 1.0, 1.0, None, &mut grads).unwrap();
     (memory::peak() - start, grads)
 }
 

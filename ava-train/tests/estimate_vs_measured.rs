@@ -56,7 +56,7 @@ fn measure(
     }
     let tokens = Tensor::from_vec(inputs, (b, t), &Device::Cpu).unwrap();
     let mut run = |mut grads| {
-        forward_backward(&model, &mut w, &tokens, &targets, plan, 1.0, 2.0, None, &mut grads).unwrap();
+        forward_backward(&model, &mut w, &tokens, None, &targets, plan, 1.0, 2.0, None, &mut grads).unwrap();
         grads
     };
     let empty = || vec![None; model.params().len()];

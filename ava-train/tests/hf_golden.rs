@@ -48,7 +48,7 @@ fn logits(dir: &Path, spec: ModelSpec, kernel: (Arc<dyn AttentionKernel>, &str),
     let (_, tensors) = load_hf_folder(dir).unwrap();
     let t = ids.dims()[1];
     let model = Model::from_tensors(spec, tensors, dir, t, kernel.0, kernel.1, 1).unwrap();
-    let (out, _) = model.forward(&model.weights(DType::F32).unwrap(), ids).unwrap();
+    let (out, _) = model.forward(&model.weights(DType::F32).unwrap(), ids, None).unwrap();
     out.flatten_all().unwrap().to_vec1::<f32>().unwrap()
 }
 

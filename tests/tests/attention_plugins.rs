@@ -15,7 +15,7 @@ use ava_plugins::{HostError, VettingPolicy};
 use ava_tests::workspace_plugin;
 use common::{host, load, private_copy};
 
-fn mask(pattern: Pattern, s: &AttnShape) -> Mask {
+fn mask(pattern: Pattern, s: &AttnShape) -> Mask<'static> {
     Mask::new(pattern, s.q_len as usize, s.kv_len as usize).unwrap()
 }
 

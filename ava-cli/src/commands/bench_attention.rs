@@ -351,7 +351,7 @@ impl Samples {
         let mut ws = workspace(Pass::Forward)?;
         bench
             .kernel
-            .forward(shape, x.q, x.k, x.v, &mut out, &mut saved, &mut ws, ctx)
+            .forward(shape, x.q, x.k, x.v, &[], &mut out, &mut saved, &mut ws, ctx)
             .map_err(|e| failed(bench, shape, "forward", e))?;
         drop(ws);
         self.fwd_ms.push(start.elapsed().as_secs_f64() * 1e3);
@@ -362,7 +362,7 @@ impl Samples {
             let mut ws = workspace(Pass::Backward)?;
             bench
                 .kernel
-                .backward(shape, x.q, x.k, x.v, &out, x.dout, &saved, &mut dq, &mut dk, &mut dv, &mut ws, ctx)
+                .backward(shape, x.q, x.k, x.v, &[], &out, x.dout, &saved, &mut dq, &mut dk, &mut dv, &mut ws, ctx)
                 .map_err(|e| failed(bench, shape, "backward", e))?;
             drop(ws);
             self.total_ms.push(start.elapsed().as_secs_f64() * 1e3);

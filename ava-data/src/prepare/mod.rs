@@ -13,6 +13,7 @@
 //! one being written on its own thread), plus up to four batches of text (two queued, one
 //! being sent, one being tokenized).
 
+mod fault;
 pub mod input;
 
 use std::fs;
@@ -30,6 +31,8 @@ use crate::manifest::{self, Manifest, ShardEntry, TokenizerId};
 use crate::rng::hash64;
 use crate::shard::{self, ShardBuilder};
 use crate::tokenizer::TextTokenizer;
+#[doc(hidden)]
+pub use fault::DiskFault;
 pub use input::{Invalid, Reading};
 
 /// Everything `prepare` needs.
@@ -351,6 +354,24 @@ struct Batch {
 
 /// Prepares a corpus (see the module docs).
 pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> Result<Summary, PrepareError> {
+    run(options, reporter, None)
+}
+
+/// Test hook: [`prepare`] on a disk that fills up where `fault` says (see [`DiskFault`]).
+#[doc(hidden)]
+pub fn prepare_with_fault(
+    options: &PrepareOptions,
+    reporter: &mut dyn PrepareReporter,
+    fault: DiskFault,
+) -> Result<Summary, PrepareError> {
+    run(options, reporter, Some(fault))
+}
+
+fn run(
+    options: &PrepareOptions,
+    reporter: &mut dyn PrepareReporter,
+    fault: Option<DiskFault>,
+) -> Result<Summary, PrepareError> {
     if !(0.0..1.0).contains(&options.val_fraction) {
         return Err(PrepareError::Option {
             option: "--val-fraction",
@@ -413,6 +434,7 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
     };
     let dir = options.out.clone();
     let resumed = (!manifest.shards.is_empty()).then_some((manifest.shards.len(), manifest.documents));
+    let first_shard = manifest.shards.len();
     let skip = manifest.documents;
     let input_total = files.iter().map(|f| f.bytes).sum();
     reporter.start(input_total, resumed);
@@ -440,8 +462,9 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
         let (done_tx, done_rx) = std::sync::mpsc::channel::<io::Result<(ShardEntry, u64)>>();
         let out_dir = dir.clone();
         let writer = scope.spawn(move || {
-            for (builder, file, first, text_bytes) in shard_rx {
-                let done = builder.finish(&out_dir, &file, first).map(|e| (e, text_bytes));
+            for (i, (builder, file, first, text_bytes)) in shard_rx.into_iter().enumerate() {
+                let room = DiskFault::shard_room(fault, first_shard + i);
+                let done = builder.finish_within(&out_dir, &file, first, room).map(|e| (e, text_bytes));
                 let failed = done.is_err();
                 if failed {
                     let _ = fs::remove_file(out_dir.join(format!("{file}.tmp")));
@@ -458,6 +481,8 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
             done_rx,
             handed: manifest.shards.len(),
             handed_docs: manifest.documents,
+            first_shard,
+            fault,
         };
         for batch in rx {
             let encoded: Vec<Result<Vec<u32>, String>> = batch.pieces.par_iter().map(|p| encoder.encode(p)).collect();
@@ -501,7 +526,8 @@ pub fn prepare(options: &PrepareOptions, reporter: &mut dyn PrepareReporter) -> 
         return Err(PrepareError::EmptyInput { inputs: options.inputs.clone(), what: "document" });
     }
     manifest.complete = true;
-    manifest.save(&dir).map_err(|e| write_err(manifest.shards.len(), e))?;
+    let room = DiskFault::manifest_room(fault, manifest.shards.len() - first_shard);
+    manifest.save_within(&dir, room).map_err(|e| write_err(manifest.shards.len(), e))?;
     progress.documents = manifest.documents;
     progress.shards = manifest.shards.len();
     progress.input_bytes = read.load(Ordering::Relaxed);
@@ -545,6 +571,10 @@ struct ShardSink<'a> {
     handed: usize,
     /// Their documents: the index of the next document.
     handed_docs: u64,
+    /// Shards an earlier run had listed.
+    first_shard: usize,
+    /// The test hook's full disk, if any.
+    fault: Option<DiskFault>,
 }
 
 impl ShardSink<'_> {
@@ -589,7 +619,8 @@ impl ShardSink<'_> {
         let listed = manifest.shards.len();
         let (entry, text_bytes) = done.map_err(|e| write_error(self.dir, listed, e))?;
         manifest.push(entry.clone(), text_bytes);
-        manifest.save(self.dir).map_err(|e| write_error(self.dir, listed, e))?;
+        let room = DiskFault::manifest_room(self.fault, listed - self.first_shard);
+        manifest.save_within(self.dir, room).map_err(|e| write_error(self.dir, listed, e))?;
         reporter.shard(&entry);
         Ok(())
     }

@@ -86,10 +86,22 @@ impl ShardBuilder {
     /// (and the directory fsynced), so the name only ever holds a complete shard. Returns its
     /// manifest entry.
     pub fn finish(self, dir: &Path, file: &str, first_document: u64) -> io::Result<ShardEntry> {
+        self.finish_within(dir, file, first_document, u64::MAX)
+    }
+
+    /// [`finish`](Self::finish) on a disk with room for `room` more bytes of this file (see
+    /// [`Room`]); `u64::MAX` is any disk.
+    pub(crate) fn finish_within(
+        self,
+        dir: &Path,
+        file: &str,
+        first_document: u64,
+        room: u64,
+    ) -> io::Result<ShardEntry> {
         let header = self.header();
         let tmp = dir.join(format!("{file}.tmp"));
         let mut out = HashingWriter {
-            inner: io::BufWriter::with_capacity(1 << 20, File::create(&tmp)?),
+            inner: io::BufWriter::with_capacity(1 << 20, Room { inner: File::create(&tmp)?, left: room }),
             hash: Sha256::new(),
             bytes: 0,
         };
@@ -103,7 +115,7 @@ impl ShardBuilder {
         }
         debug_assert_eq!(out.bytes, header.file_bytes());
         let (bytes, sha256) = (out.bytes, hex::encode(out.hash.finalize()));
-        out.inner.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        out.inner.into_inner().map_err(|e| e.into_error())?.inner.sync_all()?;
         fs::rename(&tmp, dir.join(file))?;
         sync_dir(dir)?;
         Ok(ShardEntry {
@@ -129,6 +141,31 @@ impl<W: Write> Write for HashingWriter<W> {
         let n = self.inner.write(buf)?;
         self.hash.update(&buf[..n]);
         self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// A file on a disk with room for `left` more bytes: the write that reaches the limit
+/// writes what fits, and every later one fails with `StorageFull` (ENOSPC), as on a disk that
+/// filled up. It exists for the `prepare` test hook ([`DiskFault`](crate::prepare::DiskFault));
+/// in a normal run `left` is `u64::MAX`, a comparison per write of a megabyte.
+pub(crate) struct Room<W> {
+    pub(crate) inner: W,
+    pub(crate) left: u64,
+}
+
+impl<W: Write> Write for Room<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.left == 0 && !buf.is_empty() {
+            return Err(io::Error::from(io::ErrorKind::StorageFull));
+        }
+        let fits = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
+        let n = self.inner.write(&buf[..fits])?;
+        self.left -= n as u64;
         Ok(n)
     }
 
@@ -276,6 +313,37 @@ impl ShardFile {
         let start = u64::from_le_bytes(self.map[at..at + 8].try_into().expect("8 bytes"));
         self.release(at, 8);
         start
+    }
+
+    /// Appends the region offsets of the documents of `split` that start in `lo..hi`
+    /// (ascending) to `out`, then releases the table pages read. A binary search over the
+    /// mapped table: nothing about the documents is held in memory.
+    pub fn document_starts_between(&self, split: Split, lo: u64, hi: u64, out: &mut Vec<u64>) {
+        let (first, count) = match split {
+            Split::Train => (0, self.header.train_docs),
+            Split::Validation => (self.header.train_docs, self.header.val_docs),
+        };
+        let table = (self.header.table_offset() + 8 * first) as usize;
+        let start_of = |doc: u64| -> u64 {
+            let at = table + 8 * doc as usize;
+            u64::from_le_bytes(self.map[at..at + 8].try_into().expect("8 bytes"))
+        };
+        // The first document starting at or after `lo` (starts ascend).
+        let (mut a, mut b) = (0, count);
+        while a < b {
+            let mid = a + (b - a) / 2;
+            if start_of(mid) < lo { a = mid + 1 } else { b = mid }
+        }
+        let mut doc = a;
+        while doc < count {
+            let start = start_of(doc);
+            if start >= hi {
+                break;
+            }
+            out.push(start);
+            doc += 1;
+        }
+        self.release(table, 8 * count as usize);
     }
 
     /// Drops the pages holding `from .. from + len` from this process's mapping: they stay in

@@ -47,7 +47,7 @@ fn backward_per_thread(x: &Dims) -> usize {
 #[allow(clippy::too_many_arguments)] // q, k, v, out, saved, mask, shape, threads
 pub fn forward(
     shape: &AttnShape,
-    mask: &Mask,
+    mask: &Mask<'_>,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -70,7 +70,7 @@ pub fn forward(
 #[allow(clippy::too_many_arguments)] // the kernel signature
 pub fn backward(
     shape: &AttnShape,
-    mask: &Mask,
+    mask: &Mask<'_>,
     q: &[f32],
     k: &[f32],
     v: &[f32],
@@ -111,8 +111,18 @@ pub fn backward(
 
 /// One (batch, query head) `bh`: its output rows and probabilities, [`ROWS`] rows at a time.
 #[allow(clippy::too_many_arguments)]
-fn forward_head(x: &Dims, mask: &Mask, bh: usize, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], probs: &mut [f32]) {
+fn forward_head(
+    x: &Dims,
+    mask: &Mask<'_>,
+    bh: usize,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    probs: &mut [f32],
+) {
     let (tq, tk, d) = (x.tq, x.tk, x.d);
+    let mask = &mask.sequence(x.batch_of_head(bh));
     let kv = x.kv_of(bh);
     let q = &q[bh * tq * d..][..tq * d]; // (Tq, D)
     let k = &k[kv * tk * d..][..tk * d]; // (Tk, D)
@@ -156,7 +166,7 @@ struct Inputs<'a> {
 #[allow(clippy::too_many_arguments)]
 fn backward_group(
     x: &Dims,
-    mask: &Mask,
+    mask: &Mask<'_>,
     g: usize,
     inp: &Inputs<'_>,
     dq: &mut [f32],
@@ -165,6 +175,7 @@ fn backward_group(
     ds: &mut [f32],
 ) {
     let (tq, tk, d) = (x.tq, x.tk, x.d);
+    let mask = &mask.sequence(x.batch_of_group(g));
     dq.fill(0.0); // (group, Tq, D)
     dk.fill(0.0); // (Tk, D)
     dv.fill(0.0); // (Tk, D)

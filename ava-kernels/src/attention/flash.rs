@@ -121,7 +121,7 @@ pub fn backward_workspace_len(shape: &AttnShape, tiles: Tiles, threads: u32) -> 
 #[allow(clippy::too_many_arguments)] // q, k, v, out, saved, mask, tiles, shape, threads
 pub fn forward(
     shape: &AttnShape,
-    mask: &Mask,
+    mask: &Mask<'_>,
     tiles: Tiles,
     q: &[f32],
     k: &[f32],
@@ -142,7 +142,7 @@ pub fn forward(
     for (bh, (out, lse)) in out.chunks_mut(x.tq * x.d).zip(lse.chunks_mut(x.tq)).enumerate() {
         for (t, (out, lse)) in out.chunks_mut(tiles.q * x.d).zip(lse.chunks_mut(tiles.q)).enumerate() {
             let i0 = t * tiles.q;
-            let cost = key_tiles(mask, tiles, i0, i0 + lse.len()).count();
+            let cost = key_tiles(&mask.sequence(x.batch_of_head(bh)), tiles, i0, i0 + lse.len()).count();
             tasks.push((cost, bh, i0, out, lse));
         }
     }
@@ -167,7 +167,7 @@ pub fn forward(
 #[allow(clippy::too_many_arguments)] // the kernel signature
 pub fn backward(
     shape: &AttnShape,
-    mask: &Mask,
+    mask: &Mask<'_>,
     tiles: Tiles,
     q: &[f32],
     k: &[f32],
@@ -192,8 +192,14 @@ pub fn backward(
     }
     let (tq, tk, d, group) = (x.tq, x.tk, x.d, x.group);
     let (groups, k_tiles, runs) = backward_split(shape, &x, tiles, threads);
-    // Key-tile boundaries of the runs, equal in work (the same for every group).
-    let bounds = split_by_work(mask, tiles, k_tiles, runs);
+    // Key-tile boundaries of the runs, equal in work: per sequence, whose segments change
+    // the work (the same for every sequence without them).
+    let batch = shape.batch as usize;
+    let bounds: Vec<Vec<usize>> = if mask.segments().is_empty() {
+        vec![split_by_work(mask, tiles, k_tiles, runs); batch]
+    } else {
+        (0..batch).map(|b| split_by_work(&mask.sequence(b), tiles, k_tiles, runs)).collect()
+    };
     // dQ of runs 1.. : (runs − 1, B·Hkv, group, Tq, D); run 0 writes `dq` itself. Each run
     // zero-fills its part first, so the workspace's contents do not matter.
     let (extra, per_thread) = workspace.split_at_mut((runs - 1) * groups * group * tq * d);
@@ -204,6 +210,7 @@ pub fn backward(
     {
         let (mut dk, mut dv) = (dk, dv);
         let mut dq = Some(dq);
+        let bounds = &bounds[x.batch_of_group(g)];
         for run in 0..runs {
             let (t0, t1) = (bounds[run], bounds[run + 1]);
             let len = ((t1 * tiles.k).min(tk) - t0 * tiles.k) * d;
@@ -241,7 +248,12 @@ fn check_tiles(tiles: Tiles) -> Result<(), PluginError> {
 }
 
 /// The key tiles (`j0..j1`, kind) rows `i0..i1` must visit, in order.
-fn key_tiles(mask: &Mask, tiles: Tiles, i0: usize, i1: usize) -> impl Iterator<Item = (usize, usize, Tile)> + '_ {
+fn key_tiles<'m>(
+    mask: &'m Mask<'m>,
+    tiles: Tiles,
+    i0: usize,
+    i1: usize,
+) -> impl Iterator<Item = (usize, usize, Tile)> + 'm {
     let (lo, hi) = mask.key_span(i0, i1);
     let tk = mask.kv_len();
     (lo / tiles.k * tiles.k..hi).step_by(tiles.k).filter_map(move |j0| {
@@ -252,7 +264,12 @@ fn key_tiles(mask: &Mask, tiles: Tiles, i0: usize, i1: usize) -> impl Iterator<I
 }
 
 /// The query tiles (`i0..i1`, kind) that see keys `j0..j1`, in order.
-fn query_tiles(mask: &Mask, tiles: Tiles, j0: usize, j1: usize) -> impl Iterator<Item = (usize, usize, Tile)> + '_ {
+fn query_tiles<'m>(
+    mask: &'m Mask<'m>,
+    tiles: Tiles,
+    j0: usize,
+    j1: usize,
+) -> impl Iterator<Item = (usize, usize, Tile)> + 'm {
     let (lo, hi) = mask.row_span(j0, j1);
     let tq = mask.q_len();
     (lo / tiles.q * tiles.q..hi).step_by(tiles.q).filter_map(move |i0| {
@@ -272,7 +289,7 @@ fn runs_per_group(groups: usize, threads: usize, k_tiles: usize) -> usize {
 
 /// Splits key tiles `0..k_tiles` into `runs` contiguous runs of about equal work (query
 /// tiles visited); returns the `runs + 1` boundaries.
-fn split_by_work(mask: &Mask, tiles: Tiles, k_tiles: usize, runs: usize) -> Vec<usize> {
+fn split_by_work(mask: &Mask<'_>, tiles: Tiles, k_tiles: usize, runs: usize) -> Vec<usize> {
     let work: Vec<usize> = (0..k_tiles)
         .map(|t| {
             let j0 = t * tiles.k;
@@ -302,7 +319,7 @@ fn split_by_work(mask: &Mask, tiles: Tiles, k_tiles: usize, runs: usize) -> Vec<
 #[allow(clippy::too_many_arguments)]
 fn forward_tile(
     x: &Dims,
-    mask: &Mask,
+    mask: &Mask<'_>,
     tiles: Tiles,
     bh: usize,
     i0: usize,
@@ -317,6 +334,7 @@ fn forward_tile(
     let (tq, tk, d) = (x.tq, x.tk, x.d);
     let rows = lse.len();
     let kv = x.kv_of(bh);
+    let mask = &mask.sequence(x.batch_of_head(bh));
     let q = Mat::rows(&q[(bh * tq + i0) * d..][..rows * d], d); // (rows, D)
     let k = &k[kv * tk * d..][..tk * d]; // (Tk, D)
     let v = &v[kv * tk * d..][..tk * d]; // (Tk, D)
@@ -399,7 +417,7 @@ fn transpose<'a>(src: &[f32], cols: usize, dst: &'a mut [f32]) -> &'a [f32] {
 #[allow(clippy::too_many_arguments)]
 fn backward_run(
     x: &Dims,
-    mask: &Mask,
+    mask: &Mask<'_>,
     tiles: Tiles,
     g: usize,
     (t0, t1): (usize, usize),
@@ -410,6 +428,7 @@ fn backward_run(
     s: &mut Scratch<'_>,
 ) {
     let (tq, tk, d, group) = (x.tq, x.tk, x.d, x.group);
+    let mask = &mask.sequence(x.batch_of_group(g));
     dq.fill(0.0); // (group, Tq, D)
     dk.fill(0.0); // (run keys, D)
     dv.fill(0.0); // (run keys, D)

@@ -39,8 +39,14 @@ impl Masking {
     }
 
     /// The mask for `shape`.
-    pub fn mask(self, shape: &AttnShape) -> Result<Mask, PluginError> {
+    pub fn mask(self, shape: &AttnShape) -> Result<Mask<'static>, PluginError> {
         Mask::new(self.pattern(shape.causal), shape.q_len as usize, shape.kv_len as usize)
+    }
+
+    /// Whether segment ids (packed documents) can cut this masking: the interval patterns
+    /// yes, fixed block patterns no.
+    pub fn takes_segments(self) -> bool {
+        !matches!(self, Masking::Blocks { .. })
     }
 }
 
@@ -115,12 +121,13 @@ impl AttentionKernel for Kernel {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        segments: &[u32],
         out: &mut [f32],
         saved: &mut [f32],
         workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
-        let mask = self.masking.mask(shape)?;
+        let mask = self.masking.mask(shape)?.with_segments(segments)?;
         match self.algorithm {
             Algorithm::Dense => {
                 expect_len("workspace", workspace.len(), 0)?;
@@ -137,6 +144,10 @@ impl AttentionKernel for Kernel {
         true
     }
 
+    fn supports_segments(&self) -> bool {
+        self.masking.takes_segments()
+    }
+
     /// Dense saves the probabilities (they round as activations do); flash saves the
     /// logsumexp, whose error exp(s - lse) would amplify.
     fn saved_tolerates_half(&self) -> bool {
@@ -149,6 +160,7 @@ impl AttentionKernel for Kernel {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        segments: &[u32],
         out: &[f32],
         dout: &[f32],
         saved: &[f32],
@@ -158,7 +170,7 @@ impl AttentionKernel for Kernel {
         workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
-        let mask = self.masking.mask(shape)?;
+        let mask = self.masking.mask(shape)?.with_segments(segments)?;
         let threads = ctx.threads;
         match self.algorithm {
             Algorithm::Dense => {
@@ -200,15 +212,19 @@ macro_rules! delegate_attention {
                 q: &[f32],
                 k: &[f32],
                 v: &[f32],
+                segments: &[u32],
                 out: &mut [f32],
                 saved: &mut [f32],
                 workspace: &mut [f32],
                 ctx: &::ava_core::KernelContext,
             ) -> Result<(), ::ava_core::PluginError> {
-                self.$field.forward(shape, q, k, v, out, saved, workspace, ctx)
+                self.$field.forward(shape, q, k, v, segments, out, saved, workspace, ctx)
             }
             fn supports_backward(&self) -> bool {
                 self.$field.supports_backward()
+            }
+            fn supports_segments(&self) -> bool {
+                self.$field.supports_segments()
             }
             fn saved_tolerates_half(&self) -> bool {
                 self.$field.saved_tolerates_half()
@@ -219,6 +235,7 @@ macro_rules! delegate_attention {
                 q: &[f32],
                 k: &[f32],
                 v: &[f32],
+                segments: &[u32],
                 out: &[f32],
                 dout: &[f32],
                 saved: &[f32],
@@ -228,7 +245,7 @@ macro_rules! delegate_attention {
                 workspace: &mut [f32],
                 ctx: &::ava_core::KernelContext,
             ) -> Result<(), ::ava_core::PluginError> {
-                self.$field.backward(shape, q, k, v, out, dout, saved, dq, dk, dv, workspace, ctx)
+                self.$field.backward(shape, q, k, v, segments, out, dout, saved, dq, dk, dv, workspace, ctx)
             }
         }
     };

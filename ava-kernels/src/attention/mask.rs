@@ -11,6 +11,14 @@
 //!   [`Tile::Partial`] (the tiled kernel skips the first and masks only the last);
 //! - [`Mask::mask_row`]: write −∞ over the masked keys of one row of a tile.
 //!
+//! Segment ids (packed documents, [`Mask::with_segments`]) narrow every interval pattern to
+//! the query's own document: with ids non-decreasing along a sequence a document is a run
+//! of positions `start..end`, so row `i`'s keys become the intersection of its interval with
+//! its document's run. The intervals still move right with the row and still touch (a row
+//! always sees its own position), which is all the tile answers rely on. A mask with
+//! segments holds the whole batch's; the kernels pick one sequence's with
+//! [`Mask::sequence`] before asking anything.
+//!
 //! Patterns:
 //!
 //! ```text
@@ -82,17 +90,22 @@ pub enum Tile {
     Partial,
 }
 
-/// A [`Pattern`] on a Tq × Tk score matrix.
+/// A [`Pattern`] on a Tq × Tk score matrix, optionally cut by segment ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Mask {
+pub struct Mask<'a> {
     pattern: Pattern,
     tq: usize,
     tk: usize,
     /// Position of query row 0: Tk − Tq (0 for self-attention).
     offset: usize,
+    /// Segment ids: empty (none), the whole batch's (B·Tk), or once [`Mask::sequence`] has
+    /// picked one, that sequence's (Tk).
+    segments: &'a [u32],
+    /// Whether `segments` is one sequence's.
+    picked: bool,
 }
 
-impl Mask {
+impl Mask<'static> {
     /// Places `pattern` on a `tq × tk` score matrix. Every pattern but `Full` needs
     /// `tq <= tk` (queries are the last positions) and its sizes at least 1.
     pub fn new(pattern: Pattern, tq: usize, tk: usize) -> Result<Self, PluginError> {
@@ -113,7 +126,58 @@ impl Mask {
             }
             _ => {}
         }
-        Ok(Self { pattern, tq, tk, offset: tk.saturating_sub(tq) })
+        Ok(Self { pattern, tq, tk, offset: tk.saturating_sub(tq), segments: &[], picked: false })
+    }
+}
+
+impl<'a> Mask<'a> {
+    /// The same mask, with each query also limited to the keys of its own segment:
+    /// `segments` holds B·Tk ids, non-decreasing along each sequence (checked by
+    /// [`ava_core::AttnShape::check_segments`]); empty means none. Block patterns refuse them.
+    pub fn with_segments<'b>(self, segments: &'b [u32]) -> Result<Mask<'b>, PluginError> {
+        if !segments.is_empty() {
+            if let Pattern::Blocks(_) = self.pattern {
+                return Err(PluginError::unsupported(
+                    "block-sparse attention does not take segment ids (packed documents): its blocks are fixed \
+                     positions, not documents",
+                ));
+            }
+            if self.tk == 0 || segments.len() % self.tk != 0 {
+                return Err(PluginError::invalid_input(format!(
+                    "{} segment ids are not a whole number of sequences of {} keys",
+                    segments.len(),
+                    self.tk
+                )));
+            }
+        }
+        let Mask { pattern, tq, tk, offset, .. } = self;
+        Ok(Mask { pattern, tq, tk, offset, segments, picked: false })
+    }
+
+    /// The mask of sequence `b` of the batch (itself when there are no segments).
+    pub fn sequence(&self, b: usize) -> Mask<'a> {
+        if self.segments.is_empty() {
+            return *self;
+        }
+        debug_assert!(!self.picked, "a sequence's mask picked again");
+        Mask { segments: &self.segments[b * self.tk..][..self.tk], picked: true, ..*self }
+    }
+
+    /// The segment ids it holds (see [`Mask::with_segments`]).
+    pub fn segments(&self) -> &'a [u32] {
+        self.segments
+    }
+
+    /// The positions `start..end` of the segment holding position `p` (all keys without
+    /// segments).
+    fn segment_of(&self, p: usize) -> (usize, usize) {
+        if self.segments.is_empty() {
+            return (0, self.tk);
+        }
+        debug_assert!(self.picked, "a batch's mask asked about one sequence: call Mask::sequence first");
+        let id = self.segments[p];
+        // Ids are non-decreasing, so the segment is the run of positions holding `id`.
+        (self.segments.partition_point(|&s| s < id), self.segments.partition_point(|&s| s <= id))
     }
 
     /// The pattern.
@@ -138,17 +202,18 @@ impl Mask {
 
     /// For the interval patterns: row `i` sees exactly `lo..hi`; both ends are
     /// non-decreasing in `i` and consecutive rows' intervals touch. `None` for blocks.
+    /// With segments, the interval cut to the row's segment.
     fn interval(&self, i: usize) -> Option<(usize, usize)> {
         let p = self.pos(i);
-        match self.pattern {
-            Pattern::Full => Some((0, self.tk)),
-            Pattern::Causal => Some((0, p + 1)),
-            Pattern::Window { window, causal: true } => Some(((p + 1).saturating_sub(window), p + 1)),
-            Pattern::Window { window, causal: false } => {
-                Some(((p + 1).saturating_sub(window), (p + window).min(self.tk)))
-            }
-            Pattern::Blocks(_) => None,
-        }
+        let (lo, hi) = match self.pattern {
+            Pattern::Full => (0, self.tk),
+            Pattern::Causal => (0, p + 1),
+            Pattern::Window { window, causal: true } => ((p + 1).saturating_sub(window), p + 1),
+            Pattern::Window { window, causal: false } => ((p + 1).saturating_sub(window), (p + window).min(self.tk)),
+            Pattern::Blocks(_) => return None,
+        };
+        let (start, end) = self.segment_of(p);
+        Some((lo.max(start), hi.min(end)))
     }
 
     /// Whether row `i` sees key `j` (the definition the other methods must agree with).
@@ -181,11 +246,16 @@ impl Mask {
     /// can still be [`Tile::Skip`]).
     pub fn row_span(&self, j0: usize, j1: usize) -> (usize, usize) {
         let off = self.offset;
-        // Rows whose position p lies in p_lo..p_hi, clipped to 0..Tq.
-        let rows =
-            |p_lo: usize, p_hi: usize| (p_lo.saturating_sub(off).min(self.tq), p_hi.saturating_sub(off).min(self.tq));
+        // Rows whose position p lies in p_lo..p_hi (and in the segments of keys j0..j1),
+        // clipped to 0..Tq.
+        let (first, last) = (self.segment_of(j0).0, self.segment_of(j1 - 1).1);
+        let rows = |p_lo: usize, p_hi: usize| {
+            let clip = |p: usize| p.saturating_sub(off).min(self.tq);
+            let (lo, hi) = (clip(p_lo.max(first)), clip(p_hi.min(last)));
+            (lo, hi.max(lo))
+        };
         match self.pattern {
-            Pattern::Full => (0, self.tq),
+            Pattern::Full => rows(0, usize::MAX),
             Pattern::Causal => rows(j0, usize::MAX),
             // p − w < j  ⇔  p < j + w: keys up to j1 − 1 are seen by positions below j1 − 1 + w.
             Pattern::Window { window, causal: true } => rows(j0, j1 - 1 + window),
@@ -276,44 +346,75 @@ mod tests {
         v
     }
 
-    /// Every answer the kernels use agrees with `visible`, over all tiles of a few grids.
+    /// Segment ids over `tk` keys: documents of lengths cycling through 1, 3, 2, 5.
+    fn documents(tk: usize) -> Vec<u32> {
+        let mut ids = Vec::with_capacity(tk);
+        for (id, len) in [1usize, 3, 2, 5].iter().cycle().enumerate() {
+            if ids.len() >= tk {
+                break;
+            }
+            ids.extend(std::iter::repeat_n(id as u32 * 2, (*len).min(tk - ids.len())));
+        }
+        ids
+    }
+
+    /// Every answer the kernels use agrees with `visible`, over all tiles of a few grids, and
+    /// with segment ids `visible` is the pattern's and the ids' equality.
     #[test]
     fn tiles_rows_and_spans_agree_with_visible() {
         for pattern in patterns() {
             for (tq, tk) in [(1, 1), (7, 7), (13, 13), (3, 11), (1, 9)] {
-                let m = Mask::new(pattern, tq, tk).unwrap();
-                for i in 0..tq {
-                    assert!(m.visible(i, i + tk - tq), "{pattern:?} row {i} must see its own position");
+                let plain = Mask::new(pattern, tq, tk).unwrap();
+                let ids = documents(tk);
+                let segmented = plain.with_segments(&ids).map(|m| m.sequence(0));
+                if let Pattern::Blocks(_) = pattern {
+                    assert!(segmented.is_err(), "{pattern:?} takes segments");
                 }
-                for (br, bc) in [(1, 1), (2, 3), (4, 4), (5, 2)] {
-                    for i0 in (0..tq).step_by(br) {
-                        let i1 = (i0 + br).min(tq);
-                        let (klo, khi) = m.key_span(i0, i1);
-                        for j0 in (0..tk).step_by(bc) {
-                            let j1 = (j0 + bc).min(tk);
-                            let cells: Vec<bool> = (i0..i1)
-                                .flat_map(|i| (j0..j1).map(move |j| (i, j)))
-                                .map(|(i, j)| m.visible(i, j))
-                                .collect();
-                            let kind = m.tile(i0, i1, j0, j1);
-                            let ctx = format!("{pattern:?} {tq}x{tk} tile rows {i0}..{i1} keys {j0}..{j1}");
-                            match kind {
-                                Tile::Skip => assert!(cells.iter().all(|c| !c), "{ctx}: Skip hides a visible key"),
-                                Tile::Full => assert!(cells.iter().all(|&c| c), "{ctx}: Full shows a masked key"),
-                                Tile::Partial => {}
-                            }
-                            let (rlo, rhi) = m.row_span(j0, j1);
-                            for i in i0..i1 {
-                                let mut row = vec![0.0f32; j1 - j0];
-                                m.mask_row(i, j0, &mut row);
-                                for j in j0..j1 {
-                                    let shown = row[j - j0] == 0.0;
-                                    assert_eq!(shown, m.visible(i, j), "{ctx}: mask_row({i}) at key {j}");
-                                    if m.visible(i, j) {
-                                        assert!(klo <= j && j < khi, "{ctx}: key {j} outside key_span");
-                                        assert!(rlo <= i && i < rhi, "{ctx}: row {i} outside row_span");
-                                    }
-                                }
+                for m in [Some(plain), segmented.ok()].into_iter().flatten() {
+                    for i in 0..tq {
+                        let p = i + tk - tq;
+                        for j in 0..tk {
+                            let same = m.segments().is_empty() || ids[j] == ids[p];
+                            assert_eq!(m.visible(i, j), plain.visible(i, j) && same, "{pattern:?} ({i}, {j}) {ids:?}");
+                        }
+                    }
+                    check_tiles(&m, pattern, tq, tk);
+                }
+            }
+        }
+    }
+
+    fn check_tiles(m: &Mask<'_>, pattern: Pattern, tq: usize, tk: usize) {
+        for i in 0..tq {
+            assert!(m.visible(i, i + tk - tq), "{pattern:?} row {i} must see its own position");
+        }
+        for (br, bc) in [(1, 1), (2, 3), (4, 4), (5, 2)] {
+            for i0 in (0..tq).step_by(br) {
+                let i1 = (i0 + br).min(tq);
+                let (klo, khi) = m.key_span(i0, i1);
+                for j0 in (0..tk).step_by(bc) {
+                    let j1 = (j0 + bc).min(tk);
+                    let cells: Vec<bool> =
+                        (i0..i1).flat_map(|i| (j0..j1).map(move |j| (i, j))).map(|(i, j)| m.visible(i, j)).collect();
+                    let kind = m.tile(i0, i1, j0, j1);
+                    let segmented = !m.segments().is_empty();
+                    let ctx =
+                        format!("{pattern:?} {tq}x{tk} segments {segmented} tile rows {i0}..{i1} keys {j0}..{j1}");
+                    match kind {
+                        Tile::Skip => assert!(cells.iter().all(|c| !c), "{ctx}: Skip hides a visible key"),
+                        Tile::Full => assert!(cells.iter().all(|&c| c), "{ctx}: Full shows a masked key"),
+                        Tile::Partial => {}
+                    }
+                    let (rlo, rhi) = m.row_span(j0, j1);
+                    for i in i0..i1 {
+                        let mut row = vec![0.0f32; j1 - j0];
+                        m.mask_row(i, j0, &mut row);
+                        for j in j0..j1 {
+                            let shown = row[j - j0] == 0.0;
+                            assert_eq!(shown, m.visible(i, j), "{ctx}: mask_row({i}) at key {j}");
+                            if m.visible(i, j) {
+                                assert!(klo <= j && j < khi, "{ctx}: key {j} outside key_span");
+                                assert!(rlo <= i && i < rhi, "{ctx}: row {i} outside row_span");
                             }
                         }
                     }

@@ -53,10 +53,21 @@ impl Dims {
         let (b, h) = (bh / self.heads, bh % self.heads);
         b * (self.heads / self.group) + h / self.group
     }
+
+    /// The sequence `b` of query head block `bh = b·H + h`.
+    fn batch_of_head(&self, bh: usize) -> usize {
+        bh / self.heads
+    }
+
+    /// The sequence `b` of key/value head block `g = b·Hkv + kh`.
+    fn batch_of_group(&self, g: usize) -> usize {
+        g / (self.heads / self.group)
+    }
 }
 
-/// Checks a mask against the shape it is used with.
-fn check_mask(shape: &AttnShape, mask: &Mask) -> Result<(), PluginError> {
+/// Checks a mask (and its segments) against the shape it is used with.
+fn check_mask(shape: &AttnShape, mask: &Mask<'_>) -> Result<(), PluginError> {
+    shape.check_segments(mask.segments())?;
     if (mask.q_len(), mask.kv_len()) != (shape.q_len as usize, shape.kv_len as usize) {
         return Err(PluginError::internal(format!(
             "mask built for {}×{} used on q_len {} × kv_len {}",
@@ -72,7 +83,7 @@ fn check_mask(shape: &AttnShape, mask: &Mask) -> Result<(), PluginError> {
 /// Checks every buffer of a forward call.
 fn check_forward(
     shape: &AttnShape,
-    mask: &Mask,
+    mask: &Mask<'_>,
     (q, k, v, out): (&[f32], &[f32], &[f32], &[f32]),
     saved: usize,
     saved_want: u64,

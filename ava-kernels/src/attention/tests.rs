@@ -56,14 +56,14 @@ fn dense_matches_the_definition() {
 }
 
 /// Out (and, when the kernel saves it, the logsumexp) against the f64 reference.
-fn check_forward_against_f64(kernel: &dyn AttentionKernel, s: &AttnShape, mask: &Mask, seed: u64, saves_lse: bool) {
+fn check_forward_against_f64(kernel: &dyn AttentionKernel, s: &AttnShape, mask: &Mask<'_>, seed: u64, saves_lse: bool) {
     let mut rng = Rng(seed);
     let (q, k, v) = (rng.vec(s.q_numel()), rng.vec(s.kv_numel()), rng.vec(s.kv_numel()));
     let mut out = vec![f32::NAN; s.q_numel()];
     let mut saved = vec![f32::NAN; kernel.saved_len(s).unwrap() as usize];
     let ctx = KernelContext { threads: 2, ..Default::default() };
     let mut ws = vec![f32::NAN; kernel.workspace_len(s, Pass::Forward, &ctx).unwrap() as usize];
-    kernel.forward(s, &q, &k, &v, &mut out, &mut saved, &mut ws, &ctx).unwrap();
+    kernel.forward(s, &q, &k, &v, mask.segments(), &mut out, &mut saved, &mut ws, &ctx).unwrap();
     let f64s = |x: &[f32]| x.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     let (want, lse) = testing::reference(s, mask, &f64s(&q), &f64s(&k), &f64s(&v));
     for (i, (&got, &want)) in out.iter().zip(&want).enumerate() {
@@ -126,6 +126,123 @@ fn flash_gradients_match_finite_differences() {
     }
 }
 
+/// The maskings that take segment ids (packed documents).
+fn segmented_maskings() -> Vec<Masking> {
+    maskings().into_iter().filter(|m| m.takes_segments()).collect()
+}
+
+/// With segment ids, dense attention matches the f64 definition (which checks the ids'
+/// equality itself) and the tiled kernel matches dense, logsumexp included, for every
+/// interval masking, tile size and thread count; gradients match finite differences.
+#[test]
+fn segments_match_the_definition_in_both_algorithms() {
+    for masking in segmented_maskings() {
+        for (n, &(b, h, hkv, tq, tk, d)) in SHAPES.iter().enumerate() {
+            for causal in [true, false] {
+                let s = shape(b, h, hkv, tq, tk, d, causal);
+                let ids = testing::segments(&s, 100 + n as u64);
+                let Ok(mask) = masking.mask(&s) else { continue };
+                let mask = mask.with_segments(&ids).unwrap();
+                if tq <= 40 {
+                    check_forward_against_f64(&Kernel::dense(masking), &s, &mask, n as u64, false);
+                }
+                for tiles in TILES {
+                    let flash = Kernel { masking, algorithm: Algorithm::Flash(Some(tiles)) };
+                    check_forward_against_f64(&flash, &s, &mask, n as u64, true);
+                    for threads in [1, 3] {
+                        testing::against_dense(&flash, &s, &mask, threads, n as u64)
+                            .unwrap_or_else(|e| panic!("{masking:?} {tiles:?} segments {ids:?}: {e}"));
+                    }
+                }
+            }
+        }
+        for (s, seed) in [(shape(1, 4, 2, 7, 7, 3, true), 1), (shape(2, 2, 1, 6, 6, 2, false), 2)] {
+            let ids = testing::segments(&s, seed);
+            let mask = masking.mask(&s).unwrap().with_segments(&ids).unwrap();
+            for kernel in
+                [Kernel::dense(masking), Kernel { masking, algorithm: Algorithm::Flash(Some(Tiles { q: 2, k: 3 })) }]
+            {
+                testing::finite_differences(&kernel, &s, &mask, seed)
+                    .unwrap_or_else(|e| panic!("{kernel:?} segments {ids:?}: {e}"));
+            }
+        }
+    }
+}
+
+/// Three documents packed into one causal sequence give what each gives alone: the
+/// outputs and all three gradients of each document's rows equal those of a run over the
+/// document by itself (so nothing leaks across a boundary, in either direction).
+#[test]
+fn packed_documents_equal_separate_runs() {
+    let lens = [5usize, 9, 1, 3];
+    let (h, hkv, d) = (4u32, 2u32, 8u32);
+    let total = lens.iter().sum::<usize>() as u32;
+    let packed = shape(1, h, hkv, total, total, d, true);
+    let ids: Vec<u32> = lens.iter().enumerate().flat_map(|(i, &n)| std::iter::repeat_n(i as u32 * 3, n)).collect();
+    let mut rng = Rng(9);
+    let (q, k, v, r) =
+        (rng.vec(packed.q_numel()), rng.vec(packed.kv_numel()), rng.vec(packed.kv_numel()), rng.vec(packed.q_numel()));
+    // Rows t0..t0 + n of every head of a (1, heads, T, D) buffer.
+    let rows = |x: &[f32], heads: u32, t0: usize, n: usize| -> Vec<f32> {
+        let d = d as usize;
+        x.chunks_exact(total as usize * d)
+            .take(heads as usize)
+            .flat_map(|head| head[t0 * d..(t0 + n) * d].to_vec())
+            .collect()
+    };
+    for kernel in [
+        Kernel::dense(Masking::Plain),
+        Kernel { masking: Masking::Plain, algorithm: Algorithm::Flash(Some(Tiles { q: 4, k: 3 })) },
+    ] {
+        let (out, _, grads) = testing::run_segmented(&kernel, &packed, &ids, (&q, &k, &v, &r), 2).unwrap();
+        let mut t0 = 0;
+        for &n in &lens {
+            let alone = shape(1, h, hkv, n as u32, n as u32, d, true);
+            let (qa, ka, va, ra) = (rows(&q, h, t0, n), rows(&k, hkv, t0, n), rows(&v, hkv, t0, n), rows(&r, h, t0, n));
+            let (out_a, _, grads_a) = testing::run(&kernel, &alone, (&qa, &ka, &va, &ra), 2).unwrap();
+            let close = |what: &str, got: &[f32], want: &[f32]| {
+                for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-6 + 1e-5 * w.abs(),
+                        "{kernel:?} document at {t0}: {what}[{i}] = {g}, alone {w}"
+                    );
+                }
+            };
+            close("out", &rows(&out, h, t0, n), &out_a);
+            for (which, heads) in [(0, h), (1, hkv), (2, hkv)] {
+                close(["dq", "dk", "dv"][which], &rows(&grads[which], heads, t0, n), &grads_a[which]);
+            }
+            t0 += n;
+        }
+    }
+}
+
+/// Block patterns are fixed positions, not documents: they refuse segment ids.
+#[test]
+fn block_patterns_refuse_segments() {
+    let kernel = Kernel::flash(Masking::Blocks { block: 4, local: 1, global: 0, stride: 0 });
+    assert!(!kernel.supports_segments());
+    assert!(Kernel::flash(Masking::Window(8)).supports_segments() && Kernel::dense(Masking::Plain).supports_segments());
+    let s = shape(1, 1, 1, 8, 8, 4, true);
+    let zeros = vec![0.0; 32];
+    let err = testing::run_segmented(&kernel, &s, &[0, 0, 0, 1, 1, 1, 1, 1], (&zeros, &zeros, &zeros, &zeros), 1)
+        .unwrap_err();
+    assert_eq!(
+        err,
+        "forward: block-sparse attention does not take segment ids (packed documents): its blocks are fixed \
+         positions, not documents"
+    );
+    let err = testing::run_segmented(
+        &Kernel::dense(Masking::Plain),
+        &s,
+        &[0, 0, 1, 0, 1, 1, 1, 1],
+        (&zeros, &zeros, &zeros, &zeros),
+        1,
+    )
+    .unwrap_err();
+    assert!(err.contains("segment ids of sequence 0 decrease at position 3"), "{err}");
+}
+
 /// A window at least as long as the sequence is causal attention, bit for bit.
 #[test]
 fn a_window_covering_the_sequence_is_causal_attention() {
@@ -177,10 +294,11 @@ fn wrong_buffers_are_named() {
     let (q, kv) = (vec![0.0; s.q_numel()], vec![0.0; s.kv_numel()]);
     let (mut out, mut saved) = (vec![0.0; s.q_numel()], vec![0.0; 6]);
     let mut ws = vec![0.0; k.workspace_len(&s, Pass::Backward, &ctx).unwrap() as usize];
-    let err = k.forward(&s, &q, &kv, &kv, &mut out, &mut saved[1..], &mut ws, &ctx).unwrap_err();
+    let err = k.forward(&s, &q, &kv, &kv, &[], &mut out, &mut saved[1..], &mut ws, &ctx).unwrap_err();
     assert_eq!(err.message.as_str(), "saved has 5 elements, expected 6");
     let (mut dq, mut dk, mut dv) = (vec![0.0; s.q_numel()], vec![0.0; s.kv_numel()], vec![0.0; s.kv_numel() + 1]);
-    let err = k.backward(&s, &q, &kv, &kv, &out, &q, &saved, &mut dq, &mut dk, &mut dv, &mut ws, &ctx).unwrap_err();
+    let err =
+        k.backward(&s, &q, &kv, &kv, &[], &out, &q, &saved, &mut dq, &mut dk, &mut dv, &mut ws, &ctx).unwrap_err();
     assert_eq!(err.message.as_str(), "dv has 13 elements, expected 12");
 }
 
@@ -211,9 +329,9 @@ fn workspaces_are_declared_per_thread_and_checked() {
     let (q, k, v) = (rng.vec(s.q_numel()), rng.vec(s.kv_numel()), rng.vec(s.kv_numel()));
     let (mut out, mut saved) = (vec![0.0; s.q_numel()], vec![0.0; flash.saved_len(&s).unwrap() as usize]);
     let want = flash.workspace_len(&s, Pass::Forward, &ctx(2)).unwrap();
-    let err = flash.forward(&s, &q, &k, &v, &mut out, &mut saved, &mut [0.0; 5], &ctx(2)).unwrap_err();
+    let err = flash.forward(&s, &q, &k, &v, &[], &mut out, &mut saved, &mut [0.0; 5], &ctx(2)).unwrap_err();
     assert_eq!(err.message.to_string(), format!("workspace has 5 elements, expected {want}"));
-    let err = dense.forward(&s, &q, &k, &v, &mut out, &mut saved, &mut [0.0; 5], &ctx(2)).unwrap_err();
+    let err = dense.forward(&s, &q, &k, &v, &[], &mut out, &mut saved, &mut [0.0; 5], &ctx(2)).unwrap_err();
     assert_eq!(err.message.as_str(), "workspace has 5 elements, expected 0");
     // The multi-run backward (dQ copies summed) through the declared workspace, NaN-filled.
     let inputs = (rng.vec(one.q_numel()), rng.vec(one.kv_numel()), rng.vec(one.kv_numel()), rng.vec(one.q_numel()));

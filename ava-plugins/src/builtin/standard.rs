@@ -51,15 +51,21 @@ impl AttentionKernel for Standard {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        segments: &[u32],
         out: &mut [f32],
         saved: &mut [f32],
         workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
-        DENSE.forward(shape, q, k, v, out, saved, workspace, ctx)
+        DENSE.forward(shape, q, k, v, segments, out, saved, workspace, ctx)
     }
 
     fn supports_backward(&self) -> bool {
+        true
+    }
+
+    /// Packed documents: a query sees only the keys of its own document.
+    fn supports_segments(&self) -> bool {
         true
     }
 
@@ -74,6 +80,7 @@ impl AttentionKernel for Standard {
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        segments: &[u32],
         out: &[f32],
         dout: &[f32],
         saved: &[f32],
@@ -83,7 +90,7 @@ impl AttentionKernel for Standard {
         workspace: &mut [f32],
         ctx: &KernelContext,
     ) -> Result<(), PluginError> {
-        DENSE.backward(shape, q, k, v, out, dout, saved, dq, dk, dv, workspace, ctx)
+        DENSE.backward(shape, q, k, v, segments, out, dout, saved, dq, dk, dv, workspace, ctx)
     }
 }
 
@@ -101,7 +108,7 @@ mod tests {
     fn run_forward(s: &AttnShape, q: &[f32], k: &[f32], v: &[f32]) -> (Vec<f32>, Vec<f32>) {
         let mut out = vec![f32::NAN; s.q_numel()];
         let mut saved = vec![f32::NAN; Standard.saved_len(s).unwrap() as usize];
-        Standard.forward(s, q, k, v, &mut out, &mut saved, &mut [], &KernelContext::default()).unwrap();
+        Standard.forward(s, q, k, v, &[], &mut out, &mut saved, &mut [], &KernelContext::default()).unwrap();
         (out, saved)
     }
 
@@ -126,6 +133,22 @@ mod tests {
             let mask =
                 Mask::new(if causal { Pattern::Causal } else { Pattern::Full }, tq as usize, tk as usize).unwrap();
             testing::finite_differences(&Standard, &s, &mask, n as u64).unwrap();
+        }
+    }
+
+    /// Packed documents: each query sees only its own document's keys, through the plugin
+    /// trait, against the f64 definition and finite differences.
+    #[test]
+    fn packed_documents_match_the_definition() {
+        assert!(Standard.supports_segments());
+        for (n, s) in [shape(2, 4, 2, 9, 9, 8, true), shape(1, 2, 1, 4, 7, 4, true), shape(2, 2, 2, 6, 6, 4, false)]
+            .iter()
+            .enumerate()
+        {
+            let ids = testing::segments(s, n as u64 + 40);
+            let p = if s.causal { Pattern::Causal } else { Pattern::Full };
+            let mask = Mask::new(p, s.q_len as usize, s.kv_len as usize).unwrap().with_segments(&ids).unwrap();
+            testing::finite_differences(&Standard, s, &mask, n as u64).unwrap();
         }
     }
 
@@ -179,18 +202,19 @@ mod tests {
         let (q, k, v) = (vec![0.0; nq], vec![0.0; nkv], vec![0.0; nkv]);
         let (mut out, mut saved) = (vec![0.0; nq], vec![0.0; np]);
 
-        let err = Standard.forward(&s, &q[1..], &k, &v, &mut out, &mut saved, &mut [], &ctx).unwrap_err();
+        let err = Standard.forward(&s, &q[1..], &k, &v, &[], &mut out, &mut saved, &mut [], &ctx).unwrap_err();
         assert_eq!((err.kind, err.message.as_str()), (ErrorKind::InvalidInput, "q has 23 elements, expected 24"));
-        let err = Standard.forward(&s, &q, &k, &v, &mut out, &mut saved[1..], &mut [], &ctx).unwrap_err();
+        let err = Standard.forward(&s, &q, &k, &v, &[], &mut out, &mut saved[1..], &mut [], &ctx).unwrap_err();
         assert_eq!((err.kind, err.message.as_str()), (ErrorKind::InvalidInput, "saved has 17 elements, expected 18"));
 
         let (mut dq, mut dk, mut dv) = (vec![0.0; nq], vec![0.0; nkv + 1], vec![0.0; nkv]);
         let mut ws = vec![0.0; Standard.workspace_len(&s, Pass::Backward, &ctx).unwrap() as usize];
-        let err =
-            Standard.backward(&s, &q, &k, &v, &out, &q, &saved, &mut dq, &mut dk, &mut dv, &mut ws, &ctx).unwrap_err();
+        let err = Standard
+            .backward(&s, &q, &k, &v, &[], &out, &q, &saved, &mut dq, &mut dk, &mut dv, &mut ws, &ctx)
+            .unwrap_err();
         assert_eq!((err.kind, err.message.as_str()), (ErrorKind::InvalidInput, "dk has 13 elements, expected 12"));
         let err = Standard
-            .backward(&s, &q, &k, &v, &out, &q[..4], &saved, &mut dq, &mut dk[..nkv], &mut dv, &mut ws, &ctx)
+            .backward(&s, &q, &k, &v, &[], &out, &q[..4], &saved, &mut dq, &mut dk[..nkv], &mut dv, &mut ws, &ctx)
             .unwrap_err();
         assert_eq!((err.kind, err.message.as_str()), (ErrorKind::InvalidInput, "dout has 4 elements, expected 24"));
 

@@ -64,6 +64,22 @@ pub enum DataSource {
     Shards,
 }
 
+/// `data.packing`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataPacking {
+    /// Documents concatenated and cut every T tokens; attention and positions run across.
+    #[default]
+    Concat,
+    /// The same cut, positions restarting at each document and attention kept inside it.
+    Document,
+}
+
+impl DataPacking {
+    /// The names accepted in a config.
+    pub const NAMES: &'static [&'static str] = &["concat", "document"];
+}
+
 /// The `data` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -85,6 +101,9 @@ pub struct DataConfig {
     /// Several prepared corpora and their shares (`source: shards`, instead of `path`).
     #[serde(default)]
     pub mix: Mix,
+    /// How sequences treat document boundaries.
+    #[serde(default)]
+    pub packing: DataPacking,
     /// The synthetic corpus.
     pub synthetic: SyntheticConfig,
 }

@@ -643,13 +643,32 @@ pub fn estimate_rank(
         );
     }
     let batch_bytes = x.b * (x.t + 1) * 4;
-    if workers > 0 {
+    // Packed documents: a queued batch also holds its (B, T) segment ids.
+    let packed = config.data.packing == crate::config::DataPacking::Document;
+    if workers > 0 && packed {
+        add(
+            &mut terms,
+            Component::Data,
+            "loader queue (ids and document ids)",
+            format!("W · prefetch · B·(2T+1)·4 = {workers} · {prefetch} · {}·{}·4", x.b, 2 * x.t + 1),
+            workers * prefetch * (batch_bytes + x.n() * 4),
+        );
+    } else if workers > 0 {
         add(
             &mut terms,
             Component::Data,
             "loader queue",
             format!("W · prefetch · B·(T+1)·4 = {workers} · {prefetch} · {}·{}·4", x.b, x.t + 1),
             workers * prefetch * batch_bytes,
+        );
+    }
+    if packed {
+        add(
+            &mut terms,
+            Component::Data,
+            "packed documents of the batch in use: its document ids, the step's ids and positions",
+            format!("3 · B·T·4 = 3 · {}·4", x.n()),
+            3 * x.n() * 4,
         );
     }
     add(

@@ -26,13 +26,16 @@ use super::fused::{rounded, widened};
 
 /// Causal self-attention through `kernel`: q (B, H, T, D), k and v (B, Hkv, T, D), of one
 /// float type (the kernel computes in f32). Returns (B, H, T, D) in that type, and the
-/// gradients in it too.
+/// gradients in it too. With `segments` (B·T document ids, packed documents) each query
+/// sees only its own document's keys; a kernel that does not support that is refused by
+/// name.
 pub fn attention(
     kernel: &Arc<dyn AttentionKernel>,
     name: &str,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
+    segments: Option<&Arc<[u32]>>,
     threads: usize,
 ) -> Result<Tensor> {
     let (b, h, t, d) = q.dims4()?;
@@ -50,14 +53,26 @@ pub fn attention(
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         bail!("attention: q, k and v are {:?}, {:?} and {:?} (one type)", q.dtype(), k.dtype(), v.dtype());
     }
+    if segments.is_some() && !kernel.supports_segments() {
+        bail!("{}", unsupported_packing(name));
+    }
     let op = AttentionOp {
         kernel: kernel.clone(),
         name: name.to_string(),
         shape,
+        segments: segments.cloned(),
         ctx: KernelContext { threads: threads.max(1) as u32, ..KernelContext::default() },
         saved: Mutex::new(None),
     };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// Why attention kernel `name` cannot train on packed documents, and what to do.
+pub fn unsupported_packing(name: &str) -> String {
+    format!(
+        "attention kernel '{name}' does not support data.packing: document (attention kept inside each document); \
+         use plugins.attention: standard, flash or sliding-window, or set data.packing: concat"
+    )
 }
 
 /// One attention call: the kernel, the shape, and what forward saved for backward.
@@ -65,6 +80,8 @@ struct AttentionOp {
     kernel: Arc<dyn AttentionKernel>,
     name: String,
     shape: AttnShape,
+    /// (B·T,) document ids of packed documents, or none.
+    segments: Option<Arc<[u32]>>,
     ctx: KernelContext,
     saved: Mutex<Option<Saved>>, // (saved_len,) as the kernel declared
 }
@@ -150,6 +167,11 @@ impl AttentionOp {
         candle_core::Error::Msg(format!("attention kernel '{}' failed in {what}: {e}", self.name))
     }
 
+    /// The document ids for the kernel (empty without packed documents).
+    fn segments(&self) -> &[u32] {
+        self.segments.as_deref().unwrap_or(&[])
+    }
+
     /// The scratch the kernel declared for one `pass` call, zero-filled.
     fn workspace(&self, pass: Pass) -> Result<Vec<f32>> {
         let len = self.kernel.workspace_len(&self.shape, pass, &self.ctx);
@@ -178,7 +200,7 @@ impl CustomOp3 for AttentionOp {
         let mut saved = vec![0f32; saved_len]; // e.g. (B, H, T, T) probabilities, or (B, H, T) logsumexp
         let mut workspace = self.workspace(Pass::Forward)?; // (workspace_len,) freed on return
         self.kernel
-            .forward(&self.shape, &q, &k, &v, &mut out, &mut saved, &mut workspace, &self.ctx)
+            .forward(&self.shape, &q, &k, &v, self.segments(), &mut out, &mut saved, &mut workspace, &self.ctx)
             .map_err(|e| self.plugin_error("forward", e))?;
         drop(workspace);
         let saved = Saved::keep(saved, s1.dtype(), self.kernel.saved_tolerates_half()); // (saved_len,)
@@ -219,6 +241,7 @@ impl CustomOp3 for AttentionOp {
                                     qv,
                                     kv,
                                     vv,
+                                    self.segments(),
                                     out,
                                     dout,
                                     &saved,

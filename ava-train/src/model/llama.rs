@@ -14,7 +14,7 @@ use super::attention::attention;
 use super::fused::{RopeTables, add, cast, linear, merge_heads, rms_norm, split_heads, swiglu_gate};
 use super::ops::softmax_last;
 use super::spec::{BlockIndex, MlpIndex, ModelSpec, ParamDef, ParamIndex, ParamRole};
-use super::{ModelError, cerr};
+use super::{Documents, ModelError, cerr};
 
 /// One parameter: its definition and its values.
 #[derive(Debug)]
@@ -292,8 +292,9 @@ impl Model {
         w[0].index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, self.spec.hidden))
     }
 
-    /// Block `i`: x + attn(norm(x)), then + mlp(norm(·)). x is (B, T, d).
-    pub fn block(&self, w: &[Tensor], i: usize, x: &Tensor) -> CResult<BlockOut> {
+    /// Block `i`: x + attn(norm(x)), then + mlp(norm(·)). x is (B, T, d). With packed
+    /// `documents`, positions restart at each document and attention stays inside it.
+    pub fn block(&self, w: &[Tensor], i: usize, x: &Tensor, documents: Option<&Documents>) -> CResult<BlockOut> {
         let bi = &self.blocks[i];
         let s = &self.spec;
         let (b, t, d) = x.dims3()?;
@@ -314,12 +315,17 @@ impl Model {
         );
         drop(span);
         let span = crate::profile::scope("forward: head split + rope");
-        let q = split_heads(&q, b, t, h, Some(&self.rope))?; // (B, H, T, D)
-        let k = split_heads(&k, b, t, hkv, Some(&self.rope))?; // (B, Hkv, T, D)
-        let v = split_heads(&v, b, t, hkv, None)?; // (B, Hkv, T, D)
+        if let Some(docs) = documents.filter(|d| d.dims() != (b, t)) {
+            candle_core::bail!("packed documents describe a {:?} batch, the block got ({b}, {t})", docs.dims());
+        }
+        let positions = documents.map(Documents::positions); // (B, T)
+        let q = split_heads(&q, b, t, h, Some(&self.rope), positions)?; // (B, H, T, D)
+        let k = split_heads(&k, b, t, hkv, Some(&self.rope), positions)?; // (B, Hkv, T, D)
+        let v = split_heads(&v, b, t, hkv, None, None)?; // (B, Hkv, T, D)
         drop(span);
         let span = crate::profile::scope("forward: attention kernel");
-        let attn = attention(&self.kernel, &self.kernel_name, &q, &k, &v, self.threads)?; // (B, H, T, D)
+        let segments = documents.map(Documents::segments); // (B, T)
+        let attn = attention(&self.kernel, &self.kernel_name, &q, &k, &v, segments, self.threads)?; // (B, H, T, D)
         drop((span, q, k, v));
         let span = crate::profile::scope("forward: o_proj + residual");
         let attn = merge_heads(&attn)?; // (B·T, H·D)
@@ -353,11 +359,16 @@ impl Model {
     }
 
     /// Plain forward pass: logits (B·T, V) and the summed load-balancing losses.
-    pub fn forward(&self, w: &[Tensor], tokens: &Tensor) -> CResult<(Tensor, Option<Tensor>)> {
+    pub fn forward(
+        &self,
+        w: &[Tensor],
+        tokens: &Tensor,
+        documents: Option<&Documents>,
+    ) -> CResult<(Tensor, Option<Tensor>)> {
         let mut x = self.embed(w, tokens)?;
         let mut aux: Option<Tensor> = None;
         for i in 0..self.spec.layers {
-            let out = self.block(w, i, &x)?;
+            let out = self.block(w, i, &x, documents)?;
             x = out.hidden;
             aux = add_opt(aux, out.aux)?;
         }

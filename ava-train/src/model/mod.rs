@@ -1,8 +1,9 @@
 //! The Llama-style decoder on candle: architecture ([`ModelSpec`]), differentiable ops,
-//! the attention-kernel adapter, the model, the recompute mechanism behind checkpoint
+//! the attention-kernel adapter, packed documents ([`Documents`]), the model, the recompute mechanism behind checkpoint
 //! policies, and Hugging Face folder loading and saving.
 
 mod attention;
+mod documents;
 pub mod fused;
 mod hf;
 mod hf_config;
@@ -17,7 +18,8 @@ mod tests;
 
 use std::path::PathBuf;
 
-pub use attention::attention;
+pub use attention::{attention, unsupported_packing};
+pub use documents::Documents;
 pub use hf::{
     load_hf_folder, save_hf_folder, save_hf_folder_with, tensor_spec, tensor_to_buffer, tensors_from_safetensors,
     tensors_to_safetensors, write_tensors, write_tensors_from,

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use ava_core::{BlockDecision, DType as StoredType, OffloadTier};
 use candle_core::{DType, Result, Tensor, Var, backprop::GradStore};
 
+use super::Documents;
 use super::llama::{Model, add_opt};
 use super::ops::cross_entropy;
 
@@ -151,7 +152,7 @@ impl GradSink for Grads {
 
 /// Runs forward and backward of one micro-batch with `plan[i]` deciding block `i`.
 ///
-/// `tokens` and `targets` are (B, T). The loss back-propagated is
+/// `tokens` and `targets` are (B, T), `documents` their packed documents if any. The loss back-propagated is
 /// `(ce + aux_weight · aux) · scale / divisor`: `scale` is the f16 loss scale (1 otherwise),
 /// `divisor` the number of micro-batches accumulated. `grads` receives the f32 gradients,
 /// added to what is there (gradient accumulation), in the same order of additions whatever
@@ -162,6 +163,7 @@ pub fn forward_backward(
     model: &Model,
     weights: &mut dyn Weights,
     tokens: &Tensor,
+    documents: Option<&Documents>,
     targets: &[u32],
     plan: &[BlockDecision],
     scale: f64,
@@ -194,7 +196,7 @@ pub fn forward_backward(
                     stages.push(Stage::Kept(std::mem::replace(&mut current, next)));
                 }
                 weights.fetch(model, model.block_params(i))?;
-                let out = model.block(weights.tensors(), i, &current.end)?;
+                let out = model.block(weights.tensors(), i, &current.end, documents)?;
                 current.end = out.hidden;
                 current.aux = add_opt(current.aux.take(), out.aux)?;
                 current.blocks.push(i);
@@ -207,7 +209,7 @@ pub fn forward_backward(
                 blocks.push(i);
                 let own = model.block_params(i);
                 weights.fetch(model, own)?;
-                let out = model.block(weights.tensors(), i, &current.end.detach())?;
+                let out = model.block(weights.tensors(), i, &current.end.detach(), documents)?;
                 weights.release(own);
                 let hidden = out.hidden.detach();
                 if let Some(a) = &out.aux {
@@ -221,7 +223,7 @@ pub fn forward_backward(
                 let input = current.end.detach(); // (B, T, d)
                 let own = model.block_params(i);
                 weights.fetch(model, own)?;
-                let out = model.block(weights.tensors(), i, &input)?;
+                let out = model.block(weights.tensors(), i, &input, documents)?;
                 weights.release(own);
                 let hidden = out.hidden.detach();
                 if let Some(a) = &out.aux {
@@ -304,7 +306,7 @@ pub fn forward_backward(
                 let (mut hidden, mut aux) = (start.as_tensor().clone(), None);
                 for &block in &blocks {
                     weights.fetch(model, model.block_params(block))?;
-                    let out = model.block(weights.tensors(), block, &hidden)?;
+                    let out = model.block(weights.tensors(), block, &hidden, documents)?;
                     hidden = out.hidden;
                     aux = add_opt(aux, out.aux)?;
                 }
@@ -335,16 +337,21 @@ pub fn forward_backward(
     Ok(MicroLoss { ce: ce_value, aux: aux_total, tier_peak })
 }
 
-/// Forward pass only (evaluation): logits (B·T, V) for `tokens` (B, T), each block's
-/// weights fetched before it and released after it; without a graph when `weights` are
-/// detached.
-pub fn forward_logits(model: &Model, weights: &mut dyn Weights, tokens: &Tensor) -> Result<Tensor> {
+/// Forward pass only (evaluation): logits (B·T, V) for `tokens` (B, T) and their packed
+/// `documents` if any, each block's weights fetched before it and released after it;
+/// without a graph when `weights` are detached.
+pub fn forward_logits(
+    model: &Model,
+    weights: &mut dyn Weights,
+    tokens: &Tensor,
+    documents: Option<&Documents>,
+) -> Result<Tensor> {
     weights.fetch(model, &[EMBEDDING])?;
     let mut x = model.embed(weights.tensors(), tokens)?; // (B, T, d)
     for i in 0..model.spec().layers {
         let own = model.block_params(i);
         weights.fetch(model, own)?;
-        x = model.block(weights.tensors(), i, &x)?.hidden;
+        x = model.block(weights.tensors(), i, &x, documents)?.hidden;
         weights.release(own);
     }
     let outside = model.outside_params();

@@ -44,7 +44,7 @@ fn batch(b: usize, t: usize, vocab: usize, salt: usize) -> (Tensor, Vec<u32>) {
 fn grads_of(m: &Model, dtype: DType, tokens: &Tensor, targets: &[u32], plan: &[BlockDecision]) -> (MicroLoss, Grads) {
     let mut w = m.weights(dtype).unwrap();
     let mut grads = vec![None; m.params().len()];
-    let loss = forward_backward(m, &mut w, tokens, targets, plan, 1.0, 1.0, None, &mut grads).unwrap();
+    let loss = forward_backward(m, &mut w, tokens, None, targets, plan, 1.0, 1.0, None, &mut grads).unwrap();
     (loss, grads)
 }
 
@@ -55,7 +55,7 @@ fn values(t: &Tensor) -> Vec<f32> {
 /// The loss in f64 at the model's current weights.
 fn loss_f64(m: &Model, tokens: &Tensor, targets: &[u32]) -> f64 {
     let w = m.weights(DType::F64).unwrap();
-    let (logits, aux) = m.forward(&w, tokens).unwrap();
+    let (logits, aux) = m.forward(&w, tokens, None).unwrap();
     let mut loss = ops::cross_entropy(&logits, targets).unwrap().to_scalar::<f64>().unwrap();
     if let (Some(aux), Some(moe)) = (aux, m.spec().moe) {
         loss += moe.aux_weight * aux.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap();
@@ -276,7 +276,7 @@ fn a_stretch_per_block_gives_identical_gradients_and_says_what_is_final() {
             let mut w = m.weights(DType::F32).unwrap();
             let mut sink =
                 PerBlock { grads: vec![None; m.params().len()], order: vec![], finals: vec![], received: vec![] };
-            let loss = forward_backward(&m, &mut w, &tokens, &targets, &plan, 1.0, 1.0, None, &mut sink).unwrap();
+            let loss = forward_backward(&m, &mut w, &tokens, None, &targets, &plan, 1.0, 1.0, None, &mut sink).unwrap();
             assert_eq!(loss.ce, plain_loss.ce, "{plan:?}");
             assert!((loss.aux - plain_loss.aux).abs() < 1e-6, "{plan:?}");
             assert_eq!(max_diff(&sink.grads, &plain), 0.0, "{plan:?}, moe {moe:?}, tied {tie}");
@@ -298,7 +298,7 @@ fn offloaded_block_inputs_give_identical_gradients() {
     let mut w = m.weights(DType::F32).unwrap();
     let mut grads = vec![None; m.params().len()];
     let plan = [BlockDecision::Offload, BlockDecision::Offload];
-    forward_backward(&m, &mut w, &tokens, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
+    forward_backward(&m, &mut w, &tokens, None, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
     assert_eq!(max_diff(&grads, &plain), 0.0);
     assert_eq!(tier.used_bytes(), 0, "inputs are evicted after use");
 }
@@ -315,7 +315,7 @@ fn int8_parked_inputs_give_gradients_within_a_bounded_error() {
     let mut w = m.weights(DType::F32).unwrap();
     let mut grads = vec![None; m.params().len()];
     let plan = [BlockDecision::Offload, BlockDecision::Offload];
-    let loss = forward_backward(&m, &mut w, &tokens, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
+    let loss = forward_backward(&m, &mut w, &tokens, None, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
     let (mut err, mut norm) = (0f64, 0f64);
     for (a, b) in grads.iter().zip(&plain) {
         for (p, q) in values(a.as_ref().unwrap()).iter().zip(values(b.as_ref().unwrap())) {
@@ -343,7 +343,7 @@ fn accumulated_micro_batches_equal_one_large_batch() {
     for k in 0..2 {
         let part = tokens.narrow(0, 2 * k, 2).unwrap();
         let part_targets = &targets[12 * k..12 * (k + 1)];
-        forward_backward(&m, &mut w, &part, part_targets, &plan, 1.0, 2.0, None, &mut acc).unwrap();
+        forward_backward(&m, &mut w, &part, None, part_targets, &plan, 1.0, 2.0, None, &mut acc).unwrap();
     }
     for (i, p) in m.params().iter().enumerate() {
         let (a, b) = (values(acc[i].as_ref().unwrap()), values(whole[i].as_ref().unwrap()));
@@ -366,8 +366,8 @@ fn hugging_face_folder_round_trip_gives_identical_logits() {
         assert_eq!(loaded_spec, s);
         let back = Model::from_tensors(loaded_spec, tensors, dir.path(), 16, kernel(), "standard", 1).unwrap();
         let (tokens, _) = batch(2, 5, 11, 6);
-        let a = values(&m.forward(&m.weights(DType::F32).unwrap(), &tokens).unwrap().0);
-        let b = values(&back.forward(&back.weights(DType::F32).unwrap(), &tokens).unwrap().0);
+        let a = values(&m.forward(&m.weights(DType::F32).unwrap(), &tokens, None).unwrap().0);
+        let b = values(&back.forward(&back.weights(DType::F32).unwrap(), &tokens, None).unwrap().0);
         assert_eq!(a, b);
     }
 }
@@ -487,6 +487,79 @@ fn half_stored_weights_train_through_the_fused_ops() {
             for (a, b) in gr.iter().zip(&g) {
                 assert_eq!(a.as_ref().map(values), b.as_ref().map(values), "{dtype:?}: recomputed gradients differ");
             }
+        }
+    }
+}
+
+/// Packed documents (`data.packing: document`): a row holding several documents gives each
+/// document's tokens the logits that document gets alone (nothing seen across a boundary),
+/// with the dense and the tiled kernel; and the gradients through the packed forward match
+/// f64 finite differences on a few weights. (Positions restart too, but with RoPE only
+/// position differences reach the scores, so that is checked where the heads are rotated:
+/// `fused::tests::split_heads_rotates_each_token_by_its_position`.)
+#[test]
+fn packed_documents_give_each_document_its_own_logits() {
+    use ava_kernels::attention::{Algorithm, Kernel, Masking, Tiles};
+    let (b, t) = (2, 12);
+    let lens: [&[usize]; 2] = [&[5, 4, 3], &[1, 11]];
+    let mut segments = Vec::new();
+    let mut positions = Vec::new();
+    for row in lens {
+        for (id, &n) in row.iter().enumerate() {
+            segments.extend(std::iter::repeat_n(id as u32, n));
+            positions.extend(0..n as u32);
+        }
+    }
+    let docs = Documents::new(b, t, segments, positions).unwrap();
+    let (tokens, targets) = batch(b, t, 11, 4);
+    let ids = tokens.to_vec2::<u32>().unwrap();
+    let flash = Kernel { masking: Masking::Plain, algorithm: Algorithm::Flash(Some(Tiles { q: 4, k: 3 })) };
+    for (name, kernel) in [("standard", kernel()), ("flash", Arc::new(flash) as Arc<dyn AttentionKernel>)] {
+        let m = Model::new(spec(None, false), 5, 16, kernel, name, 1).unwrap();
+        let w = m.weights(DType::F32).unwrap();
+        let packed = values(&m.forward(&w, &tokens, Some(&docs)).unwrap().0); // (B·T, V)
+        let plain = values(&m.forward(&w, &tokens, None).unwrap().0);
+        assert_ne!(packed, plain, "{name}: packing changes the logits after the first document");
+        let vocab = m.spec().vocab;
+        for (r, row) in lens.iter().enumerate() {
+            let mut start = 0;
+            for &n in row.iter() {
+                let alone = Tensor::from_vec(ids[r][start..start + n].to_vec(), (1, n), &Device::Cpu).unwrap();
+                let want = values(&m.forward(&w, &alone, None).unwrap().0); // (n, V)
+                let got = &packed[(r * t + start) * vocab..(r * t + start + n) * vocab];
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-5 + 1e-4 * w.abs(),
+                        "{name} row {r} document at {start}: [{i}] {g} vs {w}"
+                    );
+                }
+                start += n;
+            }
+        }
+        // The gradients through the packed forward, against f64 finite differences.
+        let mut grads = vec![None; m.params().len()];
+        let mut wf = m.weights(DType::F64).unwrap();
+        let plan = vec![BlockDecision::Keep; m.spec().layers];
+        forward_backward(&m, &mut wf, &tokens, Some(&docs), &targets, &plan, 1.0, 1.0, None, &mut grads).unwrap();
+        let loss = |m: &Model| {
+            let (logits, _) = m.forward(&m.weights(DType::F64).unwrap(), &tokens, Some(&docs)).unwrap();
+            ops::cross_entropy(&logits, &targets).unwrap().to_scalar::<f64>().unwrap()
+        };
+        for (i, p) in m.params().iter().enumerate().filter(|(_, p)| p.def.name.contains("layers.1.self_attn")) {
+            let g = values(grads[i].as_ref().unwrap());
+            let original = values(p.var.as_tensor());
+            let j = original.len() / 2;
+            let at = |x: f32| {
+                let mut v = original.clone();
+                v[j] = x;
+                p.var.set(&Tensor::from_vec(v, p.def.shape.as_slice(), &Device::Cpu).unwrap()).unwrap();
+                loss(&m)
+            };
+            let h = 5e-3;
+            let fd = (at(original[j] + h) - at(original[j] - h)) / (2.0 * h as f64);
+            p.var.set(&Tensor::from_vec(original.clone(), p.def.shape.as_slice(), &Device::Cpu).unwrap()).unwrap();
+            let got = g[j] as f64;
+            assert!((got - fd).abs() <= 2e-4 + 2e-3 * fd.abs(), "{name} {}[{j}]: autograd {got}, fd {fd}", p.def.name);
         }
     }
 }

@@ -23,11 +23,11 @@ use super::in_backward::{StepInBackward, StepSettings};
 use super::optim::{HostState, OptimizerState, Placement, StreamStats, optimizer_options};
 use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, SourceTokens, StepRecord};
 use super::schedule::{LossScaler, learning_rate};
-use crate::config::{Config, DataSource, MasterWeights, NanPolicy, PluginSelection, Precision};
-use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Share, Source, Split};
+use crate::config::{Config, DataPacking, DataSource, MasterWeights, NanPolicy, PluginSelection, Precision};
+use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Packing, Share, Source, Split};
 use crate::dist::{Collectives, Gathered, ReduceInBackward, Single, Zero};
 use crate::memory::{self, Breakdown};
-use crate::model::{self, GradSink, Grads, Model, ModelSpec, Weights, forward_backward};
+use crate::model::{self, Documents, GradSink, Grads, Model, ModelSpec, Weights, forward_backward};
 use crate::save::{CheckpointStore, FileBody, LoadedCheckpoint, differing_keys, safetensors_views};
 
 /// How a run starts.
@@ -226,12 +226,13 @@ impl MicroBatches<'_> {
         let (mut ce, mut aux, mut tier_peak) = (0.0, 0.0, 0);
         memory::take_crossed(); // a crossing before the micro-steps is not theirs
         for batch in batches {
-            for (tokens, targets) in split_batch(batch, split)? {
+            for micro in split_batch(batch, split)? {
                 let loss = forward_backward(
                     self.model,
                     weights,
-                    &tokens,
-                    &targets,
+                    &micro.tokens,
+                    micro.documents.as_ref(),
+                    &micro.targets,
                     self.plan,
                     self.scale,
                     pieces as f64,
@@ -323,7 +324,11 @@ pub fn data_options(config: &Config) -> Result<DataOptions, TrainError> {
             tokenizer: d.tokenizer.clone(),
         },
     };
-    Ok(DataOptions { source, seq_len: d.seq_len, val_fraction: d.val_fraction, seed: config.train.seed })
+    let packing = match d.packing {
+        DataPacking::Concat => Packing::Concat,
+        DataPacking::Document => Packing::Document,
+    };
+    Ok(DataOptions { source, seq_len: d.seq_len, val_fraction: d.val_fraction, seed: config.train.seed, packing })
 }
 
 /// The model architecture a config describes (from `model.from`'s config.json if set).
@@ -484,6 +489,13 @@ impl Trainer {
         let threads = resolve_threads(config.train.threads);
         let plugin = |kind: PluginKind| config.selection(kind);
 
+        if config.data.packing == DataPacking::Document {
+            // Before the corpus is read (its checksums take a while on a large one).
+            let sel = plugin(PluginKind::Attention);
+            if !registry.attention(&sel.name, &sel.options_json())?.supports_segments() {
+                return Err(TrainError::Invalid(model::unsupported_packing(&sel.name)));
+            }
+        }
         let dataset = data::open(&data_options(&config)?)?;
         // The architecture, and what model.from's config.json holds that changes nothing
         // (said once in the header).
@@ -1536,9 +1548,10 @@ impl Trainer {
         let mut total = 0.0;
         for _ in 0..n {
             let b = loader.next()?;
-            let (tokens, targets) = tensors(&b)?;
-            let logits = model::forward_logits(&self.model, weights.as_mut(), &tokens).map_err(TrainError::candle)?;
-            let loss = model::ops::cross_entropy(&logits, &targets)
+            let micro = tensors(&b)?;
+            let logits = model::forward_logits(&self.model, weights.as_mut(), &micro.tokens, micro.documents.as_ref())
+                .map_err(TrainError::candle)?;
+            let loss = model::ops::cross_entropy(&logits, &micro.targets)
                 .and_then(|l| l.to_dtype(DType::F64))
                 .and_then(|l| l.to_scalar::<f64>())
                 .map_err(TrainError::candle)?;
@@ -1830,25 +1843,47 @@ fn check_config(
     Err(TrainError::ConfigChanged { checkpoint: ckpt.dir.clone(), differences })
 }
 
-/// A batch as (B, T) input ids and the flat targets.
-fn tensors(batch: &Batch) -> Result<(Tensor, Vec<u32>), TrainError> {
-    let tokens = Tensor::from_vec(batch.inputs(), (batch.batch_size, batch.seq_len), &Device::Cpu)
-        .map_err(TrainError::candle)?;
-    Ok((tokens, batch.targets()))
+/// What one forward/backward pass reads: (B, T) input ids, the flat targets, and the
+/// packed documents (`data.packing: document`).
+struct MicroBatch {
+    tokens: Tensor,
+    targets: Vec<u32>,
+    documents: Option<Documents>,
+}
+
+/// A batch as one micro-batch.
+fn tensors(batch: &Batch) -> Result<MicroBatch, TrainError> {
+    let (b, t) = (batch.batch_size, batch.seq_len);
+    let tokens = Tensor::from_vec(batch.inputs(), (b, t), &Device::Cpu).map_err(TrainError::candle)?;
+    let documents = match (&batch.segments, batch.positions()) {
+        (Some(segments), Some(positions)) => {
+            Some(Documents::new(b, t, segments.clone(), positions).map_err(TrainError::candle)?)
+        }
+        _ => None,
+    };
+    Ok(MicroBatch { tokens, targets: batch.targets(), documents })
 }
 
 /// A batch split into `pieces` equal micro-batches (the memory policy's shrink).
-fn split_batch(batch: &Batch, pieces: usize) -> Result<Vec<(Tensor, Vec<u32>)>, TrainError> {
-    let (tokens, targets) = tensors(batch)?;
+fn split_batch(batch: &Batch, pieces: usize) -> Result<Vec<MicroBatch>, TrainError> {
+    let whole = tensors(batch)?;
     if pieces == 1 {
-        return Ok(vec![(tokens, targets)]);
+        return Ok(vec![whole]);
     }
     let rows = batch.batch_size / pieces;
     let per = rows * batch.seq_len;
     (0..pieces)
         .map(|i| {
-            let t = tokens.narrow(0, i * rows, rows).map_err(TrainError::candle)?;
-            Ok((t, targets[i * per..(i + 1) * per].to_vec()))
+            Ok(MicroBatch {
+                tokens: whole.tokens.narrow(0, i * rows, rows).map_err(TrainError::candle)?,
+                targets: whole.targets[i * per..(i + 1) * per].to_vec(),
+                documents: whole
+                    .documents
+                    .as_ref()
+                    .map(|d| d.rows(i * rows, rows))
+                    .transpose()
+                    .map_err(TrainError::candle)?,
+            })
         })
         .collect()
 }

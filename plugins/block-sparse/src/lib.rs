@@ -14,6 +14,10 @@
 //! blocks are left out: a pattern that changes between calls would make recomputation in
 //! backward (and activation checkpointing) see different attention than forward.
 //!
+//! It does not take packed documents (`data.packing: document`): its blocks are fixed
+//! positions and its global blocks would see across documents, so a run asking for both is
+//! refused with this kernel's name before it starts.
+//!
 //! It runs the tiled FlashAttention-2 forward and backward of
 //! [`ava_kernels::attention::flash`], visiting only the pattern's tiles (with
 //! `block_size` a multiple of 64 they are exactly the tiles), and saves one logsumexp per

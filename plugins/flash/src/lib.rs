@@ -6,6 +6,8 @@
 //! (which the host keeps anyway) and one logsumexp per query row — B·H·T floats instead of
 //! `standard`'s B·H·T²; backward recomputes each probability tile from the logsumexp.
 //! Causal masking skips the tiles above the diagonal; grouped-query attention is supported.
+//! With packed documents (`data.packing: document`) a query sees only its own document's
+//! keys, and the tiles between documents are skipped like those above the diagonal.
 //!
 //! The math, tiling and threading live in [`ava_kernels::attention::flash`], shared with
 //! the `sliding-window` and `block-sparse` plugins; this crate is the plugin around it.
@@ -57,17 +59,19 @@ mod tests {
         ava_core::ffi::build::<Flash>("", &HostContext::default()).unwrap()
     }
 
-    fn plain(s: &AttnShape) -> Mask {
+    fn plain(s: &AttnShape) -> Mask<'static> {
         let p = if s.causal { Pattern::Causal } else { Pattern::Full };
         Mask::new(p, s.q_len as usize, s.kv_len as usize).unwrap()
     }
 
     /// Output, dq, dk and dv against the dense kernel with the same mask (f32, atol 1e-4,
-    /// rtol 1e-3) over odd lengths, T = 1, head_dim 16/64/128, GQA 1/2/4, causal on and off.
+    /// rtol 1e-3) over odd lengths, T = 1, head_dim 16/64/128, GQA 1/2/4, causal on and off,
+    /// with and without packed documents (segment ids), 1 and 3 threads.
     #[test]
     fn matches_dense_attention() {
+        assert!(flash().supports_segments());
         let cases = testing::against_dense_everywhere(&flash(), |s| Some(plain(s))).unwrap();
-        assert_eq!(cases, testing::SHAPES.len() * 2 * 2);
+        assert_eq!(cases, testing::SHAPES.len() * 2 * 2 * 2);
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! It runs the same tiled FlashAttention-2 forward and backward as `flash`
 //! ([`ava_kernels::attention::flash`]) and visits only the tiles that touch the band, so
 //! for a fixed window both time and memory grow linearly in T; it saves one logsumexp per
-//! query row.
+//! query row. With packed documents (`data.packing: document`) the band also stops at the
+//! query's document boundary.
 //!
 //! ```yaml
 //! plugins:

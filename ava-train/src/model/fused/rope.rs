@@ -98,11 +98,23 @@ struct Heads {
     c: usize,
     d: usize,
     rope: Option<Arc<RopeTables>>,
+    /// (B, T) each token's position for the rotation (packed documents restart it); `None`:
+    /// its index in the sequence.
+    positions: Option<Arc<[u32]>>,
 }
 
 /// Splits `p` (B·T, C·D) into heads (B, C, T, D), rotated by `rope` when given (q and k)
-/// or not (v). Returns `p`'s type; the rotation is computed in f32 (f64 for f64 input).
-pub fn split_heads(p: &Tensor, b: usize, t: usize, c: usize, rope: Option<&Arc<RopeTables>>) -> Result<Tensor> {
+/// or not (v), token `(b, t)` by the angles of position `positions[b·T + t]` when given
+/// (packed documents), else of `t`. Returns `p`'s type; the rotation is computed in f32 (f64
+/// for f64 input).
+pub fn split_heads(
+    p: &Tensor,
+    b: usize,
+    t: usize,
+    c: usize,
+    rope: Option<&Arc<RopeTables>>,
+    positions: Option<&Arc<[u32]>>,
+) -> Result<Tensor> {
     let (n, cd) = p.dims2()?;
     if n != b * t || cd % c != 0 {
         bail!("split_heads: ({n}, {cd}) is not (B·T, C·D) for B {b}, T {t}, C {c}");
@@ -113,13 +125,20 @@ pub fn split_heads(p: &Tensor, b: usize, t: usize, c: usize, rope: Option<&Arc<R
             bail!("sequence of {t} tokens is longer than the rotary tables ({}) or head size {d} differs", r.seq);
         }
     }
-    p.contiguous()?.apply_op1(Heads { dir: Dir::Split, b, t, c, d, rope: rope.cloned() })
+    if let Some(pos) = positions {
+        // Positions restart inside a sequence, so each is below T (and inside the tables).
+        if pos.len() != b * t || pos.iter().any(|&x| x as usize >= t) {
+            bail!("split_heads: {} positions for (B {b}, T {t}), or one of them is not below T", pos.len());
+        }
+    }
+    let positions = positions.cloned();
+    p.contiguous()?.apply_op1(Heads { dir: Dir::Split, b, t, c, d, rope: rope.cloned(), positions })
 }
 
 /// Merges heads (B, C, T, D) into rows (B·T, C·D), in `x`'s type.
 pub fn merge_heads(x: &Tensor) -> Result<Tensor> {
     let (b, c, t, d) = x.dims4()?;
-    x.contiguous()?.apply_op1(Heads { dir: Dir::Merge, b, t, c, d, rope: None })
+    x.contiguous()?.apply_op1(Heads { dir: Dir::Merge, b, t, c, d, rope: None, positions: None })
 }
 
 /// One head row: copy, or rotate in the compute type (`transposed`: by the transposed
@@ -159,14 +178,19 @@ impl Heads {
     fn run<S: Stored<C = F>, F: Tabled>(&self, src: &[S], to: Dir, transposed: bool) -> Vec<S> {
         let (t, c, d) = (self.t, self.c, self.d);
         let tables = self.rope.as_ref().map(|r| F::tables(r));
-        let at = |pos: usize| tables.map(|(cos, sin)| (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]));
+        let positions = self.positions.as_deref();
+        // The tables' rows for token (b, t).
+        let at = |bb: usize, tt: usize| {
+            let pos = positions.map_or(tt, |p| p[bb * t + tt] as usize);
+            tables.map(|(cos, sin)| (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]))
+        };
         let fill = |dst: &mut [MaybeUninit<S>]| match to {
             // dst (B, C, T, D): one task per (b, c), reading rows (b, t, c) of src (B, T, C, D).
             Dir::Split => dst.par_chunks_mut(t * d).enumerate().for_each(|(i, out)| {
                 let (bb, cc) = (i / c, i % c);
                 for (tt, o) in out.chunks_exact_mut(d).enumerate() {
                     let s = ((bb * t + tt) * c + cc) * d;
-                    row(&src[s..s + d], o, at(tt), transposed);
+                    row(&src[s..s + d], o, at(bb, tt), transposed);
                 }
             }),
             // dst (B, T, C, D): one task per (b, t), reading rows (b, c, t) of src (B, C, T, D).
@@ -174,7 +198,7 @@ impl Heads {
                 let (bb, tt) = (i / t, i % t);
                 for (cc, o) in out.chunks_exact_mut(d).enumerate() {
                     let s = ((bb * c + cc) * t + tt) * d;
-                    row(&src[s..s + d], o, at(tt), transposed);
+                    row(&src[s..s + d], o, at(bb, tt), transposed);
                 }
             }),
         };

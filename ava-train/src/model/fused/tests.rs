@@ -1,6 +1,8 @@
 //! The fused ops against candle's composed forms (values and autograd gradients in f32),
 //! against central differences in f64, and for independence from the thread count.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::*;
@@ -156,13 +158,13 @@ fn split_heads_with_rope_matches_composed_form() {
         against_reference(
             &[&[b * t, c * d]],
             &[b, c, t, d],
-            |x| split_heads(&x[0], b, t, c, Some(&tables)).unwrap(),
+            |x| split_heads(&x[0], b, t, c, Some(&tables), None).unwrap(),
             |x| composed_split(&x[0], b, t, c, Some(&rope)),
         );
         against_reference(
             &[&[b * t, c * d]],
             &[b, c, t, d],
-            |x| split_heads(&x[0], b, t, c, None).unwrap(),
+            |x| split_heads(&x[0], b, t, c, None, None).unwrap(),
             |x| composed_split(&x[0], b, t, c, None),
         );
     }
@@ -183,16 +185,52 @@ fn merge_heads_matches_composed_form() {
 fn head_ops_gradients_match_finite_differences() {
     let tables = RopeTables::new(6, 4, &RopeSpec::plain(100.0)).unwrap();
     against_finite_differences(&[&[2 * 3, 2 * 4]], &[2, 2, 3, 4], |x| {
-        split_heads(&x[0], 2, 3, 2, Some(&tables)).unwrap()
+        split_heads(&x[0], 2, 3, 2, Some(&tables), None).unwrap()
     });
     against_finite_differences(&[&[2, 2, 3, 4]], &[6, 8], |x| merge_heads(&x[0]).unwrap());
+}
+
+/// With positions (packed documents), token (b, t) is rotated by the angles of its own
+/// position: the same values as the plain split gives a token sitting at that index.
+#[test]
+fn split_heads_rotates_each_token_by_its_position() {
+    let (b, t, c, d) = (2, 6, 3, 8);
+    let tables = RopeTables::new(t, d, &RopeSpec::plain(500.0)).unwrap();
+    let positions: Arc<[u32]> = vec![0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 4, 5].into();
+    let p = tensor(&[b * t, c * d], 3, DType::F32);
+    let got = split_heads(&p, b, t, c, Some(&tables), Some(&positions)).unwrap().to_dtype(DType::F64).unwrap(); // (B, C, T, D)
+    let rows = p.to_dtype(DType::F64).unwrap().to_vec2::<f64>().unwrap();
+    for bb in 0..b {
+        for tt in 0..t {
+            let pos = positions[bb * t + tt] as usize;
+            // The token alone at index `pos` of a one-row batch, zeros before it.
+            let mut alone = vec![0.0f64; (pos + 1) * c * d];
+            alone[pos * c * d..].copy_from_slice(&rows[bb * t + tt]);
+            let alone = Tensor::from_vec(alone, (pos + 1, c * d), &Device::Cpu).unwrap();
+            let want = split_heads(&alone, 1, pos + 1, c, Some(&tables), None).unwrap();
+            for cc in 0..c {
+                let w = want.get(0).unwrap().get(cc).unwrap().get(pos).unwrap().to_vec1::<f64>().unwrap();
+                let g = got.get(bb).unwrap().get(cc).unwrap().get(tt).unwrap().to_vec1::<f64>().unwrap();
+                for (x, y) in g.iter().zip(&w) {
+                    assert!((x - y).abs() < 1e-6, "({bb}, {cc}, {tt}) at position {pos}: {g:?} vs {w:?}");
+                }
+            }
+        }
+    }
+    // A position not below T is refused (it would read past this sequence's tables).
+    let bad: Arc<[u32]> = vec![0, 1, 2, 3, 4, 6, 0, 0, 0, 0, 0, 0].into();
+    let err = split_heads(&p, b, t, c, Some(&tables), Some(&bad)).unwrap_err().to_string();
+    assert!(err.contains("one of them is not below T"), "{err}");
+    against_finite_differences(&[&[b * t, c * d]], &[b, c, t, d], |x| {
+        split_heads(&x[0], b, t, c, Some(&tables), Some(&positions)).unwrap()
+    });
 }
 
 #[test]
 fn split_heads_refuses_sequences_longer_than_the_tables() {
     let tables = RopeTables::new(4, 4, &RopeSpec::plain(100.0)).unwrap();
     let p = tensor(&[5, 8], 1, DType::F32);
-    let err = split_heads(&p, 1, 5, 2, Some(&tables)).unwrap_err().to_string();
+    let err = split_heads(&p, 1, 5, 2, Some(&tables), None).unwrap_err().to_string();
     assert!(err.contains("longer than the rotary tables (4)"), "{err}");
     assert!(RopeTables::new(4, 5, &RopeSpec::plain(100.0)).unwrap_err().to_string().contains("even head size"));
 }
@@ -273,8 +311,8 @@ fn half_rms_norm_matches_f32_rms_norm() {
 fn half_head_ops_match_f32_head_ops() {
     let (b, t, c, d) = (2, 5, 3, 8);
     let tables = RopeTables::new(9, d, &RopeSpec::plain(10000.0)).unwrap();
-    half_against_f32(&[&[b * t, c * d]], &[b, c, t, d], |x| split_heads(&x[0], b, t, c, Some(&tables)).unwrap());
-    half_against_f32(&[&[b * t, c * d]], &[b, c, t, d], |x| split_heads(&x[0], b, t, c, None).unwrap());
+    half_against_f32(&[&[b * t, c * d]], &[b, c, t, d], |x| split_heads(&x[0], b, t, c, Some(&tables), None).unwrap());
+    half_against_f32(&[&[b * t, c * d]], &[b, c, t, d], |x| split_heads(&x[0], b, t, c, None, None).unwrap());
     half_against_f32(&[&[b, c, t, d]], &[b * t, c * d], |x| merge_heads(&x[0]).unwrap());
 }
 
@@ -288,7 +326,7 @@ fn half_attention_matches_f32_attention() {
     let kernel = ava_plugins::Registry::builtins().attention("standard", "{}").unwrap();
     // GQA: 4 query heads over 2 key/value heads.
     half_against_f32(&[&[2, 4, 6, 8], &[2, 2, 6, 8], &[2, 2, 6, 8]], &[2, 4, 6, 8], |x| {
-        crate::model::attention(&kernel, "standard", &x[0], &x[1], &x[2], 2).unwrap()
+        crate::model::attention(&kernel, "standard", &x[0], &x[1], &x[2], None, 2).unwrap()
     });
 }
 
@@ -320,7 +358,7 @@ fn thread_count_does_not_change_bits() {
             out.push(v);
             out.extend(g);
             let (v, g) = value_and_grads(std::slice::from_ref(&x), &probe.reshape((3, 6, 100, 16)).unwrap(), |t| {
-                split_heads(&t[0], 3, 100, 6, Some(&tables)).unwrap()
+                split_heads(&t[0], 3, 100, 6, Some(&tables), None).unwrap()
             });
             out.push(v);
             out.extend(g);
