@@ -1,9 +1,10 @@
 //! `ava bench data`: the data pipeline's two rates that matter.
 //!
 //! 1. Preparing: generated English-like text (or `--input`) tokenized into shards with the
-//!    byte tokenizer, and with `--tokenizer` also with that tokenizer.json, in MB/s of text;
-//!    beside it the Python `tokenizers` package's batch encoding of the same documents with
-//!    the same tokenizer, when python3 has it.
+//!    byte tokenizer, and with `--tokenizer` also with that tokenizer.json, in MB/s of text
+//!    and naming the encoder that ran (ava's byte-level BPE, or the `tokenizers` crate and
+//!    why); beside it the Python `tokenizers` package's batch encoding of the same documents
+//!    with the same tokenizer, when python3 has it.
 //! 2. Streaming: a corpus of `--corpus` bytes of shards written for the benchmark (random
 //!    ids, documents of 100–4000 tokens), read by the training loader for `--batches`
 //!    batches; the process's resident set after the first batch and at its largest after,
@@ -350,11 +351,14 @@ pub fn run(p: &Printer, args: &BenchDataArgs) -> CmdResult {
         if let Some(tok) = &args.tokenizer {
             p.note(&format!("preparing with {} ...", tok.display()));
             let (rate, _) = prepare_rate(&inputs, Some(tok), &work.path().join("bpe"))?;
+            // Preparing loaded it already, so this does not fail.
+            let encoder = ava_data::TextTokenizer::from_file(tok).map_or_else(|e| e.to_string(), |t| t.encoder());
             lines.push(format!(
-                "prepare, {:<20} {rate:8.1} MB/s of text",
+                "prepare, {:<20} {rate:8.1} MB/s of text, by {encoder}",
                 tok.file_name().unwrap_or_default().to_string_lossy()
             ));
             report.insert("prepare_tokenizer_mb_per_s".into(), json!(rate));
+            report.insert("prepare_tokenizer_encoder".into(), json!(encoder));
             p.note("encoding the same documents with Python tokenizers (encode_batch) ...");
             let python = if args.input.is_some() {
                 Err("the comparison script reads the generated JSONL only; leave out --input".to_string())

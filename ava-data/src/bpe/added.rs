@@ -1,0 +1,141 @@
+//! Finding a tokenizer's added tokens (`<|endoftext|>`, ...) in text as the `tokenizers`
+//! crate does: the tokens not marked `normalized` first, then the others in the text between
+//! (with no normalizer both match the text as it is); each time the leftmost match, the
+//! longest of those starting there. The text between is pre-tokenized piece by piece.
+
+/// Leftmost-longest matching of a set of strings.
+#[derive(Default)]
+struct Matcher {
+    /// Tokens by first byte, longest first, with their ids.
+    by_first: Vec<Vec<(Box<[u8]>, u32)>>,
+    /// The distinct first bytes.
+    firsts: Vec<u8>,
+}
+
+impl Matcher {
+    fn new<'a>(tokens: impl Iterator<Item = (&'a str, u32)>) -> Self {
+        let mut by_first: Vec<Vec<(Box<[u8]>, u32)>> = vec![Vec::new(); 256];
+        for (content, id) in tokens {
+            by_first[content.as_bytes()[0] as usize].push((content.as_bytes().into(), id));
+        }
+        for list in &mut by_first {
+            list.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
+        }
+        let firsts = (0..=255u8).filter(|&b| !by_first[b as usize].is_empty()).collect();
+        Self { by_first, firsts }
+    }
+
+    /// The next position at or after `from` where a token may start.
+    #[inline]
+    fn candidate(&self, s: &[u8], from: usize) -> Option<usize> {
+        let rest = &s[from..];
+        let at = match self.firsts[..] {
+            [] => None,
+            [a] => memchr::memchr(a, rest),
+            [a, b] => memchr::memchr2(a, b, rest),
+            [a, b, c] => memchr::memchr3(a, b, c, rest),
+            _ => rest.iter().position(|b| !self.by_first[*b as usize].is_empty()),
+        };
+        at.map(|i| from + i)
+    }
+
+    /// The leftmost-longest match at or after `from`: start, end, id.
+    fn find(&self, s: &[u8], mut from: usize) -> Option<(usize, usize, u32)> {
+        while let Some(at) = self.candidate(s, from) {
+            if let Some((token, id)) = self.by_first[s[at] as usize].iter().find(|(t, _)| s[at..].starts_with(t)) {
+                return Some((at, at + token.len(), *id));
+            }
+            from = at + 1;
+        }
+        None
+    }
+}
+
+/// What text splits into.
+pub(crate) enum Piece<'a> {
+    /// Text between added tokens (never empty).
+    Text(&'a str),
+    /// An added token's id.
+    Token(u32),
+}
+
+/// A tokenizer's added tokens.
+#[derive(Default)]
+pub(crate) struct AddedTokens {
+    /// Those not `normalized`, matched first.
+    raw: Matcher,
+    /// The `normalized` ones, matched in the text between.
+    normalized: Matcher,
+}
+
+impl AddedTokens {
+    /// From each token's content (not empty), id, and `normalized` flag.
+    pub(crate) fn new(tokens: &[(String, u32, bool)]) -> Self {
+        let pick = |normalized: bool| {
+            Matcher::new(tokens.iter().filter(move |t| t.2 == normalized).map(|(c, id, _)| (c.as_str(), *id)))
+        };
+        Self { raw: pick(false), normalized: pick(true) }
+    }
+
+    /// Calls `f` with the pieces of `text`, in order.
+    pub(crate) fn split<'a>(&self, text: &'a str, f: &mut impl FnMut(Piece<'a>)) {
+        Self::split_with(&self.raw, text, &mut |piece| match piece {
+            Piece::Text(between) => Self::split_with(&self.normalized, between, f),
+            token => f(token),
+        });
+    }
+
+    fn split_with<'a>(matcher: &Matcher, text: &'a str, f: &mut impl FnMut(Piece<'a>)) {
+        let s = text.as_bytes();
+        let mut at = 0;
+        while let Some((start, end, id)) = matcher.find(s, at) {
+            if start > at {
+                f(Piece::Text(&text[at..start]));
+            }
+            f(Piece::Token(id));
+            at = end;
+        }
+        if at < text.len() {
+            f(Piece::Text(&text[at..]));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pieces(added: &AddedTokens, text: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        added.split(text, &mut |p| {
+            out.push(match p {
+                Piece::Text(t) => t.to_string(),
+                Piece::Token(id) => format!("#{id}"),
+            })
+        });
+        out
+    }
+
+    #[test]
+    fn leftmost_longest_raw_first() {
+        let added = AddedTokens::new(&[
+            ("<a>".into(), 1, false),
+            ("<a><b>".into(), 2, false),
+            ("<b>".into(), 3, true),
+            ("b>x".into(), 4, false),
+        ]);
+        assert_eq!(pieces(&added, "x<a><b>y<a>z"), ["x", "#2", "y", "#1", "z"]);
+        // "b>x" (not normalized) is taken before "<b>" is looked for in what is left.
+        assert_eq!(pieces(&added, "<b>x<b>"), ["<", "#4", "#3"]);
+        assert_eq!(pieces(&added, "<a"), ["<a"]);
+        assert_eq!(pieces(&added, ""), Vec::<String>::new());
+        assert_eq!(pieces(&AddedTokens::default(), "abc"), ["abc"]);
+        let many = AddedTokens::new(&[
+            ("é".into(), 1, false),
+            ("x".into(), 2, false),
+            ("y".into(), 3, false),
+            ("z".into(), 4, false),
+        ]);
+        assert_eq!(pieces(&many, "aébyc"), ["a", "#1", "b", "#3", "c"]);
+    }
+}
