@@ -430,6 +430,9 @@ pub struct BenchDataArgs {
     /// Prepare these files or directory instead of generated text.
     #[arg(long, value_name = "PATH")]
     pub input: Option<PathBuf>,
+    /// How --input is read into documents (as `ava data prepare` reads it).
+    #[command(flatten)]
+    pub reading: ReadingArgs,
     /// Also prepare with this tokenizer.json, and compare with Python's tokenizers.
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,

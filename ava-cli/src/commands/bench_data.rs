@@ -4,7 +4,8 @@
 //!    byte tokenizer, and with `--tokenizer` also with that tokenizer.json, in MB/s of text
 //!    and naming the encoder that ran (ava's byte-level BPE, or the `tokenizers` crate and
 //!    why); beside it the Python `tokenizers` package's batch encoding of the same documents
-//!    with the same tokenizer, when python3 has it.
+//!    with the same tokenizer, when python3 has it (for `--input`, the documents prepare
+//!    read, `--separator` and `--field` included, handed to Python as JSONL).
 //! 2. Streaming: a corpus of `--corpus` bytes of shards written for the benchmark (random
 //!    ids, documents of 100–4000 tokens), read by the training loader for `--batches`
 //!    batches; the process's resident set after the first batch and at its largest after,
@@ -153,15 +154,41 @@ fn write_text(dir: &Path, mb: u64) -> std::io::Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// The documents `prepare` reads from `inputs`, written as JSONL (`{"text": ...}` a line)
+/// into `out`, so that the Python comparison encodes exactly the same texts whatever the
+/// inputs' formats.
+fn documents_jsonl(inputs: &[PathBuf], reading: &Reading, out: &Path) -> anyhow::Result<PathBuf> {
+    let mut jsonl = Vec::new();
+    let read = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    for file in prepare::input::list(inputs)? {
+        prepare::input::documents(&file.path, reading, read.clone(), &mut |doc| {
+            // As prepare decodes it (--invalid replace or skip included).
+            let text = prepare::input::utf8(&doc.bytes, reading.invalid, &doc.path, doc.offset, doc.line)?;
+            if let Some(text) = text.filter(|t| !t.is_empty()) {
+                serde_json::to_writer(&mut jsonl, &json!({ "text": text })).expect("writing to a Vec");
+                jsonl.push(b'\n');
+            }
+            Ok(())
+        })?;
+    }
+    fs::write(out, jsonl)?;
+    Ok(out.to_path_buf())
+}
+
 /// MB/s of preparing `inputs` with `tokenizer` (None: bytes).
-fn prepare_rate(inputs: &[PathBuf], tokenizer: Option<&Path>, out: &Path) -> anyhow::Result<(f64, u64)> {
+fn prepare_rate(
+    inputs: &[PathBuf],
+    reading: &Reading,
+    tokenizer: Option<&Path>,
+    out: &Path,
+) -> anyhow::Result<(f64, u64)> {
     let options = PrepareOptions {
         inputs: inputs.to_vec(),
         out: out.to_path_buf(),
         tokenizer: tokenizer.map(Path::to_path_buf),
         eos: None,
         bos: None,
-        reading: Reading { separator: None, field: "text".into(), invalid: Invalid::Error },
+        reading: reading.clone(),
         val_fraction: 0.005,
         shard_tokens: prepare::DEFAULT_SHARD_TOKENS,
         force: true,
@@ -342,15 +369,20 @@ pub fn run(p: &Printer, args: &BenchDataArgs) -> CmdResult {
                 write_text(&work.path().join("text"), args.text_mb)?
             }
         };
+        // Generated text is JSONL, one document a line; --input is read as asked.
+        let reading = match &args.input {
+            Some(_) => args.reading.reading(),
+            None => Reading { separator: None, field: "text".into(), invalid: Invalid::Error },
+        };
         let listed = ava_data::prepare::input::list(&inputs).map_err(|e| Failure::Usage(anyhow::anyhow!(e)))?;
         let files: Vec<PathBuf> = listed.iter().map(|f| f.path.clone()).collect();
         p.note("preparing with the byte tokenizer ...");
-        let (byte_rate, _) = prepare_rate(&inputs, None, &work.path().join("bytes"))?;
+        let (byte_rate, _) = prepare_rate(&inputs, &reading, None, &work.path().join("bytes"))?;
         lines.push(format!("prepare, byte tokenizer      {byte_rate:8.1} MB/s of text"));
         report.insert("prepare_byte_mb_per_s".into(), json!(byte_rate));
         if let Some(tok) = &args.tokenizer {
             p.note(&format!("preparing with {} ...", tok.display()));
-            let (rate, _) = prepare_rate(&inputs, Some(tok), &work.path().join("bpe"))?;
+            let (rate, _) = prepare_rate(&inputs, &reading, Some(tok), &work.path().join("bpe"))?;
             // Preparing loaded it already, so this does not fail.
             let encoder = ava_data::TextTokenizer::from_file(tok).map_or_else(|e| e.to_string(), |t| t.encoder());
             lines.push(format!(
@@ -361,7 +393,8 @@ pub fn run(p: &Printer, args: &BenchDataArgs) -> CmdResult {
             report.insert("prepare_tokenizer_encoder".into(), json!(encoder));
             p.note("encoding the same documents with Python tokenizers (encode_batch) ...");
             let python = if args.input.is_some() {
-                Err("the comparison script reads the generated JSONL only; leave out --input".to_string())
+                let jsonl = documents_jsonl(&inputs, &reading, &work.path().join("documents.jsonl"))?;
+                python_rate(&[jsonl], tok)
             } else {
                 python_rate(&files, tok)
             };
