@@ -212,7 +212,8 @@ fn packed_documents_resume_bit_exactly_and_kernels_without_them_are_refused_by_n
     assert!(
         err.contains(
             "attention kernel 'block-sparse' does not support data.packing: document (attention kept inside each \
-             document); use plugins.attention: standard, flash or sliding-window, or set data.packing: concat"
+             document); pick a kernel that does (built in: standard; plugins: flash, sliding-window) or set \
+             data.packing: concat"
         ),
         "{err}"
     );

@@ -150,7 +150,7 @@ pub fn open(options: &DataOptions) -> Result<Arc<dyn Dataset>, DataError> {
         let source = if matches!(options.source, Source::Synthetic(_)) { "synthetic" } else { "text" };
         return Err(DataError::InvalidOption {
             key: "data.packing",
-            value: "document".into(),
+            value: options.packing.as_str().into(),
             reason: format!(
                 "needs document boundaries, and data.source: {source} has none; prepare the corpus with `ava data \
                  prepare` and train on it with data.source: shards (or data.mix), or set data.packing: concat"

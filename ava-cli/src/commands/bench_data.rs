@@ -158,20 +158,27 @@ fn write_text(dir: &Path, mb: u64) -> std::io::Result<Vec<PathBuf>> {
 /// into `out`, so that the Python comparison encodes exactly the same texts whatever the
 /// inputs' formats.
 fn documents_jsonl(inputs: &[PathBuf], reading: &Reading, out: &Path) -> anyhow::Result<PathBuf> {
-    let mut jsonl = Vec::new();
+    use std::io::Write;
+    let mut jsonl = std::io::BufWriter::new(fs::File::create(out)?);
+    let mut failed: Option<std::io::Error> = None;
     let read = Arc::new(std::sync::atomic::AtomicU64::new(0));
     for file in prepare::input::list(inputs)? {
         prepare::input::documents(&file.path, reading, read.clone(), &mut |doc| {
             // As prepare decodes it (--invalid replace or skip included).
             let text = prepare::input::utf8(&doc.bytes, reading.invalid, &doc.path, doc.offset, doc.line)?;
-            if let Some(text) = text.filter(|t| !t.is_empty()) {
-                serde_json::to_writer(&mut jsonl, &json!({ "text": text })).expect("writing to a Vec");
-                jsonl.push(b'\n');
+            if let Some(text) = text.filter(|t| !t.is_empty() && failed.is_none()) {
+                let written = serde_json::to_writer(&mut jsonl, &json!({ "text": text }))
+                    .map_err(std::io::Error::from)
+                    .and_then(|()| jsonl.write_all(b"\n"));
+                failed = written.err();
             }
             Ok(())
         })?;
     }
-    fs::write(out, jsonl)?;
+    if let Some(e) = failed {
+        return Err(anyhow::anyhow!("cannot write {}: {e}", out.display()));
+    }
+    jsonl.flush()?;
     Ok(out.to_path_buf())
 }
 
@@ -370,9 +377,16 @@ pub fn run(p: &Printer, args: &BenchDataArgs) -> CmdResult {
             }
         };
         // Generated text is JSONL, one document a line; --input is read as asked.
+        let default = Reading { separator: None, field: "text".into(), invalid: Invalid::Error };
         let reading = match &args.input {
             Some(_) => args.reading.reading(),
-            None => Reading { separator: None, field: "text".into(), invalid: Invalid::Error },
+            None if args.reading.reading() != default => {
+                return Err(Failure::Usage(anyhow::anyhow!(
+                    "--separator, --field and --invalid say how to read --input: pass --input FILE_OR_DIR, or leave \
+                     them out for the generated text"
+                )));
+            }
+            None => default,
         };
         let listed = ava_data::prepare::input::list(&inputs).map_err(|e| Failure::Usage(anyhow::anyhow!(e)))?;
         let files: Vec<PathBuf> = listed.iter().map(|f| f.path.clone()).collect();

@@ -14,8 +14,9 @@ use super::merge::{MergeScratch, Merges};
 use super::pretokenize::{Classes, PreTokens, classes};
 
 /// A byte-level BPE encoder (see the module docs); build one with [`ByteLevelBpe::new`].
-/// `Send + Sync`: each thread that encodes keeps its own cache (a few MiB at most, kept until
-/// the thread ends and emptied when another encoder uses that thread).
+/// `Send + Sync`: each thread that encodes keeps its own cache (about 7 MiB at most, kept
+/// until the thread ends and emptied when another encoder uses that thread) and buffers
+/// trimmed back to 1 MiB after a call that grew them past it.
 pub struct ByteLevelBpe {
     /// Tells this encoder's cache entries from another's in a thread's cache.
     instance: u64,
@@ -45,6 +46,11 @@ thread_local! {
 }
 
 static INSTANCES: AtomicU64 = AtomicU64::new(1);
+
+/// Most bytes a thread's merge and prefix buffers keep between calls: a document without
+/// line ends can be one piece of up to 8 MiB (and one pre-token as long), and what it grew
+/// them to is freed rather than kept by every pool thread.
+const KEPT_BUFFER_BYTES: usize = 1 << 20;
 
 impl ByteLevelBpe {
     /// The encoder for `tokenizer`, loaded from the tokenizer.json `json`, when it gives the
@@ -96,6 +102,10 @@ impl ByteLevelBpe {
                 }
                 Piece::Text(t) => self.encode_piece(t, scratch, ids),
             });
+            scratch.merge.trim(KEPT_BUFFER_BYTES);
+            if scratch.prefixed.capacity() > KEPT_BUFFER_BYTES {
+                scratch.prefixed = String::new();
+            }
         });
     }
 

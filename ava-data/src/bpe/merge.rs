@@ -47,6 +47,20 @@ pub(crate) struct MergeScratch {
     heap: BinaryHeap<Reverse<(u32, u32)>>,
 }
 
+impl MergeScratch {
+    /// Frees buffers a very long pre-token grew beyond `max_bytes` (they would otherwise stay
+    /// for the life of the thread); ordinary words reuse them.
+    pub(crate) fn trim(&mut self, max_bytes: usize) {
+        let held = self.ids.capacity() * size_of::<u32>()
+            + self.ranks.capacity() * size_of::<u32>()
+            + self.symbols.capacity() * size_of::<Symbol>()
+            + self.heap.capacity() * size_of::<Reverse<(u32, u32)>>();
+        if held > max_bytes {
+            *self = Self::default();
+        }
+    }
+}
+
 impl Merges {
     /// From each byte's id and the merges `(left, right, made)` by rank, lowest first; a pair
     /// listed again takes its later rank, as in the `tokenizers` crate's map.

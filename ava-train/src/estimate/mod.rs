@@ -643,23 +643,18 @@ pub fn estimate_rank(
         );
     }
     let batch_bytes = x.b * (x.t + 1) * 4;
-    // Packed documents: a queued batch also holds its (B, T) segment ids.
+    // Packed documents: a queued batch also holds its (B, T) document ids.
     let packed = config.data.packing == crate::config::DataPacking::Document;
-    if workers > 0 && packed {
+    if workers > 0 {
+        let (what, row) =
+            if packed { ("loader queue (ids and document ids)", "2T+1") } else { ("loader queue", "T+1") };
+        let row_len = if packed { 2 * x.t + 1 } else { x.t + 1 };
         add(
             &mut terms,
             Component::Data,
-            "loader queue (ids and document ids)",
-            format!("W · prefetch · B·(2T+1)·4 = {workers} · {prefetch} · {}·{}·4", x.b, 2 * x.t + 1),
-            workers * prefetch * (batch_bytes + x.n() * 4),
-        );
-    } else if workers > 0 {
-        add(
-            &mut terms,
-            Component::Data,
-            "loader queue",
-            format!("W · prefetch · B·(T+1)·4 = {workers} · {prefetch} · {}·{}·4", x.b, x.t + 1),
-            workers * prefetch * batch_bytes,
+            what,
+            format!("W · prefetch · B·({row})·4 = {workers} · {prefetch} · {}·{row_len}·4", x.b),
+            workers * prefetch * x.b * row_len * 4,
         );
     }
     if packed {

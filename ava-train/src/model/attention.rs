@@ -71,7 +71,7 @@ pub fn attention(
 pub fn unsupported_packing(name: &str) -> String {
     format!(
         "attention kernel '{name}' does not support data.packing: document (attention kept inside each document); \
-         use plugins.attention: standard, flash or sliding-window, or set data.packing: concat"
+         pick a kernel that does (built in: standard; plugins: flash, sliding-window) or set data.packing: concat"
     )
 }
 

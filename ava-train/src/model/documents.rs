@@ -32,15 +32,6 @@ impl Documents {
         Ok(Self { batch, seq, segments: segments.into(), positions: positions.into() })
     }
 
-    /// Rows `first .. first + rows` (a micro-batch of a split batch).
-    pub fn rows(&self, first: usize, rows: usize) -> Result<Self> {
-        if first + rows > self.batch {
-            bail!("packed documents: rows {first}..{} of a batch of {}", first + rows, self.batch);
-        }
-        let span = first * self.seq..(first + rows) * self.seq;
-        Self::new(rows, self.seq, self.segments[span.clone()].to_vec(), self.positions[span].to_vec())
-    }
-
     /// (B, T) document ids, for the attention kernel.
     pub fn segments(&self) -> &Arc<[u32]> {
         &self.segments

@@ -1853,37 +1853,33 @@ struct MicroBatch {
 
 /// A batch as one micro-batch.
 fn tensors(batch: &Batch) -> Result<MicroBatch, TrainError> {
-    let (b, t) = (batch.batch_size, batch.seq_len);
-    let tokens = Tensor::from_vec(batch.inputs(), (b, t), &Device::Cpu).map_err(TrainError::candle)?;
-    let documents = match (&batch.segments, batch.positions()) {
-        (Some(segments), Some(positions)) => {
-            Some(Documents::new(b, t, segments.clone(), positions).map_err(TrainError::candle)?)
-        }
-        _ => None,
-    };
-    Ok(MicroBatch { tokens, targets: batch.targets(), documents })
+    Ok(split_batch(batch, 1)?.pop().expect("one piece"))
 }
 
-/// A batch split into `pieces` equal micro-batches (the memory policy's shrink).
+/// A batch split into `pieces` equal micro-batches (the memory policy's shrink). Each
+/// piece's packed documents are copied from the batch's rows directly, so they are held
+/// once: B·T ids and positions over all the pieces.
 fn split_batch(batch: &Batch, pieces: usize) -> Result<Vec<MicroBatch>, TrainError> {
-    let whole = tensors(batch)?;
-    if pieces == 1 {
-        return Ok(vec![whole]);
-    }
+    let (inputs, targets, positions) = (batch.inputs(), batch.targets(), batch.positions());
     let rows = batch.batch_size / pieces;
     let per = rows * batch.seq_len;
     (0..pieces)
         .map(|i| {
-            Ok(MicroBatch {
-                tokens: whole.tokens.narrow(0, i * rows, rows).map_err(TrainError::candle)?,
-                targets: whole.targets[i * per..(i + 1) * per].to_vec(),
-                documents: whole
-                    .documents
-                    .as_ref()
-                    .map(|d| d.rows(i * rows, rows))
-                    .transpose()
+            let span = i * per..(i + 1) * per;
+            let tokens = Tensor::from_vec(inputs[span.clone()].to_vec(), (rows, batch.seq_len), &Device::Cpu);
+            let documents = match (&batch.segments, &positions) {
+                (Some(segments), Some(positions)) => Some(
+                    Documents::new(
+                        rows,
+                        batch.seq_len,
+                        segments[span.clone()].to_vec(),
+                        positions[span.clone()].to_vec(),
+                    )
                     .map_err(TrainError::candle)?,
-            })
+                ),
+                _ => None,
+            };
+            Ok(MicroBatch { tokens: tokens.map_err(TrainError::candle)?, targets: targets[span].to_vec(), documents })
         })
         .collect()
 }
@@ -1895,6 +1891,37 @@ fn write_line(file: Option<&mut std::fs::File>, path: &Path, value: &Value) -> R
     let mut line = serde_json::to_string(value).expect("a JSON value serializes");
     line.push('\n');
     file.write_all(line.as_bytes()).and_then(|_| file.flush()).map_err(|e| TrainError::io(path, e))
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::*;
+
+    /// Split by the memory policy, each micro-batch of a packed batch holds its rows' tokens,
+    /// targets, document ids and positions: together, the whole batch's.
+    #[test]
+    fn split_pieces_hold_their_rows_documents() {
+        let (b, t) = (4, 3);
+        let tokens: Vec<u32> = (0..(b * (t + 1)) as u32).collect();
+        let segments = vec![0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 1, 2];
+        let batch = Batch { index: 0, batch_size: b, seq_len: t, tokens, segments: Some(segments.clone()) };
+        let whole = tensors(&batch).unwrap();
+        let docs = whole.documents.as_ref().unwrap();
+        assert_eq!(&**docs.segments(), &segments[..]);
+        assert_eq!(&**docs.positions(), &[0, 1, 0, 0, 0, 1, 0, 1, 2, 0, 0, 0][..]);
+        let pieces = split_batch(&batch, 2).unwrap();
+        for (i, piece) in pieces.iter().enumerate() {
+            let rows = i * 2 * t..(i + 1) * 2 * t;
+            assert_eq!(piece.tokens.to_vec2::<u32>().unwrap().concat(), batch.inputs()[rows.clone()]);
+            assert_eq!(piece.targets, batch.targets()[rows.clone()]);
+            let d = piece.documents.as_ref().unwrap();
+            assert_eq!(d.dims(), (2, t));
+            assert_eq!(&**d.segments(), &docs.segments()[rows.clone()]);
+            assert_eq!(&**d.positions(), &docs.positions()[rows]);
+        }
+        let plain = Batch { segments: None, ..batch };
+        assert!(split_batch(&plain, 2).unwrap().iter().all(|p| p.documents.is_none()));
+    }
 }
 
 #[cfg(test)]

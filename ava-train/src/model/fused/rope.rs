@@ -126,9 +126,12 @@ pub fn split_heads(
         }
     }
     if let Some(pos) = positions {
+        if pos.len() != b * t {
+            bail!("split_heads: {} positions for (B {b}, T {t}); B·T expected", pos.len());
+        }
         // Positions restart inside a sequence, so each is below T (and inside the tables).
-        if pos.len() != b * t || pos.iter().any(|&x| x as usize >= t) {
-            bail!("split_heads: {} positions for (B {b}, T {t}), or one of them is not below T", pos.len());
+        if let Some(i) = pos.iter().position(|&x| x as usize >= t) {
+            bail!("split_heads: position {} of token ({}, {}) is not below T = {t}", pos[i], i / t, i % t);
         }
     }
     let positions = positions.cloned();

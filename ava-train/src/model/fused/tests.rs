@@ -220,7 +220,7 @@ fn split_heads_rotates_each_token_by_its_position() {
     // A position not below T is refused (it would read past this sequence's tables).
     let bad: Arc<[u32]> = vec![0, 1, 2, 3, 4, 6, 0, 0, 0, 0, 0, 0].into();
     let err = split_heads(&p, b, t, c, Some(&tables), Some(&bad)).unwrap_err().to_string();
-    assert!(err.contains("one of them is not below T"), "{err}");
+    assert!(err.contains("split_heads: position 6 of token (0, 5) is not below T = 6"), "{err}");
     against_finite_differences(&[&[b * t, c * d]], &[b, c, t, d], |x| {
         split_heads(&x[0], b, t, c, Some(&tables), Some(&positions)).unwrap()
     });
