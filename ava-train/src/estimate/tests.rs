@@ -147,3 +147,37 @@ fn the_policy_budget_is_raised_when_the_replay_shows_room() {
     let e = super::estimate(&spec, &config(peak - 1), &plugins).unwrap_err().to_string();
     assert!(e.contains("is not enough"), "{e}");
 }
+
+/// Packed documents add their ids to the data component: B·T·4 per queued batch and
+/// 3·B·T·4 for the batch in use (its ids, the step's ids and positions), nothing else.
+#[test]
+fn packed_documents_count_their_ids_as_data() {
+    let registry = ava_plugins::Registry::builtins();
+    let (optimizer, attention) =
+        (registry.optimizer("adamw", "{}").unwrap(), registry.attention("standard", "{}").unwrap());
+    let checkpoint = registry.checkpoint("none", "{}").unwrap();
+    let plugins = super::Plugins {
+        optimizer: optimizer.as_ref(),
+        attention: attention.as_ref(),
+        checkpoint: checkpoint.as_ref(),
+    };
+    let estimate = |packing: &str| {
+        let sets = [
+            format!("data.packing={packing}"),
+            "data.num_workers=2".into(),
+            "data.prefetch_factor=3".into(),
+            "train.micro_batch_size=4".into(),
+            "data.seq_len=64".into(),
+        ];
+        let config =
+            crate::config::ConfigLoader::new().sets(sets.iter().map(String::as_str)).load().unwrap().into_config();
+        super::estimate(&ModelSpec::from_config(&config.model).unwrap(), &config, &plugins).unwrap()
+    };
+    let data = |e: &super::Estimate| -> u64 {
+        e.terms.iter().filter(|t| t.component == super::Component::Data).map(|t| t.bytes).sum()
+    };
+    let (concat, document) = (estimate("concat"), estimate("document"));
+    let ids = 4 * 64 * 4; // B·T·4
+    assert_eq!(data(&document) - data(&concat), 2 * 3 * ids + 3 * ids);
+    assert_eq!(document.breakdown.peak - concat.breakdown.peak, 2 * 3 * ids + 3 * ids);
+}
