@@ -205,6 +205,10 @@ fn packed_documents_resume_bit_exactly_and_kernels_without_them_are_refused_by_n
     // Packing is on: the same sequences without it train to other losses.
     run("concat", &["--max-steps", "6", "--set", "data.packing=concat"]);
     assert_ne!(losses(&dir.path().join("straight")), losses(&dir.path().join("concat")));
+    // Resuming a packed run without packing would train on something else: refused.
+    let resumed = ["--max-steps", "8", "--resume", "latest", "--set", "data.packing=concat"];
+    let err = usage_error(train_small(dir.path(), "split", &[packed, &resumed].concat()));
+    assert!(err.contains("refusing to resume") && err.contains("data.packing"), "{err}");
 
     ava_tests::workspace_plugins_dir();
     let err =

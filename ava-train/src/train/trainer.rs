@@ -136,6 +136,7 @@ const STRUCTURAL_KEYS: &[&str] = &[
     "data.path",
     "data.tokenizer",
     "data.mix",
+    "data.packing",
     "data.seq_len",
     "data.synthetic",
     "train.seed",
