@@ -94,7 +94,8 @@ pub enum Source {
 }
 
 /// How sequences are cut from documents (`data.packing`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Packing {
     /// Documents concatenated with an end-of-text id between them and cut every T tokens
     /// (llm.c / GPT-2): attention and positions run across document boundaries.
@@ -107,6 +108,9 @@ pub enum Packing {
 }
 
 impl Packing {
+    /// The names accepted in a config.
+    pub const NAMES: &'static [&'static str] = &["concat", "document"];
+
     /// The config value.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -179,15 +179,15 @@ impl Dataset for ShardedDataset {
         let start = self.sequence_start(split, index, seq_len);
         let (lo, hi) = (start + 1, start + seq_len as u64);
         let starts = &self.starts[slot(split)];
-        let mut found = Vec::new();
+        let (mut found, mut offsets) = (Vec::new(), Vec::new());
         // Shards whose region overlaps lo..hi; a region begins with a document, so a shard
         // boundary is a document start too.
         let mut s = starts.partition_point(|&b| b <= lo) - 1;
         while s < self.shards.len() && starts[s] < hi {
             let base = starts[s];
-            let mut offsets = Vec::new();
+            offsets.clear();
             self.shards[s].document_starts_between(split, lo.saturating_sub(base), hi - base, &mut offsets);
-            found.extend(offsets.into_iter().map(|o| (base + o - start) as u32));
+            found.extend(offsets.iter().map(|&o| (base + o - start) as u32));
             s += 1;
         }
         found.dedup(); // an empty region shares its start with the next

@@ -303,18 +303,6 @@ impl ShardFile {
         self.release(from, len * width);
     }
 
-    /// The start (region offset) of document `doc` of `split`.
-    pub fn document_start(&self, split: Split, doc: u64) -> u64 {
-        let index = match split {
-            Split::Train => doc,
-            Split::Validation => self.header.train_docs + doc,
-        };
-        let at = (self.header.table_offset() + 8 * index) as usize;
-        let start = u64::from_le_bytes(self.map[at..at + 8].try_into().expect("8 bytes"));
-        self.release(at, 8);
-        start
-    }
-
     /// Appends the region offsets of the documents of `split` that start in `lo..hi`
     /// (ascending) to `out`, then releases the table pages read. A binary search over the
     /// mapped table: nothing about the documents is held in memory.

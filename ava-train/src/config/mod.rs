@@ -45,9 +45,9 @@ pub use format::{parse_value, selection_yaml};
 pub use load::{ConfigLoader, ENV_PREFIX, LoadedConfig};
 pub use schema::{Config, DEFAULT_CONFIG_YAML, PluginSelection, PluginsConfig, VettingPolicy};
 pub use sections::{
-    ByteSize, CheckpointsConfig, DataConfig, DataPacking, DataSource, DistributedConfig, LossScaleConfig,
-    MasterWeights, MemoryConfig, Mix, MixShare, ModelConfig, MoeConfig, NanPolicy, OffloadConfig, Precision,
-    SyntheticConfig, TierShare, Tiers, TrainConfig,
+    ByteSize, CheckpointsConfig, DataConfig, DataSource, DistributedConfig, LossScaleConfig, MasterWeights,
+    MemoryConfig, Mix, MixShare, ModelConfig, MoeConfig, NanPolicy, OffloadConfig, Precision, SyntheticConfig,
+    TierShare, Tiers, TrainConfig,
 };
 pub use show::ConfigEntry;
 pub use tree::Origin;

@@ -112,7 +112,7 @@ const DATA: &[Field] = &[
     Field { key: "num_workers", kind: Kind::Int(0, 64) },
     Field { key: "prefetch_factor", kind: Kind::Int(1, 64) },
     Field { key: "mix", kind: Kind::Mix },
-    Field { key: "packing", kind: Kind::OneOf(DataPacking::NAMES) },
+    Field { key: "packing", kind: Kind::OneOf(crate::data::Packing::NAMES) },
     Field { key: "synthetic", kind: Kind::Section(SYNTHETIC) },
 ];
 

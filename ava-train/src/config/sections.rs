@@ -64,22 +64,6 @@ pub enum DataSource {
     Shards,
 }
 
-/// `data.packing`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DataPacking {
-    /// Documents concatenated and cut every T tokens; attention and positions run across.
-    #[default]
-    Concat,
-    /// The same cut, positions restarting at each document and attention kept inside it.
-    Document,
-}
-
-impl DataPacking {
-    /// The names accepted in a config.
-    pub const NAMES: &'static [&'static str] = &["concat", "document"];
-}
-
 /// The `data` section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -103,7 +87,7 @@ pub struct DataConfig {
     pub mix: Mix,
     /// How sequences treat document boundaries.
     #[serde(default)]
-    pub packing: DataPacking,
+    pub packing: crate::data::Packing,
     /// The synthetic corpus.
     pub synthetic: SyntheticConfig,
 }

@@ -644,7 +644,7 @@ pub fn estimate_rank(
     }
     let batch_bytes = x.b * (x.t + 1) * 4;
     // Packed documents: a queued batch also holds its (B, T) document ids.
-    let packed = config.data.packing == crate::config::DataPacking::Document;
+    let packed = config.data.packing == crate::data::Packing::Document;
     if workers > 0 {
         let (what, row) =
             if packed { ("loader queue (ids and document ids)", "2T+1") } else { ("loader queue", "T+1") };

@@ -23,7 +23,7 @@ use super::in_backward::{StepInBackward, StepSettings};
 use super::optim::{HostState, OptimizerState, Placement, StreamStats, optimizer_options};
 use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, SourceTokens, StepRecord};
 use super::schedule::{LossScaler, learning_rate};
-use crate::config::{Config, DataPacking, DataSource, MasterWeights, NanPolicy, PluginSelection, Precision};
+use crate::config::{Config, DataSource, MasterWeights, NanPolicy, PluginSelection, Precision};
 use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Packing, Share, Source, Split};
 use crate::dist::{Collectives, Gathered, ReduceInBackward, Single, Zero};
 use crate::memory::{self, Breakdown};
@@ -325,11 +325,13 @@ pub fn data_options(config: &Config) -> Result<DataOptions, TrainError> {
             tokenizer: d.tokenizer.clone(),
         },
     };
-    let packing = match d.packing {
-        DataPacking::Concat => Packing::Concat,
-        DataPacking::Document => Packing::Document,
-    };
-    Ok(DataOptions { source, seq_len: d.seq_len, val_fraction: d.val_fraction, seed: config.train.seed, packing })
+    Ok(DataOptions {
+        source,
+        seq_len: d.seq_len,
+        val_fraction: d.val_fraction,
+        seed: config.train.seed,
+        packing: d.packing,
+    })
 }
 
 /// The model architecture a config describes (from `model.from`'s config.json if set).
@@ -490,7 +492,7 @@ impl Trainer {
         let threads = resolve_threads(config.train.threads);
         let plugin = |kind: PluginKind| config.selection(kind);
 
-        if config.data.packing == DataPacking::Document {
+        if config.data.packing == Packing::Document {
             // Before the corpus is read (its checksums take a while on a large one).
             let sel = plugin(PluginKind::Attention);
             if !registry.attention(&sel.name, &sel.options_json())?.supports_segments() {
