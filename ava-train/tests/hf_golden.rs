@@ -17,7 +17,7 @@ use ava_core::AttentionKernel;
 use ava_kernels::attention::{Kernel, Masking};
 use ava_plugins::Registry;
 use ava_train::model::{
-    Arch, Model, ModelSpec, RopeScaling, RopeSpec, load_hf_folder, read_hf_config, save_hf_folder,
+    Arch, Generator, Model, ModelSpec, RopeScaling, RopeSpec, load_hf_folder, read_hf_config, save_hf_folder,
     tensors_from_safetensors,
 };
 use candle_core::{DType, Tensor};
@@ -211,5 +211,38 @@ fn folders_written_back_keep_their_math_in_both_forms() {
         assert!(back.notes.is_empty(), "{name}: {:?}", back.notes);
         let (worst, ok) = compare(&logits(&out, back.spec.clone(), kernel(&back.spec), &ids), &want);
         assert!(ok, "{name} written back: {worst}");
+    }
+}
+
+/// Generation's KV cache (ava_train::model::Generator): for every golden folder, the logits
+/// it gives at each position, fed a prompt of three tokens and then one token at a time, are
+/// transformers' logits for the same sequence (its first row), within the same tolerance. The
+/// folders cover GQA, tied heads with biases and a separate head size, a sliding window, MoE
+/// and every RoPE scaling (each position rotated by its own angle from the cache's tables).
+#[test]
+fn kv_cache_generation_gives_transformers_logits_at_every_position() {
+    let mut cases: Vec<_> = std::fs::read_dir(folder(""))
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("config.json").is_file())
+        .collect();
+    cases.sort();
+    assert_eq!(cases.len(), 10);
+    for dir in cases {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let (spec, tensors) = load_hf_folder(&dir).unwrap();
+        let (ids, want) = expected(&dir);
+        let t = ids.dims()[1];
+        let model = Model::from_tensors(spec.clone(), tensors, &dir, t, kernel(&spec).0, "k", 1).unwrap();
+        let row: Vec<u32> = ids.get(0).unwrap().to_vec1().unwrap();
+        let mut generator = Generator::new(&model, t).unwrap();
+        let mut got = generator.feed_all(&row[..3]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for &id in &row[3..] {
+            got.extend(generator.feed(&[id]).unwrap());
+        }
+        assert_eq!(generator.len(), t);
+        let (worst, ok) = compare(&got, &want[..got.len()]);
+        println!("{name}: KV-cache logits, max |Ava − transformers| = {worst:.2e}");
+        assert!(ok, "{name}: the KV cache's logits differ from transformers' by up to {worst}");
     }
 }

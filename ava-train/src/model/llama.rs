@@ -246,6 +246,11 @@ impl Model {
         &self.spec
     }
 
+    /// The compute threads its ops split their work over.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
     /// The parameters, in [`ModelSpec::params`] order.
     pub fn params(&self) -> &[Param] {
         &self.params
@@ -391,7 +396,13 @@ pub(crate) fn add_opt(a: Option<Tensor>, b: Option<Tensor>) -> CResult<Option<Te
 }
 
 /// `x W[w]ᵀ (+ W[bias])`: a projection, with its bias when it has one. x (N, in) → (N, out).
-fn projection(x: &Tensor, w: &[Tensor], weight: usize, bias: Option<usize>, threads: usize) -> CResult<Tensor> {
+pub(crate) fn projection(
+    x: &Tensor,
+    w: &[Tensor],
+    weight: usize,
+    bias: Option<usize>,
+    threads: usize,
+) -> CResult<Tensor> {
     let y = linear(x, &w[weight], threads)?; // (N, out)
     match bias {
         Some(b) => y.broadcast_add(&w[b]),
@@ -408,7 +419,7 @@ fn swiglu(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor, threads: usize)
 /// A top-k mixture of SwiGLU experts (Mixtral's routing: softmax over all experts, keep the
 /// top k, renormalize), and the Switch Transformer load-balancing loss
 /// `E · Σₑ fₑ · Pₑ` (fₑ: fraction of routed slots going to e, Pₑ: mean router probability).
-fn moe(
+pub(crate) fn moe(
     x: &Tensor,
     router: &Tensor,
     experts: &[[usize; 3]],

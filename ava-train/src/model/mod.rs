@@ -1,10 +1,11 @@
 //! The Llama-style decoder on candle: architecture ([`ModelSpec`]), differentiable ops,
 //! the attention-kernel adapter, packed documents ([`Documents`]), the model, the recompute mechanism behind checkpoint
-//! policies, and Hugging Face folder loading and saving.
+//! policies, Hugging Face folder loading and saving, and generation with a KV cache.
 
 mod attention;
 mod documents;
 pub mod fused;
+mod generate;
 mod hf;
 mod hf_config;
 mod llama;
@@ -20,6 +21,7 @@ use std::path::PathBuf;
 
 pub use attention::{attention, unsupported_packing};
 pub use documents::Documents;
+pub use generate::{Generator, Sampler, Sampling, Stop, argmax, generate};
 pub use hf::{
     load_hf_folder, save_hf_folder, save_hf_folder_with, tensor_spec, tensor_to_buffer, tensors_from_safetensors,
     tensors_to_safetensors, write_tensors, write_tensors_from,
@@ -34,6 +36,9 @@ pub(crate) use spec::{BlockIndex, MlpIndex, ParamIndex};
 /// What can go wrong building, loading or running the model.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// Generation could not start (an empty prompt, ids outside the vocabulary).
+    #[error("{0}")]
+    Generate(String),
     /// The architecture numbers do not fit together.
     #[error("invalid model architecture in {origin}:\n  - {}", problems.join("\n  - "))]
     Spec {

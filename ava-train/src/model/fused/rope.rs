@@ -129,9 +129,17 @@ pub fn split_heads(
         if pos.len() != b * t {
             bail!("split_heads: {} positions for (B {b}, T {t}); B·T expected", pos.len());
         }
-        // Positions restart inside a sequence, so each is below T (and inside the tables).
-        if let Some(i) = pos.iter().position(|&x| x as usize >= t) {
-            bail!("split_heads: position {} of token ({}, {}) is not below T = {t}", pos[i], i / t, i % t);
+        // Inside the tables: packed documents restart positions inside a sequence (each below
+        // T); generation's tokens are at their place after the cached ones (each below the
+        // tables' length).
+        let limit = rope.map_or(t, |r| r.seq);
+        if let Some(i) = pos.iter().position(|&x| x as usize >= limit) {
+            bail!(
+                "split_heads: position {} of token ({}, {}) is outside the rotary tables ({limit} positions)",
+                pos[i],
+                i / t,
+                i % t
+            );
         }
     }
     let positions = positions.cloned();

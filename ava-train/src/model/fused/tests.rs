@@ -217,10 +217,23 @@ fn split_heads_rotates_each_token_by_its_position() {
             }
         }
     }
-    // A position not below T is refused (it would read past this sequence's tables).
+    // A position past the tables is refused (it would read past them).
     let bad: Arc<[u32]> = vec![0, 1, 2, 3, 4, 6, 0, 0, 0, 0, 0, 0].into();
     let err = split_heads(&p, b, t, c, Some(&tables), Some(&bad)).unwrap_err().to_string();
-    assert!(err.contains("split_heads: position 6 of token (0, 5) is not below T = 6"), "{err}");
+    assert!(
+        err.contains("split_heads: position 6 of token (0, 5) is outside the rotary tables (6 positions)"),
+        "{err}"
+    );
+    // One token at a later position (generation after cached ones) reads that position's row.
+    let longer = RopeTables::new(9, d, &RopeSpec::plain(500.0)).unwrap();
+    let one = tensor(&[1, c * d], 5, DType::F32);
+    let at_seven = split_heads(&one, 1, 1, c, Some(&longer), Some(&vec![7u32].into())).unwrap();
+    let mut eight = tensor(&[8, c * d], 5, DType::F32).to_vec2::<f32>().unwrap();
+    eight[7] = one.to_vec2::<f32>().unwrap()[0].clone();
+    let eight = Tensor::new(eight, &Device::Cpu).unwrap();
+    let plain = split_heads(&eight, 1, 8, c, Some(&longer), None).unwrap();
+    let want = plain.narrow(2, 7, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(at_seven.flatten_all().unwrap().to_vec1::<f32>().unwrap(), want);
     against_finite_differences(&[&[b * t, c * d]], &[b, c, t, d], |x| {
         split_heads(&x[0], b, t, c, Some(&tables), Some(&positions)).unwrap()
     });
