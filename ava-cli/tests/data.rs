@@ -35,7 +35,13 @@ fn prepare_info_and_verify_report_the_corpus_and_name_a_damaged_shard() {
     let dir = tempfile::tempdir().unwrap();
     let text = prepared(dir.path());
     assert!(text.contains("prepared 40 documents (") && text.contains("in 6 shards into corpus"), "{text}");
-    assert!(text.contains("train on it with: --set data.source=shards --set data.path=corpus"), "{text}");
+    assert!(
+        text.contains(
+            "train on it with: ava train --set data.source=shards --set data.path=corpus --set model.vocab_size=257 \
+             --set train.out_dir=runs/corpus"
+        ),
+        "{text}"
+    );
 
     let info = json_of(&ok(ava(dir.path(), &["--format", "json", "data", "info", "corpus"])));
     assert_eq!(info["manifest"]["documents"], 40);

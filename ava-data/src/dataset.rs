@@ -70,6 +70,13 @@ pub trait Dataset: Send + Sync {
         false
     }
 
+    /// Why the source has no validation data, when it has none (a corpus whose held-out
+    /// documents make less than one sequence): training then runs without evaluating, and
+    /// `sequence` must not be asked for the validation split. `None` (the default): it has.
+    fn missing_validation(&self) -> Option<String> {
+        None
+    }
+
     /// For a mixture of sources: how many of the first `sequences` training sequences each
     /// source gave, by name. Empty for a single source (the default).
     fn sources_seen(&self, sequences: u64) -> Vec<(String, u64)> {

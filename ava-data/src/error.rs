@@ -139,7 +139,8 @@ pub enum DataError {
     },
     /// `data.tokenizer` names another tokenizer than the corpus was prepared with.
     #[error(
-        "the corpus in {} was prepared with {corpus}, but data.tokenizer is {configured}: unset data.tokenizer,          or prepare the corpus again with that tokenizer",
+        "the corpus in {} was prepared with {corpus}, but data.tokenizer is {configured}: unset data.tokenizer, \
+         or prepare the corpus again with that tokenizer",
         dir.display()
     )]
     TokenizerMismatch {
@@ -152,7 +153,8 @@ pub enum DataError {
     },
     /// A corpus split shorter than one sequence.
     #[error(
-        "the {split} split of the corpus in {} has {tokens} tokens, but a sequence needs data.seq_len + 1 =          {needed}: prepare more text (or a larger --val-fraction for validation), or use a smaller data.seq_len",
+        "the {split} split of the corpus in {} has {tokens} tokens, but a sequence needs data.seq_len + 1 = \
+         {needed}: prepare more text, or use a smaller data.seq_len",
         dir.display()
     )]
     CorpusTooShort {

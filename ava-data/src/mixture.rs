@@ -202,6 +202,12 @@ impl Dataset for Mixture {
     fn sources_seen(&self, sequences: u64) -> Vec<(String, u64)> {
         self.sources.iter().map(|s| s.name.clone()).zip(self.counts(sequences)).collect()
     }
+
+    /// Validation sequences come from every source by its share, so each needs some.
+    fn missing_validation(&self) -> Option<String> {
+        let missing: Vec<String> = self.sources.iter().filter_map(|s| s.dataset.missing_validation()).collect();
+        (!missing.is_empty()).then(|| missing.join("; "))
+    }
 }
 
 #[cfg(test)]

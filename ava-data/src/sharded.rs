@@ -101,11 +101,16 @@ impl ShardedDataset {
             acc
         });
         let dataset = Self { dir: dir.to_path_buf(), manifest, shards, starts, seq_len, seed, packing: false };
-        for split in [Split::Train, Split::Validation] {
-            let tokens = dataset.split_tokens(split);
-            if tokens < seq_len as u64 + 1 {
-                return Err(DataError::CorpusTooShort { dir: dir.to_path_buf(), split, tokens, needed: seq_len + 1 });
-            }
+        // Too little validation data is not an error: the run trains without evaluating
+        // (`missing_validation` says why).
+        let tokens = dataset.split_tokens(Split::Train);
+        if tokens < seq_len as u64 + 1 {
+            return Err(DataError::CorpusTooShort {
+                dir: dir.to_path_buf(),
+                split: Split::Train,
+                tokens,
+                needed: seq_len + 1,
+            });
         }
         Ok(dataset)
     }
@@ -196,6 +201,19 @@ impl Dataset for ShardedDataset {
 
     fn packs_documents(&self) -> bool {
         self.packing
+    }
+
+    fn missing_validation(&self) -> Option<String> {
+        let (tokens, needed) = (self.split_tokens(Split::Validation), self.seq_len as u64 + 1);
+        (tokens < needed).then(|| {
+            format!(
+                "the validation split of the corpus in {} has {tokens} tokens ({} document{}), less than one \
+                 sequence (data.seq_len + 1 = {needed})",
+                self.dir.display(),
+                self.manifest.validation.documents,
+                if self.manifest.validation.documents == 1 { "" } else { "s" }
+            )
+        })
     }
 
     fn entropy_floor_nats(&self) -> Option<f64> {

@@ -130,7 +130,23 @@ pub fn run(p: &Printer, args: &PrepareArgs) -> CmdResult {
             if summary.skipped_documents > 0 {
                 lines.push(format!("left out {} empty or invalid documents", summary.skipped_documents));
             }
-            lines.push(format!("train on it with: --set data.source=shards --set data.path={}", out.display()));
+            // The model's vocabulary must hold the corpus's ids (the byte tokenizer's 257 is one
+            // more than the default model's 256), and the run gets a directory of its own.
+            let name = out.file_name().map_or("corpus".into(), |n| n.to_string_lossy().into_owned());
+            let words = [
+                "ava".to_string(),
+                "train".into(),
+                "--set".into(),
+                "data.source=shards".into(),
+                "--set".into(),
+                format!("data.path={}", out.display()),
+                "--set".into(),
+                format!("model.vocab_size={}", m.vocab_size),
+                "--set".into(),
+                format!("train.out_dir=runs/{name}"),
+            ];
+            let command: Vec<String> = words.iter().map(|w| super::train::shell_quote(w)).collect();
+            lines.push(format!("train on it with: {}", command.join(" ")));
             lines.join("\n")
         },
         || {

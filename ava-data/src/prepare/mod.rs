@@ -484,6 +484,30 @@ fn run(
             first_shard,
             fault,
         };
+        // Each document waits for the next before it is placed, so the last one is known as
+        // the last: when no document was held out by then (a small corpus, where a share of
+        // 0.5% rounds to none), it goes to validation instead, so there is some.
+        let mut pending: Option<(Vec<u32>, u64)> = None;
+        let val_documents = std::cell::Cell::new(manifest.validation.documents);
+        let mut place = |(ids, text_bytes): (Vec<u32>, u64),
+                         hold_out: bool,
+                         builder: &mut ShardBuilder,
+                         sink: &mut ShardSink<'_>,
+                         manifest: &mut Manifest,
+                         reporter: &mut dyn PrepareReporter|
+         -> Result<(), PrepareError> {
+            let index = sink.handed_docs + builder.documents();
+            let split =
+                if hold_out || is_validation(index, options.val_fraction) { Split::Validation } else { Split::Train };
+            val_documents.set(val_documents.get() + u64::from(split == Split::Validation));
+            builder.push(split, &ids);
+            shard_text += text_bytes;
+            if builder.tokens() >= options.shard_tokens {
+                let full = std::mem::replace(builder, ShardBuilder::new(id_bytes, eos_id));
+                sink.hand(full, std::mem::take(&mut shard_text), manifest, reporter)?;
+            }
+            Ok(())
+        };
         for batch in rx {
             let encoded: Vec<Result<Vec<u32>, String>> = batch.pieces.par_iter().map(|p| encoder.encode(p)).collect();
             let mut pieces = encoded.into_iter();
@@ -493,18 +517,13 @@ fn run(
                 for piece in pieces.by_ref().take(count) {
                     ids.extend(piece.map_err(|message| PrepareError::Encode { path: path.to_path_buf(), message })?);
                 }
-                let index = sink.handed_docs + builder.documents();
-                let split = if is_validation(index, options.val_fraction) { Split::Validation } else { Split::Train };
-                builder.push(split, &ids);
                 progress.tokens += ids.len() as u64 + 1;
                 progress.text_bytes += text_bytes;
-                shard_text += text_bytes;
-                if builder.tokens() >= options.shard_tokens {
-                    let full = std::mem::replace(&mut builder, ShardBuilder::new(id_bytes, eos_id));
-                    sink.hand(full, std::mem::take(&mut shard_text), &mut manifest, reporter)?;
+                if let Some(previous) = pending.replace((ids, text_bytes)) {
+                    place(previous, false, &mut builder, &mut sink, &mut manifest, reporter)?;
                 }
             }
-            progress.documents = sink.handed_docs + builder.documents();
+            progress.documents = sink.handed_docs + builder.documents() + u64::from(pending.is_some());
             progress.shards = manifest.shards.len();
             progress.input_bytes = read.load(Ordering::Relaxed);
             progress.elapsed = started.elapsed();
@@ -512,6 +531,11 @@ fn run(
         }
         // The channel closed: the reader finished, or failed.
         reader.join().expect("the input reader does not panic")?;
+        if let Some(last) = pending.take() {
+            let documents = sink.handed_docs + builder.documents() + 1;
+            let none_held_out = val_documents.get() == 0 && documents >= 2 && options.val_fraction > 0.0;
+            place(last, none_held_out, &mut builder, &mut sink, &mut manifest, reporter)?;
+        }
         if builder.documents() > 0 {
             sink.hand(builder, shard_text, &mut manifest, reporter)?;
         }
@@ -535,11 +559,13 @@ fn run(
     reporter.progress(&progress);
     let mut warnings = Vec::new();
     if manifest.validation.documents == 0 {
-        warnings.push(format!(
-            "no document was held out for validation ({} documents at --val-fraction {}), and training needs some: \
-             prepare again with a larger --val-fraction, or cut the text into more documents with --separator",
-            manifest.documents, options.val_fraction
-        ));
+        let why = if manifest.documents < 2 {
+            "the corpus is one document; cut the text into documents with --separator to evaluate".to_string()
+        } else {
+            format!("--val-fraction is {}", options.val_fraction)
+        };
+        warnings
+            .push(format!("no document was held out for validation ({why}): training on it runs without validation"));
     }
     Ok(Summary {
         manifest,
