@@ -185,6 +185,12 @@ pub struct PlanArgs {
     /// 3) is searched too.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub world_size: u32,
+    /// Keep this setting as the config has it instead of searching it (repeatable, or
+    /// comma-separated): train.micro_batch_size, train.precision, train.master_weights,
+    /// train.step_in_backward, plugins.attention, plugins.optimizer, plugins.checkpoint,
+    /// distributed.zero_stage, offload; the last part alone also works (--keep optimizer).
+    #[arg(long, value_name = "KEY")]
+    pub keep: Vec<String>,
 }
 
 /// `ava train` options.
@@ -207,6 +213,11 @@ pub struct TrainArgs {
     /// Resume even if the config changes the model, the data or the plugins.
     #[arg(long, requires = "resume")]
     pub force: bool,
+    /// Resume the weights, the step and the data position, but start the optimizer state
+    /// afresh (e.g. to switch plugins.optimizer, which this allows without --force): its
+    /// moments and step counts begin at zero, as at step 1.
+    #[arg(long, requires = "resume")]
+    pub fresh_optimizer: bool,
     /// Start a fresh run in a train.out_dir that holds an earlier run: deletes that run's
     /// metrics.jsonl, checkpoints/, model/ and report/ (nothing else in the directory), once
     /// this run holds the directory's lock. Without it such a run is refused.

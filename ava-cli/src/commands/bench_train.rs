@@ -1,13 +1,14 @@
 //! `ava bench train`: training throughput on a config. Measures tokens/s over a number of
-//! steps after a warmup, converts to model FLOP/s (6·N_matmul + 12·L·d·T per token), and
-//! compares with this machine's candle f32 matmul rate sampled between the steps (MFU). Also
+//! steps after a warmup, converts to model FLOP/s (6·N_matmul + 6·L·d·T per token: the causal
+//! half of attention), and compares with the best f32 matmul rate this machine shows between
+//! the steps, candle's or the engine's linear op (MFU). Also
 //! prints the memory breakdown of the last step and where step time went. With `--modes`,
 //! the same model in each memory mode side by side: peak, parts, step time, and the tier's
 //! traffic and the time the step waited on it.
 
 use std::time::Instant;
 
-use ava_train::memory::gib;
+use ava_train::memory::size;
 use ava_train::model::fused::linear;
 use ava_train::profile;
 use ava_train::train::{TrainOptions, Trainer};
@@ -121,6 +122,10 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
     let model_gflops = tokens_per_sec * flops_per_token / 1e9;
     let matmul = median(&probe.candle);
     let engine_matmul = median(&probe.engine);
+    // The engine's linear op splits rows over the threads and outruns candle's matmul on
+    // this machine (README): the MFU is against the faster, so it cannot pass 100% by the
+    // engine beating its own yardstick.
+    let peak = matmul.max(engine_matmul);
     let fastest = step_times.iter().copied().fold(f64::INFINITY, f64::min);
     let slowest = step_times.iter().copied().fold(0.0, f64::max);
     let step_seconds = seconds / steps as f64;
@@ -139,23 +144,29 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
                 1e3 * fastest,
                 1e3 * slowest
             ),
-            format!("model FLOPs/token  {:.1} M (6·N_matmul + 12·L·d·T)", flops_per_token / 1e6),
+            format!(
+                "model FLOPs/token  {:.1} M (6·N_matmul + 6·L·d·T, attention's causal half)",
+                flops_per_token / 1e6
+            ),
             format!("model GFLOP/s      {model_gflops:.1}"),
             format!("candle f32 matmul  {matmul:.1} GFLOP/s (1024³, median of samples between the steps)"),
             format!(
                 "engine linear op   {engine_matmul:.1} GFLOP/s (1024³, rows split over {} threads)",
                 header.threads
             ),
-            format!("MFU                {:.1}% of candle's matmul rate", 100.0 * model_gflops / matmul),
+            format!(
+                "MFU                {:.1}% of the faster matmul rate above ({peak:.1} GFLOP/s)",
+                100.0 * model_gflops / peak
+            ),
             isa_line(isa),
             format!(
-                "peak memory        {:.3} GiB — params {:.3}, grads {:.3}, optimizer {:.3}, data {:.3}, activations {:.3}",
-                gib(m.peak),
-                gib(m.params),
-                gib(m.grads),
-                gib(m.optimizer),
-                gib(m.data),
-                gib(m.activations)
+                "peak memory        {} — params {}, grads {}, optimizer {}, data {}, activations {}",
+                size(m.peak),
+                size(m.params),
+                size(m.grads),
+                size(m.optimizer),
+                size(m.data),
+                size(m.activations)
             ),
         ];
         if last.offload_bytes > 0 {
@@ -188,7 +199,7 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
             "engine_linear_gflops": engine_matmul,
             "step_seconds_fastest": fastest,
             "step_seconds_slowest": slowest,
-            "mfu": model_gflops / matmul,
+            "mfu": model_gflops / peak,
             "vector_isa": isa,
             "memory": m,
             "offload_bytes": last.offload_bytes,
@@ -332,14 +343,8 @@ pub fn run_modes(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64, offloa
                 let m = &r.memory;
                 vec![
                     r.label.clone(),
-                    format!("{:.3} GiB", gib(m.peak)),
-                    format!(
-                        "{:.3} / {:.3} / {:.3} / {:.3}",
-                        gib(m.params),
-                        gib(m.grads),
-                        gib(m.optimizer),
-                        gib(m.activations)
-                    ),
+                    size(m.peak),
+                    format!("{} / {} / {} / {}", size(m.params), size(m.grads), size(m.optimizer), size(m.activations)),
                     format!("{:.1} ms", 1e3 * r.step_seconds),
                     format!("×{:.2}", r.step_seconds / first),
                     match r.stream {

@@ -242,33 +242,108 @@ struct Planned {
     cost: f64,
 }
 
-pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
-    let (usable, budget_text) = budget(&args.budget)?;
-    let mut config_args = args.config.clone();
-    if let Some(model) = &args.model {
-        let Some((_, sets)) = MODELS.iter().find(|m| m.0 == model) else {
-            return Err(Failure::Usage(anyhow::anyhow!(
-                "--model {model:?} is not a preset: {}",
-                MODELS.iter().map(|m| m.0).collect::<Vec<_>>().join(", ")
-            )));
+/// What `--keep` can pin: the settings the plan searches.
+const KEEPABLE: &[&str] = &[
+    "train.micro_batch_size",
+    "train.precision",
+    "train.master_weights",
+    "train.step_in_backward",
+    "plugins.attention",
+    "plugins.optimizer",
+    "plugins.checkpoint",
+    "distributed.zero_stage",
+    "offload",
+];
+
+/// Validation loss at step 300 of the main job (configs/tiny.yaml, seed 0) against AdamW's,
+/// from the README's optimizer table (2026-11-23): an optimizer offered in place of AdamW
+/// saves memory but trains differently, and the plan says by how much.
+fn trains_vs_adamw(name: &str) -> Option<f64> {
+    let adamw = 1.1908;
+    match name {
+        "adam-8bit" => Some(1.1934 / adamw - 1.0),
+        "adam-mini" => Some(1.1973 / adamw - 1.0),
+        "adafactor" => Some(1.3046 / adamw - 1.0),
+        _ => None,
+    }
+}
+
+/// The search: every candidate estimated, the ones that fit ranked.
+struct Search {
+    /// Candidates searched.
+    total: usize,
+    /// Refused by a plugin (or a disk without room).
+    refused: usize,
+    /// Why streaming plans did not fit on the tier's disk (the first such error).
+    no_room: Option<String>,
+    /// Every candidate a plugin accepted.
+    planned: Vec<Planned>,
+    /// The config as given.
+    given: Candidate,
+    /// Its own estimate, with its own budget.
+    reference: Option<Planned>,
+    /// The memory policy's target fraction, and the bytes plans aim under.
+    target: f64,
+    aim: u64,
+}
+
+impl Search {
+    /// The candidates under the aim: the user's optimizer first (another one trains
+    /// differently, so it never outranks one that keeps it), then fastest; within 1% of each
+    /// other, the fewest changes to the config, then the smallest peak.
+    fn fitting(&self) -> Vec<&Planned> {
+        let reference_cost = self.reference.as_ref().map_or(1.0, |r| r.cost);
+        let mut fitting: Vec<&Planned> =
+            self.planned.iter().filter(|x| x.estimate.breakdown.peak <= self.aim).collect();
+        let key = |x: &Planned| {
+            (
+                x.candidate.optimizer.name != self.given.optimizer.name,
+                (x.cost / reference_cost * 100.0).round() as i64,
+                changes(&self.given, &x.candidate),
+            )
         };
-        // Before the user's --set, which win.
-        config_args.set.splice(0..0, sets.iter().map(|s| s.to_string()));
+        fitting.sort_by(|a, b| key(a).cmp(&key(b)).then(a.estimate.breakdown.peak.cmp(&b.estimate.breakdown.peak)));
+        fitting
     }
-    let ctx = context::load_checked(&config_args, p)?;
-    let base = context::load_config(&config_args, p)?.into_config();
-    let spec = ava_train::train::model_spec(&base).usage()?;
-    let registry = &ctx.registry;
+
+    fn reference_cost(&self) -> f64 {
+        self.reference.as_ref().map_or(1.0, |r| r.cost)
+    }
+}
+
+/// The settings `--keep` pins, checked against [`KEEPABLE`].
+fn kept(keys: &[String]) -> Result<Vec<&'static str>, Failure> {
+    let mut out = Vec::new();
+    let mut unknown = Vec::new();
+    for k in keys.iter().flat_map(|k| k.split(',')).map(str::trim).filter(|k| !k.is_empty()) {
+        match KEEPABLE.iter().find(|&&x| x == k || x.rsplit('.').next() == Some(k)) {
+            Some(x) => out.push(*x),
+            None => unknown.push(k.to_string()),
+        }
+    }
+    if !unknown.is_empty() {
+        return Err(Failure::Usage(anyhow::anyhow!(
+            "--keep {}: not a setting the plan searches; it searches {}",
+            unknown.join(", "),
+            KEEPABLE.join(", ")
+        )));
+    }
+    Ok(out)
+}
+
+/// Searches the combinations for `base` under `usable` bytes (see the module docs).
+fn search(
+    registry: &ava_plugins::Registry,
+    base: &Config,
+    spec: &ModelSpec,
+    usable: u64,
+    offload: Option<OffloadArg>,
+    world: usize,
+    keep: &[&str],
+) -> Result<Search, Failure> {
+    let pinned = |key: &str| keep.contains(&key);
     let base_offloaded = base.offload.tiers.offloaded().is_some();
-    let offload = args.offload.as_deref().map(|o| OffloadArg::parse(o, registry)).transpose()?;
-    if offload.is_some() && base_offloaded {
-        p.warn(&format!(
-            "--offload: the config already streams the optimizer state through {} (offload.tiers); its plans use \
-             that tier, not --offload's",
-            base.plugins.offload.name
-        ));
-    }
-    let offload = offload.filter(|_| !base_offloaded);
+    let offload = offload.filter(|_| !base_offloaded && !pinned("offload"));
     // The tier whose preflight checks each streaming plan's records fit on its disk: the
     // --offload one, or the config's own.
     let tier = match &offload {
@@ -289,11 +364,14 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         _ => registry.checkpoint(name, "{}").is_ok(),
     };
     let mut attentions = vec![base.plugins.attention.clone()];
-    if base.plugins.attention.name == "standard" && installed(PluginKind::Attention, "flash") {
+    if base.plugins.attention.name == "standard"
+        && installed(PluginKind::Attention, "flash")
+        && !pinned("plugins.attention")
+    {
         attentions.push(PluginSelection::new("flash"));
     }
     let mut optimizers = vec![base.plugins.optimizer.clone()];
-    if base.plugins.optimizer.name == "adamw" {
+    if base.plugins.optimizer.name == "adamw" && !pinned("plugins.optimizer") {
         for name in ["adam-8bit", "adam-mini", "adafactor"] {
             if installed(PluginKind::Optimizer, name) {
                 optimizers.push(PluginSelection::new(name));
@@ -304,9 +382,12 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     if installed(PluginKind::Checkpoint, "selective") {
         checkpoints.push(PluginSelection::new("selective"));
     }
+    if pinned("plugins.checkpoint") {
+        checkpoints = vec![base.plugins.checkpoint.clone()];
+    }
     let mut precisions = vec![base.train.precision];
     for p in [Precision::Fp32, Precision::Bf16] {
-        if !precisions.contains(&p) {
+        if !precisions.contains(&p) && !pinned("train.precision") {
             precisions.push(p);
         }
     }
@@ -317,12 +398,12 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         _ => 1.0,
     };
     let aim = (usable as f64 * target) as u64;
-    let world = args.world_size as usize;
     let effective = base.train.effective_batch();
     let micro_batches: Vec<usize> = (0..)
         .map(|k| base.train.micro_batch_size >> k)
         .take_while(|&m| m >= 1)
         .filter(|m| effective % m == 0)
+        .filter(|&m| !pinned("train.micro_batch_size") || m == base.train.micro_batch_size)
         .collect();
 
     // Where the weights live and when the optimizer steps: f32 masters always; with half
@@ -346,10 +427,16 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
             if precision != Precision::Fp32 && (offloaded || base_offloaded) {
                 these.push(MasterWeights::Tier);
             }
+            if pinned("train.master_weights") {
+                these.retain(|&m| m == base.train.master_weights);
+            }
             for &m in &these {
                 for in_backward in [false, true] {
                     // Not with several ranks, which reduce the gradients after backward.
                     if in_backward && (accumulation != 1 || precision == Precision::F16 || world > 1) {
+                        continue;
+                    }
+                    if pinned("train.step_in_backward") && in_backward != base.train.step_in_backward {
                         continue;
                     }
                     out.push((m, in_backward, offloaded.then(|| offload.clone()).flatten()));
@@ -359,7 +446,11 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         out
     };
     // With several ranks, every ZeRO stage the engine runs; alone, the config's.
-    let stages: Vec<u8> = if world > 1 { vec![0, 1, 2, 3] } else { vec![base.distributed.zero_stage] };
+    let stages: Vec<u8> = if world > 1 && !pinned("distributed.zero_stage") {
+        vec![0, 1, 2, 3]
+    } else {
+        vec![base.distributed.zero_stage]
+    };
     let mut candidates = Vec::new();
     for attention in &attentions {
         for optimizer in &optimizers {
@@ -392,7 +483,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     let mut planned = Vec::new();
     let (mut refused, mut no_room) = (0, None);
     for c in candidates {
-        match plan_one(registry, &spec, &base, &c, aim, world) {
+        match plan_one(registry, spec, base, &c, aim, world) {
             Ok(Some(x)) => {
                 // A plan that streams must fit on the tier's disk.
                 if let (Some(tier), true) = (&tier, x.estimate.offloaded > 0) {
@@ -420,26 +511,90 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         offload: None,
         zero_stage: base.distributed.zero_stage,
     };
-    let reference = plan_one(registry, &spec, &base, &given, 0, world).ok().flatten();
-    let reference_cost = reference.as_ref().map_or(1.0, |r| r.cost);
-
+    let reference = plan_one(registry, spec, base, &given, 0, world).ok().flatten();
     // A selective plan that keeps or recomputes every block is `none` or `full` again.
     planned.retain(|x| {
         let n = x.estimate.plan.iter().filter(|d| d.is_recomputed()).count();
         x.candidate.checkpoint.name != "selective" || (n != 0 && n != x.estimate.plan.len())
     });
-    let mut fitting: Vec<&Planned> = planned.iter().filter(|x| x.estimate.breakdown.peak <= aim).collect();
-    // Fastest first; within 1% of each other, the fewest changes to the config, then the
-    // smallest peak (the time model does not resolve closer than that).
-    let key = |x: &Planned| ((x.cost / reference_cost * 100.0).round() as i64, changes(&given, &x.candidate));
-    fitting.sort_by(|a, b| key(a).cmp(&key(b)).then(a.estimate.breakdown.peak.cmp(&b.estimate.breakdown.peak)));
+    Ok(Search { total, refused, no_room, planned, given, reference, target, aim })
+}
+
+/// For `ava train` refused by its budget: what `ava plan --budget` would pick for `base`
+/// under `budget` bytes (its memory.budget), as a sentence and the `KEY=VALUE` settings that
+/// change; None when nothing it searches fits.
+pub fn suggestion(registry: &ava_plugins::Registry, base: &Config, budget: u64) -> Option<(String, Vec<String>)> {
+    let spec = ava_train::train::model_spec(base).ok()?;
+    let found = search(registry, base, &spec, budget, None, 1, &[]).ok()?;
+    let best = *found.fitting().first()?;
+    let given = found.reference.as_ref().map_or(&best.estimate, |r| &r.estimate);
+    let given_sets = found.given.sets(budget, given);
+    let sets: Vec<String> = best
+        .candidate
+        .sets(budget, &best.estimate)
+        .into_iter()
+        .filter(|s| !s.starts_with("memory.budget=") && !given_sets.contains(s))
+        .collect();
+    let optimizer = &best.candidate.optimizer.name;
+    let swapped = match trains_vs_adamw(optimizer) {
+        Some(worse) if *optimizer != found.given.optimizer.name => format!(
+            " (no plan with {} fits; {optimizer} trained to a {:+.1}% validation loss against AdamW's on the main job)",
+            found.given.optimizer.name,
+            100.0 * worse
+        ),
+        _ => String::new(),
+    };
+    let text = format!(
+        "the fastest settings that fit, as `ava plan --budget {budget}` ranks them: {}, estimated peak {}{swapped}",
+        describe(&best.candidate, &best.estimate),
+        format_size(best.estimate.breakdown.peak),
+    );
+    Some((text, sets))
+}
+
+pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
+    let (usable, budget_text) = budget(&args.budget)?;
+    let mut config_args = args.config.clone();
+    if let Some(model) = &args.model {
+        let Some((_, sets)) = MODELS.iter().find(|m| m.0 == model) else {
+            return Err(Failure::Usage(anyhow::anyhow!(
+                "--model {model:?} is not a preset: {}",
+                MODELS.iter().map(|m| m.0).collect::<Vec<_>>().join(", ")
+            )));
+        };
+        // Before the user's --set, which win.
+        config_args.set.splice(0..0, sets.iter().map(|s| s.to_string()));
+    }
+    let keep = kept(&args.keep)?;
+    let ctx = context::load_checked(&config_args, p)?;
+    let base = context::load_config(&config_args, p)?.into_config();
+    let spec = ava_train::train::model_spec(&base).usage()?;
+    let registry = &ctx.registry;
+    let base_offloaded = base.offload.tiers.offloaded().is_some();
+    let offload = args.offload.as_deref().map(|o| OffloadArg::parse(o, registry)).transpose()?;
+    if offload.is_some() && base_offloaded {
+        p.warn(&format!(
+            "--offload: the config already streams the optimizer state through {} (offload.tiers); its plans use \
+             that tier, not --offload's",
+            base.plugins.offload.name
+        ));
+    }
+    let world = args.world_size as usize;
+    let found = search(registry, &base, &spec, usable, offload.clone(), world, &keep)?;
+    let offload = offload.filter(|_| !base_offloaded && !keep.contains(&"offload"));
+    let Search { total, refused, ref no_room, ref given, ref reference, target, aim, .. } = found;
+    let reference_cost = found.reference_cost();
+    let fitting = found.fitting();
     let Some(best) = fitting.first() else {
-        let smallest = planned.iter().min_by_key(|x| x.estimate.breakdown.peak);
+        let smallest = found.planned.iter().min_by_key(|x| x.estimate.breakdown.peak);
         let offload_hint =
             if offload.is_none() { ", stream the optimizer state to disk (--offload nvme:/path)" } else { "" };
+        let kept_hint =
+            if keep.is_empty() { String::new() } else { format!(", keep fewer settings (--keep {})", keep.join(",")) };
         return Err(Failure::Usage(anyhow::anyhow!(
             "no configuration fits {budget_text} (plans aim under {}, the memory policy's target): of {total} searched, \
-             the smallest peak is {}{}{}; lower data.seq_len{offload_hint}, use a smaller model, or give a larger budget",
+             the smallest peak is {}{}{}; lower data.seq_len{offload_hint}{kept_hint}, use a smaller model, or give a \
+             larger budget",
             format_size(aim),
             smallest.map_or("unknown".into(), |s| format_size(s.estimate.breakdown.peak)),
             smallest.map_or(String::new(), |s| format!(" ({})", describe(&s.candidate, &s.estimate))),
@@ -465,7 +620,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
             if let Some(r) = &reference {
                 out.push_str(&format!(
                     "the config as given: {}, peak {} ({})\n",
-                    describe(&given, &r.estimate),
+                    describe(given, &r.estimate),
                     format_size(r.estimate.breakdown.peak),
                     if r.estimate.breakdown.peak <= aim { "fits" } else { "over the budget" }
                 ));
@@ -491,7 +646,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                         weights_text(&x.candidate),
                         if x.candidate.in_backward { "in backward" } else { "after" }.to_string(),
                         x.candidate.attention.name.clone(),
-                        x.candidate.optimizer.name.clone(),
+                        optimizer_text(&given.optimizer.name, &x.candidate.optimizer.name),
                         state_text(&x.candidate, &x.estimate),
                         plan_text(&x.candidate.checkpoint.name, &x.estimate),
                         format_size(b.peak),
@@ -507,6 +662,14 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                 .collect();
             out.push_str(&crate::output::table(&headers, &rows));
             out.push_str("\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see `ava plan --help`)");
+            if top.iter().any(|x| x.candidate.optimizer.name != given.optimizer.name) {
+                out.push_str(&format!(
+                    "\noptimizer: another optimizer than the config's {} saves state but trains differently (val loss \
+                     against adamw's at step 300 of the main job, README), so plans keeping {} rank first; pin it \
+                     with --keep plugins.optimizer",
+                    given.optimizer.name, given.optimizer.name
+                ));
+            }
             let ram = "on this CPU engine the device is RAM, so only a disk tier takes bytes out of the budget";
             let room = no_room.as_ref().map_or(String::new(), |e| format!(" (some plans did not fit on it: {e})"));
             out.push_str(&match &offload {
@@ -666,6 +829,14 @@ fn state_text(c: &Candidate, est: &Estimate) -> String {
     }
 }
 
+/// The optimizer's name, and when it replaces the config's how it trained against AdamW.
+fn optimizer_text(given: &str, name: &str) -> String {
+    match trains_vs_adamw(name) {
+        Some(worse) if name != given => format!("{name} ({:+.1}% val loss)", 100.0 * worse),
+        _ => name.to_string(),
+    }
+}
+
 /// How many of the searched settings differ from the config's.
 fn changes(given: &Candidate, c: &Candidate) -> usize {
     [
@@ -722,6 +893,16 @@ fn write_config(
 ) -> CmdResult {
     let mut args = base.clone();
     args.set.extend(best.candidate.sets(usable, &best.estimate));
+    // A run of its own: beside the config's out_dir, named after the file, never one that
+    // holds a run already (`ava train` would refuse it).
+    let given_dir = context::load_config(&args, p)?.into_config().train.out_dir;
+    let parent = given_dir.parent().map(PathBuf::from).unwrap_or_default();
+    let stem = file.file_stem().map_or("plan".into(), |s| s.to_string_lossy().into_owned());
+    let out_dir = (1..)
+        .map(|i| parent.join(if i == 1 { stem.clone() } else { format!("{stem}-{i}") }))
+        .find(|d| ava_train::run_dir::previous_run(d).is_empty())
+        .expect("some name is free");
+    args.set.push(format!("train.out_dir={}", out_dir.display()));
     let loaded = context::load_config(&args, p)?;
     let (command, per_rank) = if world > 1 {
         (format!("ava train --nproc {world} -c {}", file.display()), format!(" --world-size {world} (per rank)"))

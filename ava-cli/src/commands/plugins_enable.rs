@@ -2,7 +2,8 @@
 //! config file, after the plugin has accepted the options.
 
 use anyhow::anyhow;
-use ava_train::config::{EditOutcome, PluginSelection, set_plugin_selection};
+use ava_core::PluginKind;
+use ava_train::config::{EditOutcome, PluginSelection, Tiers, set_config_value, set_plugin_selection};
 use serde_json::json;
 
 use crate::{
@@ -19,6 +20,7 @@ pub fn run(p: &Printer, kind: &str, name: &str, config: Option<std::path::PathBu
     // The registry is built from the file being edited, so its search paths and policy apply.
     let args = ConfigArgs { config: file.is_file().then(|| file.clone()), set: Vec::new() };
     let ctx = context::load(&args, p)?;
+    let current = context::load_config(&args, p)?.into_config();
 
     let mut selection = PluginSelection::new(name);
     for s in set {
@@ -31,23 +33,79 @@ pub fn run(p: &Printer, kind: &str, name: &str, config: Option<std::path::PathBu
     }
     // Unknown plugin, wrong kind, refused options: all before anything is written.
     ctx.registry.create(kind, name, &selection.options_json()).usage()?;
+    // An offload tier holds nothing until offload.tiers gives it a share of the optimizer
+    // state: an exact tier gets all of it, unless the file already names it there.
+    let tiers = match kind {
+        PluginKind::Offload if name != "ram" => tiers_for(&ctx.registry, name, &selection, &current.offload.tiers)?,
+        _ => None,
+    };
 
     let outcome = set_plugin_selection(&file, kind, Some(&selection)).usage()?;
+    let tiers_outcome = match &tiers {
+        Some(TiersEdit::Set(value)) => Some(set_config_value(&file, "offload", "tiers", Some(value)).usage()?),
+        _ => None,
+    };
     let shown = ava_train::config::selection_yaml(&selection);
+    let also = match &tiers {
+        Some(TiersEdit::Set(value)) => format!(
+            "\nset offload.tiers: {} too: the optimizer state streams through {name} (keep a share in memory with \
+             offload.tiers: [ram: 50%, {name}: 50%])",
+            ava_train::config::yaml_flow(value)
+        ),
+        Some(TiersEdit::Lossy) => format!(
+            "\n{name} is not exact, so it cannot hold optimizer state (offload.tiers): it holds the inputs of \
+             recomputed blocks with plugins.checkpoint: {{name: selective, every: 1, offload: true}}"
+        ),
+        None => String::new(),
+    };
+    let outcome = match (outcome, tiers_outcome) {
+        (EditOutcome::Unchanged, Some(o)) => o,
+        (o, _) => o,
+    };
     p.result(
         || match outcome {
-            EditOutcome::Unchanged => format!("{} already has plugins.{kind}: {shown}", file.display()),
-            EditOutcome::Created => format!("created {} with plugins.{kind}: {shown}", file.display()),
-            EditOutcome::Changed => format!("set plugins.{kind}: {shown} in {}", file.display()),
+            EditOutcome::Unchanged => format!("{} already has plugins.{kind}: {shown}{also}", file.display()),
+            EditOutcome::Created => format!("created {} with plugins.{kind}: {shown}{also}", file.display()),
+            EditOutcome::Changed => format!("set plugins.{kind}: {shown} in {}{also}", file.display()),
         },
         || {
-            json!({
+            let mut out = json!({
                 "file": file.display().to_string(),
                 "key": format!("plugins.{kind}"),
                 "value": selection.to_value(),
                 "outcome": format!("{outcome:?}").to_lowercase(),
-            })
+            });
+            if let Some(TiersEdit::Set(v)) = &tiers {
+                out["offload_tiers"] = v.clone();
+            }
+            out
         },
     );
     Ok(())
+}
+
+/// What enabling an offload tier does to `offload.tiers`.
+enum TiersEdit {
+    /// Writes this value.
+    Set(serde_json::Value),
+    /// Nothing: a lossy tier may not hold optimizer state.
+    Lossy,
+}
+
+/// `offload.tiers` for tier `name`: all of the state through it (`[NAME: 100%]`), unless the
+/// config already gives it a share; nothing for a lossy tier.
+fn tiers_for(
+    registry: &ava_plugins::Registry,
+    name: &str,
+    selection: &PluginSelection,
+    current: &Tiers,
+) -> Result<Option<TiersEdit>, crate::Failure> {
+    let tier = registry.offload(name, &selection.options_json()).usage()?;
+    if !tier.exact() {
+        return Ok(Some(TiersEdit::Lossy));
+    }
+    if current.offloaded().is_some_and(|share| share.name == name) {
+        return Ok(None);
+    }
+    Ok(Some(TiersEdit::Set(json!([{ name: "100%" }]))))
 }

@@ -2,8 +2,9 @@
 //! loss, tokens/s and memory, and the dashboard lines through the printer.
 
 use std::path::Path;
+use std::time::Instant;
 
-use ava_train::memory::gib;
+use ava_train::memory::size;
 use ava_train::train::{EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -14,12 +15,30 @@ pub struct CliReporter<'a> {
     printer: &'a Printer,
     bar: Option<ProgressBar>,
     log_every: u64,
+    /// `train.max_steps`, the step this invocation stops at, and when and at which step
+    /// it started (for the ETA).
+    max_steps: u64,
+    last_step: u64,
+    started: Option<(Instant, u64)>,
 }
 
 impl<'a> CliReporter<'a> {
     /// A reporter printing a dashboard line every `log_every` steps.
     pub fn new(printer: &'a Printer, log_every: u64) -> Self {
-        Self { printer, bar: None, log_every: log_every.max(1) }
+        Self { printer, bar: None, log_every: log_every.max(1), max_steps: 0, last_step: 0, started: None }
+    }
+
+    /// `3/300, eta 1m 12s`: where the run is, and when this invocation should end at the mean
+    /// rate so far (the first step, which warms up, counts once a second one is done).
+    fn position(&self, step: u64) -> String {
+        let eta = match self.started {
+            Some((at, first)) if step > first && step < self.last_step => {
+                let per_step = at.elapsed().as_secs_f64() / (step - first) as f64;
+                format!(", eta {}", duration((self.last_step - step) as f64 * per_step))
+            }
+            _ => String::new(),
+        };
+        format!("{step}/{}{eta}", self.max_steps)
     }
 
     fn line(&self, text: &str) {
@@ -32,6 +51,8 @@ impl<'a> CliReporter<'a> {
 
 impl Reporter for CliReporter<'_> {
     fn start(&mut self, h: &RunHeader) {
+        (self.max_steps, self.last_step) = (h.max_steps, h.last_step);
+        crate::signals::step_under_way(h.first_step);
         let mut lines = vec![format!(
             "training {:.2}M parameters on {} — effective batch {} sequences ({} tokens/step), {} threads",
             h.params as f64 / 1e6,
@@ -60,6 +81,9 @@ impl Reporter for CliReporter<'_> {
         for l in lines {
             self.printer.note(&l);
         }
+        for w in &h.warnings {
+            self.printer.warn(w);
+        }
         if self.printer.verbosity >= 1 && self.printer.format == Format::Text && h.max_steps >= h.first_step {
             let bar = ProgressBar::new(h.max_steps);
             bar.set_style(
@@ -72,13 +96,18 @@ impl Reporter for CliReporter<'_> {
     }
 
     fn step(&mut self, r: &StepRecord) {
+        // The clock starts after the first step of this invocation (it warms up).
+        if self.started.is_none() {
+            self.started = Some((Instant::now(), r.step));
+        }
+        crate::signals::step_under_way(r.step + 1);
         if let Some(bar) = &self.bar {
             bar.set_position(r.step);
             bar.set_message(format!(
-                "loss {:.4} | {} tok/s | mem {:.2} GiB",
+                "loss {:.4} | {} tok/s | mem {}",
                 r.loss,
                 rate(r.tokens_per_sec),
-                gib(r.memory.peak)
+                size(r.memory.peak)
             ));
         }
         if r.step % self.log_every == 0 || r.step == 1 {
@@ -89,7 +118,7 @@ impl Reporter for CliReporter<'_> {
             };
             self.line(&format!(
                 "[step {}] loss {:.4} lr {:.2e} grad-norm {:.3} {} tok/s{skipped}\n[step {}] {}",
-                r.step,
+                self.position(r.step),
                 r.loss,
                 r.lr,
                 r.grad_norm,
@@ -123,6 +152,16 @@ impl Reporter for CliReporter<'_> {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
+    }
+}
+
+/// `45s`, `3m 05s`, `2h 14m`.
+pub(crate) fn duration(seconds: f64) -> String {
+    let s = seconds.max(0.0).round() as u64;
+    match s {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3600 => format!("{}m {:02}s", s / 60, s % 60),
+        s => format!("{}h {:02}m", s / 3600, (s % 3600) / 60),
     }
 }
 

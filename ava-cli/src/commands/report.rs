@@ -60,7 +60,8 @@ pub fn run(p: &Printer, args: &ReportArgs) -> CmdResult {
             .iter()
             .map(|r| Series { label: r.name.clone(), points: r.points.iter().map(|(&s, &v)| (s as f64, v)).collect() });
         let stem: String = metric.chars().map(|c| if c.is_alphanumeric() || c == '_' { c } else { '-' }).collect();
-        charts = report_plot::metric_chart(metric, series.collect(), dir, &stem).map_err(chart_failure)?;
+        charts =
+            report_plot::metric_chart(metric, is_bytes(metric), series.collect(), dir, &stem).map_err(chart_failure)?;
         p.note(&format!("wrote {}", file_list(&charts)));
     }
     p.result(
@@ -263,8 +264,16 @@ fn to_csv(runs: &[Run], steps: &BTreeSet<u64>) -> String {
     out
 }
 
-/// The table for people: one row per step, then each run's last and smallest value.
+/// Whether a metric counts bytes (the memory breakdown's fields, the tier's bytes).
+pub(crate) fn is_bytes(metric: &str) -> bool {
+    metric.starts_with("memory.") && metric != "memory.fraction" || metric.ends_with("_bytes")
+}
+
+/// The table for people: one row per step, then each run's last and smallest value. Byte
+/// counts are written in the unit that suits each (`70.00 MiB`).
 fn render(metric: &str, runs: &[Run], steps: &BTreeSet<u64>) -> String {
+    let bytes = is_bytes(metric);
+    let number = |v: f64| if bytes && v >= 0.0 { ava_train::memory::size(v as u64) } else { number(v) };
     let mut headers = vec!["step"];
     headers.extend(runs.iter().map(|r| r.name.as_str()));
     let mut rows: Vec<Vec<String>> = steps
@@ -280,7 +289,8 @@ fn render(metric: &str, runs: &[Run], steps: &BTreeSet<u64>) -> String {
     let mut min = vec!["min".to_string()];
     min.extend(runs.iter().map(|r| min_point(r).map_or_else(String::new, |(s, v)| format!("{} @{s}", number(v)))));
     rows.extend([last, min]);
-    format!("{metric} by step\n{}", crate::output::table(&headers, &rows))
+    let unit = if bytes { " (bytes; the CSV and --format json keep them exact)" } else { "" };
+    format!("{metric} by step{unit}\n{}", crate::output::table(&headers, &rows))
 }
 
 /// Four decimals for losses and rates, whole numbers for byte counts and throughputs.

@@ -80,8 +80,10 @@ pub fn run_charts(run: &RunMetrics, name: &str, dir: &Path) -> Result<Vec<PathBu
         horizontal: floor.map(|f| ("entropy floor (the best possible)".to_string(), f)),
         changes: changes.clone(),
     };
-    // Memory: components stacked from the bottom, in MiB.
-    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    // Memory: components stacked from the bottom, in MiB or GiB as the peaks are.
+    let most = run.steps.iter().map(|s| s.memory.peak).max().unwrap_or(0);
+    let (unit, div) = byte_unit(most as f64);
+    let mib = |b: u64| b as f64 / div;
     type Component = (&'static str, fn(&Breakdown) -> u64);
     let components: [Component; 5] = [
         ("parameters", |m| m.params),
@@ -97,7 +99,7 @@ pub fn run_charts(run: &RunMetrics, name: &str, dir: &Path) -> Result<Vec<PathBu
     let budget = run.steps.last().map(|s| s.memory.budget).filter(|&b| b > 0);
     let memory_chart = Chart {
         title: format!("{name}: peak memory by component"),
-        y_label: "MiB".into(),
+        y_label: unit.into(),
         series: memory,
         stacked: true,
         horizontal: budget.map(|b| ("memory.budget".to_string(), mib(b))),
@@ -108,11 +110,36 @@ pub fn run_charts(run: &RunMetrics, name: &str, dir: &Path) -> Result<Vec<PathBu
     Ok(files)
 }
 
-/// Writes `{file_stem}.{svg,png}`: `metric` of each run by step.
-pub fn metric_chart(metric: &str, runs: Vec<Series>, dir: &Path, file_stem: &str) -> Result<Vec<PathBuf>> {
+/// The unit a chart of byte counts up to `most` reads best in, and its size.
+fn byte_unit(most: f64) -> (&'static str, f64) {
+    match most {
+        m if m >= (4u64 << 30) as f64 => ("GiB", (1u64 << 30) as f64),
+        m if m >= (4u64 << 20) as f64 => ("MiB", (1u64 << 20) as f64),
+        _ => ("KiB", 1024.0),
+    }
+}
+
+/// Writes `{file_stem}.{svg,png}`: `metric` of each run by step (`bytes`: a byte count,
+/// drawn in the unit that suits it).
+pub fn metric_chart(
+    metric: &str,
+    bytes: bool,
+    mut runs: Vec<Series>,
+    dir: &Path,
+    file_stem: &str,
+) -> Result<Vec<PathBuf>> {
+    let mut y_label = metric.to_string();
+    if bytes {
+        let most = runs.iter().flat_map(|r| r.points.iter().map(|p| p.1)).fold(0.0, f64::max);
+        let (unit, div) = byte_unit(most);
+        for r in &mut runs {
+            r.points.iter_mut().for_each(|p| p.1 /= div);
+        }
+        y_label = format!("{metric} ({unit})");
+    }
     Chart {
         title: format!("{metric} by step"),
-        y_label: metric.into(),
+        y_label,
         series: runs,
         stacked: false,
         horizontal: None,
@@ -166,9 +193,19 @@ impl Chart {
         let lines = self.lines();
         let xs = lines.iter().flatten().map(|p| p.0);
         let (x0, x1) = xs.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
-        let ys = lines.iter().flatten().map(|p| p.1).chain(self.horizontal.as_ref().map(|h| h.1));
+        let span = |ys: &mut dyn Iterator<Item = f64>| {
+            ys.filter(|y| y.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), y| (a.min(y), b.max(y)))
+        };
+        let (d0, d1) = span(&mut lines.iter().flatten().map(|p| p.1));
+        // The chart scales to the data: a horizontal line far above it (a budget of GiB over
+        // a run of MiB) is named in the legend instead of flattening the data to the floor.
+        let horizontal = self.horizontal.as_ref().map(|(label, y)| {
+            let shown = !d1.is_finite() || *y <= d1 + 0.5 * (d1 - d0.min(0.0)).max(1e-9);
+            let label = if shown { label.clone() } else { format!("{label} = {y:.1} (above the chart)") };
+            (label, *y, shown)
+        });
         let (y0, y1) =
-            ys.filter(|y| y.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), y| (a.min(y), b.max(y)));
+            span(&mut lines.iter().flatten().map(|p| p.1).chain(horizontal.iter().filter(|h| h.2).map(|h| h.1)));
         if !x0.is_finite() || !y0.is_finite() {
             return Err("nothing to plot: the run has no records".into());
         }
@@ -182,11 +219,14 @@ impl Chart {
             .y_label_area_size(70)
             .build_cartesian_2d(x0..x1, y0..y1)
             .map_err(e)?;
+        // Whole steps: a short run gets one label per step, never two that read the same.
+        let x_labels = ((x1 - x0).round() as usize + 1).clamp(2, 10);
         chart
             .configure_mesh()
             .x_desc("step")
             .y_desc(self.y_label.as_str())
-            .x_label_formatter(&|x| format!("{x:.0}"))
+            .x_labels(x_labels)
+            .x_label_formatter(&|x| if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() })
             .light_line_style(WHITE.mix(0.0))
             .draw()
             .map_err(e)?;
@@ -213,10 +253,12 @@ impl Chart {
                     .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(2)));
             }
         }
-        if let Some((label, y)) = &self.horizontal {
+        if let Some((label, y, shown)) = &horizontal {
             let grey = RGBColor(90, 90, 90);
+            // Off the chart: no line, only the legend's entry naming it.
+            let points = if *shown { vec![(x0, *y), (x1, *y)] } else { Vec::new() };
             chart
-                .draw_series(DashedLineSeries::new([(x0, *y), (x1, *y)], 8, 5, grey.stroke_width(1)))
+                .draw_series(DashedLineSeries::new(points, 8, 5, grey.stroke_width(1)))
                 .map_err(e)?
                 .label(label.as_str())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], grey));

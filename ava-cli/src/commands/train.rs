@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
+use ava_train::config::Config;
 use ava_train::dist::{self, Collectives};
+use ava_train::save::SaveError;
 use ava_train::train::{TrainError, TrainOptions, Trainer};
 use serde_json::json;
 
@@ -18,10 +20,47 @@ use super::progress::CliReporter;
 /// Maps the engine's errors to exit codes: configuration problems are usage errors (2).
 pub fn failure(e: TrainError) -> Failure {
     match e {
-        TrainError::Invalid(_) | TrainError::ConfigChanged { .. } | TrainError::Model(_) | TrainError::Data(_) => {
+        TrainError::Invalid(_)
+        | TrainError::ConfigChanged { .. }
+        | TrainError::Model(_)
+        | TrainError::Data(_)
+        | TrainError::BudgetTooSmall { .. }
+        | TrainError::Finished { .. }
+        | TrainError::OptimizerState { .. } => Failure::Usage(e.into()),
+        other => Failure::Runtime(other.into()),
+    }
+}
+
+/// An error building a run, with the command that goes on where there is one. A resume that
+/// cannot start is a usage error (2): the checkpoint named, or the settings, are to change.
+fn start_failure(e: TrainError, args: &TrainArgs, config: &Config, registry: &ava_plugins::Registry) -> Failure {
+    match e {
+        TrainError::Finished { max_steps, .. } => {
+            let more = format!("train.max_steps={}", max_steps.saturating_mul(2).max(max_steps + 1));
+            Failure::Usage(anyhow::anyhow!("{e}; e.g.:\n  {}", follow_up(&["--max-steps"], &["--set", &more], true)))
+        }
+        TrainError::BudgetTooSmall { budget, .. } => {
+            let hint = match super::plan::suggestion(registry, config, budget) {
+                Some((text, sets)) => {
+                    let words: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
+                    format!("\n{text}; train with them:\n  {}", follow_up(&[], &words, args.resume.is_some()))
+                }
+                None => format!(
+                    "\nnothing `ava plan` searches fits {}: raise memory.budget, shorten data.seq_len or use a smaller \
+                     model",
+                    ava_core::format_size(budget)
+                ),
+            };
+            Failure::Usage(anyhow::anyhow!("{e}{hint}"))
+        }
+        // A --resume that names no checkpoint is the user's to fix (a damaged one is not).
+        TrainError::Save(ref s)
+            if args.resume.is_some()
+                && matches!(**s, SaveError::NoCheckpoint { .. } | SaveError::NotACheckpoint { .. }) =>
+        {
             Failure::Usage(e.into())
         }
-        other => Failure::Runtime(other.into()),
+        e => failure(e),
     }
 }
 
@@ -165,9 +204,16 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
     // Held until this function returns (the process's end releases it however it ends).
     // Rank 0 writes the run's files, so it alone claims the directory.
     let lock = if root { Some(claim_run_dir(&config.train.out_dir, args)?) } else { None };
-    let options =
-        TrainOptions { resume: args.resume.clone(), force: args.force, steps: args.steps, group, ..Default::default() };
-    let trainer = Trainer::new(&config, &ctx.registry, &options).map_err(failure)?;
+    let options = TrainOptions {
+        resume: args.resume.clone(),
+        force: args.force,
+        fresh_optimizer: args.fresh_optimizer,
+        steps: args.steps,
+        group,
+        ..Default::default()
+    };
+    let trainer =
+        Trainer::new(&config, &ctx.registry, &options).map_err(|e| start_failure(e, args, &config, &ctx.registry))?;
     Ok(Started { trainer, options, log_every: config.train.log_every, root, _lock: lock })
 }
 
@@ -182,7 +228,21 @@ fn train(p: &Printer, started: Started) -> CmdResult {
     } else {
         trainer.run(&options, &mut ava_train::train::Silent)
     }
-    .map_err(failure)?;
+    .map_err(|e| {
+        // The errors that name a checkpoint to resume from get the command that does.
+        let resumable = matches!(
+            &e,
+            TrainError::NonFinite { checkpoint: Some(_), .. }
+                | TrainError::FailedInBackward { saved: 1.., .. }
+                | TrainError::OutOfMemoryInBackward { saved: 1.., .. }
+        );
+        match failure(e) {
+            Failure::Runtime(e) if resumable => {
+                Failure::Runtime(anyhow::anyhow!("{e:#}\nonce fixed, resume with: {}", resume_command()))
+            }
+            f => f,
+        }
+    })?;
     if !root {
         return Ok(());
     }
@@ -200,14 +260,13 @@ fn train(p: &Printer, started: Started) -> CmdResult {
         let ranks = if summary.rank_peak_bytes.is_empty() {
             String::new()
         } else {
-            let each: Vec<String> =
-                summary.rank_peak_bytes.iter().map(|&b| format!("{:.3}", ava_train::memory::gib(b))).collect();
-            format!(" (by rank: {} GiB)", each.join(", "))
+            let each: Vec<String> = summary.rank_peak_bytes.iter().map(|&b| ava_train::memory::size(b)).collect();
+            format!(" (by rank: {})", each.join(", "))
         };
         lines.push(format!(
-            "{} tokens/s; peak memory {:.2} GiB{ranks}",
+            "{} tokens/s; peak memory {}{ranks}",
             super::progress::rate(summary.tokens_per_sec),
-            ava_train::memory::gib(summary.peak_bytes)
+            ava_train::memory::size(summary.peak_bytes)
         ));
         let total: u64 = summary.tokens_by_source.iter().map(|s| s.tokens).sum();
         if total > 0 {
@@ -218,8 +277,13 @@ fn train(p: &Printer, started: Started) -> CmdResult {
                 .collect();
             lines.push(format!("tokens by source: {}", each.join(", ")));
         }
-        if let Some(c) = &summary.checkpoint {
-            lines.push(format!("checkpoint: {c} (continue with: ava train --resume latest)"));
+        match (&summary.checkpoint, summary.model_dir.is_some()) {
+            (Some(c), false) => lines.push(format!("checkpoint: {c} (continue with: {})", resume_command())),
+            (Some(c), true) => lines.push(format!(
+                "checkpoint: {c} (the run is finished; to train it longer: {})",
+                follow_up(&["--max-steps"], &["--set", &format!("train.max_steps={}", summary.step * 2)], true)
+            )),
+            (None, _) => {}
         }
         if let Some(m) = &summary.model_dir {
             lines.push(format!("model: {m} (Hugging Face config.json + model.safetensors)"));
@@ -247,10 +311,13 @@ fn train(p: &Printer, started: Started) -> CmdResult {
         // The reason says what to change; the changes it names are to settings a checkpoint
         // records, so resuming after them takes --force.
         let then = if summary.checkpoint.is_some() {
-            "after the change, continue from the checkpoint with: ava train --resume latest --force \
-             (--force: the checkpoint was trained with the old settings)"
+            format!(
+                "after the change, continue from the checkpoint with: {} (--force: the checkpoint was trained with \
+                 the old settings)",
+                follow_up(&[], &["--force"], true)
+            )
         } else {
-            "no step completed, so there is nothing to resume: start again after the change"
+            "no step completed, so there is nothing to resume: start again after the change".to_string()
         };
         return Err(Failure::Runtime(anyhow::anyhow!("training stopped early: {reason}; {then}")));
     }
@@ -284,24 +351,42 @@ fn claim_run_dir(dir: &Path, args: &TrainArgs) -> Result<RunLock, Failure> {
 /// The command line of this process with `--resume latest` in place of any `--resume` (and
 /// without `--overwrite`), quoted for a POSIX shell.
 fn resume_command() -> String {
-    let mut args = std::env::args();
+    follow_up(&[], &[], true)
+}
+
+/// A follow-up command: this process's command line (so the options naming the run, `-c`
+/// and every `--set`, are kept), without `--overwrite`, the options in `drop` (each with its
+/// value) and any `--resume` (put back as `--resume latest` when `resume`), with `extra`
+/// appended; quoted for a POSIX shell.
+pub(crate) fn follow_up(drop: &[&str], extra: &[&str], resume: bool) -> String {
+    command_line(std::env::args().collect(), drop, extra, resume)
+}
+
+fn command_line(argv: Vec<String>, drop: &[&str], extra: &[&str], resume: bool) -> String {
+    let mut args = argv.into_iter();
     let mut out = vec![args.next().unwrap_or_else(|| "ava".to_string())];
+    let flag = |a: &str, name: &str| a == name || a.starts_with(&format!("{name}="));
     while let Some(a) = args.next() {
-        match a.as_str() {
-            "--overwrite" => {}
-            "--resume" => {
-                args.next();
+        let dropped = drop.iter().chain(&["--resume"]).find(|name| flag(&a, name));
+        match dropped {
+            Some(name) => {
+                if a == **name {
+                    args.next(); // its value
+                }
             }
-            _ if a.starts_with("--resume=") => {}
-            _ => out.push(a),
+            None if a == "--overwrite" || (resume && a == "--fresh-optimizer") => {}
+            None => out.push(a),
         }
     }
-    out.extend(["--resume".to_string(), "latest".to_string()]);
+    out.extend(extra.iter().map(|s| s.to_string()));
+    if resume {
+        out.extend(["--resume".to_string(), "latest".to_string()]);
+    }
     out.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" ")
 }
 
 /// `arg` as one word of a POSIX shell command.
-fn shell_quote(arg: &str) -> String {
+pub(crate) fn shell_quote(arg: &str) -> String {
     let plain = |c: char| c.is_ascii_alphanumeric() || "_-./=:,@%+".contains(c);
     if !arg.is_empty() && arg.chars().all(plain) {
         arg.to_string()
@@ -312,7 +397,29 @@ fn shell_quote(arg: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::shell_quote;
+    use super::{command_line, shell_quote};
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split(' ').map(str::to_string).collect()
+    }
+
+    #[test]
+    fn follow_up_commands_keep_what_names_the_run() {
+        let run = argv("ava train --steps 20 --set train.out_dir=runs/hint -c my.yaml --overwrite");
+        assert_eq!(
+            command_line(run.clone(), &[], &[], true),
+            "ava train --steps 20 --set train.out_dir=runs/hint -c my.yaml --resume latest"
+        );
+        let resumed = argv("ava train --resume runs/x/checkpoints/step-1 --max-steps 10 --set a=b");
+        assert_eq!(
+            command_line(resumed, &["--max-steps"], &["--set", "train.max_steps=20"], true),
+            "ava train --set a=b --set train.max_steps=20 --resume latest"
+        );
+        assert_eq!(
+            command_line(argv("ava train --resume=latest --fresh-optimizer"), &[], &["--force"], true),
+            "ava train --force --resume latest"
+        );
+    }
 
     #[test]
     fn resume_command_words_are_quoted_for_a_shell() {

@@ -85,15 +85,19 @@ impl Plugin for Thresholds {
             "thresholds",
             PluginKind::Memory,
             env!("CARGO_PKG_VERSION"),
-            "four budget thresholds: warn, halve the micro-batch, stop with a checkpoint; restore with hysteresis",
+            "four budget thresholds: warn, halve the micro-batch, save and halve; stop with a checkpoint at the smallest micro-batch; restore with hysteresis",
         )
         .option(OptionSpec::float("target", d.target, "fraction of the budget to stay under"))
         .option(OptionSpec::float("warning", d.warning, "fraction of the budget at which to log a warning"))
-        .option(OptionSpec::float("critical", d.critical, "fraction of the budget at which to halve the micro-batch"))
+        .option(OptionSpec::float(
+            "critical",
+            d.critical,
+            "fraction of the budget at which to halve the micro-batch (at its minimum: save a checkpoint and stop)",
+        ))
         .option(OptionSpec::float(
             "emergency",
             d.emergency,
-            "fraction of the budget at which to save a checkpoint and stop",
+            "fraction of the budget at which to save a checkpoint, then halve the micro-batch (at its minimum: save and stop)",
         ))
         .option(OptionSpec::int(
             "restore_after",

@@ -1,5 +1,6 @@
-//! Editing a config file for `ava plugins enable/disable`: one plugin selection is set or
-//! removed and everything else in the file — comments, order, formatting — stays as it was.
+//! Editing a config file for `ava plugins enable/disable`: one key (a plugin selection,
+//! `offload.tiers`) is set or removed and everything else in the file — comments, order,
+//! formatting — stays as it was.
 //! YAML goes through a line-based editor ([`super::yaml_edit`]), TOML through `toml_edit`.
 //! The result is parsed again and compared with what was intended before it replaces the
 //! file (atomically: a temporary file in the same directory, then a rename).
@@ -38,14 +39,25 @@ const NEW_FILE_HEADER: &str = "\
 
 /// Sets `plugins.<kind>` in the config file at `path` to `selection` (written as a bare name,
 /// or as a table when it has options), or removes the key when `selection` is `None` so the
-/// built-in default applies again. Only that key changes; comments and formatting elsewhere
-/// are kept. A missing file is created (with a header comment) when there is something to
-/// set. The edited text is parsed and checked before it is written; on any error the file
-/// is left as it was.
+/// built-in default applies again: [`set_config_value`] on that key.
 pub fn set_plugin_selection(
     path: &Path,
     kind: PluginKind,
     selection: Option<&PluginSelection>,
+) -> Result<EditOutcome, ConfigError> {
+    set_config_value(path, "plugins", kind.as_str(), selection.map(PluginSelection::to_value).as_ref())
+}
+
+/// Sets `<section>.<key>` in the config file at `path` to `value`, or removes the key when
+/// `value` is `None` so the built-in default applies again. Only that key changes; comments
+/// and formatting elsewhere are kept. A missing file is created (with a header comment) when
+/// there is something to set. The edited text is parsed and checked before it is written;
+/// on any error the file is left as it was.
+pub fn set_config_value(
+    path: &Path,
+    section: &str,
+    key: &str,
+    value: Option<&Value>,
 ) -> Result<EditOutcome, ConfigError> {
     let format = Format::of(path).ok_or_else(|| ConfigError::UnknownFormat { path: path.to_path_buf() })?;
     // Edit the file a symbolic link points to, not the link.
@@ -54,48 +66,45 @@ pub fn set_plugin_selection(
         _ => path.to_path_buf(),
     };
     let old = super::load::read_config_text(&target)?;
-    let key = kind.as_str();
     let edit_error = |reason: String| ConfigError::Edit { path: path.to_path_buf(), reason };
 
     let (new_text, outcome) = match &old {
         None => {
-            let Some(selection) = selection else { return Ok(EditOutcome::Unchanged) };
-            let body = edit_text(format, "", key, Some(selection)).map_err(edit_error)?;
+            let Some(value) = value else { return Ok(EditOutcome::Unchanged) };
+            let body = edit_text(format, "", section, key, Some(value)).map_err(edit_error)?;
             (format!("{NEW_FILE_HEADER}{body}"), EditOutcome::Created)
         }
         Some(text) => {
             // A file that does not parse is reported as such, not edited.
             parse_file_text(path, text)?;
-            let edited = edit_text(format, text, key, selection).map_err(edit_error)?;
+            let edited = edit_text(format, text, section, key, value).map_err(edit_error)?;
             if edited == *text {
                 return Ok(EditOutcome::Unchanged);
             }
             (edited, EditOutcome::Changed)
         }
     };
-    verify(path, old.as_deref(), &new_text, key, selection).map_err(edit_error)?;
+    verify(path, old.as_deref(), &new_text, section, key, value).map_err(edit_error)?;
     write_atomically(&target, &new_text, old.is_some())
         .map_err(|source| ConfigError::Write { path: target.clone(), source })?;
     Ok(outcome)
 }
 
-fn edit_text(format: Format, text: &str, key: &str, selection: Option<&PluginSelection>) -> Result<String, String> {
+fn edit_text(format: Format, text: &str, section: &str, key: &str, value: Option<&Value>) -> Result<String, String> {
     match format {
-        Format::Yaml => {
-            let value = selection.map(|s| yaml_flow(&s.to_value()));
-            yaml_edit::set_key(text, "plugins", key, value.as_deref())
-        }
-        Format::Toml => edit_toml(text, key, selection),
+        Format::Yaml => yaml_edit::set_key(text, section, key, value.map(yaml_flow).as_deref()),
+        Format::Toml => edit_toml(text, section, key, value),
     }
 }
 
-/// Checks that `new_text` reads back as `old_text` with only `plugins.<key>` changed.
+/// Checks that `new_text` reads back as `old_text` with only `<section>.<key>` changed.
 fn verify(
     path: &Path,
     old_text: Option<&str>,
     new_text: &str,
+    section: &str,
     key: &str,
-    selection: Option<&PluginSelection>,
+    value: Option<&Value>,
 ) -> Result<(), String> {
     let got = parse_file_text(path, new_text).map_err(|e| format!("the edited text would not parse ({e})"))?;
     let mut expected = match old_text {
@@ -103,44 +112,44 @@ fn verify(
         None => Value::Object(Map::new()),
     };
     let root = expected.as_object_mut().expect("a document is a table");
-    let plugins = root.entry("plugins").or_insert_with(|| Value::Object(Map::new()));
-    if plugins.is_null() {
-        *plugins = Value::Object(Map::new());
+    let table = root.entry(section).or_insert_with(|| Value::Object(Map::new()));
+    if table.is_null() {
+        *table = Value::Object(Map::new());
     }
-    let Some(plugins) = plugins.as_object_mut() else {
-        return Err("`plugins` is not a table".into());
+    let Some(table) = table.as_object_mut() else {
+        return Err(format!("`{section}` is not a table"));
     };
-    match selection {
-        Some(selection) => {
-            plugins.insert(key.to_string(), selection.to_value());
+    match value {
+        Some(value) => {
+            table.insert(key.to_string(), value.clone());
         }
         None => {
-            plugins.shift_remove(key);
+            table.shift_remove(key);
         }
     }
-    let (got, expected) = (without_empty_plugins(got), without_empty_plugins(expected));
+    let (got, expected) = (without_empty(got, section), without_empty(expected, section));
     if got == expected {
         return Ok(());
     }
-    let read_back = got.get("plugins").and_then(|p| p.get(key)).map_or("nothing".to_string(), yaml_flow);
-    let wanted = selection.map_or("nothing".to_string(), |s| s.to_string());
+    let read_back = got.get(section).and_then(|p| p.get(key)).map_or("nothing".to_string(), yaml_flow);
+    let wanted = value.map_or("nothing".to_string(), yaml_flow);
     Err(if read_back != wanted {
-        format!("plugins.{key} would read back as {read_back} instead of {wanted}; edit the file by hand")
+        format!("{section}.{key} would read back as {read_back} instead of {wanted}; edit the file by hand")
     } else {
-        format!("the edit would also change other settings; edit plugins.{key} by hand")
+        format!("the edit would also change other settings; edit {section}.{key} by hand")
     })
 }
 
-/// A `plugins` section that is empty or `null` counts as absent.
-fn without_empty_plugins(mut doc: Value) -> Value {
+/// A section that is empty or `null` counts as absent.
+fn without_empty(mut doc: Value, section: &str) -> Value {
     if let Some(root) = doc.as_object_mut() {
-        let empty = match root.get("plugins") {
+        let empty = match root.get(section) {
             Some(Value::Null) => true,
             Some(Value::Object(m)) => m.is_empty(),
             _ => false,
         };
         if empty {
-            root.shift_remove("plugins");
+            root.shift_remove(section);
         }
     }
     doc
@@ -176,44 +185,44 @@ fn new_file_permissions() -> Option<fs::Permissions> {
     None
 }
 
-/// Sets or removes `plugins.<key>` in TOML text with `toml_edit`, which keeps comments and
-/// formatting. A `[plugins.<key>]` table stays a table; otherwise the selection is written
-/// as a string or an inline table, keeping the old value's trailing comment.
-fn edit_toml(text: &str, key: &str, selection: Option<&PluginSelection>) -> Result<String, String> {
+/// Sets or removes `<section>.<key>` in TOML text with `toml_edit`, which keeps comments and
+/// formatting. A `[<section>.<key>]` table stays a table (for a table value); otherwise the
+/// value is written inline, keeping the old value's trailing comment.
+fn edit_toml(text: &str, section: &str, key: &str, value: Option<&Value>) -> Result<String, String> {
     let mut doc: DocumentMut = text.parse().map_err(|e: toml_edit::TomlError| e.to_string())?;
-    match selection {
-        Some(selection) => {
-            if !doc.contains_key("plugins") {
-                doc.insert("plugins", Item::Table(Table::new()));
+    let not_table = || format!("`{section}` is not a table");
+    match value {
+        Some(value) => {
+            if !doc.contains_key(section) {
+                doc.insert(section, Item::Table(Table::new()));
             }
-            let plugins = doc["plugins"].as_table_like_mut().ok_or("`plugins` is not a table")?;
-            match plugins.get_mut(key) {
-                Some(Item::Table(table)) => {
-                    table.clear();
-                    table.insert("name", toml_edit::value(selection.name.as_str()));
-                    for (k, v) in &selection.options {
-                        table.insert(k, Item::Value(toml_value(v)?));
+            let table = doc[section].as_table_like_mut().ok_or_else(not_table)?;
+            match (table.get_mut(key), value) {
+                (Some(Item::Table(t)), Value::Object(members)) => {
+                    t.clear();
+                    for (k, v) in members {
+                        t.insert(k, Item::Value(toml_value(v)?));
                     }
                 }
-                Some(item @ Item::Value(_)) => {
-                    let mut value = toml_value(&selection.to_value())?;
+                (Some(item @ Item::Value(_)), _) => {
+                    let mut new = toml_value(value)?;
                     if let Some(old) = item.as_value() {
-                        *value.decor_mut() = old.decor().clone();
+                        *new.decor_mut() = old.decor().clone();
                     }
-                    *item = Item::Value(value);
+                    *item = Item::Value(new);
                 }
                 _ => {
-                    plugins.insert(key, Item::Value(toml_value(&selection.to_value())?));
+                    table.insert(key, Item::Value(toml_value(value)?));
                 }
             }
         }
         None => {
-            let Some(item) = doc.get_mut("plugins") else { return Ok(text.to_string()) };
-            let plugins = item.as_table_like_mut().ok_or("`plugins` is not a table")?;
-            let Some(orphans) = remove_keeping_comments(plugins, key) else {
+            let Some(item) = doc.get_mut(section) else { return Ok(text.to_string()) };
+            let table = item.as_table_like_mut().ok_or_else(not_table)?;
+            let Some(orphans) = remove_keeping_comments(table, key) else {
                 return Ok(text.to_string());
             };
-            let keep_table = !plugins.is_empty()
+            let keep_table = !table.is_empty()
                 || match &*item {
                     Item::Table(t) => has_comment(t.decor()),
                     Item::Value(v) => has_comment(v.decor()),
@@ -221,7 +230,7 @@ fn edit_toml(text: &str, key: &str, selection: Option<&PluginSelection>) -> Resu
                 };
             let position = item.as_table().and_then(Table::position);
             if !keep_table {
-                doc.remove("plugins");
+                doc.remove(section);
             }
             if !orphans.is_empty() {
                 place_before_next_table(&mut doc, position, &orphans);

@@ -263,7 +263,7 @@ pub(crate) fn type_phrase(value: &Value) -> &'static str {
 
 /// A value in YAML flow style on one line: `lion`, `0.9`, `'1.0'`, `[0.9, 0.98]`,
 /// `{name: lion, betas: [0.9, 0.98]}`. Reads back as the same value.
-pub(crate) fn yaml_flow(value: &Value) -> String {
+pub fn yaml_flow(value: &Value) -> String {
     match value {
         Value::Null => "null".into(),
         Value::Bool(b) => b.to_string(),

@@ -39,9 +39,9 @@ mod yaml_edit;
 #[cfg(test)]
 mod tests;
 
-pub use edit::{EditOutcome, set_plugin_selection};
+pub use edit::{EditOutcome, set_config_value, set_plugin_selection};
 pub use error::ConfigError;
-pub use format::{parse_value, selection_yaml};
+pub use format::{parse_value, selection_yaml, yaml_flow};
 pub use load::{ConfigLoader, ENV_PREFIX, LoadedConfig};
 pub use schema::{Config, DEFAULT_CONFIG_YAML, PluginSelection, PluginsConfig, VettingPolicy};
 pub use sections::{

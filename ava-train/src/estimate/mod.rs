@@ -286,8 +286,9 @@ fn workspace_lens(
 }
 
 /// Forward FLOPs of one block for `batch · seq` tokens: 2 per matmul parameter a token visits,
-/// plus the attention scores and weighted sum (4·d·T per token, without the causal halving,
-/// as [`ModelSpec::train_flops_per_token`] counts them).
+/// plus the attention scores and weighted sum (4·d·T per token: the whole square, as the
+/// standard kernel computes it; [`ModelSpec::train_flops_per_token`]'s model FLOPs count the
+/// causal half). A cost for ranking plans, not a model-FLOP count.
 fn block_forward_flops(spec: &ModelSpec, batch: usize, seq: usize) -> u64 {
     let per_token_matmul = (spec.matmul_params_per_token() - spec.vocab * spec.hidden) / spec.layers;
     let tokens = (batch * seq) as u64;

@@ -56,34 +56,45 @@ impl Breakdown {
         if self.budget == 0 { 0.0 } else { self.peak as f64 / self.budget as f64 }
     }
 
-    /// Resident bytes over the bytes allocated at the same moment (> 1: memory the
-    /// allocator holds that we do not use: fragmentation and freed pages kept).
-    pub fn fragmentation(&self) -> Option<f64> {
-        self.resident.filter(|_| self.allocated > 0).map(|r| r as f64 / self.allocated as f64)
-    }
-
-    /// `memory 1.85/2.00 GiB (92%) warning — params 0.21, grads 0.21, optimizer 0.42,
-    /// data 0.00, activations 1.01`; `status` is the memory policy's pressure word. Numbers
-    /// are in GiB, or in MiB when the budget is under 1 GiB.
+    /// `memory 1.85 GiB of 2.00 GiB (92%) warning — params 210.5 MiB, grads 210.5 MiB,
+    /// optimizer 421.0 MiB, data 64.00 KiB, activations 1.01 GiB; RSS 2.31 GiB (pages the OS counts
+    /// resident: code, heap, freed pages kept)`;
+    /// `status` is the memory policy's pressure word. Each number in the unit that suits it.
+    /// The RSS is the operating system's count of the process's resident pages, read after
+    /// the step: not a reserve, and it may be below the step's peak (pages handed back).
     pub fn line(&self, status: &str) -> String {
-        let (unit, div) = if self.budget >= 1 << 30 { ("GiB", 1u64 << 30) } else { ("MiB", 1 << 20) };
-        let u = |b: u64| b as f64 / div as f64;
+        let budget = if self.budget == 0 {
+            " (no budget)".to_string()
+        } else {
+            format!(" of {} ({:.0}%) {status}", size(self.budget), 100.0 * self.fraction())
+        };
         let mut s = format!(
-            "memory {:.2}/{:.2} {unit} ({:.0}%) {status} — params {:.2}, grads {:.2}, optimizer {:.2}, data {:.2}, activations {:.2}",
-            u(self.peak),
-            u(self.budget),
-            100.0 * self.fraction(),
-            u(self.params),
-            u(self.grads),
-            u(self.optimizer),
-            u(self.data),
-            u(self.activations),
+            "memory {}{budget} — params {}, grads {}, optimizer {}, data {}, activations {}",
+            size(self.peak),
+            size(self.params),
+            size(self.grads),
+            size(self.optimizer),
+            size(self.data),
+            size(self.activations),
         );
-        if let (Some(f), Some(r)) = (self.fragmentation(), self.resident) {
-            s.push_str(&format!("; reserved {:.2} {unit} ({f:.2}x allocated)", u(r)));
+        if let Some(r) = self.resident {
+            s.push_str(&format!("; RSS {} (pages the OS counts resident: code, heap, freed pages kept)", size(r)));
         }
         s
     }
+}
+
+/// Bytes in the unit that suits them, three significant digits: `512 B`, `64.0 KiB`,
+/// `210.5 MiB`, `1.85 GiB`.
+pub fn size(bytes: u64) -> String {
+    const UNITS: [(&str, u64); 3] = [("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
+    for (unit, size) in UNITS {
+        if bytes >= size {
+            let x = bytes as f64 / size as f64;
+            return if x >= 100.0 { format!("{x:.1} {unit}") } else { format!("{x:.2} {unit}") };
+        }
+    }
+    format!("{bytes} B")
 }
 
 #[cfg(test)]
@@ -99,7 +110,20 @@ mod tests {
         assert_eq!(b.fraction(), 0.5);
         assert_eq!(
             b.line("ok"),
-            "memory 2.00/4.00 GiB (50%) ok — params 0.25, grads 0.25, optimizer 0.50, data 0.00, activations 1.00"
+            "memory 2.00 GiB of 4.00 GiB (50%) ok — params 256.0 MiB, grads 256.0 MiB, optimizer 512.0 MiB, data \
+             0 B, activations 1.00 GiB"
+        );
+        // Small runs read in the unit that suits each number, and the RSS says what it is.
+        let small = Breakdown {
+            resident: Some(102 << 20),
+            allocated: 7 << 20,
+            ..Breakdown::measured(70 << 20, 1 << 20, 1 << 20, 2 << 20, 12 << 10, 2 << 30)
+        };
+        assert_eq!(
+            small.line("normal"),
+            "memory 70.00 MiB of 2.00 GiB (3%) normal — params 1.00 MiB, grads 1.00 MiB, optimizer 2.00 MiB, data \
+             12.00 KiB, activations 65.99 MiB; RSS 102.0 MiB (pages the OS counts resident: code, heap, freed pages \
+             kept)"
         );
         // A peak below the known parts (measured before they were all allocated) is not negative.
         assert_eq!(Breakdown::measured(10, 20, 0, 0, 0, 100).activations, 0);

@@ -8,4 +8,4 @@ mod breakdown;
 pub use alloc::{
     CountingAlloc, current, installed, limit, peak, reset_peak, resident_bytes, set_limit, stop_counting, take_crossed,
 };
-pub use breakdown::{Breakdown, gib};
+pub use breakdown::{Breakdown, gib, size};

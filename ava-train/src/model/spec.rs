@@ -433,11 +433,14 @@ impl ModelSpec {
         self.layers * (attn + mlp) + self.vocab * d
     }
 
-    /// Training FLOPs per token at sequence length `seq`: 6·N_matmul + 12·L·H·D·T (the
-    /// attention scores and weighted sum, forward and backward; PaLM's appendix B formula
-    /// without the causal halving, as the PyTorch reference counts it).
+    /// Training FLOPs per token at sequence length `seq`: 6·N_matmul + 6·L·H·D·T. The second
+    /// term is the attention scores and weighted sum, forward and backward, over the causal
+    /// half of the T×T pairs a token attends to on average (PaLM's appendix B counts all of
+    /// them, 12·L·H·D·T; a causal kernel that skips masked tiles does half that work, and
+    /// `../shared/gpu/torch_ref.py`'s MFU counts the half, 6·L·T·d). Counting the whole
+    /// square put the long-context benchmark's MFU above 100%.
     pub fn train_flops_per_token(&self, seq: usize) -> f64 {
-        6.0 * self.matmul_params_per_token() as f64 + 12.0 * (self.layers * self.heads * self.head_dim * seq) as f64
+        6.0 * self.matmul_params_per_token() as f64 + 6.0 * (self.layers * self.heads * self.head_dim * seq) as f64
     }
 }
 

@@ -8,6 +8,7 @@ mod fault;
 mod in_backward;
 pub mod metrics;
 mod optim;
+mod preflight;
 mod reporter;
 pub mod rounding;
 mod schedule;
@@ -19,6 +20,7 @@ pub use optim::{
     COMPENSATION, HostState, MASTER, MODEL_OPTIONS, OptimizerState, Placement, StateBuffer, StepSession, StreamStats,
     optimizer_options, step_param, streamed_params,
 };
+pub use preflight::{Preflight, fit_budget};
 pub(crate) use reporter::is_zero;
 pub use reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Silent, SourceTokens, StepRecord};
 pub use schedule::{LossScaler, learning_rate};
@@ -52,6 +54,27 @@ pub enum TrainError {
     /// The settings cannot work together.
     #[error("{0}")]
     Invalid(String),
+    /// Before step 1: the estimator predicts more than `memory.budget` even at the smallest
+    /// micro-batch the run can use (see [`fit_budget`]).
+    #[error(
+        "memory.budget is {}, but this step needs {} even at micro-batch {micro_batch} (estimated; `ava estimate` \
+         shows where it goes){}: raise memory.budget, or change what the step holds (`ava plan --budget {}` \
+         searches the settings that fit)",
+        ava_core::format_size(*budget),
+        ava_core::format_size(*needed),
+        if *in_backward { " — with train.step_in_backward the micro-batch cannot be split" } else { "" },
+        budget
+    )]
+    BudgetTooSmall {
+        /// `memory.budget`.
+        budget: u64,
+        /// The smallest estimated peak.
+        needed: u64,
+        /// The micro-batch it was estimated at.
+        micro_batch: usize,
+        /// The micro-batch could not be split (`train.step_in_backward`).
+        in_backward: bool,
+    },
     /// Out of memory at the smallest micro-batch: nothing left to back off to.
     #[error(
         "out of memory at step {step}: an allocation took the count to {} over memory.hard_limit ({}) with the \
@@ -134,10 +157,33 @@ pub enum TrainError {
         what: String,
     },
     /// A checkpoint's optimizer state does not fit the optimizer.
-    #[error("the checkpoint's optimizer state does not match the optimizer:\n  - {}", problems.join("\n  - "))]
+    #[error(
+        "the checkpoint's optimizer state does not match the optimizer{}:\n  - {}\nresume with the optimizer and \
+         options it was trained with, or keep its weights and start the optimizer state afresh with \
+         --fresh-optimizer",
+        trained_with.as_ref().map_or(String::new(), |o| format!(" (it was trained with {o})")),
+        problems.join("\n  - ")
+    )]
     OptimizerState {
-        /// Every mismatch.
+        /// The mismatches, summarized: one line per kind of buffer.
         problems: Vec<String>,
+        /// The optimizer the checkpoint names, when known.
+        trained_with: Option<String>,
+    },
+    /// Resuming a run that already reached `train.max_steps`.
+    #[error(
+        "{} is at step {step}, and train.max_steps is {max_steps}: the run is finished, nothing is left to train. \
+         To train it longer, resume with a larger train.max_steps (--set train.max_steps=N: the learning-rate \
+         schedule then runs to the new end)",
+        checkpoint.display()
+    )]
+    Finished {
+        /// The checkpoint.
+        checkpoint: PathBuf,
+        /// Its step.
+        step: u64,
+        /// The configured last step.
+        max_steps: u64,
     },
     /// Resuming with a config that changes the model or the plugins.
     #[error(

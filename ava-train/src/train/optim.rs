@@ -514,7 +514,7 @@ impl OptimizerState {
     ) -> Result<Vec<NamedBuffer>, TrainError> {
         let mut by_name: std::collections::HashMap<String, BufferView<'_>> =
             saved.into_iter().map(|b| (b.name.clone(), b)).collect();
-        let mut problems = Vec::new();
+        let mut problems = StateProblems::default();
         for (i, (p, bufs)) in params.iter().zip(&mut self.buffers).enumerate() {
             for (j, b) in bufs.iter_mut().enumerate() {
                 let name = format!("{}.{}", p.def.name, b.spec.name);
@@ -525,15 +525,19 @@ impl OptimizerState {
                 }
                 match by_name.remove(&name) {
                     None if b.host => {}
-                    None => problems.push(format!("missing {name}")),
+                    None => problems.add("missing", &b.spec.name, &name),
                     Some(s) if s.dtype != buf_dtype(b.spec.dtype) || s.data.len() != b.spec.bytes() as usize => {
-                        problems.push(format!(
-                            "{name} is {} x {} bytes, the optimizer declares {} x {}",
-                            s.dtype.name(),
-                            s.data.len(),
-                            b.spec.dtype.as_str(),
-                            b.spec.bytes()
-                        ))
+                        problems.add(
+                            &format!(
+                                "of another type or size ({} × {} bytes saved, {} × {} declared)",
+                                s.dtype.name(),
+                                s.data.len(),
+                                b.spec.dtype.as_str(),
+                                b.spec.bytes()
+                            ),
+                            &b.spec.name,
+                            &name,
+                        )
                     }
                     Some(saved) => match &self.streamed {
                         Some(st) if st.offloaded[i] => {
@@ -550,10 +554,18 @@ impl OptimizerState {
         let host = |k: &str| k.ends_with(&format!(".{MASTER}")) || k.ends_with(&format!(".{COMPENSATION}"));
         let (left, unexpected): (Vec<BufferView<'_>>, Vec<BufferView<'_>>) =
             by_name.into_values().partition(|b| host(&b.name));
-        problems.extend(unexpected.into_iter().map(|b| format!("unexpected {}", b.name)));
+        for b in unexpected {
+            // The buffer's own name: what follows the parameter it belongs to.
+            let owner = params
+                .iter()
+                .map(|p| &p.def.name)
+                .filter(|n| b.name.starts_with(&format!("{n}.")))
+                .max_by_key(|n| n.len());
+            let buffer = owner.map_or(b.name.as_str(), |n| &b.name[n.len() + 1..]);
+            problems.add("unexpected (the optimizer has no such buffer)", buffer, &b.name);
+        }
         if !problems.is_empty() {
-            problems.sort();
-            return Err(TrainError::OptimizerState { problems });
+            return Err(TrainError::OptimizerState { problems: problems.lines(), trained_with: None });
         }
         if let Some(st) = &self.streamed {
             st.tier.flush().map_err(|e| tier_error(&st.name, "writing the optimizer state", e))?;
@@ -832,4 +844,35 @@ pub fn step_param(
         message: format!("{} ({e})", param.def.name),
     })?;
     Ok(sumsq)
+}
+
+/// Mismatches between a checkpoint's optimizer state and the optimizer's layout, grouped by
+/// what is wrong and the buffer's own name (`exp_avg`, `step`), so a change of optimizer reads
+/// as a few lines rather than one per tensor.
+#[derive(Default)]
+struct StateProblems {
+    /// (what, buffer) → (how many, the first full name).
+    groups: std::collections::BTreeMap<(String, String), (usize, String)>,
+}
+
+impl StateProblems {
+    fn add(&mut self, what: &str, buffer: &str, name: &str) {
+        let e = self.groups.entry((what.to_string(), buffer.to_string())).or_insert((0, name.to_string()));
+        e.0 += 1;
+    }
+
+    fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    /// `missing exp_avg: 22 tensors (e.g. lm_head.weight.exp_avg)`, one line per group.
+    fn lines(&self) -> Vec<String> {
+        self.groups
+            .iter()
+            .map(|((what, buffer), (n, first))| match n {
+                1 => format!("{what} {buffer}: {first}"),
+                _ => format!("{what} {buffer}: {n} tensors (e.g. {first})"),
+            })
+            .collect()
+    }
 }

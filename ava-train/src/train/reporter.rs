@@ -118,8 +118,10 @@ pub struct RunHeader {
     pub tokens_per_step: usize,
     /// First step to run (1, or after the resumed one).
     pub first_step: u64,
-    /// Last step.
+    /// Last step of the schedule (`train.max_steps`).
     pub max_steps: u64,
+    /// The step this invocation stops at (`--steps N` ends it before `max_steps`).
+    pub last_step: u64,
     /// Plugins by kind: `attention standard`, ...
     pub plugins: Vec<(String, String)>,
     /// The checkpoint plan, one word per block.
@@ -143,6 +145,10 @@ pub struct RunHeader {
     /// Data-parallel ranks, ZeRO stage and this rank's share of the state (several ranks).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ranks: Option<String>,
+    /// Where the run does not do what its config says, or lacks something (the budget
+    /// preflight's smaller micro-batch, no validation data): one line each, shown as warnings.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 /// For `skip_serializing_if`: a number that is zero.

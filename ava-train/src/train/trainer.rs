@@ -37,6 +37,9 @@ pub struct TrainOptions {
     pub resume: Option<String>,
     /// Resume even when the config changes the model or plugins.
     pub force: bool,
+    /// Resume without the checkpoint's optimizer state: the optimizer starts afresh (and may
+    /// be another one than the checkpoint's, without `force`).
+    pub fresh_optimizer: bool,
     /// Run at most this many steps in this invocation (the schedule still ends at
     /// `train.max_steps`), e.g. to split a run into sessions.
     pub steps: Option<u64>,
@@ -168,6 +171,11 @@ pub struct Trainer {
     step: u64,
     scaler: LossScaler,
     split: usize,
+    /// The split the preflight found the budget needs: the memory policy's restores stop there.
+    fitted_split: usize,
+    /// What the run does otherwise than its config may suggest (the preflight's smaller
+    /// micro-batch, a tier that holds nothing, no validation data): the header's warnings.
+    warnings: Vec<String>,
     compute: DType,
     threads: usize,
     resumed_from: Option<PathBuf>,
@@ -565,6 +573,17 @@ impl Trainer {
         let mem_sel = plugin(PluginKind::Memory);
         let memory_policy = registry.memory(&mem_sel.name, &mem_sel.options_json())?;
 
+        // Created from the architecture (some options come from its shape), before the model:
+        // the preflight sizes the step with it before anything model-sized is allocated.
+        let optimizer = registry.optimizer(&opt_sel.name, &optimizer_options(registry, opt_sel, &spec)?)?;
+        let plugins = crate::estimate::Plugins {
+            optimizer: optimizer.as_ref(),
+            attention: kernel.as_ref(),
+            checkpoint: policy.as_ref(),
+        };
+        let new_policy = || registry.memory(&mem_sel.name, &mem_sel.options_json()).map_err(TrainError::from);
+        let preflight = super::fit_budget(&spec, &config, &plugins, world, &new_policy)?;
+
         let seq = config.data.seq_len;
         let out_dir = config.train.out_dir.clone();
         let store = CheckpointStore::new(out_dir.join("checkpoints"), config.checkpoints.keep_last);
@@ -590,8 +609,6 @@ impl Trainer {
             }
             (None, None) => Model::new_stored(spec, config.train.seed, seq, k, name, threads, stored)?,
         };
-        // Created once the model is known: some options come from its shape.
-        let optimizer = registry.optimizer(&opt_sel.name, &optimizer_options(registry, opt_sel, model.spec())?)?;
         // Where the state (and f32 masters) live: the share that is not `ram` streams
         // through the tier, placed as it is allocated (a 7B model's state never exists in
         // memory whole).
@@ -647,40 +664,19 @@ impl Trainer {
             &|i| zero.steps(i),
         )?;
 
-        // The checkpoint plan: the policy decides per block from the facts.
-        let facts = crate::estimate::block_facts(
-            model.spec(),
-            config.train.micro_batch_size,
-            seq,
-            config.train.precision,
-            kernel.as_ref(),
-        )
-        .map_err(|e| TrainError::Invalid(e.to_string()))?;
-        // With a memory budget, the policy gets what is left of it for activations, computed
-        // by the estimator (`ava estimate` shows the same plan); without one, no budget.
-        let budget_bytes = if config.memory.budget.0 == 0 {
-            0
-        } else {
-            let plugins = crate::estimate::Plugins {
-                optimizer: optimizer.as_ref(),
-                attention: kernel.as_ref(),
-                checkpoint: policy.as_ref(),
-            };
-            crate::estimate::estimate_rank(model.spec(), &config, &plugins, world, Some(zero.rank()))
-                .map_err(|e| TrainError::Invalid(e.to_string()))?
-                .activation_budget
+        let plugins = crate::estimate::Plugins {
+            optimizer: optimizer.as_ref(),
+            attention: kernel.as_ref(),
+            checkpoint: policy.as_ref(),
         };
-        let ctx = CheckpointContext { budget_bytes, offload_available: true };
-        let plan = policy.decide(&facts, &ctx).map_err(|e| TrainError::Plugin {
-            plugin: ckpt_sel.name.clone(),
-            what: "decide",
-            message: e.to_string(),
-        })?;
-        ava_core::check_plan(&plan, model.spec().layers).map_err(|message| TrainError::Plugin {
-            plugin: ckpt_sel.name.clone(),
-            what: "decide",
-            message,
-        })?;
+        let plan = checkpoint_plan(model.spec(), &config, &plugins, preflight.split, world, zero.rank()).map_err(
+            |e| match e {
+                PlanError::Estimate(message) => TrainError::Invalid(message),
+                PlanError::Policy(message) => {
+                    TrainError::Plugin { plugin: ckpt_sel.name.clone(), what: "decide", message }
+                }
+            },
+        )?;
 
         let mut trainer_state = TrainerState {
             step: 0,
@@ -691,18 +687,34 @@ impl Trainer {
                 config.train.loss_scale.init,
                 config.train.loss_scale.growth_interval,
             ),
-            micro_batch_split: 1,
+            micro_batch_split: preflight.split,
             world_size: world,
         };
         let mut resumed_from = None;
         if let Some(ckpt) = resume {
             // The saved world size decides what "the same micro-batch" means.
-            let saved_world =
-                serde_json::from_slice::<TrainerState>(ckpt.file(TRAINER_FILE)?).map_or(1, |s| s.world_size);
-            check_config(&ckpt, &config, options.force, saved_world, world)?;
+            let saved = serde_json::from_slice::<TrainerState>(ckpt.file(TRAINER_FILE)?).ok();
+            check_config(&ckpt, &config, options, saved.as_ref().map_or(1, |s| s.world_size), world)?;
+            // Before the state is read: a finished run has nothing to resume.
+            if let Some(step) = saved.map(|s| s.step).filter(|&s| s >= config.train.max_steps) {
+                return Err(TrainError::Finished {
+                    checkpoint: ckpt.dir.clone(),
+                    step,
+                    max_steps: config.train.max_steps,
+                });
+            }
             // Views into the (mapped) file: a state larger than memory goes straight to its tier.
-            let (buffers, _) = safetensors_views(ckpt.file(OPTIMIZER_FILE)?)?;
-            let masters = state.load_buffers(model.params(), buffers)?;
+            let masters = if options.fresh_optimizer {
+                Vec::new()
+            } else {
+                let (buffers, _) = safetensors_views(ckpt.file(OPTIMIZER_FILE)?)?;
+                state.load_buffers(model.params(), buffers).map_err(|e| match e {
+                    TrainError::OptimizerState { problems, .. } => {
+                        TrainError::OptimizerState { problems, trained_with: saved_optimizer(&ckpt) }
+                    }
+                    e => e,
+                })?
+            };
             // From a run with f32 masters in a tier to one with f32 weights (--force): the
             // masters, not their rounding, become the weights.
             if model.storage() == DType::F32 {
@@ -737,6 +749,8 @@ impl Trainer {
             })?;
             check_trainer_state(&trainer_state, &ckpt, &config)?;
             trainer_state.world_size = world;
+            // Split at least as far as the budget needs now (both are powers of two).
+            trainer_state.micro_batch_split = trainer_state.micro_batch_split.max(preflight.split);
             resumed_from = Some(ckpt.dir.clone());
         }
 
@@ -768,6 +782,22 @@ impl Trainer {
         };
         // Block inputs parked in the tier: say where, and how it is set up.
         let parked = plan.iter().filter(|d| **d == BlockDecision::Offload).count();
+        let mut warnings: Vec<String> = preflight.note.into_iter().collect();
+        if let Some(why) = dataset.missing_validation() {
+            warnings.push(format!(
+                "{why}: training runs without validation (no validation loss); prepare the corpus with a larger \
+                 --val-fraction to evaluate"
+            ));
+        }
+        if off_sel.name != "ram" && tiers.offloaded().is_none() && parked == 0 {
+            warnings.push(format!(
+                "plugins.offload selects '{0}', but nothing goes through it: offload.tiers keeps the whole optimizer \
+                 state in memory ({1}) and no recomputed block parks its input there; to stream the state, set \
+                 offload.tiers (e.g. --set 'offload.tiers=[{0}: 100%]'; `ava plugins enable offload {0}` writes both)",
+                off_sel.name,
+                serde_json::to_string(&config.offload.tiers).unwrap_or_default()
+            ));
+        }
         let offload_note = offload_note.or_else(|| {
             (parked > 0).then(|| {
                 let described = offload.describe();
@@ -834,6 +864,8 @@ impl Trainer {
             step: trainer_state.step,
             scaler: trainer_state.loss_scale,
             split: trainer_state.micro_batch_split.max(1),
+            fitted_split: preflight.split,
+            warnings,
             compute,
             threads,
             resumed_from,
@@ -903,6 +935,7 @@ impl Trainer {
             tokens_per_step: self.global_batch() * self.config.data.seq_len,
             first_step: self.step + 1,
             max_steps: t.max_steps,
+            last_step: t.max_steps,
             plugins: PluginKind::ALL
                 .iter()
                 .map(|k| (k.as_str().to_string(), self.config.selection(*k).to_string()))
@@ -914,6 +947,7 @@ impl Trainer {
             model_notes: self.model_notes.clone(),
             entropy_floor: self.dataset.entropy_floor_nats(),
             threads: self.threads,
+            warnings: self.warnings.clone(),
             ranks: (self.zero.size() > 1).then(|| {
                 let z = &self.zero;
                 let weights = (z.stage() >= 3).then(|| {
@@ -967,7 +1001,7 @@ impl Trainer {
             self.check_checkpoint_room()?;
         }
         let mut metrics = if root { Some(self.open_metrics()?) } else { None };
-        reporter.start(&self.header());
+        reporter.start(&RunHeader { last_step: last, ..self.header() });
         let mut summary = RunSummary {
             step: self.step,
             loss: f64::NAN,
@@ -983,7 +1017,7 @@ impl Trainer {
             tokens_by_source: Vec::new(),
         };
         let stop_requested = || options.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
-        let mut timed = (0.0f64, 0usize);
+        let (mut timed, mut first_timed) = ((0.0f64, 0usize), (0.0f64, 0usize));
         let mut first = true;
         let mut saved_at = None;
         let mut prev_micro_batch = None;
@@ -1050,10 +1084,14 @@ impl Trainer {
             for (most, &p) in summary.rank_peak_bytes.iter_mut().zip(&record.rank_peaks) {
                 *most = (*most).max(p);
             }
-            // The first step of a run warms up caches and threads; it is left out of the mean.
-            if !first {
+            // The first step of a run warms up caches and threads; it is left out of the mean
+            // unless it is the only one.
+            let tokens = self.global_batch() * self.config.data.seq_len;
+            if first {
+                first_timed = (record.step_seconds, tokens);
+            } else {
                 timed.0 += record.step_seconds;
-                timed.1 += self.global_batch() * self.config.data.seq_len;
+                timed.1 += tokens;
             }
             first = false;
             // Off the log_every grid too: a step where the memory policy or the back-off acted,
@@ -1073,7 +1111,8 @@ impl Trainer {
                 )?;
             }
             reporter.step(&record);
-            if (t.eval_every > 0 && record.step % t.eval_every == 0) || record.step == last {
+            let due = (t.eval_every > 0 && record.step % t.eval_every == 0) || record.step == last;
+            if due && self.dataset.missing_validation().is_none() {
                 let eval = self.evaluate()?;
                 summary.val_loss = Some(eval.val_loss);
                 write_line(metrics.as_mut(), &self.metrics_path(), &serde_json::json!({"type": "eval", "data": eval}))?;
@@ -1106,6 +1145,9 @@ impl Trainer {
         }
         if self.step == t.max_steps && summary.stopped.is_none() && !summary.interrupted {
             summary.model_dir = self.save_final_model()?.map(|dir| dir.display().to_string());
+        }
+        if timed.0 == 0.0 {
+            timed = first_timed;
         }
         summary.tokens_per_sec = if timed.0 > 0.0 { timed.1 as f64 / timed.0 } else { 0.0 };
         reporter.finish(&summary);
@@ -1480,7 +1522,8 @@ impl Trainer {
             phase: Phase::OptimizerStep,
             step: record.step,
             micro_batch: (configured / self.split) as u32,
-            configured_micro_batch: configured as u32,
+            // What a restore may return to: the largest micro-batch that fits the budget.
+            configured_micro_batch: (configured / self.fitted_split) as u32,
         };
         let decision = match self.memory_policy.observe(&stats) {
             Ok(d) => d,
@@ -1517,7 +1560,8 @@ impl Trainer {
                 outcome.checkpoint = true;
                 Some(shrink(self))
             }
-            MemoryAction::RestoreMicroBatch => (self.split > 1).then(|| {
+            // Not past the micro-batch the preflight found fits.
+            MemoryAction::RestoreMicroBatch => (self.split > self.fitted_split).then(|| {
                 self.split /= 2;
                 format!("{message}; micro-batch back to {}", configured / self.split)
             }),
@@ -1541,6 +1585,9 @@ impl Trainer {
     /// holds sequences k·B..(k+1)·B, so the same sequences in other batch sizes give the same
     /// loss (up to the order of the additions).
     pub fn evaluate(&mut self) -> Result<EvalRecord, TrainError> {
+        if let Some(why) = self.dataset.missing_validation() {
+            return Err(TrainError::Invalid(format!("cannot evaluate: {why}")));
+        }
         let seq = self.config.data.seq_len;
         let batch = self.config.train.eval_batch();
         // Each rank evaluates its rows of the global batches (as in training).
@@ -1797,6 +1844,53 @@ fn json_bytes(value: &Value) -> Vec<u8> {
     v
 }
 
+/// The optimizer a checkpoint was trained with, as its `ava-config.json` names it.
+fn saved_optimizer(ckpt: &LoadedCheckpoint) -> Option<String> {
+    let saved: Value = serde_json::from_slice(ckpt.file(AVA_CONFIG_FILE).ok()?).ok()?;
+    let sel = saved.pointer("/plugins/optimizer")?;
+    Some(sel.get("name").and_then(Value::as_str).map_or_else(|| sel.to_string(), str::to_string))
+}
+
+/// Why the checkpoint plan could not be made.
+enum PlanError {
+    /// The estimator could not size the step.
+    Estimate(String),
+    /// The policy failed, or returned a plan the engine cannot carry out.
+    Policy(String),
+}
+
+/// The checkpoint policy's decision per block, for micro-batches of `train.micro_batch_size /
+/// split` sequences. With a memory budget the policy gets what is left of it for activations,
+/// computed by the estimator for this rank (`ava estimate` shows the same plan); without
+/// one, no budget.
+fn checkpoint_plan(
+    spec: &ModelSpec,
+    config: &Config,
+    plugins: &crate::estimate::Plugins<'_>,
+    split: usize,
+    world: usize,
+    rank: usize,
+) -> Result<Vec<BlockDecision>, PlanError> {
+    let mut config = config.clone();
+    config.train.micro_batch_size /= split;
+    config.train.gradient_accumulation_steps *= split;
+    let t = &config.train;
+    let facts =
+        crate::estimate::block_facts(spec, t.micro_batch_size, config.data.seq_len, t.precision, plugins.attention)
+            .map_err(|e| PlanError::Estimate(e.to_string()))?;
+    let budget_bytes = if config.memory.budget.0 == 0 {
+        0
+    } else {
+        crate::estimate::estimate_rank(spec, &config, plugins, world, Some(rank))
+            .map_err(|e| PlanError::Estimate(e.to_string()))?
+            .activation_budget
+    };
+    let ctx = CheckpointContext { budget_bytes, offload_available: true };
+    let plan = plugins.checkpoint.decide(&facts, &ctx).map_err(|e| PlanError::Policy(e.to_string()))?;
+    ava_core::check_plan(&plan, spec.layers).map_err(PlanError::Policy)?;
+    Ok(plan)
+}
+
 /// Refuses a resume whose config changes what the checkpoint's state means.
 ///
 /// A checkpoint written by `saved_world` ranks resumes on `world` ranks when the global
@@ -1805,7 +1899,7 @@ fn json_bytes(value: &Value) -> Vec<u8> {
 fn check_config(
     ckpt: &LoadedCheckpoint,
     config: &Config,
-    force: bool,
+    options: &TrainOptions,
     saved_world: usize,
     world: usize,
 ) -> Result<(), TrainError> {
@@ -1840,7 +1934,11 @@ fn check_config(
         differences.retain(|d| !d.starts_with("train.micro_batch_size"));
         differences.push(change);
     }
-    if differences.is_empty() || force {
+    if options.fresh_optimizer {
+        // The state it would have to match is not loaded.
+        differences.retain(|d| !d.starts_with("plugins.optimizer"));
+    }
+    if differences.is_empty() || options.force {
         return Ok(());
     }
     Err(TrainError::ConfigChanged { checkpoint: ckpt.dir.clone(), differences })

@@ -24,6 +24,8 @@ pub struct RunDir {
     pub id: RunId,
     /// Leftover directories of dead runs removed when this one was made.
     pub removed_leftovers: usize,
+    /// `path` did not exist and was made (with its missing parents).
+    pub created_path: bool,
     _lock: File,
 }
 
@@ -47,6 +49,7 @@ impl RunDir {
     /// Makes `path` if needed, removes dead runs' directories in it, and creates and locks a
     /// fresh run directory.
     pub fn create(path: &Path) -> io::Result<Self> {
+        let created_path = !path.exists();
         std::fs::create_dir_all(path)?;
         let mut removed_leftovers = 0;
         for entry in std::fs::read_dir(path)? {
@@ -73,7 +76,7 @@ impl RunDir {
             if !try_lock(&lock)? {
                 return Err(io::Error::other(format!("{} is locked by another process", dir.display())));
             }
-            return Ok(Self { dir, id, removed_leftovers, _lock: lock });
+            return Ok(Self { dir, id, removed_leftovers, created_path, _lock: lock });
         }
     }
 }

@@ -317,6 +317,9 @@ impl Started {
             if settings.io_threads == 1 { "" } else { "s" },
             settings.max_in_flight >> 20
         );
+        if run.created_path {
+            note.push_str(&format!("; created {} (it did not exist)", settings.path.display()));
+        }
         if run.removed_leftovers > 0 {
             note.push_str(&format!(
                 "; removed {} directories left by runs that ended without cleaning up",
