@@ -126,6 +126,30 @@ pub enum Command {
     ///   ava plan --budget 24GiB -c configs/llama-7b-24gb.yaml --offload nvme:/mnt/nvme
     #[command(verbatim_doc_comment)]
     Plan(PlanArgs),
+    /// Generate text with a trained model: from a run directory (its model/, else its latest
+    /// checkpoint), a checkpoint, or a Hugging Face folder, with the tokenizer it was trained
+    /// with (the folder's tokenizer.json, or the run's corpus's). A KV cache keeps each
+    /// block's keys and values, so each new token costs one position's work.
+    ///
+    /// Sampling: --greedy (the most likely token), or --temperature with --top-k and --top-p
+    /// from --seed (the same seed gives the same text). Stops at the end-of-text token the
+    /// model was trained with (unless --ignore-eos) or after --max-tokens.
+    ///
+    /// Examples:
+    ///   ava generate runs/default
+    ///   ava generate runs/fortunes --prompt "A friend" --max-tokens 200 --temperature 0.7
+    ///   ava generate runs/fortunes/model --prompt "The" --greedy --format json
+    #[command(verbatim_doc_comment)]
+    Generate(GenerateArgs),
+    /// Evaluate a trained model on a prepared corpus: the mean cross-entropy (nats/token)
+    /// and perplexity over a split, in sequences of --seq-len tokens. Without --data, the
+    /// run's own data (its validation split).
+    ///
+    /// Examples:
+    ///   ava eval runs/fortunes                              # the run's validation split
+    ///   ava eval runs/fortunes/model --data corpora/other --split train --batches 20
+    #[command(verbatim_doc_comment)]
+    Eval(EvalArgs),
     /// Report on runs from their metrics.jsonl. One run: a summary (loss, validation loss
     /// against the entropy floor, peak memory by component, micro-batch changes and memory
     /// events) and charts of its loss and memory, as SVG and PNG in RUN/report. Several
@@ -229,6 +253,77 @@ pub struct TrainArgs {
     /// picks what the ranks split. Same as `mpirun -np N ava train ...`.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub nproc: Option<u32>,
+}
+
+/// `ava generate` options.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// A run directory (train.out_dir), a checkpoint directory, or a Hugging Face folder.
+    #[arg(value_name = "RUN_OR_MODEL")]
+    pub model: PathBuf,
+    /// Text to continue. Empty: start where a document starts (after the begin- or
+    /// end-of-text token the model was trained with).
+    #[arg(long, default_value = "")]
+    pub prompt: String,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    pub max_tokens: usize,
+    /// Always the most likely token (same as --temperature 0).
+    #[arg(long, conflicts_with_all = ["temperature", "top_k", "top_p"])]
+    pub greedy: bool,
+    /// Divide the logits by this before sampling: lower is more conservative (0: greedy).
+    #[arg(long, default_value_t = 0.8, value_name = "T")]
+    pub temperature: f64,
+    /// Sample only among the K most likely tokens (0: all).
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    pub top_k: usize,
+    /// Sample only among the most likely tokens whose probabilities add up to P (1: all).
+    #[arg(long, default_value_t = 0.95, value_name = "P")]
+    pub top_p: f64,
+    /// Seed of the draws.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Keep going past the end-of-text token (it is then part of the output).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// A tokenizer.json to read and write text with, instead of the model's own.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// Compute threads (0: all cores).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub threads: usize,
+}
+
+/// `ava eval` options.
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// A run directory (train.out_dir), a checkpoint directory, or a Hugging Face folder.
+    #[arg(value_name = "RUN_OR_MODEL")]
+    pub model: PathBuf,
+    /// A corpus prepared by `ava data prepare`. Default: the run's own data.
+    #[arg(long, value_name = "DIR")]
+    pub data: Option<PathBuf>,
+    /// Which split: validation or train.
+    #[arg(long, default_value = "validation", value_parser = ["validation", "train"])]
+    pub split: String,
+    /// Tokens per sequence. Default: the run's data.seq_len (256 for a folder alone).
+    #[arg(long, value_name = "T")]
+    pub seq_len: Option<usize>,
+    /// Sequences per batch (with --batches: how many sequences are read). Default: the
+    /// run's train.eval_batch_size (its micro-batch), else 8.
+    #[arg(long, value_name = "B")]
+    pub batch_size: Option<usize>,
+    /// Batches to evaluate. Default: one pass over a corpus split; for a source without an
+    /// end (synthetic), the run's train.eval_batches, so the loss is the one training
+    /// reported.
+    #[arg(long, value_name = "N")]
+    pub batches: Option<u64>,
+    /// A tokenizer.json the model reads with, instead of its own.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// Compute threads (0: all cores).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub threads: usize,
 }
 
 /// `ava report` options.

@@ -36,6 +36,15 @@ impl Printer {
         };
     }
 
+    /// Part of a text result as it is made (generated text, token by token): written to
+    /// stdout at once in text mode; nothing in JSON mode, whose result comes whole at the end.
+    pub fn stream(&self, text: &str) {
+        if self.format == Format::Text {
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+        }
+    }
+
     /// A warning on stderr (shown unless `-q`).
     pub fn warn(&self, msg: &str) {
         if self.verbosity >= 1 {

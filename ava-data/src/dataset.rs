@@ -70,6 +70,14 @@ pub trait Dataset: Send + Sync {
         false
     }
 
+    /// Sequences of `seq_len` (+1) tokens one pass over `split` holds, when the source has
+    /// an end (a prepared corpus); `None` for a source without one (synthetic), or whose passes
+    /// are not a fixed list (a mixture).
+    fn sequences_per_pass(&self, split: Split, seq_len: usize) -> Option<u64> {
+        let _ = (split, seq_len);
+        None
+    }
+
     /// Why the source has no validation data, when it has none (a corpus whose held-out
     /// documents make less than one sequence): training then runs without evaluating, and
     /// `sequence` must not be asked for the validation split. `None` (the default): it has.

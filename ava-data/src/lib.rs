@@ -62,7 +62,7 @@ pub use synthetic::{
     MAX_CONTEXTS, MAX_TABLE_ENTRIES, MarkovSpec, START, SyntheticDataset, branch_probabilities, entropy_nats,
 };
 pub use text::TextDataset;
-pub use tokenizer::TextTokenizer;
+pub use tokenizer::{TextTokenizer, Tokenizer, byte_tokenizer_json};
 
 /// Where the tokens come from.
 #[derive(Debug, Clone, PartialEq)]

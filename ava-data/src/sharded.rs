@@ -203,6 +203,10 @@ impl Dataset for ShardedDataset {
         self.packing
     }
 
+    fn sequences_per_pass(&self, split: Split, seq_len: usize) -> Option<u64> {
+        (self.split_tokens(split) > seq_len as u64).then(|| self.sequences_per_epoch(split, seq_len))
+    }
+
     fn missing_validation(&self) -> Option<String> {
         let (tokens, needed) = (self.split_tokens(Split::Validation), self.seq_len as u64 + 1);
         (tokens < needed).then(|| {

@@ -556,3 +556,25 @@ fn a_full_disk_leaves_a_partial_temporary_shard_and_the_old_manifest() {
     assert_eq!(fs::read(dir.path().join(manifest::FILE)).unwrap(), before);
     assert!(!dir.path().join(format!("{}.tmp", manifest::FILE)).exists());
 }
+
+/// The byte tokenizer written as a tokenizer.json encodes text to exactly its UTF-8 bytes
+/// and decodes them back, through the `tokenizers` crate (what transformers loads too), with
+/// `<|endoftext|>` at its id.
+#[test]
+fn the_byte_tokenizer_json_encodes_text_to_its_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tokenizer.json");
+    std::fs::write(&path, crate::byte_tokenizer_json(Some(256))).unwrap();
+    let t = crate::TextTokenizer::from_file(&path).unwrap();
+    assert_eq!(t.vocab_size(), 257);
+    assert_eq!(t.token_id("<|endoftext|>"), Some(256));
+    let text = "Hello, wörld!\n\ttabs  and 日本 <|endoftext|>x";
+    let ids = t.encode_piece(text).unwrap();
+    let (head, tail) = text.split_once("<|endoftext|>").unwrap();
+    let want: Vec<u32> = head.bytes().map(u32::from).chain([256]).chain(tail.bytes().map(u32::from)).collect();
+    assert_eq!(ids, want);
+    assert_eq!(t.decode(&ids).unwrap(), text);
+    let bytes = crate::Tokenizer::Bytes;
+    assert_eq!(bytes.encode(head).unwrap(), head.bytes().map(u32::from).collect::<Vec<_>>());
+    assert_eq!(bytes.decode(&ids).unwrap(), text);
+}

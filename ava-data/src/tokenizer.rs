@@ -1,6 +1,8 @@
 //! [`TextTokenizer`]: a local Hugging Face `tokenizer.json`, used to encode a text file once.
 //! A byte-level BPE is encoded by our own [`ByteLevelBpe`] when it reproduces the file exactly
-//! (an order of magnitude faster), anything else by the `tokenizers` crate.
+//! (an order of magnitude faster), anything else by the `tokenizers` crate. [`Tokenizer`]: what
+//! a trained model reads and writes text with (that, or raw bytes), and
+//! [`byte_tokenizer_json`], the byte tokenizer as a `tokenizer.json` other tools load.
 
 use std::path::{Path, PathBuf};
 
@@ -83,6 +85,12 @@ impl TextTokenizer {
         }
     }
 
+    /// The text of `ids`, special tokens written out (`<|endoftext|>`); bytes that do not make
+    /// whole UTF-8 characters (a character cut between tokens) become U+FFFD.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
+        self.inner.decode(ids, false).map_err(|e| e.to_string())
+    }
+
     /// Encodes `text` (the contents of `data_path`, named in errors) without adding special
     /// tokens, in line-aligned chunks.
     pub fn encode(&self, text: &str, data_path: &Path) -> Result<Vec<u32>, DataError> {
@@ -111,4 +119,93 @@ fn chunk_end(text: &str, start: usize) -> usize {
     }
     // '\n' is ASCII, so the byte after it is always a char boundary.
     text.as_bytes()[min_end..].iter().position(|&b| b == b'\n').map_or(text.len(), |i| min_end + i + 1)
+}
+
+/// The tokenizer a model was trained with: raw bytes (ids 0–255, and the end-of-text id
+/// after them in a prepared corpus), or a `tokenizer.json`.
+#[derive(Debug)]
+pub enum Tokenizer {
+    /// Ids 0–255 are the bytes of the text.
+    Bytes,
+    /// A Hugging Face tokenizer.
+    File(TextTokenizer),
+}
+
+impl Tokenizer {
+    /// The ids of `text`, no special tokens added.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        match self {
+            Tokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
+            Tokenizer::File(t) => t.encode_piece(text),
+        }
+    }
+
+    /// The text of `ids`: for bytes, as UTF-8 (U+FFFD for what is not), ids past the bytes
+    /// written as `<|endoftext|>`.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
+        match self {
+            Tokenizer::Bytes => {
+                let mut out = String::new();
+                let mut bytes = Vec::new();
+                for &id in ids {
+                    match u8::try_from(id) {
+                        Ok(b) => bytes.push(b),
+                        Err(_) => {
+                            out.push_str(&String::from_utf8_lossy(&std::mem::take(&mut bytes)));
+                            out.push_str(crate::bpe::END_OF_TEXT);
+                        }
+                    }
+                }
+                out.push_str(&String::from_utf8_lossy(&bytes));
+                Ok(out)
+            }
+            Tokenizer::File(t) => t.decode(ids),
+        }
+    }
+
+    /// `the byte tokenizer` or `tokenizer PATH`.
+    pub fn describe(&self) -> String {
+        match self {
+            Tokenizer::Bytes => "the byte tokenizer".into(),
+            Tokenizer::File(t) => format!("tokenizer {}", t.path().display()),
+        }
+    }
+}
+
+/// The byte tokenizer as a Hugging Face `tokenizer.json`: a byte-level BPE without merges whose
+/// vocabulary is the 256 bytes at their own ids (GPT-2's printable stand-ins), and
+/// `<|endoftext|>` at `end_of_text` when given. The `tokenizers` crate and transformers encode
+/// text with it to exactly its UTF-8 bytes, so a model trained on bytes ships the tokenizer
+/// other tools need.
+pub fn byte_tokenizer_json(end_of_text: Option<u32>) -> String {
+    let chars = crate::bpe::byte_chars();
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        (0..256).map(|b| (chars[b].to_string(), serde_json::Value::from(b))).collect();
+    let added: Vec<serde_json::Value> = end_of_text
+        .map(|id| {
+            serde_json::json!({
+                "id": id, "content": crate::bpe::END_OF_TEXT, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true,
+            })
+        })
+        .into_iter()
+        .collect();
+    let level =
+        serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let json = serde_json::json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": level,
+        "post_processor": null,
+        "decoder": level,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": [],
+        },
+    });
+    serde_json::to_string_pretty(&json).expect("a JSON value serializes")
 }

@@ -8,8 +8,10 @@
 //!   ZeRO stages 0–2.
 //! - [`estimate`]: `ava estimate`, the peak memory of a training step predicted from the config
 //!   alone (closed formulas, and a replay of the model on byte-counting shadow tensors).
-//! - [`model`]: the Llama-style decoder on candle, the attention-kernel adapter and the
-//!   recompute mechanism behind checkpoint policies.
+//! - [`inference`]: a trained model and its tokenizer, loaded from a run, a checkpoint or a
+//!   Hugging Face folder (`ava generate`, `ava eval`).
+//! - [`model`]: the Llama-style decoder on candle, the attention-kernel adapter, the
+//!   recompute mechanism behind checkpoint policies, and generation with a KV cache.
 //! - [`memory`]: the counting allocator and the memory breakdown.
 //! - [`profile`]: named wall-clock scopes for `ava bench`.
 //! - [`run_dir`]: one run per output directory (the lock, an earlier run's files).
@@ -20,6 +22,7 @@ pub mod config;
 pub mod data;
 pub mod dist;
 pub mod estimate;
+pub mod inference;
 pub mod memory;
 pub mod model;
 pub mod profile;

@@ -14,6 +14,8 @@ mod data_prepare;
 mod data_train_tokenizer;
 mod data_verify;
 mod estimate;
+mod eval;
+mod generate;
 mod offload_arg;
 mod plan;
 mod plugins_disable;
@@ -44,6 +46,8 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
             estimate::run(p, &config, world_size as usize, rank.map(|r| r as usize))
         }
         Command::Plan(args) => plan::run(p, &args),
+        Command::Generate(args) => generate::run(p, &args),
+        Command::Eval(args) => eval::run(p, &args),
         Command::Report(args) => report::run(p, &args),
         Command::Bench(BenchCommand::Train { config, steps, warmup, modes, offload }) => {
             if modes {

@@ -137,6 +137,12 @@ impl Reporter for CliReporter<'_> {
         self.line(&format!("[step {}] validation loss {:.4}{gap}", r.step, r.val_loss));
     }
 
+    fn sample(&mut self, step: u64, text: &str, ended: bool) {
+        let end = if ended { " (end of text)" } else { "" };
+        let body: Vec<String> = text.lines().map(|l| format!("  | {l}")).collect();
+        self.line(&format!("[step {step}] sample{end}:\n{}", body.join("\n")));
+    }
+
     fn checkpoint(&mut self, step: u64, dir: &Path) {
         self.line(&format!("[step {step}] checkpoint {}", dir.display()));
     }

@@ -286,7 +286,10 @@ fn train(p: &Printer, started: Started) -> CmdResult {
             (None, _) => {}
         }
         if let Some(m) = &summary.model_dir {
-            lines.push(format!("model: {m} (Hugging Face config.json + model.safetensors)"));
+            lines.push(format!(
+                "model: {m} (a Hugging Face folder with its tokenizer; sample from it: ava generate {})",
+                shell_quote(&Path::new(m).parent().unwrap_or(Path::new(m)).display().to_string())
+            ));
         }
         lines.join("\n")
     };

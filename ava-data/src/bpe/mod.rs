@@ -18,4 +18,5 @@ mod train;
 
 pub use encode::ByteLevelBpe;
 pub use load::Unsupported;
+pub(crate) use load::byte_chars;
 pub use train::{END_OF_TEXT, Trained, train};

@@ -141,6 +141,8 @@ const TRAIN: &[Field] = &[
     Field { key: "eval_every", kind: Kind::Int(0, i64::MAX) },
     Field { key: "eval_batches", kind: Kind::Int(1, 1 << 20) },
     Field { key: "eval_batch_size", kind: Kind::OptInt(1, 1 << 20) },
+    Field { key: "sample_every", kind: Kind::Int(0, i64::MAX) },
+    Field { key: "sample_tokens", kind: Kind::Int(1, 1 << 16) },
     Field { key: "log_every", kind: Kind::Int(1, i64::MAX) },
     Field { key: "out_dir", kind: Kind::Path },
     Field { key: "loss_scale", kind: Kind::Section(LOSS_SCALE) },

@@ -240,6 +240,13 @@ pub struct TrainConfig {
     /// Sequences per validation batch (`None`: `micro_batch_size`). An evaluation covers
     /// `eval_batches × eval_batch_size` sequences.
     pub eval_batch_size: Option<usize>,
+    /// Print a sample of `sample_tokens` generated tokens every this many steps (0: never),
+    /// as llm.c does: what the model writes from the start of a document.
+    #[serde(default)]
+    pub sample_every: u64,
+    /// Tokens in each such sample.
+    #[serde(default = "default_sample_tokens")]
+    pub sample_tokens: usize,
     /// Write a metrics line every this many steps.
     pub log_every: u64,
     /// The run directory: metrics, checkpoints, the effective config.
@@ -258,6 +265,10 @@ impl TrainConfig {
     pub fn eval_batch(&self) -> usize {
         self.eval_batch_size.unwrap_or(self.micro_batch_size)
     }
+}
+
+fn default_sample_tokens() -> usize {
+    64
 }
 
 /// The `train.loss_scale` section.

@@ -1,6 +1,6 @@
 //! Reading a run's `metrics.jsonl` back: one metric's values by step, so runs can be put
 //! side by side, or a whole run's steps and evaluations ([`read_run`]) for its report
-//! (`ava report`). Each line is `{"type": "step"|"eval", "data": {...}}`, the data being a
+//! (`ava report`). Each line is `{"type": "step"|"eval"|"sample", "data": {...}}`, the data being a
 //! [`StepRecord`](super::StepRecord) or an [`EvalRecord`](super::EvalRecord).
 
 use std::{
@@ -160,7 +160,9 @@ pub fn read_run(file: &Path) -> Result<RunMetrics, MetricsError> {
                     serde_json::from_value(data).map_err(|e| parse(format!("not an eval record ({e})")))?;
                 evals.insert(p.step, p);
             }
-            _ => return Err(parse("its type is neither \"step\" nor \"eval\"".into())),
+            // A text sample (`train.sample_every`): nothing to chart.
+            Some("sample") => {}
+            _ => return Err(parse("its type is none of \"step\", \"eval\" and \"sample\"".into())),
         }
     }
     Ok(RunMetrics { steps: steps.into_values().collect(), evals: evals.into_values().collect() })

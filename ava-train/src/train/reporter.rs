@@ -164,6 +164,9 @@ pub trait Reporter {
     fn step(&mut self, _record: &StepRecord) {}
     /// After each evaluation.
     fn eval(&mut self, _record: &EvalRecord) {}
+    /// A sample of what the model writes (`train.sample_every`), and whether it ended at
+    /// the end-of-text token.
+    fn sample(&mut self, _step: u64, _text: &str, _ended: bool) {}
     /// After a checkpoint was written.
     fn checkpoint(&mut self, _step: u64, _dir: &std::path::Path) {}
     /// Something the user should know (memory policy messages, skipped steps).

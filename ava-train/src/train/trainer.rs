@@ -173,6 +173,9 @@ pub struct Trainer {
     split: usize,
     /// The split the preflight found the budget needs: the memory policy's restores stop there.
     fitted_split: usize,
+    /// With `train.sample_every`: the run's tokenizer, the token samples start from, and the
+    /// end-of-text id they stop at.
+    sampling: Option<(ava_data::Tokenizer, u32, Option<u32>)>,
     /// What the run does otherwise than its config may suggest (the preflight's smaller
     /// micro-batch, a tier that holds nothing, no validation data): the header's warnings.
     warnings: Vec<String>,
@@ -414,6 +417,14 @@ pub fn check_training_modes(config: &Config, world: usize) -> Result<(), TrainEr
              state, but offload.tiers keeps all of it in ram: select a tier and give it a share, e.g. \
              plugins.offload: {name: nvme, path: /mnt/scratch} and offload.tiers: [ram: 0%, nvme: 100%] \
              (or train.master_weights: none or kahan, which keep no masters)"
+                .to_string(),
+        );
+    }
+    if t.sample_every > 0 && world > 1 && config.distributed.zero_stage >= 3 {
+        problems.push(
+            "train.sample_every samples on rank 0 with every weight, which ZeRO stage 3 splits over the ranks: set \
+             train.sample_every: 0 (and sample after training with `ava generate RUN`), or distributed.zero_stage \
+             below 3"
                 .to_string(),
         );
     }
@@ -782,6 +793,7 @@ impl Trainer {
         };
         // Block inputs parked in the tier: say where, and how it is set up.
         let parked = plan.iter().filter(|d| **d == BlockDecision::Offload).count();
+        let sampling = samples_from(&config, dataset.as_ref())?;
         let mut warnings: Vec<String> = preflight.note.into_iter().collect();
         if let Some(why) = dataset.missing_validation() {
             warnings.push(format!(
@@ -866,6 +878,7 @@ impl Trainer {
             split: trainer_state.micro_batch_split.max(1),
             fitted_split: preflight.split,
             warnings,
+            sampling,
             compute,
             threads,
             resumed_from,
@@ -1118,6 +1131,15 @@ impl Trainer {
                 write_line(metrics.as_mut(), &self.metrics_path(), &serde_json::json!({"type": "eval", "data": eval}))?;
                 reporter.eval(&eval);
             }
+            if t.sample_every > 0 && record.step % t.sample_every == 0 && root {
+                let (text, stop) = self.sample()?;
+                write_line(
+                    metrics.as_mut(),
+                    &self.metrics_path(),
+                    &serde_json::json!({"type": "sample", "data": {"step": record.step, "text": text}}),
+                )?;
+                reporter.sample(record.step, &text, stop);
+            }
             let every = self.config.checkpoints.every;
             if (every > 0 && record.step % every == 0)
                 || record.step == last
@@ -1144,7 +1166,7 @@ impl Trainer {
             summary.checkpoint = self.store.latest()?.map(|p| p.display().to_string());
         }
         if self.step == t.max_steps && summary.stopped.is_none() && !summary.interrupted {
-            summary.model_dir = self.save_final_model()?.map(|dir| dir.display().to_string());
+            summary.model_dir = self.save_final_model(reporter)?.map(|dir| dir.display().to_string());
         }
         if timed.0 == 0.0 {
             timed = first_timed;
@@ -1614,6 +1636,20 @@ impl Trainer {
         Ok(EvalRecord { step: self.step, val_loss: total, entropy_floor: floor, gap: floor.map(|f| total / f - 1.0) })
     }
 
+    /// `train.sample_tokens` tokens the model writes now from the start of a document
+    /// (temperature 1, seeded by `train.seed`, so samples of different steps compare), and
+    /// whether it stopped at the end of text.
+    pub fn sample(&self) -> Result<(String, bool), TrainError> {
+        let Some((tokenizer, start, eos)) = &self.sampling else {
+            return Err(TrainError::Invalid("train.sample_every is 0: this run takes no samples".into()));
+        };
+        let sampling = model::Sampling { temperature: 1.0, top_k: 0, top_p: 1.0, seed: self.config.train.seed };
+        let (ids, stop) =
+            model::generate(&self.model, &[*start], self.config.train.sample_tokens, sampling, *eos, &mut |_| {})?;
+        let text = tokenizer.decode(&ids).map_err(|e| TrainError::Invalid(format!("cannot decode a sample: {e}")))?;
+        Ok((text, stop == model::Stop::EndOfText))
+    }
+
     /// Writes a checkpoint of the current step; returns its directory.
     ///
     /// With several ranks every rank calls it: rank 0 writes the whole checkpoint, the
@@ -1712,7 +1748,10 @@ impl Trainer {
 
     /// Writes the trained model's `model/` folder: rank 0 writes it whole; at ZeRO stage 3
     /// the other ranks send it their parameters as it goes.
-    fn save_final_model(&self) -> Result<Option<PathBuf>, TrainError> {
+    /// Writes the final weights as a Hugging Face folder with the run's tokenizer and its
+    /// begin- and end-of-text ids (a tokenizer that cannot be written is warned about: the
+    /// weights are what the run made).
+    fn save_final_model(&self, reporter: &mut dyn Reporter) -> Result<Option<PathBuf>, TrainError> {
         let dir = self.out_dir.join("model");
         if !self.zero.is_root() {
             if self.zero.stage() >= 3 {
@@ -1728,6 +1767,16 @@ impl Trainer {
             self.zero.broadcast(&mut state_request(u64::MAX, 0), 0)?;
         }
         written?;
+        let tokenizer = crate::inference::run_tokenizer(&self.config)
+            .map_err(|e| e.to_string())
+            .and_then(|source| crate::inference::write_tokenizer_files(&dir, &source).map_err(|e| e.to_string()));
+        if let Err(e) = tokenizer {
+            reporter.warn(&format!(
+                "{}: the weights are saved, but not the tokenizer ({e}); `ava generate` and transformers need one \
+                 beside them: copy it there as tokenizer.json",
+                dir.display()
+            ));
+        }
         Ok(Some(dir))
     }
 
@@ -1849,6 +1898,27 @@ fn saved_optimizer(ckpt: &LoadedCheckpoint) -> Option<String> {
     let saved: Value = serde_json::from_slice(ckpt.file(AVA_CONFIG_FILE).ok()?).ok()?;
     let sel = saved.pointer("/plugins/optimizer")?;
     Some(sel.get("name").and_then(Value::as_str).map_or_else(|| sel.to_string(), str::to_string))
+}
+
+/// With `train.sample_every`: the run's tokenizer, the token a sample starts from (the
+/// begin- or end-of-text id, else the first token of the data) and the end-of-text id.
+fn samples_from(
+    config: &Config,
+    dataset: &dyn Dataset,
+) -> Result<Option<(ava_data::Tokenizer, u32, Option<u32>)>, TrainError> {
+    if config.train.sample_every == 0 {
+        return Ok(None);
+    }
+    let invalid = |e: crate::inference::InferenceError| {
+        TrainError::Invalid(format!("train.sample_every: {e} (or set train.sample_every: 0)"))
+    };
+    let source = crate::inference::run_tokenizer(config).map_err(invalid)?;
+    let tokenizer = source.load().map_err(invalid)?;
+    let start = match source.bos.or(source.eos) {
+        Some(id) => id,
+        None => dataset.sequence(Split::Train, 0, 1)[0],
+    };
+    Ok(Some((tokenizer, start, source.eos)))
 }
 
 /// Why the checkpoint plan could not be made.
