@@ -73,6 +73,14 @@ fn registry_failure(e: Box<HostError>) -> Failure {
     }
 }
 
+/// Whether two paths name the same file.
+fn same_file(a: &Path, b: &Path) -> bool {
+    match (std::fs::canonicalize(a), std::fs::canonicalize(b)) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => a == b,
+    }
+}
+
 fn loader(args: &ConfigArgs, p: &Printer) -> ConfigLoader<'static> {
     let mut loader = ConfigLoader::new().process_env().sets(args.set.iter().cloned());
     if let Some(file) = config_file(args.config.as_deref()) {
@@ -85,6 +93,18 @@ fn loader(args: &ConfigArgs, p: &Printer) -> ConfigLoader<'static> {
 /// Configuration and registry, with every plugin selection checked by its plugin: unknown
 /// keys, wrong types and refused plugin options come in one report (exit code 2).
 pub fn load_checked(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> {
+    // One config file is read: a named one replaces ./ava.yaml (what `plugins enable`
+    // writes), which would otherwise be missed without a word.
+    if let Some(named) = &args.config
+        && Path::new(DEFAULT_CONFIG_FILE).is_file()
+        && !same_file(named, Path::new(DEFAULT_CONFIG_FILE))
+    {
+        p.note(&format!(
+            "note: ./{DEFAULT_CONFIG_FILE} is not read: {} is the config file (one file is read; put the settings in \
+             it, or pass them with --set)",
+            named.display()
+        ));
+    }
     let (_loaded, registry) = loader(args, p)
         .load_checked(|plugins| host_from(plugins).and_then(|host| Registry::load(&host).map_err(Box::new)))
         .map_err(registry_failure)?

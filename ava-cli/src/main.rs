@@ -97,8 +97,15 @@ pub fn print_failure(printer: &Printer, f: Failure) -> u8 {
         }
         output::Format::Text => {
             let mut text = format!("error: {err}\n");
+            let mut said = err.to_string();
             for cause in err.chain().skip(1) {
-                text.push_str(&format!("  caused by: {cause}\n"));
+                // A cause the message already quotes (`cannot read input X: <the OS error>`)
+                // is not said again.
+                let cause = cause.to_string();
+                if !said.contains(&cause) {
+                    text.push_str(&format!("  caused by: {cause}\n"));
+                    said.push_str(&cause);
+                }
             }
             // One write: eprintln! writes a message in pieces, and the ranks of an MPI job
             // share one stderr, where their pieces interleaved mid-line.

@@ -103,6 +103,20 @@ impl Out {
         &self.stdout
     }
 
+    /// Success of `plugins enable`: stdout, after checking stderr says which runs read the
+    /// file it wrote (and nothing else).
+    #[track_caller]
+    fn enabled(&self) -> &str {
+        assert_eq!(self.code, 0, "expected success, got {self:#?}");
+        assert!(
+            self.stderr.lines().count() == 1
+                && (self.stderr.contains("is read by ava commands run in this directory without -c/--config")
+                    || self.stderr.starts_with("read by runs with -c ")),
+            "{self:#?}"
+        );
+        &self.stdout
+    }
+
     /// Asserts exit code 2 (usage/config error) and an empty stdout; returns stderr.
     #[track_caller]
     fn usage_error(&self) -> &str {
@@ -749,7 +763,7 @@ const CREATED_HEADER: &str = "\
 fn enable_disable_round_trip_in_an_empty_dir() {
     let s = Sandbox::new();
     let out = s.ava(&["plugins", "enable", "optimizer", "lion", "--set", "betas=[0.9,0.98]"]);
-    assert_golden(out.success(), "created ava.yaml with plugins.optimizer: {name: lion, betas: [0.9, 0.98]}\n");
+    assert_golden(out.enabled(), "created ava.yaml with plugins.optimizer: {name: lion, betas: [0.9, 0.98]}\n");
     assert_golden(
         &s.read("ava.yaml"),
         &format!("{CREATED_HEADER}plugins:\n  optimizer: {{name: lion, betas: [0.9, 0.98]}}\n"),
@@ -778,7 +792,7 @@ plugins:
 
     // Enabling the same selection again changes nothing.
     assert_golden(
-        s.ava(&["plugins", "enable", "optimizer", "lion", "--set", "betas=[0.9, 0.98]"]).success(),
+        s.ava(&["plugins", "enable", "optimizer", "lion", "--set", "betas=[0.9, 0.98]"]).enabled(),
         "ava.yaml already has plugins.optimizer: {name: lion, betas: [0.9, 0.98]}\n",
     );
 
@@ -795,7 +809,7 @@ plugins:
 
     // The file exists now: enabling changes it.
     assert_golden(
-        s.ava(&["plugins", "enable", "optimizer", "lion"]).success(),
+        s.ava(&["plugins", "enable", "optimizer", "lion"]).enabled(),
         "set plugins.optimizer: lion in ava.yaml\n",
     );
     assert_golden(&s.read("ava.yaml"), &format!("{CREATED_HEADER}plugins:\n  optimizer: lion\n"));
@@ -805,7 +819,7 @@ plugins:
 fn enable_disable_json() {
     let s = Sandbox::new();
     let out = s.ava(&["--format", "json", "plugins", "enable", "optimizer", "sgd", "--set", "momentum=0.9"]);
-    out.success();
+    out.enabled();
     assert_eq!(
         out.json(),
         serde_json::json!({
@@ -836,7 +850,7 @@ fn enable_then_disable_restores_a_commented_yaml_file_exactly() {
     let s = Sandbox::new();
     s.write("my.yaml", COMMENTED_YAML);
     let out = s.ava(&["plugins", "enable", "optimizer", "lion", "--config", "my.yaml", "--set", "betas=[0.9,0.98]"]);
-    assert_golden(out.success(), "set plugins.optimizer: {name: lion, betas: [0.9, 0.98]} in my.yaml\n");
+    assert_golden(out.enabled(), "set plugins.optimizer: {name: lion, betas: [0.9, 0.98]} in my.yaml\n");
     assert_golden(
         &s.read("my.yaml"),
         "\
@@ -901,7 +915,7 @@ fn enable_disable_with_a_toml_config() {
     let original = "# toml settings\n[plugins]\npolicy = \"open\"\n";
     s.write("ava.toml", original);
     let out = s.ava(&["plugins", "enable", "optimizer", "lion", "--config", "ava.toml", "--set", "betas=[0.9,0.98]"]);
-    assert_golden(out.success(), "set plugins.optimizer: {name: lion, betas: [0.9, 0.98]} in ava.toml\n");
+    assert_golden(out.enabled(), "set plugins.optimizer: {name: lion, betas: [0.9, 0.98]} in ava.toml\n");
     assert_golden(
         &s.read("ava.toml"),
         "\

@@ -92,8 +92,7 @@ fn a_trained_run_generates_and_evaluates_from_its_folder() {
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
-        .filter(|v| v["type"] == "eval")
-        .last()
+        .rfind(|v| v["type"] == "eval")
         .unwrap()["data"]["val_loss"]
         .as_f64()
         .unwrap();

@@ -209,6 +209,11 @@ fn ctrl_c_saves_the_step_reached_and_the_printed_command_resumes_bit_exactly() {
     assert_eq!(losses(&run).last().unwrap().0, step, "the last logged step is the one saved");
     assert!(err.contains(&format!("interrupted by SIGINT at step {step}: checkpoint ")), "{err}");
     assert!(err.contains(" --max-steps 300 --set checkpoints.every=100 --resume latest"), "{err}");
+    // Answered when it came, before the step under way finished.
+    let answer = err.lines().position(|l| l.starts_with("SIGINT: stopping after step ")).expect(&err);
+    let saved = err.lines().position(|l| l.contains(&format!("checkpoint {}", run.display()))).unwrap_or(usize::MAX);
+    assert!(answer < saved, "{err}");
+    assert!(err.contains("then saving a checkpoint; Ctrl-C again to quit at once without saving"), "{err}");
     assert!(!run.join("model").exists(), "an interrupted run has no final model");
 
     ok(train_small(dir.path(), "split", &["--max-steps", max, "--set", "checkpoints.every=100", "--resume", "latest"]));
@@ -220,6 +225,50 @@ fn ctrl_c_saves_the_step_reached_and_the_printed_command_resumes_bit_exactly() {
         assert!(x == y, "{file} differs between the straight and the interrupted run");
     }
     assert_eq!(losses(&straight), losses(&run), "losses differ");
+}
+
+/// A second Ctrl-C quits at once, saying what it did; the last complete checkpoint stays the
+/// one `latest` names.
+#[test]
+fn a_second_ctrl_c_quits_at_once_and_says_so() {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    // Steps long enough (about 0.1 s) that the second signal comes while one runs.
+    let args = [
+        "--max-steps",
+        "100000",
+        "--set",
+        "checkpoints.every=2",
+        "--set",
+        "data.seq_len=256",
+        "--set",
+        "model.hidden_size=128",
+        "--set",
+        "model.intermediate_size=256",
+    ];
+    let mut child = train_small_command(dir.path(), "run", &args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let run = dir.path().join("run");
+    wait_for_steps(&mut child, &run, 3);
+    for _ in 0..2 {
+        // SAFETY: kill with the pid of our own child, which has not been waited for yet.
+        assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) }, 0);
+        // Delivered before the next (two pending SIGINTs would be one).
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.signal(), Some(libc::SIGINT), "{err}");
+    assert!(err.contains("SIGINT: stopping after step "), "{err}");
+    assert!(
+        err.contains("SIGINT again: quitting now, without saving this step; the last complete checkpoint is intact"),
+        "{err}"
+    );
+    let latest = std::fs::read_to_string(run.join("checkpoints/latest")).unwrap();
+    assert!(run.join("checkpoints").join(latest.trim()).join("manifest.json").is_file());
 }
 
 #[test]

@@ -128,7 +128,7 @@ pub enum Tokenizer {
     /// Ids 0–255 are the bytes of the text.
     Bytes,
     /// A Hugging Face tokenizer.
-    File(TextTokenizer),
+    File(Box<TextTokenizer>),
 }
 
 impl Tokenizer {

@@ -413,7 +413,33 @@ impl Registry {
             self.rows.iter().filter(|r| r.status == Status::Unvetted).map(|r| {
                 format!("plugin '{}': {}", r.name().unwrap_or("?"), r.reason.as_deref().unwrap_or("not pinned"))
             });
-        self.warnings.iter().cloned().chain(unvetted).collect()
+        self.warnings.iter().cloned().chain(unvetted).chain(self.replaced_copies()).collect()
+    }
+
+    /// A library that was not opened (modified since it was pinned, not pinned, writable by
+    /// others) while a copy of the same plugin from elsewhere in the search is used: whoever
+    /// changed that library would otherwise run the other copy without a word.
+    fn replaced_copies(&self) -> Vec<String> {
+        self.rows
+            .iter()
+            .filter(|r| r.manifest.is_none() && !r.status.is_usable())
+            .filter_map(|r| {
+                let Source::File(path) = &r.source else { return None };
+                // The pin for its file name says which plugin it was; else its file name.
+                let name = path
+                    .file_name()
+                    .and_then(|f| self.lock.by_file(&f.to_string_lossy()))
+                    .map(|pin| pin.name.clone())
+                    .or_else(|| plugin_name_of_file(path))?;
+                let used = self.table.iter().find(|((_, n), _)| *n == name).map(|(_, e)| &self.rows[e.row])?;
+                Some(format!(
+                    "plugin '{name}': {} was not opened ({}); '{name}' is loaded from {} instead",
+                    path.display(),
+                    r.reason.as_deref().unwrap_or(r.status.as_str()),
+                    used.source
+                ))
+            })
+            .collect()
     }
 
     /// The directories that were searched.

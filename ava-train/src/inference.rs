@@ -67,7 +67,7 @@ impl TokenizerSource {
         match &self.file {
             None => Ok(Tokenizer::Bytes),
             Some(path) => TextTokenizer::from_file(path)
-                .map(Tokenizer::File)
+                .map(|t| Tokenizer::File(Box::new(t)))
                 .map_err(|e| InferenceError::Tokenizer(e.to_string())),
         }
     }

@@ -246,3 +246,15 @@ fn kv_cache_generation_gives_transformers_logits_at_every_position() {
         assert!(ok, "{name}: the KV cache's logits differ from transformers' by up to {worst}");
     }
 }
+
+/// A folder whose weights are PyTorch pickles is refused by name, saying how to convert them
+/// (a pickle is never loaded: loading one runs the code in it).
+#[test]
+fn pytorch_pickles_are_refused_with_how_to_convert_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::copy(folder("llama-theta-v5").join("config.json"), tmp.path().join("config.json")).unwrap();
+    std::fs::write(tmp.path().join("pytorch_model.bin"), b"not read").unwrap();
+    let err = load_hf_folder(tmp.path()).expect_err("refused").to_string();
+    assert!(err.contains("the weights are PyTorch pickles (pytorch_model.bin), which Ava does not read"), "{err}");
+    assert!(err.contains("save_pretrained(") && err.contains("safe_serialization=True"), "{err}");
+}

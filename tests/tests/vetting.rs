@@ -211,6 +211,33 @@ fn modified_pinned_library_is_refused_under_every_policy() {
     assert!(row.manifest.as_ref().unwrap().summary.starts_with("Lion: Sign of interpolated momentum"));
 }
 
+/// A modified copy searched first, and the pinned copy later in the search: the pinned one is
+/// used, and the registry says so (a notice every command prints), naming both files.
+#[test]
+fn a_modified_copy_replaced_by_another_is_said() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (first, second) = (tmp.path().join("first"), tmp.path().join("second"));
+    for d in [&first, &second] {
+        fs::create_dir(d).unwrap();
+        set_mode(d, 0o700);
+    }
+    let edited = private_copy(&workspace_plugin("lion"), &first);
+    let good = private_copy(&workspace_plugin("lion"), &second);
+    let lock = lock_path(tmp.path());
+    vet_file(&good, &lock).unwrap();
+    flip_byte_in(&edited, LION_SUMMARY, 0);
+    let reg = load(&host_with_lock(&[first.as_path(), second.as_path()], VettingPolicy::Vetted, &lock));
+    assert_eq!(file_row(&reg, &edited).status, Status::Modified);
+    assert!(reg.optimizer("lion", "").is_ok(), "the pinned copy is used");
+    let notices = reg.notices();
+    let said = notices.iter().find(|n| n.contains(&edited.display().to_string())).expect("a notice");
+    assert!(
+        said.starts_with(&format!("plugin 'lion': {} was not opened (pinned as optimizer 'lion'", edited.display()))
+            && said.ends_with(&format!("'lion' is loaded from {} instead", good.display())),
+        "{said}"
+    );
+}
+
 /// Bytes pinned under another name or version: the lock file and the library disagree.
 #[test]
 fn pin_with_other_name_is_refused() {

@@ -6,7 +6,9 @@ use serde_json::{Value, json};
 use crate::{CmdResult, cli::ConfigArgs, context, output::Printer};
 
 pub fn run(p: &Printer, args: &ConfigArgs) -> CmdResult {
-    let loaded = context::load_config(args, p)?;
+    // With model.from, the folder's architecture is the run's: shown in place of the model
+    // keys it makes ignored.
+    let loaded = context::load_config(args, p)?.with_model_from().map_err(|e| crate::Failure::Usage(e.into()))?;
     let host = context::host_from(&loaded.config().plugins);
     let floor = match &host {
         Ok(h) => h.floor.as_ref().map(|_| h),

@@ -62,6 +62,15 @@ pub fn run(p: &Printer, kind: &str, name: &str, config: Option<std::path::PathBu
         (EditOutcome::Unchanged, Some(o)) => o,
         (o, _) => o,
     };
+    // Which runs read it: ./ava.yaml only when no other file is named.
+    if file == std::path::Path::new(DEFAULT_CONFIG_FILE) {
+        p.note(&format!(
+            "{DEFAULT_CONFIG_FILE} is read by ava commands run in this directory without -c/--config (and AVA_CONFIG \
+             unset); to change a config file, name it: ava plugins enable {kind} {name} --config FILE"
+        ));
+    } else {
+        p.note(&format!("read by runs with -c {}", file.display()));
+    }
     p.result(
         || match outcome {
             EditOutcome::Unchanged => format!("{} already has plugins.{kind}: {shown}{also}", file.display()),

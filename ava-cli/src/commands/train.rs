@@ -6,7 +6,7 @@ use std::sync::Arc;
 use ava_train::config::Config;
 use ava_train::dist::{self, Collectives};
 use ava_train::save::SaveError;
-use ava_train::train::{TrainError, TrainOptions, Trainer};
+use ava_train::train::{IoProgress, IoProgressFn, TrainError, TrainOptions, Trainer};
 use serde_json::json;
 
 use std::path::Path;
@@ -210,6 +210,7 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
         fresh_optimizer: args.fresh_optimizer,
         steps: args.steps,
         group,
+        io_progress: root.then(|| io_progress(p)),
         ..Default::default()
     };
     let trainer =
@@ -325,6 +326,24 @@ fn train(p: &Printer, started: Started) -> CmdResult {
         return Err(Failure::Runtime(anyhow::anyhow!("training stopped early: {reason}; {then}")));
     }
     Ok(())
+}
+
+/// A line on stderr for every GiB of a checkpoint saved or loaded (a 7B run's checkpoint is
+/// tens of GiB: minutes without it).
+fn io_progress(p: &Printer) -> IoProgressFn {
+    let verbosity = p.verbosity;
+    IoProgressFn(Arc::new(move |io: &IoProgress| {
+        if verbosity >= 1 {
+            eprintln!(
+                "{} checkpoint {}: {} of {} ({:.0}%)",
+                io.what,
+                io.dir.display(),
+                ava_train::memory::size(io.done),
+                ava_train::memory::size(io.total),
+                100.0 * io.done as f64 / io.total.max(1) as f64
+            );
+        }
+    }))
 }
 
 /// Locks the run directory for this run, and refuses a fresh run into a directory that

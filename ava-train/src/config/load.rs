@@ -127,6 +127,7 @@ impl<'a> ConfigLoader<'a> {
         let host = host_settings(&layers.tree, &structural);
         let catalog = catalog_for(&host)?;
         validate::check_tree(&layers.tree, Some(&catalog), &mut layers.problems);
+        model_problems(&layers.tree, &mut layers.problems);
         Ok(self.finish(layers).map(|loaded| (loaded, catalog)))
     }
 
@@ -178,6 +179,7 @@ impl<'a> ConfigLoader<'a> {
             Some(Origin::File(_)) => (1, position_in(&file_paths, &p.path)),
             Some(Origin::Env(var)) => (2, env.iter().position(|(v, _)| v == var).unwrap_or(usize::MAX)),
             Some(Origin::Set(arg)) => (3, self.sets.iter().position(|a| a == arg).unwrap_or(usize::MAX)),
+            Some(Origin::ModelFrom(_)) => (4, 0),
         });
         if !problems.is_empty() {
             return Err(ConfigError::Invalid { file: self.file.clone(), problems });
@@ -187,6 +189,42 @@ impl<'a> ConfigLoader<'a> {
             problems: vec![ConfigProblem::new("", format!("the configuration does not fit its schema: {e}"), None)],
         })?;
         Ok(LoadedConfig { config, tree, file: self.file.clone() })
+    }
+}
+
+/// The model's shape, checked as training checks it (heads against the hidden size and the
+/// key/value heads, sizes that are zero, the parameter count), or `model.from`'s config.json
+/// read: every problem, each as a problem of `model` from where its values came. Skipped when
+/// the section has problems of its own already (a value of the wrong type).
+fn model_problems(tree: &Node, problems: &mut Vec<ConfigProblem>) {
+    if problems.iter().any(|p| p.path == "model" || p.path.starts_with("model.")) {
+        return;
+    }
+    let Some(model) = tree.get(&["model"]) else { return };
+    let Ok(config) = serde_json::from_value::<super::sections::ModelConfig>(model.to_value()) else { return };
+    // The origin of the section's values: the latest layer that set one of them.
+    let origin = tree
+        .leaves()
+        .into_iter()
+        .filter(|(path, ..)| path.starts_with("model."))
+        .map(|(.., origin)| origin)
+        .max_by_key(|o| match o {
+            Origin::Default => 0,
+            Origin::File(_) => 1,
+            Origin::Env(_) => 2,
+            Origin::Set(_) => 3,
+            Origin::ModelFrom(_) => 4,
+        });
+    let found = match &config.from {
+        Some(dir) => crate::model::read_hf_config(&dir.join("config.json")).map(|_| ()),
+        None => crate::model::ModelSpec::from_config(&config).map(|_| ()),
+    };
+    match found {
+        Ok(()) => {}
+        Err(crate::model::ModelError::Spec { problems: found, .. }) => {
+            problems.extend(found.into_iter().map(|m| ConfigProblem::new("model", m, origin.as_ref())));
+        }
+        Err(e) => problems.push(ConfigProblem::new("model.from", e.to_string(), origin.as_ref())),
     }
 }
 
@@ -348,6 +386,38 @@ impl LoadedConfig {
     /// The typed configuration.
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// With `model.from` set: the `model` keys its folder's `config.json` decides (the sizes,
+    /// θ, ε, tied embeddings, experts) set to the folder's values, each from that file, since
+    /// the run takes them from there and ignores the config's. Unchanged without `model.from`.
+    pub fn with_model_from(mut self) -> Result<Self, crate::model::ModelError> {
+        let Some(dir) = self.config.model.from.clone() else { return Ok(self) };
+        let path = dir.join("config.json");
+        let spec = crate::model::read_hf_config(&path)?.spec;
+        let origin = Origin::ModelFrom(path);
+        let moe = spec.moe.map_or((0, self.config.model.moe.top_k), |m| (m.experts, m.top_k));
+        let values: [(&[&str], Value); 11] = [
+            (&["model", "vocab_size"], spec.vocab.into()),
+            (&["model", "hidden_size"], spec.hidden.into()),
+            (&["model", "num_layers"], spec.layers.into()),
+            (&["model", "num_heads"], spec.heads.into()),
+            (&["model", "num_kv_heads"], spec.kv_heads.into()),
+            (&["model", "intermediate_size"], spec.ffn.into()),
+            (&["model", "rope_theta"], spec.rope.theta.into()),
+            (&["model", "rms_norm_eps"], spec.eps.into()),
+            (&["model", "tie_embeddings"], spec.tie_embeddings.into()),
+            (&["model", "moe", "num_experts"], moe.0.into()),
+            (&["model", "moe", "top_k"], moe.1.into()),
+        ];
+        for (path, value) in values {
+            let path: Vec<String> = path.iter().map(|s| s.to_string()).collect();
+            apply(&mut self.tree, &path, value, &origin);
+        }
+        if let Ok(config) = serde_json::from_value::<Config>(self.tree.to_value()) {
+            self.config = config;
+        }
+        Ok(self)
     }
 
     /// The typed configuration, origins dropped.

@@ -151,6 +151,42 @@ fn golden_typo_in_nested_key() {
     );
 }
 
+/// A key spelled as another trainer spells it points at Ava's (`batch_size` is the
+/// micro-batch, though `eval_batch_size` is closer in spelling), from any section.
+#[test]
+fn keys_other_trainers_use_point_at_ours() {
+    assert_eq!(
+        file_error("bad.yaml", "train:\n  batch_size: 3\n  learning_rate: 0.1\nmodel:\n  n_layer: 4\n"),
+        "<dir>/bad.yaml: 3 problems in the configuration:\n  \
+         - train.batch_size: unknown key (did you mean 'train.micro_batch_size'?) [<dir>/bad.yaml]\n  \
+         - train.learning_rate: unknown key (did you mean 'train.lr'?) [<dir>/bad.yaml]\n  \
+         - model.n_layer: unknown key (did you mean 'model.num_layers'?) [<dir>/bad.yaml]"
+    );
+    let paths = super::schema::all_paths();
+    for (names, ours) in super::validate::OTHER_NAMES {
+        assert!(paths.iter().any(|p| p == ours), "{names:?} point at {ours}, which is not a key");
+        for name in *names {
+            assert!(!paths.iter().any(|p| p.rsplit('.').next() == Some(name)), "{name} is a key of Ava's own");
+        }
+    }
+}
+
+/// The model's shape is checked with the rest of the config, every problem at once.
+#[test]
+fn the_models_shape_is_checked_with_every_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(&dir, "bad.yaml", "model:\n  hidden_size: 130\n  num_heads: 4\n  num_kv_heads: 3\n");
+    let catalog = |_: &PluginsConfig| Ok::<_, ()>(FakeCatalog);
+    let got = ConfigLoader::new().file(&path).load_checked(catalog).unwrap().map(|(loaded, _)| loaded);
+    assert_eq!(
+        error_text(got, dir.path()),
+        "<dir>/bad.yaml: 2 problems in the configuration:\n  \
+         - model: hidden_size (130) must be a multiple of num_heads (4): each head gets hidden_size / num_heads \
+         dimensions [<dir>/bad.yaml]\n  \
+         - model: num_heads (4) must be a multiple of num_kv_heads (3) for grouped-query attention [<dir>/bad.yaml]"
+    );
+}
+
 #[test]
 fn golden_wrong_type() {
     assert_eq!(

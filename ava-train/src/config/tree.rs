@@ -20,6 +20,10 @@ pub enum Origin {
     Env(String),
     /// A `--set key=value` override (the whole argument text).
     Set(String),
+    /// The `config.json` of the folder `model.from` names (its path): the architecture a run
+    /// from that folder has, shown by `ava config show` in place of the `model` keys it
+    /// makes ignored.
+    ModelFrom(PathBuf),
 }
 
 impl Origin {
@@ -30,6 +34,7 @@ impl Origin {
             Self::File(_) => "file",
             Self::Env(_) => "env",
             Self::Set(_) => "set",
+            Self::ModelFrom(_) => "model.from",
         }
     }
 }
@@ -42,6 +47,7 @@ impl fmt::Display for Origin {
             Self::File(path) => write!(f, "{}", path.display()),
             Self::Env(var) => write!(f, "env {var}"),
             Self::Set(text) => write!(f, "--set {text}"),
+            Self::ModelFrom(path) => write!(f, "{} (model.from)", path.display()),
         }
     }
 }

@@ -117,11 +117,41 @@ fn check_section(
     }
 }
 
+/// What other trainers (Hugging Face's Trainer, torchtune, nanoGPT and llm.c) call some of
+/// Ava's settings: a key spelled their way is pointed at Ava's, whatever its spelling
+/// distance to Ava's other keys (`batch_size` is the micro-batch, not `eval_batch_size`).
+pub(crate) const OTHER_NAMES: &[(&[&str], &str)] = &[
+    (
+        &["batch_size", "train_batch_size", "per_device_train_batch_size", "micro_batch", "mbs"],
+        "train.micro_batch_size",
+    ),
+    (&["learning_rate", "max_lr"], "train.lr"),
+    (&["steps", "num_steps", "total_steps", "max_iters", "num_train_steps", "train_steps"], "train.max_steps"),
+    (&["warmup", "warmup_iters", "num_warmup_steps"], "train.warmup_steps"),
+    (&["gradient_accumulation", "grad_accum", "accumulate_grad_batches"], "train.gradient_accumulation_steps"),
+    (&["max_grad_norm", "clip_grad_norm", "gradient_clipping"], "train.grad_clip"),
+    (&["output_dir", "out", "run_dir"], "train.out_dir"),
+    (&["dtype", "mixed_precision", "amp"], "train.precision"),
+    (&["seq_length", "max_seq_len", "block_size", "context_length", "max_length"], "data.seq_len"),
+    (&["n_layer", "n_layers", "num_hidden_layers"], "model.num_layers"),
+    (&["n_head", "num_attention_heads"], "model.num_heads"),
+    (&["n_embd", "d_model", "dim", "hidden_dim"], "model.hidden_size"),
+    (&["num_key_value_heads", "n_kv_head", "n_kv_heads"], "model.num_kv_heads"),
+    (&["ffn_dim", "ffn_hidden_size", "mlp_dim"], "model.intermediate_size"),
+];
+
+/// Ava's key for a name another trainer uses (see [`OTHER_NAMES`]).
+fn other_name(key: &str) -> Option<&'static str> {
+    OTHER_NAMES.iter().find(|(names, _)| names.contains(&key)).map(|(_, ours)| *ours)
+}
+
 fn unknown_key(siblings: &[Field], path: &[String], origin: &Origin) -> ConfigProblem {
     let (key, parent) = path.split_last().expect("a key path has a key");
     let prefix = if parent.is_empty() { String::new() } else { format!("{}.", join(parent)) };
     let keys: Vec<&str> = siblings.iter().map(|f| f.key).collect();
-    let message = if let Some(near) = suggest(key, &keys) {
+    let message = if let Some(ours) = other_name(key) {
+        format!("unknown key (did you mean '{ours}'?)")
+    } else if let Some(near) = suggest(key, &keys) {
         format!("unknown key (did you mean '{prefix}{near}'?)")
     } else if let Some(elsewhere) = suggest_elsewhere(key, &prefix) {
         format!("unknown key (did you mean '{elsewhere}'?)")

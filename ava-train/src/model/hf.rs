@@ -126,10 +126,25 @@ pub fn load_hf_folder(dir: &Path) -> Result<(ModelSpec, HashMap<String, Tensor>)
         all
     };
     if files.is_empty() {
-        return Err(ModelError::Weights {
-            path: dir.to_path_buf(),
-            problems: vec!["no *.safetensors file in the folder".into()],
-        });
+        // PyTorch's pickles are not read: loading one runs code it holds.
+        let pickles: Vec<String> = std::fs::read_dir(dir)
+            .map_err(|e| io(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+            .filter(|n| n.ends_with(".bin") || n.ends_with(".pt") || n.ends_with(".pth"))
+            .collect();
+        let problem = if pickles.is_empty() {
+            "no *.safetensors file in the folder".to_string()
+        } else {
+            format!(
+                "the weights are PyTorch pickles ({}), which Ava does not read (loading a pickle runs the code in it): \
+                 convert them to safetensors with transformers, e.g. python3 -c \"from transformers import \
+                 AutoModelForCausalLM as M; M.from_pretrained('{dir}').save_pretrained('{dir}', \
+                 safe_serialization=True)\"",
+                pickles.join(", "),
+                dir = dir.display()
+            )
+        };
+        return Err(ModelError::Weights { path: dir.to_path_buf(), problems: vec![problem] });
     }
     let mut tensors = HashMap::new();
     for file in files {

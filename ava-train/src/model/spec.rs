@@ -252,17 +252,20 @@ impl ModelSpec {
                 config.intermediate_size,
             )
         };
+        // Every problem at once: the head split here, the rest from validate.
+        let mut problems = Vec::new();
         if config.num_heads > 0 && config.hidden_size % config.num_heads != 0 {
-            return Err(ModelError::Spec {
-                origin: "model".into(),
-                problems: vec![format!(
-                    "hidden_size ({}) must be a multiple of num_heads ({}): each head gets hidden_size / num_heads dimensions",
-                    config.hidden_size, config.num_heads
-                )],
-            });
+            problems.push(format!(
+                "hidden_size ({}) must be a multiple of num_heads ({}): each head gets hidden_size / num_heads dimensions",
+                config.hidden_size, config.num_heads
+            ));
         }
-        spec.validate("model")?;
-        Ok(spec)
+        match spec.validate("model") {
+            Ok(()) => {}
+            Err(ModelError::Spec { problems: more, .. }) => problems.extend(more),
+            Err(e) => return Err(e),
+        }
+        if problems.is_empty() { Ok(spec) } else { Err(ModelError::Spec { origin: "model".into(), problems }) }
     }
 
     /// A plain Llama of these sizes: head size d / H, RoPE θ 10000, ε 1e-6, no biases, no

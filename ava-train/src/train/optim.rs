@@ -511,7 +511,9 @@ impl OptimizerState {
         &mut self,
         params: &[Param],
         saved: Vec<BufferView<'_>>,
+        progress: &mut dyn FnMut(u64),
     ) -> Result<Vec<NamedBuffer>, TrainError> {
+        let mut loaded = 0u64;
         let mut by_name: std::collections::HashMap<String, BufferView<'_>> =
             saved.into_iter().map(|b| (b.name.clone(), b)).collect();
         let mut problems = StateProblems::default();
@@ -539,15 +541,19 @@ impl OptimizerState {
                             &name,
                         )
                     }
-                    Some(saved) => match &self.streamed {
-                        Some(st) if st.offloaded[i] => {
-                            let k = &st.keys[i][j];
-                            st.tier
-                                .put(k, saved.data, b.spec.dtype)
-                                .map_err(|e| tier_error(&st.name, &format!("storing {k}"), e))?;
+                    Some(saved) => {
+                        match &self.streamed {
+                            Some(st) if st.offloaded[i] => {
+                                let k = &st.keys[i][j];
+                                st.tier
+                                    .put(k, saved.data, b.spec.dtype)
+                                    .map_err(|e| tier_error(&st.name, &format!("storing {k}"), e))?;
+                            }
+                            _ => b.bytes_mut().copy_from_slice(saved.data),
                         }
-                        _ => b.bytes_mut().copy_from_slice(saved.data),
-                    },
+                        loaded += saved.data.len() as u64;
+                        progress(loaded);
+                    }
                 }
             }
         }

@@ -59,6 +59,59 @@ pub struct TrainOptions {
     /// The ranks this process trains with (`crate::dist::join` under `mpirun`); alone
     /// when `None`.
     pub group: Option<Arc<dyn Collectives>>,
+    /// Told how far a checkpoint's save or load is, about every [`IO_PROGRESS_BYTES`].
+    pub io_progress: Option<IoProgressFn>,
+}
+
+/// How far writing or reading a checkpoint is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IoProgress {
+    /// `saving` or `loading`.
+    pub what: &'static str,
+    /// The checkpoint directory (for a save, where it will be).
+    pub dir: PathBuf,
+    /// Bytes done so far.
+    pub done: u64,
+    /// Bytes in all (weights and optimizer state; the small files are left out).
+    pub total: u64,
+}
+
+/// Receives [`IoProgress`].
+#[derive(Clone)]
+pub struct IoProgressFn(pub Arc<dyn Fn(&IoProgress) + Send + Sync>);
+
+impl std::fmt::Debug for IoProgressFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IoProgressFn")
+    }
+}
+
+/// A checkpoint's save or load reports its progress every this many bytes.
+pub const IO_PROGRESS_BYTES: u64 = 1 << 30;
+
+/// Counts the bytes written through it (`done`, shared by the writers of one checkpoint) and
+/// reports the count each time it passes a multiple of `every`.
+struct Counting<'a> {
+    out: &'a mut dyn Write,
+    done: &'a std::cell::Cell<u64>,
+    report: &'a dyn Fn(u64),
+    every: u64,
+}
+
+impl Write for Counting<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.out.write(buf)?;
+        let before = self.done.get();
+        self.done.set(before + n as u64);
+        if (before + n as u64) / self.every > before / self.every {
+            (self.report)(before + n as u64);
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
 }
 
 /// The trainer's own state in a checkpoint (`trainer.json`).
@@ -173,6 +226,8 @@ pub struct Trainer {
     split: usize,
     /// The split the preflight found the budget needs: the memory policy's restores stop there.
     fitted_split: usize,
+    /// Told how far a checkpoint's save is.
+    io_progress: Option<IoProgressFn>,
     /// With `train.sample_every`: the run's tokenizer, the token samples start from, and the
     /// end-of-text id they stop at.
     sampling: Option<(ava_data::Tokenizer, u32, Option<u32>)>,
@@ -719,7 +774,20 @@ impl Trainer {
                 Vec::new()
             } else {
                 let (buffers, _) = safetensors_views(ckpt.file(OPTIMIZER_FILE)?)?;
-                state.load_buffers(model.params(), buffers).map_err(|e| match e {
+                // Progress over the weights (loaded above) and the state, every IO_PROGRESS_BYTES.
+                let weights: u64 = model.params().iter().map(|p| p.stored_bytes() as u64).sum();
+                let total = weights + state.bytes();
+                let mut reported = 0;
+                let mut progress = |done: u64| {
+                    let done = weights + done;
+                    if let Some(f) = &options.io_progress
+                        && done / IO_PROGRESS_BYTES > reported
+                    {
+                        reported = done / IO_PROGRESS_BYTES;
+                        (f.0)(&IoProgress { what: "loading", dir: ckpt.dir.clone(), done, total });
+                    }
+                };
+                state.load_buffers(model.params(), buffers, &mut progress).map_err(|e| match e {
                     TrainError::OptimizerState { problems, .. } => {
                         TrainError::OptimizerState { problems, trained_with: saved_optimizer(&ckpt) }
                     }
@@ -879,6 +947,7 @@ impl Trainer {
             fitted_split: preflight.split,
             warnings,
             sampling,
+            io_progress: options.io_progress.clone(),
             compute,
             threads,
             resumed_from,
@@ -1691,12 +1760,30 @@ impl Trainer {
             Ok(bytes)
         };
         let mut weights = self.weights_writer();
+        // Progress of the two large files, together.
+        let total = self.model.params().iter().map(|p| p.stored_bytes() as u64).sum::<u64>() + state.bytes();
+        let done = std::cell::Cell::new(0u64);
+        let progress = self.io_progress.clone();
+        let report = move |bytes: u64| {
+            if let Some(f) = &progress {
+                (f.0)(&IoProgress { what: "saving", dir: dir.clone(), done: bytes, total });
+            }
+        };
+        let (done, report) = (&done, &report);
         let mut files = vec![
             (HF_CONFIG_FILE.to_string(), FileBody::Bytes(&hf_config)),
-            (MODEL_FILE.to_string(), FileBody::Stream(Box::new(|out| weights(out)))),
+            (
+                MODEL_FILE.to_string(),
+                FileBody::Stream(Box::new(move |out| {
+                    weights(&mut Counting { out, done, report, every: IO_PROGRESS_BYTES })
+                })),
+            ),
             (
                 OPTIMIZER_FILE.to_string(),
-                FileBody::Stream(Box::new(move |out| state.write_safetensors_gathered(params, out, &mut remote))),
+                FileBody::Stream(Box::new(move |out| {
+                    let mut out = Counting { out, done, report, every: IO_PROGRESS_BYTES };
+                    state.write_safetensors_gathered(params, &mut out, &mut remote)
+                })),
             ),
             (TRAINER_FILE.to_string(), FileBody::Bytes(&trainer)),
             (AVA_CONFIG_FILE.to_string(), FileBody::Bytes(&config)),
@@ -1897,7 +1984,8 @@ fn json_bytes(value: &Value) -> Vec<u8> {
 fn saved_optimizer(ckpt: &LoadedCheckpoint) -> Option<String> {
     let saved: Value = serde_json::from_slice(ckpt.file(AVA_CONFIG_FILE).ok()?).ok()?;
     let sel = saved.pointer("/plugins/optimizer")?;
-    Some(sel.get("name").and_then(Value::as_str).map_or_else(|| sel.to_string(), str::to_string))
+    let name = sel.as_str().or_else(|| sel.get("name").and_then(Value::as_str));
+    Some(name.map_or_else(|| sel.to_string(), str::to_string))
 }
 
 /// With `train.sample_every`: the run's tokenizer, the token a sample starts from (the
@@ -2062,6 +2150,28 @@ fn write_line(file: Option<&mut std::fs::File>, path: &Path, value: &Value) -> R
     let mut line = serde_json::to_string(value).expect("a JSON value serializes");
     line.push('\n');
     file.write_all(line.as_bytes()).and_then(|_| file.flush()).map_err(|e| TrainError::io(path, e))
+}
+
+#[cfg(test)]
+mod progress_tests {
+    use std::io::Write;
+
+    /// Two files written through one count: a report each time the total passes a multiple
+    /// of the step, with the total then, and the bytes reach their file unchanged.
+    #[test]
+    fn counting_writers_report_each_step_of_the_total() {
+        let reports = std::cell::RefCell::new(Vec::new());
+        let report = |n: u64| reports.borrow_mut().push(n);
+        let done = std::cell::Cell::new(0);
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let mut first = super::Counting { out: &mut a, done: &done, report: &report, every: 10 };
+        first.write_all(&[1; 7]).unwrap();
+        first.write_all(&[2; 7]).unwrap();
+        let mut second = super::Counting { out: &mut b, done: &done, report: &report, every: 10 };
+        second.write_all(&[3; 25]).unwrap();
+        assert_eq!(*reports.borrow(), vec![14, 39]);
+        assert_eq!((a.len(), b.len(), done.get()), (14, 25, 39));
+    }
 }
 
 #[cfg(test)]
