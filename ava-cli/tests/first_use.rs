@@ -213,7 +213,7 @@ fn a_small_corpus_trains_with_the_command_prepare_prints() {
 #[test]
 fn numbers_come_with_their_units() {
     let dir = tempfile::tempdir().unwrap();
-    let out = ok(train_small(dir.path(), "run", &["--max-steps", "1"]));
+    let out = ok(train_small(dir.path(), "one", &["--max-steps", "1"]));
     let err = stderr(&out);
     let memory = err.lines().find(|l| l.starts_with("[step 1] memory")).expect(&err);
     assert!(memory.contains(" MiB of 2.00 GiB ("), "{memory}");
@@ -222,7 +222,71 @@ fn numbers_come_with_their_units() {
     let summary = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(!summary.contains("0.00 tokens/s"), "{summary}");
     assert!(err.contains("[step 1/1] loss"), "{err}");
+    // Steps say where the run is and, from the second, when it should end.
+    let out = ok(train_small(dir.path(), "run", &["--max-steps", "3"]));
+    let err = stderr(&out);
+    assert!(err.contains("[step 1/3] loss") && err.contains("[step 2/3, eta "), "{err}");
     let report = ok(ava(dir.path(), &["report", "run", "--metric", "memory.peak"]));
     let table = String::from_utf8_lossy(&report.stdout).into_owned();
     assert!(table.contains("memory.peak by step (bytes;") && table.contains(" MiB"), "{table}");
+}
+
+/// `ava plan --keep` pins what it names; the user's optimizer ranks first and another one is
+/// shown with its measured cost; `--write` gives the run a directory of its own, never one
+/// that holds a run.
+#[test]
+fn plan_keeps_what_it_is_told_and_writes_a_fresh_run_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let small = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/small.yaml");
+    let small = small.to_str().unwrap();
+    let plan = |extra: &[&str]| {
+        let mut args = vec!["--format", "json", "plan", "--budget", "200MiB", "-c", small, "--top", "50"];
+        args.extend_from_slice(extra);
+        json_of(&ok(ava(dir.path(), &args)))
+    };
+    let all = plan(&[]);
+    let optimizers: Vec<&str> =
+        all["configs"].as_array().unwrap().iter().map(|c| c["optimizer"].as_str().unwrap()).collect();
+    let first_other = optimizers.iter().position(|o| *o != "adamw").unwrap_or(optimizers.len());
+    assert!(optimizers[first_other..].iter().all(|o| *o != "adamw"), "adamw plans rank first: {optimizers:?}");
+    let kept = plan(&["--keep", "plugins.optimizer,attention"]);
+    for c in kept["configs"].as_array().unwrap() {
+        assert_eq!((c["optimizer"].as_str(), c["attention"].as_str()), (Some("adamw"), Some("standard")), "{c}");
+    }
+    let err = usage_error(ava(dir.path(), &["plan", "--budget", "200MiB", "--keep", "train.lr"]));
+    assert!(
+        err.contains("--keep train.lr: not a setting the plan searches; it searches train.micro_batch_size"),
+        "{err}"
+    );
+
+    ok(ava(dir.path(), &["plan", "--budget", "200MiB", "-c", small, "--write", "fit.yaml"]));
+    let written = std::fs::read_to_string(dir.path().join("fit.yaml")).unwrap();
+    assert!(written.contains("out_dir: runs/fit "), "{written}");
+    std::fs::create_dir_all(dir.path().join("runs/fit")).unwrap();
+    std::fs::write(dir.path().join("runs/fit/metrics.jsonl"), "{}\n").unwrap();
+    ok(ava(dir.path(), &["plan", "--budget", "200MiB", "-c", small, "--write", "fit.yaml"]));
+    let written = std::fs::read_to_string(dir.path().join("fit.yaml")).unwrap();
+    assert!(written.contains("out_dir: runs/fit-2 "), "{written}");
+}
+
+/// `config show` with `model.from` shows the folder's architecture, from its config.json; a
+/// named config file says it leaves ./ava.yaml unread; an OS error is said once.
+#[test]
+fn config_shows_what_the_run_will_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/generate/tiny-llama");
+    let from = format!("model.from={}", folder.display());
+    let out = ok(ava(dir.path(), &["config", "show", "--set", &from]));
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let vocab = text.lines().find(|l| l.trim_start().starts_with("vocab_size:")).expect(&text);
+    assert!(vocab.contains("vocab_size: 320") && vocab.contains("config.json (model.from)"), "{vocab}");
+
+    std::fs::write(dir.path().join("ava.yaml"), "plugins:\n  optimizer: sgd\n").unwrap();
+    std::fs::write(dir.path().join("other.yaml"), "train:\n  max_steps: 5\n").unwrap();
+    let out = ok(ava(dir.path(), &["estimate", "-c", "other.yaml"]));
+    assert!(stderr(&out).contains("note: ./ava.yaml is not read: other.yaml is the config file"), "{}", stderr(&out));
+
+    let err = ava(dir.path(), &["data", "prepare", "missing.txt", "--out", "corpus"]);
+    let err = stderr(&err);
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
 }

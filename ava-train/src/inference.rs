@@ -203,16 +203,7 @@ fn load_folder(dir: &Path, options: &LoadOptions<'_>, config: Option<Config>) ->
             )));
         }
     };
-    let tokenizer = source.load()?;
-    let model = build(spec, tensors, dir, options)?;
-    Ok(Trained {
-        model,
-        tokenizer,
-        bos: source.bos,
-        eos: source.eos,
-        source: format!("{} (Hugging Face folder)", dir.display()),
-        config,
-    })
+    assemble(spec, tensors, dir, "Hugging Face folder", source, config, options)
 }
 
 /// A checkpoint: its weights, and the tokenizer of the run it came from.
@@ -232,26 +223,30 @@ fn load_checkpoint(dir: &Path, options: &LoadOptions<'_>) -> Result<Trained, Inf
     if let Some(file) = options.tokenizer {
         source.file = Some(file.to_path_buf());
     }
+    assemble(spec, tensors, dir, "checkpoint", source, Some(config), options)
+}
+
+/// The model of `spec` with the weights read from `dir` (a `what`), and its tokenizer.
+fn assemble(
+    spec: ModelSpec,
+    tensors: std::collections::HashMap<String, candle_core::Tensor>,
+    dir: &Path,
+    what: &str,
+    source: TokenizerSource,
+    config: Option<Config>,
+    options: &LoadOptions<'_>,
+) -> Result<Trained, InferenceError> {
     let tokenizer = source.load()?;
-    let model = build(spec, tensors, dir, options)?;
+    let (kernel, name) = (options.kernel.0.clone(), options.kernel.1);
+    let model = Model::from_tensors(spec, tensors, dir, options.max_seq.max(1), kernel, name, options.threads)?;
     Ok(Trained {
         model,
         tokenizer,
         bos: source.bos,
         eos: source.eos,
-        source: format!("{} (checkpoint)", dir.display()),
-        config: Some(config),
+        source: format!("{} ({what})", dir.display()),
+        config,
     })
-}
-
-fn build(
-    spec: ModelSpec,
-    tensors: std::collections::HashMap<String, candle_core::Tensor>,
-    source: &Path,
-    options: &LoadOptions<'_>,
-) -> Result<Model, InferenceError> {
-    let (kernel, name) = (options.kernel.0.clone(), options.kernel.1);
-    Ok(Model::from_tensors(spec, tensors, source, options.max_seq.max(1), kernel, name, options.threads)?)
 }
 
 /// Writes what an exported model folder needs beside its weights for other tools to use it:

@@ -178,13 +178,8 @@ fn qwen2_qkv_bias() {
     );
 }
 
-/// Every golden folder, written back by Ava, reads back to the same spec and the same
-/// logits, and carries RoPE in both forms. With `AVA_HF_WRITE_DIR` set, the written folders
-/// (with their expected.safetensors) are kept there for `make_goldens.py --check`, which
-/// loads them in transformers 4 and 5.
-#[test]
-fn folders_written_back_keep_their_math_in_both_forms() {
-    let keep = std::env::var_os("AVA_HF_WRITE_DIR").map(PathBuf::from);
+/// Every golden folder (all ten), sorted.
+fn all_folders() -> Vec<PathBuf> {
     let mut cases: Vec<_> = std::fs::read_dir(folder(""))
         .unwrap()
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -192,7 +187,17 @@ fn folders_written_back_keep_their_math_in_both_forms() {
         .collect();
     cases.sort();
     assert_eq!(cases.len(), 10);
-    for dir in cases {
+    cases
+}
+
+/// Every golden folder, written back by Ava, reads back to the same spec and the same
+/// logits, and carries RoPE in both forms. With `AVA_HF_WRITE_DIR` set, the written folders
+/// (with their expected.safetensors) are kept there for `make_goldens.py --check`, which
+/// loads them in transformers 4 and 5.
+#[test]
+fn folders_written_back_keep_their_math_in_both_forms() {
+    let keep = std::env::var_os("AVA_HF_WRITE_DIR").map(PathBuf::from);
+    for dir in all_folders() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let (spec, tensors) = load_hf_folder(&dir).unwrap();
         let (ids, want) = expected(&dir);
@@ -221,14 +226,7 @@ fn folders_written_back_keep_their_math_in_both_forms() {
 /// and every RoPE scaling (each position rotated by its own angle from the cache's tables).
 #[test]
 fn kv_cache_generation_gives_transformers_logits_at_every_position() {
-    let mut cases: Vec<_> = std::fs::read_dir(folder(""))
-        .unwrap()
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("config.json").is_file())
-        .collect();
-    cases.sort();
-    assert_eq!(cases.len(), 10);
-    for dir in cases {
+    for dir in all_folders() {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
         let (spec, tensors) = load_hf_folder(&dir).unwrap();
         let (ids, want) = expected(&dir);

@@ -201,7 +201,8 @@ impl Chart {
         // a run of MiB) is named in the legend instead of flattening the data to the floor.
         let horizontal = self.horizontal.as_ref().map(|(label, y)| {
             let shown = !d1.is_finite() || *y <= d1 + 0.5 * (d1 - d0.min(0.0)).max(1e-9);
-            let label = if shown { label.clone() } else { format!("{label} = {y:.1} (above the chart)") };
+            let label =
+                if shown { label.clone() } else { format!("{label} = {y:.1} {} (above the chart)", self.y_label) };
             (label, *y, shown)
         });
         let (y0, y1) =
