@@ -59,9 +59,11 @@ pub fn run(p: &Printer, args: &EvalArgs) -> CmdResult {
     let started = Instant::now();
     let mut last_note = Instant::now();
     let mut total = 0.0f64;
+    // One generator (its f32 weights and rotary tables) for every sequence, emptied between.
+    let mut generator = Generator::new(&trained.model, seq).map_err(|e| Failure::Runtime(e.into()))?;
     for i in 0..sequences {
         let ids = dataset.sequence(split, i, seq); // (T + 1)
-        let mut generator = Generator::new(&trained.model, seq).map_err(|e| Failure::Runtime(e.into()))?;
+        generator.reset();
         let logits = generator.feed_all(&ids[..seq]).map_err(runtime)?; // (T, V)
         let loss = ops::cross_entropy(&logits, &ids[1..])
             .and_then(|l| l.to_dtype(DType::F64))

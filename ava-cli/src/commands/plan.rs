@@ -292,7 +292,7 @@ impl Search {
     /// differently, so it never outranks one that keeps it), then fastest; within 1% of each
     /// other, the fewest changes to the config, then the smallest peak.
     fn fitting(&self) -> Vec<&Planned> {
-        let reference_cost = self.reference.as_ref().map_or(1.0, |r| r.cost);
+        let reference_cost = self.reference_cost();
         let mut fitting: Vec<&Planned> =
             self.planned.iter().filter(|x| x.estimate.breakdown.peak <= self.aim).collect();
         let key = |x: &Planned| {

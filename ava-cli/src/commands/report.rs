@@ -266,7 +266,7 @@ fn to_csv(runs: &[Run], steps: &BTreeSet<u64>) -> String {
 
 /// Whether a metric counts bytes (the memory breakdown's fields, the tier's bytes).
 pub(crate) fn is_bytes(metric: &str) -> bool {
-    metric.starts_with("memory.") && metric != "memory.fraction" || metric.ends_with("_bytes")
+    metric.starts_with("memory.") || metric.ends_with("_bytes")
 }
 
 /// The table for people: one row per step, then each run's last and smallest value. Byte

@@ -59,6 +59,12 @@ impl<'m> Generator<'m> {
         })
     }
 
+    /// Forgets every position fed, to start another sequence (the weights and tables stay).
+    pub fn reset(&mut self) {
+        self.cache.iter_mut().for_each(|c| *c = None);
+        self.len = 0;
+    }
+
     /// Positions fed so far.
     pub fn len(&self) -> usize {
         self.len
@@ -72,12 +78,19 @@ impl<'m> Generator<'m> {
     /// Feeds `tokens` at the next positions and returns the logits (V values, f32) that
     /// predict the token after the last of them.
     pub fn feed(&mut self, tokens: &[u32]) -> CResult<Vec<f32>> {
-        let logits = self.feed_all(tokens)?; // (t, V)
-        logits.get(tokens.len() - 1)?.to_vec1::<f32>()
+        let hidden = self.blocks(tokens)?; // (1, t, d)
+        let last = hidden.narrow(1, tokens.len() - 1, 1)?; // (1, 1, d): only its logits are asked for
+        self.logits(&last)?.get(0)?.to_vec1::<f32>()
     }
 
     /// [`feed`](Self::feed), returning the logits after every token fed: (t, V).
     pub fn feed_all(&mut self, tokens: &[u32]) -> CResult<Tensor> {
+        let hidden = self.blocks(tokens)?; // (1, t, d)
+        self.logits(&hidden)
+    }
+
+    /// Embeds `tokens` at the next positions and runs every block on them: (1, t, d).
+    fn blocks(&mut self, tokens: &[u32]) -> CResult<Tensor> {
         let t = tokens.len();
         if t == 0 {
             candle_core::bail!("generate: nothing to feed");
@@ -85,16 +98,21 @@ impl<'m> Generator<'m> {
         if self.len + t > self.max_len {
             candle_core::bail!("generate: {} positions asked of a generator made for {}", self.len + t, self.max_len);
         }
-        let spec = self.model.spec();
         let ids = Tensor::from_vec(tokens.to_vec(), (1, t), &Device::Cpu)?;
         let mut x = self.model.embed(&self.weights, &ids)?; // (1, t, d)
         let positions: Arc<[u32]> = (self.len..self.len + t).map(|p| p as u32).collect();
-        for i in 0..spec.layers {
+        for i in 0..self.model.spec().layers {
             x = self.block(i, &x, &positions)?;
         }
         self.len += t;
-        let w = &self.weights;
-        let normed = rms_norm(&x, &w[self.index.final_norm], spec.eps)?.reshape((t, spec.hidden))?; // (t, d)
+        Ok(x)
+    }
+
+    /// The final norm and the LM head on `x` (1, t, d): (t, V).
+    fn logits(&self, x: &Tensor) -> CResult<Tensor> {
+        let (spec, w) = (self.model.spec(), &self.weights);
+        let t = x.dims3()?.1;
+        let normed = rms_norm(x, &w[self.index.final_norm], spec.eps)?.reshape((t, spec.hidden))?; // (t, d)
         linear(&normed, &w[self.index.head], self.model.threads()) // (t, V)
     }
 
@@ -204,11 +222,7 @@ impl Sampler {
 
     /// A uniform draw in [0, 1).
     fn uniform(&mut self) -> f64 {
-        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+        (ava_data::splitmix64(&mut self.state) >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// The next token for `logits` (one per vocabulary entry).
