@@ -69,6 +69,16 @@ pub enum DataError {
         /// The `tokenizers` error text.
         message: String,
     },
+    /// The tokenizer file describes a tokenizer over Ava's limits (`tokenizer_check`).
+    #[error("tokenizer {}: {field}: {message}", path.display())]
+    TokenizerRefused {
+        /// The tokenizer file.
+        path: PathBuf,
+        /// The key path in the file (`normalizer.normalizers[2].content`).
+        field: String,
+        /// What is wrong, the limit, and how to fix it.
+        message: String,
+    },
     /// The tokenizer failed on the data file's text.
     #[error("tokenizer {} failed on data file {}: {message}", tokenizer.display(), path.display())]
     Encode {
@@ -183,6 +193,20 @@ pub enum DataError {
         /// The I/O error.
         #[source]
         source: io::Error,
+    },
+    /// The stop flag (a signal) was set while [`Loader::next`](crate::Loader::next) waited
+    /// for a batch that was not ready: the wait gave up instead of blocking the stop.
+    #[error(
+        "stopped while waiting for the data loader: batch {batch} of the {split} split was not ready after {:.1} s",
+        *waited_ms as f64 / 1000.0
+    )]
+    Stopped {
+        /// The split read.
+        split: Split,
+        /// The batch waited for.
+        batch: u64,
+        /// How long the wait lasted, in milliseconds.
+        waited_ms: u64,
     },
 }
 

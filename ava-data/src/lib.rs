@@ -45,6 +45,7 @@ mod sharded;
 mod synthetic;
 mod text;
 mod tokenizer;
+pub mod tokenizer_check;
 
 #[cfg(test)]
 mod tests;

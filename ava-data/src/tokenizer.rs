@@ -8,10 +8,17 @@ use std::path::{Path, PathBuf};
 
 use super::bpe::{ByteLevelBpe, Unsupported};
 use super::error::DataError;
+use super::tokenizer_check;
 
 /// Text is encoded in chunks of about this many bytes, cut at line ends, to bound the
 /// tokenizer's intermediate memory on large files.
 const CHUNK_BYTES: usize = 1 << 20;
+
+/// Most bytes of text, times the tokenizer's growth factor, the `tokenizers` crate is handed
+/// at once: it keeps tens of bytes per byte of normalized text (alignments, offsets, token
+/// strings). 16 MiB is what an 8 MiB piece of `ava data prepare` makes through GPT-2's
+/// byte-level pre-tokenizer (factor 2), so that ordinary tokenizers see the pieces they did.
+const CRATE_TEXT_BYTES: u64 = 16 << 20;
 
 /// A loaded `tokenizer.json`.
 pub struct TextTokenizer {
@@ -19,6 +26,9 @@ pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     /// Our encoder, or why the crate encodes instead.
     fast: Result<ByteLevelBpe, Unsupported>,
+    /// How many times the tokenizer can grow text (checked: at most
+    /// [`MAX_GROWTH`](tokenizer_check::MAX_GROWTH)).
+    growth: u64,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -32,7 +42,9 @@ impl std::fmt::Debug for TextTokenizer {
 }
 
 impl TextTokenizer {
-    /// Loads `path` (a Hugging Face `tokenizer.json`); errors name the file.
+    /// Loads `path` (a Hugging Face `tokenizer.json`); errors name the file. Its description is
+    /// checked first ([`tokenizer_check`]); truncation and padding are dropped (a corpus or a
+    /// prompt is encoded whole, and the crate panics on some of their settings).
     pub fn from_file(path: &Path) -> Result<Self, DataError> {
         if !path.is_file() {
             return Err(DataError::TokenizerNotFound { path: path.to_path_buf() });
@@ -43,9 +55,21 @@ impl TextTokenizer {
             let full = e.to_string();
             bad(full.strip_prefix(&format!("{}: ", path.display())).map(str::to_string).unwrap_or(full))
         })?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(e.to_string()))?;
+        // The crate panics on some text that is not JSON: it only ever sees JSON.
+        let value: serde_json::Value =
+            serde_json::from_slice(&bytes).map_err(|e| bad(format!("it is not JSON ({e})")))?;
+        let checked = tokenizer_check::check(&value).map_err(|r| DataError::TokenizerRefused {
+            path: path.to_path_buf(),
+            field: r.field,
+            message: r.message,
+        })?;
+        drop(value);
+        let mut inner =
+            guarded(|| tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| e.to_string())).map_err(bad)?;
+        inner.with_truncation(None).map_err(|e| bad(e.to_string()))?;
+        inner.with_padding(None);
         let fast = ByteLevelBpe::new(&bytes, &inner);
-        Ok(Self { path: path.to_path_buf(), inner, fast })
+        Ok(Self { path: path.to_path_buf(), inner, fast, growth: checked.text.factor() })
     }
 
     /// Which encoder runs: ours, or the `tokenizers` crate and why.
@@ -81,14 +105,32 @@ impl TextTokenizer {
         match &self.fast {
             // The ids the crate's `encode_fast(text, false)` gives.
             Ok(fast) => Ok(fast.encode(text)),
-            Err(_) => self.inner.encode_fast(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| e.to_string()),
+            Err(_) => self.crate_encode(text),
+        }
+    }
+
+    /// The crate's ids of `text`, handed over in parts of at most [`CRATE_TEXT_BYTES`] divided
+    /// by the growth factor, cut where [`crate_cut`] says.
+    fn crate_encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        let most = usize::try_from(CRATE_TEXT_BYTES / self.growth.max(1)).unwrap_or(usize::MAX);
+        let mut ids = Vec::new();
+        let mut rest = text;
+        loop {
+            let cut = crate_cut(rest, most);
+            let part = &rest[..cut];
+            let encoding = guarded(|| self.inner.encode_fast(part, false).map_err(|e| e.to_string()))?;
+            ids.extend_from_slice(encoding.get_ids());
+            rest = &rest[cut..];
+            if rest.is_empty() {
+                return Ok(ids);
+            }
         }
     }
 
     /// The text of `ids`, special tokens written out (`<|endoftext|>`); bytes that do not make
     /// whole UTF-8 characters (a character cut between tokens) become U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
-        self.inner.decode(ids, false).map_err(|e| e.to_string())
+        guarded(|| self.inner.decode(ids, false).map_err(|e| e.to_string()))
     }
 
     /// Encodes `text` (the contents of `data_path`, named in errors) without adding special
@@ -119,6 +161,46 @@ fn chunk_end(text: &str, start: usize) -> usize {
     }
     // '\n' is ASCII, so the byte after it is always a char boundary.
     text.as_bytes()[min_end..].iter().position(|&b| b == b'\n').map_or(text.len(), |i| min_end + i + 1)
+}
+
+/// Runs `f`, a call into the `tokenizers` crate, which panics on some tokenizers a file can
+/// describe (a damaged `precompiled_charsmap`, a decoder it cannot read): a panic becomes an
+/// error saying so.
+fn guarded<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let why = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        Err(format!("the tokenizers crate failed on it ({why}); the file is damaged or not one it reads"))
+    })
+}
+
+/// Where the next part of `text` handed to the crate ends: all of it when it has at most
+/// `most` bytes; else just after the last line end within `most` bytes (where the caller cuts
+/// too), else before the last space (a word keeps its leading space), else at a character
+/// boundary; never at 0, so that every part makes progress.
+fn crate_cut(text: &str, most: usize) -> usize {
+    if text.len() <= most {
+        return text.len();
+    }
+    let window = &text.as_bytes()[..most];
+    if let Some(i) = memchr::memrchr(b'\n', window) {
+        return i + 1;
+    }
+    if let Some(i) = memchr::memrchr(b' ', window).filter(|&i| i > 0) {
+        return i;
+    }
+    let mut end = most.max(1);
+    while !text.is_char_boundary(end) {
+        end += 1;
+    }
+    let mut back = most;
+    while back > 0 && !text.is_char_boundary(back) {
+        back -= 1;
+    }
+    if back > 0 { back } else { end }
 }
 
 /// The tokenizer a model was trained with: raw bytes (ids 0–255, and the end-of-text id
@@ -208,4 +290,23 @@ pub fn byte_tokenizer_json(end_of_text: Option<u32>) -> String {
         },
     });
     serde_json::to_string_pretty(&json).expect("a JSON value serializes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::crate_cut;
+
+    #[test]
+    fn the_crate_gets_parts_cut_at_line_ends_then_spaces_then_characters() {
+        assert_eq!(crate_cut("short", 10), 5);
+        assert_eq!(crate_cut("ab\ncd ef\ngh", 8), 3);
+        assert_eq!(crate_cut("abc def ghi", 9), 7);
+        // A space at the very start is no cut: the part would be empty.
+        assert_eq!(crate_cut(" abcdef", 4), 4);
+        // No line end or space: a character boundary at or before the limit, or the first
+        // character when it alone is longer.
+        assert_eq!(crate_cut("ééé", 3), 2);
+        assert_eq!(crate_cut("東京", 2), 3);
+        assert_eq!(crate_cut("東京", 0), 3);
+    }
 }

@@ -3,51 +3,41 @@
 //! (with no normalizer both match the text as it is); each time the leftmost match, the
 //! longest of those starting there. The text between is pre-tokenized piece by piece.
 
-/// Leftmost-longest matching of a set of strings.
+use aho_corasick::{AhoCorasick, AhoCorasickKind, Input, MatchKind};
+
+use super::load::Unsupported;
+
+/// Leftmost-longest matching of a set of strings, by an Aho–Corasick automaton: time linear
+/// in the text however many tokens there are (a tokenizer.json may list tens of thousands
+/// sharing a first byte, `<|reserved_...|>`).
 #[derive(Default)]
 struct Matcher {
-    /// Tokens by first byte, longest first, with their ids.
-    by_first: Vec<Vec<(Box<[u8]>, u32)>>,
-    /// The distinct first bytes.
-    firsts: Vec<u8>,
+    /// `None`: no tokens.
+    automaton: Option<AhoCorasick>,
+    /// Each pattern's id.
+    ids: Vec<u32>,
 }
 
 impl Matcher {
-    fn new<'a>(tokens: impl Iterator<Item = (&'a str, u32)>) -> Self {
-        let mut by_first: Vec<Vec<(Box<[u8]>, u32)>> = vec![Vec::new(); 256];
-        for (content, id) in tokens {
-            by_first[content.as_bytes()[0] as usize].push((content.as_bytes().into(), id));
+    fn new<'a>(tokens: impl Iterator<Item = (&'a str, u32)>) -> Result<Self, Unsupported> {
+        let (contents, ids): (Vec<&str>, Vec<u32>) = tokens.unzip();
+        if contents.is_empty() {
+            return Ok(Self::default());
         }
-        for list in &mut by_first {
-            list.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
-        }
-        let firsts = (0..=255u8).filter(|&b| !by_first[b as usize].is_empty()).collect();
-        Self { by_first, firsts }
-    }
-
-    /// The next position at or after `from` where a token may start.
-    #[inline]
-    fn candidate(&self, s: &[u8], from: usize) -> Option<usize> {
-        let rest = &s[from..];
-        let at = match self.firsts[..] {
-            [] => None,
-            [a] => memchr::memchr(a, rest),
-            [a, b] => memchr::memchr2(a, b, rest),
-            [a, b, c] => memchr::memchr3(a, b, c, rest),
-            _ => rest.iter().position(|b| !self.by_first[*b as usize].is_empty()),
-        };
-        at.map(|i| from + i)
+        // A contiguous NFA builds in time linear in the tokens' bytes (the DFA that would be
+        // picked for few tokens takes far longer on a long one).
+        let automaton = AhoCorasick::builder()
+            .kind(Some(AhoCorasickKind::ContiguousNFA))
+            .match_kind(MatchKind::LeftmostLongest)
+            .build(&contents)
+            .map_err(|e| Unsupported(format!("its added tokens do not make a matcher ({e})")))?;
+        Ok(Self { automaton: Some(automaton), ids })
     }
 
     /// The leftmost-longest match at or after `from`: start, end, id.
-    fn find(&self, s: &[u8], mut from: usize) -> Option<(usize, usize, u32)> {
-        while let Some(at) = self.candidate(s, from) {
-            if let Some((token, id)) = self.by_first[s[at] as usize].iter().find(|(t, _)| s[at..].starts_with(t)) {
-                return Some((at, at + token.len(), *id));
-            }
-            from = at + 1;
-        }
-        None
+    fn find(&self, s: &[u8], from: usize) -> Option<(usize, usize, u32)> {
+        let m = self.automaton.as_ref()?.find(Input::new(s).range(from..))?;
+        Some((m.start(), m.end(), self.ids[m.pattern().as_usize()]))
     }
 }
 
@@ -70,11 +60,11 @@ pub(crate) struct AddedTokens {
 
 impl AddedTokens {
     /// From each token's content (not empty), id, and `normalized` flag.
-    pub(crate) fn new(tokens: &[(String, u32, bool)]) -> Self {
+    pub(crate) fn new(tokens: &[(String, u32, bool)]) -> Result<Self, Unsupported> {
         let pick = |normalized: bool| {
             Matcher::new(tokens.iter().filter(move |t| t.2 == normalized).map(|(c, id, _)| (c.as_str(), *id)))
         };
-        Self { raw: pick(false), normalized: pick(true) }
+        Ok(Self { raw: pick(false)?, normalized: pick(true)? })
     }
 
     /// Calls `f` with the pieces of `text`, in order.
@@ -123,7 +113,8 @@ mod tests {
             ("<a><b>".into(), 2, false),
             ("<b>".into(), 3, true),
             ("b>x".into(), 4, false),
-        ]);
+        ])
+        .unwrap();
         assert_eq!(pieces(&added, "x<a><b>y<a>z"), ["x", "#2", "y", "#1", "z"]);
         // "b>x" (not normalized) is taken before "<b>" is looked for in what is left.
         assert_eq!(pieces(&added, "<b>x<b>"), ["<", "#4", "#3"]);
@@ -135,7 +126,8 @@ mod tests {
             ("x".into(), 2, false),
             ("y".into(), 3, false),
             ("z".into(), 4, false),
-        ]);
+        ])
+        .unwrap();
         assert_eq!(pieces(&many, "aébyc"), ["a", "#1", "b", "#3", "c"]);
     }
 }

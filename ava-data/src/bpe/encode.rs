@@ -62,7 +62,7 @@ impl ByteLevelBpe {
             add_prefix_space: parts.add_prefix_space,
             merges: Merges::new(parts.bytes, parts.merges.into_iter()),
             whole: parts.whole,
-            added: AddedTokens::new(&parts.added),
+            added: AddedTokens::new(&parts.added)?,
             classes: classes(),
         })
     }

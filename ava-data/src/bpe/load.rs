@@ -20,7 +20,7 @@ use super::cache::FastBuild;
 
 /// Why a tokenizer.json is left to the `tokenizers` crate.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Unsupported(String);
+pub struct Unsupported(pub(crate) String);
 
 impl std::fmt::Display for Unsupported {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -174,6 +174,9 @@ pub(crate) fn parts(json: &[u8], tokenizer: &tokenizers::Tokenizer) -> Result<Pa
         serde_json::from_slice(json).or_else(|e| unsupported(format!("its added tokens do not read ({e})")))?;
     let decoder = tokenizer.get_added_tokens_decoder();
     let mut added: Vec<(String, u32, bool)> = Vec::new();
+    // Each content's `normalized` flag as first listed: a lookup per token, so that loading
+    // stays linear in their number.
+    let mut seen: HashMap<&str, bool> = HashMap::with_capacity(added_tokens.len());
     for token in added_tokens.iter().filter(|t| !t.content.is_empty()) {
         if token.single_word || token.lstrip || token.rstrip {
             return unsupported(format!("added token {:?} has single_word, lstrip or rstrip", token.content));
@@ -185,12 +188,15 @@ pub(crate) fn parts(json: &[u8], tokenizer: &tokenizers::Tokenizer) -> Result<Pa
         if decoder.get(&id).is_none_or(|t| t.content != token.content) {
             return unsupported(format!("added token {:?} shares id {id} with another token", token.content));
         }
-        match added.iter().find(|(content, ..)| *content == token.content) {
-            Some((.., normalized)) if *normalized != token.normalized => {
+        match seen.get(token.content.as_str()) {
+            Some(&normalized) if normalized != token.normalized => {
                 return unsupported(format!("added token {:?} is listed twice, normalized and not", token.content));
             }
             Some(_) => {}
-            None => added.push((token.content.clone(), id, token.normalized)),
+            None => {
+                seen.insert(&token.content, token.normalized);
+                added.push((token.content.clone(), id, token.normalized));
+            }
         }
     }
     Ok(Parts { add_prefix_space, bytes, merges, whole, added })
