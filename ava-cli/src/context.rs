@@ -37,7 +37,7 @@ pub fn config_file(named: Option<&Path>) -> Option<PathBuf> {
 
 /// Loads the configuration (defaults < file < environment < --set). Errors are usage errors.
 pub fn load_config(args: &ConfigArgs, p: &Printer) -> Result<LoadedConfig, Failure> {
-    loader(args, p).load().usage()
+    loader(args, p)?.load().usage()
 }
 
 /// The host settings from the `plugins` section, over the machine policy's floor.
@@ -81,13 +81,64 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
-fn loader(args: &ConfigArgs, p: &Printer) -> ConfigLoader<'static> {
+fn loader(args: &ConfigArgs, p: &Printer) -> Result<ConfigLoader<'static>, Failure> {
     let mut loader = ConfigLoader::new().process_env().sets(args.set.iter().cloned());
     if let Some(file) = config_file(args.config.as_deref()) {
         p.verbose(&format!("config: {}", file.display()));
+        if args.config.is_none() {
+            check_default_config_owner(&file, p)?;
+        }
         loader = loader.file(file);
     }
-    loader
+    Ok(loader)
+}
+
+/// The owner of `./ava.yaml` (the link, the file it names) or of the working directory, when
+/// that is another user than this one and root: whoever it is chooses this run's settings
+/// (plugins, paths), so a file in the working directory that they could have put or changed
+/// there is warned about, and refused under a machine policy with `refuse_foreign_config`.
+/// A file named with `-c` is the user's choice and is not checked.
+fn check_default_config_owner(file: &Path, p: &Printer) -> Result<(), Failure> {
+    let Some((what, uid)) = foreign_owner(file) else { return Ok(()) };
+    let me = ava_plugins::dirfd::euid();
+    let problem = format!(
+        "./{DEFAULT_CONFIG_FILE} is read as this command's config only because it is in the working directory, but \
+         {what} belongs to uid {uid}, not to this user (uid {me}) or root, so that user chooses this run's settings \
+         (plugins, paths)"
+    );
+    let policy = ava_plugins::MachinePolicy::load().map_err(|e| registry_failure(Box::new(e)))?;
+    if let Some(set_by) = policy.and_then(|floor| floor.refuse_foreign_config) {
+        return Err(Failure::Usage(anyhow::anyhow!(
+            "{problem}; the machine policy {} refuses it (refuse_foreign_config: true). Name the file you mean with \
+             -c FILE after checking it, or run ava in a directory of your own",
+            set_by.display()
+        )));
+    }
+    p.warn(&format!(
+        "{problem}. If you checked it and mean to use it, name it (-c ./{DEFAULT_CONFIG_FILE}) or chown it; \
+         otherwise run ava in a directory of your own"
+    ));
+    Ok(())
+}
+
+/// What of `file` and its directory belongs to another user (neither this one nor root), and
+/// that user's uid.
+fn foreign_owner(file: &Path) -> Option<(String, u32)> {
+    use std::os::unix::fs::MetadataExt;
+    let me = ava_plugins::dirfd::euid();
+    let foreign = |uid: u32| uid != me && uid != 0;
+    let dir = match file.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let checks = [
+        (format!("./{DEFAULT_CONFIG_FILE}"), std::fs::symlink_metadata(file)),
+        (format!("the file ./{DEFAULT_CONFIG_FILE} links to"), std::fs::metadata(file)),
+        ("the working directory".to_string(), std::fs::metadata(dir)),
+    ];
+    checks
+        .into_iter()
+        .find_map(|(what, meta)| meta.ok().map(|m| m.uid()).filter(|&uid| foreign(uid)).map(|uid| (what, uid)))
 }
 
 /// Configuration and registry, with every plugin selection checked by its plugin: unknown
@@ -105,7 +156,7 @@ pub fn load_checked(args: &ConfigArgs, p: &Printer) -> Result<Ctx, Failure> {
             named.display()
         ));
     }
-    let (_loaded, registry) = loader(args, p)
+    let (_loaded, registry) = loader(args, p)?
         .load_checked(|plugins| host_from(plugins).and_then(|host| Registry::load(&host).map_err(Box::new)))
         .map_err(registry_failure)?
         .usage()?;

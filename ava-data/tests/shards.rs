@@ -174,10 +174,13 @@ fn a_killed_run_continues_from_its_last_complete_shard_and_ends_byte_identical()
     assert_eq!((a.shards, a.documents, a.train, a.validation), (b.shards, b.documents, b.train, b.validation));
 }
 
-/// The files in a corpus directory, sorted.
+/// The files in a corpus directory, sorted; the lock a prepare holds on it is not one.
 fn names(dir: &Path) -> Vec<String> {
-    let mut names: Vec<String> =
-        fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n != prepare::LOCK_FILE)
+        .collect();
     names.sort();
     names
 }

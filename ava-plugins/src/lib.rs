@@ -8,6 +8,8 @@
 
 pub mod bounded;
 pub mod builtin;
+pub mod dir_lock;
+pub mod dirfd;
 pub mod discover;
 mod error;
 mod instance;

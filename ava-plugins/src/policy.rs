@@ -8,6 +8,7 @@
 //! lock_file: /etc/ava/ava-plugins.lock    # the only lock file honoured
 //! search_paths: [/opt/ava/plugins]        # the only directories searched
 //! trusted_keys: ["ed25519:9a1f…"]         # the lock must be signed by one of these
+//! refuse_foreign_config: true             # ./ava.yaml owned by another user is refused, not warned about
 //! ```
 //!
 //! User layers can only tighten it: a stricter `plugins.policy` is kept, a looser one is
@@ -53,6 +54,9 @@ pub struct MachinePolicy {
     /// Whether a policy file named keys: the lock must then be signed, even when narrowing
     /// left no key (then no lock verifies, which is the strict answer).
     pub signature_required: bool,
+    /// The file that sets `refuse_foreign_config: true`, if one does: a `./ava.yaml` (or
+    /// working directory) owned by another user is then refused instead of warned about.
+    pub refuse_foreign_config: Option<PathBuf>,
 }
 
 /// One policy file as written.
@@ -63,6 +67,24 @@ struct PolicyFile {
     lock_file: Option<PathBuf>,
     search_paths: Option<Vec<PathBuf>>,
     trusted_keys: Option<Vec<String>>,
+    refuse_foreign_config: Option<bool>,
+}
+
+/// Why an empty policy file is refused: a file put there to set a floor that sets none is
+/// a mistake, and treating it as "open" would hide it.
+const EMPTY_POLICY: &str = "it sets nothing (it is empty, or holds only comments), so it would set no floor at all; \
+     write the floor into it, at least `policy: vetted` (or `warn`, or `open`), with lock_file, search_paths and \
+     trusted_keys as needed, or delete the file if this machine is to have no policy";
+
+impl PolicyFile {
+    /// Whether no key is set (an empty file, comments only, or keys set to null).
+    fn is_empty(&self) -> bool {
+        self.policy.is_none()
+            && self.lock_file.is_none()
+            && self.search_paths.is_none()
+            && self.trusted_keys.is_none()
+            && self.refuse_foreign_config.is_none()
+    }
 }
 
 /// One file, checked.
@@ -72,6 +94,7 @@ struct Layer {
     lock_file: Option<PathBuf>,
     search_paths: Option<Vec<PathBuf>>,
     trusted_keys: Option<Vec<PublicKey>>,
+    refuse_foreign_config: bool,
 }
 
 impl MachinePolicy {
@@ -98,11 +121,15 @@ impl MachinePolicy {
             search_paths: None,
             trusted_keys: Vec::new(),
             signature_required: false,
+            refuse_foreign_config: None,
         };
         let mut keys: Option<Vec<PublicKey>> = None;
         for layer in layers {
             if layer.policy > floor.policy.0 {
                 floor.policy = (layer.policy, layer.path.clone());
+            }
+            if layer.refuse_foreign_config && floor.refuse_foreign_config.is_none() {
+                floor.refuse_foreign_config = Some(layer.path.clone());
             }
             if floor.lock_file.is_none() {
                 floor.lock_file = layer.lock_file.map(|p| (p, layer.path.clone()));
@@ -150,9 +177,15 @@ fn read_layer(path: &Path, machine: bool) -> Result<Layer, HostError> {
             .build()
             .and_then(|c| c.try_deserialize())
             .map_err(|e| bad(vec![format!("not valid YAML: {e}")]))?;
-        serde_json::from_value(value)
-            .map_err(|e| bad(vec![format!("{e} (the keys are policy, lock_file, search_paths, trusted_keys)")]))?
+        serde_json::from_value(value).map_err(|e| {
+            bad(vec![format!(
+                "{e} (the keys are policy, lock_file, search_paths, trusted_keys, refuse_foreign_config)"
+            )])
+        })?
     };
+    if file.is_empty() {
+        return Err(bad(vec![EMPTY_POLICY.into()]));
+    }
     let mut problems = Vec::new();
     let policy = match file.policy.as_deref().map(|p| (p, VettingPolicy::parse(p))) {
         None => VettingPolicy::Open,
@@ -193,6 +226,7 @@ fn read_layer(path: &Path, machine: bool) -> Result<Layer, HostError> {
         lock_file: file.lock_file,
         search_paths: file.search_paths,
         trusted_keys,
+        refuse_foreign_config: file.refuse_foreign_config.unwrap_or(false),
     })
 }
 
@@ -258,6 +292,27 @@ mod tests {
         let extra = write(dir.path(), "q.yaml", "policy: vetted\nsearch_path: [/x]\n");
         let e = MachinePolicy::load_from(&dir.path().join("none"), Some(&extra)).unwrap_err().to_string();
         assert!(e.contains("unknown field `search_path`"), "{e}");
+    }
+
+    /// An empty policy file used to mean "no floor" without a word.
+    #[test]
+    fn an_empty_or_comments_only_policy_file_is_refused_with_what_to_write() {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, text) in [("empty.yaml", ""), ("blank.yaml", " \n\t\n"), ("comments.yaml", "# policy: vetted\n\n")] {
+            let extra = write(dir.path(), name, text);
+            let e = MachinePolicy::load_from(&dir.path().join("none"), Some(&extra)).unwrap_err();
+            assert!(matches!(e, HostError::Policy { .. }), "{e:?}");
+            let e = e.to_string();
+            assert!(
+                e.starts_with(&format!("{}: the plugin policy file is not usable: it sets nothing", extra.display())),
+                "{e}"
+            );
+            assert!(e.contains("at least `policy: vetted`") && e.contains("or delete the file"), "{e}");
+        }
+        // One key is enough.
+        let extra = write(dir.path(), "one.yaml", "# the floor\npolicy: warn\n");
+        let floor = MachinePolicy::load_from(&dir.path().join("none"), Some(&extra)).unwrap().unwrap();
+        assert_eq!(floor.policy.0, VettingPolicy::Warn);
     }
 
     #[test]

@@ -253,27 +253,27 @@ fn assemble(
 /// `tokenizer.json` (a copy of the run's, or the byte tokenizer's), and the begin- and
 /// end-of-text ids in `config.json` and `generation_config.json`.
 pub fn write_tokenizer_files(dir: &Path, source: &TokenizerSource) -> Result<(), ModelError> {
-    let io =
-        |path: &Path, e: &dyn std::fmt::Display| ModelError::Io { path: path.to_path_buf(), message: e.to_string() };
-    let tokenizer = dir.join("tokenizer.json");
+    // Relative to the opened folder, never through a link planted in it.
+    let folder = ava_plugins::dirfd::Dir::open(dir).map_err(model::dir_error)?;
+    let write = |name: &str, bytes: &[u8]| {
+        folder.replace(name, 0o666, |f| std::io::Write::write_all(f, bytes)).map_err(model::dir_error)
+    };
     let bytes = match &source.file {
         Some(file) => crate::model::read_bounded(file, ava_plugins::bounded::limits::JSON)?,
         None => ava_data::byte_tokenizer_json(source.eos).into_bytes(),
     };
-    crate::save::write_atomic(&tokenizer, &bytes).map_err(|e| io(&tokenizer, &e))?;
+    write("tokenizer.json", &bytes)?;
     let config_path = dir.join("config.json");
-    let text = crate::model::read_bounded(&config_path, ava_plugins::bounded::limits::JSON)?;
-    let mut config: Value = serde_json::from_slice(&text).map_err(|e| io(&config_path, &e))?;
+    let text = folder.read("config.json", ava_plugins::bounded::limits::JSON).map_err(model::dir_error)?;
+    let mut config: Value = serde_json::from_slice(&text)
+        .map_err(|e| ModelError::Io { path: config_path.clone(), message: e.to_string() })?;
     config["bos_token_id"] = source.bos.map_or(Value::Null, Value::from);
     config["eos_token_id"] = source.eos.map_or(Value::Null, Value::from);
-    let pretty = serde_json::to_vec_pretty(&config).expect("a JSON value serializes");
-    crate::save::write_atomic(&config_path, &pretty).map_err(|e| io(&config_path, &e))?;
+    write("config.json", &serde_json::to_vec_pretty(&config).expect("a JSON value serializes"))?;
     let generation = serde_json::json!({
         "bos_token_id": source.bos,
         "eos_token_id": source.eos,
         "_from_model_config": true,
     });
-    let path = dir.join("generation_config.json");
-    let pretty = serde_json::to_vec_pretty(&generation).expect("a JSON value serializes");
-    crate::save::write_atomic(&path, &pretty).map_err(|e| io(&path, &e))
+    write("generation_config.json", &serde_json::to_vec_pretty(&generation).expect("a JSON value serializes"))
 }

@@ -1,19 +1,14 @@
-//! One run per output directory: [`RunLock`] holds an exclusive `flock` on
-//! `<train.out_dir>/.ava-run.lock` for the whole run, so a second `ava train` on the same
-//! directory is refused (rather than the two saves deleting each other's temporary files);
-//! and [`previous_run`] finds the files a finished or stopped run left there, so a fresh run
-//! does not silently mix its checkpoints and metrics with them.
-//!
-//! The kernel releases a `flock` when the process ends however it ends, so a lock file left
-//! by a killed run blocks nothing; the pid, host and start time written into it are only for
-//! the message a refused run prints. The file itself is never removed: removing it while
-//! another process waits to lock it would let two processes hold "the" lock on two files.
+//! One run per output directory: [`RunLock`] holds the exclusive lock
+//! ([`ava_plugins::dir_lock`]) on `<train.out_dir>/.ava-run.lock` for the whole run, so a
+//! second `ava train` on the same directory is refused (rather than the two saves deleting
+//! each other's temporary files); and [`previous_run`] finds the files a finished or stopped
+//! run left there, so a fresh run does not silently mix its checkpoints and metrics with them.
 
 use std::fs;
-use std::io::{Read, Seek, Write};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+
+use ava_plugins::dir_lock::{Acquired, DirLock};
+use ava_plugins::dirfd::DirError;
 
 /// The lock file inside the run directory.
 pub const LOCK_FILE: &str = ".ava-run.lock";
@@ -51,59 +46,43 @@ pub enum RunDirError {
     },
 }
 
+impl RunDirError {
+    /// A [`DirError`] naming its path once.
+    fn from_dir(e: DirError) -> Self {
+        let full = e.to_string();
+        let path = e.path().map(Path::to_path_buf).unwrap_or_default();
+        let message = full.strip_prefix(&format!("{}: ", path.display())).map(str::to_string).unwrap_or(full);
+        Self::Io { path, message }
+    }
+}
+
 /// The exclusive lock on a run directory, held until dropped (or the process ends).
 #[derive(Debug)]
 pub struct RunLock {
-    dir: PathBuf,
-    file: fs::File,
+    lock: DirLock,
 }
 
 impl RunLock {
     /// Creates `dir` if needed and takes its lock without waiting; [`RunDirError::Busy`]
-    /// names the holder when another process has it.
+    /// names the holder when another process has it. The lock file is opened relative to
+    /// the directory: a link, FIFO or device planted there is refused at once.
     pub fn acquire(dir: &Path) -> Result<Self, RunDirError> {
-        let io = |path: &Path, e: std::io::Error| RunDirError::Io { path: path.to_path_buf(), message: e.to_string() };
-        fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-        let path = dir.join(LOCK_FILE);
-        let mut file = fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(|e| io(&path, e))?;
-        // SAFETY: flock on a descriptor this function owns; no memory is passed.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-                return Err(io(&path, e));
-            }
-            let mut text = String::new();
-            let _ = file.read_to_string(&mut text);
-            let (pid, holder) = describe_holder(&text);
-            return Err(RunDirError::Busy { dir: dir.to_path_buf(), pid, holder });
+        match DirLock::acquire(dir, LOCK_FILE).map_err(RunDirError::from_dir)? {
+            Acquired::Held(lock) => Ok(Self { lock }),
+            Acquired::Busy { pid, holder } => Err(RunDirError::Busy { dir: dir.to_path_buf(), pid, holder }),
         }
-        // Ours now: say who holds it (for a refused run's message only).
-        let started = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let text = format!("pid {}\nhost {}\nstarted {started}\n", std::process::id(), hostname());
-        file.set_len(0)
-            .and_then(|_| file.rewind())
-            .and_then(|_| file.write_all(text.as_bytes()))
-            .map_err(|e| io(&path, e))?;
-        Ok(Self { dir: dir.to_path_buf(), file })
     }
 
     /// The locked directory.
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.lock.dir()
     }
 
     /// Removes the previous run's [`RUN_FILES`] (`--overwrite`); only with the lock held, so
     /// never from under a run that is still going.
     pub fn remove_previous_run(&self) -> Result<(), RunDirError> {
-        let _held = &self.file;
         for name in RUN_FILES {
-            let path = self.dir.join(name);
+            let path = self.dir().join(name);
             let removed = match fs::symlink_metadata(&path) {
                 Err(_) => Ok(()),
                 Ok(m) if m.is_dir() => fs::remove_dir_all(&path),
@@ -131,35 +110,6 @@ pub fn previous_run(dir: &Path) -> Vec<String> {
         })
         .map(|name| name.to_string())
         .collect()
-}
-
-/// The holder's pid and a description of it, from its lock file's text.
-fn describe_holder(text: &str) -> (Option<u32>, String) {
-    let field = |key: &str| text.lines().find_map(|l| l.strip_prefix(key).map(|v| v.trim().to_string()));
-    let pid = field("pid ").and_then(|p| p.parse().ok());
-    let mut parts = vec![match pid {
-        Some(p) => format!("pid {p}"),
-        None => "pid unknown".to_string(),
-    }];
-    if let Some(host) = field("host ") {
-        parts.push(format!("on host {host}"));
-    }
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    if let Some(started) = field("started ").and_then(|s| s.parse::<u64>().ok()) {
-        parts.push(format!("started {} s ago", now.saturating_sub(started)));
-    }
-    (pid, parts.join(", "))
-}
-
-/// This machine's name, or "unknown".
-fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer and its length are valid; gethostname writes at most that many bytes.
-    if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {
-        return "unknown".to_string();
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
 #[cfg(test)]
@@ -196,5 +146,113 @@ mod tests {
         lock.remove_previous_run().unwrap();
         assert!(previous_run(dir.path()).is_empty());
         assert!(dir.path().join("notes.txt").is_file() && dir.path().join(LOCK_FILE).is_file());
+    }
+
+    /// The uid of `nobody`, the other user of these tests.
+    const NOBODY: u32 = 65534;
+
+    /// A run directory owned by another user (`nobody`), as root; `None` (the test skipped,
+    /// saying why) when this process cannot make files another user's.
+    fn foreign_run_dir(test: &str) -> Option<tempfile::TempDir> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipping {test}: it needs root, to make a run directory owned by uid {NOBODY}");
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::os::unix::fs::chown(dir.path(), Some(NOBODY), Some(NOBODY)).unwrap();
+        Some(dir)
+    }
+
+    /// `f` on another thread; the test fails instead of hanging if it waits.
+    fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(20)).expect("it waited instead of answering")
+    }
+
+    #[test]
+    fn a_fifo_or_a_link_planted_as_the_lock_file_is_refused_at_once() {
+        let Some(dir) = foreign_run_dir("a_fifo_or_a_link_planted_as_the_lock_file_is_refused_at_once") else {
+            return;
+        };
+        let lock = dir.path().join(LOCK_FILE);
+        let c = std::ffi::CString::new(lock.to_str().unwrap()).unwrap();
+        // SAFETY: a valid C string.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0);
+        let run = dir.path().to_path_buf();
+        let e = within(move || RunLock::acquire(&run)).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("{}: is a FIFO (named pipe)", lock.display())), "{e}");
+        assert!(e.contains("remove it"), "{e}");
+
+        fs::remove_file(&lock).unwrap();
+        let victim = tempfile::NamedTempFile::new().unwrap();
+        fs::write(victim.path(), "keep").unwrap();
+        std::os::unix::fs::symlink(victim.path(), &lock).unwrap();
+        std::os::unix::fs::lchown(&lock, Some(NOBODY), Some(NOBODY)).unwrap();
+        let e = RunLock::acquire(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("is a symbolic link (owned by uid 65534)"), "{e}");
+        assert_eq!(fs::read_to_string(victim.path()).unwrap(), "keep", "nothing was written through the link");
+    }
+
+    /// The attack of the issue: in a run directory another user owns, they put a `model`
+    /// link where the run exports its model. The export refuses it and writes nothing where
+    /// it points; a link planted in place of one of the model's files is replaced, not
+    /// written through.
+    #[test]
+    fn a_model_link_planted_in_a_run_directory_of_another_user_is_not_followed() {
+        use crate::inference::{TokenizerSource, write_tokenizer_files};
+        use crate::model::{ModelSpec, save_hf_folder};
+        let Some(dir) = foreign_run_dir("a_model_link_planted_in_a_run_directory_of_another_user_is_not_followed")
+        else {
+            return;
+        };
+        let elsewhere = tempfile::tempdir().unwrap();
+        let victim = elsewhere.path().join("config.json");
+        fs::write(&victim, "theirs").unwrap();
+        let model = dir.path().join("model");
+        std::os::unix::fs::symlink(elsewhere.path(), &model).unwrap();
+        std::os::unix::fs::lchown(&model, Some(NOBODY), Some(NOBODY)).unwrap();
+        let spec = ModelSpec::llama(11, 8, 2, 2, 1, 12);
+        let e = save_hf_folder(&model, &spec, &[]).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("{}: is a symbolic link (owned by uid 65534)", model.display())), "{e}");
+        assert!(e.contains("where Ava expected a directory"), "{e}");
+        let source = TokenizerSource { file: None, bos: None, eos: Some(0) };
+        let e = write_tokenizer_files(&model, &source).unwrap_err().to_string();
+        assert!(e.contains("is a symbolic link"), "{e}");
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "theirs");
+        assert_eq!(fs::read_dir(elsewhere.path()).unwrap().count(), 1, "nothing was made where the link points");
+
+        // A real folder, with links planted at its files' names: replaced, not followed.
+        fs::remove_file(&model).unwrap();
+        fs::create_dir(&model).unwrap();
+        for name in ["config.json", "model.safetensors", "tokenizer.json"] {
+            std::os::unix::fs::symlink(&victim, model.join(name)).unwrap();
+        }
+        save_hf_folder(&model, &spec, &[]).unwrap();
+        write_tokenizer_files(&model, &source).unwrap();
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "theirs");
+        assert!(fs::symlink_metadata(model.join("config.json")).unwrap().is_file());
+        assert!(fs::read_to_string(model.join("config.json")).unwrap().contains("\"eos_token_id\": 0"));
+    }
+
+    /// A `checkpoints` link planted in the run directory: the save is refused and nothing is
+    /// written (or pruned) where it points.
+    #[test]
+    fn a_checkpoints_link_planted_in_a_run_directory_is_refused() {
+        let Some(dir) = foreign_run_dir("a_checkpoints_link_planted_in_a_run_directory_is_refused") else {
+            return;
+        };
+        let elsewhere = tempfile::tempdir().unwrap();
+        fs::create_dir(elsewhere.path().join("step-00000001")).unwrap();
+        let root = dir.path().join("checkpoints");
+        std::os::unix::fs::symlink(elsewhere.path(), &root).unwrap();
+        let store = crate::save::CheckpointStore::new(&root, 1);
+        let e = store.save(2, &[("a.bin".into(), vec![1, 2, 3])]).unwrap_err().to_string();
+        assert!(e.starts_with(&format!("{}: is a symbolic link", root.display())), "{e}");
+        let left: Vec<_> = fs::read_dir(elsewhere.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, ["step-00000001"]);
     }
 }

@@ -15,6 +15,7 @@
 
 mod fault;
 pub mod input;
+pub mod lock;
 
 use std::fs;
 use std::io;
@@ -34,6 +35,7 @@ use crate::tokenizer::TextTokenizer;
 #[doc(hidden)]
 pub use fault::DiskFault;
 pub use input::{Invalid, Reading};
+pub use lock::{LOCK_FILE, OutLock};
 
 /// Everything `prepare` needs.
 #[derive(Debug, Clone)]
@@ -193,6 +195,24 @@ pub enum PrepareError {
         what: String,
         /// What `--force` would do.
         action: &'static str,
+    },
+    /// Another process prepares into `--out` (it holds [`LOCK_FILE`]).
+    #[error(
+        "{} is in use by another ava data prepare ({holder}; it holds {}): wait for it to finish or stop it \
+         (kill {pid}), or choose another --out",
+        dir.display(),
+        lock.display(),
+        pid = pid.map_or("its pid".to_string(), |p| p.to_string())
+    )]
+    Busy {
+        /// The corpus directory.
+        dir: PathBuf,
+        /// Its lock file.
+        lock: PathBuf,
+        /// The holder's pid, as its lock file says.
+        pid: Option<u32>,
+        /// The holder as its lock file describes it: pid, host, age, command.
+        holder: String,
     },
     /// The disk filled up.
     #[error(
@@ -418,6 +438,8 @@ fn run(
         validation: Default::default(),
         shards: Vec::new(),
     };
+    // Held until this function returns: nothing is written into `--out` before it is ours.
+    let _lock = OutLock::acquire(&options.out)?;
     let mut manifest = match claim_out(&options.out, &fresh, options.force)? {
         Claim::Complete(done) => {
             return Ok(Summary {
@@ -662,21 +684,13 @@ enum Claim {
     Complete(Manifest),
 }
 
-/// Decides what to do with `--out`: create it, continue the corpus in it, or refuse.
+/// Decides what to do with `--out` (a directory, created and locked by [`OutLock`]): start
+/// afresh, continue the corpus in it, or refuse.
 fn claim_out(dir: &Path, fresh: &Manifest, force: bool) -> Result<Claim, PrepareError> {
     let io_err = |source| PrepareError::Write { dir: dir.to_path_buf(), shards: 0, source };
-    if !dir.exists() {
-        fs::create_dir_all(dir).map_err(io_err)?;
-        return Ok(Claim::Fresh);
-    }
-    if !dir.is_dir() {
-        return Err(PrepareError::OutInUse {
-            dir: dir.to_path_buf(),
-            what: "is a file, not a directory".into(),
-            action: "(no: --force does not replace files) choose a directory",
-        });
-    }
     let ours = |name: &str| name == manifest::FILE || name.ends_with(".tmp") || name.starts_with("shard-");
+    // The lock is neither the corpus nor someone else's file: it stays.
+    let ours_or_lock = |name: &str| ours(name) || name == LOCK_FILE;
     let entries: Vec<String> = fs::read_dir(dir)
         .map_err(io_err)?
         .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
@@ -694,7 +708,7 @@ fn claim_out(dir: &Path, fresh: &Manifest, force: bool) -> Result<Claim, Prepare
             fresh.reading
         )),
         Err(crate::error::DataError::NoManifest { .. }) => {
-            let others: Vec<&String> = entries.iter().filter(|n| !ours(n)).collect();
+            let others: Vec<&String> = entries.iter().filter(|n| !ours_or_lock(n)).collect();
             (!others.is_empty()).then(|| {
                 format!(
                     "is not empty and not a corpus (it holds {})",

@@ -165,7 +165,9 @@ pub(crate) fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, ModelErro
 }
 
 /// Writes `config.json` and `model.safetensors` into `dir` (created if needed), each
-/// atomically.
+/// atomically. `dir` is made and written relative to its opened parent, never through a
+/// link: a link (or FIFO, device) planted at `dir` or at a file's name is refused or replaced,
+/// not followed ([`ava_plugins::dirfd`]).
 pub fn save_hf_folder(dir: &Path, spec: &ModelSpec, tensors: &[(String, Tensor)]) -> Result<(), ModelError> {
     save_hf_folder_with(dir, spec, &mut |out| write_tensors(out, tensors))
 }
@@ -176,14 +178,38 @@ pub fn save_hf_folder_with(
     spec: &ModelSpec,
     weights: &mut dyn FnMut(&mut dyn std::io::Write) -> Result<(), SaveError>,
 ) -> Result<(), ModelError> {
-    let io = |path: &Path, e: std::io::Error| ModelError::Io { path: path.to_path_buf(), message: e.to_string() };
-    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let folder = open_output_dir(dir)?;
     let config = serde_json::to_vec_pretty(&spec.to_hf_config()).expect("a JSON value serializes");
-    let path = dir.join("config.json");
-    crate::save::write_atomic(&path, &config)
-        .map_err(|e| ModelError::Io { path: path.clone(), message: e.to_string() })?;
+    folder.replace("config.json", 0o666, |f| std::io::Write::write_all(f, &config)).map_err(dir_error)?;
     // The weights stream to the file, one tensor's copy at a time.
-    let path = dir.join("model.safetensors");
-    crate::save::write_atomic_streamed(&path, weights)
-        .map_err(|e| ModelError::Io { path: path.clone(), message: e.to_string() })
+    folder
+        .replace("model.safetensors", 0o666, |f| {
+            let mut out = std::io::BufWriter::with_capacity(1 << 20, f);
+            weights(&mut out).map_err(std::io::Error::other)?;
+            std::io::Write::flush(&mut out)
+        })
+        .map_err(dir_error)
+}
+
+/// Creates (if needed) and opens the output folder `dir`, relative to its parent (created
+/// as the user named it) and without following a link at `dir`.
+pub(crate) fn open_output_dir(dir: &Path) -> Result<ava_plugins::dirfd::Dir, ModelError> {
+    let name = dir.file_name().and_then(|n| n.to_str()).ok_or_else(|| ModelError::Io {
+        path: dir.to_path_buf(),
+        message: "not a folder name to write into; name a folder, e.g. out/model".into(),
+    })?;
+    let parent = match dir.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let parent = ava_plugins::dirfd::Dir::create_all(parent).map_err(dir_error)?;
+    parent.create_dir(name, 0o777).map_err(dir_error)
+}
+
+/// A [`DirError`](ava_plugins::dirfd::DirError) as a [`ModelError::Io`] naming its path once.
+pub(crate) fn dir_error(e: ava_plugins::dirfd::DirError) -> ModelError {
+    let full = e.to_string();
+    let path = e.path().map(Path::to_path_buf).unwrap_or_default();
+    let message = full.strip_prefix(&format!("{}: ", path.display())).map(str::to_string).unwrap_or(full);
+    ModelError::Io { path, message }
 }

@@ -22,7 +22,7 @@ use std::path::PathBuf;
 pub use attention::{attention, unsupported_packing};
 pub use documents::Documents;
 pub use generate::{Generator, Sampler, Sampling, Stop, argmax, generate};
-pub(crate) use hf::read_bounded;
+pub(crate) use hf::{dir_error, read_bounded};
 pub use hf::{
     load_hf_folder, save_hf_folder, save_hf_folder_with, tensor_spec, tensor_to_buffer, tensors_from_safetensors,
     tensors_to_safetensors, write_tensors, write_tensors_from,

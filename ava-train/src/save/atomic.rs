@@ -1,6 +1,10 @@
 //! Durable file writes: [`write_atomic`] replaces a file so that after a crash it holds
 //! either the old or the new content, never a mix; [`fsync_dir`] makes a directory's entries
 //! (creations, renames) survive a power loss.
+//!
+//! Files are always created anew (`O_CREAT|O_EXCL|O_NOFOLLOW`): a link planted under a temp
+//! name in a directory others can write is never written through, and the rename that puts
+//! the file in place replaces a link at its name instead of following it.
 
 use std::fs::{self, File};
 use std::io::Write as _;
@@ -46,10 +50,17 @@ pub(crate) fn fsync_dir_with(dir: &Path, faults: Option<&FaultInjector>) -> Resu
     durable(faults, "fsync directory", dir, || File::open(dir)?.sync_all())
 }
 
-/// Creates (or truncates) `path`, writes `bytes` and fsyncs it: two durable operations.
+/// Creates the new file `path`, never through a link: whatever is already there (a link
+/// included) makes it fail.
+fn create_new(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).open(path)
+}
+
+/// Creates the new file `path`, writes `bytes` and fsyncs it: two durable operations.
 pub(crate) fn write_synced(path: &Path, bytes: &[u8], faults: Option<&FaultInjector>) -> Result<(), SaveError> {
     let file = durable(faults, "write", path, || {
-        let mut file = File::create(path)?;
+        let mut file = create_new(path)?;
         file.write_all(bytes)?;
         Ok(file)
     })?;
@@ -63,7 +74,7 @@ pub(crate) fn write_streamed_synced(
     write: impl FnOnce(&mut dyn std::io::Write) -> Result<(), SaveError>,
     faults: Option<&FaultInjector>,
 ) -> Result<(), SaveError> {
-    let file = durable(faults, "write", path, || File::create(path))?;
+    let file = durable(faults, "write", path, || create_new(path))?;
     let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
     write(&mut out)?;
     let file = out.into_inner().map_err(|e| SaveError::Io {
@@ -88,8 +99,14 @@ fn replace_atomically(
 ) -> Result<(), SaveError> {
     let dir = parent_dir(path);
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let tmp = dir.join(format!(".{name}.tmp-{}-{n}", std::process::id()));
+    // A free temp name (one taken, e.g. planted, is skipped; the file is created exclusively).
+    let tmp = loop {
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let tmp = dir.join(format!(".{name}.tmp-{}-{n}", std::process::id()));
+        if fs::symlink_metadata(&tmp).is_err() {
+            break tmp;
+        }
+    };
     let result = fill(&tmp)
         .and_then(|()| durable(faults, &format!("rename {} to", tmp.display()), path, || fs::rename(&tmp, path)))
         .and_then(|()| fsync_dir_with(&dir, faults));
@@ -98,4 +115,26 @@ fn replace_atomically(
         let _ = fs::remove_file(&tmp);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A link planted under the name a write creates is never written through.
+    #[test]
+    fn a_link_planted_at_a_new_file_is_not_written_through() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        fs::write(&victim, b"keep").unwrap();
+        let planted = dir.path().join("manifest.json");
+        std::os::unix::fs::symlink(&victim, &planted).unwrap();
+        let e = write_synced(&planted, b"{}", None).unwrap_err();
+        assert!(e.to_string().contains("cannot write"), "{e}");
+        // Replaced atomically, the link itself is replaced.
+        write_atomic(&planted, b"{}").unwrap();
+        assert_eq!(fs::read(&victim).unwrap(), b"keep");
+        assert_eq!(fs::read(&planted).unwrap(), b"{}");
+        assert!(fs::symlink_metadata(&planted).unwrap().is_file());
+    }
 }

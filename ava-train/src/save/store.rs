@@ -176,10 +176,13 @@ impl CheckpointStore {
         dir: &Path,
     ) -> Result<(), SaveError> {
         let faults = self.faults.as_ref();
-        if !self.root.is_dir() {
+        if fs::symlink_metadata(&self.root).is_err() {
             durable(faults, "create directory", &self.root, || fs::create_dir_all(&self.root))?;
             fsync_dir_with(&parent_dir(&self.root), faults)?;
         }
+        // A link planted as the root (e.g. `checkpoints` in a directory another user can
+        // write) is refused: saving through it would write, and prune, where it points.
+        ava_plugins::dirfd::Dir::open(&self.root)?;
         if fs::symlink_metadata(tmp).is_ok() {
             // Left by a crashed save of this step by a process that had our pid.
             fs::remove_dir_all(tmp).map_err(|source| io_error("remove stale directory", tmp, source))?;

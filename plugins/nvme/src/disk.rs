@@ -81,18 +81,22 @@ impl Drop for AlignedBuf {
     }
 }
 
+/// Opens a record file: never through a link (`O_NOFOLLOW`), a new one readable by this
+/// user alone (0600).
 fn open(path: &Path, direct: bool, write: bool) -> io::Result<File> {
     let mut o = OpenOptions::new();
+    let mut flags = libc::O_NOFOLLOW;
     if write {
-        o.write(true).create(true).truncate(true);
+        o.write(true).create(true).truncate(true).mode(0o600);
     } else {
         // Non-blocking: a FIFO put in place of a record must not hang `open`.
-        o.read(true).custom_flags(libc::O_NONBLOCK);
+        o.read(true);
+        flags |= libc::O_NONBLOCK;
     }
     if direct {
-        o.custom_flags(libc::O_DIRECT | if write { 0 } else { libc::O_NONBLOCK });
+        flags |= libc::O_DIRECT;
     }
-    o.open(path)
+    o.custom_flags(flags).open(path)
 }
 
 /// Writes `buf` (aligned, its length a multiple of [`ALIGN`] under direct I/O) as the whole

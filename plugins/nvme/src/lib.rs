@@ -19,7 +19,9 @@
 //!   the file, never data ([`record`]);
 //! - a short write or a full disk is an error, never success ([`disk`]);
 //! - each run writes in its own locked directory, so two runs given the same path never
-//!   share files; directories of dead runs are removed ([`namespace`]);
+//!   share files, in a private (0700) directory per user, so a path shared by several users
+//!   leaks nothing and no user can block or break another's run; directories of dead runs are
+//!   removed ([`namespace`]);
 //! - `O_DIRECT` with 4 KiB-aligned buffers, offsets and lengths where the filesystem takes
 //!   it, with `direct_io: auto` falling back to buffered I/O and saying so (the run's log
 //!   shows [`describe`](ava_core::OffloadTier::describe));
@@ -55,7 +57,7 @@ impl Plugin for NvmeTier {
         .option(OptionSpec::optional(
             "path",
             OptionType::String,
-            "directory on the fast disk; the run writes in its own ava-run-<id> directory inside it (required)",
+            "directory on the fast disk, which other users may share; the run writes in its own ava-<uid>/ava-run-<id> directory inside it (required)",
         ))
         .option(OptionSpec::string(
             "direct_io",

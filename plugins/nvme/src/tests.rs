@@ -318,3 +318,18 @@ fn a_full_disk_is_an_error_and_never_taken_for_success() {
     let e = t.preflight(&[1 << 20]).unwrap_err();
     assert!(e.message.contains("has only"), "{}", e.message);
 }
+
+/// In a shared path a user's records are theirs alone: the record files are 0600, in 0700
+/// directories.
+#[test]
+fn records_are_readable_by_their_user_alone() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let t = tier(dir.path(), r#", "direct_io": "off""#).unwrap();
+    t.put("k", &bytes(100, 1), DType::U8).unwrap();
+    t.flush().unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode(&t.file_of("k").unwrap()), 0o600);
+    assert_eq!(mode(t.dir().unwrap()), 0o700);
+    assert_eq!(mode(t.dir().unwrap().parent().unwrap()), 0o700);
+}
