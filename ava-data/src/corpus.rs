@@ -25,7 +25,7 @@ pub fn verify_all<'a>(dir: &Path, manifest: &'a Manifest, done: &(dyn Fn(&ShardE
         .shards
         .par_iter()
         .map(|entry| {
-            let problem = shard::verify(dir, entry, manifest.id_bytes).err();
+            let problem = shard::verify(dir, entry, manifest).err();
             done(entry);
             ShardCheck { entry, problem }
         })

@@ -70,6 +70,37 @@ impl Counts {
         self.tokens += other.tokens;
         self.documents += other.documents;
     }
+
+    /// The sum, or `None` when a count does not fit in 64 bits.
+    fn checked_add(self, other: Counts) -> Option<Counts> {
+        Some(Counts {
+            tokens: self.tokens.checked_add(other.tokens)?,
+            documents: self.documents.checked_add(other.documents)?,
+        })
+    }
+}
+
+fn is_sha256(text: &str) -> bool {
+    text.len() == 64 && text.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Checks a shard's file name as a manifest gives it: one plain name (no directory, no `..`
+/// or `.`, not absolute, no NUL, not empty), so that it names a file inside the corpus
+/// directory and nothing else. The error says what is wrong, quoting the name.
+pub fn check_shard_name(name: &str) -> Result<(), String> {
+    use std::path::Component;
+    let quoted = serde_json::to_string(name).unwrap_or_default();
+    let plain = !name.is_empty()
+        && !name.contains('\0')
+        && !name.contains('/')
+        && matches!(Path::new(name).components().collect::<Vec<_>>()[..], [Component::Normal(_)]);
+    if plain {
+        return Ok(());
+    }
+    Err(format!(
+        "is {quoted}: a shard must be named by a plain file name inside the corpus directory (no directory, `..`, \
+         absolute path or NUL)"
+    ))
 }
 
 /// One finished shard.
@@ -174,7 +205,76 @@ impl Manifest {
                  or prepare the corpus again with this one"
             )));
         }
-        serde_json::from_value(probe).map_err(|e| bad(e.to_string()))
+        let manifest: Self = serde_json::from_value(probe).map_err(|e| bad(e.to_string()))?;
+        manifest
+            .check()
+            .map_err(|reason| bad(format!("{reason}; the manifest is damaged: prepare the corpus again")))?;
+        Ok(manifest)
+    }
+
+    /// Checks what the numbers and names size and reach: the id width and the ids against
+    /// the vocabulary, each shard's file name (a plain name inside the corpus directory) and
+    /// counts, and the totals against the shards' (with checked sums: a total that does not
+    /// fit in 64 bits is refused, not wrapped). The error names the key.
+    pub fn check(&self) -> Result<(), String> {
+        if !matches!(self.id_bytes, 2 | 4) {
+            return Err(format!("id_bytes is {}; it must be 2 or 4", self.id_bytes));
+        }
+        let most = if self.id_bytes == 2 { 1u64 << 16 } else { 1u64 << 32 };
+        if self.vocab_size == 0 || self.vocab_size > most {
+            return Err(format!(
+                "vocab_size is {}; with {}-byte ids it must be between 1 and {most}",
+                self.vocab_size, self.id_bytes
+            ));
+        }
+        for (key, id) in [("eos_id", Some(self.eos_id)), ("bos_id", self.bos_id)] {
+            if let Some(id) = id.filter(|&id| u64::from(id) >= self.vocab_size) {
+                return Err(format!("{key} is {id}; it must be below vocab_size ({})", self.vocab_size));
+            }
+        }
+        if !(0.0..1.0).contains(&self.val_fraction) {
+            return Err(format!("val_fraction is {}; it must be at least 0 and below 1", self.val_fraction));
+        }
+        if let TokenizerId::Huggingface { sha256, .. } = &self.tokenizer
+            && !is_sha256(sha256)
+        {
+            return Err(format!("tokenizer.sha256 is {sha256:?}; it must be 64 hex digits"));
+        }
+        let (mut train, mut validation, mut documents) = (Counts::default(), Counts::default(), 0u64);
+        let overflow = |key: &str| format!("{key}: the shards' counts add up to more than 2^64");
+        for (i, shard) in self.shards.iter().enumerate() {
+            check_shard_name(&shard.file).map_err(|e| format!("shards[{i}].file {e}"))?;
+            if !is_sha256(&shard.sha256) {
+                return Err(format!("shards[{i}].sha256 is {:?}; it must be 64 hex digits", shard.sha256));
+            }
+            for (key, counts) in [("train", shard.train), ("validation", shard.validation)] {
+                if counts.documents > counts.tokens {
+                    return Err(format!(
+                        "shards[{i}].{key}: {} documents in {} tokens; every document holds at least its \
+                         end-of-text id",
+                        counts.documents, counts.tokens
+                    ));
+                }
+            }
+            train = train.checked_add(shard.train).ok_or_else(|| overflow("train"))?;
+            validation = validation.checked_add(shard.validation).ok_or_else(|| overflow("validation"))?;
+            documents = documents
+                .checked_add(shard.train.documents)
+                .and_then(|d| d.checked_add(shard.validation.documents))
+                .ok_or_else(|| overflow("documents"))?;
+        }
+        for (key, total, sum) in [("train", self.train, train), ("validation", self.validation, validation)] {
+            if total != sum {
+                return Err(format!(
+                    "{key} says {} tokens in {} documents, but its shards hold {} tokens in {} documents",
+                    total.tokens, total.documents, sum.tokens, sum.documents
+                ));
+            }
+        }
+        if self.documents != documents {
+            return Err(format!("documents is {}, but its shards hold {documents}", self.documents));
+        }
+        Ok(())
     }
 
     /// Writes `dir/manifest.json` atomically.

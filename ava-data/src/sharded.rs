@@ -89,7 +89,7 @@ impl ShardedDataset {
             .shards
             .par_iter()
             .map(|entry| match verify {
-                Verify::Checksums => shard::verify(dir, entry, manifest.id_bytes),
+                Verify::Checksums => shard::verify(dir, entry, &manifest),
                 Verify::Sizes => ShardFile::open(dir, entry, manifest.id_bytes),
             })
             .collect::<Result<_, _>>()?;

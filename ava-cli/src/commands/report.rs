@@ -8,7 +8,7 @@ use std::{
 };
 
 use ava_core::format_size;
-use ava_train::train::metrics::{RunMetrics, metrics_file, read_run, read_series};
+use ava_train::train::metrics::{MAX_POINTS, RunMetrics, metrics_file, read_run, read_series};
 use serde_json::json;
 
 use super::report_plot::{self, Series};
@@ -33,7 +33,19 @@ pub fn run(p: &Printer, args: &ReportArgs) -> CmdResult {
     for path in &args.runs {
         let file = metrics_file(path);
         match read_series(&file, metric) {
-            Ok(points) => runs.push(Run { name: column_name(path), file, points: points.into_iter().collect() }),
+            Ok(series) => {
+                for w in &series.warnings {
+                    p.warn(w);
+                }
+                if series.stride > 1 {
+                    p.note(&format!(
+                        "{}: more than {MAX_POINTS} steps; every {}th step is kept (and the first and last)",
+                        file.display(),
+                        series.stride
+                    ));
+                }
+                runs.push(Run { name: column_name(path), file, points: series.points.into_iter().collect() })
+            }
             Err(e) => problems.push(e.to_string()),
         }
     }
@@ -106,6 +118,17 @@ fn summary(p: &Printer, run: &Path, plots: PathBuf) -> CmdResult {
             file.display()
         )));
     }
+    for w in &metrics.warnings {
+        p.warn(w);
+    }
+    if metrics.stride > 1 {
+        p.note(&format!(
+            "{}: {} step records; the charts keep every {}th step (and the first and last), the summary reads all",
+            file.display(),
+            metrics.step_records,
+            metrics.stride
+        ));
+    }
     let name = column_name(run);
     let charts = report_plot::run_charts(&metrics, &name, &plots).map_err(chart_failure)?;
     let facts = Facts::of(&metrics);
@@ -150,30 +173,31 @@ struct Facts {
     at_peak: [u64; 5],
     micro_batch: u64,
     changes: Vec<(u64, u64, u64)>,
+    /// The first memory events (the metrics reader keeps a bounded number).
     events: Vec<(u64, String)>,
+    /// Memory events in all.
+    event_count: u64,
 }
 
 impl Facts {
     /// `run` has at least one step.
     fn of(run: &RunMetrics) -> Self {
         let (first, last) = (&run.steps[0], &run.steps[run.steps.len() - 1]);
-        let top = run.steps.iter().fold(first, |a, b| if b.memory.peak > a.memory.peak { b } else { a });
+        let top = run.peak.as_ref().unwrap_or(first);
         let m = &top.memory;
         Self {
             steps: last.step,
             first_loss: (first.step, first.loss),
             last_loss: (last.step, last.loss),
-            best_val: run.evals.iter().map(|e| (e.step, e.val_loss)).fold(None, |best, (s, v)| match best {
-                Some((_, b)) if b <= v => best,
-                _ => Some((s, v)),
-            }),
+            best_val: run.best_eval.map(|e| (e.step, e.val_loss)),
             floor: run.evals.iter().find_map(|e| e.entropy_floor),
             peak: (top.step, m.peak),
             budget: last.memory.budget,
             at_peak: [m.params, m.grads, m.optimizer, m.data, m.activations],
             micro_batch: report_plot::first_micro_batch(run).unwrap_or(first.micro_batch),
             changes: report_plot::micro_batch_changes(run),
-            events: run.steps.iter().flat_map(|s| s.memory_events.iter().map(|m| (s.step, m.clone()))).collect(),
+            events: run.events.clone(),
+            event_count: run.event_count,
         }
     }
 
@@ -216,8 +240,8 @@ impl Facts {
         for (step, message) in self.events.iter().take(5) {
             lines.push(format!("  [step {step}] {message}"));
         }
-        if self.events.len() > 5 {
-            lines.push(format!("  ... {} more memory events in the metrics file", self.events.len() - 5));
+        if self.event_count > 5 {
+            lines.push(format!("  ... {} more memory events in the metrics file", self.event_count - 5));
         }
         lines
     }

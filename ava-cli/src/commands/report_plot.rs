@@ -35,20 +35,9 @@ pub struct Series {
     pub points: Vec<(f64, f64)>,
 }
 
-/// Where the micro-batch changed: (step, from, to).
+/// Where the micro-batch changed: (step, from, to), as read from every step record.
 pub fn micro_batch_changes(run: &RunMetrics) -> Vec<(u64, u64, u64)> {
-    let mut changes = Vec::new();
-    let mut prev: Option<u64> = None;
-    for s in &run.steps {
-        // A back-off within the step, then a change between logged steps (the memory policy's).
-        let start = s.backoffs.first().map_or(s.micro_batch, |b| b.micro_batch);
-        if let Some(p) = prev.filter(|&p| p != start) {
-            changes.push((s.step, p, start));
-        }
-        changes.extend(s.backoffs.iter().map(|b| (s.step, b.micro_batch, b.retry_micro_batch)));
-        prev = Some(s.micro_batch);
-    }
-    changes
+    run.changes.clone()
 }
 
 /// The micro-batch the run started at: the first logged step's, or the first attempt's

@@ -78,16 +78,53 @@ impl Header {
         Ok(header)
     }
 
-    /// Offset of the document table: after the ids, padded to 8.
-    pub fn table_offset(&self) -> u64 {
-        let ids = (self.train_tokens + self.val_tokens) * u64::from(self.id_bytes);
-        (HEADER_BYTES as u64 + ids).next_multiple_of(8)
+    /// Where the header puts the document table and where the file ends, computed with
+    /// checked arithmetic: the counts come from a file, and a sum or product that does not
+    /// fit in 64 bits would otherwise wrap to a small size a crafted file could match. Each
+    /// region's documents are checked against its tokens too (every document ends with the
+    /// end-of-text id, so a region holds at least as many ids as documents, and ids only
+    /// within documents). The error names the field.
+    pub fn layout(&self) -> Result<Layout, String> {
+        for (field, tokens, docs) in
+            [("train", self.train_tokens, self.train_docs), ("validation", self.val_tokens, self.val_docs)]
+        {
+            if docs > tokens {
+                return Err(format!(
+                    "header field {field} documents ({docs}) is more than its {field} tokens ({tokens}); every \
+                     document holds at least its end-of-text id"
+                ));
+            }
+            if tokens > 0 && docs == 0 {
+                return Err(format!(
+                    "header field {field} documents is 0 but its {field} tokens is {tokens}; every id belongs to a \
+                     document"
+                ));
+            }
+        }
+        let too_big = |what: &str| format!("header field {what} does not fit in a 64-bit file size");
+        let tokens =
+            self.train_tokens.checked_add(self.val_tokens).ok_or_else(|| too_big("train + validation tokens"))?;
+        let ids = tokens.checked_mul(u64::from(self.id_bytes)).ok_or_else(|| too_big("tokens × id bytes"))?;
+        let table_offset = ids
+            .checked_add(HEADER_BYTES as u64)
+            .and_then(|end| end.checked_next_multiple_of(8))
+            .ok_or_else(|| too_big("tokens × id bytes"))?;
+        let docs = self.train_docs.checked_add(self.val_docs).ok_or_else(|| too_big("train + validation documents"))?;
+        let file_bytes = docs
+            .checked_mul(8)
+            .and_then(|table| table.checked_add(table_offset))
+            .ok_or_else(|| too_big("documents × 8"))?;
+        Ok(Layout { table_offset, file_bytes })
     }
+}
 
+/// Where a header puts things (see [`Header::layout`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// Offset of the document table: after the ids, padded to 8.
+    pub table_offset: u64,
     /// The whole file's size.
-    pub fn file_bytes(&self) -> u64 {
-        self.table_offset() + 8 * (self.train_docs + self.val_docs)
-    }
+    pub file_bytes: u64,
 }
 
 #[cfg(test)]
@@ -99,7 +136,7 @@ mod tests {
         let h = Header { id_bytes: 2, train_tokens: 5, val_tokens: 2, train_docs: 2, val_docs: 1 };
         assert_eq!(Header::decode(&h.encode()), Ok(h));
         // 64 + 7·2 = 78 → 80, then 3 starts of 8 bytes.
-        assert_eq!((h.table_offset(), h.file_bytes()), (80, 104));
+        assert_eq!(h.layout(), Ok(Layout { table_offset: 80, file_bytes: 104 }));
     }
 
     #[test]
@@ -112,5 +149,25 @@ mod tests {
         assert!(Header::decode(&bytes).unwrap_err().contains("not an Ava shard"));
         let odd = Header { id_bytes: 3, ..Header::default() }.encode();
         assert!(Header::decode(&odd).unwrap_err().contains("3 bytes"));
+    }
+
+    #[test]
+    fn counts_that_overflow_a_file_size_are_refused_by_field() {
+        // 2^63 + 5 two-byte ids wrap to 10 bytes without checked arithmetic: a 144-byte
+        // file could "match" a header claiming more ids than any disk holds.
+        let h = Header { id_bytes: 2, train_tokens: (1 << 63) + 5, val_tokens: 0, train_docs: 1, val_docs: 0 };
+        let e = h.layout().unwrap_err();
+        assert!(e.contains("header field tokens × id bytes does not fit"), "{e}");
+        let h = Header { id_bytes: 4, train_tokens: u64::MAX, val_tokens: 1, train_docs: 1, val_docs: 1 };
+        assert!(h.layout().unwrap_err().contains("train + validation tokens"));
+        let h = Header { id_bytes: 2, train_tokens: 4, val_tokens: 0, train_docs: 5, val_docs: 0 };
+        assert!(h.layout().unwrap_err().contains("train documents (5) is more than its train tokens (4)"));
+        let h = Header { id_bytes: 2, train_tokens: 0, val_tokens: 3, train_docs: 0, val_docs: 0 };
+        assert!(h.layout().unwrap_err().contains("validation documents is 0 but its validation tokens is 3"));
+        let h = Header { id_bytes: 2, train_tokens: 1 << 40, val_tokens: 0, train_docs: (1 << 62) - 1, val_docs: 0 };
+        assert!(h.layout().unwrap_err().contains("more than its train tokens"));
+        let h =
+            Header { id_bytes: 2, train_tokens: u64::MAX / 2, val_tokens: 0, train_docs: u64::MAX / 2, val_docs: 0 };
+        assert!(h.layout().unwrap_err().contains("does not fit"));
     }
 }

@@ -5,6 +5,7 @@ pub mod format;
 
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use memmap2::{Mmap, UncheckedAdvice};
@@ -12,7 +13,7 @@ use sha2::{Digest, Sha256};
 
 use crate::dataset::Split;
 use crate::error::DataError;
-use crate::manifest::{Counts, ShardEntry, sync_dir};
+use crate::manifest::{Counts, Manifest, ShardEntry, check_shard_name, sync_dir};
 use format::{HEADER_BYTES, Header};
 
 /// The file name of shard `index`.
@@ -99,6 +100,7 @@ impl ShardBuilder {
         room: u64,
     ) -> io::Result<ShardEntry> {
         let header = self.header();
+        let layout = header.layout().map_err(io::Error::other)?;
         let tmp = dir.join(format!("{file}.tmp"));
         let mut out = HashingWriter {
             inner: io::BufWriter::with_capacity(1 << 20, Room { inner: File::create(&tmp)?, left: room }),
@@ -108,12 +110,12 @@ impl ShardBuilder {
         out.write_all(&header.encode())?;
         out.write_all(&self.train.ids)?;
         out.write_all(&self.val.ids)?;
-        let pad = header.table_offset() - (HEADER_BYTES as u64 + (self.train.ids.len() + self.val.ids.len()) as u64);
+        let pad = layout.table_offset - (HEADER_BYTES as u64 + (self.train.ids.len() + self.val.ids.len()) as u64);
         out.write_all(&[0u8; 8][..pad as usize])?;
         for start in self.train.starts.iter().chain(&self.val.starts) {
             out.write_all(&start.to_le_bytes())?;
         }
-        debug_assert_eq!(out.bytes, header.file_bytes());
+        debug_assert_eq!(out.bytes, layout.file_bytes);
         let (bytes, sha256) = (out.bytes, hex::encode(out.hash.finalize()));
         out.inner.into_inner().map_err(|e| e.into_error())?.inner.sync_all()?;
         fs::rename(&tmp, dir.join(file))?;
@@ -189,17 +191,27 @@ pub fn sha256_of(mut reader: impl Read) -> io::Result<String> {
 }
 
 /// The SHA-256 of a file, with plain reads (not through a mapping, so checking a corpus
-/// leaves no pages mapped into the process).
+/// leaves no pages mapped into the process). The file is opened without blocking and must
+/// be regular (a FIFO would wait for a writer for ever).
 pub fn sha256_file(path: &Path) -> io::Result<String> {
-    sha256_of(File::open(path)?)
+    use ava_plugins::bounded::{ReadError, limits, open_regular};
+    let (file, _) = open_regular(path, limits::LARGE).map_err(|e| match e {
+        ReadError::Io { source, .. } => source,
+        ReadError::Missing(_) => io::Error::from(io::ErrorKind::NotFound),
+        other => io::Error::new(io::ErrorKind::InvalidInput, other.to_string()),
+    })?;
+    sha256_of(file)
 }
 
-/// Opens a shard (see [`ShardFile::open`]) and checks its checksum against its manifest
-/// entry too.
-pub fn verify(dir: &Path, entry: &ShardEntry, id_bytes: u32) -> Result<ShardFile, DataError> {
-    let shard = ShardFile::open(dir, entry, id_bytes)?;
+/// Opens a shard (see [`ShardFile::open`]) and checks, in one pass of plain reads over the
+/// opened file, its checksum against its manifest entry and every token id against the
+/// vocabulary (an id at or past it would index past the model's embedding).
+pub fn verify(dir: &Path, entry: &ShardEntry, manifest: &Manifest) -> Result<ShardFile, DataError> {
+    let shard = ShardFile::open(dir, entry, manifest.id_bytes)?;
     let path = &shard.path;
-    let actual = sha256_file(path).map_err(|source| DataError::Read { path: path.clone(), source })?;
+    let (actual, bad_id) = shard
+        .hash_and_check_ids(manifest.vocab_size)
+        .map_err(|source| DataError::Read { path: path.clone(), source })?;
     if actual != entry.sha256 {
         return Err(DataError::Shard {
             path: path.clone(),
@@ -211,7 +223,40 @@ pub fn verify(dir: &Path, entry: &ShardEntry, id_bytes: u32) -> Result<ShardFile
             ),
         });
     }
+    if let Some((index, id)) = bad_id {
+        return Err(DataError::Shard {
+            path: path.clone(),
+            reason: format!(
+                "its token id at index {index} is {id}, not below the manifest's vocab_size {}: the corpus is \
+                 damaged or its manifest is not its own; prepare the corpus again",
+                manifest.vocab_size
+            ),
+        });
+    }
     Ok(shard)
+}
+
+/// Opens `path` for reading without following a symbolic link at its last component and
+/// without blocking (a FIFO), and checks it is a regular file. A link is refused before
+/// anything about its target is looked at, so the error tells nothing of the file it names.
+fn open_shard(path: &Path) -> Result<(File, u64), DataError> {
+    let refused = |reason: &str| DataError::Shard { path: path.to_path_buf(), reason: reason.to_string() };
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|source| match source.raw_os_error() {
+            Some(libc::ELOOP) => refused(
+                "is a symbolic link; a shard must be a regular file inside the corpus directory (links are not \
+                 followed, so a corpus cannot name a file elsewhere): copy the file in, or prepare the corpus again",
+            ),
+            _ => DataError::Read { path: path.to_path_buf(), source },
+        })?;
+    let meta = file.metadata().map_err(|source| DataError::Read { path: path.to_path_buf(), source })?;
+    if !meta.file_type().is_file() {
+        return Err(refused("is not a regular file; a shard is a regular file written by `ava data prepare`"));
+    }
+    Ok((file, meta.len()))
 }
 
 /// A finished shard, memory-mapped. Reading copies ids out and hands the pages back to the
@@ -220,17 +265,24 @@ pub fn verify(dir: &Path, entry: &ShardEntry, id_bytes: u32) -> Result<ShardFile
 pub struct ShardFile {
     path: PathBuf,
     header: Header,
+    /// Offset of the document table.
+    table: u64,
+    file: File,
     map: Mmap,
 }
 
 impl ShardFile {
     /// Maps `dir/<entry.file>` and checks its size and header against the manifest entry
-    /// (not its checksum: see [`verify`]).
+    /// and its document table against the header (not its checksum: see [`verify`]). The
+    /// file name must be a plain name inside `dir`, and the file a regular file, not a link.
     pub fn open(dir: &Path, entry: &ShardEntry, id_bytes: u32) -> Result<Self, DataError> {
         let path = dir.join(&entry.file);
         let bad = |reason: String| DataError::Shard { path: path.clone(), reason };
-        let file = File::open(&path).map_err(|source| DataError::Read { path: path.clone(), source })?;
-        let size = file.metadata().map_err(|source| DataError::Read { path: path.clone(), source })?.len();
+        check_shard_name(&entry.file).map_err(|reason| DataError::Manifest {
+            path: dir.join(crate::manifest::FILE),
+            reason: format!("shard file {reason}"),
+        })?;
+        let (file, size) = open_shard(&path)?;
         if size != entry.bytes {
             return Err(bad(format!(
                 "it is {size} bytes but the manifest says {}: the file was truncated or replaced; prepare the corpus \
@@ -242,6 +294,7 @@ impl ShardFile {
         // file changed under us is what `verify` catches.
         let map = unsafe { Mmap::map(&file) }.map_err(|source| DataError::Read { path: path.clone(), source })?;
         let header = Header::decode(&map).map_err(&bad)?;
+        let layout = header.layout().map_err(&bad)?;
         let expected = Header {
             id_bytes,
             train_tokens: entry.train.tokens,
@@ -249,14 +302,98 @@ impl ShardFile {
             train_docs: entry.train.documents,
             val_docs: entry.validation.documents,
         };
-        if header != expected || header.file_bytes() != size {
+        if header != expected {
             return Err(bad(format!("its header ({header:?}) does not match the manifest ({expected:?})")));
+        }
+        if layout.file_bytes != size {
+            return Err(bad(format!(
+                "its header describes a file of {} bytes, but it is {size} bytes: the file is damaged; prepare the \
+                 corpus again",
+                layout.file_bytes
+            )));
         }
         #[cfg(unix)]
         let _ = map.advise(memmap2::Advice::Random);
-        let shard = Self { path, header, map };
+        let shard = Self { path: path.clone(), header, table: layout.table_offset, file, map };
         shard.release(0, HEADER_BYTES);
+        shard.check_table().map_err(bad)?;
         Ok(shard)
+    }
+
+    /// Checks each region's document starts: the first 0, each after the one before (a
+    /// document holds at least its end-of-text id) and inside the region. What reads them
+    /// (a binary search, offsets inside a sequence) relies on it.
+    fn check_table(&self) -> Result<(), String> {
+        const CHUNK: u64 = (FAULT_WINDOW_BYTES / 8) as u64;
+        for (split, first, count, tokens) in [
+            ("train", 0, self.header.train_docs, self.header.train_tokens),
+            ("validation", self.header.train_docs, self.header.val_docs, self.header.val_tokens),
+        ] {
+            let mut prev = None;
+            let mut doc = 0;
+            while doc < count {
+                let end = count.min(doc + CHUNK);
+                for d in doc..end {
+                    let start = self.start_at(first + d);
+                    let fine = match prev {
+                        None => start == 0,
+                        Some(p) => start > p && start < tokens,
+                    };
+                    if !fine {
+                        return Err(format!(
+                            "document table: {split} document {d} starts at {start}, but starts must begin at 0, \
+                             ascend and stay below the region's {tokens} tokens; the file is damaged: prepare the \
+                             corpus again"
+                        ));
+                    }
+                    prev = Some(start);
+                }
+                self.release((self.table + 8 * (first + doc)) as usize, 8 * (end - doc) as usize);
+                doc = end;
+            }
+        }
+        Ok(())
+    }
+
+    /// Document start `doc` of the whole table (train documents, then validation ones).
+    fn start_at(&self, doc: u64) -> u64 {
+        let at = (self.table + 8 * doc) as usize;
+        u64::from_le_bytes(self.map[at..at + 8].try_into().expect("8 bytes"))
+    }
+
+    /// The SHA-256 of the file (lowercase hex), read in 1 MiB pieces from the opened file, and
+    /// the first token id at or past `vocab` with its index among the shard's ids, if any.
+    fn hash_and_check_ids(&self, vocab: u64) -> io::Result<(String, Option<(u64, u32)>)> {
+        let width = u64::from(self.header.id_bytes);
+        let ids_end = HEADER_BYTES as u64 + (self.header.train_tokens + self.header.val_tokens) * width;
+        let mut hash = Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let (mut at, mut bad) = (0u64, None);
+        loop {
+            let n = read_full(&self.file, &mut buf, at)?;
+            if n == 0 {
+                break;
+            }
+            hash.update(&buf[..n]);
+            // Pieces start at multiples of 1 MiB, so ids never straddle two.
+            let (lo, hi) = (at.max(HEADER_BYTES as u64), (at + n as u64).min(ids_end));
+            if bad.is_none() && lo < hi {
+                let piece = &buf[(lo - at) as usize..(hi - at) as usize];
+                let id = |b: &[u8]| {
+                    if width == 2 {
+                        u32::from(u16::from_le_bytes([b[0], b[1]]))
+                    } else {
+                        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                    }
+                };
+                bad = piece.chunks_exact(width as usize).position(|b| u64::from(id(b)) >= vocab).map(|i| {
+                    let off = lo - HEADER_BYTES as u64 + i as u64 * width;
+                    (off / width, id(&piece[i * width as usize..]))
+                });
+            }
+            at += n as u64;
+        }
+        Ok((hex::encode(hash.finalize()), bad))
     }
 
     /// The file.
@@ -311,7 +448,7 @@ impl ShardFile {
             Split::Train => (0, self.header.train_docs),
             Split::Validation => (self.header.train_docs, self.header.val_docs),
         };
-        let table = (self.header.table_offset() + 8 * first) as usize;
+        let table = (self.table + 8 * first) as usize;
         let start_of = |doc: u64| -> u64 {
             let at = table + 8 * doc as usize;
             u64::from_le_bytes(self.map[at..at + 8].try_into().expect("8 bytes"))
@@ -368,4 +505,19 @@ fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if size > 0 { size as usize } else { 4096 }
+}
+
+/// Fills `buf` from `file` at `offset` (less only at the end of the file); returns the bytes
+/// read.
+fn read_full(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match file.read_at(&mut buf[n..], offset + n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
 }
