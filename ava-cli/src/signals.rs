@@ -1,8 +1,10 @@
 //! Ctrl-C without losing work: the first SIGINT, SIGTERM or SIGHUP sets the stop flag the
 //! trainer checks between steps (it finishes the step under way and saves a checkpoint),
-//! and says so at once; a second one says what it does, restores the default action and
-//! raises the signal again, so the process stops at once. The handlers live here, in the
-//! binary: the training library only reads a flag.
+//! and says so at once; the waits outside a step's work (the data loader, the other ranks
+//! of an in-process group) look at the flag too and give up within a second. A second one
+//! says what it does, restores the default action and raises the signal again, so the
+//! process stops at once. The handlers live here, in the binary: the training library only
+//! reads a flag.
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -80,7 +82,8 @@ extern "C" fn on_signal(signal: libc::c_int) {
         name_bytes(signal),
         b": stopping after step ",
         which,
-        b", then saving a checkpoint; Ctrl-C again to quit at once without saving\n",
+        b" (or within a second, before it, if it is stuck waiting for data or for another rank), then saving a \
+          checkpoint; Ctrl-C again to quit at once without saving\n",
     ]);
 }
 

@@ -6,12 +6,20 @@
 //! `start + w + W`, ...; a worker only starts batch `i` once `i < position + W·prefetch_factor`,
 //! so at most `W·prefetch_factor` finished batches wait in the queue (backpressure) and the
 //! batch the consumer needs next can always be built (no deadlock).
+//!
+//! Every wait can be interrupted: with a stop flag ([`Loader::watch`], set by the binary's
+//! signal handler), a [`Loader::next`] waiting for a batch that is not ready looks at the
+//! flag every [`STOP_POLL`] and gives up with [`DataError::Stopped`] once it is set; and
+//! dropping the loader waits at most [`JOIN_GRACE`] for a worker still building a batch (one
+//! stuck in a read that never returns is left behind, not waited for forever). Building a
+//! batch itself, on the caller's thread without workers, is not interrupted.
 
 use std::collections::BTreeMap;
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
 
 use super::dataset::{Dataset, Split};
 use super::error::DataError;
@@ -151,6 +159,8 @@ struct State {
     next: u64,
     stop: bool,
     failure: Option<Failure>,
+    /// Test hook ([`Loader::stall_at`]): the worker due to build this batch never does.
+    stall_at: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -187,10 +197,20 @@ impl Job {
     }
 }
 
+/// How often a [`Loader::next`] waiting for a batch looks at its stop flag.
+pub const STOP_POLL: Duration = Duration::from_millis(100);
+
+/// How long dropping a loader waits for its workers to finish the batches they are building.
+pub const JOIN_GRACE: Duration = Duration::from_secs(1);
+
 /// An infinite, ordered stream of batches of one split, built synchronously or by workers.
 pub struct Loader {
     job: Arc<Job>,
     position: u64,
+    /// Set from outside (a signal) to end a wait for a batch ([`Loader::watch`]).
+    stop: Option<Arc<AtomicBool>>,
+    /// Test hook ([`Loader::stall_at`]) for the synchronous loader.
+    stall_at: Option<u64>,
     num_workers: usize,
     prefetch_factor: usize,
     queued_bytes: Arc<AtomicU64>,
@@ -261,11 +281,14 @@ impl Loader {
                 "must be at least 1 when data.num_workers > 0 (batches queued per worker)".into(),
             ));
         }
+        check_start(start_batch, batch_size, num_workers, prefetch_factor, share)?;
         let job = Arc::new(Job { dataset, split, batch_size, seq_len, share });
         let queued_bytes = Arc::new(AtomicU64::new(0));
         let mut loader = Self {
             job,
             position: start_batch,
+            stop: None,
+            stall_at: None,
             num_workers,
             prefetch_factor,
             queued_bytes: queued_bytes.clone(),
@@ -276,7 +299,13 @@ impl Loader {
             return Ok(loader);
         }
         let shared = Arc::new(Shared {
-            state: Mutex::new(State { ready: BTreeMap::new(), next: start_batch, stop: false, failure: None }),
+            state: Mutex::new(State {
+                ready: BTreeMap::new(),
+                next: start_batch,
+                stop: false,
+                failure: None,
+                stall_at: None,
+            }),
             space: Condvar::new(),
             filled: Condvar::new(),
             queued_bytes,
@@ -295,37 +324,93 @@ impl Loader {
         Ok(loader)
     }
 
+    /// From now on a [`next`](Self::next) waiting for a batch that is not ready gives up with
+    /// [`DataError::Stopped`] within [`STOP_POLL`] of `stop` being set (e.g. by a signal
+    /// handler); the position stays at the batch waited for.
+    pub fn watch(&mut self, stop: Arc<AtomicBool>) {
+        self.stop = Some(stop);
+    }
+
+    /// Test hook: batch `batch` is never built, as if reading its data hung on a dead disk:
+    /// the worker due to build it blocks for good (without workers, [`next`](Self::next)
+    /// blocks), so the consumer's wait for it ends only through [`watch`](Self::watch)'s flag.
+    #[doc(hidden)]
+    pub fn stall_at(&mut self, batch: u64) {
+        self.stall_at = Some(batch);
+        if let Some(shared) = &self.shared {
+            shared.lock().stall_at = Some(batch);
+        }
+    }
+
     /// The next batch (the stream never ends). Errors on reaching a batch whose building
-    /// panicked, and on every later call.
+    /// panicked, and on every later call; with a stop flag set, [`DataError::Stopped`] instead
+    /// of waiting on for a batch that is not ready.
     #[allow(clippy::should_implement_trait)] // a fallible, infinite stream: `Option` would only add noise
     pub fn next(&mut self) -> Result<Batch, DataError> {
         let batch = match &self.shared {
-            None => {
-                let (job, index) = (&*self.job, self.position);
-                panic::catch_unwind(AssertUnwindSafe(|| job.build(index))).map_err(|payload| {
-                    DataError::WorkerPanicked { worker: None, batch: index, message: panic_message(&*payload) }
-                })?
-            }
-            Some(shared) => {
-                let mut state = shared.lock();
-                loop {
-                    if let Some(batch) = state.ready.remove(&self.position) {
-                        state.next += 1;
-                        shared.queued_bytes.fetch_sub(batch.size_bytes(), Ordering::SeqCst);
-                        drop(state);
-                        shared.space.notify_all();
-                        break batch;
-                    }
-                    // Batches before the failed one are still delivered, in order.
-                    if let Some(failure) = state.failure.as_ref().filter(|f| f.batch <= self.position) {
-                        return Err(failure.to_error());
-                    }
-                    state = shared.filled.wait(state).unwrap_or_else(PoisonError::into_inner);
-                }
-            }
+            None => self.build_here()?,
+            Some(shared) => self.take_ready(shared)?,
         };
         self.position += 1;
         Ok(batch)
+    }
+
+    /// Whether the stop flag is set.
+    fn stopping(&self) -> bool {
+        self.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst))
+    }
+
+    /// The stopped outcome of a wait for the batch at `position` that began at `since`.
+    fn stopped(&self, since: Instant) -> DataError {
+        let waited_ms = u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX);
+        DataError::Stopped { split: self.job.split, batch: self.position, waited_ms }
+    }
+
+    /// Without workers: builds the batch at `position` on this thread.
+    fn build_here(&self) -> Result<Batch, DataError> {
+        let (job, index) = (&*self.job, self.position);
+        if self.stall_at == Some(index) {
+            // The hook's hung read: only the stop flag ends it.
+            let since = Instant::now();
+            loop {
+                if self.stopping() {
+                    return Err(self.stopped(since));
+                }
+                thread::sleep(STOP_POLL);
+            }
+        }
+        panic::catch_unwind(AssertUnwindSafe(|| job.build(index))).map_err(|payload| DataError::WorkerPanicked {
+            worker: None,
+            batch: index,
+            message: panic_message(&*payload),
+        })
+    }
+
+    /// With workers: waits for the batch at `position`, in slices of [`STOP_POLL`] so that a
+    /// stop flag set meanwhile is seen.
+    fn take_ready(&self, shared: &Shared) -> Result<Batch, DataError> {
+        let since = Instant::now();
+        let mut state = shared.lock();
+        loop {
+            // The hook's batch is never delivered, even when built before the hook was set.
+            if state.stall_at != Some(self.position)
+                && let Some(batch) = state.ready.remove(&self.position)
+            {
+                state.next += 1;
+                shared.queued_bytes.fetch_sub(batch.size_bytes(), Ordering::SeqCst);
+                drop(state);
+                shared.space.notify_all();
+                return Ok(batch);
+            }
+            // Batches before the failed one are still delivered, in order.
+            if let Some(failure) = state.failure.as_ref().filter(|f| f.batch <= self.position) {
+                return Err(failure.to_error());
+            }
+            if self.stopping() {
+                return Err(self.stopped(since));
+            }
+            state = shared.filled.wait_timeout(state, STOP_POLL).unwrap_or_else(PoisonError::into_inner).0;
+        }
     }
 
     /// Index of the batch the next [`next`](Self::next) returns: what a checkpoint saves to
@@ -386,9 +471,16 @@ impl Drop for Loader {
             shared.space.notify_all();
             shared.filled.notify_all();
         }
-        // A worker finishes at most the batch it is building, then sees `stop`.
+        // A worker finishes at most the batch it is building, then sees `stop`; one still
+        // building after JOIN_GRACE (a read that hangs) is left behind rather than waited for.
+        let deadline = Instant::now() + JOIN_GRACE;
+        while self.workers.iter().any(|h| !h.is_finished()) && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(5));
+        }
         for handle in self.workers.drain(..) {
-            let _ = handle.join();
+            if handle.is_finished() {
+                let _ = handle.join();
+            }
         }
     }
 }
@@ -405,10 +497,18 @@ fn work(shared: &Shared, job: &Job, worker: usize, stride: usize, first: u64) {
                 if state.stop || state.failure.as_ref().is_some_and(|f| index > f.batch) {
                     return;
                 }
-                if index < state.next + shared.capacity {
+                // Saturating: a window reaching past u64::MAX holds every later index.
+                if index < state.next.saturating_add(shared.capacity) {
                     break;
                 }
                 state = shared.space.wait(state).unwrap_or_else(PoisonError::into_inner);
+            }
+            if state.stall_at == Some(index) {
+                drop(state);
+                // The hook's hung read: it never returns, whatever the loader does.
+                loop {
+                    thread::park();
+                }
             }
         }
         let built = panic::catch_unwind(AssertUnwindSafe(|| job.build(index)));
@@ -436,7 +536,38 @@ fn work(shared: &Shared, job: &Job, worker: usize, stride: usize, first: u64) {
             // Wake the workers waiting for room, so those past the failure exit.
             shared.space.notify_all();
         }
-        index += stride as u64;
+        // Past the last index there is nothing more to build.
+        let Some(following) = index.checked_add(stride as u64) else { return };
+        index = following;
+    }
+}
+
+/// Checks that every sequence index the loader can reach from `start_batch` (its batches,
+/// the workers' read-ahead, every rank's rows) fits in 64 bits. A start past that (a damaged
+/// or crafted checkpoint position) is refused here, before any worker starts.
+fn check_start(
+    start_batch: u64,
+    batch_size: usize,
+    num_workers: usize,
+    prefetch_factor: usize,
+    share: Share,
+) -> Result<(), DataError> {
+    let ahead = (num_workers as u64).saturating_mul(prefetch_factor as u64 + 1).saturating_add(1);
+    let fits = start_batch
+        .checked_add(ahead)
+        .and_then(|end| end.checked_mul(share.world as u64))
+        .and_then(|rows| rows.checked_mul(batch_size as u64));
+    match fits {
+        Some(_) => Ok(()),
+        None => Err(DataError::InvalidOption {
+            key: "the loader's start batch",
+            value: start_batch.to_string(),
+            reason: format!(
+                "past the last batch whose sequences have a 64-bit index (batches of {batch_size} sequences × {} \
+                 ranks); a saved position this large is damaged",
+                share.world
+            ),
+        }),
     }
 }
 
@@ -446,4 +577,99 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "(no message)".to_string())
+}
+
+#[cfg(test)]
+mod stop_tests {
+    use super::*;
+    use crate::{DataOptions, MarkovSpec, Packing, Source, open};
+
+    fn synthetic() -> Arc<dyn Dataset> {
+        let options = DataOptions {
+            source: Source::Synthetic(MarkovSpec::default()),
+            seq_len: 16,
+            val_fraction: 0.1,
+            seed: 4,
+            packing: Packing::Concat,
+        };
+        open(&options).unwrap()
+    }
+
+    /// A loader of 2 sequences of 16 tokens whose batch 3 never comes, watching `flag`.
+    fn stalled(workers: usize, flag: &Arc<AtomicBool>) -> Loader {
+        let mut loader = Loader::new(synthetic(), Split::Train, 2, 16, 0, workers, 2).unwrap();
+        loader.stall_at(3);
+        loader.watch(flag.clone());
+        loader
+    }
+
+    #[track_caller]
+    fn assert_stopped(result: Result<Batch, DataError>) {
+        match result {
+            Err(e @ DataError::Stopped { split: Split::Train, batch: 3, .. }) => {
+                let text = e.to_string();
+                assert!(text.starts_with("stopped while waiting for the data loader: batch 3 of the train split"));
+            }
+            other => panic!("expected the stopped outcome, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_blocked_next_returns_the_stopped_outcome_once_the_flag_is_set() {
+        for workers in [0, 1, 3] {
+            let flag = Arc::new(AtomicBool::new(false));
+            let mut loader = stalled(workers, &flag);
+            for i in 0..3 {
+                assert_eq!(loader.next().unwrap().index, i, "batches before the stall come, {workers} workers");
+            }
+            // Set from another thread while `next` is blocked on batch 3.
+            let setter = {
+                let flag = flag.clone();
+                thread::spawn(move || {
+                    thread::sleep(STOP_POLL * 3);
+                    flag.store(true, Ordering::SeqCst);
+                })
+            };
+            assert_stopped(loader.next());
+            setter.join().unwrap();
+            assert_eq!(loader.position(), 3, "the batch waited for is still the next one");
+            // Asked again with the flag still set: the same answer, at once.
+            assert_stopped(loader.next());
+            // Dropping it leaves the hung worker behind instead of waiting for it forever.
+            drop(loader);
+        }
+    }
+
+    #[test]
+    fn a_ready_batch_is_delivered_even_with_the_flag_set() {
+        let flag = Arc::new(AtomicBool::new(true));
+        let mut loader = stalled(2, &flag);
+        // Batch 0 may not be built yet when asked: the flag ends the wait, or it comes.
+        match loader.next() {
+            Ok(b) => assert_eq!(b.index, 0),
+            Err(e) => assert!(matches!(e, DataError::Stopped { batch: 0, .. }), "{e}"),
+        }
+        let mut sync = stalled(0, &flag);
+        assert_eq!(sync.next().unwrap().index, 0, "building here is not a wait");
+    }
+
+    #[test]
+    fn a_window_past_the_last_index_ends_in_an_error_not_a_hang() {
+        let flag = Arc::new(AtomicBool::new(false));
+        let Ok(mut loader) = Loader::new(synthetic(), Split::Train, 2, 16, u64::MAX - 1, 2, 4) else {
+            return; // refused when built: no hang either
+        };
+        loader.watch(flag.clone());
+        let setter = thread::spawn(move || {
+            // Only if the loader hangs: the test then fails on the stopped outcome.
+            thread::sleep(Duration::from_secs(20));
+            flag.store(true, Ordering::SeqCst);
+        });
+        let result = loader.next();
+        assert!(
+            !matches!(result, Err(DataError::Stopped { .. })),
+            "the loader hung on a start near u64::MAX: {result:?}"
+        );
+        drop(setter); // detached; it only sets a flag nobody reads any more
+    }
 }

@@ -211,11 +211,50 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
         steps: args.steps,
         group,
         io_progress: root.then(|| io_progress(p)),
+        stall_loader_at_batch: stall_hook()?,
         ..Default::default()
     };
     let trainer =
         Trainer::new(&config, &ctx.registry, &options).map_err(|e| start_failure(e, args, &config, &ctx.registry))?;
     Ok(Started { trainer, options, log_every: config.train.log_every, root, _lock: lock })
+}
+
+/// The variable of the test hook that makes the data loader hang on a batch.
+const STALL_VAR: &str = "AVA_TEST_STALL_LOADER_AT_BATCH";
+
+/// Test hook: with `AVA_TEST_STALL_LOADER_AT_BATCH=N` the data loader never delivers batch
+/// N (as if its read hung), so the tests can stop a run stuck in a wait.
+fn stall_hook() -> Result<Option<u64>, Failure> {
+    let Some(value) = std::env::var_os(STALL_VAR) else { return Ok(None) };
+    let text = value.to_string_lossy();
+    text.trim().parse().map(Some).map_err(|_| {
+        Failure::Usage(anyhow::anyhow!("{STALL_VAR}={text:?}: not a batch index (a test hook); unset it to train"))
+    })
+}
+
+/// What an interrupted run says: where it stopped, what it saved, and how to go on.
+fn interrupted_message(summary: &ava_train::train::RunSummary, signal: i32) -> String {
+    let name = signals::name(signal);
+    match (&summary.interrupted_while, &summary.checkpoint) {
+        (None, Some(dir)) => format!(
+            "interrupted by {name} at step {}: checkpoint {dir} saved; continue the run with:\n  {}",
+            summary.step,
+            resume_command()
+        ),
+        (None, None) => {
+            format!("interrupted by {name} before the first step completed: nothing to resume, start again")
+        }
+        (Some(wait), Some(dir)) => format!(
+            "interrupted by {name} while waiting, after step {}: {wait}; nothing of the next step was kept and the \
+             latest checkpoint is {dir}; once the cause of the wait is fixed, continue the run with:\n  {}",
+            summary.step,
+            resume_command()
+        ),
+        (Some(wait), None) => format!(
+            "interrupted by {name} while waiting, before the first step completed: {wait}; nothing to resume, start \
+             again once the cause of the wait is fixed"
+        ),
+    }
 }
 
 /// Trains a started run and prints its summary (rank 0).
@@ -297,19 +336,7 @@ fn train(p: &Printer, started: Started) -> CmdResult {
     p.result(text, || json!(summary));
     if summary.interrupted {
         let signal = signals::received().unwrap_or(libc::SIGINT);
-        let message = match &summary.checkpoint {
-            Some(dir) => format!(
-                "interrupted by {} at step {}: checkpoint {dir} saved; continue the run with:\n  {}",
-                signals::name(signal),
-                summary.step,
-                resume_command()
-            ),
-            None => format!(
-                "interrupted by {} before the first step completed: nothing to resume, start again",
-                signals::name(signal)
-            ),
-        };
-        return Err(Failure::Signal(signal, anyhow::anyhow!(message)));
+        return Err(Failure::Signal(signal, anyhow::anyhow!(interrupted_message(&summary, signal))));
     }
     if let Some(reason) = summary.stopped {
         // The reason says what to change; the changes it names are to settings a checkpoint

@@ -1,7 +1,13 @@
 //! The collectives trait: the only way the engine talks to other ranks.
 
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
+
+/// How long a rank waiting for the others goes on once the stop flag is set: the others are
+/// normally finishing the same step and arrive well within it; ranks that do not are stuck.
+pub const STOP_GRACE: Duration = Duration::from_secs(1);
 
 /// What a collective call can fail with. The MPI implementation never returns one (MPI's
 /// default error handler ends the job, and `mpirun` names the rank that died); the
@@ -28,6 +34,18 @@ pub enum DistError {
         missing: Vec<usize>,
         /// The timeout.
         seconds: u64,
+    },
+    /// The stop flag (a signal) was set while this rank waited for others that did not
+    /// arrive within [`STOP_GRACE`], or left: the wait gave up instead of blocking the stop.
+    #[error(
+        "stopped while waiting for the other ranks: ranks {missing:?} had not joined the {what} (stuck, or stopping \
+         too)"
+    )]
+    Stopped {
+        /// The collective under way.
+        what: &'static str,
+        /// The ranks that had not arrived.
+        missing: Vec<usize>,
     },
     /// The ranks called collectives with buffers that do not match.
     #[error("{what}: {message}")]
@@ -67,6 +85,11 @@ pub trait Collectives: std::fmt::Debug {
     fn broadcast(&self, buf: &mut [u8], root: usize) -> Result<(), DistError>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), DistError>;
+
+    /// From now on a wait for the other ranks still unanswered [`STOP_GRACE`] after `stop`
+    /// is set gives up with [`DistError::Stopped`]. By default (one rank, MPI, whose
+    /// collectives cannot be interrupted) nothing changes.
+    fn watch_stop(&self, _stop: Arc<AtomicBool>) {}
 
     /// Starts [`Collectives::reduce_scatter_sum`] of `buf` and returns at once when the
     /// group can run it beside the caller's work (MPI runs it on a communication thread);

@@ -15,7 +15,7 @@ mod zero;
 
 use std::sync::Arc;
 
-pub use base::{Collectives, DistError, Pending};
+pub use base::{Collectives, DistError, Pending, STOP_GRACE};
 pub use gather::Gathered;
 #[cfg(feature = "mpi")]
 pub use mpi::MpiGroup;

@@ -4,14 +4,30 @@
 //! Every collective is one exchange: each rank deposits its bytes, the last to arrive
 //! publishes all of them, and each rank computes its result from the ranks' contributions
 //! in rank order (so sums add in rank order, the same on every rank).
+//!
+//! A rank waits for the others in slices of [`STOP_POLL`]: it gives up when one left the
+//! group, after [`TIMEOUT`], or [`STOP_GRACE`] after the stop flag of
+//! [`Collectives::watch_stop`] was set.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::base::{Collectives, DistError, check_counts, offsets};
+use super::base::{Collectives, DistError, STOP_GRACE, check_counts, offsets};
 
 /// How long a rank waits for the others at one collective before it gives up.
 const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How often a waiting rank looks at its stop flag.
+const STOP_POLL: Duration = Duration::from_millis(100);
+
+/// One rank's wait at one collective.
+struct Wait {
+    what: &'static str,
+    deadline: Instant,
+    /// When this wait first saw the stop flag set.
+    stop_seen: Option<Instant>,
+}
 
 #[derive(Default)]
 struct Round {
@@ -37,6 +53,8 @@ struct Shared {
 pub struct ThreadRank {
     rank: usize,
     shared: Arc<Shared>,
+    /// Set by [`Collectives::watch_stop`].
+    stop: OnceLock<Arc<AtomicBool>>,
 }
 
 impl std::fmt::Debug for ThreadRank {
@@ -52,7 +70,7 @@ pub fn thread_group(size: usize) -> Vec<ThreadRank> {
         round: Mutex::new(Round { slots: vec![None; size], ..Round::default() }),
         changed: Condvar::new(),
     });
-    (0..size).map(|rank| ThreadRank { rank, shared: Arc::clone(&shared) }).collect()
+    (0..size).map(|rank| ThreadRank { rank, shared: Arc::clone(&shared), stop: OnceLock::new() }).collect()
 }
 
 impl Shared {
@@ -65,11 +83,11 @@ impl ThreadRank {
     /// Every rank's bytes, in rank order.
     fn exchange(&self, what: &'static str, bytes: Vec<u8>) -> Result<Arc<Vec<Vec<u8>>>, DistError> {
         let s = &*self.shared;
-        let deadline = Instant::now() + TIMEOUT;
+        let mut wait = Wait { what, deadline: Instant::now() + TIMEOUT, stop_seen: None };
         let mut round = s.lock();
         // The previous round's results must be read by everyone before its slots are reused.
         while round.published.is_some() {
-            round = self.wait(round, what, deadline)?;
+            round = self.wait(round, &mut wait)?;
         }
         let generation = round.generation;
         round.slots[self.rank] = Some(bytes);
@@ -81,7 +99,7 @@ impl ThreadRank {
             s.changed.notify_all();
         }
         while round.generation == generation {
-            round = self.wait(round, what, deadline)?;
+            round = self.wait(round, &mut wait)?;
         }
         let out = Arc::clone(round.published.as_ref().expect("a published round stays until read"));
         round.readers -= 1;
@@ -92,21 +110,26 @@ impl ThreadRank {
         Ok(out)
     }
 
-    fn wait<'a>(
-        &self,
-        round: MutexGuard<'a, Round>,
-        what: &'static str,
-        deadline: Instant,
-    ) -> Result<MutexGuard<'a, Round>, DistError> {
+    fn wait<'a>(&self, round: MutexGuard<'a, Round>, wait: &mut Wait) -> Result<MutexGuard<'a, Round>, DistError> {
+        let what = wait.what;
+        let missing = || (0..self.shared.size).filter(|&r| round.slots[r].is_none()).collect();
+        let now = Instant::now();
+        if self.stop.get().is_some_and(|s| s.load(Ordering::SeqCst)) {
+            // A rank that left after the stop was asked most likely stopped too.
+            let seen = *wait.stop_seen.get_or_insert(now);
+            if round.gone.is_some() || now.duration_since(seen) >= STOP_GRACE {
+                return Err(DistError::Stopped { what, missing: missing() });
+            }
+        }
         if let Some(rank) = round.gone {
             return Err(DistError::PeerGone { rank, what });
         }
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = wait.deadline.saturating_duration_since(now);
         if left.is_zero() {
-            let missing = (0..self.shared.size).filter(|&r| round.slots[r].is_none()).collect();
-            return Err(DistError::Timeout { what, missing, seconds: TIMEOUT.as_secs() });
+            return Err(DistError::Timeout { what, missing: missing(), seconds: TIMEOUT.as_secs() });
         }
-        let (round, _) = self.shared.changed.wait_timeout(round, left).unwrap_or_else(PoisonError::into_inner);
+        let slice = left.min(STOP_POLL);
+        let (round, _) = self.shared.changed.wait_timeout(round, slice).unwrap_or_else(PoisonError::into_inner);
         Ok(round)
     }
 }
@@ -211,6 +234,10 @@ impl Collectives for ThreadRank {
     fn barrier(&self) -> Result<(), DistError> {
         self.exchange("barrier", Vec::new()).map(drop)
     }
+
+    fn watch_stop(&self, stop: Arc<AtomicBool>) {
+        let _ = self.stop.set(stop);
+    }
 }
 
 #[cfg(test)]
@@ -275,6 +302,40 @@ mod tests {
         });
         let message = out[0].as_ref().unwrap();
         assert!(message.contains("rank 1 left the group during all-reduce"), "{message}");
+    }
+
+    #[test]
+    fn a_stop_ends_a_wait_for_a_rank_that_never_comes() {
+        let stop = Arc::new(AtomicBool::new(false));
+        let done = AtomicBool::new(false);
+        let out = on_ranks(2, |g| {
+            if g.rank() == 1 {
+                // Stuck outside any collective (its handle held) until rank 0 is done.
+                while !done.load(Ordering::SeqCst) {
+                    std::thread::sleep(STOP_POLL);
+                }
+                return None;
+            }
+            g.watch_stop(stop.clone());
+            // Asked to stop while rank 0 waits: without it, the wait would last TIMEOUT.
+            let setter = {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    std::thread::sleep(STOP_POLL * 2);
+                    stop.store(true, Ordering::SeqCst);
+                })
+            };
+            let err = g.all_reduce_sum(&mut [1.0]).unwrap_err();
+            setter.join().unwrap();
+            done.store(true, Ordering::SeqCst);
+            Some(err)
+        });
+        let err = out[0].as_ref().unwrap();
+        assert!(matches!(err, DistError::Stopped { what: "all-reduce", missing } if missing == &[1]), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("stopped while waiting for the other ranks: ranks [1] had not joined the all-reduce")
+        );
     }
 
     #[test]

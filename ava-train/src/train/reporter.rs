@@ -208,6 +208,10 @@ pub struct RunSummary {
     /// Whether the run stopped because [`TrainOptions::stop`](super::TrainOptions) asked it
     /// to (after saving a checkpoint of the last completed step).
     pub interrupted: bool,
+    /// With `interrupted`: the wait outside a step's work that the stop ended (the data
+    /// loader, the other ranks), as a message; `None` when the stop came between steps.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub interrupted_while: Option<String>,
     /// With `data.mix`: the training tokens each corpus gave over the run (from step 1).
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub tokens_by_source: Vec<SourceTokens>,

@@ -54,8 +54,13 @@ pub struct TrainOptions {
     /// after backward; with `train.step_in_backward`, the second one stepped inside it).
     pub nan_grad_at_steps: Option<std::ops::Range<u64>>,
     /// Set from outside (e.g. a signal handler) to ask the run to stop: it finishes the
-    /// step under way, saves a checkpoint and returns with [`RunSummary::interrupted`].
+    /// step under way, saves a checkpoint and returns with [`RunSummary::interrupted`]. A
+    /// wait outside the step's work (the data loader, the other ranks) gives up within a
+    /// second of it being set: see [`RunSummary::interrupted_while`].
     pub stop: Option<Arc<AtomicBool>>,
+    /// Test hook: the data loader never delivers this batch (as if reading it hung), so the
+    /// run blocks waiting for it until [`TrainOptions::stop`] is set.
+    pub stall_loader_at_batch: Option<u64>,
     /// The ranks this process trains with (`crate::dist::join` under `mpirun`); alone
     /// when `None`.
     pub group: Option<Arc<dyn Collectives>>,
@@ -141,7 +146,13 @@ fn one() -> usize {
 /// Checks `trainer.json` against its checkpoint and the run: every field in range and the
 /// step the manifest's. Its numbers size and index what follows (micro-batch split, data
 /// position), so a damaged one must stop here. All problems are reported at once.
-fn check_trainer_state(state: &TrainerState, ckpt: &LoadedCheckpoint, config: &Config) -> Result<(), TrainError> {
+fn check_trainer_state(
+    state: &TrainerState,
+    ckpt: &LoadedCheckpoint,
+    config: &Config,
+    dataset: &dyn Dataset,
+    world: usize,
+) -> Result<(), TrainError> {
     let mut problems = Vec::new();
     if state.step != ckpt.step {
         problems.push(format!("step is {}, but the manifest says the checkpoint is of step {}", state.step, ckpt.step));
@@ -153,7 +164,7 @@ fn check_trainer_state(state: &TrainerState, ckpt: &LoadedCheckpoint, config: &C
             "micro_batch_split is {split}; it must be a power of two dividing train.micro_batch_size ({micro})"
         ));
     }
-    // data_position is any batch index: batch k is a pure function of (seed, k).
+    problems.extend(data_position_problem(state, config, dataset, world));
     let ls = &state.loss_scale;
     if !(ls.scale.is_finite() && ls.scale >= 1.0) && ls.enabled {
         problems.push(format!("loss_scale.scale is {}; it must be a finite number of at least 1", ls.scale));
@@ -170,6 +181,29 @@ fn check_trainer_state(state: &TrainerState, ckpt: &LoadedCheckpoint, config: &C
         path.display(),
         problems.join("; ")
     )))
+}
+
+/// What is wrong with `trainer.json`'s data position, if anything. Batch k is a pure function
+/// of (seed, k), so any position reads (a resume with `--force` may even change how many
+/// batches a step reads), but every sequence index the loader reaches from it, its read-ahead
+/// included, must fit in 64 bits: a position past that used to overflow in the loader's
+/// threads and hang the run. Checked before any loader thread starts.
+fn data_position_problem(state: &TrainerState, config: &Config, dataset: &dyn Dataset, world: usize) -> Option<String> {
+    let pos = state.data_position;
+    let per_batch = (config.train.micro_batch_size as u64).saturating_mul(world as u64);
+    let ahead = (config.data.num_workers as u64).saturating_mul(config.data.prefetch_factor as u64 + 1) + 1;
+    if pos.checked_add(ahead).and_then(|b| b.checked_mul(per_batch)).is_some() {
+        return None;
+    }
+    let corpus = match dataset.sequences_per_pass(Split::Train, config.data.seq_len) {
+        Some(n) => format!("the corpus holds {n} training sequences of {} tokens per pass", config.data.seq_len + 1),
+        None => "the data source has no end".to_string(),
+    };
+    Some(format!(
+        "data_position is {pos}: {pos} batches of {per_batch} sequences are past the last 64-bit sequence index \
+         ({corpus}, and step {} of a run reads far fewer)",
+        state.step
+    ))
 }
 
 /// Files of a checkpoint directory.
@@ -201,6 +235,15 @@ const STRUCTURAL_KEYS: &[&str] = &[
     "train.precision",
     "train.master_weights",
 ];
+
+/// Whether `e` is a wait outside the step's work given up because the stop flag was set.
+fn stopped_waiting(e: &TrainError) -> bool {
+    match e {
+        TrainError::Data(d) => matches!(**d, data::DataError::Stopped { .. }),
+        TrainError::Dist(d) => matches!(d, crate::dist::DistError::Stopped { .. }),
+        _ => false,
+    }
+}
 
 /// A training run.
 pub struct Trainer {
@@ -773,7 +816,13 @@ impl Trainer {
             let masters = if options.fresh_optimizer {
                 Vec::new()
             } else {
-                let (buffers, _) = safetensors_views(ckpt.file(OPTIMIZER_FILE)?)?;
+                let optimizer_file = ckpt.dir.join(OPTIMIZER_FILE);
+                let (buffers, _) = safetensors_views(ckpt.file(OPTIMIZER_FILE)?).map_err(|e| {
+                    TrainError::Invalid(format!(
+                        "{}: {e}; resume from an older checkpoint, or keep this one's weights with --fresh-optimizer",
+                        optimizer_file.display()
+                    ))
+                })?;
                 // Progress over the weights (loaded above) and the state, every IO_PROGRESS_BYTES.
                 let weights: u64 = model.params().iter().map(|p| p.stored_bytes() as u64).sum();
                 let total = weights + state.bytes();
@@ -788,9 +837,11 @@ impl Trainer {
                     }
                 };
                 state.load_buffers(model.params(), buffers, &mut progress).map_err(|e| match e {
-                    TrainError::OptimizerState { problems, .. } => {
-                        TrainError::OptimizerState { problems, trained_with: saved_optimizer(&ckpt) }
-                    }
+                    TrainError::OptimizerState { problems, .. } => TrainError::OptimizerState {
+                        problems,
+                        trained_with: saved_optimizer(&ckpt),
+                        file: Some(optimizer_file.clone()),
+                    },
                     e => e,
                 })?
             };
@@ -826,7 +877,7 @@ impl Trainer {
                     ckpt.dir.join(TRAINER_FILE).display()
                 ))
             })?;
-            check_trainer_state(&trainer_state, &ckpt, &config)?;
+            check_trainer_state(&trainer_state, &ckpt, &config, dataset.as_ref(), world)?;
             trainer_state.world_size = world;
             // Split at least as far as the budget needs now (both are powers of two).
             trainer_state.micro_batch_split = trainer_state.micro_batch_split.max(preflight.split);
@@ -888,7 +939,7 @@ impl Trainer {
 
         // Each rank reads its own rows of every global micro-batch (micro_batch_size × world
         // sequences): the same samples as one process with the whole batch.
-        let loader = Loader::new_shared(
+        let mut loader = Loader::new_shared(
             dataset.clone(),
             Split::Train,
             config.train.micro_batch_size,
@@ -898,6 +949,9 @@ impl Trainer {
             config.data.prefetch_factor,
             Share { rank, world },
         )?;
+        if let Some(batch) = options.stall_loader_at_batch {
+            loader.stall_at(batch);
+        }
         if zero.is_root() {
             std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::io(&out_dir, e))?;
         }
@@ -1096,9 +1150,15 @@ impl Trainer {
             model_dir: None,
             stopped: None,
             interrupted: false,
+            interrupted_while: None,
             tokens_by_source: Vec::new(),
         };
         let stop_requested = || options.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
+        if let Some(stop) = &options.stop {
+            // Waits outside a step's work give up once it is set (see `stopped_waiting`).
+            self.loader.watch(stop.clone());
+            self.zero.group().watch_stop(stop.clone());
+        }
         let (mut timed, mut first_timed) = ((0.0f64, 0usize), (0.0f64, 0usize));
         let mut first = true;
         let mut saved_at = None;
@@ -1126,6 +1186,12 @@ impl Trainer {
                         summary.checkpoint = Some(dir.display().to_string());
                     }
                     summary.stopped = Some(e.to_string());
+                    break;
+                }
+                Err(e) if stopped_waiting(&e) => {
+                    summary.checkpoint = self.checkpoint_after_stopped_wait(&e, reporter)?;
+                    summary.interrupted_while = Some(e.to_string());
+                    summary.interrupted = true;
                     break;
                 }
                 Err(e) => return Err(e),
@@ -1245,28 +1311,39 @@ impl Trainer {
         Ok(summary)
     }
 
+    /// The checkpoint a run stopped in a wait ends with. Stopped waiting for the data loader,
+    /// alone, nothing of the step was applied: the last completed step is saved (unless it
+    /// is already). Stopped waiting for other ranks, the step may be half applied (and a save
+    /// would wait for them again): nothing is written, the latest checkpoint stays the one.
+    fn checkpoint_after_stopped_wait(
+        &mut self,
+        e: &TrainError,
+        reporter: &mut dyn Reporter,
+    ) -> Result<Option<String>, TrainError> {
+        let consistent = matches!(e, TrainError::Data(_)) && self.zero.size() == 1;
+        let existing = self.store.root().join(crate::save::step_dir_name(self.step));
+        if consistent && self.step > 0 && !existing.is_dir() {
+            let dir = self.save_checkpoint()?;
+            reporter.checkpoint(self.step, &dir);
+            return Ok(Some(dir.display().to_string()));
+        }
+        if !self.zero.is_root() {
+            return Ok(None);
+        }
+        Ok(self.store.latest()?.map(|p| p.display().to_string()))
+    }
+
     fn metrics_path(&self) -> PathBuf {
         self.out_dir.join(super::metrics::METRICS_FILE)
     }
 
     /// Opens `metrics.jsonl` for appending; a resumed run first drops the records of steps
-    /// after the checkpoint (they belong to the abandoned continuation).
+    /// after the checkpoint (they belong to the abandoned continuation), reading the file
+    /// backwards from its end, and a fresh run empties it.
     fn open_metrics(&self) -> Result<std::fs::File, TrainError> {
         let path = self.metrics_path();
         if self.step == 0 || self.resumed_from.is_some() {
-            let kept: Vec<String> = ava_plugins::bounded::read_to_string(&path, ava_plugins::bounded::limits::LARGE)
-                .unwrap_or_default()
-                .lines()
-                .filter(|l| {
-                    self.step > 0
-                        && serde_json::from_str::<Value>(l)
-                            .ok()
-                            .and_then(|v| v["data"]["step"].as_u64())
-                            .is_some_and(|s| s <= self.step)
-                })
-                .map(|l| format!("{l}\n"))
-                .collect();
-            std::fs::write(&path, kept.concat()).map_err(|e| TrainError::io(&path, e))?;
+            super::metrics::keep_steps_up_to(&path, self.step).map_err(|e| TrainError::io(&path, e))?;
         }
         std::fs::OpenOptions::new().append(true).create(true).open(&path).map_err(|e| TrainError::io(&path, e))
     }
@@ -2220,12 +2297,33 @@ mod trainer_state_tests {
         LoadedCheckpoint { dir: PathBuf::from("/ckpt/step-00000004"), step, files: BTreeMap::new() }
     }
 
-    fn check(json: &str, step: u64) -> Result<(), String> {
-        let state: TrainerState = serde_json::from_str(json).map_err(|e| e.to_string())?;
-        check_trainer_state(&state, &ckpt(step), &Config::default()).map_err(|e| e.to_string())
+    /// A corpus of 123 sequences per pass (only its size is asked).
+    struct Corpus;
+
+    impl Dataset for Corpus {
+        fn vocab_size(&self) -> usize {
+            2
+        }
+        fn sequence(&self, _: Split, _: u64, seq_len: usize) -> Vec<u32> {
+            vec![0; seq_len + 1]
+        }
+        fn entropy_floor_nats(&self) -> Option<f64> {
+            None
+        }
+        fn describe(&self) -> String {
+            "a corpus".into()
+        }
+        fn sequences_per_pass(&self, _: Split, _: usize) -> Option<u64> {
+            Some(123)
+        }
     }
 
-    const GOOD: &str = r#"{"step":4,"data_position":8,"seed":1,"micro_batch_split":1,
+    fn check(json: &str, step: u64) -> Result<(), String> {
+        let state: TrainerState = serde_json::from_str(json).map_err(|e| e.to_string())?;
+        check_trainer_state(&state, &ckpt(step), &Config::default(), &Corpus, 1).map_err(|e| e.to_string())
+    }
+
+    const GOOD: &str = r#"{"step":4,"data_position":4,"seed":1,"micro_batch_split":1,
         "loss_scale":{"scale":65536.0,"clean_steps":0,"growth_interval":2000,"enabled":true}}"#;
 
     #[test]
@@ -2257,6 +2355,24 @@ mod trainer_state_tests {
             e.contains("step is 4") && e.contains("loss_scale.scale is 0") && e.contains("growth_interval is 0"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_data_position_past_the_last_sequence_index_is_refused_with_the_corpus_size() {
+        let micro = Config::default().train.micro_batch_size;
+        // Far past the steps, but every index reachable: batch k is a function of (seed, k).
+        check(&GOOD.replace(r#""data_position":4"#, r#""data_position":4000000"#), 4).unwrap();
+        // Its sequence indices past u64 (they used to overflow in the loader's threads and hang).
+        let pos = u64::MAX / micro as u64;
+        let e = check(&GOOD.replace(r#""data_position":4"#, &format!(r#""data_position":{pos}"#)), 4).unwrap_err();
+        assert!(
+            e.starts_with(&format!(
+                "/ckpt/step-00000004/trainer.json: data_position is {pos}: {pos} batches of {micro} sequences are past \
+                 the last 64-bit sequence index (the corpus holds 123 training sequences of "
+            )),
+            "{e}"
+        );
+        assert!(e.ends_with("this checkpoint is damaged or from another run; resume from an older one"), "{e}");
     }
 
     fn cases() -> proptest::test_runner::Config {
