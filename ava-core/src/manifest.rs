@@ -178,6 +178,25 @@ impl OptionSpec {
     }
 }
 
+/// Why a plugin's contract cannot be used by a host's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ContractGap {
+    TooOld,
+    TooNew,
+}
+
+/// The compatibility rule of contract numbers (see [`Manifest::check_contract`]).
+fn contract_gap(plugin: u32, host: u32) -> Option<ContractGap> {
+    let (plugin_major, host_major) = (plugin / 1000, host / 1000);
+    if plugin_major > host_major {
+        Some(ContractGap::TooNew)
+    } else if plugin_major < host_major || (host_major == 0 && plugin < host) {
+        Some(ContractGap::TooOld)
+    } else {
+        None
+    }
+}
+
 fn json_number(v: f64) -> String {
     serde_json::Number::from_f64(v).map(|n| n.to_string()).unwrap_or_else(|| "null".into())
 }
@@ -233,6 +252,26 @@ impl Manifest {
         self.options.iter().find(|o| o.name.as_str() == name)
     }
 
+    /// Checks the manifest's [`contract_version`](Self::contract_version) against the host's
+    /// ([`CONTRACT_VERSION`]) with the rule of the library's version check: the contract is
+    /// the ava-core minor version while ava-core is 0.x (`major * 1000 + minor` after), a
+    /// plugin of an older contract is too old, one of a newer major too new. The error says
+    /// which plugin, both contracts and what to do.
+    pub fn check_contract(&self, host: u32) -> Result<(), String> {
+        let gap = contract_gap(self.contract_version, host);
+        let hint = match gap {
+            None => return Ok(()),
+            Some(ContractGap::TooOld) => "the plugin is older than this ava: rebuild it against the current ava-core",
+            Some(ContractGap::TooNew) => {
+                "the plugin is newer than this ava: upgrade ava, or rebuild the plugin against this ava's ava-core"
+            }
+        };
+        Err(format!(
+            "{} '{}' {} declares plugin contract {} in its manifest, but this ava speaks contract {host}; {hint}",
+            self.kind, self.name, self.version, self.contract_version
+        ))
+    }
+
     /// Checks the manifest's own invariants (kebab-case name, parseable defaults); the host
     /// refuses a plugin whose manifest fails this.
     pub fn validate(&self) -> Result<(), Vec<String>> {
@@ -261,5 +300,33 @@ impl Manifest {
             }
         }
         if problems.is_empty() { Ok(()) } else { Err(problems) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A manifest's contract_version used to be displayed and never checked.
+    #[test]
+    fn a_manifest_of_another_contract_is_refused_naming_both() {
+        let mut m = Manifest::new("lion", PluginKind::Optimizer, "0.3.0", "test");
+        assert_eq!(m.check_contract(CONTRACT_VERSION), Ok(()));
+        m.contract_version = CONTRACT_VERSION - 1;
+        assert_eq!(
+            m.check_contract(CONTRACT_VERSION).unwrap_err(),
+            format!(
+                "optimizer 'lion' 0.3.0 declares plugin contract {} in its manifest, but this ava speaks contract \
+                 {CONTRACT_VERSION}; the plugin is older than this ava: rebuild it against the current ava-core",
+                CONTRACT_VERSION - 1
+            )
+        );
+        m.contract_version = 1000;
+        assert!(m.check_contract(CONTRACT_VERSION).unwrap_err().contains("declares plugin contract 1000 in its manifest, but this ava speaks contract 1; the plugin is newer than this ava"));
+        // 0.x: a newer minor is the library check's "prefix-extended" case; after 1.0, the major decides.
+        assert_eq!(contract_gap(3, 1), None);
+        assert_eq!(contract_gap(1001, 1005), None);
+        assert_eq!(contract_gap(1005, 2000), Some(ContractGap::TooOld));
+        assert_eq!(contract_gap(2000, 1005), Some(ContractGap::TooNew));
     }
 }

@@ -59,6 +59,16 @@ pub enum HostError {
         hint: &'static str,
     },
 
+    /// The library's manifest declares a contract version this ava cannot use
+    /// ([`Manifest::check_contract`](ava_core::Manifest::check_contract)).
+    #[error("{}: {reason}", path.display())]
+    ManifestContract {
+        /// The file.
+        path: PathBuf,
+        /// Which plugin, its contract and the host's, and what to do.
+        reason: String,
+    },
+
     /// Same contract version, different type layout.
     #[error(
         "{}: its plugin interface does not match this ava's ({summary}); rebuild the plugin against the ava-core this ava was built with",

@@ -70,6 +70,9 @@ pub fn open(candidate: &Candidate) -> Result<Library, HostError> {
             reason: format!("its manifest is invalid: {}", problems.join("; ")),
         });
     }
+    manifest
+        .check_contract(ava_core::CONTRACT_VERSION)
+        .map_err(|reason| HostError::ManifestContract { path: path.clone(), reason })?;
     Ok(Library { path: candidate.path.clone(), sha256: candidate.sha256.clone(), root, manifest })
 }
 

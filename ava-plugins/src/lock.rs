@@ -110,6 +110,26 @@ impl Default for LockFile {
     }
 }
 
+/// The mode a written lock file gets: it holds hashes and pins, not secrets, and every user
+/// who runs ava must read it; only its owner may change it.
+pub const LOCK_FILE_MODE: u32 = 0o644;
+
+/// A lock file that exists but cannot be read (permission denied, an I/O error): a problem
+/// with the setup, said with the path and how to fix it.
+pub(crate) fn unreadable(path: &Path, source: &std::io::Error) -> HostError {
+    let fix = if source.kind() == std::io::ErrorKind::PermissionDenied {
+        format!(
+            "make it readable by the users who run ava (`chmod 644 {}`, and let them into its directory; \
+             a lock file holds hashes, not secrets), or name another with plugins.lock_file",
+            path.display()
+        )
+    } else {
+        "fix it by hand or delete it and re-pin with `ava plugins vet`, or name another with plugins.lock_file"
+            .to_string()
+    };
+    HostError::Lock { path: path.to_path_buf(), reason: format!("the lock file cannot be read ({source}); {fix}") }
+}
+
 fn is_yaml(path: &Path) -> bool {
     matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"))
 }
@@ -125,7 +145,7 @@ impl LockFile {
         let text = match crate::bounded::read_to_string(path, crate::bounded::limits::LOCK) {
             Ok(t) => t,
             Err(e) if e.is_missing() => return Ok(LockFile::default()),
-            Err(crate::bounded::ReadError::Io { path, source }) => return Err(HostError::io(path, source)),
+            Err(crate::bounded::ReadError::Io { source, .. }) => return Err(unreadable(path, &source)),
             Err(e) => {
                 let full = e.to_string();
                 let prefix = format!("{}: ", path.display());
@@ -231,13 +251,20 @@ impl LockFile {
         out
     }
 
-    /// Writes the lock atomically (temp file in the same directory, then rename).
+    /// Writes the lock atomically (temp file in the same directory, then rename), readable
+    /// by everyone ([`LOCK_FILE_MODE`]): every user who runs ava reads it.
     pub fn write(&self, path: &Path) -> Result<(), HostError> {
+        use std::os::unix::fs::PermissionsExt;
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
             _ => PathBuf::from("."),
         };
         let mut tmp = tempfile::NamedTempFile::new_in(&dir).map_err(|e| HostError::io(&dir, e))?;
+        // The temporary file is created 0600; renamed as is, the lock would be root's alone
+        // and every other user's command would fail on it.
+        tmp.as_file()
+            .set_permissions(std::fs::Permissions::from_mode(LOCK_FILE_MODE))
+            .map_err(|e| HostError::io(path, e))?;
         tmp.write_all(self.render(path).as_bytes()).map_err(|e| HostError::io(path, e))?;
         tmp.as_file().sync_all().map_err(|e| HostError::io(path, e))?;
         tmp.persist(path).map_err(|e| HostError::io(path, e.error))?;
@@ -272,6 +299,24 @@ mod tests {
             lock.write(&path).unwrap();
             assert_eq!(LockFile::read(&path).unwrap(), lock, "{name}:\n{}", fs::read_to_string(&path).unwrap());
         }
+    }
+
+    /// Issue "hardening, second pass": the lock was written 0600 (the temporary file's mode),
+    /// so after `sudo ava plugins vet --lock /etc/ava/...` no other user could run ava.
+    #[test]
+    fn a_written_lock_is_readable_by_everyone_and_replaced_atomically() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ava-plugins.lock");
+        fs::write(&path, "version = 1\n").unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
+        let mut lock = LockFile::default();
+        lock.upsert(pin("lion", 'a'));
+        lock.write(&path).unwrap();
+        assert_eq!(fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o644);
+        assert_eq!(LockFile::read(&path).unwrap(), lock);
+        // Only the lock is left in the directory: the temporary file was renamed over it.
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
     #[test]

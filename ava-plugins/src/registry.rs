@@ -307,78 +307,79 @@ impl Registry {
 
     /// Vets one file and, if allowed, opens it.
     fn consider(&mut self, file: &Path) {
-        let started = std::time::Instant::now();
-        let candidate = match Candidate::read(file) {
-            Ok(c) => c,
-            Err(e) => {
-                self.push_file_row(file, None, Status::Refused, e.to_string(), None);
-                return;
-            }
-        };
-        // Not an abi_stable library at all (some other shared object): not ours to list.
-        if candidate.exports_plugin_header().is_err() {
-            return;
+        match self.examine(file) {
+            // Not an abi_stable library at all (some other shared object): not ours to list.
+            Examined::NotALibrary(_) => {}
+            Examined::Row(row, Some(root)) if row.status.is_usable() => self.add(*row, Factory::Dynamic(root)),
+            Examined::Row(row, _) => self.rows.push(*row),
         }
-        match vet(&candidate, self.config.policy, &self.lock) {
-            Verdict::Refuse(status, reason) => {
-                self.push_file_row(file, Some(candidate.sha256.clone()), status, reason, Some(started.elapsed()))
-            }
-            Verdict::Open { status, warning } => match load::open(&candidate) {
-                Ok(lib) => {
-                    let pin_problem = self.lock.by_sha(&lib.sha256).and_then(|pin| pin_mismatch(pin, &lib.manifest));
-                    let (status, reason) = match pin_problem {
-                        Some(p) => (Status::Refused, Some(p)),
-                        None => (status, warning),
-                    };
-                    let row = Row {
-                        manifest: Some(lib.manifest.clone()),
-                        source: Source::File(lib.path.clone()),
-                        status,
-                        reason,
-                        sha256: Some(lib.sha256.clone()),
-                        load_time: Some(started.elapsed()),
-                    };
-                    if status.is_usable() {
-                        self.add(row, Factory::Dynamic(lib.root));
-                    } else {
-                        self.rows.push(row);
-                    }
-                }
-                Err(e) => {
-                    let status = match e {
-                        HostError::ContractVersion { .. }
-                        | HostError::LayoutMismatch { .. }
-                        | HostError::NotAPlugin { .. } => Status::Incompatible,
-                        _ => Status::Refused,
-                    };
-                    self.push_file_row(
-                        file,
-                        Some(candidate.sha256.clone()),
-                        status,
-                        e.to_string(),
-                        Some(started.elapsed()),
-                    );
-                }
+    }
+
+    /// The row `ava plugins info PATH` shows for a library outside the search paths: vetted
+    /// exactly as if it were in one, so it is opened (and its code run) only when the policy
+    /// in force would open it; otherwise the row has the file's sha256 and the refusal, and
+    /// no manifest.
+    pub fn inspect_file(&self, file: &Path) -> Row {
+        match self.examine(file) {
+            Examined::Row(row, _) => *row,
+            Examined::NotALibrary(reason) => Row {
+                manifest: None,
+                source: Source::File(file.to_path_buf()),
+                status: Status::Incompatible,
+                reason: Some(format!("not an Ava plugin: {reason}")),
+                sha256: None,
+                load_time: None,
             },
         }
     }
 
-    fn push_file_row(
-        &mut self,
-        file: &Path,
-        sha: Option<String>,
-        status: Status,
-        reason: String,
-        t: Option<std::time::Duration>,
-    ) {
-        self.rows.push(Row {
-            manifest: None,
-            source: Source::File(file.to_path_buf()),
+    /// Reads, vets and (when the verdict allows) opens one file.
+    fn examine(&self, file: &Path) -> Examined {
+        let started = std::time::Instant::now();
+        let candidate = match Candidate::read(file) {
+            Ok(c) => c,
+            Err(e) => return Examined::Row(Box::new(file_row(file, None, Status::Refused, e.to_string(), None)), None),
+        };
+        if let Err(reason) = candidate.exports_plugin_header() {
+            return Examined::NotALibrary(reason);
+        }
+        let sha = Some(candidate.sha256.clone());
+        let (status, warning) = match vet(&candidate, self.config.policy, &self.lock) {
+            Verdict::Refuse(status, reason) => {
+                return Examined::Row(Box::new(file_row(file, sha, status, reason, Some(started.elapsed()))), None);
+            }
+            Verdict::Open { status, warning } => (status, warning),
+        };
+        let lib = match load::open(&candidate) {
+            Ok(lib) => lib,
+            Err(e) => {
+                let status = match e {
+                    HostError::ContractVersion { .. }
+                    | HostError::ManifestContract { .. }
+                    | HostError::LayoutMismatch { .. }
+                    | HostError::NotAPlugin { .. } => Status::Incompatible,
+                    _ => Status::Refused,
+                };
+                return Examined::Row(
+                    Box::new(file_row(file, sha, status, e.to_string(), Some(started.elapsed()))),
+                    None,
+                );
+            }
+        };
+        let pin_problem = self.lock.by_sha(&lib.sha256).and_then(|pin| pin_mismatch(pin, &lib.manifest));
+        let (status, reason) = match pin_problem {
+            Some(p) => (Status::Refused, Some(p)),
+            None => (status, warning),
+        };
+        let row = Row {
+            manifest: Some(lib.manifest.clone()),
+            source: Source::File(lib.path.clone()),
             status,
-            reason: Some(reason),
-            sha256: sha,
-            load_time: t,
-        });
+            reason,
+            sha256: Some(lib.sha256.clone()),
+            load_time: Some(started.elapsed()),
+        };
+        Examined::Row(Box::new(row), Some(lib.root))
     }
 
     /// The host settings this registry was built with, the floor applied: `config().policy`
@@ -708,13 +709,40 @@ fn read_lock(config: &HostConfig) -> Result<LockFile, HostError> {
     match config.floor.as_ref().filter(|f| f.requires_signature()) {
         None => LockFile::read(path),
         Some(floor) => {
-            let bytes = crate::bounded::read(path, crate::bounded::limits::LOCK)
-                .map_err(|e| HostError::Lock { path: path.clone(), reason: e.to_string() })?;
+            let bytes = crate::bounded::read(path, crate::bounded::limits::LOCK).map_err(|e| match e {
+                crate::bounded::ReadError::Io { source, .. } => crate::lock::unreadable(path, &source),
+                e => {
+                    // The error's text starts with the path, which the lock error also shows.
+                    let full = e.to_string();
+                    let reason = full.strip_prefix(&format!("{}: ", path.display())).unwrap_or(&full).to_string();
+                    HostError::Lock { path: path.clone(), reason }
+                }
+            })?;
             crate::sign::check_signed(path, &bytes, &floor.trusted_keys)?;
             let text = String::from_utf8(bytes)
                 .map_err(|_| HostError::Lock { path: path.clone(), reason: "not UTF-8 text".into() })?;
             LockFile::parse(path, &text)
         }
+    }
+}
+
+/// What [`Registry::examine`] made of one file.
+enum Examined {
+    /// Not an abi_stable library (why): not listed.
+    NotALibrary(String),
+    /// Its row, and its root module when it was opened.
+    Row(Box<Row>, Option<PluginRootRef>),
+}
+
+/// The row of a library file that was not opened or could not be used.
+fn file_row(file: &Path, sha: Option<String>, status: Status, reason: String, t: Option<std::time::Duration>) -> Row {
+    Row {
+        manifest: None,
+        source: Source::File(file.to_path_buf()),
+        status,
+        reason: Some(reason),
+        sha256: sha,
+        load_time: t,
     }
 }
 

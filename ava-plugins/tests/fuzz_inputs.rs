@@ -1,11 +1,12 @@
 //! Property tests ("fuzzing on stable") of the host's parsers of outside input: lock files
-//! (TOML and YAML), the YAML bound that guards them and the engine's configs, and the
+//! (TOML and YAML), policy files, the YAML bound that guards them and the engine's configs, and the
 //! library files found in a search directory. Arbitrary bytes and mutations of real inputs
 //! must give Ok or Err, never a panic or a hang. `PROPTEST_CASES` raises the case count.
 
 use ava_kernels::testing::{mutate, proptest_cases};
 use ava_plugins::discover::{Candidate, exports_root_symbol};
 use ava_plugins::lock::{LockFile, Pin};
+use ava_plugins::policy::MachinePolicy;
 use ava_plugins::yaml_guard::{self, YamlLimits};
 use proptest::prelude::*;
 use proptest::test_runner::Config as PropConfig;
@@ -80,8 +81,34 @@ fn read_lock(name: &str, bytes: &[u8]) {
     }
 }
 
+/// Loads `bytes` as the extra policy file (no machine file); the error as its text.
+fn load_policy(bytes: &[u8]) -> Result<Option<MachinePolicy>, String> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("policy.yaml");
+    std::fs::write(&path, bytes).unwrap();
+    MachinePolicy::load_from(&dir.path().join("no-machine-policy.yaml"), Some(&path)).map_err(|e| e.to_string())
+}
+
 proptest! {
     #![proptest_config(cases(128))]
+
+    #[test]
+    fn policy_files_never_panic(edits in edits(), bytes in prop::collection::vec(any::<u8>(), 0..300)) {
+        let seed = b"# the floor\npolicy: vetted\nlock_file: /etc/ava/ava-plugins.lock\nsearch_paths: [/opt/ava/plugins]\n\
+                     trusted_keys: [\"ed25519:00\"]\n";
+        for input in [mutate(seed, &edits, TOKENS), bytes] {
+            let _ = load_policy(&input);
+        }
+    }
+
+    /// A policy file of blank lines and comments sets no floor: it is refused, never read as
+    /// "no policy".
+    #[test]
+    fn a_policy_file_without_keys_is_refused(lines in prop::collection::vec("[ \t]{0,3}(#[^\r\n]{0,40})?", 0..8)) {
+        let text = lines.join("\n");
+        let e = load_policy(text.as_bytes()).expect_err("a policy without keys was accepted");
+        prop_assert!(e.contains("the plugin policy file is not usable: it sets nothing"), "{e}");
+    }
 
     #[test]
     fn lock_files_never_panic(which in 0usize..2, edits in edits(), bytes in prop::collection::vec(any::<u8>(), 0..300)) {

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use anyhow::anyhow;
 use ava_core::Manifest;
-use ava_plugins::{Row, Source, Status};
+use ava_plugins::{Row, Source};
 use serde_json::{Value, json};
 
 use crate::{
@@ -34,18 +34,16 @@ pub fn run(p: &Printer, name: &str, kind: Option<&str>, args: &ConfigArgs) -> Cm
                     return Err(Failure::Usage(anyhow!("{}: no such plugin file", path.display())));
                 }
                 p.note(&format!(
-                    "{} is not in a search path; opening it directly to read its manifest",
-                    path.display()
+                    "{} is not in a search path; it is vetted as if it were, under policy '{}'",
+                    path.display(),
+                    ctx.policy
                 ));
-                let lib = ava_plugins::open_file(path)?;
-                Row {
-                    manifest: Some(lib.manifest),
-                    source: Source::File(path.to_path_buf()),
-                    status: Status::Loaded,
-                    reason: Some("not in any search path, so ava would not find it".into()),
-                    sha256: Some(lib.sha256),
-                    load_time: None,
+                // Opened (its code run) only if the policy in force would open it there.
+                let mut row = ctx.registry.inspect_file(path);
+                if row.manifest.is_some() && row.reason.is_none() {
+                    row.reason = Some("not in any search path, so ava would not find it".into());
                 }
+                row
             }
         }
     } else {
@@ -71,11 +69,25 @@ pub fn run(p: &Printer, name: &str, kind: Option<&str>, args: &ConfigArgs) -> Cm
             }
         }
     };
-    let Some(m) = row.manifest.clone() else {
-        return Err(anyhow!("{}: {}", row.source, row.reason.unwrap_or_default()).into());
-    };
-    p.result(|| render_text(&row, &m), || info_json(&row, &m));
+    match row.manifest.clone() {
+        Some(m) => p.result(|| render_text(&row, &m), || info_json(&row, &m)),
+        None => p.result(|| render_unopened(&row), || row_json(&row)),
+    }
     Ok(())
+}
+
+/// A library that was not opened (refused, modified, unreadable) or could not be used: what
+/// is known without running its code.
+fn render_unopened(row: &Row) -> String {
+    let mut out = format!("{} (not opened: its manifest is unknown)\n\n", row.source);
+    if let Some(sha) = &row.sha256 {
+        out.push_str(&format!("  sha256:    {sha}\n"));
+    }
+    out.push_str(&format!("  status:    {}\n", row.status.as_str()));
+    if let Some(reason) = &row.reason {
+        out.push_str(&format!("  note:      {reason}\n"));
+    }
+    out
 }
 
 fn render_text(row: &Row, m: &Manifest) -> String {

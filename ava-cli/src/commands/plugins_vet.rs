@@ -17,7 +17,7 @@ pub fn run(p: &Printer, path_or_name: &str, lock: Option<std::path::PathBuf>, ar
         (ctx.registry.locate(path_or_name).map_err(|e| not_found(path_or_name, e))?, ctx.lock_file)
     };
     let lock_path = lock.unwrap_or(lock_in_force);
-    let (pin, replaced) = ava_plugins::vet_file(&path, &lock_path)?;
+    let (pin, replaced) = ava_plugins::vet_file(&path, &lock_path).map_err(lock_problem)?;
     let sig = ava_plugins::sign::signature_path(&lock_path);
     if sig.exists() {
         p.warn(&format!(
@@ -54,6 +54,15 @@ pub fn run(p: &Printer, path_or_name: &str, lock: Option<std::path::PathBuf>, ar
         },
     );
     Ok(())
+}
+
+/// A lock file that cannot be read or parsed is a setup problem the user fixes (exit code 2),
+/// like a bad config file; other failures (a library that cannot be opened) stay failures.
+fn lock_problem(e: HostError) -> Failure {
+    match e {
+        e @ HostError::Lock { .. } => Failure::Usage(e.into()),
+        e => e.into(),
+    }
 }
 
 /// A name or path that names no library is a usage error (exit code 2). The registry's error

@@ -153,14 +153,20 @@ impl Node {
         }
         match (self, overlay) {
             (Node::Map { entries, .. }, Node::Map { entries: over, .. }) => {
+                // Indexed: a search of `entries` per key made 40 000 keys take seconds.
+                let mut index: std::collections::HashMap<String, usize> =
+                    entries.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect();
                 for (key, value) in over {
                     let child_kind = match kind {
                         Some(Kind::Section(fields)) => fields.iter().find(|f| f.key == key).map(|f| &f.kind),
                         _ => None,
                     };
-                    match entries.iter_mut().find(|(k, _)| *k == key) {
-                        Some((_, existing)) => existing.merge(value, child_kind, implicit.saturating_sub(1)),
-                        None => entries.push((key, value)),
+                    match index.get(&key) {
+                        Some(&i) => entries[i].1.merge(value, child_kind, implicit.saturating_sub(1)),
+                        None => {
+                            index.insert(key.clone(), entries.len());
+                            entries.push((key, value));
+                        }
                     }
                 }
             }

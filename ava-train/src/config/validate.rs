@@ -66,6 +66,9 @@ impl fmt::Display for ConfigProblem {
 /// The closest candidate to a misspelled `word`: [`did_you_mean`], or failing that, the
 /// nearest candidate within half the word's length (`vetd` → `vetted`).
 pub(crate) fn suggest<'a>(word: &str, candidates: &[&'a str]) -> Option<&'a str> {
+    if word.chars().count() > MAX_SUGGEST_CHARS {
+        return None;
+    }
     did_you_mean(word, candidates.iter().copied()).or_else(|| {
         let limit = (word.chars().count() / 2).max(1);
         candidates
@@ -105,16 +108,48 @@ fn check_section(
             ));
         }
         Node::Map { entries, .. } => {
+            let (mut unknown, mut unlisted_origin) = (0usize, None);
             for (key, child) in entries {
                 path.push(key.clone());
                 match fields.iter().find(|f| f.key == key) {
                     Some(field) => check_value(&field.kind, child, path, catalog, out),
-                    None => out.push(unknown_key(fields, path, child.origin())),
+                    None => {
+                        unknown += 1;
+                        if unknown <= MAX_UNKNOWN_KEYS {
+                            out.push(unknown_key(fields, path, child.origin()));
+                        } else {
+                            unlisted_origin.get_or_insert(child.origin());
+                        }
+                    }
                 }
                 path.pop();
             }
+            if let Some(first_unlisted) = unlisted_origin {
+                out.push(more_unknown_keys(fields, path, unknown - MAX_UNKNOWN_KEYS, first_unlisted));
+            }
         }
     }
+}
+
+/// The unknown keys of one section reported one by one (each with its suggestion); the rest
+/// are counted in one line. Tens of thousands of them are a generated or wrong file, and
+/// neither the report nor the suggestion work should grow with it.
+pub(crate) const MAX_UNKNOWN_KEYS: usize = 20;
+
+/// Longer words get no suggestion: no key is that long, and the edit distance costs the
+/// product of the lengths.
+const MAX_SUGGEST_CHARS: usize = 64;
+
+/// `39980 more unknown keys here are not listed (...)`, at the section's path, from where the
+/// first of them came.
+fn more_unknown_keys(fields: &[Field], path: &[String], more: usize, origin: &Origin) -> ConfigProblem {
+    let keys: Vec<&str> = fields.iter().map(|f| f.key).collect();
+    let known = if keys.is_empty() { String::new() } else { format!("; the known keys here are {}", keys.join(", ")) };
+    let (s, place) = (if more == 1 { "" } else { "s" }, if path.is_empty() { "at the top level" } else { "here" });
+    let message = format!(
+        "{more} more unknown key{s} {place} not listed one by one (only the first {MAX_UNKNOWN_KEYS} are){known}"
+    );
+    ConfigProblem::new(join(path), message, Some(origin))
 }
 
 /// What other trainers (Hugging Face's Trainer, torchtune, nanoGPT and llm.c) call some of
@@ -441,5 +476,62 @@ fn range_message(value: &str, min: f64, max: f64) -> String {
         format!("{value} is out of range: must be at least {}", show(min))
     } else {
         format!("{value} is out of range: must be between {} and {}", show(min), show(max))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{ConfigError, ConfigLoader};
+
+    fn problems(text: &str) -> Vec<String> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("many.yaml");
+        std::fs::write(&path, text).unwrap();
+        match ConfigLoader::new().file(&path).load() {
+            Err(ConfigError::Invalid { problems, .. }) => {
+                let shown = path.display().to_string();
+                problems.iter().map(|p| p.to_string().replace(&shown, "many.yaml")).collect()
+            }
+            other => panic!("expected problems, got {other:?}"),
+        }
+    }
+
+    /// 40 000 unknown keys took 12 s and made a 40 000-line report: each got a suggestion
+    /// searched among every key of the schema. Now each section lists the first 20 and
+    /// counts the rest.
+    #[test]
+    fn forty_thousand_unknown_keys_give_a_bounded_report() {
+        let mut text = String::from("train:\n  lr: 0.001\n");
+        for i in 0..25 {
+            text.push_str(&format!("  extra_{i}: 1\n"));
+        }
+        for i in 0..40_000 {
+            text.push_str(&format!("unknown_key_{i}: {i}\n"));
+        }
+        let got = problems(&text);
+        assert_eq!(got.len(), 2 * (super::MAX_UNKNOWN_KEYS + 1), "{got:#?}");
+        assert!(got.contains(&"unknown_key_19: unknown key (known keys here: model, data, train, checkpoints, memory, offload, distributed, plugins) [many.yaml]".to_string()), "{got:#?}");
+        assert!(!got.iter().any(|p| p.starts_with("unknown_key_20:")), "{got:#?}");
+        assert!(
+            got.contains(&"39980 more unknown keys at the top level not listed one by one (only the first 20 are); the known keys here are model, data, train, checkpoints, memory, offload, distributed, plugins [many.yaml]".to_string()),
+            "{got:#?}"
+        );
+        let train_more = got.iter().find(|p| p.starts_with("train: 5 more unknown keys here not listed one by one (only the first 20 are); the known keys here are seed, max_steps,")).expect("train's count");
+        assert!(train_more.ends_with("[many.yaml]"), "{train_more}");
+        // At most 20 is unchanged: every key with its own line.
+        let got = problems("a: 1\nb: 2\n");
+        assert_eq!(got.len(), 2, "{got:#?}");
+    }
+
+    /// A long key gets no suggestion (the edit distance costs the product of the lengths),
+    /// but is still reported. (YAML's implicit keys stop at 1024 characters.)
+    #[test]
+    fn a_huge_key_is_reported_without_a_suggestion() {
+        let key = "x".repeat(1000);
+        let got = problems(&format!("{key}: 1\n"));
+        assert_eq!(got.len(), 1);
+        assert!(got[0].starts_with(&format!("{key}: unknown key (known keys here: model,")), "{}", &got[0][1000..]);
+        assert_eq!(super::suggest(&"optimiser".repeat(8), &["optimizer"]), None);
+        assert_eq!(super::suggest("optimiser", &["optimizer"]), Some("optimizer"));
     }
 }

@@ -161,9 +161,10 @@ pub enum TrainError {
     },
     /// A checkpoint's optimizer state does not fit the optimizer.
     #[error(
-        "the checkpoint's optimizer state does not match the optimizer{}:\n  - {}\nresume with the optimizer and \
+        "{}the checkpoint's optimizer state does not match the optimizer{}:\n  - {}\nresume with the optimizer and \
          options it was trained with, or keep its weights and start the optimizer state afresh with \
          --fresh-optimizer",
+        file.as_ref().map_or(String::new(), |f| format!("{}: ", f.display())),
         trained_with.as_ref().map_or(String::new(), |o| format!(" (it was trained with {o})")),
         problems.join("\n  - ")
     )]
@@ -172,6 +173,8 @@ pub enum TrainError {
         problems: Vec<String>,
         /// The optimizer the checkpoint names, when known.
         trained_with: Option<String>,
+        /// The checkpoint's optimizer-state file, when known.
+        file: Option<PathBuf>,
     },
     /// Resuming a run that already reached `train.max_steps`.
     #[error(

@@ -571,7 +571,7 @@ impl OptimizerState {
             problems.add("unexpected (the optimizer has no such buffer)", buffer, &b.name);
         }
         if !problems.is_empty() {
-            return Err(TrainError::OptimizerState { problems: problems.lines(), trained_with: None });
+            return Err(TrainError::OptimizerState { problems: problems.lines(), trained_with: None, file: None });
         }
         if let Some(st) = &self.streamed {
             st.tier.flush().map_err(|e| tier_error(&st.name, "writing the optimizer state", e))?;
