@@ -20,6 +20,7 @@
 
 pub mod config;
 pub mod data;
+pub mod device;
 pub mod dist;
 pub mod estimate;
 pub mod inference;

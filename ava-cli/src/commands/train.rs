@@ -21,6 +21,7 @@ use super::progress::CliReporter;
 pub fn failure(e: TrainError) -> Failure {
     match e {
         TrainError::Invalid(_)
+        | TrainError::Device(_)
         | TrainError::ConfigChanged { .. }
         | TrainError::Model(_)
         | TrainError::Data(_)

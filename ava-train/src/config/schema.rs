@@ -43,6 +43,8 @@ pub(crate) enum Kind {
     Float(f64, f64),
     /// `true` or `false`.
     Bool,
+    /// A device: `cpu`, `cuda` or `cuda:N` ([`DeviceSpec`](crate::device::DeviceSpec)).
+    Device,
     /// A byte size: an integer number of bytes or a string such as `2GiB`, `512MB`.
     Size,
     /// Tier shares such as `[ram: 60%, nvme: 40%]` ([`Tiers`]).
@@ -128,6 +130,7 @@ const TRAIN: &[Field] = &[
     Field { key: "max_steps", kind: Kind::Int(0, i64::MAX) },
     Field { key: "micro_batch_size", kind: Kind::Int(1, 1 << 20) },
     Field { key: "gradient_accumulation_steps", kind: Kind::Int(1, 1 << 20) },
+    Field { key: "device", kind: Kind::Device },
     Field { key: "precision", kind: Kind::OneOf(Precision::NAMES) },
     Field { key: "master_weights", kind: Kind::OneOf(MasterWeights::NAMES) },
     Field { key: "step_in_backward", kind: Kind::Bool },

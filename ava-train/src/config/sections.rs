@@ -212,6 +212,9 @@ pub struct TrainConfig {
     pub micro_batch_size: usize,
     /// Micro-batches whose gradients are summed before each optimizer step.
     pub gradient_accumulation_steps: usize,
+    /// Where the run computes: `cpu`, `cuda` or `cuda:N`.
+    #[serde(default)]
+    pub device: crate::device::DeviceSpec,
     /// Compute precision.
     pub precision: Precision,
     /// Where the weights the optimizer steps live.

@@ -296,6 +296,14 @@ fn check_value(
                 problem(format!("expected true or false, got {}", type_phrase(&value)))
             }
         }
+        Kind::Device => match &value {
+            Value::String(s) => {
+                if let Err(e) = crate::device::DeviceSpec::parse(s) {
+                    problem(e)
+                }
+            }
+            other => problem(format!("expected {}, got {}", crate::device::DEVICE_FORMS, type_phrase(other))),
+        },
         Kind::Size => match &value {
             Value::Number(n) if n.as_u64().is_some() => {}
             Value::String(s) => {

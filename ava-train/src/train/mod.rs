@@ -57,6 +57,9 @@ pub enum TrainError {
     /// The settings cannot work together.
     #[error("{0}")]
     Invalid(String),
+    /// `train.device` cannot be used.
+    #[error(transparent)]
+    Device(#[from] crate::device::DeviceError),
     /// Before step 1: the estimator predicts more than `memory.budget` even at the smallest
     /// micro-batch the run can use (see [`fit_budget`]).
     #[error(

@@ -603,6 +603,8 @@ impl Trainer {
     /// resuming, restores everything from the checkpoint.
     pub fn new(config: &Config, registry: &Registry, options: &TrainOptions) -> Result<Self, TrainError> {
         let config = config.clone();
+        // First, where it computes: nothing is read or allocated for a device that cannot be used.
+        let _device = crate::device::open(config.train.device)?;
         let group: Arc<dyn Collectives> = options.group.clone().unwrap_or_else(|| Arc::new(Single));
         let (rank, world) = (group.rank(), group.size());
         check_training_modes(&config, world)?;

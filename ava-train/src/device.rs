@@ -1,0 +1,194 @@
+//! Where a run computes: `train.device` (`cpu`, `cuda` or `cuda:N`), parsed once
+//! ([`DeviceSpec`]) and opened by the engine's first stage ([`open`]) before anything
+//! model-sized is allocated.
+//!
+//! A build without the `cuda` cargo feature knows the words but cannot open a GPU: it says
+//! how to build one. A `cuda` build opens the device through candle (cudarc loads the driver
+//! at run time), so a machine without a GPU or driver, or an ordinal past the last GPU, is an
+//! error naming the key. The engine's own fused ops and the built-in plugins do not run on
+//! CUDA yet; until they do, an opened GPU is refused by name ([`DeviceError::EngineCpuOnly`])
+//! rather than trained on through silent copies to the host.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// `train.device` as written in a config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceSpec {
+    /// The host's cores.
+    #[default]
+    Cpu,
+    /// The NVIDIA GPU of this ordinal (`cuda` is `cuda:0`).
+    Cuda(usize),
+}
+
+/// The forms `train.device` accepts, for messages.
+pub const DEVICE_FORMS: &str = "cpu, cuda or cuda:N (N the GPU's ordinal, from 0)";
+
+impl DeviceSpec {
+    /// Parses `cpu`, `cuda` or `cuda:N`; the error says what is accepted.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let bad = || format!("'{text}' is not a device: write {DEVICE_FORMS}");
+        match text {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => {
+                let ordinal = text.strip_prefix("cuda:").ok_or_else(bad)?;
+                // Digits only: `cuda:+1`, `cuda: 1` and `cuda:0x1` are typos, not ordinals.
+                if ordinal.is_empty() || !ordinal.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(bad());
+                }
+                ordinal.parse().map(Self::Cuda).map_err(|_| bad())
+            }
+        }
+    }
+
+    /// Whether this is a GPU.
+    pub fn is_cuda(self) -> bool {
+        matches!(self, Self::Cuda(_))
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl FromStr for DeviceSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::parse(s)
+    }
+}
+
+impl Serialize for DeviceSpec {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for DeviceSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        Self::parse(&text).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Why `train.device` cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// A GPU was asked of a build without the `cuda` feature.
+    #[error(
+        "train.device: {spec}: this ava was built without CUDA. Build one with `cargo build --release --features \
+         cuda` (a CUDA 12.4+ toolkit, and CUDA_COMPUTE_CAP for the card: 80 A100, 89 RTX 4090, 90 H100; on a \
+         machine without a toolkit, `source tools/cuda-build-env.sh` first), or set train.device: cpu"
+    )]
+    NotBuilt {
+        /// The device asked for.
+        spec: DeviceSpec,
+    },
+    /// The CUDA driver could not open the device.
+    #[error(
+        "train.device: {spec}: the GPU could not be opened ({reason}). Check that `nvidia-smi` lists a GPU {ordinal} \
+         (ordinals start at 0), that the NVIDIA driver and the CUDA libraries are installed (LD_LIBRARY_PATH, e.g. \
+         /usr/local/cuda/lib64), or set train.device: cpu",
+        ordinal = match spec { DeviceSpec::Cuda(n) => *n, DeviceSpec::Cpu => 0 }
+    )]
+    Open {
+        /// The device asked for.
+        spec: DeviceSpec,
+        /// What the driver said.
+        reason: String,
+    },
+    /// The GPU opened, but the engine cannot train on it yet.
+    #[error(
+        "train.device: {spec}: the GPU opened, but this version of Ava trains on the CPU only: its fused ops (linear, \
+         RMSNorm, RoPE, SwiGLU, cross-entropy) and built-in plugins have no CUDA kernels yet, and Ava does not copy \
+         to the host behind your back. Set train.device: cpu"
+    )]
+    EngineCpuOnly {
+        /// The device asked for.
+        spec: DeviceSpec,
+    },
+}
+
+/// Opens the device a run computes on: the first stage of the engine, before anything
+/// model-sized is allocated.
+pub fn open(spec: DeviceSpec) -> Result<candle_core::Device, DeviceError> {
+    match spec {
+        DeviceSpec::Cpu => Ok(candle_core::Device::Cpu),
+        DeviceSpec::Cuda(ordinal) => {
+            // Opened first, so that a missing driver or GPU is said as such; then, until the
+            // engine's ops run there, refused by name.
+            let _gpu = open_cuda(spec, ordinal)?;
+            Err(DeviceError::EngineCpuOnly { spec })
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(spec: DeviceSpec, ordinal: usize) -> Result<candle_core::Device, DeviceError> {
+    // cudarc panics (rather than erring) when it cannot load the driver library at all.
+    let opened = std::panic::catch_unwind(|| candle_core::Device::new_cuda(ordinal));
+    match opened {
+        Ok(Ok(device)) => Ok(device),
+        Ok(Err(e)) => Err(DeviceError::Open { spec, reason: e.to_string() }),
+        Err(panic) => {
+            let reason = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "the CUDA driver library could not be loaded".into());
+            Err(DeviceError::Open { spec, reason })
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(spec: DeviceSpec, _ordinal: usize) -> Result<candle_core::Device, DeviceError> {
+    Err(DeviceError::NotBuilt { spec })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_three_forms_parse_and_print_back() {
+        assert_eq!(DeviceSpec::parse("cpu"), Ok(DeviceSpec::Cpu));
+        assert_eq!(DeviceSpec::parse("cuda"), Ok(DeviceSpec::Cuda(0)));
+        assert_eq!(DeviceSpec::parse("cuda:3"), Ok(DeviceSpec::Cuda(3)));
+        assert_eq!(DeviceSpec::Cuda(3).to_string(), "cuda:3");
+        assert_eq!(DeviceSpec::Cuda(0).to_string(), "cuda:0");
+        assert_eq!(DeviceSpec::default(), DeviceSpec::Cpu);
+    }
+
+    #[test]
+    fn anything_else_is_refused_with_the_forms() {
+        for text in ["gpu", "CUDA", "cuda:", "cuda:-1", "cuda:+1", "cuda: 1", "cuda:0x1", "cuda:1.0", "", "cpu:0"] {
+            let e = DeviceSpec::parse(text).unwrap_err();
+            assert_eq!(e, format!("'{text}' is not a device: write {DEVICE_FORMS}"));
+        }
+        assert!(DeviceSpec::parse("cuda:99999999999999999999999").is_err());
+    }
+
+    #[test]
+    fn the_cpu_opens_as_the_cpu() {
+        assert!(open(DeviceSpec::Cpu).unwrap().is_cpu());
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn a_gpu_on_a_build_without_cuda_says_how_to_build_one() {
+        let e = open(DeviceSpec::Cuda(1)).unwrap_err().to_string();
+        assert!(e.starts_with("train.device: cuda:1: this ava was built without CUDA."), "{e}");
+        assert!(e.contains("cargo build --release --features cuda") && e.contains("set train.device: cpu"), "{e}");
+    }
+}
