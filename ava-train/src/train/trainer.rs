@@ -28,7 +28,7 @@ use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Packing
 use crate::dist::{Collectives, Gathered, ReduceInBackward, Single, Zero};
 use crate::memory::{self, Breakdown};
 use crate::model::{self, Documents, GradSink, Grads, Model, ModelSpec, Weights, forward_backward};
-use crate::save::{CheckpointStore, FileBody, LoadedCheckpoint, differing_keys, safetensors_views};
+use crate::save::{CheckpointStore, FileBody, LoadedCheckpoint, NamedBuffer, differing_keys, safetensors_views};
 
 /// How a run starts.
 #[derive(Debug, Clone, Default)]
@@ -597,6 +597,130 @@ fn compute_dtype(p: Precision) -> DType {
     }
 }
 
+/// The architecture, and what model.from's `config.json` holds that changes nothing (said
+/// once in the header).
+fn model_spec_with_notes(config: &Config) -> Result<(ModelSpec, Vec<String>), TrainError> {
+    Ok(match &config.model.from {
+        Some(dir) => {
+            let path = dir.join(HF_CONFIG_FILE);
+            let read = model::read_hf_config(&path)?;
+            let notes = read.notes.iter().map(|n| format!("model.from {}: {n}", path.display())).collect();
+            (read.spec, notes)
+        }
+        None => (ModelSpec::from_config(&config.model)?, Vec::new()),
+    })
+}
+
+/// Every token id of the data must have a row in the model's embedding; the error says which
+/// side to change, for the data source in use.
+fn check_vocabulary(config: &Config, dataset: &dyn Dataset, spec: &ModelSpec) -> Result<(), TrainError> {
+    let (data, model) = (dataset.vocab_size(), spec.vocab);
+    if data <= model {
+        return Ok(());
+    }
+    Err(TrainError::Invalid(match (&config.model.from, config.data.source, &config.data.path) {
+        (Some(dir), _, _) => format!(
+            "the data has {data} distinct token ids but the model in model.from ({}) has a vocabulary of {model}: \
+             train it on data tokenized with its own tokenizer (data.tokenizer: its tokenizer.json)",
+            dir.display()
+        ),
+        (None, DataSource::Shards, Some(dir)) => format!(
+            "the corpus in {} was prepared with a vocabulary of {data} but model.vocab_size is {model}: set \
+             model.vocab_size to at least {data}, or prepare the corpus with a smaller tokenizer",
+            dir.display()
+        ),
+        _ => format!(
+            "the data has {data} distinct token ids but model.vocab_size is {model}: set model.vocab_size to at least \
+             {data}"
+        ),
+    }))
+}
+
+/// Resuming: loads `ckpt`'s optimizer state into `state` through views of the mapped file (a
+/// state larger than memory goes straight to its tier), with progress every
+/// [`IO_PROGRESS_BYTES`]; returns the f32 masters it held, if any.
+fn load_optimizer_state(
+    ckpt: &LoadedCheckpoint,
+    model: &Model,
+    state: &mut OptimizerState,
+    options: &TrainOptions,
+) -> Result<Vec<NamedBuffer>, TrainError> {
+    let optimizer_file = ckpt.dir.join(OPTIMIZER_FILE);
+    let (buffers, _) = safetensors_views(ckpt.file(OPTIMIZER_FILE)?).map_err(|e| {
+        TrainError::Invalid(format!(
+            "{}: {e}; resume from an older checkpoint, or keep this one's weights with --fresh-optimizer",
+            optimizer_file.display()
+        ))
+    })?;
+    // Progress over the weights (loaded before) and the state.
+    let weights: u64 = model.params().iter().map(|p| p.stored_bytes() as u64).sum();
+    let total = weights + state.bytes();
+    let mut reported = 0;
+    let mut progress = |done: u64| {
+        let done = weights + done;
+        if let Some(f) = &options.io_progress
+            && done / IO_PROGRESS_BYTES > reported
+        {
+            reported = done / IO_PROGRESS_BYTES;
+            (f.0)(&IoProgress { what: "loading", dir: ckpt.dir.clone(), done, total });
+        }
+    };
+    state.load_buffers(model.params(), buffers, &mut progress).map_err(|e| match e {
+        TrainError::OptimizerState { problems, .. } => {
+            TrainError::OptimizerState { problems, trained_with: saved_optimizer(ckpt), file: Some(optimizer_file) }
+        }
+        e => e,
+    })
+}
+
+/// From a run with f32 masters in a tier to one with f32 weights (`--force`): the masters,
+/// not their rounding, become the weights. Nothing to do when the model's weights are not f32.
+fn masters_into_weights(ckpt: &LoadedCheckpoint, model: &Model, masters: Vec<NamedBuffer>) -> Result<(), TrainError> {
+    if model.storage() != DType::F32 {
+        return Ok(());
+    }
+    for b in masters {
+        let name = b.name.trim_end_matches(&format!(".{}", super::MASTER));
+        let Some(p) = model.params().iter().find(|p| p.def.name == name) else { continue };
+        let numel: usize = p.def.shape.iter().product();
+        if b.data.len() != numel.saturating_mul(4) {
+            return Err(TrainError::Invalid(format!(
+                "{}: {} holds {} bytes, but the f32 master of {name} (shape {:?}) takes {}; this checkpoint is \
+                 damaged or from another run; resume from an older one",
+                ckpt.dir.join(OPTIMIZER_FILE).display(),
+                b.name,
+                b.data.len(),
+                p.def.shape,
+                numel.saturating_mul(4)
+            )));
+        }
+        let values: Vec<f32> = b.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let t = Tensor::from_vec(values, p.def.shape.as_slice(), &Device::Cpu);
+        t.and_then(|t| p.var.set(&t)).map_err(TrainError::candle)?;
+    }
+    Ok(())
+}
+
+/// Resuming: `ckpt`'s `trainer.json`, read and checked against the checkpoint, the run and
+/// its data ([`check_trainer_state`]), for a run of `world` ranks.
+fn read_trainer_state(
+    ckpt: &LoadedCheckpoint,
+    config: &Config,
+    dataset: &dyn Dataset,
+    world: usize,
+) -> Result<TrainerState, TrainError> {
+    let mut state: TrainerState = serde_json::from_slice(ckpt.file(TRAINER_FILE)?).map_err(|e| {
+        TrainError::Invalid(format!(
+            "{}: unreadable trainer state: {e}; this checkpoint is damaged or from another version; resume from an \
+             older one",
+            ckpt.dir.join(TRAINER_FILE).display()
+        ))
+    })?;
+    check_trainer_state(&state, ckpt, config, dataset, world)?;
+    state.world_size = world;
+    Ok(state)
+}
+
 impl Trainer {
     /// Builds a run: opens the data, creates the plugins, builds or loads the model,
     /// allocates the optimizer state, asks the checkpoint policy for its plan, and, when
@@ -619,48 +743,8 @@ impl Trainer {
             }
         }
         let dataset = data::open(&data_options(&config)?)?;
-        // The architecture, and what model.from's config.json holds that changes nothing
-        // (said once in the header).
-        let (spec, model_notes) = match &config.model.from {
-            Some(dir) => {
-                let path = dir.join(HF_CONFIG_FILE);
-                let read = model::read_hf_config(&path)?;
-                let notes = read.notes.iter().map(|n| format!("model.from {}: {n}", path.display())).collect();
-                (read.spec, notes)
-            }
-            None => (ModelSpec::from_config(&config.model)?, Vec::new()),
-        };
-        if dataset.vocab_size() > spec.vocab
-            && let Some(dir) = &config.model.from
-        {
-            return Err(TrainError::Invalid(format!(
-                "the data has {} distinct token ids but the model in model.from ({}) has a vocabulary of {}: train it \
-                 on data tokenized with its own tokenizer (data.tokenizer: its tokenizer.json)",
-                dataset.vocab_size(),
-                dir.display(),
-                spec.vocab
-            )));
-        }
-        if dataset.vocab_size() > spec.vocab
-            && let (DataSource::Shards, Some(dir)) = (config.data.source, &config.data.path)
-        {
-            return Err(TrainError::Invalid(format!(
-                "the corpus in {} was prepared with a vocabulary of {} but model.vocab_size is {}: set \
-                 model.vocab_size to at least {}, or prepare the corpus with a smaller tokenizer",
-                dir.display(),
-                dataset.vocab_size(),
-                spec.vocab,
-                dataset.vocab_size()
-            )));
-        }
-        if dataset.vocab_size() > spec.vocab {
-            return Err(TrainError::Invalid(format!(
-                "the data has {} distinct token ids but model.vocab_size is {}: set model.vocab_size to at least {}",
-                dataset.vocab_size(),
-                spec.vocab,
-                dataset.vocab_size()
-            )));
-        }
+        let (spec, model_notes) = model_spec_with_notes(&config)?;
+        check_vocabulary(&config, dataset.as_ref(), &spec)?;
 
         let attention_sel = plugin(PluginKind::Attention);
         check_attention(&spec, attention_sel, config.data.seq_len)?;
@@ -814,73 +898,13 @@ impl Trainer {
                     max_steps: config.train.max_steps,
                 });
             }
-            // Views into the (mapped) file: a state larger than memory goes straight to its tier.
             let masters = if options.fresh_optimizer {
                 Vec::new()
             } else {
-                let optimizer_file = ckpt.dir.join(OPTIMIZER_FILE);
-                let (buffers, _) = safetensors_views(ckpt.file(OPTIMIZER_FILE)?).map_err(|e| {
-                    TrainError::Invalid(format!(
-                        "{}: {e}; resume from an older checkpoint, or keep this one's weights with --fresh-optimizer",
-                        optimizer_file.display()
-                    ))
-                })?;
-                // Progress over the weights (loaded above) and the state, every IO_PROGRESS_BYTES.
-                let weights: u64 = model.params().iter().map(|p| p.stored_bytes() as u64).sum();
-                let total = weights + state.bytes();
-                let mut reported = 0;
-                let mut progress = |done: u64| {
-                    let done = weights + done;
-                    if let Some(f) = &options.io_progress
-                        && done / IO_PROGRESS_BYTES > reported
-                    {
-                        reported = done / IO_PROGRESS_BYTES;
-                        (f.0)(&IoProgress { what: "loading", dir: ckpt.dir.clone(), done, total });
-                    }
-                };
-                state.load_buffers(model.params(), buffers, &mut progress).map_err(|e| match e {
-                    TrainError::OptimizerState { problems, .. } => TrainError::OptimizerState {
-                        problems,
-                        trained_with: saved_optimizer(&ckpt),
-                        file: Some(optimizer_file.clone()),
-                    },
-                    e => e,
-                })?
+                load_optimizer_state(&ckpt, &model, &mut state, options)?
             };
-            // From a run with f32 masters in a tier to one with f32 weights (--force): the
-            // masters, not their rounding, become the weights.
-            if model.storage() == DType::F32 {
-                for b in masters {
-                    let name = b.name.trim_end_matches(&format!(".{}", super::MASTER));
-                    if let Some(p) = model.params().iter().find(|p| p.def.name == name) {
-                        let numel: usize = p.def.shape.iter().product();
-                        if b.data.len() != numel.saturating_mul(4) {
-                            return Err(TrainError::Invalid(format!(
-                                "{}: {} holds {} bytes, but the f32 master of {name} (shape {:?}) takes {}; this \
-                                 checkpoint is damaged or from another run; resume from an older one",
-                                ckpt.dir.join(OPTIMIZER_FILE).display(),
-                                b.name,
-                                b.data.len(),
-                                p.def.shape,
-                                numel.saturating_mul(4)
-                            )));
-                        }
-                        let values: Vec<f32> =
-                            b.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                        let t = Tensor::from_vec(values, p.def.shape.as_slice(), &Device::Cpu);
-                        t.and_then(|t| p.var.set(&t)).map_err(TrainError::candle)?;
-                    }
-                }
-            }
-            trainer_state = serde_json::from_slice(ckpt.file(TRAINER_FILE)?).map_err(|e| {
-                TrainError::Invalid(format!(
-                    "{}: unreadable trainer state: {e}; this checkpoint is damaged or from another version; resume \
-                     from an older one",
-                    ckpt.dir.join(TRAINER_FILE).display()
-                ))
-            })?;
-            check_trainer_state(&trainer_state, &ckpt, &config, dataset.as_ref(), world)?;
-            trainer_state.world_size = world;
+            masters_into_weights(&ckpt, &model, masters)?;
+            trainer_state = read_trainer_state(&ckpt, &config, dataset.as_ref(), world)?;
             // Split at least as far as the budget needs now (both are powers of two).
             trainer_state.micro_batch_split = trainer_state.micro_batch_split.max(preflight.split);
             resumed_from = Some(ckpt.dir.clone());
