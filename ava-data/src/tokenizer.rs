@@ -17,7 +17,11 @@ const CHUNK_BYTES: usize = 1 << 20;
 /// Most bytes of text, times the tokenizer's growth factor, the `tokenizers` crate is handed
 /// at once: it keeps tens of bytes per byte of normalized text (alignments, offsets, token
 /// strings). 16 MiB is what an 8 MiB piece of `ava data prepare` makes through GPT-2's
-/// byte-level pre-tokenizer (factor 2), so that ordinary tokenizers see the pieces they did.
+/// byte-level pre-tokenizer (factor 2), so byte-level tokenizers see the pieces they did. A
+/// tokenizer that can grow text more gets smaller parts (Llama-2's, factor 3: 5.3 MiB; BERT's,
+/// 12: 1.4 MiB): a document longer than that is cut at a line end, and where a tokenizer marks
+/// the start of its input (a `Prepend`, a `Metaspace` prefix) the ids at the cut differ from
+/// encoding it whole. Memory bounded is chosen over those few ids.
 const CRATE_TEXT_BYTES: u64 = 16 << 20;
 
 /// A loaded `tokenizer.json`.

@@ -294,6 +294,61 @@ fn kind<'a>(v: &'a Value, by_key: &[(&str, &'a str)]) -> &'a str {
     v["type"].as_str().or_else(|| by_key.iter().find(|(key, _)| v.get(*key).is_some()).map(|(_, k)| *k)).unwrap_or("")
 }
 
+/// A normalizer `Sequence`. Members in a row that map each character to a normal form
+/// (NFC, NFD, NFKC, NFKD, a `Precompiled` map, StripAccents, Lowercase) grow text by the
+/// largest of their factors (doubled with a Lowercase among them), not their product: the
+/// second form of a character already in normal form is not an expansion of the first's
+/// output (ALBERT and XLNet write NFKD, StripAccents, Lowercase, Precompiled). Every other
+/// member composes as it does alone.
+fn normalizer_sequence(all: &[Value], field: &str, so_far: Growth) -> Result<Growth, Refused> {
+    let mut g = so_far;
+    // The run of character forms under way: its largest factor, the member that has it, and
+    // whether it lowercases.
+    let mut run: Option<(u64, String, bool)> = None;
+    let close = |g: Growth, run: &mut Option<(u64, String, bool)>| -> Result<Growth, Refused> {
+        match run.take() {
+            None => Ok(g),
+            Some((factor, at, lower)) => {
+                let g = g.then(Growth::times(factor.saturating_mul(if lower { 2 } else { 1 })));
+                g.within(&at, "a run of Unicode normalizations")
+            }
+        }
+    };
+    for (i, member) in all.iter().enumerate() {
+        let at = format!("{field}.normalizers[{i}]");
+        match character_form(member, &at)? {
+            Some((factor, lower)) => {
+                let (most, most_at, lowered) = run.get_or_insert((1, at.clone(), false));
+                if factor > *most {
+                    (*most, *most_at) = (factor, at);
+                }
+                *lowered |= lower;
+            }
+            None => {
+                g = close(g, &mut run)?;
+                g = normalizer(member, &at, g)?;
+            }
+        }
+    }
+    close(g, &mut run)
+}
+
+/// A normalizer that maps each character to a normal form: its factor, and whether it is a
+/// Lowercase; `None` for any other normalizer.
+fn character_form(v: &Value, field: &str) -> Result<Option<(u64, bool)>, Refused> {
+    Ok(match v["type"].as_str().unwrap_or(if v.get("precompiled_charsmap").is_some() { "Precompiled" } else { "" }) {
+        "NFKC" | "NFKD" => Some((11, false)),
+        "NFC" | "NFD" => Some((3, false)),
+        "StripAccents" => Some((1, false)),
+        "Lowercase" => Some((1, true)),
+        "Precompiled" => {
+            // Checked (and its longest replacement read) as it is alone.
+            Some((normalizer(v, field, Growth::SAME)?.factor(), false))
+        }
+        _ => None,
+    })
+}
+
 fn normalizer(v: &Value, field: &str, so_far: Growth) -> Result<Growth, Refused> {
     let keys = [
         ("normalizers", "Sequence"),
@@ -304,7 +359,7 @@ fn normalizer(v: &Value, field: &str, so_far: Growth) -> Result<Growth, Refused>
     let step = match kind(v, &keys) {
         "Sequence" => {
             return match members(v, "normalizers", field)? {
-                Some(all) => sequence(all, field, "normalizers", so_far, normalizer),
+                Some(all) => normalizer_sequence(all, field, so_far),
                 None => Ok(so_far),
             };
         }
@@ -331,7 +386,9 @@ fn normalizer(v: &Value, field: &str, so_far: Growth) -> Result<Growth, Refused>
         }
         // UAX #15: in UTF-8, NFKC and NFKD grow text at most 11 times, NFC and NFD 3 times.
         "NFKC" | "NFKD" => Growth::times(11),
-        "NFC" | "NFD" | "StripAccents" => Growth::times(3),
+        "NFC" | "NFD" => Growth::times(3),
+        // Removes combining marks: never longer.
+        "StripAccents" => Growth::SAME,
         // Lowercase grows a character by at most half its bytes (U+023A: 2 bytes to 3).
         "Lowercase" => Growth::times(2),
         // Each byte becomes a character of at most 2 bytes.
@@ -481,6 +538,23 @@ mod tests {
         let r = refused(json!({"normalizer": {"type": "Sequence", "normalizers": vec![double; 9]}}));
         assert_eq!(r.field, "normalizer.normalizers[8].content");
         assert!(r.message.contains("up to 512 bytes") && r.message.contains("at most 256"), "{}", r.message);
+    }
+
+    #[test]
+    fn unicode_forms_in_a_row_grow_text_by_the_largest_not_the_product() {
+        let form = |t: &str| json!({"type": t});
+        // ALBERT's and XLNet's shape (their Precompiled map in place of the last NFKC): the
+        // product 11·1·2·11·3 would be refused; the run grows by 11, doubled for Lowercase.
+        let albert = json!({"normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Replace", "pattern": {"String": "``"}, "content": "\""},
+            form("NFKD"), form("StripAccents"), form("Lowercase"), form("NFKC"), form("NFD")]}});
+        assert_eq!(check(&albert).unwrap().text.factor(), 22);
+        // A member that grows text between two forms breaks the run: the products count.
+        let double = json!({"type": "Replace", "pattern": {"String": "a"}, "content": "aaaa"});
+        let broken = json!({"normalizer": {"type": "Sequence", "normalizers": [form("NFKD"), double, form("NFKC")]}});
+        let r = refused(broken);
+        assert_eq!(r.field, "normalizer.normalizers[2]");
+        assert!(r.message.contains("a run of Unicode normalizations") && r.message.contains("484"), "{}", r.message);
     }
 
     #[test]

@@ -4,8 +4,8 @@
 //! overwriting each other's files.
 //!
 //! The kernel releases a `flock` when the process ends however it ends, so a lock file left
-//! by a killed process blocks nothing; the pid, host, start time and command written into it
-//! are only for the message a refused process prints. The file itself is never removed:
+//! by a killed process blocks nothing; the pid, host, start time and command (its
+//! subcommand, no options) written into it are only for the message a refused process prints. The file itself is never removed:
 //! removing it while another process waits to lock it would let two processes hold "the" lock
 //! on two files.
 //!
@@ -63,13 +63,8 @@ impl DirLock {
         }
         // Ours now: say who holds it (for a refused process's message only).
         let started = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let command: Vec<String> = std::env::args().collect();
-        let text = format!(
-            "pid {}\nhost {}\nstarted {started}\ncommand {}\n",
-            std::process::id(),
-            hostname(),
-            command.join(" ")
-        );
+        let text =
+            format!("pid {}\nhost {}\nstarted {started}\ncommand {}\n", std::process::id(), hostname(), command());
         file.set_len(0)
             .and_then(|_| file.rewind())
             .and_then(|_| file.write_all(text.as_bytes()))
@@ -110,6 +105,16 @@ pub fn describe_holder(text: &str) -> (Option<u32>, String) {
         parts.push(format!("command: {command}"));
     }
     (pid, parts.join(", "))
+}
+
+/// The command as the lock file records it: the program's name and its subcommand words,
+/// without options or their values (the file is readable by others and outlives the process,
+/// and a `--set` may hold a path or a token).
+fn command() -> String {
+    let mut args = std::env::args();
+    let program = args.next().map(|p| p.rsplit('/').next().unwrap_or_default().to_string()).unwrap_or_default();
+    let words = args.take_while(|a| !a.starts_with('-')).take(2);
+    std::iter::once(program).chain(words).collect::<Vec<_>>().join(" ")
 }
 
 /// This machine's name, or "unknown".

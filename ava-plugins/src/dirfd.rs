@@ -6,8 +6,10 @@
 //! `create` or `create_dir_all` follows it (writing where they chose) or waits on it. Here
 //! the directory is opened once ([`Dir::open`], `O_DIRECTORY|O_NOFOLLOW`) and every entry is
 //! created, opened, replaced and removed relative to that descriptor (`mkdirat`, `openat`,
-//! `renameat`, `unlinkat`) with `O_NOFOLLOW|O_NONBLOCK`: a link is never followed and a FIFO
-//! never waited on. What is found instead is refused with its path, what it is and who owns
+//! `renameat`, `unlinkat`) with `O_NOFOLLOW|O_NONBLOCK`: a FIFO is never waited on, a link to
+//! a file never followed, and a link to a directory followed only when this user or root owns
+//! it ([`own_link`]: `checkpoints` on a bigger disk is the user's choice; a link another user
+//! planted is not). What is found instead is refused with its path, what it is and who owns
 //! it ([`DirError::Planted`]). Replacing a file ([`Dir::replace`]) writes a new temp file
 //! (`O_CREAT|O_EXCL`, so a name planted in advance is never opened) and renames it over the
 //! name, which replaces a link there rather than writing through it.
@@ -110,6 +112,19 @@ pub fn euid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// Whether `mode`/`owner` (an `lstat`) is a symbolic link this user or root owns: one this
+/// user may follow to a directory (their own choice, or the administrator's). A link another
+/// user owns could have been planted by them, and is never followed (the rule of Linux's
+/// `fs.protected_symlinks`, for every directory rather than sticky ones only).
+pub fn own_link(mode: libc::mode_t, owner: u32) -> bool {
+    mode & libc::S_IFMT == libc::S_IFLNK && trusted(owner)
+}
+
+/// Whether `owner` is this user or root.
+fn trusted(owner: u32) -> bool {
+    owner == euid() || owner == 0
+}
+
 /// `path` as a C string.
 fn c_path(path: &Path) -> Result<CString, DirError> {
     CString::new(path.as_os_str().as_bytes())
@@ -152,24 +167,47 @@ pub struct Dir {
 }
 
 impl Dir {
-    /// Opens the directory `path` (`O_DIRECTORY|O_NOFOLLOW|O_CLOEXEC`): its last component
-    /// must be a directory, not a link to one.
+    /// Opens the directory `path` (`O_DIRECTORY|O_NOFOLLOW|O_CLOEXEC`). Its last component
+    /// must be a directory, or a link to one that this user or root owns ([`own_link`]): a
+    /// `checkpoints` linked to a bigger disk is the user's own choice; a link another user
+    /// planted is refused.
     pub fn open(path: &Path) -> Result<Self, DirError> {
         let c = c_path(path)?;
         let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
         // SAFETY: a valid C string.
         let fd = unsafe { libc::open(c.as_ptr(), flags) };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            let parent = path.parent().unwrap_or(Path::new("."));
-            let found = std::fs::symlink_metadata(path).ok().map(|m| {
-                use std::os::unix::fs::MetadataExt;
-                (m.mode() as libc::mode_t, m.uid())
-            });
-            return Err(Self::refusal(e, path, parent, found, "a directory", "open the directory"));
+        if fd >= 0 {
+            // SAFETY: `fd` was just opened and is owned by nothing else.
+            return Ok(Self { fd: unsafe { OwnedFd::from_raw_fd(fd) }, path: path.to_path_buf() });
         }
-        // SAFETY: `fd` was just opened and is owned by nothing else.
-        Ok(Self { fd: unsafe { OwnedFd::from_raw_fd(fd) }, path: path.to_path_buf() })
+        let e = io::Error::last_os_error();
+        let found = std::fs::symlink_metadata(path).ok().map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            (m.mode() as libc::mode_t, m.uid())
+        });
+        match found {
+            // O_NOFOLLOW with O_DIRECTORY on a link: ELOOP, or ENOTDIR on some kernels.
+            Some((mode, owner))
+                if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) && own_link(mode, owner) =>
+            {
+                // SAFETY: a valid C string.
+                let fd = unsafe { libc::open(c.as_ptr(), flags & !libc::O_NOFOLLOW) };
+                if fd < 0 {
+                    let source = io::Error::last_os_error();
+                    return Err(DirError::Io {
+                        action: "open the directory its link names".into(),
+                        path: path.into(),
+                        source,
+                    });
+                }
+                // SAFETY: `fd` was just opened and is owned by nothing else.
+                Ok(Self { fd: unsafe { OwnedFd::from_raw_fd(fd) }, path: path.to_path_buf() })
+            }
+            _ => {
+                let parent = path.parent().unwrap_or(Path::new("."));
+                Err(Self::refusal(e, path, parent, found, "a directory", "open the directory"))
+            }
+        }
     }
 
     /// Creates the directory `path` with its missing parents (the path as its user named it),
@@ -253,10 +291,26 @@ impl Dir {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
-    /// Opens the subdirectory `name`, refusing a link.
+    /// Opens the subdirectory `name`, refusing a link unless this user or root owns it
+    /// ([`own_link`]).
     pub fn open_dir(&self, name: &str) -> Result<Dir, DirError> {
-        let fd = self.open_at(name, libc::O_RDONLY | libc::O_DIRECTORY, 0, "a directory")?;
-        Ok(Dir { fd, path: self.path.join(name) })
+        let path = self.path.join(name);
+        match self.open_at(name, libc::O_RDONLY | libc::O_DIRECTORY, 0, "a directory") {
+            Ok(fd) => Ok(Dir { fd, path }),
+            Err(DirError::Planted { what, owner, .. }) if what == kind_of(libc::S_IFLNK) && trusted(owner) => {
+                let c = c_name(name)?;
+                let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC | libc::O_NONBLOCK;
+                // SAFETY: a valid descriptor and C string.
+                let fd = unsafe { libc::openat(self.fd.as_raw_fd(), c.as_ptr(), flags) };
+                if fd < 0 {
+                    let source = io::Error::last_os_error();
+                    return Err(DirError::Io { action: "open the directory its link names".into(), path, source });
+                }
+                // SAFETY: `fd` was just opened and is owned by nothing else.
+                Ok(Dir { fd: unsafe { OwnedFd::from_raw_fd(fd) }, path })
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Creates the subdirectory `name` with `mode` (less the umask) if it is missing, and

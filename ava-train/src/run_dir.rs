@@ -249,6 +249,7 @@ mod tests {
         fs::create_dir(elsewhere.path().join("step-00000001")).unwrap();
         let root = dir.path().join("checkpoints");
         std::os::unix::fs::symlink(elsewhere.path(), &root).unwrap();
+        std::os::unix::fs::lchown(&root, Some(NOBODY), Some(NOBODY)).unwrap();
         let store = crate::save::CheckpointStore::new(&root, 1);
         let e = store.save(2, &[("a.bin".into(), vec![1, 2, 3])]).unwrap_err().to_string();
         assert!(e.starts_with(&format!("{}: is a symbolic link", root.display())), "{e}");

@@ -5,10 +5,10 @@
 //! other's manifest and shards. The lock file is not part of the corpus: the manifest lists
 //! the corpus's files, and a fresh prepare leaves the lock file alone.
 
-use std::io;
 use std::path::Path;
 
 use ava_plugins::dir_lock::{Acquired, DirLock};
+use ava_plugins::dirfd::DirError;
 
 use super::PrepareError;
 
@@ -32,10 +32,9 @@ impl OutLock {
                 action: "(no: --force does not replace files) choose a directory",
             });
         }
-        let io_err = |e: ava_plugins::dirfd::DirError| PrepareError::Write {
-            dir: dir.to_path_buf(),
-            shards: 0,
-            source: io::Error::other(e.to_string()),
+        let io_err = |e: DirError| match e {
+            DirError::Io { source, .. } => PrepareError::Write { dir: dir.to_path_buf(), shards: 0, source },
+            refused => PrepareError::Planted(refused.to_string()),
         };
         match DirLock::acquire(dir, LOCK_FILE).map_err(io_err)? {
             Acquired::Held(lock) => Ok(Self { _lock: lock }),
@@ -71,7 +70,7 @@ mod tests {
         std::fs::create_dir(&out).unwrap();
         std::os::unix::fs::symlink(dir.path().join("elsewhere"), out.join(LOCK_FILE)).unwrap();
         let err = OutLock::acquire(&out).unwrap_err().to_string();
-        assert!(err.contains(".ava-prepare.lock: is a symbolic link"), "{err}");
+        assert!(err.starts_with(&format!("--out {}: is a symbolic link", out.join(LOCK_FILE).display())), "{err}");
         assert!(!dir.path().join("elsewhere").exists(), "nothing is created through the link");
     }
 }

@@ -196,6 +196,11 @@ pub enum PrepareError {
         /// What `--force` would do.
         action: &'static str,
     },
+    /// Something other than a directory and a lock file Ava writes is where they go (a link
+    /// or FIFO another user planted, a `--out` that is a link of another user's): the text
+    /// says what and how to fix it.
+    #[error("--out {0}")]
+    Planted(String),
     /// Another process prepares into `--out` (it holds [`LOCK_FILE`]).
     #[error(
         "{} is in use by another ava data prepare ({holder}; it holds {}): wait for it to finish or stop it \

@@ -236,22 +236,33 @@ pub fn verify(dir: &Path, entry: &ShardEntry, manifest: &Manifest) -> Result<Sha
     Ok(shard)
 }
 
-/// Opens `path` for reading without following a symbolic link at its last component and
-/// without blocking (a FIFO), and checks it is a regular file. A link is refused before
-/// anything about its target is looked at, so the error tells nothing of the file it names.
+/// Opens `path` for reading without blocking (a FIFO), and checks it is a regular file. A
+/// symbolic link at its last component is followed only when this user or root owns it (a
+/// corpus whose shards live in a cache, linked in by its owner); another user's link is
+/// refused before anything about its target is looked at, so the error tells nothing of the
+/// file it names.
 fn open_shard(path: &Path) -> Result<(File, u64), DataError> {
     let refused = |reason: &str| DataError::Shard { path: path.to_path_buf(), reason: reason.to_string() };
-    let file = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
-        .map_err(|source| match source.raw_os_error() {
-            Some(libc::ELOOP) => refused(
-                "is a symbolic link; a shard must be a regular file inside the corpus directory (links are not \
-                 followed, so a corpus cannot name a file elsewhere): copy the file in, or prepare the corpus again",
-            ),
-            _ => DataError::Read { path: path.to_path_buf(), source },
-        })?;
+    let open = |follow: bool| {
+        let flags = libc::O_NONBLOCK | libc::O_NOCTTY | if follow { 0 } else { libc::O_NOFOLLOW };
+        fs::OpenOptions::new().read(true).custom_flags(flags).open(path)
+    };
+    let own_link = || {
+        use std::os::unix::fs::MetadataExt;
+        fs::symlink_metadata(path).is_ok_and(|m| ava_plugins::dirfd::own_link(m.mode() as libc::mode_t, m.uid()))
+    };
+    let file = match open(false) {
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) && own_link() => open(true),
+        other => other,
+    }
+    .map_err(|source| match source.raw_os_error() {
+        Some(libc::ELOOP) => refused(
+            "is a symbolic link of another user; a shard must be a regular file inside the corpus directory, or a \
+             link that you or root own (another user's link is not followed: they could have put it there): copy \
+             the file in, or prepare the corpus again",
+        ),
+        _ => DataError::Read { path: path.to_path_buf(), source },
+    })?;
     let meta = file.metadata().map_err(|source| DataError::Read { path: path.to_path_buf(), source })?;
     if !meta.file_type().is_file() {
         return Err(refused("is not a regular file; a shard is a regular file written by `ava data prepare`"));

@@ -86,10 +86,14 @@ pub trait Collectives: std::fmt::Debug {
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), DistError>;
 
-    /// From now on a wait for the other ranks still unanswered [`STOP_GRACE`] after `stop`
-    /// is set gives up with [`DistError::Stopped`]. By default (one rank, MPI, whose
-    /// collectives cannot be interrupted) nothing changes.
-    fn watch_stop(&self, _stop: Arc<AtomicBool>) {}
+    /// From now on (`Some`) a wait for the other ranks still unanswered [`STOP_GRACE`] after
+    /// `stop` is set gives up with [`DistError::Stopped`]; `None` ends that (the waits after
+    /// a step, for the save it ends with, must complete). Returns whether this group's waits
+    /// can give up: by default (one rank, MPI, whose collectives cannot be interrupted) they
+    /// cannot, and nothing changes.
+    fn watch_stop(&self, _stop: Option<Arc<AtomicBool>>) -> bool {
+        false
+    }
 
     /// Starts [`Collectives::reduce_scatter_sum`] of `buf` and returns at once when the
     /// group can run it beside the caller's work (MPI runs it on a communication thread);

@@ -10,7 +10,7 @@
 //! [`Collectives::watch_stop`] was set.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::base::{Collectives, DistError, STOP_GRACE, check_counts, offsets};
@@ -54,7 +54,7 @@ pub struct ThreadRank {
     rank: usize,
     shared: Arc<Shared>,
     /// Set by [`Collectives::watch_stop`].
-    stop: OnceLock<Arc<AtomicBool>>,
+    stop: Mutex<Option<Arc<AtomicBool>>>,
 }
 
 impl std::fmt::Debug for ThreadRank {
@@ -70,7 +70,7 @@ pub fn thread_group(size: usize) -> Vec<ThreadRank> {
         round: Mutex::new(Round { slots: vec![None; size], ..Round::default() }),
         changed: Condvar::new(),
     });
-    (0..size).map(|rank| ThreadRank { rank, shared: Arc::clone(&shared), stop: OnceLock::new() }).collect()
+    (0..size).map(|rank| ThreadRank { rank, shared: Arc::clone(&shared), stop: Mutex::new(None) }).collect()
 }
 
 impl Shared {
@@ -114,7 +114,9 @@ impl ThreadRank {
         let what = wait.what;
         let missing = || (0..self.shared.size).filter(|&r| round.slots[r].is_none()).collect();
         let now = Instant::now();
-        if self.stop.get().is_some_and(|s| s.load(Ordering::SeqCst)) {
+        let stopping =
+            self.stop.lock().unwrap_or_else(PoisonError::into_inner).as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
+        if stopping {
             // A rank that left after the stop was asked most likely stopped too.
             let seen = *wait.stop_seen.get_or_insert(now);
             if round.gone.is_some() || now.duration_since(seen) >= STOP_GRACE {
@@ -235,8 +237,9 @@ impl Collectives for ThreadRank {
         self.exchange("barrier", Vec::new()).map(drop)
     }
 
-    fn watch_stop(&self, stop: Arc<AtomicBool>) {
-        let _ = self.stop.set(stop);
+    fn watch_stop(&self, stop: Option<Arc<AtomicBool>>) -> bool {
+        *self.stop.lock().unwrap_or_else(PoisonError::into_inner) = stop;
+        true
     }
 }
 
@@ -316,7 +319,7 @@ mod tests {
                 }
                 return None;
             }
-            g.watch_stop(stop.clone());
+            g.watch_stop(Some(stop.clone()));
             // Asked to stop while rank 0 waits: without it, the wait would last TIMEOUT.
             let setter = {
                 let stop = stop.clone();

@@ -369,7 +369,8 @@ pub fn read_run(file: &Path) -> Result<RunMetrics, MetricsError> {
             Some("eval") => {
                 let p: EvalPoint =
                     serde_json::from_value(data).map_err(|e| parse(format!("not an eval record ({e})")))?;
-                if run.best_eval.is_none_or(|b| p.val_loss < b.val_loss) {
+                // A NaN evaluation is never the best (and never stays it).
+                if run.best_eval.is_none_or(|b| p.val_loss < b.val_loss || b.val_loss.is_nan()) {
                     run.best_eval = Some(p);
                 }
                 evals.insert(p.step, p);
@@ -393,7 +394,9 @@ impl RunMetrics {
         self.step_records += 1;
         if self.changes.last().is_some_and(|c| c.0 >= p.step) || self.events.last().is_some_and(|e| e.0 >= p.step) {
             self.changes.retain(|c| c.0 < p.step);
+            let before = self.events.len();
             self.events.retain(|e| e.0 < p.step);
+            self.event_count = self.event_count.saturating_sub((before - self.events.len()) as u64);
         }
         if self.peak.as_ref().is_none_or(|top| p.memory.peak > top.memory.peak) {
             self.peak = Some(p.clone());
@@ -430,23 +433,18 @@ fn io_error(file: &Path, e: ava_plugins::bounded::ReadError) -> MetricsError {
     }
 }
 
-/// Keeps the records of steps up to `step` in the metrics file `file` and drops the rest,
-/// as a resumed run starts (step 0: a fresh run, nothing kept). The file is read backwards
-/// from its end, a piece at a time, to the last line whose step is at most `step`, and cut
-/// after it: a resume reads only the records it drops, whatever the file's length. Records
-/// are in step order, as `ava train` writes them (each resume cuts what came after). A
-/// missing file is left missing.
-pub fn keep_steps_up_to(file: &Path, step: u64) -> io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let handle = match std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_NONBLOCK).open(file) {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        other => other?,
-    };
+/// Keeps the records of steps up to `step` in the metrics file open as `handle` (read and
+/// write) and drops the rest, as a resumed run starts (step 0: a fresh run, nothing kept).
+/// The file is read backwards from its end, a piece at a time, to the last line whose step is
+/// at most `step`, and cut after it: a resume reads only the records it drops, whatever the
+/// file's length. Records are in step order, as `ava train` writes them (each resume cuts
+/// what came after).
+pub fn keep_steps_up_to(handle: &File, step: u64) -> io::Result<()> {
     let meta = handle.metadata()?;
     if !meta.file_type().is_file() {
         return Err(io::Error::other("not a regular file; remove it, or train with another train.out_dir"));
     }
-    let keep = if step == 0 { 0 } else { kept_length(&handle, meta.len(), step)? };
+    let keep = if step == 0 { 0 } else { kept_length(handle, meta.len(), step)? };
     handle.set_len(keep)?;
     if keep > 0 {
         let mut last = [0u8];
@@ -643,18 +641,20 @@ mod tests {
         let mut all: Vec<&str> = lines.iter().map(String::as_str).collect();
         all.extend([huge.as_str(), r#"{"type":"step","data":{"st"#]);
         let (_dir, path) = file_with(&all);
-        keep_steps_up_to(&path, 4).unwrap();
+        let keep = |step| {
+            let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+            keep_steps_up_to(&file, step).unwrap();
+        };
+        keep(4);
         let kept = std::fs::read_to_string(&path).unwrap();
         assert_eq!(kept, format!("{}\n", lines[..6].join("\n")), "steps 1-4 and the evals of 2 and 4");
-        keep_steps_up_to(&path, 9).unwrap();
+        keep(9);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), kept, "nothing after step 4 to drop");
         // Its last record unterminated: the next one starts on a line of its own.
         std::fs::write(&path, &lines[0]).unwrap();
-        keep_steps_up_to(&path, 1).unwrap();
+        keep(1);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), format!("{}\n", lines[0]));
-        keep_steps_up_to(&path, 0).unwrap();
+        keep(0);
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "");
-        keep_steps_up_to(&path.with_extension("absent"), 3).unwrap();
-        assert!(!path.with_extension("absent").exists());
     }
 }

@@ -1181,9 +1181,13 @@ impl Trainer {
         };
         let stop_requested = || options.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
         if let Some(stop) = &options.stop {
-            // Waits outside a step's work give up once it is set (see `stopped_waiting`).
-            self.loader.watch(stop.clone());
-            self.zero.group().watch_stop(stop.clone());
+            // Waits outside a step's work give up once it is set (see `stopped_waiting`); the
+            // loader's only where the other ranks' waits can give up too (not over MPI, whose
+            // collectives would then wait for good for the rank that left).
+            let ranks_give_up = self.zero.group().watch_stop(Some(stop.clone()));
+            if ranks_give_up || self.zero.size() == 1 {
+                self.loader.watch(stop.clone());
+            }
         }
         let (mut timed, mut first_timed) = ((0.0f64, 0usize), (0.0f64, 0usize));
         let mut first = true;
@@ -1240,7 +1244,11 @@ impl Trainer {
             }
             let policy = self.apply_memory_policy(&mut record, reporter);
             // Checked once the step is done: the step under way always completes and is saved.
-            // The ranks agree: one asked to stop (a signal, its memory policy) stops them all.
+            // The ranks agree: one asked to stop (a signal, its memory policy) stops them all;
+            // from here the waits for the other ranks (the agreement, the save) complete.
+            if stop_requested() {
+                self.zero.group().watch_stop(None);
+            }
             let [interrupted, stopped, policy_checkpoint] =
                 self.agreed_flags([stop_requested() as u64, policy.stop.is_some() as u64, policy.checkpoint as u64])?;
             let stop = match policy.stop {
@@ -1366,12 +1374,21 @@ impl Trainer {
     /// Opens `metrics.jsonl` for appending; a resumed run first drops the records of steps
     /// after the checkpoint (they belong to the abandoned continuation), reading the file
     /// backwards from its end, and a fresh run empties it.
+    /// Through the run directory's handle: a link, FIFO or device planted as `metrics.jsonl`
+    /// is refused, never followed or cut.
     fn open_metrics(&self) -> Result<std::fs::File, TrainError> {
+        use ava_plugins::dirfd::{Access, Dir};
+        use std::io::{Seek, SeekFrom};
         let path = self.metrics_path();
+        let mut file = Dir::open(&self.out_dir)
+            .and_then(|dir| dir.open_file(super::metrics::METRICS_FILE, Access::ReadWriteCreate, 0o644))
+            .map_err(|e| TrainError::Invalid(e.to_string()))?;
         if self.step == 0 || self.resumed_from.is_some() {
-            super::metrics::keep_steps_up_to(&path, self.step).map_err(|e| TrainError::io(&path, e))?;
+            super::metrics::keep_steps_up_to(&file, self.step).map_err(|e| TrainError::io(&path, e))?;
         }
-        std::fs::OpenOptions::new().append(true).create(true).open(&path).map_err(|e| TrainError::io(&path, e))
+        // Records are appended (this process is the run directory's only writer: its lock).
+        file.seek(SeekFrom::End(0)).map_err(|e| TrainError::io(&path, e))?;
+        Ok(file)
     }
 
     /// The weights a step (or, `detached`, an evaluation) computes with: all of them, cast

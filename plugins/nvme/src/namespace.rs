@@ -243,13 +243,14 @@ impl RunDir {
         let mut tries = 0;
         loop {
             let (users, users_path) = user_dir(&base, path)?;
-            let removed_leftovers = remove_dead_runs(&users, &users_path)?;
-            match make_run_dir(&users, &users_path) {
-                Ok(Made { dir, id, lock }) => {
+            let made = remove_dead_runs(&users, &users_path)
+                .and_then(|removed| make_run_dir(&users, &users_path).map(|made| (removed, made)));
+            match made {
+                Ok((removed_leftovers, Made { dir, id, lock })) => {
                     return Ok(Self { dir, id, removed_leftovers, created_path, _lock: lock });
                 }
                 // The user directory was removed by a run of this user that just ended
-                // (its last): make it again.
+                // (its last), while this one listed or used it: make it again.
                 Err(e) if e.kind() == io::ErrorKind::NotFound && tries < 3 => tries += 1,
                 Err(e) => return Err(e),
             }
