@@ -58,7 +58,7 @@ impl DirLock {
             if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
                 return Err(io("lock", e));
             }
-            let (pid, holder) = describe_holder(&read_holder(&mut file));
+            let (pid, holder) = describe_holder(&read_whole_holder(&mut file));
             return Ok(Acquired::Busy { pid, holder });
         }
         // Ours now: say who holds it (for a refused process's message only).
@@ -76,6 +76,21 @@ impl DirLock {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+}
+
+/// The holder's text once it has written it all: a holder writes it just after it takes the
+/// lock, so a process refused at that moment reads it again, for at most 200 ms (then what
+/// there is: a holder that died between the two says nothing).
+fn read_whole_holder(file: &mut File) -> String {
+    let mut text = read_holder(file);
+    for _ in 0..20 {
+        if text.lines().any(|l| l.starts_with("command ")) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        text = read_holder(file);
+    }
+    text
 }
 
 /// The holder's lock file text: at most [`MAX_HOLDER_BYTES`], lossily decoded.
