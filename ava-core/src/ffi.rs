@@ -43,6 +43,11 @@ pub const ROOT_SYMBOL: &str = "_1as_0lib_1header_0root_bmodule_bloader";
 /// libraries.
 pub const ROOT_MODULE_NAME: &str = "ava_plugin";
 
+/// The text a panic carried (`panic!("...")` with or without arguments), if it carried text.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> Option<String> {
+    payload.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| payload.downcast_ref::<String>().cloned())
+}
+
 /// Runs `f`, turning a panic into [`ErrorKind::Panicked`] so it never unwinds across the
 /// boundary (which would abort the host).
 pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, PluginError>) -> RResult<T, PluginError> {
@@ -50,11 +55,7 @@ pub fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, PluginError>) -> RResu
         Ok(Ok(v)) => ROk(v),
         Ok(Err(e)) => RErr(e),
         Err(payload) => {
-            let msg = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a non-text panic payload".to_string());
+            let msg = panic_message(payload.as_ref()).unwrap_or_else(|| "a non-text panic payload".to_string());
             RErr(PluginError::new(ErrorKind::Panicked, format!("panicked in {what}: {msg}")))
         }
     }

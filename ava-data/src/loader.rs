@@ -572,11 +572,7 @@ fn check_start(
 }
 
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".to_string())
+    ava_core::ffi::panic_message(payload).unwrap_or_else(|| "(no message)".to_string())
 }
 
 #[cfg(test)]

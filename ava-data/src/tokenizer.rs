@@ -172,11 +172,7 @@ fn chunk_end(text: &str, start: usize) -> usize {
 /// error saying so.
 fn guarded<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
-        let why = panic
-            .downcast_ref::<&str>()
-            .map(|s| (*s).to_string())
-            .or_else(|| panic.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "no message".into());
+        let why = ava_core::ffi::panic_message(panic.as_ref()).unwrap_or_else(|| "no message".into());
         Err(format!("the tokenizers crate failed on it ({why}); the file is damaged or not one it reads"))
     })
 }

@@ -141,10 +141,7 @@ fn open_cuda(spec: DeviceSpec, ordinal: usize) -> Result<candle_core::Device, De
         Ok(Ok(device)) => Ok(device),
         Ok(Err(e)) => Err(DeviceError::Open { spec, reason: e.to_string() }),
         Err(panic) => {
-            let reason = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
+            let reason = ava_core::ffi::panic_message(panic.as_ref())
                 .unwrap_or_else(|| "the CUDA driver library could not be loaded".into());
             Err(DeviceError::Open { spec, reason })
         }
