@@ -19,31 +19,41 @@
 //! are printed as formulas (`block`). `tests/estimate_vs_measured.rs` checks the replay against
 //! the counting allocator on real steps.
 //!
-//! Files: `sim` (shadow tensors and candle's backward), `replay` (the model on them), `block`
+//! [`estimate_rank`] runs in stages, each term computed by a function of its own from the
+//! shared inputs (`inputs::Inputs`: the spec, the config and the sizes derived from them): the
+//! terms held through the step (`held`), the plan and its replay (`calibrate`), the terms at
+//! the replay's peak (`peak`), the ZeRO comparison (`zero`). Terms for another device (GPU
+//! memory) are functions of the same inputs beside these.
+//!
+//! Files: `inputs` (what every term is computed from), `held`, `calibrate`, `peak`, `zero`,
+//! `sim` (shadow tensors and candle's backward), `replay` (the model on them), `block`
 //! (per-block formulas), `render` (the text report).
 
 mod block;
+mod calibrate;
+mod held;
+mod inputs;
+mod peak;
 mod render;
 mod replay;
 mod sim;
+mod zero;
 
 #[cfg(test)]
 mod tests;
 
 use ava_core::{
-    AttentionKernel, AttnShape, BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy, KernelContext,
-    Optimizer, Pass,
+    AttentionKernel, AttnShape, BlockDecision, BlockFacts, CheckpointPolicy, KernelContext, Optimizer, Pass,
 };
-use ava_core::{ParamInfo, StateSpec};
 use serde::{Serialize, Serializer};
 
-use self::block::Dims;
-use self::replay::{Replay, StepModel};
+use self::calibrate::Planned;
+use self::inputs::{Inputs, Kernels, Offload, Shares, step_model};
+use self::replay::{MicroBatchPeak, Replay};
 use self::sim::{Cat, Dt};
-use crate::config::{Config, MasterWeights, Precision};
+use crate::config::{Config, Precision};
 use crate::memory::Breakdown;
 use crate::model::ModelSpec;
-use crate::train::HostState;
 
 /// What a term counts towards.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
@@ -89,6 +99,13 @@ pub struct Term {
     pub formula: String,
     /// Bytes.
     pub bytes: u64,
+}
+
+impl Term {
+    /// A term of `component`.
+    fn new(component: Component, name: impl Into<String>, formula: String, bytes: u64) -> Self {
+        Self { component, name: name.into(), formula, bytes }
+    }
 }
 
 /// The plugins whose declared sizes the estimate uses.
@@ -372,7 +389,7 @@ pub fn micro_batch(
     Ok(MicroBatch {
         peak_bytes: peak.bytes,
         gradient_bytes: peak.by_cat[Cat::ParamGrads as usize],
-        peak_at: if peak.op.is_empty() { peak.phase } else { format!("{}, in {}", peak.phase, peak.op) },
+        peak_at: peak_at(&peak),
     })
 }
 
@@ -457,537 +474,66 @@ pub fn estimate_rank(
     world: usize,
     rank: Option<usize>,
 ) -> Result<Estimate, EstimateError> {
-    let (batch, seq) = (config.train.micro_batch_size, config.data.seq_len);
-    let precision = config.train.precision;
-    let accumulation = config.train.gradient_accumulation_steps.max(1);
-    let x = Dims::new(spec, batch, seq, precision.bytes());
-    let defs = spec.params();
-    let n_params: u64 = defs.iter().map(|d| d.numel() as u64).sum();
-    let mut terms = Vec::new();
-    fn add(terms: &mut Vec<Term>, component: Component, name: &str, formula: String, bytes: u64) {
-        terms.push(Term { component, name: name.to_string(), formula, bytes });
-    }
-
-    // Parameters: f32 masters (and a cast copy for the forward pass), or the weights in the
-    // compute type only (`train.master_weights`: none, kahan, tier).
-    let n = grouped(n_params);
-    let masters = config.train.master_weights;
-    let stored_half = masters != MasterWeights::F32 && precision != Precision::Fp32;
-    // Bytes per weight as stored: the compute type's 2 without f32 masters, else 4.
-    let stored_size: u64 = if stored_half { 2 } else { 4 };
-    let inside = config.train.step_in_backward;
-    add(
-        &mut terms,
-        Component::Parameters,
-        "rotary tables (cos, sin in f32 and f64)",
-        format!("T·D·(2·4 + 2·8) = {}·{}·24", x.t, x.hd),
-        crate::model::fused::RopeTables::bytes(x.t as usize, x.hd as usize),
-    );
-
-    // Optimizer state, from the plugin's layout, summed per state name.
-    struct State {
-        name: String,
-        bytes: u64,
-        /// Every buffer of this name has one element per parameter element, of one type.
-        per_element: bool,
-        dtype: ava_core::DType,
-    }
-    let mut states: Vec<State> = Vec::new();
-    let host = match (stored_half, masters) {
-        (true, MasterWeights::Tier) => HostState::Master,
-        (true, MasterWeights::Kahan) => HostState::Compensation(match precision {
-            Precision::F16 => ava_core::DType::F16,
-            _ => ava_core::DType::BF16,
-        }),
-        _ => HostState::Nothing,
-    };
-    let mut layouts = Vec::with_capacity(defs.len());
-    for def in &defs {
-        let shape: Vec<u64> = def.shape.iter().map(|&s| s as u64).collect();
-        let mut layout: Vec<StateSpec> =
-            plugins.optimizer.state_layout(&ParamInfo::new(&def.name, &shape)).map_err(|e| {
-                EstimateError::Optimizer { param: def.name.clone(), shape: def.shape.clone(), message: e.to_string() }
-            })?;
-        // The engine's own buffers, placed with the plugin's: f32 masters, a compensation.
-        layout.extend(host.spec(def.numel()));
-        layouts.push(layout);
-    }
-    // ZeRO stage ≥ 1 on several ranks: the rank holding the most state holds only its own
-    // parameters' (whole parameters, contiguous in model order).
-    let stage = if world > 1 { config.distributed.zero_stage } else { 0 };
-    let all_bytes: Vec<u64> = layouts.iter().map(|l| l.iter().map(StateSpec::bytes).sum()).collect();
-    let held: Vec<bool> = if stage >= 1 {
-        let owner = crate::dist::owners(&all_bytes, world);
-        let share = |r: usize| all_bytes.iter().zip(&owner).filter(|(_, o)| **o == r).map(|(b, _)| b).sum::<u64>();
-        let largest = (0..world).max_by_key(|&r| (share(r), std::cmp::Reverse(r))).unwrap_or(0);
-        let who = rank.unwrap_or(largest);
-        owner.iter().map(|&o| o == who).collect()
-    } else {
-        vec![true; layouts.len()]
-    };
-    // The weights: all of them, or at stage 3 this rank's own (the others are gathered block
-    // by block, counted with the activations' peak below).
-    let (resident, resident_n) = if stage >= 3 {
-        let mine: u64 = defs.iter().zip(&held).filter(|(_, h)| **h).map(|(d, _)| d.numel() as u64).sum();
-        (mine, format!("N/{world} ≈ {} (this rank's whole parameters, ZeRO stage 3)", grouped(mine)))
-    } else {
-        (n_params, format!("N = {n}"))
-    };
-    if stored_half {
-        add(
-            &mut terms,
-            Component::Parameters,
-            &format!("{} weights (the only resident copy; master_weights: {})", precision.as_str(), masters.as_str()),
-            format!("2 · {resident_n}"),
-            2 * resident,
-        );
-    } else {
-        add(&mut terms, Component::Parameters, "f32 master weights", format!("4 · {resident_n}"), 4 * resident);
-    }
-    if precision != Precision::Fp32 && !stored_half && stage < 3 {
-        add(
-            &mut terms,
-            Component::Parameters,
-            &format!("{} copy of the weights (cast in the graph)", precision.as_str()),
-            format!("2 · N = 2 · {n}"),
-            2 * n_params,
-        );
-    }
-    let share_note = (stage >= 1).then(|| {
-        let total: u64 = all_bytes.iter().sum();
-        let whose = rank.map_or("the largest rank's".to_string(), |r| format!("rank {r}'s"));
-        format!(
-            " ({whose} share of {}: ZeRO stage {stage} over {world} ranks, whole parameters)",
-            ava_core::format_size(total)
-        )
-    });
-    let mut per_param = Vec::with_capacity(defs.len());
-    let mut buffers_of = Vec::with_capacity(defs.len()); // per parameter, its buffers' bytes
-    for ((layout, &mine), def) in layouts.into_iter().zip(&held).zip(&defs) {
-        let layout = if mine { layout } else { Vec::new() };
-        per_param.push(layout.iter().map(StateSpec::bytes).sum::<u64>());
-        buffers_of.push(layout.iter().map(StateSpec::bytes).collect::<Vec<_>>());
-        for spec in layout {
-            let per_element = spec.len == def.numel() as u64;
-            match states.iter_mut().find(|s| *s.name == *spec.name) {
-                Some(s) => {
-                    s.bytes += spec.bytes();
-                    s.per_element &= per_element && s.dtype == spec.dtype;
-                }
-                None => states.push(State {
-                    name: spec.name.to_string(),
-                    bytes: spec.bytes(),
-                    per_element,
-                    dtype: spec.dtype,
-                }),
-            }
-        }
-    }
-    // Per parameter, the state bytes its step reads from the tier (0: kept in memory).
-    let mut streamed_bytes = vec![0u64; per_param.len()];
-    let mut streamed_through = None;
-    let mut offload_records = Vec::new();
-    let streamed = match config.offload.tiers.offloaded() {
-        Some(share) => {
-            let streamed = crate::train::streamed_params(&per_param, config.offload.tiers.in_ram());
-            for ((out, &b), &s) in streamed_bytes.iter_mut().zip(&per_param).zip(&streamed) {
-                *out = if s { b } else { 0 };
-            }
-            offload_records =
-                buffers_of.iter().zip(&streamed).filter(|(_, s)| **s).flat_map(|(b, _)| b.iter().copied()).collect();
-            let total_streamed = streamed_bytes.iter().sum::<u64>();
-            let kept = per_param.iter().sum::<u64>() - total_streamed;
-            streamed_through = Some((share.name.clone(), total_streamed));
-            add(
-                &mut terms,
-                Component::Optimizer,
-                &format!("state kept in memory{}", share_note.as_deref().unwrap_or("")),
-                format!(
-                    "the first parameters' state, up to the ram share of offload.tiers ({:.0}%)",
-                    (config.offload.tiers.in_ram() * 100.0).abs()
-                ),
-                kept,
-            );
-            true
-        }
-        None => false,
-    };
-    for s in states.iter().filter(|_| !streamed) {
-        let (size, dtype) = (s.dtype.size(), s.dtype.as_str());
-        // One element per parameter element, for every parameter: size · N.
-        let formula = if s.per_element && s.bytes == size as u64 * n_params {
-            format!("{size} · N = {size} · {n} ({dtype})")
-        } else {
-            format!("Σ over parameters of the state_layout bytes ({dtype})")
-        };
-        let name = match s.name.as_str() {
-            crate::train::MASTER => "f32 master weights (ava.master, with the state)".to_string(),
-            crate::train::COMPENSATION => format!("{} compensation of the weights (ava.kahan)", precision.as_str()),
-            _ => s.name.clone(),
-        };
-        let name = format!("{name}{}", share_note.as_deref().unwrap_or(""));
-        add(&mut terms, Component::Optimizer, &name, formula, s.bytes);
-    }
-    if states.is_empty() {
-        add(&mut terms, Component::Optimizer, "no state", "state_layout is empty for every parameter".into(), 0);
-    }
-
-    // Data: the loader's queue and the batch in use.
-    let (workers, prefetch) = (config.data.num_workers as u64, config.data.prefetch_factor as u64);
-    if config.data.source == crate::config::DataSource::Shards {
-        add(
-            &mut terms,
-            Component::Data,
-            "the corpus's mapped shards",
-            "0: not resident (each read's 2 MiB window is handed back to the page cache once copied)".into(),
-            0,
-        );
-    }
-    let batch_bytes = x.b * (x.t + 1) * 4;
-    // Packed documents: a queued batch also holds its (B, T) document ids.
-    let packed = config.data.packing == crate::data::Packing::Document;
-    if workers > 0 {
-        let (what, row) =
-            if packed { ("loader queue (ids and document ids)", "2T+1") } else { ("loader queue", "T+1") };
-        let row_len = if packed { 2 * x.t + 1 } else { x.t + 1 };
-        add(
-            &mut terms,
-            Component::Data,
-            what,
-            format!("W · prefetch · B·({row})·4 = {workers} · {prefetch} · {}·{row_len}·4", x.b),
-            workers * prefetch * x.b * row_len * 4,
-        );
-    }
-    if packed {
-        add(
-            &mut terms,
-            Component::Data,
-            "packed documents of the batch in use: its document ids, the step's ids and positions",
-            format!("3 · B·T·4 = 3 · {}·4", x.n()),
-            3 * x.n() * 4,
-        );
-    }
-    add(
-        &mut terms,
-        Component::Data,
-        "batch in use, its inputs and targets",
-        format!("B·(T+1)·4 + 2 · B·T·4 = {}·{}·4 + 2 · {}·4", x.b, x.t + 1, x.n()),
-        batch_bytes + 2 * x.n() * 4,
-    );
-
-    // The checkpoint policy decides on the block facts, with the budget left for activations.
-    let facts = block_facts(spec, batch, seq, precision, plugins.attention)?;
-    let saved = saved_len(spec, batch, seq, plugins.attention)?;
-    let rank_threads = rank_threads(config.train.threads, world);
-    let kernel_workspace = workspace_lens(spec, batch, seq, plugins.attention, rank_threads)?;
-    let threads = rank_threads as u64;
-    let workspace = threads * l2_bytes();
-    // Gradient elements accumulated between micro-batches: every parameter's, or from ZeRO
-    // stage 2 only this rank's (the others' are reduce-scattered away during backward).
-    let accumulated = if stage >= 2 {
-        defs.iter().zip(&held).filter(|(_, own)| **own).map(|(d, _)| d.numel() as u64).sum()
-    } else {
-        n_params
-    };
-    // Held through the micro-batch: every term so far, the accumulators, the workspace.
-    let outside_micro_batch =
-        terms.iter().map(|t| t.bytes).sum::<u64>() + if accumulation > 1 { 4 * accumulated } else { 0 } + workspace;
-    // What is not activations: the above and this micro-batch's gradients (inside backward,
-    // only a few at a time).
-    let fixed = outside_micro_batch + if inside { 0 } else { 4 * n_params };
-    let zero = (world > 1).then(|| crate::estimate::replay::ZeroModel {
-        stage,
-        owned: held.clone(),
-        bucket: config.distributed.bucket_size.0.clamp(4096, 1 << 30),
-        stored: defs.iter().map(|d| d.numel() as u64 * stored_size).collect(),
-    });
-    let step = StepModel {
-        zero,
-        inside,
-        stored_half,
-        scratch: stored_half && masters != MasterWeights::Tier,
-        after: true,
-        streamed: streamed_bytes,
-        prefetch: config.offload.prefetch,
-    };
-    let budget = config.memory.budget.0;
-    // 0 would mean "no budget"; a budget already spent leaves the smallest one.
-    let target = if budget == 0 { 0 } else { budget.saturating_sub(fixed).max(1) };
-    // Both the trainer and the estimate offer the offload tier (there always is one, `ram`
-    // by default); the replay counts an offloaded input as held, which is what `ram` does.
-    let mut ctx = CheckpointContext { budget_bytes: target, offload_available: true };
-    let replay = Replay::new(spec, batch, seq, dt(precision), saved)
-        .with_saved_half(plugins.attention.saved_tolerates_half())
-        .with_workspace(kernel_workspace[0], kernel_workspace[1])
-        .with_step(step.clone());
-    // The policy predicts the blocks' memory from their facts; the logits, the loss and the
-    // gradients in flight are not in them, and its model is coarser than the replay. So the
-    // budget it is given is calibrated against the replay: the largest budget whose plan
-    // the replay fits in memory.budget, found by bisection (a larger budget gives a plan
-    // that holds more). If no plan fits, the policy refuses the largest budget that does not
-    // give one too large, and says why. A policy that ignores the budget (its plan for
-    // 1 byte is the same) is asked once, and the estimate says "over budget" if it is.
-    let decide = |budget_bytes: u64| {
-        let plan = plugins.checkpoint.decide(&facts, &CheckpointContext { budget_bytes, ..ctx });
-        let plan = plan.map_err(|e| EstimateError::Checkpoint { message: e.to_string() })?;
-        ava_core::check_plan(&plan, facts.len()).map_err(|message| EstimateError::Plan { message })?;
-        let peak = replay.forward_backward(&plan, accumulation > 1);
-        // The estimate's peak, as the breakdown below adds it up.
-        let fits = outside_micro_batch + peak.bytes + peak.tier_peak <= budget;
-        Ok((plan, peak, fits))
-    };
-    // `lo` does not give a plan too large (it fits, or is refused), `hi` does: the largest
-    // such budget and its outcome.
-    let bisect = |mut lo: u64, mut at_lo: Result<_, EstimateError>, mut hi: u64| {
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            match decide(mid) {
-                Ok((_, _, false)) => hi = mid,
-                other => (lo, at_lo) = (mid, other),
-            }
-        }
-        (lo, at_lo)
-    };
-    let mut outcome = decide(target);
-    let same_plan = |a: &Result<_, EstimateError>, b: &Result<(Vec<BlockDecision>, _, _), EstimateError>| matches!((a, b), (Ok((p, _, _)), Ok((q, _, _))) if p == q);
-    if target > 0 && !same_plan(&outcome, &decide(1)) {
-        // The most worth giving: room for every block's activations (a budget past that keeps
-        // them all), or all of memory.budget (for a policy whose model over-predicts).
-        let all_kept = (facts.iter().map(|f| f.activation_bytes + f.input_bytes).sum::<u64>() + 1).max(budget);
-        match &outcome {
-            Ok((_, _, false)) => {
-                let at_one = decide(1);
-                if !matches!(at_one, Ok((_, _, false))) {
-                    (ctx.budget_bytes, outcome) = bisect(1, at_one, target);
-                }
-            }
-            // Refused, or fits: a larger budget may still fit (the policy's block model can
-            // over-predict the replay).
-            Ok((_, _, true)) | Err(EstimateError::Checkpoint { .. }) if all_kept > target => {
-                let at_top = decide(all_kept);
-                let (raised, at_raised) = match at_top {
-                    Ok((_, _, true)) => (all_kept, at_top),
-                    Ok((_, _, false)) => bisect(target, decide(target), all_kept),
-                    err => (all_kept, err),
-                };
-                // Only a plan that fits replaces the first answer: a refusal keeps the
-                // policy's own words about the budget memory.budget leaves.
-                if matches!(at_raised, Ok((_, _, true))) {
-                    (ctx.budget_bytes, outcome) = (raised, at_raised);
-                }
-            }
-            _ => {}
-        }
-    }
-    let (plan, peak) = match outcome {
-        Ok((plan, peak, _)) => (plan, peak),
-        Err(EstimateError::Checkpoint { mut message }) => {
-            if budget > 0 && budget <= fixed {
-                // The 1 byte passed above: say where the budget went.
-                message.push_str(&format!(
-                    ". memory.budget ({}) does not even cover the rest of the step (parameters, gradients, \
-                     optimizer state, data and workspace: {}); raise it",
-                    render::bytes(budget),
-                    render::bytes(fixed)
-                ));
-            } else if ctx.budget_bytes < target {
-                message.push_str(&format!(
-                    ". That is what memory.budget ({}) leaves for activations ({}) less {} for the logits, loss \
-                     and gradients in flight, which the block facts do not include: with more, the policy's plan \
-                     would not fit. Raise memory.budget, or lower train.micro_batch_size or data.seq_len",
-                    render::bytes(budget),
-                    render::bytes(target),
-                    render::bytes(target - ctx.budget_bytes)
-                ));
-            }
-            return Err(EstimateError::Checkpoint { message });
-        }
-        Err(e) => return Err(e),
-    };
-    drop(replay);
-    let at = |c: Cat| peak.by_cat[c as usize];
-    if accumulation > 1 && stage >= 2 {
-        add(
-            &mut terms,
-            Component::Gradients,
-            &format!("f32 gradient accumulators of this rank's parameters (ZeRO stage 2 over {world} ranks)"),
-            format!("4 · N/{world} ≈ 4 · {} (whole parameters)", grouped(accumulated)),
-            4 * accumulated,
-        );
-    } else if accumulation > 1 {
-        add(
-            &mut terms,
-            Component::Gradients,
-            "f32 gradient accumulators (earlier micro-batches)",
-            format!("4 · N = 4 · {n}"),
-            4 * n_params,
-        );
-    }
-    if at(Cat::Step) > 0 {
-        add(
-            &mut terms,
-            Component::Optimizer,
-            "optimizer step's transients at the peak",
-            format!(
-                "the global norm's g² of one gradient (4 · its elements){}{}",
-                if step.scratch { ", one parameter widened to f32 to be stepped (4 · its elements)" } else { "" },
-                if streamed { ", the state of the parameter being stepped, read from the tier" } else { "" }
-            ),
-            at(Cat::Step),
-        );
-    }
-    if let Some((tier, total)) = &streamed_through {
-        add(
-            &mut terms,
-            Component::Optimizer,
-            "streamed state held by the tier (read ahead, written behind)",
-            format!(
-                "at most, as the step goes: the next offload.prefetch = {} parameters' state read ahead and the \
-                 last one's written behind (of the {} streamed through {tier}; a tier that lets more writes wait \
-                 for the disk, as nvme's max_in_flight does, holds up to that much more)",
-                config.offload.prefetch,
-                render::bytes(*total)
-            ),
-            peak.tier_peak,
-        );
-    }
-    if stage >= 3 {
-        add(
-            &mut terms,
-            Component::Parameters,
-            &format!("weights gathered from the other ranks, and their casts (ZeRO stage 3 over {world} ranks)"),
-            "at the peak: the blocks whose graph holds them (kept blocks until their backward; one recomputed \
-             block), the embedding and the head, each in the stored type plus its cast to the compute type"
-                .to_string(),
-            at(Cat::Params),
-        );
-    }
-    let grads_now = at(Cat::ParamGrads);
-    let label = if inside {
-        "f32 gradients in flight (each stepped inside backward and freed)"
-    } else if stage >= 2 {
-        "f32 gradients: this micro-batch's not yet reduced, buckets in flight, this rank's reduced ones"
-    } else if accumulation > 1 {
-        "this micro-batch's f32 gradients"
-    } else {
-        "f32 gradients (the accumulators)"
-    };
-    let formula = if inside {
-        format!(
-            "4 · {} elements at the peak (a stretch's gradients{}), of N = {n}",
-            grouped(grads_now / 4),
-            if step.scratch { " and a parameter's f32 scratch" } else { "" }
-        )
-    } else if grads_now >= 4 * n_params {
-        format!("4 · N = 4 · {n} (all: the peak comes after the backward)")
-    } else {
-        format!("4 · {} of N = {n} elements (produced by the backward before the peak)", grouped(grads_now / 4))
-    };
-    add(&mut terms, Component::Gradients, label, formula, grads_now + at(Cat::Accumulators));
-
-    // The saved buffer's bytes per element as held between the passes.
-    let saved_size = if precision != Precision::Fp32 && plugins.attention.saved_tolerates_half() { 2 } else { 4 };
-    let block = block::block_terms(&x, saved, saved_size, spec.moe.map(|m| (m.experts as u64, m.top_k as u64)));
-    let block_bytes = facts.first().map_or(0, |f| f.activation_bytes);
-    let per_block = block_bytes.saturating_sub(saved * saved_size).max(1);
-    let nd_p = x.n() * x.d * x.p;
-    let count = |bytes: u64, unit: u64| bytes as f64 / unit.max(1) as f64;
-    let activation_terms = [
-        (
-            Cat::Embedding,
-            "embedding rows and their Var copy".to_string(),
-            format!("2 · B·T·d·p = 2 · {}·{}·{}", x.n(), x.d, x.p),
-        ),
-        (
-            Cat::Blocks,
-            "activations of kept blocks".to_string(),
-            format!(
-                "{:.2} × {} per kept block (per-block terms below, without the saved buffer)",
-                count(at(Cat::Blocks), per_block),
-                render::bytes(per_block)
-            ),
-        ),
-        (
-            Cat::AttnSaved,
-            "attention kernel's saved buffers".to_string(),
-            format!(
-                "{:.0} × saved_len · {saved_size} = {:.0} × {} · {saved_size}",
-                count(at(Cat::AttnSaved), saved * saved_size),
-                count(at(Cat::AttnSaved), saved * saved_size),
-                grouped(saved)
-            ),
-        ),
-        (
-            Cat::Inputs,
-            "inputs of recomputed blocks".to_string(),
-            format!(
-                "{:.0} × B·T·d·p = {:.0} × {}·{}·{}",
-                count(at(Cat::Inputs), nd_p),
-                count(at(Cat::Inputs), nd_p),
-                x.n(),
-                x.d,
-                x.p
-            ),
-        ),
-        (
-            Cat::Recompute,
-            "activations of the block being recomputed".to_string(),
-            "one block's activations while it runs detached or is recomputed (per-block terms)".to_string(),
-        ),
-        (
-            Cat::Head,
-            "head: final norm, logits, loss".to_string(),
-            format!(
-                "norm B·T·d·p + logits B·T·V·p{} = {}·{}·{} + {}·{}·{}{}, plus the loss's per-row values",
-                if x.cast() { " + B·T·V·4 (f32 logits)" } else { "" },
-                x.n(),
-                x.d,
-                x.p,
-                x.n(),
-                x.v,
-                x.p,
-                if x.cast() { format!(" + {}·{}·4", x.n(), x.v) } else { String::new() }
-            ),
-        ),
-        (
-            Cat::Backward,
-            "backward: intermediate gradients and what they hold".to_string(),
-            "candle's backward replayed: gradients not yet consumed, the expressions tracked gradients keep alive, \
-             zeros from or_insert, op temporaries"
-                .to_string(),
-        ),
-    ];
-    for (cat, name, formula) in activation_terms {
-        if at(cat) > 0 {
-            add(&mut terms, Component::Activations, &name, formula, at(cat));
-        }
-    }
-    if kernel_workspace != [0, 0] {
-        // Listed even when it is not live at the peak, so the declaration is visible.
-        let [fwd, bwd] = kernel_workspace;
-        add(
-            &mut terms,
-            Component::Activations,
-            "attention kernel's workspace (during a call)",
-            format!(
-                "workspace_len · 4: forward {} · 4, backward {} · 4 (the kernel's declaration); {} at the peak",
-                grouped(fwd),
-                grouped(bwd),
-                if at(Cat::AttnWorkspace) > 0 { "live" } else { "not live" }
-            ),
-            at(Cat::AttnWorkspace),
-        );
-    }
-    add(
-        &mut terms,
-        Component::Activations,
-        "matmul workspace (gemm packing slab per thread)",
-        format!("threads · L2 = {threads} · {}", render::bytes(l2_bytes())),
-        workspace,
-    );
-
+    let s = Inputs::new(spec, config, *plugins, world, rank);
+    // Held through the whole step: the weights, this rank's optimizer state, the data.
+    let shares = Shares::new(&s)?;
+    let offload = Offload::new(&s, &shares);
+    let mut terms = held::terms(&s, &shares, &offload);
+    // One micro-batch: the checkpoint policy's plan, decided with the budget left for
+    // activations (calibrated against the replay), and what the replay holds at its peak.
+    let kernels = Kernels::new(&s)?;
+    let (outside, fixed) = outside_micro_batch(&s, &shares, &kernels, &terms);
+    let planned = calibrate::plan(&s, &kernels, step_model(&s, &shares, &offload), outside, fixed)?;
+    terms.extend(peak::terms(&s, &shares, &offload, &kernels, &planned.peak));
     // Grouped by component, in the order they were added within each.
     terms.sort_by_key(|t| Component::ALL.iter().position(|c| *c == t.component));
+    Ok(report(&s, &shares, offload, kernels, planned, terms))
+}
+
+/// Bytes held through the micro-batch (every held term, the gradient accumulators, the gemm
+/// workspace), and those with this micro-batch's gradients: all that is not activations
+/// (inside backward the gradients are only a few at a time, counted at the peak).
+fn outside_micro_batch(s: &Inputs<'_>, shares: &Shares, kernels: &Kernels, held: &[Term]) -> (u64, u64) {
+    let accumulators = if s.accumulation > 1 { 4 * s.accumulated(&shares.held) } else { 0 };
+    let outside = held.iter().map(|t| t.bytes).sum::<u64>() + accumulators + kernels.gemm_workspace;
+    (outside, outside + if s.inside { 0 } else { 4 * s.n_params })
+}
+
+/// The estimate from its terms (grouped by component), the plan and its peak.
+fn report(
+    s: &Inputs<'_>,
+    shares: &Shares,
+    offload: Offload,
+    kernels: Kernels,
+    planned: Planned,
+    terms: Vec<Term>,
+) -> Estimate {
+    let budget = s.config.memory.budget.0;
+    let breakdown = breakdown(&terms, budget);
+    let moe = s.spec.moe.map(|m| (m.experts as u64, m.top_k as u64));
+    Estimate {
+        zero_stages: zero::stages(s, shares),
+        batch: s.batch,
+        seq_len: s.seq,
+        precision: s.precision,
+        accumulation: s.accumulation,
+        num_params: s.n_params,
+        terms,
+        block_terms: block::block_terms(&s.x, kernels.saved, kernels.saved_size, moe),
+        status: status(breakdown.fraction(), budget).to_string(),
+        breakdown,
+        plan: planned.plan,
+        block_facts: kernels.facts,
+        activation_budget: planned.activation_budget,
+        micro_batch_peak: planned.peak.bytes,
+        peak_at: peak_at(&planned.peak),
+        offloaded: offload.records.iter().sum(),
+        offload_records: offload.records,
+    }
+}
+
+/// Each component's terms summed, and their total as the peak, against `budget`.
+fn breakdown(terms: &[Term], budget: u64) -> Breakdown {
     let sum = |c: Component| terms.iter().filter(|t| t.component == c).map(|t| t.bytes).sum::<u64>();
     let mut breakdown = Breakdown {
         params: sum(Component::Parameters),
@@ -1001,65 +547,10 @@ pub fn estimate_rank(
         allocated: 0,
     };
     breakdown.peak = breakdown.params + breakdown.grads + breakdown.optimizer + breakdown.data + breakdown.activations;
-    let peak_at = if peak.op.is_empty() { peak.phase.clone() } else { format!("{}, in {}", peak.phase, peak.op) };
-    // One rank's model states under each stage, for comparison with the configured one.
-    let zero_stages = if world > 1 {
-        // Every weight as held at stages 0–2 (whatever the configured stage): the stored
-        // copy, the compute type's cast of f32 masters, the rotary tables.
-        let cast_copy = if precision != Precision::Fp32 && !stored_half { 2 * n_params } else { 0 };
-        let params =
-            n_params * stored_size + cast_copy + crate::model::fused::RopeTables::bytes(x.t as usize, x.hd as usize);
-        let state_all: u64 = all_bytes.iter().sum();
-        // The rank estimated: its own parameters (at stage 0, the largest share's).
-        let mine: Vec<bool> = if stage >= 1 {
-            held.clone()
-        } else {
-            let owner = crate::dist::owners(&all_bytes, world);
-            let share = |r: usize| all_bytes.iter().zip(&owner).filter(|(_, o)| **o == r).map(|(b, _)| b).sum::<u64>();
-            let who = rank.unwrap_or_else(|| (0..world).max_by_key(|&r| (share(r), std::cmp::Reverse(r))).unwrap_or(0));
-            owner.iter().map(|&o| o == who).collect()
-        };
-        let state_mine: u64 = all_bytes.iter().zip(&mine).filter(|(_, m)| **m).map(|(b, _)| b).sum();
-        let params_n: u64 = defs.iter().zip(&mine).filter(|(_, m)| **m).map(|(d, _)| d.numel() as u64).sum();
-        let params_mine = params_n * stored_size;
-        let grads_mine: u64 = defs.iter().zip(&mine).filter(|(_, m)| **m).map(|(d, _)| 4 * d.numel() as u64).sum();
-        let (g, b) = (4 * n_params, render::bytes);
-        let k = state_all as f64 / n_params.max(1) as f64;
-        let line = |stage: u8, formula: &str, parts: &[u64]| ZeroStage {
-            stage,
-            formula: format!(
-                "{} = {}",
-                formula.replace('K', &format!("K({k:.2})")),
-                parts.iter().map(|&p| b(p)).collect::<Vec<_>>().join(" + ")
-            ),
-            bytes: parts.iter().sum(),
-        };
-        vec![
-            line(0, "P + 4Ψ + KΨ", &[params, g, state_all]),
-            line(1, "P + 4Ψ + KΨ/N", &[params, g, state_mine]),
-            line(2, "P + 4Ψ/N + KΨ/N", &[params, grads_mine, state_mine]),
-            line(3, "P/N + 4Ψ/N + KΨ/N", &[params_mine, grads_mine, state_mine]),
-        ]
-    } else {
-        Vec::new()
-    };
-    Ok(Estimate {
-        zero_stages,
-        batch,
-        seq_len: seq,
-        precision,
-        accumulation,
-        num_params: n_params,
-        terms,
-        block_terms: block,
-        status: status(breakdown.fraction(), budget).to_string(),
-        breakdown,
-        plan,
-        block_facts: facts,
-        activation_budget: ctx.budget_bytes,
-        micro_batch_peak: peak.bytes,
-        peak_at,
-        offloaded: offload_records.iter().sum(),
-        offload_records,
-    })
+    breakdown
+}
+
+/// Where in the step the peak happens, e.g. `backward: block 0 (recomputed), in silu`.
+fn peak_at(peak: &MicroBatchPeak) -> String {
+    if peak.op.is_empty() { peak.phase.clone() } else { format!("{}, in {}", peak.phase, peak.op) }
 }
