@@ -14,6 +14,12 @@
 //! sees only the keys of its own document (as Llama 3 was trained). Only a kernel that says
 //! it [supports them](AttentionKernel::supports_segments) is handed any; the host refuses the
 //! others by name before a run starts.
+//!
+//! On a CUDA run the host calls [`AttentionKernel::forward_cuda`] and
+//! [`AttentionKernel::backward_cuda`] instead, with the same buffers in device memory
+//! ([`CudaBuf`]) and a stream to launch on ([`CudaStream`]); see [`crate::device`] for the
+//! rules of a device call. Only a kernel whose manifest lists [`Device::Cuda`] is called
+//! there.
 
 #![allow(clippy::too_many_arguments, clippy::type_complexity)] // a kernel takes q, k, v, out, dout, saved, dq, dk, dv
 
@@ -22,7 +28,12 @@ use abi_stable::{
     std_types::{RBox, RResult, RSlice, RSliceMut},
 };
 
-use crate::{Device, PluginError, error::expect_len, ffi::guard};
+use crate::{
+    Device, PluginError,
+    device::{CudaBuf, CudaStream},
+    error::expect_len,
+    ffi::guard,
+};
 
 /// The shape and mask of one attention call.
 #[repr(C)]
@@ -137,9 +148,9 @@ impl AttnShape {
 #[repr(u8)]
 #[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Pass {
-    /// [`AttentionKernel::forward`].
+    /// [`AttentionKernel::forward`] (and [`AttentionKernel::forward_cuda`]).
     Forward = 0,
-    /// [`AttentionKernel::backward`].
+    /// [`AttentionKernel::backward`] (and [`AttentionKernel::backward_cuda`]).
     Backward = 1,
 }
 
@@ -159,7 +170,12 @@ impl Pass {
 pub struct KernelContext {
     /// Threads the kernel may use.
     pub threads: u32,
-    /// Where the buffers live (always `Cpu` in contract 1).
+    /// Where the buffers live: `Cpu` for [`forward`](AttentionKernel::forward) and
+    /// [`backward`](AttentionKernel::backward), `Cuda` for
+    /// [`forward_cuda`](AttentionKernel::forward_cuda) and
+    /// [`backward_cuda`](AttentionKernel::backward_cuda). In
+    /// [`workspace_len`](AttentionKernel::workspace_len) it says which of the two the
+    /// workspace is for, so a kernel may declare different scratch on each.
     pub device: Device,
 }
 
@@ -251,6 +267,75 @@ pub trait AttentionKernel: Send + Sync {
         let _ = (shape, q, k, v, segments, out, dout, saved, dq, dk, dv, workspace, ctx);
         Err(PluginError::unsupported("this attention kernel has no backward pass; it can run inference only"))
     }
+
+    /// [`forward`](Self::forward) on a CUDA device, launched on `stream` (see
+    /// [`crate::device`] for the rules of a device call: host-owned memory, launch only on
+    /// `stream`, never synchronize).
+    ///
+    /// `q`, `k`, `v` and `out` are of one dtype, bf16, f16 or f32 (the run's compute type;
+    /// the same for every buffer of one call), with the lengths of [`forward`](Self::forward);
+    /// `saved` is f32 of [`saved_len`](Self::saved_len) elements, `workspace` f32 of
+    /// [`workspace_len`](Self::workspace_len) elements (asked with `ctx.device == Cuda`).
+    /// `segments` is u32: empty (`len == 0`) for none, else the B·Tk ids described at
+    /// [`forward`](Self::forward), only for a kernel that
+    /// [`supports_segments`](Self::supports_segments). Every buffer is on device
+    /// `stream.ordinal`; `ctx.device` is `Cuda`. [`CudaBuf::expect`] checks one.
+    ///
+    /// Called only for a kernel whose manifest lists [`Device::Cuda`], which promises this
+    /// method. The default refuses.
+    fn forward_cuda(
+        &self,
+        shape: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        segments: &CudaBuf,
+        out: &CudaBuf,
+        saved: &CudaBuf,
+        workspace: &CudaBuf,
+        ctx: &KernelContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        let _ = (shape, q, k, v, segments, out, saved, workspace, ctx, stream);
+        Err(PluginError::unsupported(
+            "this attention kernel has no CUDA forward pass (AttentionKernel::forward_cuda): its manifest must not \
+             list the cuda device",
+        ))
+    }
+
+    /// [`backward`](Self::backward) on a CUDA device, launched on `stream`: writes
+    /// (overwrites) `dq`, `dk`, `dv` from `dout`, using what
+    /// [`forward_cuda`](Self::forward_cuda) saved. `q`, `k`, `v`, `out`, `dout`, `dq`, `dk`
+    /// and `dv` are of the forward's dtype (bf16, f16 or f32); `saved` is f32 as written by
+    /// the forward; `workspace` is the backward's declared f32 scratch; `segments` the
+    /// forward's. Every buffer is on device `stream.ordinal`; `ctx.device` is `Cuda`.
+    ///
+    /// A kernel whose manifest lists [`Device::Cuda`] and which
+    /// [`supports_backward`](Self::supports_backward) promises this method. The default
+    /// refuses.
+    fn backward_cuda(
+        &self,
+        shape: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        segments: &CudaBuf,
+        out: &CudaBuf,
+        dout: &CudaBuf,
+        saved: &CudaBuf,
+        dq: &CudaBuf,
+        dk: &CudaBuf,
+        dv: &CudaBuf,
+        workspace: &CudaBuf,
+        ctx: &KernelContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        let _ = (shape, q, k, v, segments, out, dout, saved, dq, dk, dv, workspace, ctx, stream);
+        Err(PluginError::unsupported(
+            "this attention kernel has no CUDA backward pass (AttentionKernel::backward_cuda): it cannot train on the \
+             GPU",
+        ))
+    }
 }
 
 /// The FFI-safe form of [`AttentionKernel`].
@@ -297,6 +382,40 @@ pub trait FfiAttention: Send + Sync {
         dv: RSliceMut<'_, f32>,
         workspace: RSliceMut<'_, f32>,
         ctx: KernelContext,
+    ) -> RResult<(), PluginError>;
+    /// See [`AttentionKernel::forward_cuda`].
+    #[allow(clippy::too_many_arguments)]
+    fn forward_cuda(
+        &self,
+        shape: AttnShape,
+        q: CudaBuf,
+        k: CudaBuf,
+        v: CudaBuf,
+        segments: CudaBuf,
+        out: CudaBuf,
+        saved: CudaBuf,
+        workspace: CudaBuf,
+        ctx: KernelContext,
+        stream: CudaStream,
+    ) -> RResult<(), PluginError>;
+    /// See [`AttentionKernel::backward_cuda`].
+    #[allow(clippy::too_many_arguments)]
+    fn backward_cuda(
+        &self,
+        shape: AttnShape,
+        q: CudaBuf,
+        k: CudaBuf,
+        v: CudaBuf,
+        segments: CudaBuf,
+        out: CudaBuf,
+        dout: CudaBuf,
+        saved: CudaBuf,
+        dq: CudaBuf,
+        dk: CudaBuf,
+        dv: CudaBuf,
+        workspace: CudaBuf,
+        ctx: KernelContext,
+        stream: CudaStream,
     ) -> RResult<(), PluginError>;
 }
 
@@ -372,6 +491,46 @@ impl<T: AttentionKernel> FfiAttention for Guarded<T> {
                 dv.as_mut_slice(),
                 workspace.as_mut_slice(),
                 &ctx,
+            )
+        })
+    }
+    fn forward_cuda(
+        &self,
+        shape: AttnShape,
+        q: CudaBuf,
+        k: CudaBuf,
+        v: CudaBuf,
+        segments: CudaBuf,
+        out: CudaBuf,
+        saved: CudaBuf,
+        workspace: CudaBuf,
+        ctx: KernelContext,
+        stream: CudaStream,
+    ) -> RResult<(), PluginError> {
+        guard("AttentionKernel::forward_cuda", || {
+            self.0.forward_cuda(&shape, &q, &k, &v, &segments, &out, &saved, &workspace, &ctx, &stream)
+        })
+    }
+    fn backward_cuda(
+        &self,
+        shape: AttnShape,
+        q: CudaBuf,
+        k: CudaBuf,
+        v: CudaBuf,
+        segments: CudaBuf,
+        out: CudaBuf,
+        dout: CudaBuf,
+        saved: CudaBuf,
+        dq: CudaBuf,
+        dk: CudaBuf,
+        dv: CudaBuf,
+        workspace: CudaBuf,
+        ctx: KernelContext,
+        stream: CudaStream,
+    ) -> RResult<(), PluginError> {
+        guard("AttentionKernel::backward_cuda", || {
+            self.0.backward_cuda(
+                &shape, &q, &k, &v, &segments, &out, &dout, &saved, &dq, &dk, &dv, &workspace, &ctx, &stream,
             )
         })
     }
@@ -454,6 +613,42 @@ impl AttentionKernel for ForeignAttention {
                 workspace.into(),
                 *ctx,
             )
+            .into_result()
+    }
+    fn forward_cuda(
+        &self,
+        shape: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        segments: &CudaBuf,
+        out: &CudaBuf,
+        saved: &CudaBuf,
+        workspace: &CudaBuf,
+        ctx: &KernelContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        self.0.forward_cuda(*shape, *q, *k, *v, *segments, *out, *saved, *workspace, *ctx, *stream).into_result()
+    }
+    fn backward_cuda(
+        &self,
+        shape: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        segments: &CudaBuf,
+        out: &CudaBuf,
+        dout: &CudaBuf,
+        saved: &CudaBuf,
+        dq: &CudaBuf,
+        dk: &CudaBuf,
+        dv: &CudaBuf,
+        workspace: &CudaBuf,
+        ctx: &KernelContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        self.0
+            .backward_cuda(*shape, *q, *k, *v, *segments, *out, *dout, *saved, *dq, *dk, *dv, *workspace, *ctx, *stream)
             .into_result()
     }
 }
@@ -568,6 +763,134 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out, [0.0, 0.0, 1.0, 4.0, 4.0, 4.0]);
+    }
+
+    /// What a CUDA call received: the pass, the buffers in argument order, the stream.
+    type SeenCuda = (Pass, Vec<CudaBuf>, KernelContext, CudaStream);
+
+    /// A kernel with CUDA passes that record what crossed (and panic on a zero stream).
+    #[derive(Default)]
+    struct OnCuda(std::sync::Arc<std::sync::Mutex<Vec<SeenCuda>>>);
+
+    impl AttentionKernel for OnCuda {
+        fn saved_len(&self, _: &AttnShape) -> Result<u64, PluginError> {
+            Ok(0)
+        }
+        fn forward(
+            &self,
+            _: &AttnShape,
+            _: &[f32],
+            _: &[f32],
+            _: &[f32],
+            _: &[u32],
+            _: &mut [f32],
+            _: &mut [f32],
+            _: &mut [f32],
+            _: &KernelContext,
+        ) -> Result<(), PluginError> {
+            Ok(())
+        }
+        fn forward_cuda(
+            &self,
+            shape: &AttnShape,
+            q: &CudaBuf,
+            k: &CudaBuf,
+            v: &CudaBuf,
+            segments: &CudaBuf,
+            out: &CudaBuf,
+            saved: &CudaBuf,
+            workspace: &CudaBuf,
+            ctx: &KernelContext,
+            stream: &CudaStream,
+        ) -> Result<(), PluginError> {
+            assert!(stream.handle != 0, "no stream");
+            q.expect("q", q.dtype, shape.q_numel())?;
+            let bufs = vec![*q, *k, *v, *segments, *out, *saved, *workspace];
+            self.0.lock().unwrap().push((Pass::Forward, bufs, *ctx, *stream));
+            Ok(())
+        }
+        fn backward_cuda(
+            &self,
+            _: &AttnShape,
+            q: &CudaBuf,
+            k: &CudaBuf,
+            v: &CudaBuf,
+            segments: &CudaBuf,
+            out: &CudaBuf,
+            dout: &CudaBuf,
+            saved: &CudaBuf,
+            dq: &CudaBuf,
+            dk: &CudaBuf,
+            dv: &CudaBuf,
+            workspace: &CudaBuf,
+            ctx: &KernelContext,
+            stream: &CudaStream,
+        ) -> Result<(), PluginError> {
+            let bufs = vec![*q, *k, *v, *segments, *out, *dout, *saved, *dq, *dk, *dv, *workspace];
+            self.0.lock().unwrap().push((Pass::Backward, bufs, *ctx, *stream));
+            Ok(())
+        }
+    }
+
+    /// Both CUDA passes cross the boundary with every buffer in place; the defaults refuse
+    /// naming the pass; a panic is caught naming the method.
+    #[test]
+    fn cuda_passes_cross_the_boundary() {
+        use crate::DType;
+
+        let s = AttnShape::self_attention(1, 2, 1, 4, 8, true);
+        let buf = |i: u64, len: usize, dtype: DType| CudaBuf { ptr: 0x1000 * i, len: len as u64, dtype, ordinal: 3 };
+        let (q, k, v) =
+            (buf(1, s.q_numel(), DType::BF16), buf(2, s.kv_numel(), DType::BF16), buf(3, s.kv_numel(), DType::BF16));
+        let segments = CudaBuf::empty(DType::U32, 3);
+        let (out, saved, ws) = (buf(4, s.q_numel(), DType::BF16), buf(5, 8, DType::F32), buf(6, 0, DType::F32));
+        let (dout, dq, dk, dv) = (
+            buf(7, s.q_numel(), DType::BF16),
+            buf(8, s.q_numel(), DType::BF16),
+            buf(9, s.kv_numel(), DType::BF16),
+            buf(10, s.kv_numel(), DType::BF16),
+        );
+        let ctx = KernelContext { threads: 1, device: Device::Cuda };
+        let stream = CudaStream { handle: 0xabc, ordinal: 3 };
+
+        let quiet = foreign(Quiet);
+        let e = quiet.forward_cuda(&s, &q, &k, &v, &segments, &out, &saved, &ws, &ctx, &stream).unwrap_err();
+        assert_eq!(e.kind, crate::ErrorKind::Unsupported);
+        assert_eq!(
+            e.message.as_str(),
+            "this attention kernel has no CUDA forward pass (AttentionKernel::forward_cuda): its manifest must not \
+             list the cuda device"
+        );
+        let e = quiet
+            .backward_cuda(&s, &q, &k, &v, &segments, &out, &dout, &saved, &dq, &dk, &dv, &ws, &ctx, &stream)
+            .unwrap_err();
+        assert_eq!(e.kind, crate::ErrorKind::Unsupported);
+        assert_eq!(
+            e.message.as_str(),
+            "this attention kernel has no CUDA backward pass (AttentionKernel::backward_cuda): it cannot train on the \
+             GPU"
+        );
+
+        let kernel = OnCuda::default();
+        let seen = kernel.0.clone();
+        let f = foreign(kernel);
+        f.forward_cuda(&s, &q, &k, &v, &segments, &out, &saved, &ws, &ctx, &stream).unwrap();
+        f.backward_cuda(&s, &q, &k, &v, &segments, &out, &dout, &saved, &dq, &dk, &dv, &ws, &ctx, &stream).unwrap();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [
+                (Pass::Forward, vec![q, k, v, segments, out, saved, ws], ctx, stream),
+                (Pass::Backward, vec![q, k, v, segments, out, dout, saved, dq, dk, dv, ws], ctx, stream),
+            ]
+        );
+        // The kernel's own error, and a caught panic.
+        let short = CudaBuf { len: 3, ..q };
+        let e = f.forward_cuda(&s, &short, &k, &v, &segments, &out, &saved, &ws, &ctx, &stream).unwrap_err();
+        assert_eq!(e.message.as_str(), "q has 3 bf16 elements, expected 64 bf16");
+        let no_stream = CudaStream { handle: 0, ordinal: 3 };
+        let e = f.forward_cuda(&s, &q, &k, &v, &segments, &out, &saved, &ws, &ctx, &no_stream).unwrap_err();
+        assert_eq!(e.kind, crate::ErrorKind::Panicked);
+        assert_eq!(e.message.as_str(), "panicked in AttentionKernel::forward_cuda: no stream");
     }
 
     #[test]

@@ -16,6 +16,16 @@
 //! scratch are allocated by the engine at sizes the plugin declares, so they show up in the
 //! host's memory accounting and can be placed in any offload tier. A plugin only computes.
 //!
+//! ## Devices
+//!
+//! A buffer handed to a plugin says where it lives: a host slice (`step`, `forward`,
+//! `backward`) or a [`CudaBuf`] on a CUDA device with the [`CudaStream`] to launch on
+//! (`step_cuda`, `forward_cuda`, `backward_cuda`; see [`device`]). A plugin's
+//! [`Manifest::devices`] lists the devices whose buffers it takes directly; on a CUDA run the
+//! host refuses, by name and before training, an optimizer or attention kernel whose manifest
+//! does not list [`Device::Cuda`], rather than copy buffers to the host for it. A CPU plugin
+//! needs no CUDA code: the `*_cuda` methods have defaults that refuse.
+//!
 //! ## The boundary
 //!
 //! Only `#[repr(C)]` + [`StableAbi`](abi_stable::StableAbi) types cross it (see [`ffi`]).
@@ -70,6 +80,7 @@
 
 pub mod attention;
 pub mod checkpoint;
+pub mod device;
 pub mod error;
 mod export;
 pub mod ffi;
@@ -82,6 +93,7 @@ pub mod options;
 
 pub use attention::{AttentionKernel, AttnShape, KernelContext, Pass};
 pub use checkpoint::{BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy, check_plan};
+pub use device::{CudaBuf, CudaStream};
 pub use error::{ErrorKind, PluginError};
 pub use manifest::{Device, Manifest, OptionSpec, OptionType, PluginKind};
 pub use memory::{MemoryAction, MemoryDecision, MemoryPolicy, MemoryStats, Phase, Pressure};
@@ -93,9 +105,14 @@ pub use options::{Options, format_size, parse_size};
 ///
 /// The host refuses a library built against another contract version with an error naming
 /// both. It is tied to the crate version: the contract version is the crate's minor version
-/// while the crate is 0.x (abi_stable's own compatibility rule), so bumping the crate version
-/// in a breaking way bumps the contract.
-pub const CONTRACT_VERSION: u32 = 1;
+/// while the crate is 0.x (abi_stable's own compatibility rule), `major * 1000 + minor` from
+/// 1.0 on (the rule of [`Manifest::check_contract`]), so bumping the crate version in a
+/// breaking way bumps the contract; a unit test ties the two.
+///
+/// Contract 2 (ava-core 0.2): device buffers ([`CudaBuf`], [`CudaStream`]), the `*_cuda`
+/// methods of [`Optimizer`] and [`AttentionKernel`], and [`Manifest::devices`] meaning the
+/// devices whose buffers the plugin takes directly.
+pub const CONTRACT_VERSION: u32 = 2;
 
 /// Context every constructor receives from the host.
 #[repr(C)]
@@ -135,14 +152,33 @@ pub trait Plugin: Sized {
 /// Everything a plugin author usually needs, in one import.
 pub mod prelude {
     pub use crate::{
-        AttentionKernel, AttnShape, BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy, DType, Device,
-        ErrorKind, HostContext, KernelContext, Manifest, MemoryAction, MemoryDecision, MemoryPolicy, MemoryStats,
-        OffloadTier, Optimizer, OptionSpec, OptionType, Options, ParamInfo, Pass, Phase, Plugin, PluginError,
-        PluginKind, Pressure, StateBuf, StateSpec, StepContext,
+        AttentionKernel, AttnShape, BlockDecision, BlockFacts, CheckpointContext, CheckpointPolicy, CudaBuf,
+        CudaStream, DType, Device, ErrorKind, HostContext, KernelContext, Manifest, MemoryAction, MemoryDecision,
+        MemoryPolicy, MemoryStats, OffloadTier, Optimizer, OptionSpec, OptionType, Options, ParamInfo, Pass, Phase,
+        Plugin, PluginError, PluginKind, Pressure, StateBuf, StateSpec, StepContext,
     };
 }
 
 #[doc(hidden)]
 pub mod __private {
     pub use abi_stable;
+}
+
+#[cfg(test)]
+mod tests {
+    /// The contract number follows ava-core's version: its minor version while it is 0.x,
+    /// `major * 1000 + minor` after (the rule `Manifest::check_contract` and the host's
+    /// library check apply). Bumping one without the other fails here.
+    #[test]
+    fn contract_version_follows_the_crate_version() {
+        let major: u32 = env!("CARGO_PKG_VERSION_MAJOR").parse().unwrap();
+        let minor: u32 = env!("CARGO_PKG_VERSION_MINOR").parse().unwrap();
+        let expected = if major == 0 { minor } else { major * 1000 + minor };
+        assert_eq!(
+            super::CONTRACT_VERSION,
+            expected,
+            "ava-core is {}: set CONTRACT_VERSION to {expected} (or bump the crate version with the contract)",
+            env!("CARGO_PKG_VERSION")
+        );
+    }
 }

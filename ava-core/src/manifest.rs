@@ -70,8 +70,13 @@ impl fmt::Display for PluginKind {
     }
 }
 
-/// Devices a plugin's compute runs on. Buffers handed over the boundary today are host
-/// memory; a device other than `Cpu` means the plugin copies to it itself.
+/// A device whose buffers a plugin takes directly (see [`Manifest::devices`]).
+///
+/// Each device has its own calls: `Cpu` the host-slice methods ([`crate::Optimizer::step`],
+/// [`crate::AttentionKernel::forward`] and `backward`), `Cuda` the device-buffer methods
+/// ([`crate::Optimizer::step_cuda`], [`crate::AttentionKernel::forward_cuda`] and
+/// `backward_cuda`, with [`crate::CudaBuf`]s and a [`crate::CudaStream`]). No call hands a
+/// plugin Metal buffers yet.
 #[repr(u8)]
 #[derive(StableAbi, Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Device {
@@ -217,7 +222,19 @@ pub struct Manifest {
     pub summary: RString,
     /// Options it accepts.
     pub options: RVec<OptionSpec>,
-    /// Devices it runs on.
+    /// The devices whose buffers the plugin takes directly; [`Manifest::new`] says `[Cpu]`.
+    ///
+    /// For an optimizer or an attention kernel each entry is a promise: `Cpu` that the
+    /// host-slice calls work, `Cuda` that [`step_cuda`](crate::Optimizer::step_cuda), or
+    /// [`forward_cuda`](crate::AttentionKernel::forward_cuda) (and
+    /// [`backward_cuda`](crate::AttentionKernel::backward_cuda) if the kernel
+    /// [`supports_backward`](crate::AttentionKernel::supports_backward)), are implemented.
+    /// On a CUDA run the host refuses, by name and before training, an optimizer or kernel
+    /// whose list lacks `Cuda`: it never copies device buffers to the host for a plugin.
+    ///
+    /// Checkpoint policies and memory policies only return decisions, and offload tiers
+    /// move host bytes: the host never hands them device buffers, so for those kinds the
+    /// list does not restrict a CUDA run.
     pub devices: RVec<Device>,
 }
 
@@ -241,10 +258,16 @@ impl Manifest {
         self
     }
 
-    /// Replaces the device list.
+    /// Replaces the device list (see the `devices` field for what it promises): e.g.
+    /// `.devices(&[Device::Cpu, Device::Cuda])` for a plugin with both kinds of call.
     pub fn devices(mut self, devices: &[Device]) -> Self {
         self.devices = devices.iter().copied().collect();
         self
+    }
+
+    /// Whether the plugin takes buffers on `device` directly (its manifest lists it).
+    pub fn runs_on(&self, device: Device) -> bool {
+        self.devices.contains(&device)
     }
 
     /// The spec of option `name`.
@@ -322,11 +345,25 @@ mod tests {
             )
         );
         m.contract_version = 1000;
-        assert!(m.check_contract(CONTRACT_VERSION).unwrap_err().contains("declares plugin contract 1000 in its manifest, but this ava speaks contract 1; the plugin is newer than this ava"));
+        assert!(m.check_contract(CONTRACT_VERSION).unwrap_err().contains(&format!(
+            "declares plugin contract 1000 in its manifest, but this ava speaks contract {CONTRACT_VERSION}; the plugin \
+             is newer than this ava"
+        )));
         // 0.x: a newer minor is the library check's "prefix-extended" case; after 1.0, the major decides.
         assert_eq!(contract_gap(3, 1), None);
         assert_eq!(contract_gap(1001, 1005), None);
         assert_eq!(contract_gap(1005, 2000), Some(ContractGap::TooOld));
         assert_eq!(contract_gap(2000, 1005), Some(ContractGap::TooNew));
+    }
+
+    #[test]
+    fn runs_on_reads_the_device_list() {
+        let m = Manifest::new("sign-sgd", PluginKind::Optimizer, "0.2.0", "test");
+        assert!(m.runs_on(Device::Cpu));
+        assert!(!m.runs_on(Device::Cuda));
+        let m = m.devices(&[Device::Cpu, Device::Cuda]);
+        assert!(m.runs_on(Device::Cpu) && m.runs_on(Device::Cuda) && !m.runs_on(Device::Metal));
+        let m = m.devices(&[Device::Cuda]);
+        assert!(!m.runs_on(Device::Cpu) && m.runs_on(Device::Cuda));
     }
 }

@@ -9,7 +9,11 @@ use abi_stable::{
     std_types::{RBox, RResult, RSlice, RSliceMut, RStr, RString, RVec},
 };
 
-use crate::{PluginError, ffi::guard};
+use crate::{
+    PluginError,
+    device::{CudaBuf, CudaStream},
+    ffi::guard,
+};
 
 /// Element type of a state buffer.
 #[repr(u8)]
@@ -186,6 +190,33 @@ pub trait Optimizer: Send {
         state: &mut [StateBuf<'_>],
         ctx: &StepContext,
     ) -> Result<(), PluginError>;
+
+    /// [`step`](Self::step) on a CUDA device: updates `values` in place from `grad`, reading
+    /// and writing `state`, by launching work on `stream` (see [`crate::device`] for the rules
+    /// of a device call: host-owned memory, launch only on `stream`, never synchronize).
+    ///
+    /// `values` are the parameter's f32 master weights (`numel` elements, [`DType::F32`]),
+    /// `grad` its f32 gradient (`numel` elements), `state` the buffers of
+    /// [`state_layout`](Self::state_layout) in its order, each of the declared dtype and
+    /// length, zero-filled by the host before the first step. All are on device
+    /// `stream.ordinal`. [`CudaBuf::expect`] checks one.
+    ///
+    /// Called only for a plugin whose manifest lists [`Device::Cuda`](crate::Device::Cuda),
+    /// which promises this method. The default refuses.
+    fn step_cuda(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &CudaBuf,
+        grad: &CudaBuf,
+        state: &[CudaBuf],
+        ctx: &StepContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        let _ = (param, values, grad, state, ctx, stream);
+        Err(PluginError::unsupported(
+            "this optimizer has no CUDA step (Optimizer::step_cuda): its manifest must not list the cuda device",
+        ))
+    }
 }
 
 impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
@@ -202,6 +233,17 @@ impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
     ) -> Result<(), PluginError> {
         (**self).step(param, values, grad, state, ctx)
     }
+    fn step_cuda(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &CudaBuf,
+        grad: &CudaBuf,
+        state: &[CudaBuf],
+        ctx: &StepContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        (**self).step_cuda(param, values, grad, state, ctx, stream)
+    }
 }
 
 /// The FFI-safe form of [`Optimizer`] (what crosses the boundary).
@@ -217,6 +259,16 @@ pub trait FfiOptimizer: Send {
         grad: RSlice<'_, f32>,
         state: RSliceMut<'_, StateBuf<'a>>,
         ctx: StepContext,
+    ) -> RResult<(), PluginError>;
+    /// See [`Optimizer::step_cuda`].
+    fn step_cuda(
+        &mut self,
+        param: ParamInfo<'_>,
+        values: CudaBuf,
+        grad: CudaBuf,
+        state: RSlice<'_, CudaBuf>,
+        ctx: StepContext,
+        stream: CudaStream,
     ) -> RResult<(), PluginError>;
 }
 
@@ -242,6 +294,17 @@ impl<T: Optimizer> FfiOptimizer for Guarded<T> {
             self.0.step(&param, values.as_mut_slice(), grad.as_slice(), state.as_mut_slice(), &ctx)
         })
     }
+    fn step_cuda(
+        &mut self,
+        param: ParamInfo<'_>,
+        values: CudaBuf,
+        grad: CudaBuf,
+        state: RSlice<'_, CudaBuf>,
+        ctx: StepContext,
+        stream: CudaStream,
+    ) -> RResult<(), PluginError> {
+        guard("Optimizer::step_cuda", || self.0.step_cuda(&param, &values, &grad, state.as_slice(), &ctx, &stream))
+    }
 }
 
 /// Host side: a plugin's optimizer behind the Rust trait.
@@ -260,5 +323,130 @@ impl Optimizer for ForeignOptimizer {
         ctx: &StepContext,
     ) -> Result<(), PluginError> {
         self.0.step(*param, values.into(), grad.into(), state.into(), *ctx).into_result()
+    }
+    fn step_cuda(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &CudaBuf,
+        grad: &CudaBuf,
+        state: &[CudaBuf],
+        ctx: &StepContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        self.0.step_cuda(*param, *values, *grad, state.into(), *ctx, *stream).into_result()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use abi_stable::sabi_trait::TD_Opaque;
+
+    use super::*;
+    use crate::ErrorKind;
+
+    /// A CPU-only optimizer: keeps the default `step_cuda`.
+    struct CpuOnly;
+
+    /// What a CUDA step received.
+    type Seen = (String, CudaBuf, CudaBuf, Vec<CudaBuf>, StepContext, CudaStream);
+
+    /// An optimizer whose CUDA step records what crossed (or panics when told to).
+    #[derive(Default)]
+    struct Recording {
+        seen: std::sync::Arc<std::sync::Mutex<Option<Seen>>>,
+        panic: bool,
+    }
+
+    impl Optimizer for CpuOnly {
+        fn state_layout(&self, _: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
+            Ok(Vec::new())
+        }
+        fn step(
+            &mut self,
+            _: &ParamInfo<'_>,
+            _: &mut [f32],
+            _: &[f32],
+            _: &mut [StateBuf<'_>],
+            _: &StepContext,
+        ) -> Result<(), PluginError> {
+            Ok(())
+        }
+    }
+
+    impl Optimizer for Recording {
+        fn state_layout(&self, _: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
+            Ok(Vec::new())
+        }
+        fn step(
+            &mut self,
+            _: &ParamInfo<'_>,
+            _: &mut [f32],
+            _: &[f32],
+            _: &mut [StateBuf<'_>],
+            _: &StepContext,
+        ) -> Result<(), PluginError> {
+            Ok(())
+        }
+        fn step_cuda(
+            &mut self,
+            param: &ParamInfo<'_>,
+            values: &CudaBuf,
+            grad: &CudaBuf,
+            state: &[CudaBuf],
+            ctx: &StepContext,
+            stream: &CudaStream,
+        ) -> Result<(), PluginError> {
+            assert!(!self.panic, "kernel launch failed");
+            values.expect("values", DType::F32, param.numel())?;
+            *self.seen.lock().unwrap() = Some((param.name.to_string(), *values, *grad, state.to_vec(), *ctx, *stream));
+            Ok(())
+        }
+    }
+
+    fn foreign<O: Optimizer + 'static>(o: O) -> ForeignOptimizer {
+        ForeignOptimizer(FfiOptimizer_TO::from_value(Guarded(o), TD_Opaque))
+    }
+
+    /// The CUDA step crosses the boundary with every argument; the default refuses, and a
+    /// panic in it is caught naming the method.
+    #[test]
+    fn step_cuda_crosses_the_boundary() {
+        let shape = [2u64, 3];
+        let param = ParamInfo::new("w", &shape);
+        let values = CudaBuf { ptr: 0x1000, len: 6, dtype: DType::F32, ordinal: 1 };
+        let grad = CudaBuf { ptr: 0x2000, len: 6, dtype: DType::F32, ordinal: 1 };
+        let state = [
+            CudaBuf { ptr: 0x3000, len: 6, dtype: DType::U8, ordinal: 1 },
+            CudaBuf { ptr: 0x4000, len: 1, dtype: DType::F32, ordinal: 1 },
+        ];
+        let ctx = StepContext { step: 7, lr: 1e-3, weight_decay: 0.1, threads: 2 };
+        let stream = CudaStream { handle: 0xdead_beef, ordinal: 1 };
+
+        let e = foreign(CpuOnly).step_cuda(&param, &values, &grad, &state, &ctx, &stream).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Unsupported);
+        assert_eq!(
+            e.message.as_str(),
+            "this optimizer has no CUDA step (Optimizer::step_cuda): its manifest must not list the cuda device"
+        );
+        // Through a Box, as the registry hands optimizers out.
+        let mut boxed: Box<dyn Optimizer> = Box::new(CpuOnly);
+        assert_eq!(boxed.step_cuda(&param, &values, &grad, &state, &ctx, &stream).unwrap_err(), e);
+
+        let rec = Recording::default();
+        let seen = rec.seen.clone();
+        let mut f = foreign(rec);
+        f.step_cuda(&param, &values, &grad, &state, &ctx, &stream).unwrap();
+        let want = ("w".to_string(), values, grad, state.to_vec(), ctx, stream);
+        assert_eq!(seen.lock().unwrap().as_ref(), Some(&want));
+        // The plugin's own error comes back as it was.
+        let half = CudaBuf { dtype: DType::BF16, ..values };
+        let e = f.step_cuda(&param, &half, &grad, &state, &ctx, &stream).unwrap_err();
+        assert_eq!(e.message.as_str(), "values has 6 bf16 elements, expected 6 f32");
+
+        let e = foreign(Recording { panic: true, ..Recording::default() })
+            .step_cuda(&param, &values, &grad, &state, &ctx, &stream)
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Panicked);
+        assert_eq!(e.message.as_str(), "panicked in Optimizer::step_cuda: kernel launch failed");
     }
 }

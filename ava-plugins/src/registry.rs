@@ -10,8 +10,8 @@ use std::{
 
 use abi_stable::std_types::RStr;
 use ava_core::{
-    AttentionKernel, CheckpointPolicy, HostContext, Manifest, MemoryPolicy, OffloadTier, Optimizer, PluginError,
-    PluginKind,
+    AttentionKernel, CheckpointPolicy, Device, HostContext, Manifest, MemoryPolicy, OffloadTier, Optimizer,
+    PluginError, PluginKind,
     ffi::{ForeignAttention, ForeignCheckpoint, ForeignMemory, ForeignOffload, ForeignOptimizer, PluginRootRef},
     options::did_you_mean,
 };
@@ -224,16 +224,7 @@ pub struct Registry {
 impl Registry {
     /// A registry holding only the built-in plugins.
     pub fn builtins() -> Registry {
-        let mut reg = Registry {
-            rows: Vec::new(),
-            table: BTreeMap::new(),
-            duplicates: BTreeMap::new(),
-            warnings: Vec::new(),
-            dirs: Vec::new(),
-            lock: LockFile::default(),
-            config: HostConfig::default(),
-            requested: HostConfig::default(),
-        };
+        let mut reg = Registry::empty();
         let mut builtins: Vec<&'static Builtin> = builtin::all().collect();
         builtins.sort_by_key(|b| {
             let m = (b.manifest)();
@@ -255,6 +246,20 @@ impl Registry {
             );
         }
         reg
+    }
+
+    /// A registry with no plugin at all.
+    fn empty() -> Registry {
+        Registry {
+            rows: Vec::new(),
+            table: BTreeMap::new(),
+            duplicates: BTreeMap::new(),
+            warnings: Vec::new(),
+            dirs: Vec::new(),
+            lock: LockFile::default(),
+            config: HostConfig::default(),
+            requested: HostConfig::default(),
+        }
     }
 
     /// Built-ins plus every plugin library found in the configured search paths, vetted
@@ -468,6 +473,70 @@ impl Registry {
         self.rows.iter().filter(|r| r.name() == Some(name)).collect()
     }
 
+    /// Names of the usable plugins of `kind` whose manifests list `device` (they take its
+    /// buffers directly), sorted. A name defined twice is left out: it cannot be used.
+    pub fn names_on(&self, kind: PluginKind, device: Device) -> Vec<String> {
+        self.table
+            .iter()
+            .filter(|((k, n), _)| *k == kind && !self.duplicates.contains_key(&(kind, n.clone())))
+            .filter(|(_, e)| self.rows[e.row].manifest.as_ref().is_some_and(|m| m.runs_on(device)))
+            .map(|((_, n), _)| n.clone())
+            .collect()
+    }
+
+    /// Checks, before training, that the selected plugins take buffers on the run's
+    /// `device` (`train.device`) directly: one problem per selected optimizer or attention
+    /// kernel whose manifest does not list it, naming the plugin, the devices it lists, the
+    /// installed plugins of its kind that do, and the other `train.device` it could use. The
+    /// host never copies device buffers to the host for a plugin, so such a run cannot start.
+    ///
+    /// `selected` is the run's `plugins.<kind>` names, e.g.
+    /// `[(PluginKind::Optimizer, "lion"), (PluginKind::Attention, "flash")]`. Checkpoint
+    /// policies, offload tiers and memory policies are never handed device buffers, so their
+    /// manifests' devices restrict nothing and they are accepted as they are; so is a name
+    /// that is unknown or unusable, which [`create`](Self::create) explains when it is built.
+    pub fn check_devices(&self, selected: &[(PluginKind, &str)], device: Device) -> Result<(), Vec<String>> {
+        let mut problems = Vec::new();
+        for &(kind, name) in selected {
+            if !matches!(kind, PluginKind::Optimizer | PluginKind::Attention) {
+                continue;
+            }
+            let Some(manifest) = self.row(kind, name).and_then(|r| r.manifest.as_ref()) else { continue };
+            if manifest.runs_on(device) {
+                continue;
+            }
+            let listed: Vec<&str> = manifest.devices.iter().map(|d| d.as_str()).collect();
+            let runs_on = match manifest.devices.as_slice() {
+                [] => "runs on no device".to_string(),
+                devices => {
+                    let phrases: Vec<&str> = devices.iter().map(|d| device_phrase(*d)).collect();
+                    format!("runs on {} only", phrases.join(" and "))
+                }
+            };
+            let listed = if listed.is_empty() { "none".to_string() } else { listed.join(", ") };
+            let fallback = [Device::Cpu, Device::Cuda]
+                .into_iter()
+                .find(|d| *d != device && manifest.runs_on(*d))
+                .map(|d| format!("train.device: {}", d.as_str()));
+            let others = self.names_on(kind, device);
+            let what = format!(
+                "{kind} '{name}' {runs_on} (its manifest lists devices: {listed}); train.device: {} needs one that \
+                 takes {} buffers",
+                device.as_str(),
+                buffer_phrase(device)
+            );
+            problems.push(match (others.is_empty(), fallback) {
+                (false, Some(fallback)) => format!("{what}: {}, or {fallback}", others.join(", ")),
+                (false, None) => format!("{what}: {}", others.join(", ")),
+                (true, Some(fallback)) => {
+                    format!("{what}, and none of the installed {} does yet: use {fallback}", plural(kind))
+                }
+                (true, None) => format!("{what}, and none of the installed {} does yet", plural(kind)),
+            });
+        }
+        if problems.is_empty() { Ok(()) } else { Err(problems) }
+    }
+
     fn entry(&self, kind: PluginKind, name: &str) -> Result<&Entry, HostError> {
         let key = (kind, name.to_string());
         if let Some((first, second)) = self.duplicates.get(&key) {
@@ -678,6 +747,35 @@ impl Registry {
             builtin: builtin.and_then(Row::kind),
             searched: self.dirs.clone(),
         })
+    }
+}
+
+/// "runs on ... only": where a device's buffers are.
+fn device_phrase(device: Device) -> &'static str {
+    match device {
+        Device::Cpu => "the CPU",
+        Device::Cuda => "CUDA devices",
+        Device::Metal => "Metal devices",
+    }
+}
+
+/// "takes ... buffers".
+fn buffer_phrase(device: Device) -> &'static str {
+    match device {
+        Device::Cpu => "host",
+        Device::Cuda => "CUDA",
+        Device::Metal => "Metal",
+    }
+}
+
+/// "none of the installed ... does yet".
+fn plural(kind: PluginKind) -> &'static str {
+    match kind {
+        PluginKind::Optimizer => "optimizers",
+        PluginKind::Attention => "attention kernels",
+        PluginKind::Checkpoint => "checkpoint policies",
+        PluginKind::Offload => "offload tiers",
+        PluginKind::Memory => "memory policies",
     }
 }
 
@@ -908,5 +1006,107 @@ mod tests {
         let e = Registry::builtins().locate("adamw").unwrap_err().to_string();
         assert_eq!(e, "'adamw' is a built-in optimizer, compiled into ava: it has no library file");
         assert_eq!(plugin_name_of_file(Path::new(&file)).as_deref(), Some("sign-sgd"));
+    }
+
+    /// A CUDA run refuses a CPU-only built-in optimizer or attention kernel by name, says
+    /// that no installed one of its kind takes CUDA buffers, and offers train.device: cpu (in
+    /// a default build every built-in is CPU-only; built-ins whose manifests list cuda pass).
+    /// Checkpoint policies, offload tiers, memory policies, and names the registry does not
+    /// know, pass.
+    #[test]
+    fn a_cuda_run_refuses_cpu_only_builtins_by_name() {
+        let reg = Registry::builtins();
+        let selected = [
+            (PluginKind::Attention, "standard"),
+            (PluginKind::Optimizer, "adamw"),
+            (PluginKind::Checkpoint, "full"),
+            (PluginKind::Offload, "ram"),
+            (PluginKind::Memory, "thresholds"),
+        ];
+        assert_eq!(reg.check_devices(&selected, Device::Cpu), Ok(()));
+        let standard = "attention 'standard' runs on the CPU only (its manifest lists devices: cpu); train.device: \
+                        cuda needs one that takes CUDA buffers, and none of the installed attention kernels does yet: \
+                        use train.device: cpu";
+        let adamw = "optimizer 'adamw' runs on the CPU only (its manifest lists devices: cpu); train.device: cuda \
+                     needs one that takes CUDA buffers, and none of the installed optimizers does yet: use \
+                     train.device: cpu";
+        let on_cuda = |kind, name| reg.row(kind, name).unwrap().manifest.as_ref().unwrap().runs_on(Device::Cuda);
+        let want: Vec<&str> = [(PluginKind::Attention, "standard", standard), (PluginKind::Optimizer, "adamw", adamw)]
+            .into_iter()
+            .filter(|(kind, name, _)| !on_cuda(*kind, name))
+            .map(|(_, _, text)| text)
+            .collect();
+        let got = reg.check_devices(&selected, Device::Cuda);
+        if want.is_empty() {
+            assert_eq!(got, Ok(()));
+        } else {
+            assert_eq!(got.unwrap_err(), want);
+        }
+        if !on_cuda(PluginKind::Optimizer, "adamw") && !on_cuda(PluginKind::Optimizer, "sgd") {
+            assert!(reg.names_on(PluginKind::Optimizer, Device::Cuda).is_empty());
+        }
+        assert_eq!(reg.names_on(PluginKind::Optimizer, Device::Cpu), ["adamw", "sgd"]);
+        // Unknown names are left to `create`, which explains them.
+        assert_eq!(reg.check_devices(&[(PluginKind::Optimizer, "nope")], Device::Cuda), Ok(()));
+    }
+
+    /// A row as a loaded library would have it, for plugins no build has yet.
+    fn add_library(reg: &mut Registry, manifest: Manifest) {
+        static NEVER_BUILT: Builtin = Builtin {
+            manifest: || Manifest::new("never-built", PluginKind::Optimizer, "0.0.0", "test row"),
+            create: |_, _| Err(PluginError::unsupported("test row")),
+        };
+        let file = format!("/plugins/{}.so", manifest.name);
+        let row = Row {
+            manifest: Some(manifest),
+            source: Source::File(PathBuf::from(file)),
+            status: Status::Loaded,
+            reason: None,
+            sha256: None,
+            load_time: None,
+        };
+        reg.add(row, Factory::Builtin(&NEVER_BUILT));
+    }
+
+    /// With plugins whose manifests list cuda installed, the refusal names them; a plugin
+    /// that lists cuda passes; a name defined twice is never offered.
+    #[test]
+    fn a_device_refusal_names_the_plugins_that_take_its_buffers() {
+        // No built-ins: their devices depend on ava-plugins' features.
+        let mut reg = Registry::empty();
+        let m = |name: &str, kind: PluginKind, devices: &[Device]| {
+            Manifest::new(name, kind, "0.2.0", "test").devices(devices)
+        };
+        add_library(&mut reg, m("sdpa", PluginKind::Attention, &[Device::Cpu]));
+        add_library(&mut reg, m("lion", PluginKind::Optimizer, &[Device::Cpu]));
+        add_library(&mut reg, m("sign-sgd-gpu", PluginKind::Optimizer, &[Device::Cpu, Device::Cuda]));
+        add_library(&mut reg, m("adam-cuda", PluginKind::Optimizer, &[Device::Cuda]));
+        add_library(&mut reg, m("flash-cuda", PluginKind::Attention, &[Device::Cuda]));
+        add_library(&mut reg, m("twice", PluginKind::Optimizer, &[Device::Cuda]));
+        add_library(&mut reg, m("twice", PluginKind::Optimizer, &[Device::Cuda]));
+        assert_eq!(reg.names_on(PluginKind::Optimizer, Device::Cuda), ["adam-cuda", "sign-sgd-gpu"]);
+
+        let cuda_ok = [(PluginKind::Attention, "flash-cuda"), (PluginKind::Optimizer, "sign-sgd-gpu")];
+        assert_eq!(reg.check_devices(&cuda_ok, Device::Cuda), Ok(()));
+        assert_eq!(
+            reg.check_devices(&[(PluginKind::Attention, "sdpa"), (PluginKind::Optimizer, "lion")], Device::Cuda)
+                .unwrap_err(),
+            [
+                "attention 'sdpa' runs on the CPU only (its manifest lists devices: cpu); train.device: cuda needs one \
+                 that takes CUDA buffers: flash-cuda, or train.device: cpu",
+                "optimizer 'lion' runs on the CPU only (its manifest lists devices: cpu); train.device: cuda needs one \
+                 that takes CUDA buffers: adam-cuda, sign-sgd-gpu, or train.device: cpu",
+            ]
+        );
+        // The other way round: a CUDA-only plugin on a CPU run.
+        assert_eq!(
+            reg.check_devices(
+                &[(PluginKind::Optimizer, "adam-cuda"), (PluginKind::Optimizer, "sign-sgd-gpu")],
+                Device::Cpu
+            )
+            .unwrap_err(),
+            ["optimizer 'adam-cuda' runs on CUDA devices only (its manifest lists devices: cuda); train.device: cpu \
+                 needs one that takes host buffers: lion, sign-sgd-gpu, or train.device: cuda"]
+        );
     }
 }

@@ -63,12 +63,12 @@ fn block_after(doc: &str, path: &str) -> String {
 }
 
 /// The doc's example is the fixture crate. The one allowed difference: the doc's
-/// Cargo.toml depends on the published `ava-core = "0.1"` where the fixture, built inside
+/// Cargo.toml depends on the published `ava-core = "0.2"` where the fixture, built inside
 /// this repository, adds a `path` to the repository's own `ava-core`.
 #[test]
 fn plugin_author_guide_shows_the_sign_sgd_fixture() {
-    const FIXTURE_DEP: &str = "ava-core = { version = \"0.1\", path = \"../../../ava-core\" }\n";
-    const DOC_DEP: &str = "ava-core = \"0.1\"\n";
+    const FIXTURE_DEP: &str = "ava-core = { version = \"0.2\", path = \"../../../ava-core\" }\n";
+    const DOC_DEP: &str = "ava-core = \"0.2\"\n";
 
     let root = repo_root();
     let doc = fs::read_to_string(root.join("docs/plugin-authors.md")).unwrap();
