@@ -18,6 +18,8 @@
 //! `max_exp_avg_sq` with amsgrad — 8 bytes per element (12 with amsgrad) — and `step`, one
 //! u32 per tensor (exact up to 4·10⁹ updates; torch keeps a float tensor).
 
+#[cfg(feature = "cuda")]
+use ava_core::device::{CudaBuf, CudaStream};
 use ava_core::{error::expect_len, prelude::*};
 
 /// AdamW's hyper-parameters (the state lives in the host's buffers).
@@ -47,6 +49,7 @@ impl Plugin for AdamW {
             env!("CARGO_PKG_VERSION"),
             "AdamW: Adam with decoupled weight decay, as torch.optim.AdamW; two f32 state buffers per parameter",
         )
+        .devices(crate::builtin::BUILTIN_DEVICES)
         .option(OptionSpec::float_list(
             "betas",
             &[0.9, 0.999],
@@ -142,6 +145,66 @@ impl Optimizer for AdamW {
             }
         }
         Ok(())
+    }
+
+    /// The same step on the GPU (kernels/optim.cu): the count advanced on the device, then one
+    /// thread per element with the CPU's arithmetic, so the bits are the CPU's.
+    #[cfg(feature = "cuda")]
+    fn step_cuda(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &CudaBuf,
+        grad: &CudaBuf,
+        state: &[CudaBuf],
+        ctx: &StepContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        use crate::builtin::cuda::{THREADS, arg, blocks, launch};
+        let n = param.numel();
+        values.expect("values", DType::F32, n)?;
+        grad.expect("grad", DType::F32, n)?;
+        let (m, v, v_max, t) = match state {
+            [m, v, t] if !self.amsgrad => (m, v, None, t),
+            [m, v, v_max, t] if self.amsgrad => (m, v, Some(v_max), t),
+            _ => {
+                return Err(PluginError::invalid_input(format!(
+                    "adamw expects {} state buffers, got {}",
+                    if self.amsgrad { 4 } else { 3 },
+                    state.len()
+                )));
+            }
+        };
+        m.expect("exp_avg", DType::F32, n)?;
+        v.expect("exp_avg_sq", DType::F32, n)?;
+        if let Some(v_max) = v_max {
+            v_max.expect("max_exp_avg_sq", DType::F32, n)?;
+        }
+        t.expect("step", DType::U32, 1)?;
+        let grid = blocks(n)?;
+        // SAFETY: count_update(unsigned*): t holds one u32 on the stream's device.
+        unsafe { launch(c"count_update", 1, 1, stream, &mut [arg(&t.ptr)])? };
+        if n == 0 {
+            return Ok(());
+        }
+        let v_max = v_max.map_or(0u64, |b| b.ptr); // NULL without amsgrad
+        let (lr, wd) = (ctx.lr, ctx.weight_decay);
+        let mut params = [
+            arg(&values.ptr),
+            arg(&grad.ptr),
+            arg(&m.ptr),
+            arg(&v.ptr),
+            arg(&v_max),
+            arg(&t.ptr),
+            arg(&n),
+            arg(&lr),
+            arg(&wd),
+            arg(&self.beta1),
+            arg(&self.beta2),
+            arg(&self.eps),
+        ];
+        // SAFETY: adamw_step's parameters one for one; every buffer was checked to hold n
+        // f32s (the count one u32) above.
+        unsafe { launch(c"adamw_step", grid, THREADS, stream, &mut params) }
     }
 }
 

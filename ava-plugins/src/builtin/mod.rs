@@ -21,10 +21,17 @@ use crate::Instance;
 
 pub mod adamw;
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod ram;
 pub mod sgd;
 pub mod standard;
 pub mod thresholds;
+
+/// The devices whose buffers the built-in optimizers and `standard` take: the CPU's, and a
+/// GPU's in a build with the `cuda` feature (kernels/optim.cu, kernels/attention.cu).
+pub(crate) const BUILTIN_DEVICES: &[ava_core::Device] =
+    if cfg!(feature = "cuda") { &[ava_core::Device::Cpu, ava_core::Device::Cuda] } else { &[ava_core::Device::Cpu] };
 
 /// One built-in plugin: its manifest and constructor. Submitted with `inventory::submit!`.
 pub struct Builtin {

@@ -21,6 +21,8 @@
 //! zero-fills state, so "no buffer yet" is read from the count. Without momentum there is no
 //! state at all (torch keeps none either: plain SGD has nothing per-parameter to count).
 
+#[cfg(feature = "cuda")]
+use ava_core::device::{CudaBuf, CudaStream};
 use ava_core::{error::expect_len, prelude::*};
 
 /// SGD's hyper-parameters (the momentum buffer lives in the host's buffers).
@@ -42,6 +44,7 @@ impl Plugin for Sgd {
             env!("CARGO_PKG_VERSION"),
             "SGD with optional (Nesterov) momentum, as torch.optim.SGD; weight decay is coupled L2",
         )
+        .devices(crate::builtin::BUILTIN_DEVICES)
         .option(OptionSpec::float("momentum", 0.0, "momentum factor μ; 0 disables momentum and its state buffer"))
         .option(OptionSpec::float("dampening", 0.0, "dampening of the gradient's contribution to the momentum"))
         .option(OptionSpec::bool(
@@ -127,6 +130,68 @@ impl Optimizer for Sgd {
             }
         }
         Ok(())
+    }
+
+    /// The same step on the GPU (kernels/optim.cu), with the CPU's arithmetic: with momentum,
+    /// the element kernel reads "first update" from the count, then the count advances.
+    #[cfg(feature = "cuda")]
+    fn step_cuda(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &CudaBuf,
+        grad: &CudaBuf,
+        state: &[CudaBuf],
+        ctx: &StepContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        use crate::builtin::cuda::{THREADS, arg, blocks, launch};
+        let n = param.numel();
+        values.expect("values", DType::F32, n)?;
+        grad.expect("grad", DType::F32, n)?;
+        if ctx.step == 0 {
+            return Err(PluginError::invalid_input("sgd: step numbers are 1-based, got step 0"));
+        }
+        let grid = blocks(n)?;
+        let (lr, wd) = (ctx.lr as f32, ctx.weight_decay as f32);
+        match state {
+            [] if self.momentum == 0.0 => {
+                if n == 0 {
+                    return Ok(());
+                }
+                let mut params = [arg(&values.ptr), arg(&grad.ptr), arg(&n), arg(&lr), arg(&wd)];
+                // SAFETY: sgd_step's parameters one for one; both buffers hold n f32s (checked).
+                unsafe { launch(c"sgd_step", grid, THREADS, stream, &mut params) }
+            }
+            [buf, count] if self.momentum > 0.0 => {
+                buf.expect("momentum_buffer", DType::F32, n)?;
+                count.expect("step", DType::U32, 1)?;
+                let (mu, keep) = (self.momentum as f32, (1.0 - self.dampening) as f32);
+                let nesterov = i32::from(self.nesterov);
+                if n > 0 {
+                    let mut params = [
+                        arg(&values.ptr),
+                        arg(&grad.ptr),
+                        arg(&buf.ptr),
+                        arg(&count.ptr),
+                        arg(&n),
+                        arg(&lr),
+                        arg(&wd),
+                        arg(&mu),
+                        arg(&keep),
+                        arg(&nesterov),
+                    ];
+                    // SAFETY: sgd_momentum_step's parameters one for one; sizes checked above.
+                    unsafe { launch(c"sgd_momentum_step", grid, THREADS, stream, &mut params)? };
+                }
+                // SAFETY: count_update(unsigned*): count holds one u32 (checked).
+                unsafe { launch(c"count_update", 1, 1, stream, &mut [arg(&count.ptr)]) }
+            }
+            _ => {
+                let want =
+                    if self.momentum > 0.0 { "2 state buffers (momentum_buffer, step)" } else { "no state buffers" };
+                Err(PluginError::invalid_input(format!("sgd expects {want}, got {}", state.len())))
+            }
+        }
     }
 }
 

@@ -10,8 +10,13 @@
 //! workspace: none in forward; in backward a (64, Tk) dP block per thread
 //! ```
 
+#[cfg(feature = "cuda")]
+use ava_core::device::{CudaBuf, CudaStream};
 use ava_core::prelude::*;
 use ava_kernels::attention::{Kernel, Masking};
+
+#[cfg(feature = "cuda")]
+use crate::builtin::cuda::{ATTENTION, arg, launch_in};
 
 /// Dense attention that saves the probabilities. No options.
 #[derive(Debug, Clone, Copy, Default)]
@@ -25,6 +30,7 @@ impl Plugin for Standard {
             env!("CARGO_PKG_VERSION"),
             "dense scaled-dot-product attention (causal, GQA); saves the Tq×Tk probabilities for backward",
         )
+        .devices(crate::builtin::BUILTIN_DEVICES)
     }
 
     fn from_options(options: Options) -> Result<Self, PluginError> {
@@ -41,8 +47,14 @@ impl AttentionKernel for Standard {
         DENSE.saved_len(shape)
     }
 
+    /// On the CPU, the dense algorithm's blocks; on a GPU, backward keeps dS whole (B·H·Tq·Tk
+    /// f32, as large as the saved probabilities) so the key-side sums need no atomics.
     fn workspace_len(&self, shape: &AttnShape, pass: Pass, ctx: &KernelContext) -> Result<u64, PluginError> {
-        DENSE.workspace_len(shape, pass, ctx)
+        match (ctx.device, pass) {
+            (Device::Cuda, Pass::Forward) => Ok(0),
+            (Device::Cuda, Pass::Backward) => DENSE.saved_len(shape),
+            _ => DENSE.workspace_len(shape, pass, ctx),
+        }
     }
 
     fn forward(
@@ -92,7 +104,189 @@ impl AttentionKernel for Standard {
     ) -> Result<(), PluginError> {
         DENSE.backward(shape, q, k, v, segments, out, dout, saved, dq, dk, dv, workspace, ctx)
     }
+
+    /// kernels/attention.cu's forward: one block per query row.
+    #[cfg(feature = "cuda")]
+    fn forward_cuda(
+        &self,
+        shape: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        segments: &CudaBuf,
+        out: &CudaBuf,
+        saved: &CudaBuf,
+        _workspace: &CudaBuf,
+        _ctx: &KernelContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        let t = device::check(shape, q, k, v, segments, &[("out", out)], saved)?;
+        let causal = i32::from(shape.causal);
+        let segs = if segments.is_empty() { 0u64 } else { segments.ptr };
+        let d = device::dims(shape);
+        let mut params = [
+            arg(&q.ptr),
+            arg(&k.ptr),
+            arg(&v.ptr),
+            arg(&segs),
+            arg(&out.ptr),
+            arg(&saved.ptr),
+            arg(&d[0]),
+            arg(&d[1]),
+            arg(&d[2]),
+            arg(&d[3]),
+            arg(&d[4]),
+            arg(&causal),
+            arg(&shape.scale),
+        ];
+        let name = device::kernel("dense_fwd", t)?;
+        // SAFETY: dense_fwd's parameters one for one; every buffer was checked against the shape.
+        unsafe {
+            launch_in(
+                &ATTENTION,
+                &name,
+                device::rows(shape.q_numel() / shape.head_dim as usize)?,
+                ROW,
+                stream,
+                &mut params,
+            )
+        }
+    }
+
+    /// kernels/attention.cu's backward: dS and dQ one query row a block, then dK and dV one
+    /// key row a block, summed in a fixed order.
+    #[cfg(feature = "cuda")]
+    fn backward_cuda(
+        &self,
+        shape: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        segments: &CudaBuf,
+        out: &CudaBuf,
+        dout: &CudaBuf,
+        saved: &CudaBuf,
+        dq: &CudaBuf,
+        dk: &CudaBuf,
+        dv: &CudaBuf,
+        workspace: &CudaBuf,
+        _ctx: &KernelContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        let t = device::check(shape, q, k, v, segments, &[("out", out), ("dout", dout), ("dq", dq)], saved)?;
+        dk.expect("dk", t, shape.kv_numel())?;
+        dv.expect("dv", t, shape.kv_numel())?;
+        workspace.expect("workspace", DType::F32, saved.len as usize)?;
+        let d = device::dims(shape);
+        let mut rows = [
+            arg(&k.ptr),
+            arg(&v.ptr),
+            arg(&out.ptr),
+            arg(&dout.ptr),
+            arg(&saved.ptr),
+            arg(&workspace.ptr),
+            arg(&dq.ptr),
+            arg(&d[0]),
+            arg(&d[1]),
+            arg(&d[2]),
+            arg(&d[3]),
+            arg(&d[4]),
+            arg(&shape.scale),
+        ];
+        let name = device::kernel("dense_bwd_rows", t)?;
+        let grid = device::rows(shape.q_numel() / shape.head_dim as usize)?;
+        // SAFETY: dense_bwd_rows' parameters one for one; buffers checked against the shape.
+        unsafe { launch_in(&ATTENTION, &name, grid, ROW, stream, &mut rows)? };
+        let mut keys = [
+            arg(&q.ptr),
+            arg(&dout.ptr),
+            arg(&saved.ptr),
+            arg(&workspace.ptr),
+            arg(&dk.ptr),
+            arg(&dv.ptr),
+            arg(&d[0]),
+            arg(&d[1]),
+            arg(&d[2]),
+            arg(&d[3]),
+            arg(&d[4]),
+            arg(&shape.scale),
+        ];
+        let name = device::kernel("dense_bwd_keys", t)?;
+        let grid = device::rows(shape.kv_numel() / shape.head_dim as usize)?;
+        // SAFETY: dense_bwd_keys' parameters one for one; buffers checked against the shape.
+        unsafe { launch_in(&ATTENTION, &name, grid, ROW, stream, &mut keys) }
+    }
 }
+
+/// The checks and launch shapes of standard's device calls.
+#[cfg(feature = "cuda")]
+mod device {
+    use std::ffi::CString;
+
+    use ava_core::device::CudaBuf;
+    use ava_core::prelude::*;
+
+    /// The row kernels' largest head dimension (their shared memory).
+    const MAX_D: u32 = 256;
+
+    /// Checks q, k, v, the other query-shaped buffers, the segments and the saved
+    /// probabilities against `shape`; returns the element type of the call.
+    pub(super) fn check(
+        shape: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        segments: &CudaBuf,
+        like_q: &[(&str, &CudaBuf)],
+        saved: &CudaBuf,
+    ) -> Result<DType, PluginError> {
+        shape.validate()?;
+        if shape.head_dim > MAX_D {
+            return Err(PluginError::unsupported(format!(
+                "standard on the GPU takes head dimensions up to {MAX_D}, got {}",
+                shape.head_dim
+            )));
+        }
+        let t = q.dtype;
+        if !matches!(t, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(PluginError::invalid_input(format!("q is {}; f32, bf16 or f16 expected", t.as_str())));
+        }
+        q.expect("q", t, shape.q_numel())?;
+        k.expect("k", t, shape.kv_numel())?;
+        v.expect("v", t, shape.kv_numel())?;
+        for (what, b) in like_q {
+            b.expect(what, t, shape.q_numel())?;
+        }
+        if !segments.is_empty() {
+            segments.expect("segments", DType::U32, shape.batch as usize * shape.kv_len as usize)?;
+        }
+        let probabilities = shape.q_numel() / shape.head_dim as usize * shape.kv_len as usize;
+        saved.expect("saved", DType::F32, probabilities)?;
+        Ok(t)
+    }
+
+    /// (H, Hkv, Tq, Tk, D) as the kernels take them.
+    pub(super) fn dims(shape: &AttnShape) -> [i32; 5] {
+        [shape.q_heads, shape.kv_heads, shape.q_len, shape.kv_len, shape.head_dim].map(|d| d as i32)
+    }
+
+    /// A grid of one block per row, if it fits.
+    pub(super) fn rows(n: usize) -> Result<u32, PluginError> {
+        u32::try_from(n)
+            .ok()
+            .filter(|&r| r <= i32::MAX as u32)
+            .ok_or_else(|| PluginError::invalid_input(format!("{n} attention rows are more than one launch covers")))
+    }
+
+    /// The kernel of `base` for element type `t`.
+    pub(super) fn kernel(base: &str, t: DType) -> Result<CString, PluginError> {
+        CString::new(format!("{base}_{}", t.as_str())).map_err(|e| PluginError::internal(e.to_string()))
+    }
+}
+
+/// Threads per block of standard's row kernels.
+#[cfg(feature = "cuda")]
+const ROW: u32 = 128;
 
 inventory::submit! { crate::builtin::Builtin::attention::<Standard>() }
 

@@ -14,6 +14,12 @@
 //! the graph keeps the half inputs and output only. A kernel whose saved buffer tolerates
 //! rounding ([`AttentionKernel::saved_tolerates_half`]: standard's probabilities) has it held
 //! in the half type between the passes, widened back for its backward call.
+//!
+//! On a GPU (`cuda` feature, the model on a CUDA device) the op calls the kernel's
+//! `forward_cuda` and `backward_cuda` instead: q, k, v, the output and the gradients stay in
+//! the compute type in device memory, the saved buffer and each call's workspace are f32
+//! device buffers of the sizes the kernel declared, and the kernel launches on candle's
+//! stream. Nothing is copied to the host.
 
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
@@ -23,6 +29,8 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor, bail};
 
 use super::fused::{rounded, widened};
+#[cfg(feature = "cuda")]
+use candle_core::CudaStorage;
 
 /// Causal self-attention through `kernel`: q (B, H, T, D), k and v (B, Hkv, T, D), of one
 /// float type (the kernel computes in f32). Returns (B, H, T, D) in that type, and the
@@ -92,6 +100,9 @@ enum Saved {
     F32(Vec<f32>),
     Bf16(Vec<half::bf16>),
     F16(Vec<half::f16>),
+    /// On the GPU, as the kernel wrote it.
+    #[cfg(feature = "cuda")]
+    Cuda(candle_core::cuda::cudarc::driver::CudaSlice<f32>),
 }
 
 impl Saved {
@@ -106,12 +117,14 @@ impl Saved {
     }
 
     /// The f32 values for the backward call: moved, or widened into a buffer of their own.
-    fn into_f32(self) -> Vec<f32> {
-        match self {
+    fn into_f32(self) -> Result<Vec<f32>> {
+        Ok(match self {
             Saved::F32(v) => v,
             Saved::Bf16(v) => widened(&v),
             Saved::F16(v) => widened(&v),
-        }
+            #[cfg(feature = "cuda")]
+            Saved::Cuda(_) => bail!("attention: a GPU forward's saved buffer reached the CPU backward"),
+        })
     }
 }
 
@@ -177,6 +190,110 @@ impl AttentionOp {
         let len = self.kernel.workspace_len(&self.shape, pass, &self.ctx);
         Ok(vec![0f32; len.map_err(|e| self.plugin_error("workspace_len", e))? as usize])
     }
+
+    /// The context of a device call.
+    #[cfg(feature = "cuda")]
+    fn cuda_ctx(&self) -> KernelContext {
+        KernelContext { device: ava_core::Device::Cuda, ..self.ctx }
+    }
+
+    /// The f32 scratch the kernel declared for one `pass` device call, zero-filled.
+    #[cfg(feature = "cuda")]
+    fn cuda_workspace(
+        &self,
+        dev: &candle_core::CudaDevice,
+        pass: Pass,
+    ) -> Result<candle_core::cuda::cudarc::driver::CudaSlice<f32>> {
+        let len = self.kernel.workspace_len(&self.shape, pass, &self.cuda_ctx());
+        let len = len.map_err(|e| self.plugin_error("workspace_len", e))? as usize;
+        dev.alloc_zeros::<f32>(len.max(1))
+    }
+
+    /// The document ids on the device (B·T u32), or none.
+    #[cfg(feature = "cuda")]
+    fn cuda_segments(
+        &self,
+        dev: &candle_core::CudaDevice,
+    ) -> Result<Option<candle_core::cuda::cudarc::driver::CudaSlice<u32>>> {
+        self.segments.as_deref().map(|s| dev.clone_htod(s)).transpose()
+    }
+
+    /// Backward on the GPU: `backward_cuda` into fresh gradients of the inputs' type.
+    #[cfg(feature = "cuda")]
+    fn cuda_bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad_res: &Tensor,
+        saved: &candle_core::cuda::cudarc::driver::CudaSlice<f32>,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        use super::fused::{plugin_buf, plugin_stream, storage_buf, storage_tensor, zeros};
+        let _span = crate::profile::scope("backward: attention kernel");
+        let (q, k, v, res) = (q.contiguous()?, k.contiguous()?, v.contiguous()?, res.contiguous()?);
+        let grad_res = grad_res.to_dtype(q.dtype())?.contiguous()?;
+        let candle_core::Device::Cuda(dev) = q.device() else { bail!("attention: a GPU backward off the GPU") };
+        let stream = dev.cuda_stream();
+        let dtype = q.dtype();
+        let dq = zeros(dev, dtype, q.elem_count())?; // (B, H, T, D)
+        let dk = zeros(dev, dtype, k.elem_count())?; // (B, Hkv, T, D)
+        let dv = zeros(dev, dtype, v.elem_count())?; // (B, Hkv, T, D)
+        let workspace = self.cuda_workspace(dev, Pass::Backward)?; // freed on return
+        let segments = self.cuda_segments(dev)?; // (B·T,) u32
+        {
+            let (sq, lq) = q.storage_and_layout();
+            let (sk, lk) = k.storage_and_layout();
+            let (sv, lv) = v.storage_and_layout();
+            let (so, lo) = res.storage_and_layout();
+            let (sg, lg) = grad_res.storage_and_layout();
+            let (Storage::Cuda(sq), Storage::Cuda(sk), Storage::Cuda(sv), Storage::Cuda(so), Storage::Cuda(sg)) =
+                (&*sq, &*sk, &*sv, &*so, &*sg)
+            else {
+                bail!("attention: a GPU backward with an operand off the GPU")
+            };
+            let whole = |n: usize| Layout::contiguous(Shape::from(n));
+            let (bq, _g1) = storage_buf(sq, lq, &stream)?;
+            let (bk, _g2) = storage_buf(sk, lk, &stream)?;
+            let (bv, _g3) = storage_buf(sv, lv, &stream)?;
+            let (bo, _g4) = storage_buf(so, lo, &stream)?;
+            let (bg, _g5) = storage_buf(sg, lg, &stream)?;
+            let (bdq, _g6) = storage_buf(&dq, &whole(q.elem_count()), &stream)?;
+            let (bdk, _g7) = storage_buf(&dk, &whole(k.elem_count()), &stream)?;
+            let (bdv, _g8) = storage_buf(&dv, &whole(v.elem_count()), &stream)?;
+            let (bs, _g9) = plugin_buf(saved, 0, saved.len(), DType::F32, &stream)?;
+            let ws_len = self.kernel.workspace_len(&self.shape, Pass::Backward, &self.cuda_ctx()).unwrap_or(0) as usize;
+            let (bw, _g10) = plugin_buf(&workspace, 0, ws_len, DType::F32, &stream)?;
+            let seg = match &segments {
+                Some(s) => Some(plugin_buf(s, 0, s.len(), DType::U32, &stream)?),
+                None => None,
+            };
+            let bseg = seg.as_ref().map_or(ava_core::device::CudaBuf::empty(ava_core::DType::U32, bq.ordinal), |s| s.0);
+            self.kernel
+                .backward_cuda(
+                    &self.shape,
+                    &bq,
+                    &bk,
+                    &bv,
+                    &bseg,
+                    &bo,
+                    &bg,
+                    &bs,
+                    &bdq,
+                    &bdk,
+                    &bdv,
+                    &bw,
+                    &self.cuda_ctx(),
+                    &plugin_stream(dev),
+                )
+                .map_err(|e| self.plugin_error("backward_cuda", e))?;
+        }
+        Ok((
+            Some(storage_tensor(dq, q.shape().clone())),
+            Some(storage_tensor(dk, k.shape().clone())),
+            Some(storage_tensor(dv, v.shape().clone())),
+        ))
+    }
 }
 
 impl CustomOp3 for AttentionOp {
@@ -210,6 +327,47 @@ impl CustomOp3 for AttentionOp {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        use super::fused::{plugin_buf, plugin_stream, storage_buf, zeros};
+        let dev = s1.device().clone();
+        let stream = dev.cuda_stream();
+        let saved_len = self.kernel.saved_len(&self.shape).map_err(|e| self.plugin_error("saved_len", e))? as usize;
+        let n = self.shape.q_numel();
+        let out = zeros(&dev, s1.dtype(), n)?; // (B, H, T, D) in q's type
+        let saved = dev.alloc_zeros::<f32>(saved_len.max(1))?; // e.g. (B, H, T) logsumexp
+        let workspace = self.cuda_workspace(&dev, Pass::Forward)?; // freed on return
+        let segments = self.cuda_segments(&dev)?; // (B·T,) u32
+        {
+            let (bq, _g1) = storage_buf(s1, l1, &stream)?;
+            let (bk, _g2) = storage_buf(s2, l2, &stream)?;
+            let (bv, _g3) = storage_buf(s3, l3, &stream)?;
+            let (bo, _g4) = storage_buf(&out, &Layout::contiguous(Shape::from(n)), &stream)?;
+            let (bs, _g5) = plugin_buf(&saved, 0, saved_len, DType::F32, &stream)?;
+            let ws_len = self.kernel.workspace_len(&self.shape, Pass::Forward, &self.cuda_ctx()).unwrap_or(0) as usize;
+            let (bw, _g6) = plugin_buf(&workspace, 0, ws_len, DType::F32, &stream)?;
+            let seg = match &segments {
+                Some(s) => Some(plugin_buf(s, 0, s.len(), DType::U32, &stream)?),
+                None => None,
+            };
+            let bseg = seg.as_ref().map_or(ava_core::device::CudaBuf::empty(ava_core::DType::U32, bq.ordinal), |s| s.0);
+            self.kernel
+                .forward_cuda(&self.shape, &bq, &bk, &bv, &bseg, &bo, &bs, &bw, &self.cuda_ctx(), &plugin_stream(&dev))
+                .map_err(|e| self.plugin_error("forward_cuda", e))?;
+        }
+        drop(workspace);
+        *self.saved.lock().expect("attention op lock") = Some(Saved::Cuda(saved));
+        Ok((out, l1.shape().clone()))
+    }
+
     fn bwd(
         &self,
         q: &Tensor,
@@ -225,7 +383,11 @@ impl CustomOp3 for AttentionOp {
             bail!("attention kernel '{}': backward ran twice over one forward (its saved buffer is gone)", self.name);
         };
         let _span = crate::profile::scope("backward: attention kernel");
-        let saved = saved.into_f32(); // (saved_len,) f32, the half copy freed once widened
+        #[cfg(feature = "cuda")]
+        if let Saved::Cuda(saved) = saved {
+            return self.cuda_bwd(q, k, v, res, grad_res, &saved);
+        }
+        let saved = saved.into_f32()?; // (saved_len,) f32, the half copy freed once widened
         let mut dq = vec![0f32; q.elem_count()]; // (B, H, T, D)
         let mut dk = vec![0f32; k.elem_count()]; // (B, Hkv, T, D)
         let mut dv = vec![0f32; v.elem_count()]; // (B, Hkv, T, D)

@@ -88,7 +88,10 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     if logits.dtype() == DType::F64 {
         return cross_entropy_composed(logits, targets);
     }
-    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    // On the GPU the kernel reads the logits in their own type and computes in f32, so no f32
+    // copy of the (N, V) logits is made; on the CPU they are widened first.
+    let logits =
+        if logits.device().is_cuda() { logits.contiguous()? } else { logits.to_dtype(DType::F32)?.contiguous()? };
     let (n, _) = logits.dims2()?;
     if targets.len() != n {
         bail!("cross_entropy: {} targets for {n} rows", targets.len());
@@ -142,8 +145,22 @@ impl CustomOp1 for CrossEntropy {
         Ok((CpuStorage::F32(out), Shape::from(n)))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let n = layout.shape().dims2()?.0;
+        Ok((crate::model::fused::cross_entropy_fwd(storage, layout, &self.targets)?, Shape::from(n)))
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         let _span = crate::profile::scope("backward: cross-entropy");
+        #[cfg(feature = "cuda")]
+        if arg.device().is_cuda() {
+            return Ok(Some(crate::model::fused::cross_entropy_bwd(arg, &self.targets, grad_res)?));
+        }
         let (n, v) = arg.dims2()?;
         let logits = arg.detach().contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         let grad_rows = grad_res.detach().to_dtype(DType::F32)?.to_vec1::<f32>()?;

@@ -27,6 +27,8 @@ pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
     use DType::{BF16, F16, F32};
     match (x.dtype(), dtype) {
         (from, to) if from == to => Ok(x.clone()),
+        // candle's own cast kernel, round to nearest even as here.
+        _ if x.device().is_cuda() => x.to_dtype(dtype),
         (F32, BF16 | F16) | (BF16 | F16, F32) => x.contiguous()?.apply_op1(Cast { to: dtype }),
         _ => x.to_dtype(dtype),
     }
@@ -39,7 +41,7 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         bail!("add: shapes {:?} and {:?} differ", a.dims(), b.dims());
     }
     match a.dtype() {
-        DType::BF16 | DType::F16 => a.contiguous()?.apply_op2(&b.contiguous()?, Add),
+        DType::BF16 | DType::F16 if !a.device().is_cuda() => a.contiguous()?.apply_op2(&b.contiguous()?, Add),
         _ => a + b,
     }
 }

@@ -42,6 +42,10 @@ pub fn linear(x: &Tensor, w: &Tensor, threads: usize) -> Result<Tensor> {
     if x.dtype() != w.dtype() {
         bail!("linear: input is {:?} but the weight is {:?}", x.dtype(), w.dtype());
     }
+    if x.device().is_cuda() {
+        // cuBLAS through candle (f32 accumulation for bf16/f16), differentiated by candle.
+        return x.matmul(&w.t()?);
+    }
     x.contiguous()?.apply_op2(&w.contiguous()?, Linear { threads: threads.max(1) })
 }
 

@@ -18,8 +18,15 @@
 //! add partial sums in a fixed order; the linear op splits rows, which leaves each element's
 //! summation unchanged. Either way the results do not depend on the thread count. The
 //! composed forms in `ops` stay as the reference the tests compare against.
+//!
+//! With the `cuda` feature each op also runs on an NVIDIA GPU: its `cuda_fwd` and the device
+//! branch of its backward launch the kernels of `kernels/fused.cu` (module `cuda`), the same
+//! math in the same types; the linear layer goes to cuBLAS through candle's matmul (f32
+//! accumulation for bf16/f16), and the cast and the residual addition to candle's own kernels.
 
 mod convert;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod linear;
 mod norm;
 mod rope;
@@ -42,6 +49,14 @@ pub use norm::rms_norm;
 pub use rope::{RopeTables, merge_heads, split_heads};
 pub(crate) use stored::{Stored, with_stored};
 pub use swiglu::swiglu_gate;
+
+#[cfg(feature = "cuda")]
+pub use cuda::round_stochastic;
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::{
+    TableCache, cross_entropy_bwd, cross_entropy_fwd, plugin_buf, plugin_stream, round_stochastic_storage, storage_buf,
+    storage_tensor, widen_storage, zeros,
+};
 
 /// The element types the fused ops compute in.
 pub(crate) trait Real: WithDType + num_traits::Float + std::ops::AddAssign + Send + Sync {

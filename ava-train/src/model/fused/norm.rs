@@ -117,8 +117,27 @@ impl CustomOp2 for RmsNorm {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if s1.dtype() != s2.dtype() {
+            bail!("rms-norm: inputs of {:?} and {:?} (both must have one type)", s1.dtype(), s2.dtype());
+        }
+        Ok((super::cuda::rms_norm_fwd(s1, l1, s2, l2, self.eps)?, l1.shape().clone()))
+    }
+
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let _span = crate::profile::scope("backward: rms_norm");
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let (dx, dw) = super::cuda::rms_norm_bwd(x, w, &g.to_dtype(x.dtype())?, self.eps)?;
+            return Ok((Some(dx), Some(dw)));
+        }
         fn run<S: Stored>(
             op: &RmsNorm,
             x: &Tensor,

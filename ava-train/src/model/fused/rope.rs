@@ -31,6 +31,9 @@ pub struct RopeTables {
     sin32: Vec<f32>, // (T, D)
     cos64: Vec<f64>, // (T, D)
     sin64: Vec<f64>, // (T, D)
+    /// The f32 tables' copy on the GPU, made on first use there.
+    #[cfg(feature = "cuda")]
+    on_device: super::TableCache,
 }
 
 impl RopeTables {
@@ -51,7 +54,28 @@ impl RopeTables {
         }
         let cos32 = cos64.iter().map(|&v| v as f32).collect();
         let sin32 = sin64.iter().map(|&v| v as f32).collect();
-        Ok(Arc::new(Self { seq, head_dim, cos32, sin32, cos64, sin64 }))
+        Ok(Arc::new(Self {
+            seq,
+            head_dim,
+            cos32,
+            sin32,
+            cos64,
+            sin64,
+            #[cfg(feature = "cuda")]
+            on_device: Default::default(),
+        }))
+    }
+
+    /// The f32 tables (cos, sin), (T, D) each.
+    #[cfg(feature = "cuda")]
+    pub(super) fn f32_tables(&self) -> (&[f32], &[f32]) {
+        (&self.cos32, &self.sin32)
+    }
+
+    /// Where the GPU copy of the tables is kept.
+    #[cfg(feature = "cuda")]
+    pub(super) fn device_cache(&self) -> &super::TableCache {
+        &self.on_device
     }
 
     /// Positions covered.
@@ -231,6 +255,21 @@ impl Heads {
             Dir::Merge => Dir::Split,
         }
     }
+
+    /// This op's move towards `to` for the GPU kernel.
+    #[cfg(feature = "cuda")]
+    fn device_move(&self, to: Dir, transposed: bool) -> super::cuda::HeadsMove<'_> {
+        super::cuda::HeadsMove {
+            b: self.b,
+            c: self.c,
+            t: self.t,
+            d: self.d,
+            merge: to == Dir::Merge,
+            transposed,
+            rope: self.rope.as_deref(),
+            positions: self.positions.as_deref(),
+        }
+    }
 }
 
 impl CustomOp1 for Heads {
@@ -249,10 +288,24 @@ impl CustomOp1 for Heads {
         Ok((out, self.out_shape(self.dir)))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        storage: &candle_core::CudaStorage,
+        layout: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = super::cuda::heads(storage, layout, &self.device_move(self.dir, false))?;
+        Ok((out, self.out_shape(self.dir)))
+    }
+
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let _span = crate::profile::scope("backward: heads split/merge + rope");
         let back = self.other();
         let grad = grad.to_dtype(arg.dtype())?;
+        #[cfg(feature = "cuda")]
+        if arg.device().is_cuda() {
+            return Ok(Some(super::cuda::heads_tensor(&grad, &self.device_move(back, true), self.out_shape(back))?));
+        }
         let dx = with_stored!(arg.dtype(), self.name(), |S| {
             let v = with_values::<S, _>(&grad, self.name(), |g| Ok(self.run::<S, _>(g, back, true)))?;
             Tensor::from_vec(v, self.out_shape(back), arg.device())?

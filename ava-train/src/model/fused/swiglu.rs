@@ -83,8 +83,27 @@ impl CustomOp2 for SwiGlu {
         Ok((out, l1.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if s1.dtype() != s2.dtype() {
+            bail!("swiglu: inputs of {:?} and {:?} (both must have one type)", s1.dtype(), s2.dtype());
+        }
+        Ok((super::cuda::swiglu_fwd(s1, l1, s2, l2)?, l1.shape().clone()))
+    }
+
     fn bwd(&self, g: &Tensor, u: &Tensor, _h: &Tensor, dh: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let _span = crate::profile::scope("backward: swiglu");
+        #[cfg(feature = "cuda")]
+        if g.device().is_cuda() {
+            let (dg, du) = super::cuda::swiglu_bwd(g, u, &dh.to_dtype(g.dtype())?)?;
+            return Ok((Some(dg), Some(du)));
+        }
         fn run<S: Stored>(g: &Tensor, u: &Tensor, dh: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
             let dh = dh.to_dtype(S::DTYPE)?;
             let (dg, du) = with_values::<S, _>(g, "swiglu", |gv| {

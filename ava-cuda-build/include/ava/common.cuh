@@ -1,0 +1,54 @@
+// Device helpers every Ava kernel file shares (`#include <ava/common.cuh>`; ava-cuda-build
+// puts this directory on nvcc's include path): loads that widen the stored type to f32,
+// stores that round once to nearest (ties to even), and block-wide reductions.
+
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+typedef __nv_bfloat16 bf16;
+typedef __half f16;
+
+__device__ __forceinline__ float load(float v) { return v; }
+__device__ __forceinline__ float load(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float load(f16 v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T store(float v);
+template <> __device__ __forceinline__ float store<float>(float v) { return v; }
+template <> __device__ __forceinline__ bf16 store<bf16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ f16 store<f16>(float v) { return __float2half_rn(v); }
+
+// The sum of `v` over the block, returned to every thread. blockDim.x a multiple of 32, at
+// most 1024; `scratch` holds 32 floats. Lanes and warps are added in a fixed order.
+__device__ __forceinline__ float block_sum(float v, float *scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    __syncthreads(); // the previous call's readers are done with scratch
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < warps ? scratch[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) scratch[0] = s;
+    }
+    __syncthreads();
+    return scratch[0];
+}
+
+// The maximum of `v` over the block, returned to every thread (as block_sum).
+__device__ __forceinline__ float block_max(float v, float *scratch) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < warps ? scratch[lane] : -INFINITY;
+        for (int o = 16; o > 0; o >>= 1) s = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, o));
+        if (lane == 0) scratch[0] = s;
+    }
+    __syncthreads();
+    return scratch[0];
+}

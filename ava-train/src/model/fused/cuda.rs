@@ -1,0 +1,552 @@
+//! The fused ops on an NVIDIA GPU (`cuda` feature): the kernels of `kernels/fused.cu`, built
+//! to PTX by the build script, loaded once per device through candle's module cache and
+//! launched on candle's stream, so they order with candle's own work without a sync.
+//!
+//! Each function here is one op's device half: the `cuda_fwd` of its custom op, or the
+//! device branch of its backward. The math is the CPU op's (the kernel file says which);
+//! inputs arrive contiguous (the public functions make them so) and outputs are fresh
+//! buffers of the op's output shape. A type other than f32, bf16 and f16 (the gradient
+//! checks' f64) is refused by name: those checks run on the CPU.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda::cudarc::driver::{
+    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
+};
+use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, DeviceId, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{DType, Layout, Result, Shape, Storage, Tensor, bail};
+
+use super::rope::RopeTables;
+
+/// kernels/fused.cu as PTX.
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
+
+/// The name candle caches the loaded module under.
+const MODULE: &str = "ava-fused";
+
+/// Threads per block of the row kernels (RMSNorm, cross-entropy): one block per row.
+const ROW_THREADS: u32 = 256;
+
+/// Threads per block of the element-wise kernels.
+const ELEMENT_THREADS: u32 = 256;
+
+/// Rows one block of RMSNorm's backward walks, adding their share of dw: the partial sums are
+/// (blocks, d) f32, added in block order by `column_sums`.
+const NORM_BWD_ROWS: usize = 64;
+
+/// Runs `$body` with `$t` the Rust element type of `$dtype` and `$s` its kernel suffix.
+macro_rules! by_type {
+    ($dtype:expr, $op:expr, |$t:ident, $s:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                let $s = "f32";
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                let $s = "bf16";
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                let $s = "f16";
+                $body
+            }
+            other => bail!("{}: {other:?} has no CUDA kernel (f32, bf16 and f16 do; f64 is for the CPU's checks)", $op),
+        }
+    };
+}
+
+/// A launch of `n` threads, `threads` a block.
+fn spread(n: usize, threads: u32) -> Result<LaunchConfig> {
+    let blocks = n.div_ceil(threads as usize);
+    if blocks > i32::MAX as usize {
+        bail!("a kernel launch of {n} threads exceeds the grid");
+    }
+    Ok(LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 })
+}
+
+/// One block of `threads` per row.
+fn per_row(rows: usize, threads: u32) -> Result<LaunchConfig> {
+    if rows > i32::MAX as usize {
+        bail!("a kernel launch of {rows} rows exceeds the grid");
+    }
+    Ok(LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 })
+}
+
+/// An `i32` kernel argument.
+fn int(n: usize, what: &str) -> Result<i32> {
+    i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("{what} of {n} is beyond the kernels' 32-bit sizes")))
+}
+
+/// The contiguous elements of `s` that `l` describes.
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, op: &str) -> Result<CudaView<'a, T>> {
+    let Some((start, end)) = l.contiguous_offsets() else { bail!("{op}: input is not contiguous") };
+    Ok(s.as_cuda_slice::<T>()?.slice(start..end))
+}
+
+/// A fresh device buffer of `len` elements; the kernel that follows writes all of them.
+fn uninit<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+    // SAFETY: every caller launches a kernel that writes each element before anything reads it.
+    unsafe { dev.alloc::<T>(len.max(1)) }
+}
+
+/// A tensor (no graph) over a device buffer.
+fn tensor<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+    Tensor::from_storage(
+        Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())),
+        shape,
+        BackpropOp::none(),
+        false,
+    )
+}
+
+/// Runs `f` on a tensor's device storage and layout (made contiguous first).
+fn with_cuda<R>(t: &Tensor, op: &str, f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(s) = &*storage else { bail!("{op}: a tensor is not on the GPU") };
+    f(s, layout)
+}
+
+// ---- RMSNorm ----
+
+/// `y = x · r · w` row by row: x (N, d), w (d,).
+pub(super) fn rms_norm_fwd(
+    x: &CudaStorage,
+    lx: &Layout,
+    w: &CudaStorage,
+    lw: &Layout,
+    eps: f64,
+) -> Result<CudaStorage> {
+    let dev = x.device();
+    let d = lw.shape().elem_count();
+    let n = lx.shape().elem_count();
+    let rows = n / d.max(1);
+    by_type!(x.dtype(), "rms-norm", |T, s| {
+        let (xv, wv) = (view::<T>(x, lx, "rms-norm")?, view::<T>(w, lw, "rms-norm")?);
+        let mut y = uninit::<T>(dev, n)?; // (N, d)
+        if rows > 0 {
+            let f = dev.get_or_load_custom_func(&format!("rms_norm_fwd_{s}"), MODULE, PTX)?;
+            let (di, eps) = (int(d, "a row")?, eps as f32);
+            let mut b = f.builder();
+            b.arg(&xv).arg(&wv).arg(&mut y).arg(&di).arg(&eps);
+            // SAFETY: the arguments match rms_norm_fwd's signature; x and y hold rows·d.
+            unsafe { b.launch(per_row(rows, ROW_THREADS)?) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
+    })
+}
+
+/// (dx, dw) of RMSNorm for x (N, d), w (d,) and the incoming gradient g (N, d).
+pub(super) fn rms_norm_bwd(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let d = w.elem_count();
+    let rows = x.elem_count() / d.max(1);
+    let blocks = rows.div_ceil(NORM_BWD_ROWS).max(1);
+    with_cuda(x, "rms-norm", |xs, lx| {
+        with_cuda(w, "rms-norm", |ws, lw| {
+            with_cuda(g, "rms-norm", |gs, lg| {
+                let dev = xs.device();
+                by_type!(xs.dtype(), "rms-norm", |T, s| {
+                    let (xv, wv, gv) = (
+                        view::<T>(xs, lx, "rms-norm")?,
+                        view::<T>(ws, lw, "rms-norm")?,
+                        view::<T>(gs, lg, "rms-norm")?,
+                    );
+                    let mut dx = uninit::<T>(dev, rows * d)?; // (N, d)
+                    let mut partial = uninit::<f32>(dev, blocks * d)?; // (blocks, d) f32
+                    let mut dw = uninit::<T>(dev, d)?; // (d,)
+                    let (ri, di, eps, per) = (int(rows, "rows")?, int(d, "a row")?, eps as f32, NORM_BWD_ROWS as i32);
+                    if rows > 0 {
+                        let f = dev.get_or_load_custom_func(&format!("rms_norm_bwd_{s}"), MODULE, PTX)?;
+                        let mut b = f.builder();
+                        b.arg(&xv)
+                            .arg(&wv)
+                            .arg(&gv)
+                            .arg(&mut dx)
+                            .arg(&mut partial)
+                            .arg(&ri)
+                            .arg(&di)
+                            .arg(&eps)
+                            .arg(&per);
+                        // SAFETY: rms_norm_bwd's signature; partial holds blocks·d f32.
+                        unsafe { b.launch(per_row(blocks, ROW_THREADS)?) }.w()?;
+                    }
+                    let bi = int(if rows > 0 { blocks } else { 0 }, "blocks")?;
+                    let f = dev.get_or_load_custom_func(&format!("column_sums_{s}"), MODULE, PTX)?;
+                    let mut b = f.builder();
+                    b.arg(&partial).arg(&mut dw).arg(&bi).arg(&di);
+                    // SAFETY: column_sums' signature; one thread per column of d.
+                    unsafe { b.launch(spread(d, ELEMENT_THREADS)?) }.w()?;
+                    Ok((tensor(dx, dev, x.shape().clone()), tensor(dw, dev, w.shape().clone())))
+                })
+            })
+        })
+    })
+}
+
+// ---- SwiGLU ----
+
+/// `silu(g) ∘ u` element by element.
+pub(super) fn swiglu_fwd(g: &CudaStorage, lg: &Layout, u: &CudaStorage, lu: &Layout) -> Result<CudaStorage> {
+    let dev = g.device();
+    let n = lg.shape().elem_count();
+    by_type!(g.dtype(), "swiglu", |T, s| {
+        let (gv, uv) = (view::<T>(g, lg, "swiglu")?, view::<T>(u, lu, "swiglu")?);
+        let mut h = uninit::<T>(dev, n)?; // (N, F)
+        if n > 0 {
+            let f = dev.get_or_load_custom_func(&format!("swiglu_fwd_{s}"), MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&gv).arg(&uv).arg(&mut h).arg(&n);
+            // SAFETY: swiglu_fwd's signature; all three hold n elements.
+            unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(h, dev.clone()))
+    })
+}
+
+/// (dg, du) of the SwiGLU gate for the incoming gradient dh.
+pub(super) fn swiglu_bwd(g: &Tensor, u: &Tensor, dh: &Tensor) -> Result<(Tensor, Tensor)> {
+    let n = g.elem_count();
+    with_cuda(g, "swiglu", |gs, lg| {
+        with_cuda(u, "swiglu", |us, lu| {
+            with_cuda(dh, "swiglu", |hs, lh| {
+                let dev = gs.device();
+                by_type!(gs.dtype(), "swiglu", |T, s| {
+                    let (gv, uv, hv) =
+                        (view::<T>(gs, lg, "swiglu")?, view::<T>(us, lu, "swiglu")?, view::<T>(hs, lh, "swiglu")?);
+                    let mut dg = uninit::<T>(dev, n)?; // (N, F)
+                    let mut du = uninit::<T>(dev, n)?; // (N, F)
+                    if n > 0 {
+                        let f = dev.get_or_load_custom_func(&format!("swiglu_bwd_{s}"), MODULE, PTX)?;
+                        let mut b = f.builder();
+                        b.arg(&gv).arg(&uv).arg(&hv).arg(&mut dg).arg(&mut du).arg(&n);
+                        // SAFETY: swiglu_bwd's signature; all five hold n elements.
+                        unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
+                    }
+                    Ok((tensor(dg, dev, g.shape().clone()), tensor(du, dev, u.shape().clone())))
+                })
+            })
+        })
+    })
+}
+
+// ---- heads split/merge with the rotary embedding ----
+
+/// The rotary tables (cos, sin) on a device, (P, D) f32 each.
+type DeviceTables = Arc<(CudaSlice<f32>, CudaSlice<f32>)>;
+
+/// The rotary tables' device copy, made on first use and kept with the tables (one device:
+/// a run trains on one GPU).
+#[derive(Default)]
+pub(crate) struct TableCache(Mutex<Option<(DeviceId, DeviceTables)>>);
+
+impl std::fmt::Debug for TableCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TableCache")
+    }
+}
+
+/// The f32 tables (cos, sin) of `rope` on `dev`, uploaded once.
+fn device_tables(rope: &RopeTables, dev: &CudaDevice) -> Result<DeviceTables> {
+    let mut cache = rope.device_cache().0.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((id, t)) = cache.as_ref() {
+        if *id == dev.id() {
+            return Ok(t.clone());
+        }
+    }
+    let (cos, sin) = rope.f32_tables();
+    let t = Arc::new((dev.clone_htod(cos)?, dev.clone_htod(sin)?)); // (P, D) each
+    *cache = Some((dev.id(), t.clone()));
+    Ok(t)
+}
+
+/// The shape and rotation of one heads move (see `rope.rs`).
+pub(super) struct HeadsMove<'a> {
+    pub b: usize,
+    pub c: usize,
+    pub t: usize,
+    pub d: usize,
+    /// (B, C, T, D) → (B·T, C·D); else the split.
+    pub merge: bool,
+    /// The transposed rotation (backward).
+    pub transposed: bool,
+    pub rope: Option<&'a RopeTables>,
+    /// (B·T,) each token's position; `None`: its index t.
+    pub positions: Option<&'a [u32]>,
+}
+
+/// Moves `src` (B·T·C·D elements) as `m` says, rotating when it has tables.
+pub(super) fn heads(src: &CudaStorage, l: &Layout, m: &HeadsMove<'_>) -> Result<CudaStorage> {
+    let dev = src.device();
+    let n = m.b * m.c * m.t * m.d;
+    let tables = m.rope.map(|r| device_tables(r, dev)).transpose()?;
+    let positions = m.positions.map(|p| dev.clone_htod(p)).transpose()?; // (B·T,) u32
+    let threads = if tables.is_some() { n / 2 } else { n };
+    by_type!(src.dtype(), "heads", |T, s| {
+        let sv = view::<T>(src, l, "heads")?;
+        let mut dst = uninit::<T>(dev, n)?;
+        if n > 0 {
+            let f = dev.get_or_load_custom_func(&format!("heads_{s}"), MODULE, PTX)?;
+            let null = 0u64; // a null device pointer: no tables, or positions t
+            let dims = [int(m.b, "batch")?, int(m.c, "heads")?, int(m.t, "tokens")?, int(m.d, "head size")?];
+            let (merge, transposed) = (i32::from(m.merge), i32::from(m.transposed));
+            let mut b = f.builder();
+            b.arg(&sv).arg(&mut dst);
+            match &tables {
+                Some(t) => b.arg(&t.0).arg(&t.1),
+                None => b.arg(&null).arg(&null),
+            };
+            match &positions {
+                Some(p) => b.arg(p),
+                None => b.arg(&null),
+            };
+            b.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&dims[3]).arg(&merge).arg(&transposed);
+            // SAFETY: heads' signature (pointers are 64-bit, so the null stands for one); the
+            // tables hold every position below their length, which split_heads checked.
+            unsafe { b.launch(spread(threads, ELEMENT_THREADS)?) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
+    })
+}
+
+/// [`heads`] on a tensor (backward's gradient), giving a tensor of `shape`.
+pub(super) fn heads_tensor(src: &Tensor, m: &HeadsMove<'_>, shape: Shape) -> Result<Tensor> {
+    with_cuda(src, "heads", |s, l| {
+        let out = heads(s, l, m)?;
+        Ok(Tensor::from_storage(Storage::Cuda(out), shape, BackpropOp::none(), false))
+    })
+}
+
+// ---- cross-entropy ----
+
+/// Fails unless every target is a row of the vocabulary (the kernel indexes by it).
+fn check_targets(targets: &[u32], v: usize) -> Result<()> {
+    if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
+        bail!("cross-entropy: target token {t} is outside the vocabulary of {v}");
+    }
+    Ok(())
+}
+
+/// Each row's `logsumexp − logit[target]` (N,) f32, from logits (N, V) of their stored type.
+pub(crate) fn cross_entropy_fwd(logits: &CudaStorage, l: &Layout, targets: &[u32]) -> Result<CudaStorage> {
+    let dev = logits.device();
+    let (n, v) = l.shape().dims2()?;
+    if targets.len() != n {
+        bail!("cross-entropy: {} targets for {n} rows", targets.len());
+    }
+    check_targets(targets, v)?;
+    by_type!(logits.dtype(), "cross-entropy", |T, s| {
+        let lv = view::<T>(logits, l, "cross-entropy")?;
+        let tv = dev.clone_htod(targets)?; // (N,) u32
+        let mut loss = uninit::<f32>(dev, n)?; // (N,)
+        if n > 0 {
+            let f = dev.get_or_load_custom_func(&format!("cross_entropy_fwd_{s}"), MODULE, PTX)?;
+            let vi = int(v, "the vocabulary")?;
+            let mut b = f.builder();
+            b.arg(&lv).arg(&tv).arg(&mut loss).arg(&vi);
+            // SAFETY: cross_entropy_fwd's signature; targets are below V (checked).
+            unsafe { b.launch(per_row(n, ROW_THREADS)?) }.w()?;
+        }
+        Ok(CudaStorage::wrap_cuda_slice(loss, dev.clone()))
+    })
+}
+
+/// The logits' gradient `(softmax − onehot) · grad_rows`, in the logits' type.
+pub(crate) fn cross_entropy_bwd(logits: &Tensor, targets: &[u32], grad_rows: &Tensor) -> Result<Tensor> {
+    let (n, v) = logits.dims2()?;
+    check_targets(targets, v)?;
+    let grad_rows = grad_rows.to_dtype(DType::F32)?;
+    with_cuda(logits, "cross-entropy", |ls, ll| {
+        with_cuda(&grad_rows, "cross-entropy", |gs, lg| {
+            let dev = ls.device();
+            by_type!(ls.dtype(), "cross-entropy", |T, s| {
+                let (lv, gv) = (view::<T>(ls, ll, "cross-entropy")?, view::<f32>(gs, lg, "cross-entropy")?);
+                let tv = dev.clone_htod(targets)?; // (N,) u32
+                let mut grad = uninit::<T>(dev, n * v)?; // (N, V)
+                if n > 0 {
+                    let f = dev.get_or_load_custom_func(&format!("cross_entropy_bwd_{s}"), MODULE, PTX)?;
+                    let vi = int(v, "the vocabulary")?;
+                    let mut b = f.builder();
+                    b.arg(&lv).arg(&tv).arg(&gv).arg(&mut grad).arg(&vi);
+                    // SAFETY: cross_entropy_bwd's signature; targets are below V (checked).
+                    unsafe { b.launch(per_row(n, ROW_THREADS)?) }.w()?;
+                }
+                Ok(tensor(grad, dev, (n, v)))
+            })
+        })
+    })
+}
+
+// ---- stochastic rounding ----
+
+/// `values` (f32, on the GPU) rounded stochastically to `dtype` (bf16 or f16) with the
+/// random bits of (seed, index): the same bits, so the same result, as
+/// `train::rounding::round_stochastic` on the CPU.
+pub fn round_stochastic(values: &Tensor, dtype: DType, seed: u64) -> Result<Tensor> {
+    if values.dtype() != DType::F32 {
+        bail!("stochastic rounding: values are {:?}, f32 expected", values.dtype());
+    }
+    with_cuda(values, "stochastic rounding", |vs, l| {
+        let dev = vs.device();
+        let xv = view::<f32>(vs, l, "stochastic rounding")?;
+        let shape = values.shape().clone();
+        match dtype {
+            DType::BF16 => Ok(tensor(round_into::<half::bf16>(dev, &xv, "round_stochastic_bf16", seed)?, dev, shape)),
+            DType::F16 => Ok(tensor(round_into::<half::f16>(dev, &xv, "round_stochastic_f16", seed)?, dev, shape)),
+            other => bail!("stochastic rounding: to {other:?}; bf16 or f16 expected"),
+        }
+    })
+}
+
+/// The launch of [`round_stochastic`] into a fresh buffer of `H`.
+fn round_into<H: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    x: &CudaView<'_, f32>,
+    name: &str,
+    seed: u64,
+) -> Result<CudaSlice<H>> {
+    let n = x.len();
+    let mut out = uninit::<H>(dev, n)?; // (n,)
+    if n > 0 {
+        let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(x).arg(&mut out).arg(&n).arg(&seed);
+        // SAFETY: round_stochastic_*'s signature; in and out hold n elements.
+        unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
+    }
+    Ok(out)
+}
+
+/// A half storage's values (bf16/f16, contiguous as `l` places them) widened into a fresh
+/// f32 buffer: the optimizer steps f32 values.
+pub(crate) fn widen_storage(s: &CudaStorage, l: &Layout) -> Result<CudaSlice<f32>> {
+    fn widen<H: CudaDType + DeviceRepr>(s: &CudaStorage, l: &Layout, name: &str) -> Result<CudaSlice<f32>> {
+        let dev = s.device();
+        let x = view::<H>(s, l, "widen")?;
+        let n = x.len();
+        let mut out = uninit::<f32>(dev, n)?; // (n,)
+        if n > 0 {
+            let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&x).arg(&mut out).arg(&n);
+            // SAFETY: widen_*'s signature; in and out hold n elements.
+            unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
+        }
+        Ok(out)
+    }
+    match s.dtype() {
+        DType::BF16 => widen::<half::bf16>(s, l, "widen_bf16"),
+        DType::F16 => widen::<half::f16>(s, l, "widen_f16"),
+        other => bail!("widen: {other:?} is not a half type"),
+    }
+}
+
+/// `x` (f32) rounded stochastically into the half storage `s` in place (the elements `l`
+/// places), with the bits of (seed, index) the CPU draws.
+pub(crate) fn round_stochastic_storage(x: &CudaSlice<f32>, s: &mut CudaStorage, l: &Layout, seed: u64) -> Result<()> {
+    fn round<H: CudaDType + DeviceRepr>(
+        x: &CudaSlice<f32>,
+        s: &mut CudaStorage,
+        l: &Layout,
+        seed: u64,
+        name: &str,
+    ) -> Result<()> {
+        let Some((start, end)) = l.contiguous_offsets() else { bail!("stochastic rounding: parameter not contiguous") };
+        let n = end - start;
+        if x.len() != n {
+            bail!("stochastic rounding: {} values for {n} elements", x.len());
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let dev = s.device().clone();
+        let mut out = s.as_cuda_slice_mut::<H>()?.slice_mut(start..end); // (n,) the parameter
+        let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(x).arg(&mut out).arg(&n).arg(&seed);
+        // SAFETY: round_stochastic_*'s signature; x and the parameter's elements are n long.
+        unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
+        Ok(())
+    }
+    match s.dtype() {
+        DType::BF16 => round::<half::bf16>(x, s, l, seed, "round_stochastic_bf16"),
+        DType::F16 => round::<half::f16>(x, s, l, seed, "round_stochastic_f16"),
+        other => bail!("stochastic rounding: into {other:?}; bf16 or f16 expected"),
+    }
+}
+
+// ---- buffers handed to plugins (the contract's device calls) ----
+
+/// The stream a plugin's device call launches on: candle's own, so the plugin's work is
+/// ordered with the engine's without a synchronization.
+pub(crate) fn plugin_stream(dev: &CudaDevice) -> ava_core::device::CudaStream {
+    let s = dev.cuda_stream();
+    ava_core::device::CudaStream { handle: s.cu_stream() as u64, ordinal: s.context().ordinal() as u32 }
+}
+
+/// The contract's element type for a candle type.
+fn plugin_dtype(dtype: DType) -> Result<ava_core::DType> {
+    Ok(match dtype {
+        DType::F32 => ava_core::DType::F32,
+        DType::BF16 => ava_core::DType::BF16,
+        DType::F16 => ava_core::DType::F16,
+        DType::U32 => ava_core::DType::U32,
+        DType::U8 => ava_core::DType::U8,
+        DType::F64 => ava_core::DType::F64,
+        other => bail!("{other:?} buffers cannot be handed to a plugin"),
+    })
+}
+
+/// `len` elements of `slice` from element `start` as the contract's buffer, with the guard
+/// that records the plugin's use on candle's stream when dropped: keep it until the plugin
+/// call has returned.
+pub(crate) fn plugin_buf<'a, T: DeviceRepr>(
+    slice: &'a CudaSlice<T>,
+    start: usize,
+    len: usize,
+    dtype: DType,
+    stream: &'a Arc<candle_core::cuda::cudarc::driver::CudaStream>,
+) -> Result<(ava_core::device::CudaBuf, SyncOnDrop<'a>)> {
+    if start + len > slice.len() {
+        bail!("a plugin buffer of {len} elements from {start} is outside its allocation of {}", slice.len());
+    }
+    let (ptr, guard) = slice.device_ptr(stream);
+    let buf = ava_core::device::CudaBuf {
+        ptr: ptr + (start * std::mem::size_of::<T>()) as u64,
+        len: len as u64,
+        dtype: plugin_dtype(dtype)?,
+        ordinal: stream.context().ordinal() as u32,
+    };
+    Ok((buf, guard))
+}
+
+/// A storage's contiguous elements (as `l` places them) as the contract's buffer; see
+/// [`plugin_buf`].
+pub(crate) fn storage_buf<'a>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    stream: &'a Arc<candle_core::cuda::cudarc::driver::CudaStream>,
+) -> Result<(ava_core::device::CudaBuf, SyncOnDrop<'a>)> {
+    let Some((start, end)) = l.contiguous_offsets() else { bail!("a buffer handed to a plugin is not contiguous") };
+    by_type!(s.dtype(), "plugin buffer", |T, _s| plugin_buf(
+        s.as_cuda_slice::<T>()?,
+        start,
+        end - start,
+        s.dtype(),
+        stream
+    ))
+}
+
+/// A zero-filled storage of `n` elements of `dtype` (f32, bf16 or f16).
+pub(crate) fn zeros(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
+    by_type!(dtype, "zeros", |T, _s| Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<T>(n.max(1))?, dev.clone())))
+}
+
+/// A tensor (no graph) over a storage of this module's making.
+pub(crate) fn storage_tensor(s: CudaStorage, shape: impl Into<Shape>) -> Tensor {
+    Tensor::from_storage(Storage::Cuda(s), shape, BackpropOp::none(), false)
+}
