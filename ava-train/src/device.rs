@@ -5,14 +5,18 @@
 //! A build without the `cuda` cargo feature knows the words but cannot open a GPU: it says
 //! how to build one. A `cuda` build opens the device through candle (cudarc loads the driver
 //! at run time), so a machine without a GPU or driver, or an ordinal past the last GPU, is an
-//! error naming the key. The engine's own fused ops and the built-in plugins do not run on
-//! CUDA yet; until they do, an opened GPU is refused by name ([`DeviceError::EngineCpuOnly`])
-//! rather than trained on through silent copies to the host.
+//! error naming the key. Then [`check_run`] refuses, all at once and by name, what a GPU run
+//! does not do yet (several ranks, host-side master weights, streamed optimizer state, a
+//! host memory limit) and the selected plugins that take no device buffers: Ava never copies
+//! to the host behind the user's back.
 
 use std::fmt;
 use std::str::FromStr;
 
+use ava_core::PluginKind;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::config::{Config, MasterWeights};
 
 /// `train.device` as written in a config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -107,15 +111,14 @@ pub enum DeviceError {
         /// What the driver said.
         reason: String,
     },
-    /// The GPU opened, but the engine cannot train on it yet.
-    #[error(
-        "train.device: {spec}: the GPU opened, but this version of Ava trains on the CPU only: its fused ops (linear, \
-         RMSNorm, RoPE, SwiGLU, cross-entropy) and built-in plugins have no CUDA kernels yet, and Ava does not copy \
-         to the host behind your back. Set train.device: cpu"
-    )]
-    EngineCpuOnly {
+    /// The GPU opened, but the run asks for what a GPU run does not do (yet), or selects
+    /// plugins that take no device buffers.
+    #[error("train.device: {spec} cannot run this configuration:\n  - {}", problems.join("\n  - "))]
+    Unsupported {
         /// The device asked for.
         spec: DeviceSpec,
+        /// Every problem, each with what to change.
+        problems: Vec<String>,
     },
 }
 
@@ -124,13 +127,57 @@ pub enum DeviceError {
 pub fn open(spec: DeviceSpec) -> Result<candle_core::Device, DeviceError> {
     match spec {
         DeviceSpec::Cpu => Ok(candle_core::Device::Cpu),
-        DeviceSpec::Cuda(ordinal) => {
-            // Opened first, so that a missing driver or GPU is said as such; then, until the
-            // engine's ops run there, refused by name.
-            let _gpu = open_cuda(spec, ordinal)?;
-            Err(DeviceError::EngineCpuOnly { spec })
-        }
+        DeviceSpec::Cuda(ordinal) => open_cuda(spec, ordinal),
     }
+}
+
+/// What a run of `world` ranks with `config` asks of its device that it cannot give, all
+/// problems at once: on the CPU nothing; on a GPU the settings whose memory lives on the
+/// host in this engine, and the selected optimizer and attention kernel unless their
+/// manifests list the GPU (`registry`, [`ava_plugins::Registry::check_devices`]).
+pub fn check_run(config: &Config, world: usize, registry: &ava_plugins::Registry) -> Result<(), DeviceError> {
+    let spec = config.train.device;
+    if !spec.is_cuda() {
+        return Ok(());
+    }
+    let mut problems = Vec::new();
+    if world > 1 {
+        problems.push(format!(
+            "{world} ranks: distributed training runs on the CPU only for now; run one process, or set \
+             train.device: cpu"
+        ));
+    }
+    if matches!(config.train.master_weights, MasterWeights::Kahan | MasterWeights::Tier) {
+        problems.push(format!(
+            "train.master_weights: {} keeps a buffer on the host that the GPU step does not use yet; use f32 (f32 \
+             weights, {} compute, as PyTorch's autocast) or none (weights in {} only, rounded stochastically)",
+            config.train.master_weights.as_str(),
+            config.train.precision.as_str(),
+            config.train.precision.as_str()
+        ));
+    }
+    if config.offload.tiers.offloaded().is_some() {
+        problems.push(
+            "offload.tiers streams optimizer state through a tier, which a GPU run does not do yet; set \
+             offload.tiers: [ram: 100%] (the state then lives in device memory)"
+                .into(),
+        );
+    }
+    if config.memory.hard_limit.0 > 0 {
+        problems.push(
+            "memory.hard_limit limits host allocations, and a GPU run's memory is on the device, which it does not \
+             count yet; remove memory.hard_limit"
+                .into(),
+        );
+    }
+    let selected = [
+        (PluginKind::Optimizer, config.plugins.optimizer.name.as_str()),
+        (PluginKind::Attention, config.plugins.attention.name.as_str()),
+    ];
+    if let Err(plugins) = registry.check_devices(&selected, ava_core::Device::Cuda) {
+        problems.extend(plugins);
+    }
+    if problems.is_empty() { Ok(()) } else { Err(DeviceError::Unsupported { spec, problems }) }
 }
 
 #[cfg(feature = "cuda")]
@@ -174,6 +221,29 @@ mod tests {
             assert_eq!(e, format!("'{text}' is not a device: write {DEVICE_FORMS}"));
         }
         assert!(DeviceSpec::parse("cuda:99999999999999999999999").is_err());
+    }
+
+    /// A GPU run's refusals, all at once, each naming its key and what to change; checked
+    /// without opening a GPU.
+    #[test]
+    fn a_gpu_run_refuses_every_host_only_setting_at_once() {
+        let mut config = Config::default();
+        config.train.device = DeviceSpec::Cuda(0);
+        let registry = ava_plugins::Registry::builtins();
+        assert!(check_run(&config, 1, &registry).is_ok() == cfg!(feature = "cuda"), "the default config");
+
+        config.train.master_weights = MasterWeights::Kahan;
+        config.memory.hard_limit = crate::config::ByteSize(8 << 30);
+        let e = check_run(&config, 2, &registry).unwrap_err().to_string();
+        assert!(e.starts_with("train.device: cuda:0 cannot run this configuration:\n  - 2 ranks: distributed"), "{e}");
+        assert!(e.contains("\n  - train.master_weights: kahan keeps a buffer on the host"), "{e}");
+        assert!(e.contains("\n  - memory.hard_limit limits host allocations"), "{e}");
+        // The built-in optimizer and attention kernel take device buffers in a cuda build only.
+        let cpu_only = "optimizer 'adamw' runs on the CPU only (its manifest lists devices: cpu)";
+        assert_eq!(e.contains(cpu_only), !cfg!(feature = "cuda"), "{e}");
+
+        config.train.device = DeviceSpec::Cpu;
+        assert!(check_run(&config, 2, &registry).is_ok(), "the CPU refuses none of it here");
     }
 
     #[test]

@@ -117,14 +117,15 @@ impl Reporter for CliReporter<'_> {
                 String::new()
             };
             self.line(&format!(
-                "[step {}] loss {:.4} lr {:.2e} grad-norm {:.3} {} tok/s{skipped}\n[step {}] {}",
+                "[step {}] loss {:.4} lr {:.2e} grad-norm {:.3} {} tok/s{skipped}\n[step {}] {}{}",
                 self.position(r.step),
                 r.loss,
                 r.lr,
                 r.grad_norm,
                 rate(r.tokens_per_sec),
                 r.step,
-                r.memory.line(&r.memory_status)
+                r.memory.line(&r.memory_status),
+                r.device_memory.map(|d| d.line()).unwrap_or_default()
             ));
         }
     }

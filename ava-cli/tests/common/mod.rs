@@ -14,9 +14,16 @@ pub fn ava(dir: &Path, args: &[&str]) -> Output {
     ava_command(dir, args).output().expect("ava runs")
 }
 
+/// The `ava` binary the tests run: this build's, or `$AVA_TEST_BIN` when set (a binary
+/// copied with the test binaries to a machine without cargo, e.g. the GPU machine, with the
+/// plugin libraries it loads beside it).
+pub fn ava_bin() -> std::path::PathBuf {
+    std::env::var_os("AVA_TEST_BIN").map_or_else(|| env!("CARGO_BIN_EXE_ava").into(), Into::into)
+}
+
 /// The command [`ava`] runs, to spawn it instead.
 pub fn ava_command(dir: &Path, args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ava"));
+    let mut cmd = Command::new(ava_bin());
     cmd.current_dir(dir).env("NO_COLOR", "1");
     for (key, _) in std::env::vars() {
         if key.starts_with("AVA") {

@@ -34,6 +34,31 @@ pub struct Breakdown {
     pub allocated: u64,
 }
 
+/// One reading of a GPU's memory, in bytes (`memory::device` reads it on a `cuda` build).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceMemory {
+    /// Held by the run's allocations now (the stream-ordered pool's used memory).
+    pub used: u64,
+    /// The most held at once since the start of the step.
+    pub peak: u64,
+    /// The card's memory in use by anyone (total less free, `cuMemGetInfo`): the pool's
+    /// reserve, the CUDA context, cuBLAS's workspace, other processes.
+    pub card_used: u64,
+    /// The card's memory.
+    pub card_total: u64,
+}
+
+impl DeviceMemory {
+    /// `; card 12.3 GiB of 79.2 GiB in use (context, cuBLAS, the pool's reserve)`.
+    pub fn line(&self) -> String {
+        format!(
+            "; card {} of {} in use (context, cuBLAS workspace, the pool's reserve)",
+            size(self.card_used),
+            size(self.card_total)
+        )
+    }
+}
+
 impl Breakdown {
     /// A measured breakdown: `activations` is what the peak holds beyond the known parts.
     pub fn measured(peak: u64, params: u64, grads: u64, optimizer: u64, data: u64, budget: u64) -> Self {

@@ -1,11 +1,14 @@
 //! Memory accounting: the counting global allocator ([`CountingAlloc`]) and the per-step
 //! breakdown (parameters, gradients, optimizer state, data, activations) printed in the
-//! dashboard line `[step 100] memory 1.85/2.00 GiB (92%) warning — params 0.21, ...`.
+//! dashboard line `[step 100] memory 1.85/2.00 GiB (92%) warning — params 0.21, ...`. On a
+//! GPU run the same breakdown is of device memory ([`device`], `cuda` feature).
 
 mod alloc;
 mod breakdown;
+#[cfg(feature = "cuda")]
+pub mod device;
 
 pub use alloc::{
     CountingAlloc, current, installed, limit, peak, reset_peak, resident_bytes, set_limit, stop_counting, take_crossed,
 };
-pub use breakdown::{Breakdown, gib, size};
+pub use breakdown::{Breakdown, DeviceMemory, gib, size};

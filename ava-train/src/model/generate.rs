@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{DType, Device, Result as CResult, Tensor};
+use candle_core::{DType, Result as CResult, Tensor};
 
 use super::fused::{RopeTables, add, linear, merge_heads, rms_norm, split_heads, swiglu_gate};
 use super::llama::{moe, projection};
@@ -98,7 +98,7 @@ impl<'m> Generator<'m> {
         if self.len + t > self.max_len {
             candle_core::bail!("generate: {} positions asked of a generator made for {}", self.len + t, self.max_len);
         }
-        let ids = Tensor::from_vec(tokens.to_vec(), (1, t), &Device::Cpu)?;
+        let ids = Tensor::from_vec(tokens.to_vec(), (1, t), &self.model.device())?; // (1, t)
         let mut x = self.model.embed(&self.weights, &ids)?; // (1, t, d)
         let positions: Arc<[u32]> = (self.len..self.len + t).map(|p| p as u32).collect();
         for i in 0..self.model.spec().layers {
@@ -181,7 +181,7 @@ impl<'m> Generator<'m> {
                 (0..l).map(move |key| if key <= p && p - key < window { 0.0 } else { f32::NEG_INFINITY })
             })
             .collect();
-        let mask = Tensor::from_vec(mask, (t, l), &Device::Cpu)?; // (t, L)
+        let mask = Tensor::from_vec(mask, (t, l), scores.device())?; // (t, L)
         let probs = softmax_last(&scores.broadcast_add(&mask)?)?; // (1, H, t, L)
         probs.matmul(&v.contiguous()?) // (1, H, t, D)
     }

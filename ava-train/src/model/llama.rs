@@ -279,11 +279,28 @@ impl Model {
     pub fn keep_only(&mut self, keep: impl Fn(usize) -> bool) -> Result<(), ModelError> {
         for (i, p) in self.params.iter_mut().enumerate() {
             if !keep(i) {
-                let empty = Tensor::zeros(0, p.var.dtype(), &Device::Cpu).map_err(cerr)?;
+                let empty = Tensor::zeros(0, p.var.dtype(), p.var.device()).map_err(cerr)?;
                 p.var = Var::from_tensor(&empty).map_err(cerr)?;
             }
         }
         Ok(())
+    }
+
+    /// The model on `device`: every parameter's values moved there (the engine's stage after
+    /// building or loading a model on the host, so a checkpoint of any device loads on any).
+    pub fn to_device(mut self, device: &Device) -> Result<Self, ModelError> {
+        if self.device().same_device(device) {
+            return Ok(self);
+        }
+        for p in &mut self.params {
+            p.var = Var::from_tensor(&p.var.as_tensor().to_device(device).map_err(cerr)?).map_err(cerr)?;
+        }
+        Ok(self)
+    }
+
+    /// Where the parameters live.
+    pub fn device(&self) -> Device {
+        self.params.first().map_or(Device::Cpu, |p| p.var.device().clone())
     }
 
     /// The type the parameters are stored in.

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use ava_core::{BlockDecision, DType as StoredType, OffloadTier};
-use candle_core::{DType, Result, Tensor, Var, backprop::GradStore};
+use candle_core::{DType, Device, Result, Tensor, Var, backprop::GradStore};
 
 use super::Documents;
 use super::llama::{Model, add_opt};
@@ -295,7 +295,8 @@ pub fn forward_backward(
                 let input = match input {
                     Input::Held(t) => t,
                     Input::Offloaded { key, dims, dtype } => {
-                        let input = fetch(offload.expect("offloaded with a tier"), &key, &dims, dtype)?;
+                        let input =
+                            fetch(offload.expect("offloaded with a tier"), &key, &dims, dtype, &model.device())?;
                         // The next one down loads while these blocks are recomputed.
                         prefetch(offload, &stages)?;
                         input
@@ -440,12 +441,11 @@ fn park(tier: &dyn OffloadTier, block: usize, input: &Tensor) -> Result<Input> {
     Ok(Input::Offloaded { key, dims, dtype })
 }
 
-/// Takes a block input back from the offload tier.
-fn fetch(tier: &Arc<dyn OffloadTier>, key: &str, dims: &[usize], dtype: DType) -> Result<Tensor> {
+/// Takes a block input back from the offload tier, onto `device` (the model's).
+fn fetch(tier: &Arc<dyn OffloadTier>, key: &str, dims: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
     let n: usize = dims.iter().product();
     let get =
         |into: &mut [u8]| tier.get(key, into).map_err(|e| candle_core::Error::Msg(format!("offload get {key}: {e}")));
-    let device = &candle_core::Device::Cpu;
     let tensor = match dtype {
         DType::F32 => {
             let mut values = vec![0f32; n];

@@ -61,25 +61,68 @@ pub fn optimizer_options(
 
 /// One state buffer: its spec and its bytes, 8-byte aligned (stored as u64 words) and
 /// zero-filled, as the contract promises. A streamed parameter's buffers hold no words
-/// between steps.
-#[derive(Debug, Clone, PartialEq)]
+/// between steps. On a GPU run the bytes live in device memory instead
+/// ([`OptimizerState::place_on`]), and the plugin's `step_cuda` reads and writes them there.
+#[derive(Debug, Clone)]
 pub struct StateBuffer {
     /// Name, type and length, as the plugin declared (or the engine, for its own buffers).
     pub spec: StateSpec,
     /// The engine's own buffer (f32 masters, a compensation), not the plugin's.
     pub host: bool,
     words: Vec<u64>,
+    /// The bytes on the GPU (then `words` is empty).
+    #[cfg(feature = "cuda")]
+    device: Option<candle_core::cuda::cudarc::driver::CudaSlice<u8>>,
+}
+
+/// Equal when spec, owner and bytes are, wherever the bytes live.
+impl PartialEq for StateBuffer {
+    fn eq(&self, other: &Self) -> bool {
+        self.spec == other.spec && self.host == other.host && self.bytes() == other.bytes()
+    }
 }
 
 impl StateBuffer {
     /// A buffer that holds no memory yet.
     fn empty(spec: StateSpec, host: bool) -> Self {
-        Self { spec, host, words: Vec::new() }
+        Self {
+            spec,
+            host,
+            words: Vec::new(),
+            #[cfg(feature = "cuda")]
+            device: None,
+        }
     }
 
-    /// The buffer's bytes.
-    pub fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.words)[..self.spec.bytes() as usize]
+    /// The buffer's bytes (copied from the GPU when they live there; a checkpoint is the
+    /// same bytes whichever device wrote it).
+    pub fn bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            let stream = d.stream();
+            return std::borrow::Cow::Owned(stream.clone_dtoh(d).expect("reading optimizer state from the GPU"));
+        }
+        std::borrow::Cow::Borrowed(&bytemuck::cast_slice(&self.words)[..self.spec.bytes() as usize])
+    }
+
+    /// Moves the bytes to `dev`, freeing the host copy.
+    #[cfg(feature = "cuda")]
+    fn place_on(&mut self, dev: &candle_core::CudaDevice) -> candle_core::Result<()> {
+        if self.device.is_some() || self.words.is_empty() && self.spec.bytes() > 0 {
+            return Ok(()); // already there, or held elsewhere (another rank, the tier)
+        }
+        let bytes = self.bytes().into_owned();
+        // One byte at least: a zero-length allocation has no address to hand a plugin.
+        let on = if bytes.is_empty() { dev.alloc_zeros::<u8>(1)? } else { dev.clone_htod(&bytes)? };
+        self.device = Some(on);
+        self.words = Vec::new();
+        Ok(())
+    }
+
+    /// The bytes on the GPU, if they live there.
+    #[cfg(feature = "cuda")]
+    fn on_device(&self) -> Option<&candle_core::cuda::cudarc::driver::CudaSlice<u8>> {
+        self.device.as_ref()
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
@@ -402,6 +445,19 @@ impl OptimizerState {
         self.held[i]
     }
 
+    /// Moves the state this process holds in memory to `dev`: a GPU run's stage after the
+    /// state is allocated (or loaded from a checkpoint of any device). The plugin's
+    /// `step_cuda` then updates it where it lies, and a checkpoint copies it back.
+    #[cfg(feature = "cuda")]
+    pub fn place_on(&mut self, dev: &candle_core::CudaDevice) -> Result<(), TrainError> {
+        for (bufs, _) in self.buffers.iter_mut().zip(&self.held).filter(|(_, h)| **h) {
+            for b in bufs {
+                b.place_on(dev).map_err(TrainError::candle)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of buffer `j` of parameter `i`, which this process holds (read from the tier
     /// if streamed).
     pub fn buffer_bytes(&self, i: usize, j: usize) -> Result<Vec<u8>, TrainError> {
@@ -413,7 +469,7 @@ impl OptimizerState {
                     .map_err(|e| tier_error(&s.name, &format!("reading {}", s.keys[i][j]), e))?;
                 Ok(bytes)
             }
-            _ => Ok(self.buffers[i][j].bytes().to_vec()),
+            _ => Ok(self.buffers[i][j].bytes().into_owned()),
         }
     }
 
@@ -444,7 +500,7 @@ impl OptimizerState {
                     Ok(bytes)
                 })
                 .collect(),
-            _ => Ok(self.buffers[i].iter().map(|b| b.bytes().to_vec()).collect()),
+            _ => Ok(self.buffers[i].iter().map(|b| b.bytes().into_owned()).collect()),
         }
     }
     /// Writes the state as a safetensors file of buffers named `{param}.{buffer}` (what
@@ -495,7 +551,7 @@ impl OptimizerState {
                     })?;
                     Ok(std::borrow::Cow::Owned(bytes))
                 }
-                _ => Ok(std::borrow::Cow::Borrowed(b.bytes())),
+                _ => Ok(b.bytes()),
             }
         })?;
         Ok(())
@@ -698,7 +754,7 @@ impl StepSession<'_> {
         for (j, k) in keys.iter().enumerate() {
             let b = &self.state.buffers[i][j];
             let waiting = Instant::now();
-            tier.put(k, b.bytes(), b.spec.dtype).map_err(|e| tier_error(&name, &format!("storing {k}"), e))?;
+            tier.put(k, &b.bytes(), b.spec.dtype).map_err(|e| tier_error(&name, &format!("storing {k}"), e))?;
             self.stats.wait_seconds += waiting.elapsed().as_secs_f64();
             self.stats.written_bytes += b.held();
             self.sample(left);
@@ -794,6 +850,75 @@ impl InplaceOp2 for StepOp<'_> {
         "ava-optimizer-step"
     }
 
+    /// On the GPU: the plugin's `step_cuda` on the parameter, its f32 gradient and its state
+    /// in device memory, launched on candle's stream. bf16/f16 weights (no f32 master) are
+    /// widened into an f32 scratch on the device, stepped there and rounded back
+    /// stochastically with the CPU's bits.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &mut candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        use crate::model::fused::{plugin_buf, plugin_stream, storage_buf};
+        use candle_core::backend::BackendStorage;
+        let dev = s1.device().clone();
+        let stream = dev.cuda_stream();
+        if s2.dtype() != candle_core::DType::F32 {
+            candle_core::bail!("optimizer step: the gradient must be f32");
+        }
+        let info = ParamInfo::new(self.name, self.shape);
+        let state = self.state.borrow();
+        if state.iter().any(|b| b.host) {
+            candle_core::bail!(
+                "optimizer step: master_weights tier and kahan keep host buffers, not supported on the GPU"
+            );
+        }
+        let slices = state
+            .iter()
+            .map(|b| {
+                b.on_device().ok_or_else(|| {
+                    candle_core::Error::Msg(format!("optimizer state {} is not on the GPU", b.spec.name))
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let bufs = slices
+            .iter()
+            .zip(state.iter())
+            .map(|(d, b)| {
+                plugin_buf(d, 0, b.spec.bytes() as usize, candle_core::DType::U8, &stream).map(|(mut buf, g)| {
+                    // The plugin's own element type and count, over the same bytes.
+                    buf.dtype = b.spec.dtype;
+                    buf.len = b.spec.len;
+                    (buf, g)
+                })
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let views: Vec<ava_core::device::CudaBuf> = bufs.iter().map(|(b, _)| *b).collect();
+        let (grad, _g) = storage_buf(s2, l2, &stream)?;
+        let mut optimizer = self.optimizer.borrow_mut();
+        let result = match s1.dtype() {
+            candle_core::DType::F32 => {
+                let (values, _v) = storage_buf(s1, l1, &stream)?;
+                optimizer.step_cuda(&info, &values, &grad, &views, &self.ctx, &plugin_stream(&dev))
+            }
+            candle_core::DType::BF16 | candle_core::DType::F16 => {
+                let scratch = crate::model::fused::widen_storage(s1, l1)?; // (numel,) f32
+                let r = {
+                    let (values, _v) = plugin_buf(&scratch, 0, scratch.len(), candle_core::DType::F32, &stream)?;
+                    optimizer.step_cuda(&info, &values, &grad, &views, &self.ctx, &plugin_stream(&dev))
+                };
+                crate::model::fused::round_stochastic_storage(&scratch, s1, l1, self.round_seed)?;
+                r
+            }
+            other => candle_core::bail!("optimizer step: parameters stored as {other:?}; f32, bf16 or f16 expected"),
+        };
+        *self.result.borrow_mut() = result;
+        Ok(())
+    }
+
     fn cpu_fwd(&self, s1: &mut CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<()> {
         let (Some((a0, a1)), Some((b0, b1))) = (l1.contiguous_offsets(), l2.contiguous_offsets()) else {
             candle_core::bail!("optimizer step: parameter and gradient must be contiguous")
@@ -842,6 +967,11 @@ pub fn step_param(
         sumsq: std::cell::Cell::new(0.0),
     };
     let grad = grad.contiguous().map_err(TrainError::candle)?;
+    if grad.device().is_cuda() {
+        // Read where it lies: one scalar back from the GPU.
+        let s = grad.sqr().and_then(|s| s.sum_all()).and_then(|s| s.to_scalar::<f32>());
+        op.sumsq.set(f64::from(s.map_err(TrainError::candle)?));
+    }
     param.var.as_tensor().inplace_op2(&grad, &op).map_err(TrainError::candle)?;
     let sumsq = op.sumsq.get();
     op.result.into_inner().map_err(|e| TrainError::Plugin {

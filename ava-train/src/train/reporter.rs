@@ -34,6 +34,10 @@ pub struct StepRecord {
     pub step_seconds: f64,
     /// The memory breakdown measured over the step.
     pub memory: Breakdown,
+    /// On a GPU run, the device's memory: `memory` is then of the device (its peak the
+    /// pool's high-water mark), and this says what the whole card had in use.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub device_memory: Option<crate::memory::DeviceMemory>,
     /// The memory policy's pressure word (normal, target, warning, critical, emergency).
     pub memory_status: String,
     /// Micro-batch size in effect (the policy may shrink it).

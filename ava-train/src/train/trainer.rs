@@ -336,7 +336,7 @@ impl MicroBatches<'_> {
         let (mut ce, mut aux, mut tier_peak) = (0.0, 0.0, 0);
         memory::take_crossed(); // a crossing before the micro-steps is not theirs
         for batch in batches {
-            for micro in split_batch(batch, split)? {
+            for micro in split_batch(batch, split, &self.model.device())? {
                 let loss = forward_backward(
                     self.model,
                     weights,
@@ -695,7 +695,7 @@ fn masters_into_weights(ckpt: &LoadedCheckpoint, model: &Model, masters: Vec<Nam
             )));
         }
         let values: Vec<f32> = b.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-        let t = Tensor::from_vec(values, p.def.shape.as_slice(), &Device::Cpu);
+        let t = Tensor::from_vec(values, p.def.shape.as_slice(), p.var.device());
         t.and_then(|t| p.var.set(&t)).map_err(TrainError::candle)?;
     }
     Ok(())
@@ -728,9 +728,10 @@ impl Trainer {
     pub fn new(config: &Config, registry: &Registry, options: &TrainOptions) -> Result<Self, TrainError> {
         let config = config.clone();
         // First, where it computes: nothing is read or allocated for a device that cannot be used.
-        let _device = crate::device::open(config.train.device)?;
+        let device = crate::device::open(config.train.device)?;
         let group: Arc<dyn Collectives> = options.group.clone().unwrap_or_else(|| Arc::new(Single));
         let (rank, world) = (group.rank(), group.size());
+        crate::device::check_run(&config, world, registry)?;
         check_training_modes(&config, world)?;
         let threads = resolve_threads(config.train.threads);
         let plugin = |kind: PluginKind| config.selection(kind);
@@ -804,6 +805,9 @@ impl Trainer {
             }
             (None, None) => Model::new_stored(spec, config.train.seed, seq, k, name, threads, stored)?,
         };
+        // Built or loaded on the host (a checkpoint of any device loads the same way), then
+        // moved to where it computes.
+        let model = model.to_device(&device)?;
         // Where the state (and f32 masters) live: the share that is not `ram` streams
         // through the tier, placed as it is allocated (a 7B model's state never exists in
         // memory whole).
@@ -910,6 +914,11 @@ impl Trainer {
             resumed_from = Some(ckpt.dir.clone());
         }
 
+        // The state, allocated (or loaded) on the host, moves to the GPU with the model.
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(gpu) = &device {
+            state.place_on(gpu)?;
+        }
         let offload_foreign = registry
             .row(PluginKind::Offload, &off_sel.name)
             .is_some_and(|r| !matches!(r.source, PluginSource::Builtin));
@@ -1402,6 +1411,15 @@ impl Trainer {
         Ok(Box::new(if detached { weights.into_iter().map(|w| w.detach()).collect() } else { weights }))
     }
 
+    /// The GPU's memory after a step (none on the CPU).
+    fn device_memory(&self) -> Result<Option<memory::DeviceMemory>, TrainError> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(gpu) = self.model.device() {
+            return memory::device::read(&gpu).map(Some).map_err(TrainError::candle);
+        }
+        Ok(None)
+    }
+
     /// Bytes of weights this rank holds between steps (at stage 3, its own parameters').
     fn held_weight_bytes(&self) -> u64 {
         let size = self.model.storage().size_in_bytes();
@@ -1433,6 +1451,10 @@ impl Trainer {
         }
         let baseline = memory::current();
         memory::reset_peak();
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(gpu) = self.model.device() {
+            memory::device::reset_peak(&gpu).map_err(TrainError::candle)?;
+        }
 
         // Stage 3 gathers each block's weights as forward and backward reach it.
         let mut weights = self.step_weights(false)?;
@@ -1641,14 +1663,26 @@ impl Trainer {
         let peak = memory::peak() + if self.offload_foreign { stream.peak_tier.max(parked_peak) } else { 0 };
         let data_bytes = baseline.saturating_sub(params_bytes + held_optimizer);
         let optimizer_bytes = held_optimizer.max(stream.peak_resident);
-        let breakdown = Breakdown::measured(
-            peak,
-            params_bytes,
-            grads_bytes,
-            optimizer_bytes,
-            data_bytes,
-            self.config.memory.budget.0,
-        );
+        let device_memory = self.device_memory()?;
+        let breakdown = match device_memory {
+            // On a GPU: the device's high-water mark, the state held there, the step's tokens.
+            Some(d) => Breakdown::measured(
+                d.peak,
+                params_bytes,
+                grads_bytes,
+                self.state.held_bytes(),
+                (t.micro_batch_size * self.config.data.seq_len * 4) as u64,
+                self.config.memory.budget.0,
+            ),
+            None => Breakdown::measured(
+                peak,
+                params_bytes,
+                grads_bytes,
+                optimizer_bytes,
+                data_bytes,
+                self.config.memory.budget.0,
+            ),
+        };
         let seconds = started.elapsed().as_secs_f64();
         let tokens = self.global_batch() * self.config.data.seq_len;
         let rank_peaks = if self.zero.size() > 1 { self.zero.gather_each(peak)? } else { Vec::new() };
@@ -1663,6 +1697,7 @@ impl Trainer {
             tokens_per_sec: tokens as f64 / seconds.max(1e-9),
             step_seconds: seconds,
             memory: breakdown,
+            device_memory,
             memory_status: String::new(),
             micro_batch: self.config.train.micro_batch_size / self.split,
             backoffs,
@@ -1809,7 +1844,7 @@ impl Trainer {
         let mut total = 0.0;
         for _ in 0..n {
             let b = loader.next()?;
-            let micro = tensors(&b)?;
+            let micro = tensors(&b, &self.model.device())?;
             let logits = model::forward_logits(&self.model, weights.as_mut(), &micro.tokens, micro.documents.as_ref())
                 .map_err(TrainError::candle)?;
             let loss = model::ops::cross_entropy(&logits, &micro.targets)
@@ -2230,22 +2265,23 @@ struct MicroBatch {
     documents: Option<Documents>,
 }
 
-/// A batch as one micro-batch.
-fn tensors(batch: &Batch) -> Result<MicroBatch, TrainError> {
-    Ok(split_batch(batch, 1)?.pop().expect("one piece"))
+/// A batch as one micro-batch, its tokens on `device`.
+fn tensors(batch: &Batch, device: &Device) -> Result<MicroBatch, TrainError> {
+    Ok(split_batch(batch, 1, device)?.pop().expect("one piece"))
 }
 
 /// A batch split into `pieces` equal micro-batches (the memory policy's shrink). Each
 /// piece's packed documents are copied from the batch's rows directly, so they are held
-/// once: B·T ids and positions over all the pieces.
-fn split_batch(batch: &Batch, pieces: usize) -> Result<Vec<MicroBatch>, TrainError> {
+/// once: B·T ids and positions over all the pieces. The tokens go to `device` (the model's);
+/// the targets and documents stay on the host, where the ops that take them read them.
+fn split_batch(batch: &Batch, pieces: usize, device: &Device) -> Result<Vec<MicroBatch>, TrainError> {
     let (inputs, targets, positions) = (batch.inputs(), batch.targets(), batch.positions());
     let rows = batch.batch_size / pieces;
     let per = rows * batch.seq_len;
     (0..pieces)
         .map(|i| {
             let span = i * per..(i + 1) * per;
-            let tokens = Tensor::from_vec(inputs[span.clone()].to_vec(), (rows, batch.seq_len), &Device::Cpu);
+            let tokens = Tensor::from_vec(inputs[span.clone()].to_vec(), (rows, batch.seq_len), device); // (B, T)
             let documents = match (&batch.segments, &positions) {
                 (Some(segments), Some(positions)) => Some(
                     Documents::new(
@@ -2306,11 +2342,11 @@ mod split_tests {
         let tokens: Vec<u32> = (0..(b * (t + 1)) as u32).collect();
         let segments = vec![0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 1, 2];
         let batch = Batch { index: 0, batch_size: b, seq_len: t, tokens, segments: Some(segments.clone()) };
-        let whole = tensors(&batch).unwrap();
+        let whole = tensors(&batch, &Device::Cpu).unwrap();
         let docs = whole.documents.as_ref().unwrap();
         assert_eq!(&**docs.segments(), &segments[..]);
         assert_eq!(&**docs.positions(), &[0, 1, 0, 0, 0, 1, 0, 1, 2, 0, 0, 0][..]);
-        let pieces = split_batch(&batch, 2).unwrap();
+        let pieces = split_batch(&batch, 2, &Device::Cpu).unwrap();
         for (i, piece) in pieces.iter().enumerate() {
             let rows = i * 2 * t..(i + 1) * 2 * t;
             assert_eq!(piece.tokens.to_vec2::<u32>().unwrap().concat(), batch.inputs()[rows.clone()]);
@@ -2321,7 +2357,7 @@ mod split_tests {
             assert_eq!(&**d.positions(), &docs.positions()[rows]);
         }
         let plain = Batch { segments: None, ..batch };
-        assert!(split_batch(&plain, 2).unwrap().iter().all(|p| p.documents.is_none()));
+        assert!(split_batch(&plain, 2, &Device::Cpu).unwrap().iter().all(|p| p.documents.is_none()));
     }
 }
 

@@ -1,0 +1,136 @@
+//! `ava train` on an NVIDIA GPU, end to end (`cuda` feature; CI only compiles this target):
+//! the tiny config against the CPU at every logged step, exact resume on the GPU, checkpoints
+//! that move between the devices, and the refusals of what a GPU run does not do.
+//!
+//!   source tools/cuda-build-env.sh   # where no CUDA toolkit is installed
+//!   cargo test -p ava-cli --features cuda --test gpu_train
+//! or build it here (tools/gpu-session.sh build) and run it on the GPU machine with
+//! `AVA_TEST_BIN` naming the `ava` binary to run, the `lion` plugin beside it.
+
+mod common;
+
+use std::path::Path;
+
+use common::{ava, checkpoint, losses, ok, train_small, usage_error};
+
+const CUDA: &[&str] = &["--set", "train.device=cuda"];
+
+/// The run's arguments with the GPU added.
+fn on_gpu<'a>(extra: &[&'a str]) -> Vec<&'a str> {
+    CUDA.iter().chain(extra).copied().collect()
+}
+
+/// Fails unless every logged loss of `gpu` is within `rel` of the CPU's at the same step.
+fn follows(gpu: &Path, cpu: &Path, rel: f64) {
+    let (g, c) = (losses(gpu), losses(cpu));
+    assert_eq!(g.len(), c.len(), "the two runs logged different steps");
+    for ((sg, lg), (sc, lc)) in g.iter().zip(&c) {
+        assert_eq!(sg, sc);
+        assert!(
+            (lg - lc).abs() <= rel * lc.abs(),
+            "step {sg}: loss {lg} on the GPU, {lc} on the CPU (more than {rel})"
+        );
+    }
+}
+
+/// configs/tiny.yaml, the README's main job, in f32 and in bf16 (f32 master weights, as
+/// PyTorch's autocast): the GPU's loss within 1% of the CPU's at every logged step.
+#[test]
+fn the_tiny_config_on_the_gpu_follows_the_cpu_within_one_percent() {
+    let dir = tempfile::tempdir().unwrap();
+    // Embedded, so the test binary carries it to a machine without this checkout's paths.
+    std::fs::write(dir.path().join("tiny.yaml"), include_str!("../../configs/tiny.yaml")).unwrap();
+    let config = "tiny.yaml";
+    for precision in ["fp32", "bf16"] {
+        let p = format!("train.precision={precision}");
+        let run = |device: &str| {
+            let out = format!("train.out_dir={device}-{precision}");
+            let dev = format!("train.device={device}");
+            let args =
+                ["train", "-c", config, "--set", &p, "--set", &out, "--set", &dev, "--set", "train.log_every=10"];
+            ok(ava(dir.path(), &args));
+            dir.path().join(format!("{device}-{precision}"))
+        };
+        let (gpu, cpu) = (run("cuda"), run("cpu"));
+        follows(&gpu, &cpu, 0.01);
+    }
+}
+
+/// N steps straight and N/2 + N/2 in a fresh process give the same bits on the GPU.
+#[test]
+fn resume_on_the_gpu_continues_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    for (tag, extra) in [("f32", "train.precision=fp32"), ("none", "train.master_weights=none")] {
+        let (straight, split) = (format!("straight-{tag}"), format!("split-{tag}"));
+        let base = ["--set", "train.precision=bf16", "--set", extra];
+        ok(train_small(dir.path(), &straight, &on_gpu(&[&base[..], &["--max-steps", "6"]].concat())));
+        ok(train_small(dir.path(), &split, &on_gpu(&[&base[..], &["--max-steps", "6", "--steps", "3"]].concat())));
+        ok(train_small(
+            dir.path(),
+            &split,
+            &on_gpu(&[&base[..], &["--max-steps", "6", "--resume", "latest"]].concat()),
+        ));
+        let (a, b) = (dir.path().join(&straight), dir.path().join(&split));
+        for file in ["model.safetensors", "optimizer.safetensors"] {
+            let x = std::fs::read(checkpoint(&a, 6).join(file)).unwrap();
+            let y = std::fs::read(checkpoint(&b, 6).join(file)).unwrap();
+            assert!(x == y, "{tag}: {file} differs between the straight and the resumed run on the GPU");
+        }
+        assert_eq!(losses(&a), losses(&b), "{tag}: losses differ");
+    }
+}
+
+/// A checkpoint written on the GPU resumes on the CPU, and one of the CPU on the GPU: the
+/// files are the same format (the state copied back to the host when saved), and the
+/// continued runs follow the straight one.
+#[test]
+fn checkpoints_move_between_the_gpu_and_the_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    ok(train_small(dir.path(), "gpu", &on_gpu(&["--max-steps", "6"])));
+    ok(train_small(dir.path(), "cpu", &["--max-steps", "6"]));
+    for (from, to, device) in
+        [("gpu", "gpu-then-cpu", "train.device=cpu"), ("cpu", "cpu-then-gpu", "train.device=cuda")]
+    {
+        let src = checkpoint(&dir.path().join(from), 4);
+        let resume = src.to_str().unwrap();
+        ok(train_small(dir.path(), to, &["--set", device, "--max-steps", "6", "--resume", resume]));
+        let (cont, straight) = (losses(&dir.path().join(to)), losses(&dir.path().join(from)));
+        for ((s, l), (s2, l2)) in cont.iter().zip(straight.iter().skip(4)) {
+            assert_eq!(s, s2);
+            assert!((l - l2).abs() <= 0.01 * l2.abs(), "{to}: step {s} loss {l}, the straight run's {l2}");
+        }
+    }
+}
+
+/// What a GPU run does not do is refused before anything is trained, every problem at once,
+/// each with what to change.
+#[test]
+fn what_the_gpu_does_not_do_is_refused_by_name() {
+    // The lion plugin: built here, or beside $AVA_TEST_BIN where there is no cargo.
+    if std::env::var_os("AVA_TEST_BIN").is_none() {
+        ava_tests::workspace_plugins_dir();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let args = on_gpu(&[
+        "--max-steps",
+        "1",
+        "--set",
+        "train.precision=bf16",
+        "--set",
+        "train.master_weights=kahan",
+        "--set",
+        "memory.hard_limit=8GiB",
+        "--set",
+        "plugins.optimizer=lion",
+    ]);
+    let err = usage_error(train_small(dir.path(), "refused", &args));
+    assert!(err.contains("train.device: cuda:0 cannot run this configuration"), "{err}");
+    assert!(err.contains("train.master_weights: kahan keeps a buffer on the host"), "{err}");
+    assert!(err.contains("memory.hard_limit limits host allocations"), "{err}");
+    assert!(err.contains("optimizer 'lion' runs on the CPU only"), "{err}");
+    assert!(err.contains("adamw") && err.contains("sgd"), "the optimizers that do run there are named: {err}");
+    assert!(!dir.path().join("refused/metrics.jsonl").exists(), "nothing of a run is written");
+
+    let err = usage_error(train_small(dir.path(), "refused", &on_gpu(&["--set", "train.device=cuda:63"])));
+    assert!(err.contains("train.device: cuda:63: the GPU could not be opened"), "{err}");
+}
