@@ -78,7 +78,8 @@ pub struct StateBuffer {
 /// Equal when spec, owner and bytes are, wherever the bytes live.
 impl PartialEq for StateBuffer {
     fn eq(&self, other: &Self) -> bool {
-        self.spec == other.spec && self.host == other.host && self.bytes() == other.bytes()
+        let (a, b) = (self.bytes(), other.bytes());
+        self.spec == other.spec && self.host == other.host && a.is_ok() && b.is_ok() && a.ok() == b.ok()
     }
 }
 
@@ -96,13 +97,15 @@ impl StateBuffer {
 
     /// The buffer's bytes (copied from the GPU when they live there; a checkpoint is the
     /// same bytes whichever device wrote it).
-    pub fn bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+    pub fn bytes(&self) -> candle_core::Result<std::borrow::Cow<'_, [u8]>> {
         #[cfg(feature = "cuda")]
         if let Some(d) = &self.device {
-            let stream = d.stream();
-            return std::borrow::Cow::Owned(stream.clone_dtoh(d).expect("reading optimizer state from the GPU"));
+            use candle_core::cuda::WrapErr;
+            let mut bytes = d.stream().clone_dtoh(d).w()?;
+            bytes.truncate(self.spec.bytes() as usize); // a 0-byte buffer holds 1 on the device
+            return Ok(std::borrow::Cow::Owned(bytes));
         }
-        std::borrow::Cow::Borrowed(&bytemuck::cast_slice(&self.words)[..self.spec.bytes() as usize])
+        Ok(std::borrow::Cow::Borrowed(&bytemuck::cast_slice(&self.words)[..self.spec.bytes() as usize]))
     }
 
     /// Moves the bytes to `dev`, freeing the host copy.
@@ -111,7 +114,7 @@ impl StateBuffer {
         if self.device.is_some() || self.words.is_empty() && self.spec.bytes() > 0 {
             return Ok(()); // already there, or held elsewhere (another rank, the tier)
         }
-        let bytes = self.bytes().into_owned();
+        let bytes = self.bytes()?.into_owned();
         // One byte at least: a zero-length allocation has no address to hand a plugin.
         let on = if bytes.is_empty() { dev.alloc_zeros::<u8>(1)? } else { dev.clone_htod(&bytes)? };
         self.device = Some(on);
@@ -469,7 +472,7 @@ impl OptimizerState {
                     .map_err(|e| tier_error(&s.name, &format!("reading {}", s.keys[i][j]), e))?;
                 Ok(bytes)
             }
-            _ => Ok(self.buffers[i][j].bytes().into_owned()),
+            _ => Ok(self.buffers[i][j].bytes().map_err(TrainError::candle)?.into_owned()),
         }
     }
 
@@ -500,7 +503,7 @@ impl OptimizerState {
                     Ok(bytes)
                 })
                 .collect(),
-            _ => Ok(self.buffers[i].iter().map(|b| b.bytes().into_owned()).collect()),
+            _ => self.buffers[i].iter().map(|b| Ok(b.bytes().map_err(TrainError::candle)?.into_owned())).collect(),
         }
     }
     /// Writes the state as a safetensors file of buffers named `{param}.{buffer}` (what
@@ -551,7 +554,7 @@ impl OptimizerState {
                     })?;
                     Ok(std::borrow::Cow::Owned(bytes))
                 }
-                _ => Ok(b.bytes()),
+                _ => b.bytes().map_err(|e| SaveError::BadBuffer { name: specs[k].name.clone(), reason: e.to_string() }),
             }
         })?;
         Ok(())
@@ -754,7 +757,8 @@ impl StepSession<'_> {
         for (j, k) in keys.iter().enumerate() {
             let b = &self.state.buffers[i][j];
             let waiting = Instant::now();
-            tier.put(k, &b.bytes(), b.spec.dtype).map_err(|e| tier_error(&name, &format!("storing {k}"), e))?;
+            let bytes = b.bytes().map_err(TrainError::candle)?;
+            tier.put(k, &bytes, b.spec.dtype).map_err(|e| tier_error(&name, &format!("storing {k}"), e))?;
             self.stats.wait_seconds += waiting.elapsed().as_secs_f64();
             self.stats.written_bytes += b.held();
             self.sample(left);
