@@ -284,7 +284,7 @@ impl AttentionOp {
                     &bdv,
                     &bw,
                     &self.cuda_ctx(),
-                    &plugin_stream(dev),
+                    &plugin_stream(dev)?,
                 )
                 .map_err(|e| self.plugin_error("backward_cuda", e))?;
         }
@@ -360,7 +360,7 @@ impl CustomOp3 for AttentionOp {
             };
             let bseg = seg.as_ref().map_or(ava_core::device::CudaBuf::empty(ava_core::DType::U32, bq.ordinal), |s| s.0);
             self.kernel
-                .forward_cuda(&self.shape, &bq, &bk, &bv, &bseg, &bo, &bs, &bw, &self.cuda_ctx(), &plugin_stream(&dev))
+                .forward_cuda(&self.shape, &bq, &bk, &bv, &bseg, &bo, &bs, &bw, &self.cuda_ctx(), &plugin_stream(&dev)?)
                 .map_err(|e| self.plugin_error("forward_cuda", e))?;
         }
         drop(workspace);

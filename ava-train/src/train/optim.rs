@@ -906,13 +906,13 @@ impl InplaceOp2 for StepOp<'_> {
         let result = match s1.dtype() {
             candle_core::DType::F32 => {
                 let (values, _v) = storage_buf(s1, l1, &stream)?;
-                optimizer.step_cuda(&info, &values, &grad, &views, &self.ctx, &plugin_stream(&dev))
+                optimizer.step_cuda(&info, &values, &grad, &views, &self.ctx, &plugin_stream(&dev)?)
             }
             candle_core::DType::BF16 | candle_core::DType::F16 => {
                 let scratch = crate::model::fused::widen_storage(s1, l1)?; // (numel,) f32
                 let r = {
                     let (values, _v) = plugin_buf(&scratch, 0, scratch.len(), candle_core::DType::F32, &stream)?;
-                    optimizer.step_cuda(&info, &values, &grad, &views, &self.ctx, &plugin_stream(&dev))
+                    optimizer.step_cuda(&info, &values, &grad, &views, &self.ctx, &plugin_stream(&dev)?)
                 };
                 crate::model::fused::round_stochastic_storage(&scratch, s1, l1, self.round_seed)?;
                 r

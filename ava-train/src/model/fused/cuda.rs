@@ -482,10 +482,12 @@ pub(crate) fn round_stochastic_storage(x: &CudaSlice<f32>, s: &mut CudaStorage, 
 // ---- buffers handed to plugins (the contract's device calls) ----
 
 /// The stream a plugin's device call launches on: candle's own, so the plugin's work is
-/// ordered with the engine's without a synchronization.
-pub(crate) fn plugin_stream(dev: &CudaDevice) -> ava_core::device::CudaStream {
+/// ordered with the engine's without a synchronization. The device's context is made
+/// current on the calling thread first, as the contract promises the plugin.
+pub(crate) fn plugin_stream(dev: &CudaDevice) -> Result<ava_core::device::CudaStream> {
     let s = dev.cuda_stream();
-    ava_core::device::CudaStream { handle: s.cu_stream() as u64, ordinal: s.context().ordinal() as u32 }
+    s.context().bind_to_thread().w()?;
+    Ok(ava_core::device::CudaStream { handle: s.cu_stream() as u64, ordinal: s.context().ordinal() as u32 })
 }
 
 /// The contract's element type for a candle type.
