@@ -26,17 +26,9 @@ fn gpu() -> Device {
     })
 }
 
-/// `n` values in about [-scale, scale], a pure function of `seed` (SplitMix64).
+/// `n` values in [-scale, scale), a pure function of `seed` (the kernels' test generator).
 fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            let mut z = (seed << 32 ^ i).wrapping_add(0x9e37_79b9_7f4a_7c15);
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
+    ava_kernels::testing::Rng(seed).vec(n).into_iter().map(|x| x * scale).collect()
 }
 
 /// Tolerances (atol, rtol) for a type.

@@ -159,7 +159,7 @@ impl Optimizer for AdamW {
         ctx: &StepContext,
         stream: &CudaStream,
     ) -> Result<(), PluginError> {
-        use crate::builtin::cuda::{THREADS, arg, blocks, launch};
+        use crate::builtin::cuda::{OPTIM, THREADS, arg, blocks, launch};
         let n = param.numel();
         values.expect("values", DType::F32, n)?;
         grad.expect("grad", DType::F32, n)?;
@@ -182,7 +182,7 @@ impl Optimizer for AdamW {
         t.expect("step", DType::U32, 1)?;
         let grid = blocks(n)?;
         // SAFETY: count_update(unsigned*): t holds one u32 on the stream's device.
-        unsafe { launch(c"count_update", 1, 1, stream, &mut [arg(&t.ptr)])? };
+        unsafe { launch(&OPTIM, c"count_update", 1, 1, stream, &mut [arg(&t.ptr)])? };
         if n == 0 {
             return Ok(());
         }
@@ -204,7 +204,7 @@ impl Optimizer for AdamW {
         ];
         // SAFETY: adamw_step's parameters one for one; every buffer was checked to hold n
         // f32s (the count one u32) above.
-        unsafe { launch(c"adamw_step", grid, THREADS, stream, &mut params) }
+        unsafe { launch(&OPTIM, c"adamw_step", grid, THREADS, stream, &mut params) }
     }
 }
 

@@ -61,7 +61,7 @@ fn module(ptx: &Ptx) -> Result<sys::CUmodule, PluginError> {
 /// # Safety
 /// `params` must point at values matching the kernel's parameters one for one, and every
 /// device pointer among them must be valid for what the kernel reads and writes.
-pub(crate) unsafe fn launch_in(
+pub(crate) unsafe fn launch(
     ptx: &Ptx,
     name: &CStr,
     grid: u32,
@@ -75,21 +75,6 @@ pub(crate) unsafe fn launch_in(
     // SAFETY: the caller's promise about params; the stream is the host's (0: the default).
     unsafe { result::launch_kernel(f, (grid, 1, 1), (threads, 1, 1), 0, stream.handle as sys::CUstream, params) }
         .map_err(|e| driver(&format!("launch of {}", name.to_string_lossy()), e))
-}
-
-/// [`launch_in`] of an optimizer kernel.
-///
-/// # Safety
-/// As [`launch_in`].
-pub(crate) unsafe fn launch(
-    name: &CStr,
-    grid: u32,
-    threads: u32,
-    stream: &CudaStream,
-    params: &mut [*mut c_void],
-) -> Result<(), PluginError> {
-    // SAFETY: the caller's promise.
-    unsafe { launch_in(&OPTIM, name, grid, threads, stream, params) }
 }
 
 /// Blocks of [`THREADS`] covering `n` elements.

@@ -144,7 +144,7 @@ impl Optimizer for Sgd {
         ctx: &StepContext,
         stream: &CudaStream,
     ) -> Result<(), PluginError> {
-        use crate::builtin::cuda::{THREADS, arg, blocks, launch};
+        use crate::builtin::cuda::{OPTIM, THREADS, arg, blocks, launch};
         let n = param.numel();
         values.expect("values", DType::F32, n)?;
         grad.expect("grad", DType::F32, n)?;
@@ -160,7 +160,7 @@ impl Optimizer for Sgd {
                 }
                 let mut params = [arg(&values.ptr), arg(&grad.ptr), arg(&n), arg(&lr), arg(&wd)];
                 // SAFETY: sgd_step's parameters one for one; both buffers hold n f32s (checked).
-                unsafe { launch(c"sgd_step", grid, THREADS, stream, &mut params) }
+                unsafe { launch(&OPTIM, c"sgd_step", grid, THREADS, stream, &mut params) }
             }
             [buf, count] if self.momentum > 0.0 => {
                 buf.expect("momentum_buffer", DType::F32, n)?;
@@ -181,10 +181,10 @@ impl Optimizer for Sgd {
                         arg(&nesterov),
                     ];
                     // SAFETY: sgd_momentum_step's parameters one for one; sizes checked above.
-                    unsafe { launch(c"sgd_momentum_step", grid, THREADS, stream, &mut params)? };
+                    unsafe { launch(&OPTIM, c"sgd_momentum_step", grid, THREADS, stream, &mut params)? };
                 }
                 // SAFETY: count_update(unsigned*): count holds one u32 (checked).
-                unsafe { launch(c"count_update", 1, 1, stream, &mut [arg(&count.ptr)]) }
+                unsafe { launch(&OPTIM, c"count_update", 1, 1, stream, &mut [arg(&count.ptr)]) }
             }
             _ => {
                 let want =

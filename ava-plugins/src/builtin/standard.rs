@@ -16,7 +16,7 @@ use ava_core::prelude::*;
 use ava_kernels::attention::{Kernel, Masking};
 
 #[cfg(feature = "cuda")]
-use crate::builtin::cuda::{ATTENTION, arg, launch_in};
+use crate::builtin::cuda::{ATTENTION, arg, launch};
 
 /// Dense attention that saves the probabilities. No options.
 #[derive(Debug, Clone, Copy, Default)]
@@ -142,7 +142,7 @@ impl AttentionKernel for Standard {
         let name = device::kernel("dense_fwd", t)?;
         // SAFETY: dense_fwd's parameters one for one; every buffer was checked against the shape.
         unsafe {
-            launch_in(
+            launch(
                 &ATTENTION,
                 &name,
                 device::rows(shape.q_numel() / shape.head_dim as usize)?,
@@ -196,7 +196,7 @@ impl AttentionKernel for Standard {
         let name = device::kernel("dense_bwd_rows", t)?;
         let grid = device::rows(shape.q_numel() / shape.head_dim as usize)?;
         // SAFETY: dense_bwd_rows' parameters one for one; buffers checked against the shape.
-        unsafe { launch_in(&ATTENTION, &name, grid, ROW, stream, &mut rows)? };
+        unsafe { launch(&ATTENTION, &name, grid, ROW, stream, &mut rows)? };
         let mut keys = [
             arg(&q.ptr),
             arg(&dout.ptr),
@@ -214,7 +214,7 @@ impl AttentionKernel for Standard {
         let name = device::kernel("dense_bwd_keys", t)?;
         let grid = device::rows(shape.kv_numel() / shape.head_dim as usize)?;
         // SAFETY: dense_bwd_keys' parameters one for one; buffers checked against the shape.
-        unsafe { launch_in(&ATTENTION, &name, grid, ROW, stream, &mut keys) }
+        unsafe { launch(&ATTENTION, &name, grid, ROW, stream, &mut keys) }
     }
 }
 

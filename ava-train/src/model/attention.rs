@@ -197,16 +197,17 @@ impl AttentionOp {
         KernelContext { device: ava_core::Device::Cuda, ..self.ctx }
     }
 
-    /// The f32 scratch the kernel declared for one `pass` device call, zero-filled.
+    /// The f32 scratch the kernel declared for one `pass` device call, zero-filled, and its
+    /// declared length (the allocation holds at least one element).
     #[cfg(feature = "cuda")]
     fn cuda_workspace(
         &self,
         dev: &candle_core::CudaDevice,
         pass: Pass,
-    ) -> Result<candle_core::cuda::cudarc::driver::CudaSlice<f32>> {
+    ) -> Result<(candle_core::cuda::cudarc::driver::CudaSlice<f32>, usize)> {
         let len = self.kernel.workspace_len(&self.shape, pass, &self.cuda_ctx());
         let len = len.map_err(|e| self.plugin_error("workspace_len", e))? as usize;
-        dev.alloc_zeros::<f32>(len.max(1))
+        Ok((dev.alloc_zeros::<f32>(len.max(1))?, len))
     }
 
     /// The document ids on the device (B·T u32), or none.
@@ -239,7 +240,7 @@ impl AttentionOp {
         let dq = zeros(dev, dtype, q.elem_count())?; // (B, H, T, D)
         let dk = zeros(dev, dtype, k.elem_count())?; // (B, Hkv, T, D)
         let dv = zeros(dev, dtype, v.elem_count())?; // (B, Hkv, T, D)
-        let workspace = self.cuda_workspace(dev, Pass::Backward)?; // freed on return
+        let (workspace, ws_len) = self.cuda_workspace(dev, Pass::Backward)?; // freed on return
         let segments = self.cuda_segments(dev)?; // (B·T,) u32
         {
             let (sq, lq) = q.storage_and_layout();
@@ -262,13 +263,8 @@ impl AttentionOp {
             let (bdk, _g7) = storage_buf(&dk, &whole(k.elem_count()), &stream)?;
             let (bdv, _g8) = storage_buf(&dv, &whole(v.elem_count()), &stream)?;
             let (bs, _g9) = plugin_buf(saved, 0, saved.len(), DType::F32, &stream)?;
-            let ws_len = self.kernel.workspace_len(&self.shape, Pass::Backward, &self.cuda_ctx()).unwrap_or(0) as usize;
             let (bw, _g10) = plugin_buf(&workspace, 0, ws_len, DType::F32, &stream)?;
-            let seg = match &segments {
-                Some(s) => Some(plugin_buf(s, 0, s.len(), DType::U32, &stream)?),
-                None => None,
-            };
-            let bseg = seg.as_ref().map_or(ava_core::device::CudaBuf::empty(ava_core::DType::U32, bq.ordinal), |s| s.0);
+            let (bseg, _g11) = segments_buf(&segments, bq.ordinal, &stream)?;
             self.kernel
                 .backward_cuda(
                     &self.shape,
@@ -294,6 +290,23 @@ impl AttentionOp {
             Some(storage_tensor(dv, v.shape().clone())),
         ))
     }
+}
+
+/// The segment ids as the contract's buffer (empty for none on device `ordinal`), with the
+/// guard to keep until the plugin call returns.
+#[cfg(feature = "cuda")]
+fn segments_buf<'a>(
+    segments: &'a Option<candle_core::cuda::cudarc::driver::CudaSlice<u32>>,
+    ordinal: u32,
+    stream: &'a Arc<candle_core::cuda::cudarc::driver::CudaStream>,
+) -> Result<(ava_core::device::CudaBuf, Option<candle_core::cuda::cudarc::driver::SyncOnDrop<'a>>)> {
+    Ok(match segments {
+        Some(s) => {
+            let (buf, guard) = super::fused::plugin_buf(s, 0, s.len(), DType::U32, stream)?;
+            (buf, Some(guard))
+        }
+        None => (ava_core::device::CudaBuf::empty(ava_core::DType::U32, ordinal), None),
+    })
 }
 
 impl CustomOp3 for AttentionOp {
@@ -344,7 +357,7 @@ impl CustomOp3 for AttentionOp {
         let n = self.shape.q_numel();
         let out = zeros(&dev, s1.dtype(), n)?; // (B, H, T, D) in q's type
         let saved = dev.alloc_zeros::<f32>(saved_len.max(1))?; // e.g. (B, H, T) logsumexp
-        let workspace = self.cuda_workspace(&dev, Pass::Forward)?; // freed on return
+        let (workspace, ws_len) = self.cuda_workspace(&dev, Pass::Forward)?; // freed on return
         let segments = self.cuda_segments(&dev)?; // (B·T,) u32
         {
             let (bq, _g1) = storage_buf(s1, l1, &stream)?;
@@ -352,13 +365,8 @@ impl CustomOp3 for AttentionOp {
             let (bv, _g3) = storage_buf(s3, l3, &stream)?;
             let (bo, _g4) = storage_buf(&out, &Layout::contiguous(Shape::from(n)), &stream)?;
             let (bs, _g5) = plugin_buf(&saved, 0, saved_len, DType::F32, &stream)?;
-            let ws_len = self.kernel.workspace_len(&self.shape, Pass::Forward, &self.cuda_ctx()).unwrap_or(0) as usize;
             let (bw, _g6) = plugin_buf(&workspace, 0, ws_len, DType::F32, &stream)?;
-            let seg = match &segments {
-                Some(s) => Some(plugin_buf(s, 0, s.len(), DType::U32, &stream)?),
-                None => None,
-            };
-            let bseg = seg.as_ref().map_or(ava_core::device::CudaBuf::empty(ava_core::DType::U32, bq.ordinal), |s| s.0);
+            let (bseg, _g7) = segments_buf(&segments, bq.ordinal, &stream)?;
             self.kernel
                 .forward_cuda(&self.shape, &bq, &bk, &bv, &bseg, &bo, &bs, &bw, &self.cuda_ctx(), &plugin_stream(&dev)?)
                 .map_err(|e| self.plugin_error("forward_cuda", e))?;

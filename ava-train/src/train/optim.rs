@@ -78,8 +78,9 @@ pub struct StateBuffer {
 /// Equal when spec, owner and bytes are, wherever the bytes live.
 impl PartialEq for StateBuffer {
     fn eq(&self, other: &Self) -> bool {
-        let (a, b) = (self.bytes(), other.bytes());
-        self.spec == other.spec && self.host == other.host && a.is_ok() && b.is_ok() && a.ok() == b.ok()
+        self.spec == other.spec
+            && self.host == other.host
+            && matches!((self.bytes(), other.bytes()), (Ok(a), Ok(b)) if a == b)
     }
 }
 

@@ -96,12 +96,7 @@ fn uninit<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
 
 /// A tensor (no graph) over a device buffer.
 fn tensor<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
-    Tensor::from_storage(
-        Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone())),
-        shape,
-        BackpropOp::none(),
-        false,
-    )
+    storage_tensor(CudaStorage::wrap_cuda_slice(slice, dev.clone()), shape)
 }
 
 /// Runs `f` on a tensor's device storage and layout (made contiguous first).
@@ -315,10 +310,7 @@ pub(super) fn heads(src: &CudaStorage, l: &Layout, m: &HeadsMove<'_>) -> Result<
 
 /// [`heads`] on a tensor (backward's gradient), giving a tensor of `shape`.
 pub(super) fn heads_tensor(src: &Tensor, m: &HeadsMove<'_>, shape: Shape) -> Result<Tensor> {
-    with_cuda(src, "heads", |s, l| {
-        let out = heads(s, l, m)?;
-        Ok(Tensor::from_storage(Storage::Cuda(out), shape, BackpropOp::none(), false))
-    })
+    with_cuda(src, "heads", |s, l| Ok(storage_tensor(heads(s, l, m)?, shape)))
 }
 
 // ---- cross-entropy ----

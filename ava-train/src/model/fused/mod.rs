@@ -112,7 +112,7 @@ pub(crate) unsafe fn filled<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T
 }
 
 /// Fails unless the two inputs of a two-input op have the same type.
-pub(crate) fn same_dtype(a: &CpuStorage, b: &CpuStorage, op: &str) -> Result<()> {
+pub(crate) fn same_dtype<S: BackendStorage>(a: &S, b: &S, op: &str) -> Result<()> {
     if a.dtype() != b.dtype() {
         bail!("{op}: inputs of {:?} and {:?} (both must have one type)", a.dtype(), b.dtype());
     }

@@ -125,9 +125,7 @@ impl CustomOp2 for RmsNorm {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        if s1.dtype() != s2.dtype() {
-            bail!("rms-norm: inputs of {:?} and {:?} (both must have one type)", s1.dtype(), s2.dtype());
-        }
+        same_dtype(s1, s2, "rms-norm")?;
         Ok((super::cuda::rms_norm_fwd(s1, l1, s2, l2, self.eps)?, l1.shape().clone()))
     }
 

@@ -91,9 +91,7 @@ impl CustomOp2 for SwiGlu {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        if s1.dtype() != s2.dtype() {
-            bail!("swiglu: inputs of {:?} and {:?} (both must have one type)", s1.dtype(), s2.dtype());
-        }
+        same_dtype(s1, s2, "swiglu")?;
         Ok((super::cuda::swiglu_fwd(s1, l1, s2, l2)?, l1.shape().clone()))
     }
 
