@@ -9,10 +9,14 @@
 //! - [`parallel`]: splitting work over the threads the host grants.
 //! - [`rows`]: the elementwise row loops (softmax pieces), compiled for AVX2 when the CPU
 //!   has it.
+//! - `cuda` (feature `cuda`): loading PTX and launching kernels on the host's stream, the
+//!   plumbing of every GPU plugin; `flash` runs on the GPU through it.
 //! - [`testing`]: the checks every attention kernel's tests share (f64 reference, dense
 //!   comparison, finite differences), and the byte mutator the parsers' property tests share.
 
 pub mod attention;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod parallel;
 pub mod rows;
 pub mod testing;

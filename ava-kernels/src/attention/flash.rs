@@ -117,6 +117,19 @@ pub fn backward_workspace_len(shape: &AttnShape, tiles: Tiles, threads: u32) -> 
     Ok((extra + parallel::workers(threads, groups * runs) * Scratch::len(tiles, &x)) as u64)
 }
 
+/// The GPU backward's workspace in f32s (kernels/flash.cu): Δ, one per query row, then with
+/// grouped-query attention each query head's share of dK and dV, 2·B·H·Tk·D, which a last
+/// kernel adds over the group in order.
+pub fn device_backward_workspace_len(shape: &AttnShape) -> u64 {
+    let rows = u64::from(shape.batch) * u64::from(shape.q_heads) * u64::from(shape.q_len);
+    let shares = if shape.q_heads > shape.kv_heads {
+        2 * u64::from(shape.batch) * u64::from(shape.q_heads) * u64::from(shape.kv_len) * u64::from(shape.head_dim)
+    } else {
+        0
+    };
+    rows + shares
+}
+
 /// Computes `out` (B, H, Tq, D) and the logsumexp `lse` (B, H, Tq).
 #[allow(clippy::too_many_arguments)] // q, k, v, out, saved, mask, tiles, shape, threads
 pub fn forward(

@@ -1,7 +1,9 @@
 //! [`Kernel`]: an algorithm and a masking rule as a complete [`AttentionKernel`], so a
 //! plugin crate is its options plus [`delegate_attention!`](crate::delegate_attention).
 
-use ava_core::{AttentionKernel, AttnShape, KernelContext, PluginError, attention::Pass, error::expect_len};
+#[cfg(feature = "cuda")]
+use ava_core::device::{CudaBuf, CudaStream};
+use ava_core::{AttentionKernel, AttnShape, Device, KernelContext, PluginError, attention::Pass, error::expect_len};
 
 use super::{BlockPattern, Mask, Pattern, dense, flash, flash::Tiles};
 
@@ -71,12 +73,12 @@ pub struct Kernel {
 
 impl Kernel {
     /// Tiled (flash) attention under `masking` with the tuned tile sizes.
-    pub fn flash(masking: Masking) -> Self {
+    pub const fn flash(masking: Masking) -> Self {
         Self { masking, algorithm: Algorithm::Flash(None) }
     }
 
     /// Dense attention under `masking`.
-    pub fn dense(masking: Masking) -> Self {
+    pub const fn dense(masking: Masking) -> Self {
         Self { masking, algorithm: Algorithm::Dense }
     }
 }
@@ -103,6 +105,14 @@ impl AttentionKernel for Kernel {
 
     fn workspace_len(&self, shape: &AttnShape, pass: Pass, ctx: &KernelContext) -> Result<u64, PluginError> {
         self.masking.mask(shape)?;
+        if ctx.device == Device::Cuda {
+            // The device kernels (flash only): nothing in forward; Δ and the grouped heads'
+            // shares of dK, dV in backward.
+            return Ok(match pass {
+                Pass::Forward => 0,
+                Pass::Backward => flash::device_backward_workspace_len(shape),
+            });
+        }
         match (self.algorithm, pass) {
             (Algorithm::Dense, Pass::Forward) => dense::saved_len(shape).map(|_| 0),
             (Algorithm::Dense, Pass::Backward) => dense::backward_workspace_len(shape, ctx.threads),
@@ -182,6 +192,76 @@ impl AttentionKernel for Kernel {
             }
         }
     }
+
+    /// Flash under a plain (causal or full) mask runs on the GPU (kernels/flash.cu); dense
+    /// and the window and block masks do not.
+    #[cfg(feature = "cuda")]
+    fn forward_cuda(
+        &self,
+        shape: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        segments: &CudaBuf,
+        out: &CudaBuf,
+        saved: &CudaBuf,
+        workspace: &CudaBuf,
+        _ctx: &KernelContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        self.on_device()?;
+        self.masking.mask(shape)?;
+        workspace.expect("workspace", ava_core::DType::F32, 0)?;
+        super::cuda::forward(shape, q, k, v, segments, out, saved, stream)
+    }
+
+    /// See [`forward_cuda`](Self::forward_cuda).
+    #[cfg(feature = "cuda")]
+    fn backward_cuda(
+        &self,
+        shape: &AttnShape,
+        q: &CudaBuf,
+        k: &CudaBuf,
+        v: &CudaBuf,
+        segments: &CudaBuf,
+        out: &CudaBuf,
+        dout: &CudaBuf,
+        saved: &CudaBuf,
+        dq: &CudaBuf,
+        dk: &CudaBuf,
+        dv: &CudaBuf,
+        workspace: &CudaBuf,
+        _ctx: &KernelContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        self.on_device()?;
+        self.masking.mask(shape)?;
+        super::cuda::backward(shape, (q, k, v, segments), (out, dout, saved), (dq, dk, dv), workspace, stream)
+    }
+}
+
+impl Kernel {
+    /// Whether this kernel has a GPU side: flash under a plain mask.
+    pub fn runs_on_cuda(&self) -> bool {
+        cfg!(feature = "cuda") && matches!((self.algorithm, self.masking), (Algorithm::Flash(_), Masking::Plain))
+    }
+
+    /// The devices whose buffers this kernel takes, for its plugin's manifest.
+    pub fn devices(&self) -> &'static [Device] {
+        if self.runs_on_cuda() { &[Device::Cpu, Device::Cuda] } else { &[Device::Cpu] }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn on_device(&self) -> Result<(), PluginError> {
+        if self.runs_on_cuda() {
+            Ok(())
+        } else {
+            Err(PluginError::unsupported(
+                "only flash under a causal or full mask runs on the GPU; dense, windowed and block-sparse attention \
+                 are CPU kernels",
+            ))
+        }
+    }
 }
 
 /// Implements [`AttentionKernel`] for a plugin type by forwarding to a [`Kernel`] it holds
@@ -246,6 +326,41 @@ macro_rules! delegate_attention {
                 ctx: &::ava_core::KernelContext,
             ) -> Result<(), ::ava_core::PluginError> {
                 self.$field.backward(shape, q, k, v, segments, out, dout, saved, dq, dk, dv, workspace, ctx)
+            }
+            fn forward_cuda(
+                &self,
+                shape: &::ava_core::AttnShape,
+                q: &::ava_core::device::CudaBuf,
+                k: &::ava_core::device::CudaBuf,
+                v: &::ava_core::device::CudaBuf,
+                segments: &::ava_core::device::CudaBuf,
+                out: &::ava_core::device::CudaBuf,
+                saved: &::ava_core::device::CudaBuf,
+                workspace: &::ava_core::device::CudaBuf,
+                ctx: &::ava_core::KernelContext,
+                stream: &::ava_core::device::CudaStream,
+            ) -> Result<(), ::ava_core::PluginError> {
+                self.$field.forward_cuda(shape, q, k, v, segments, out, saved, workspace, ctx, stream)
+            }
+            fn backward_cuda(
+                &self,
+                shape: &::ava_core::AttnShape,
+                q: &::ava_core::device::CudaBuf,
+                k: &::ava_core::device::CudaBuf,
+                v: &::ava_core::device::CudaBuf,
+                segments: &::ava_core::device::CudaBuf,
+                out: &::ava_core::device::CudaBuf,
+                dout: &::ava_core::device::CudaBuf,
+                saved: &::ava_core::device::CudaBuf,
+                dq: &::ava_core::device::CudaBuf,
+                dk: &::ava_core::device::CudaBuf,
+                dv: &::ava_core::device::CudaBuf,
+                workspace: &::ava_core::device::CudaBuf,
+                ctx: &::ava_core::KernelContext,
+                stream: &::ava_core::device::CudaStream,
+            ) -> Result<(), ::ava_core::PluginError> {
+                self.$field
+                    .backward_cuda(shape, q, k, v, segments, out, dout, saved, dq, dk, dv, workspace, ctx, stream)
             }
         }
     };

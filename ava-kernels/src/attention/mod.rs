@@ -9,11 +9,16 @@
 //!   probabilities tile by tile. Tiles the mask hides are never computed, which is what
 //!   makes the sliding-window and block-sparse kernels linear in T.
 //!
+//! With the `cuda` feature, `cuda`: flash on NVIDIA GPUs (kernels/flash.cu), the same
+//! algorithm on device buffers in the run's compute type.
+//!
 //! Grouped-query attention: query head `h` reads key/value head `h / (H / Hkv)`; dK and dV
 //! sum over the query heads of a group.
 
 use ava_core::{AttnShape, PluginError, error::expect_len};
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dense;
 pub mod flash;
 mod kernel;

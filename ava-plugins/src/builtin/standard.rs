@@ -218,13 +218,14 @@ impl AttentionKernel for Standard {
     }
 }
 
-/// The checks and launch shapes of standard's device calls.
+/// standard's device calls: its buffers checked ([`ava_kernels::cuda::check_attention`]) with
+/// the probabilities as the saved buffer.
 #[cfg(feature = "cuda")]
 mod device {
-    use std::ffi::CString;
-
     use ava_core::device::CudaBuf;
     use ava_core::prelude::*;
+
+    pub(super) use ava_kernels::cuda::{attention_dims as dims, typed as kernel};
 
     /// The row kernels' largest head dimension (their shared memory).
     const MAX_D: u32 = 256;
@@ -241,46 +242,13 @@ mod device {
         saved: &CudaBuf,
     ) -> Result<DType, PluginError> {
         shape.validate()?;
-        if shape.head_dim > MAX_D {
-            return Err(PluginError::unsupported(format!(
-                "standard on the GPU takes head dimensions up to {MAX_D}, got {}",
-                shape.head_dim
-            )));
-        }
-        let t = q.dtype;
-        if !matches!(t, DType::F32 | DType::BF16 | DType::F16) {
-            return Err(PluginError::invalid_input(format!("q is {}; f32, bf16 or f16 expected", t.as_str())));
-        }
-        q.expect("q", t, shape.q_numel())?;
-        k.expect("k", t, shape.kv_numel())?;
-        v.expect("v", t, shape.kv_numel())?;
-        for (what, b) in like_q {
-            b.expect(what, t, shape.q_numel())?;
-        }
-        if !segments.is_empty() {
-            segments.expect("segments", DType::U32, shape.batch as usize * shape.kv_len as usize)?;
-        }
         let probabilities = shape.q_numel() / shape.head_dim as usize * shape.kv_len as usize;
-        saved.expect("saved", DType::F32, probabilities)?;
-        Ok(t)
-    }
-
-    /// (H, Hkv, Tq, Tk, D) as the kernels take them.
-    pub(super) fn dims(shape: &AttnShape) -> [i32; 5] {
-        [shape.q_heads, shape.kv_heads, shape.q_len, shape.kv_len, shape.head_dim].map(|d| d as i32)
+        ava_kernels::cuda::check_attention("standard", shape, q, k, v, segments, like_q, saved, probabilities, MAX_D)
     }
 
     /// A grid of one block per row, if it fits.
     pub(super) fn rows(n: usize) -> Result<u32, PluginError> {
-        u32::try_from(n)
-            .ok()
-            .filter(|&r| r <= i32::MAX as u32)
-            .ok_or_else(|| PluginError::invalid_input(format!("{n} attention rows are more than one launch covers")))
-    }
-
-    /// The kernel of `base` for element type `t`.
-    pub(super) fn kernel(base: &str, t: DType) -> Result<CString, PluginError> {
-        CString::new(format!("{base}_{}", t.as_str())).map_err(|e| PluginError::internal(e.to_string()))
+        ava_kernels::cuda::grid(n, "attention rows")
     }
 }
 

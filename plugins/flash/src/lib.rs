@@ -12,6 +12,10 @@
 //! The math, tiling and threading live in [`ava_kernels::attention::flash`], shared with
 //! the `sliding-window` and `block-sparse` plugins; this crate is the plugin around it.
 //!
+//! Built with the `cuda` feature (or in a workspace build where ava-kernels has it), it also
+//! runs on NVIDIA GPUs: ava-kernels' kernels/flash.cu, bf16/f16 tiles on the tensor cores with
+//! f32 accumulation, f32 on the CUDA cores; its manifest then lists the cuda device.
+//!
 //! ```yaml
 //! plugins:
 //!   attention: flash
@@ -26,6 +30,9 @@ use ava_kernels::attention::{Kernel, Masking};
 #[derive(Debug, Clone, Copy)]
 pub struct Flash(Kernel);
 
+/// The kernel: tiled under the plain (causal or full) mask.
+const FLASH: Kernel = Kernel::flash(Masking::Plain);
+
 impl Plugin for Flash {
     fn manifest() -> Manifest {
         Manifest::new(
@@ -34,11 +41,12 @@ impl Plugin for Flash {
             env!("CARGO_PKG_VERSION"),
             "FlashAttention-2 (tiled, online softmax; causal, GQA); saves one logsumexp per query row instead of Tq×Tk probabilities",
         )
+        .devices(FLASH.devices())
     }
 
     fn from_options(options: Options) -> Result<Self, PluginError> {
         options.finish()?;
-        Ok(Flash(Kernel::flash(Masking::Plain)))
+        Ok(Flash(FLASH))
     }
 }
 

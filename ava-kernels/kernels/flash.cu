@@ -1,0 +1,779 @@
+// FlashAttention-2 (Dao 2023) on NVIDIA GPUs: the `flash` kernel's device side, the same math
+// as src/attention/flash.rs (the CPU reference its tests compare against).
+//
+//   S = scale · Q Kᵀ, masked: query i (position p = i + Tk − Tq) sees key j when j <= p
+//   (causal) and, with packed documents, segments[b][j] == segments[b][p]
+//   forward:  per query tile, key tiles in order with an online softmax; saves only
+//             lse_i = m_i + log l_i (B, H, Tq) f32, never the Tq × Tk probabilities
+//   backward: P recomputed from lse; Δ_i = Σ_d dO_id O_id;  dS = P ∘ (dP − Δ), dP = dO Vᵀ
+//             dQ = scale · dS K (one block per query tile, key tiles in order)
+//             dK = scale · dSᵀ Q, dV = Pᵀ dO (one block per key tile and query head, its
+//             query tiles in order; with grouped-query attention the heads' shares are added
+//             over the group in head order by a last kernel)
+//
+// The backward is two kernels instead of FA2's one with atomic adds into dQ: each gradient is
+// summed by one block in a fixed order, so a step gives the same bits every run (exact resume)
+// at the price of computing S and dP twice.
+//
+// Tiles live in shared memory. For bf16/f16 the tile products run on the tensor cores (WMMA
+// 16×16×16, f32 accumulation); for f32 on the CUDA cores with f32 products, so f32 matches the
+// CPU to rounding. Inputs are read in their stored type, everything is computed in f32, P and
+// dS are rounded to the input type only as the tensor cores' operands (as FA2 does).
+//
+// Head dimensions up to MAX_D; D is padded to a multiple of 16 in shared memory (zeros).
+// Every block has THREADS threads; the shared memory a launch needs is `*_smem` below, and
+// src/attention/cuda.rs computes the same sizes (its `Smem`).
+
+#include <ava/common.cuh>
+#include <mma.h>
+
+#define MAX_D 128
+#define WARPS 4
+#define THREADS (WARPS * 32)
+
+// Whether query i sees key j of a sequence with segments `seg` (NULL: no documents).
+__device__ __forceinline__ bool visible(int i, int j, int Tq, int Tk, int causal, const unsigned int *seg) {
+    if (i >= Tq || j >= Tk) return false;
+    const int p = i + Tk - Tq;
+    if (causal && j > p) return false;
+    if (seg && seg[j] != seg[p]) return false;
+    return true;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Leading dimensions in shared memory: D padded to 16, plus a skew against bank conflicts that
+// keeps every 16-row fragment 32-byte aligned (WMMA's rule).
+__device__ __forceinline__ int padded(int D) { return (D + 15) & ~15; }
+
+// Shared-memory carving: consecutive regions, each 128-byte aligned.
+struct Carver {
+    unsigned char *base;
+    size_t at;
+    template <typename U> __device__ U *take(size_t n) {
+        at = (at + 127) & ~(size_t)127;
+        U *p = reinterpret_cast<U *>(base + at);
+        at += n * sizeof(U);
+        return p;
+    }
+};
+
+// ---- Tile products in shared memory -------------------------------------------------------
+// C (M × N f32, row-major, ldc) = (or += with ACC) A (M × K) · B (K × N), where
+// A(i, k) = A_COL ? a[i + k·lda] : a[i·lda + k] and B(k, j) = B_COL ? b[k + j·ldb] : b[k·ldb + j].
+// M, N, K multiples of 16. Called by the whole block; no barrier inside.
+
+template <bool COL> struct Layout;
+template <> struct Layout<false> { typedef nvcuda::wmma::row_major type; };
+template <> struct Layout<true> { typedef nvcuda::wmma::col_major type; };
+
+template <typename T, bool A_COL, bool B_COL, bool ACC> struct Mm;
+
+// f32: CUDA cores, one output element a thread at a time, products summed in k order.
+template <bool A_COL, bool B_COL, bool ACC> struct Mm<float, A_COL, B_COL, ACC> {
+    __device__ static void run(int M, int N, int K, const float *a, int lda, const float *b, int ldb, float *c,
+                               int ldc) {
+        for (int e = threadIdx.x; e < M * N; e += THREADS) {
+            const int i = e / N, j = e % N;
+            float s = ACC ? c[(size_t)i * ldc + j] : 0.0f;
+            for (int k = 0; k < K; k++) {
+                const float x = A_COL ? a[i + (size_t)k * lda] : a[(size_t)i * lda + k];
+                const float y = B_COL ? b[k + (size_t)j * ldb] : b[(size_t)k * ldb + j];
+                s = fmaf(x, y, s);
+            }
+            c[(size_t)i * ldc + j] = s;
+        }
+    }
+};
+
+// Rows r0.. of src (rows × D, row-major, `n` rows exist) into dst (rows × DP, ld), zeros past
+// the last row and past D.
+template <typename T>
+__device__ void load_tile(T *dst, int ld, const T *src, int D, int r0, int n, int rows, int DP) {
+    for (int e = threadIdx.x; e < rows * DP; e += THREADS) {
+        const int r = e / DP, d = e % DP;
+        dst[r * ld + d] = (r0 + r < n && d < D) ? src[(size_t)(r0 + r) * D + d] : store<T>(0.0f);
+    }
+}
+
+// Per-row f32 values of rows r0.. (zero past n).
+__device__ void load_rows(float *dst, const float *src, int r0, int n, int rows) {
+    for (int r = threadIdx.x; r < rows; r += THREADS) dst[r] = r0 + r < n ? src[r0 + r] : 0.0f;
+}
+
+// ---- Forward --------------------------------------------------------------------------------
+// Launch: grid (ceil(Tq / BR), B·H), block THREADS, dynamic shared memory fwd_smem.
+// q, out (B, H, Tq, D); k, v (B, Hkv, Tk, D); lse (B, H, Tq) f32; segments (B, Tk) or NULL.
+template <typename T, int BR, int BC>
+__device__ void fwd(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                    const unsigned int *__restrict__ segments, T *__restrict__ out, float *__restrict__ lse, int H,
+                    int Hkv, int Tq, int Tk, int D, int causal, float scale) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int DP = padded(D), LT = DP + 8, LP = BC + 8, LS = BC + 4, LF = DP + 4;
+    Carver cv{smem, 0};
+    T *sQ = cv.take<T>(BR * LT);      // (BR, DP) queries of this tile
+    T *sK = cv.take<T>(BC * LT);      // (BC, DP) keys of the current key tile
+    T *sV = cv.take<T>(BC * LT);      // (BC, DP) values
+    T *sP = cv.take<T>(BR * LP);      // (BR, BC) probabilities, unnormalized
+    float *sS = cv.take<float>(BR * LS); // (BR, BC) scores
+    float *sO = cv.take<float>(BR * LF); // (BR, DP) output, unnormalized
+    float *sM = cv.take<float>(BR);   // (BR,) running max
+    float *sL = cv.take<float>(BR);   // (BR,) running sum
+
+    const int qt = gridDim.x - 1 - blockIdx.x; // the longest (causal) tiles first
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    const int i0 = qt * BR;
+    const T *qb = q + (size_t)bh * Tq * D;
+    const T *kb = k + ((size_t)b * Hkv + hk) * Tk * D;
+    const T *vb = v + ((size_t)b * Hkv + hk) * Tk * D;
+    const unsigned int *seg = segments ? segments + (size_t)b * Tk : nullptr;
+
+    load_tile(sQ, LT, qb, D, i0, Tq, BR, DP);
+    for (int e = threadIdx.x; e < BR * LF; e += THREADS) sO[e] = 0.0f;
+    for (int r = threadIdx.x; r < BR; r += THREADS) {
+        sM[r] = -INFINITY;
+        sL[r] = 0.0f;
+    }
+    const int last_row = min(i0 + BR, Tq) - 1;
+    const int key_tiles = (Tk + BC - 1) / BC;
+    const int nkt = causal ? min(key_tiles, (last_row + Tk - Tq) / BC + 1) : key_tiles;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int kt = 0; kt < nkt; kt++) {
+        const int j0 = kt * BC;
+        __syncthreads(); // the previous tile's readers are done
+        load_tile(sK, LT, kb, D, j0, Tk, BC, DP);
+        load_tile(sV, LT, vb, D, j0, Tk, BC, DP);
+        __syncthreads();
+        Mm<T, false, true, false>::run(BR, BC, DP, sQ, LT, sK, LT, sS, LS);
+        __syncthreads();
+        // Online softmax: a warp per row, BC / 32 columns a lane.
+        for (int r = warp; r < BR; r += WARPS) {
+            const int i = i0 + r;
+            float s[BC / 32];
+            float mx = -INFINITY;
+#pragma unroll
+            for (int u = 0; u < BC / 32; u++) {
+                const int c = lane + 32 * u;
+                s[u] = visible(i, j0 + c, Tq, Tk, causal, seg) ? sS[r * LS + c] * scale : -INFINITY;
+                mx = fmaxf(mx, s[u]);
+            }
+            mx = warp_max(mx);
+            const float m_old = sM[r];
+            const float m_new = fmaxf(m_old, mx);
+            const float alpha = m_new == -INFINITY ? 1.0f : expf(m_old - m_new);
+            float sum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < BC / 32; u++) {
+                const float p = s[u] == -INFINITY ? 0.0f : expf(s[u] - m_new);
+                sum += p;
+                sP[r * LP + lane + 32 * u] = store<T>(p);
+            }
+            sum = warp_sum(sum);
+            __syncwarp();
+            if (lane == 0) {
+                sM[r] = m_new;
+                sL[r] = sL[r] * alpha + sum;
+            }
+            for (int d = lane; d < DP; d += 32) sO[r * LF + d] *= alpha;
+        }
+        __syncthreads();
+        Mm<T, false, false, true>::run(BR, DP, BC, sP, LP, sV, LT, sO, LF);
+    }
+    __syncthreads();
+    T *ob = out + (size_t)bh * Tq * D;
+    for (int e = threadIdx.x; e < BR * D; e += THREADS) {
+        const int r = e / D, d = e % D;
+        if (i0 + r >= Tq) continue;
+        const float l = sL[r];
+        ob[(size_t)(i0 + r) * D + d] = store<T>(l > 0.0f ? sO[r * LF + d] / l : 0.0f);
+    }
+    for (int r = threadIdx.x; r < BR; r += THREADS) {
+        if (i0 + r < Tq) lse[(size_t)bh * Tq + i0 + r] = sL[r] > 0.0f ? sM[r] + logf(sL[r]) : -INFINITY;
+    }
+}
+
+// ---- Backward -------------------------------------------------------------------------------
+// Δ (B, H, Tq) f32 = rowsum(dO ∘ O). Launch: grid (ceil(B·H·Tq / WARPS)), block THREADS, a
+// warp per row.
+template <typename T>
+__device__ void bwd_delta(const T *__restrict__ out, const T *__restrict__ dout, float *__restrict__ delta,
+                          size_t rows, int D) {
+    const size_t r = (size_t)blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (r >= rows) return;
+    float s = 0.0f;
+    for (int d = threadIdx.x & 31; d < D; d += 32) s += load(out[r * D + d]) * load(dout[r * D + d]);
+    s = warp_sum(s);
+    if ((threadIdx.x & 31) == 0) delta[r] = s;
+}
+
+// P and dS of one (query tile, key tile) pair from S and dP: p = exp(scale·s − lse),
+// ds = p ∘ (dp − Δ). Masked entries are 0 in both.
+template <typename T, int BR, int BC>
+__device__ void probabilities(const float *sS, const float *sdP, int LS, const float *sLse, const float *sDelta,
+                              T *sP, T *sdS, int LP, int i0, int j0, int Tq, int Tk, int causal,
+                              const unsigned int *seg, float scale) {
+    for (int e = threadIdx.x; e < BR * BC; e += THREADS) {
+        const int r = e / BC, c = e % BC;
+        float p = 0.0f;
+        if (visible(i0 + r, j0 + c, Tq, Tk, causal, seg)) p = expf(sS[r * LS + c] * scale - sLse[r]);
+        if (sP) sP[r * LP + c] = store<T>(p);
+        sdS[r * LP + c] = store<T>(p * (sdP[r * LS + c] - sDelta[r]));
+    }
+}
+
+// dQ. Launch: grid (ceil(Tq / BR), B·H), block THREADS, dynamic shared memory bwd_q_smem.
+template <typename T, int BR, int BC>
+__device__ void bwd_q(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                      const unsigned int *__restrict__ segments, const T *__restrict__ dout,
+                      const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq, int H,
+                      int Hkv, int Tq, int Tk, int D, int causal, float scale) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int DP = padded(D), LT = DP + 8, LP = BC + 8, LS = BC + 4, LF = DP + 4;
+    Carver cv{smem, 0};
+    T *sQ = cv.take<T>(BR * LT);          // (BR, DP)
+    T *sdO = cv.take<T>(BR * LT);         // (BR, DP)
+    T *sK = cv.take<T>(BC * LT);          // (BC, DP)
+    T *sV = cv.take<T>(BC * LT);          // (BC, DP)
+    T *sdS = cv.take<T>(BR * LP);         // (BR, BC)
+    float *sS = cv.take<float>(BR * LS);  // (BR, BC)
+    float *sdP = cv.take<float>(BR * LS); // (BR, BC)
+    float *sdQ = cv.take<float>(BR * LF); // (BR, DP)
+    float *sLse = cv.take<float>(BR);     // (BR,)
+    float *sDelta = cv.take<float>(BR);   // (BR,)
+
+    const int qt = gridDim.x - 1 - blockIdx.x;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    const int i0 = qt * BR;
+    const T *kb = k + ((size_t)b * Hkv + hk) * Tk * D;
+    const T *vb = v + ((size_t)b * Hkv + hk) * Tk * D;
+    const unsigned int *seg = segments ? segments + (size_t)b * Tk : nullptr;
+
+    load_tile(sQ, LT, q + (size_t)bh * Tq * D, D, i0, Tq, BR, DP);
+    load_tile(sdO, LT, dout + (size_t)bh * Tq * D, D, i0, Tq, BR, DP);
+    load_rows(sLse, lse + (size_t)bh * Tq, i0, Tq, BR);
+    load_rows(sDelta, delta + (size_t)bh * Tq, i0, Tq, BR);
+    for (int e = threadIdx.x; e < BR * LF; e += THREADS) sdQ[e] = 0.0f;
+    const int last_row = min(i0 + BR, Tq) - 1;
+    const int key_tiles = (Tk + BC - 1) / BC;
+    const int nkt = causal ? min(key_tiles, (last_row + Tk - Tq) / BC + 1) : key_tiles;
+    for (int kt = 0; kt < nkt; kt++) {
+        const int j0 = kt * BC;
+        __syncthreads();
+        load_tile(sK, LT, kb, D, j0, Tk, BC, DP);
+        load_tile(sV, LT, vb, D, j0, Tk, BC, DP);
+        __syncthreads();
+        Mm<T, false, true, false>::run(BR, BC, DP, sQ, LT, sK, LT, sS, LS);
+        Mm<T, false, true, false>::run(BR, BC, DP, sdO, LT, sV, LT, sdP, LS);
+        __syncthreads();
+        probabilities<T, BR, BC>(sS, sdP, LS, sLse, sDelta, (T *)nullptr, sdS, LP, i0, j0, Tq, Tk, causal, seg,
+                                 scale);
+        __syncthreads();
+        Mm<T, false, false, true>::run(BR, DP, BC, sdS, LP, sK, LT, sdQ, LF);
+    }
+    __syncthreads();
+    T *dqb = dq + (size_t)bh * Tq * D;
+    for (int e = threadIdx.x; e < BR * D; e += THREADS) {
+        const int r = e / D, d = e % D;
+        if (i0 + r < Tq) dqb[(size_t)(i0 + r) * D + d] = store<T>(scale * sdQ[r * LF + d]);
+    }
+}
+
+// dK and dV. Without partials (dk_part NULL: no grouped-query attention): launch grid
+// (ceil(Tk / BC), B·Hkv), a block per key tile writing dK, dV. With grouped-query attention,
+// grid (ceil(Tk / BC), B·H): a block per key tile and query head, writing that head's share
+// to dk_part, dv_part (B, H, Tk, D) f32, which bwd_kv_sum adds over the group in order (a
+// block per key/value head would leave most of the GPU idle: B·Hkv·Tk/BC blocks).
+// Block THREADS, dynamic shared memory bwd_kv_smem.
+template <typename T, int BR, int BC>
+__device__ void bwd_kv(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                       const unsigned int *__restrict__ segments, const T *__restrict__ dout,
+                       const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dk,
+                       T *__restrict__ dv, float *__restrict__ dk_part, float *__restrict__ dv_part, int H, int Hkv,
+                       int Tq, int Tk, int D, int causal, float scale) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int DP = padded(D), LT = DP + 8, LP = BC + 8, LS = BC + 4, LF = DP + 4;
+    Carver cv{smem, 0};
+    T *sK = cv.take<T>(BC * LT);          // (BC, DP)
+    T *sV = cv.take<T>(BC * LT);          // (BC, DP)
+    T *sQ = cv.take<T>(BR * LT);          // (BR, DP)
+    T *sdO = cv.take<T>(BR * LT);         // (BR, DP)
+    T *sP = cv.take<T>(BR * LP);          // (BR, BC)
+    T *sdS = cv.take<T>(BR * LP);         // (BR, BC)
+    float *sS = cv.take<float>(BR * LS);  // (BR, BC)
+    float *sdP = cv.take<float>(BR * LS); // (BR, BC)
+    float *sdK = cv.take<float>(BC * LF); // (BC, DP)
+    float *sdV = cv.take<float>(BC * LF); // (BC, DP)
+    float *sLse = cv.take<float>(BR);     // (BR,)
+    float *sDelta = cv.take<float>(BR);   // (BR,)
+
+    const int kt = blockIdx.x, group = H / Hkv;
+    const bool split = dk_part != nullptr;
+    const int b = split ? blockIdx.y / H : blockIdx.y / Hkv;
+    const int h_first = split ? blockIdx.y % H : (blockIdx.y % Hkv) * group;
+    const int hk = h_first / group, heads = split ? 1 : group;
+    const size_t bk = (size_t)b * Hkv + hk;
+    const int j0 = kt * BC;
+    const unsigned int *seg = segments ? segments + (size_t)b * Tk : nullptr;
+    load_tile(sK, LT, k + (size_t)bk * Tk * D, D, j0, Tk, BC, DP);
+    load_tile(sV, LT, v + (size_t)bk * Tk * D, D, j0, Tk, BC, DP);
+    for (int e = threadIdx.x; e < BC * LF; e += THREADS) {
+        sdK[e] = 0.0f;
+        sdV[e] = 0.0f;
+    }
+    // The first query that sees key j0 has position j0 (causal).
+    const int first = causal ? max(0, j0 - (Tk - Tq)) / BR : 0;
+    const int query_tiles = (Tq + BR - 1) / BR;
+    for (int g = 0; g < heads; g++) {
+        const size_t bh = (size_t)b * H + h_first + g;
+        for (int qt = first; qt < query_tiles; qt++) {
+            const int i0 = qt * BR;
+            __syncthreads();
+            load_tile(sQ, LT, q + bh * Tq * D, D, i0, Tq, BR, DP);
+            load_tile(sdO, LT, dout + bh * Tq * D, D, i0, Tq, BR, DP);
+            load_rows(sLse, lse + bh * Tq, i0, Tq, BR);
+            load_rows(sDelta, delta + bh * Tq, i0, Tq, BR);
+            __syncthreads();
+            Mm<T, false, true, false>::run(BR, BC, DP, sQ, LT, sK, LT, sS, LS);
+            Mm<T, false, true, false>::run(BR, BC, DP, sdO, LT, sV, LT, sdP, LS);
+            __syncthreads();
+            probabilities<T, BR, BC>(sS, sdP, LS, sLse, sDelta, sP, sdS, LP, i0, j0, Tq, Tk, causal, seg, scale);
+            __syncthreads();
+            Mm<T, true, false, true>::run(BC, DP, BR, sP, LP, sdO, LT, sdV, LF);  // dV += Pᵀ dO
+            Mm<T, true, false, true>::run(BC, DP, BR, sdS, LP, sQ, LT, sdK, LF); // dK += dSᵀ Q
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < BC * D; e += THREADS) {
+        const int c = e / D, d = e % D;
+        if (j0 + c >= Tk) continue;
+        if (split) {
+            const size_t at = ((size_t)blockIdx.y * Tk + j0 + c) * D + d;
+            dk_part[at] = sdK[c * LF + d];
+            dv_part[at] = sdV[c * LF + d];
+        } else {
+            const size_t at = (bk * Tk + j0 + c) * D + d;
+            dk[at] = store<T>(scale * sdK[c * LF + d]);
+            dv[at] = store<T>(sdV[c * LF + d]);
+        }
+    }
+}
+
+// dK = scale · Σ_g dk_part, dV = Σ_g dv_part over the query heads of each key/value head, in
+// head order. Launch: grid (ceil(B·Hkv·Tk·D / 256)), block 256, an element a thread.
+template <typename T>
+__device__ void bwd_kv_sum(const float *__restrict__ dk_part, const float *__restrict__ dv_part, T *__restrict__ dk,
+                           T *__restrict__ dv, size_t n, int group, size_t per_head, float scale) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const size_t bk = i / per_head, rest = i % per_head;
+    const float *pk = dk_part + bk * group * per_head + rest;
+    const float *pv = dv_part + bk * group * per_head + rest;
+    float sk = 0.0f, sv = 0.0f;
+    for (int g = 0; g < group; g++) {
+        sk += pk[g * per_head];
+        sv += pv[g * per_head];
+    }
+    dk[i] = store<T>(scale * sk);
+    dv[i] = store<T>(sv);
+}
+
+// ---- bf16/f16: the tensor cores, a warp owning 16 rows ----------------------------------------
+// The same three passes for half-precision inputs, organized as FlashAttention-2 does: each of
+// a block's four warps owns 16 rows (queries in forward and dQ, keys in dK/dV), computes its
+// rows' score tile with WMMA into its own shared scratch, applies the softmax there (two lanes
+// a row), and keeps its accumulators (O, dQ or dK and dV) in registers across the key (or
+// query) tiles. Only the K/V (or Q/dO) tiles the warps share are loaded between barriers.
+// WMMA's accumulator layout is opaque; each warp learns which row each of its fragment
+// elements holds by loading a 16 × 16 matrix of row numbers into a fragment (`row_of`), which
+// lets it scale its rows of O in registers. The head dimension is a template parameter (ND
+// 16-column blocks, D padded to a multiple of 32), so the accumulator arrays stay in registers.
+
+#define TQ 64 // rows a block: 4 warps × 16
+#define TK 64 // the shared tile's rows (keys in forward and dQ, queries in dK/dV)
+
+namespace tc {
+using namespace nvcuda;
+typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
+template <typename T, typename L> using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, L>;
+template <typename T, typename L> using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, L>;
+
+// Rows r0.. of src (n rows × D) into dst (rows × DP, ld), zeros past n and D; 16-byte copies
+// when D and src allow.
+template <typename T>
+__device__ void load_tile(T *dst, int ld, const T *src, int D, int r0, int n, int rows, int DP) {
+    const int per = 16 / sizeof(T); // elements a 16-byte copy
+    if (D % per == 0 && ((uintptr_t)src & 15) == 0) {
+        const int chunks = DP / per;
+        for (int e = threadIdx.x; e < rows * chunks; e += THREADS) {
+            const int r = e / chunks, d = (e % chunks) * per;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (r0 + r < n && d < D) v = *reinterpret_cast<const uint4 *>(src + (size_t)(r0 + r) * D + d);
+            *reinterpret_cast<uint4 *>(dst + r * ld + d) = v;
+        }
+    } else {
+        ::load_tile(dst, ld, src, D, r0, n, rows, DP);
+    }
+}
+
+// acc (16 × 16, the tile at column block n) = Σ_k a(16 × K) · b(K × 16).
+// a row-major at `a` (ld lda); b: B_COL ? element (k, j) at b[k + j·ldb] : b[k·ldb + j].
+template <typename T, bool B_COL>
+__device__ __forceinline__ void mma_row(Acc &acc, const T *a, int lda, const T *b, int ldb, int K) {
+    for (int k = 0; k < K; k += 16) {
+        FragA<T, wmma::row_major> fa;
+        FragB<T, typename Layout<B_COL>::type> fb;
+        wmma::load_matrix_sync(fa, a + k, lda);
+        wmma::load_matrix_sync(fb, B_COL ? b + k : b + (size_t)k * ldb, ldb);
+        wmma::mma_sync(acc, fa, fb, acc);
+    }
+}
+
+// out (16 × 16 at column block n of a row-major T matrix, rows < n_rows valid, cols < D) =
+// scale · acc, staged through the warp's f32 scratch (16 × ≥16).
+template <typename T>
+__device__ void store_rows(const Acc &acc, float *scratch, int lds, T *out, size_t ld_out, int rows_left, int col0,
+                           int D, float scale) {
+    wmma::store_matrix_sync(scratch, acc, lds, wmma::mem_row_major);
+    __syncwarp();
+    const int lane = threadIdx.x & 31;
+    for (int e = lane; e < 256; e += 32) {
+        const int r = e / 16, c = e % 16;
+        if (r < rows_left && col0 + c < D) out[(size_t)r * ld_out + col0 + c] = store<T>(scale * scratch[r * lds + c]);
+    }
+    __syncwarp();
+}
+
+// The 16 × 16 matrix of row numbers, for `row_of`.
+__device__ void fill_rows(float *m) {
+    for (int e = threadIdx.x; e < 256; e += THREADS) m[e] = (float)(e / 16);
+}
+} // namespace tc
+
+// Forward. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory fwd_tc_smem.
+template <typename T, int ND>
+__device__ void fwd_tc(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                       const unsigned int *__restrict__ segments, T *__restrict__ out, float *__restrict__ lse, int H,
+                       int Hkv, int Tq, int Tk, int D, int causal, float scale) {
+    using namespace tc;
+    extern __shared__ __align__(128) unsigned char smem[];
+    constexpr int DP = ND * 16, LT = DP + 8, LP = TK + 8, LS = TK + 4;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    Carver cv{smem, 0};
+    T *sQ = cv.take<T>(TQ * LT);                  // (TQ, DP)
+    T *sK = cv.take<T>(TK * LT);                  // (TK, DP)
+    T *sV = cv.take<T>(TK * LT);                  // (TK, DP)
+    float *sS = cv.take<float>(WARPS * 16 * LS) + warp * 16 * LS; // this warp's (16, TK) scores
+    T *sP = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP;         // this warp's (16, TK) probabilities
+    float *sA = cv.take<float>(WARPS * 16) + warp * 16;           // this warp's rows' rescale factors
+    float *sRows = cv.take<float>(256);                           // (16, 16) row numbers
+
+    const int qt = gridDim.x - 1 - blockIdx.x;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    const int i0 = qt * TQ, w0 = i0 + warp * 16; // the block's and this warp's first query
+    const T *kb = k + ((size_t)b * Hkv + hk) * Tk * D;
+    const T *vb = v + ((size_t)b * Hkv + hk) * Tk * D;
+    const unsigned int *seg = segments ? segments + (size_t)b * Tk : nullptr;
+    tc::load_tile(sQ, LT, q + (size_t)bh * Tq * D, D, i0, Tq, TQ, DP);
+    fill_rows(sRows);
+    __syncthreads();
+    Acc row_of;
+    wmma::load_matrix_sync(row_of, sRows, 16, wmma::mem_row_major);
+    Acc o[ND]; // this warp's (16, DP) output, unnormalized
+    _Pragma("unroll") for (int n = 0; n < ND; n++) wmma::fill_fragment(o[n], 0.0f);
+    // Two lanes a row: row `r`, columns half·32 .. half·32 + 31 of each key tile.
+    const int r = lane >> 1, half = lane & 1, i = w0 + r;
+    float m = -INFINITY, l = 0.0f;
+
+    const int last_row = min(i0 + TQ, Tq) - 1;
+    const int key_tiles = (Tk + TK - 1) / TK;
+    const int nkt = causal ? min(key_tiles, (last_row + Tk - Tq) / TK + 1) : key_tiles;
+    for (int kt = 0; kt < nkt; kt++) {
+        const int j0 = kt * TK;
+        __syncthreads();
+        tc::load_tile(sK, LT, kb, D, j0, Tk, TK, DP);
+        tc::load_tile(sV, LT, vb, D, j0, Tk, TK, DP);
+        __syncthreads();
+        for (int n = 0; n < TK / 16; n++) { // S (16, TK) = Q_w Kᵀ
+            Acc s;
+            wmma::fill_fragment(s, 0.0f);
+            mma_row<T, true>(s, sQ + warp * 16 * LT, LT, sK + n * 16 * LT, LT, DP);
+            wmma::store_matrix_sync(sS + n * 16, s, LS, wmma::mem_row_major);
+        }
+        __syncwarp();
+        float x[32], mx = -INFINITY;
+#pragma unroll
+        for (int u = 0; u < 32; u++) {
+            const int c = half * 32 + u;
+            x[u] = visible(i, j0 + c, Tq, Tk, causal, seg) ? sS[r * LS + c] * scale : -INFINITY;
+            mx = fmaxf(mx, x[u]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        const float m_new = fmaxf(m, mx);
+        const float alpha = m_new == -INFINITY ? 1.0f : expf(m - m_new);
+        float sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < 32; u++) {
+            const float p = x[u] == -INFINITY ? 0.0f : expf(x[u] - m_new);
+            sum += p;
+            sP[r * LP + half * 32 + u] = store<T>(p);
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        l = l * alpha + sum;
+        m = m_new;
+        if (half == 0) sA[r] = alpha;
+        __syncwarp();
+        _Pragma("unroll") for (int n = 0; n < ND; n++) { // O = diag(alpha) O + P V
+            for (int e = 0; e < o[n].num_elements; e++) o[n].x[e] *= sA[(int)row_of.x[e]];
+            mma_row<T, false>(o[n], sP, LP, sV + n * 16, LT, TK);
+        }
+        __syncwarp();
+    }
+    // O / l, and lse = m + log l.
+    if (half == 0) sA[r] = l > 0.0f ? 1.0f / l : 0.0f;
+    __syncwarp();
+    T *ob = out + ((size_t)bh * Tq + w0) * D;
+    _Pragma("unroll") for (int n = 0; n < ND; n++) {
+        for (int e = 0; e < o[n].num_elements; e++) o[n].x[e] *= sA[(int)row_of.x[e]];
+        store_rows(o[n], sS, LS, ob, D, Tq - w0, n * 16, D, 1.0f);
+    }
+    if (half == 0 && i < Tq) lse[(size_t)bh * Tq + i] = l > 0.0f ? m + logf(l) : -INFINITY;
+}
+
+// dQ. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory bwd_q_tc_smem.
+template <typename T, int ND>
+__device__ void bwd_q_tc(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                         const unsigned int *__restrict__ segments, const T *__restrict__ dout,
+                         const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq, int H,
+                         int Hkv, int Tq, int Tk, int D, int causal, float scale) {
+    using namespace tc;
+    extern __shared__ __align__(128) unsigned char smem[];
+    constexpr int DP = ND * 16, LT = DP + 8, LP = TK + 8, LS = TK + 4;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    Carver cv{smem, 0};
+    T *sQ = cv.take<T>(TQ * LT);                                   // (TQ, DP)
+    T *sdO = cv.take<T>(TQ * LT);                                  // (TQ, DP)
+    T *sK = cv.take<T>(TK * LT);                                   // (TK, DP)
+    T *sV = cv.take<T>(TK * LT);                                   // (TK, DP)
+    float *sS = cv.take<float>(WARPS * 16 * LS) + warp * 16 * LS;  // this warp's (16, TK) scores
+    float *sdP = cv.take<float>(WARPS * 16 * LS) + warp * 16 * LS; // this warp's (16, TK) dP
+    T *sdS = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP;         // this warp's (16, TK) dS
+
+    const int qt = gridDim.x - 1 - blockIdx.x;
+    const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    const int i0 = qt * TQ, w0 = i0 + warp * 16;
+    const T *kb = k + ((size_t)b * Hkv + hk) * Tk * D;
+    const T *vb = v + ((size_t)b * Hkv + hk) * Tk * D;
+    const unsigned int *seg = segments ? segments + (size_t)b * Tk : nullptr;
+    tc::load_tile(sQ, LT, q + (size_t)bh * Tq * D, D, i0, Tq, TQ, DP);
+    tc::load_tile(sdO, LT, dout + (size_t)bh * Tq * D, D, i0, Tq, TQ, DP);
+    const int r = lane >> 1, half = lane & 1, i = w0 + r;
+    const float row_lse = i < Tq ? lse[(size_t)bh * Tq + i] : 0.0f;
+    const float row_delta = i < Tq ? delta[(size_t)bh * Tq + i] : 0.0f;
+    Acc acc[ND]; // this warp's (16, DP) dQ / scale
+    _Pragma("unroll") for (int n = 0; n < ND; n++) wmma::fill_fragment(acc[n], 0.0f);
+
+    const int last_row = min(i0 + TQ, Tq) - 1;
+    const int key_tiles = (Tk + TK - 1) / TK;
+    const int nkt = causal ? min(key_tiles, (last_row + Tk - Tq) / TK + 1) : key_tiles;
+    for (int kt = 0; kt < nkt; kt++) {
+        const int j0 = kt * TK;
+        __syncthreads();
+        tc::load_tile(sK, LT, kb, D, j0, Tk, TK, DP);
+        tc::load_tile(sV, LT, vb, D, j0, Tk, TK, DP);
+        __syncthreads();
+        for (int n = 0; n < TK / 16; n++) { // S = Q_w Kᵀ, dP = dO_w Vᵀ
+            Acc s, dp;
+            wmma::fill_fragment(s, 0.0f);
+            wmma::fill_fragment(dp, 0.0f);
+            mma_row<T, true>(s, sQ + warp * 16 * LT, LT, sK + n * 16 * LT, LT, DP);
+            mma_row<T, true>(dp, sdO + warp * 16 * LT, LT, sV + n * 16 * LT, LT, DP);
+            wmma::store_matrix_sync(sS + n * 16, s, LS, wmma::mem_row_major);
+            wmma::store_matrix_sync(sdP + n * 16, dp, LS, wmma::mem_row_major);
+        }
+        __syncwarp();
+#pragma unroll 8
+        for (int u = 0; u < 32; u++) {
+            const int c = half * 32 + u;
+            float p = 0.0f;
+            if (visible(i, j0 + c, Tq, Tk, causal, seg)) p = expf(sS[r * LS + c] * scale - row_lse);
+            sdS[r * LP + c] = store<T>(p * (sdP[r * LS + c] - row_delta));
+        }
+        __syncwarp();
+        _Pragma("unroll") for (int n = 0; n < ND; n++) mma_row<T, false>(acc[n], sdS, LP, sK + n * 16, LT, TK); // dQ += dS K
+        __syncwarp();
+    }
+    T *dqb = dq + ((size_t)bh * Tq + w0) * D;
+    _Pragma("unroll") for (int n = 0; n < ND; n++) store_rows(acc[n], sS, LS, dqb, D, Tq - w0, n * 16, D, scale);
+}
+
+// dK and dV: a warp owns 16 keys; the shared tiles are the query tiles (Q, dO). Grids and the
+// partial sums as bwd_kv's. Dynamic shared memory bwd_kv_tc_smem.
+template <typename T, int ND>
+__device__ void bwd_kv_tc(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                          const unsigned int *__restrict__ segments, const T *__restrict__ dout,
+                          const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dk,
+                          T *__restrict__ dv, float *__restrict__ dk_part, float *__restrict__ dv_part, int H,
+                          int Hkv, int Tq, int Tk, int D, int causal, float scale) {
+    using namespace tc;
+    extern __shared__ __align__(128) unsigned char smem[];
+    constexpr int DP = ND * 16, LT = DP + 8, LP = TK + 8, LS = TK + 4;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    Carver cv{smem, 0};
+    T *sK = cv.take<T>(TQ * LT);                                   // (TQ keys, DP)
+    T *sV = cv.take<T>(TQ * LT);                                   // (TQ keys, DP)
+    T *sQ = cv.take<T>(TK * LT);                                   // (TK queries, DP)
+    T *sdO = cv.take<T>(TK * LT);                                  // (TK queries, DP)
+    float *sLse = cv.take<float>(TK);                              // (TK,)
+    float *sDelta = cv.take<float>(TK);                            // (TK,)
+    float *sS = cv.take<float>(WARPS * 16 * LS) + warp * 16 * LS;  // this warp's (16 keys, TK) Sᵀ
+    float *sdP = cv.take<float>(WARPS * 16 * LS) + warp * 16 * LS; // this warp's (16 keys, TK) dPᵀ
+    T *sP = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP;          // this warp's (16 keys, TK) Pᵀ
+    T *sdS = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP;         // this warp's (16 keys, TK) dSᵀ
+
+    const int kt = blockIdx.x, group = H / Hkv;
+    const bool split = dk_part != nullptr;
+    const int b = split ? blockIdx.y / H : blockIdx.y / Hkv;
+    const int h_first = split ? blockIdx.y % H : (blockIdx.y % Hkv) * group;
+    const int hk = h_first / group, heads = split ? 1 : group;
+    const size_t bk = (size_t)b * Hkv + hk;
+    const int j0 = kt * TQ, w0 = j0 + warp * 16; // the block's and this warp's first key
+    const unsigned int *seg = segments ? segments + (size_t)b * Tk : nullptr;
+    tc::load_tile(sK, LT, k + bk * Tk * D, D, j0, Tk, TQ, DP);
+    tc::load_tile(sV, LT, v + bk * Tk * D, D, j0, Tk, TQ, DP);
+    Acc gk[ND], gv[ND]; // this warp's (16 keys, DP) dK / scale and dV
+    _Pragma("unroll") for (int n = 0; n < ND; n++) {
+        wmma::fill_fragment(gk[n], 0.0f);
+        wmma::fill_fragment(gv[n], 0.0f);
+    }
+    // Two lanes a key: key `c`, query rows half·32 .. half·32 + 31 of each query tile.
+    const int c = lane >> 1, half = lane & 1, j = w0 + c;
+    const int first = causal ? max(0, j0 - (Tk - Tq)) / TK : 0;
+    const int query_tiles = (Tq + TK - 1) / TK;
+    for (int g = 0; g < heads; g++) {
+        const size_t bh = (size_t)b * H + h_first + g;
+        for (int qt = first; qt < query_tiles; qt++) {
+            const int i0 = qt * TK;
+            __syncthreads();
+            tc::load_tile(sQ, LT, q + bh * Tq * D, D, i0, Tq, TK, DP);
+            tc::load_tile(sdO, LT, dout + bh * Tq * D, D, i0, Tq, TK, DP);
+            load_rows(sLse, lse + bh * Tq, i0, Tq, TK);
+            load_rows(sDelta, delta + bh * Tq, i0, Tq, TK);
+            __syncthreads();
+            for (int n = 0; n < TK / 16; n++) { // Sᵀ = K_w Qᵀ, dPᵀ = V_w dOᵀ
+                Acc s, dp;
+                wmma::fill_fragment(s, 0.0f);
+                wmma::fill_fragment(dp, 0.0f);
+                mma_row<T, true>(s, sK + warp * 16 * LT, LT, sQ + n * 16 * LT, LT, DP);
+                mma_row<T, true>(dp, sV + warp * 16 * LT, LT, sdO + n * 16 * LT, LT, DP);
+                wmma::store_matrix_sync(sS + n * 16, s, LS, wmma::mem_row_major);
+                wmma::store_matrix_sync(sdP + n * 16, dp, LS, wmma::mem_row_major);
+            }
+            __syncwarp();
+#pragma unroll 8
+            for (int u = 0; u < 32; u++) {
+                const int rr = half * 32 + u; // the query row in the tile
+                float p = 0.0f;
+                if (visible(i0 + rr, j, Tq, Tk, causal, seg)) p = expf(sS[c * LS + rr] * scale - sLse[rr]);
+                sP[c * LP + rr] = store<T>(p);
+                sdS[c * LP + rr] = store<T>(p * (sdP[c * LS + rr] - sDelta[rr]));
+            }
+            __syncwarp();
+            _Pragma("unroll") for (int n = 0; n < ND; n++) {
+                mma_row<T, false>(gv[n], sP, LP, sdO + n * 16, LT, TK);  // dV += Pᵀ dO
+                mma_row<T, false>(gk[n], sdS, LP, sQ + n * 16, LT, TK); // dK += dSᵀ Q
+            }
+            __syncwarp();
+        }
+    }
+    if (split) {
+        float *pk = dk_part + ((size_t)blockIdx.y * Tk + w0) * D;
+        float *pv = dv_part + ((size_t)blockIdx.y * Tk + w0) * D;
+        _Pragma("unroll") for (int n = 0; n < ND; n++) {
+            store_rows(gk[n], sS, LS, pk, D, Tk - w0, n * 16, D, 1.0f);
+            store_rows(gv[n], sS, LS, pv, D, Tk - w0, n * 16, D, 1.0f);
+        }
+    } else {
+        T *dkb = dk + (bk * Tk + w0) * D;
+        T *dvb = dv + (bk * Tk + w0) * D;
+        _Pragma("unroll") for (int n = 0; n < ND; n++) {
+            store_rows(gk[n], sS, LS, dkb, D, Tk - w0, n * 16, D, scale);
+            store_rows(gv[n], sS, LS, dvb, D, Tk - w0, n * 16, D, 1.0f);
+        }
+    }
+}
+
+// Entry points. Every type: flash_bwd_delta_{S}, flash_bwd_kv_sum_{S}. f32 (CUDA cores, 32 × 32
+// tiles, any D up to MAX_D): flash_{fwd,bwd_q,bwd_kv}_f32. bf16/f16 (tensor cores, 64-row
+// tiles): flash_{fwd,bwd_q,bwd_kv}_{bf16,f16}_d{32,64,96,128}, D padded up to that.
+#define FLASH_ANY(T, S)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                         \
+        flash_bwd_delta_##S(const T *out, const T *dout, float *delta, unsigned long long rows, int D) {         \
+        bwd_delta<T>(out, dout, delta, (size_t)rows, D);                                                           \
+    }                                                                                                              \
+    extern "C" __global__ void flash_bwd_kv_sum_##S(const float *dk_part, const float *dv_part, T *dk, T *dv,     \
+                                                    unsigned long long n, int group, unsigned long long per_head,  \
+                                                    float scale) {                                                 \
+        bwd_kv_sum<T>(dk_part, dv_part, dk, dv, (size_t)n, group, (size_t)per_head, scale);                        \
+    }
+
+#define FLASH_F32(BR, BC)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                         \
+        flash_fwd_f32(const float *q, const float *k, const float *v, const unsigned int *segments, float *out,   \
+                      float *lse, int H, int Hkv, int Tq, int Tk, int D, int causal, float scale) {               \
+        fwd<float, BR, BC>(q, k, v, segments, out, lse, H, Hkv, Tq, Tk, D, causal, scale);                         \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                         \
+        flash_bwd_q_f32(const float *q, const float *k, const float *v, const unsigned int *segments,             \
+                        const float *dout, const float *lse, const float *delta, float *dq, int H, int Hkv,       \
+                        int Tq, int Tk, int D, int causal, float scale) {                                          \
+        bwd_q<float, BR, BC>(q, k, v, segments, dout, lse, delta, dq, H, Hkv, Tq, Tk, D, causal, scale);           \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                         \
+        flash_bwd_kv_f32(const float *q, const float *k, const float *v, const unsigned int *segments,            \
+                         const float *dout, const float *lse, const float *delta, float *dk, float *dv,           \
+                         float *dk_part, float *dv_part, int H, int Hkv, int Tq, int Tk, int D, int causal,       \
+                         float scale) {                                                                            \
+        bwd_kv<float, BR, BC>(q, k, v, segments, dout, lse, delta, dk, dv, dk_part, dv_part, H, Hkv, Tq, Tk, D,    \
+                              causal, scale);                                                                      \
+    }
+
+#define FLASH_TC(T, S, W)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                         \
+        flash_fwd_##S##_d##W(const T *q, const T *k, const T *v, const unsigned int *segments, T *out, float *lse, \
+                             int H, int Hkv, int Tq, int Tk, int D, int causal, float scale) {                     \
+        fwd_tc<T, W / 16>(q, k, v, segments, out, lse, H, Hkv, Tq, Tk, D, causal, scale);                          \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                         \
+        flash_bwd_q_##S##_d##W(const T *q, const T *k, const T *v, const unsigned int *segments, const T *dout,   \
+                               const float *lse, const float *delta, T *dq, int H, int Hkv, int Tq, int Tk, int D, \
+                               int causal, float scale) {                                                          \
+        bwd_q_tc<T, W / 16>(q, k, v, segments, dout, lse, delta, dq, H, Hkv, Tq, Tk, D, causal, scale);            \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                                         \
+        flash_bwd_kv_##S##_d##W(const T *q, const T *k, const T *v, const unsigned int *segments, const T *dout,  \
+                                const float *lse, const float *delta, T *dk, T *dv, float *dk_part,               \
+                                float *dv_part, int H, int Hkv, int Tq, int Tk, int D, int causal, float scale) {  \
+        bwd_kv_tc<T, W / 16>(q, k, v, segments, dout, lse, delta, dk, dv, dk_part, dv_part, H, Hkv, Tq, Tk, D,     \
+                             causal, scale);                                                                       \
+    }
+
+FLASH_ANY(float, f32)
+FLASH_ANY(bf16, bf16)
+FLASH_ANY(f16, f16)
+FLASH_F32(32, 32)
+FLASH_TC(bf16, bf16, 32)
+FLASH_TC(bf16, bf16, 64)
+FLASH_TC(bf16, bf16, 96)
+FLASH_TC(bf16, bf16, 128)
+FLASH_TC(f16, f16, 32)
+FLASH_TC(f16, f16, 64)
+FLASH_TC(f16, f16, 96)
+FLASH_TC(f16, f16, 128)

@@ -1,0 +1,224 @@
+//! The GPU side's plumbing (`cuda` feature), shared by the built-ins (ava-plugins) and the
+//! plugin libraries: PTX modules loaded into the CUDA context current on the calling thread
+//! (the host's, as the plugin contract promises) and kernels launched on the stream the host
+//! hands over, with device pointers and a `CUstream` as integers. No CUDA library is linked
+//! outside a CUDA build of the workspace: cudarc loads the driver at run time.
+//!
+//! Also the checks every attention kernel's device call makes on its buffers
+//! ([`check_attention`]).
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString, c_void};
+use std::sync::Mutex;
+
+use ava_core::DType;
+use ava_core::PluginError;
+use ava_core::attention::AttnShape;
+use ava_core::device::{CudaBuf, CudaStream};
+use cudarc::driver::{result, sys};
+
+/// One PTX module: a name for messages and its NUL-terminated image (`include_str!` of
+/// nvcc's output with a `"\0"` appended).
+pub struct Ptx {
+    name: &'static str,
+    image: &'static str,
+}
+
+impl Ptx {
+    /// A module named `name`; `image` must end with a NUL byte.
+    pub const fn new(name: &'static str, image: &'static str) -> Self {
+        assert!(!image.is_empty() && image.as_bytes()[image.len() - 1] == 0, "a PTX image ends with NUL");
+        Self { name, image }
+    }
+}
+
+/// Threads per block of the element kernels.
+pub const THREADS: u32 = 256;
+
+/// The kernels looked up so far: (context id, module name, kernel name) → CUfunction as an
+/// address. The context is named by `cuCtxGetId`, unique for the process's life: a primary
+/// context released and retained again comes back at the same address without the modules
+/// loaded into it before.
+type Kernels = HashMap<(u64, &'static str, CString), usize>;
+static KERNELS: Mutex<Option<Kernels>> = Mutex::new(None);
+
+/// The modules loaded so far: (context id, module name) → CUmodule as an address.
+static MODULES: Mutex<Vec<(u64, &'static str, usize)>> = Mutex::new(Vec::new());
+
+fn driver(what: &str, e: result::DriverError) -> PluginError {
+    PluginError::internal(format!("CUDA {what}: {e}"))
+}
+
+/// The unique id of the CUDA context current on the calling thread.
+fn current_context() -> Result<u64, PluginError> {
+    result::init().map_err(|e| driver("driver init", e))?;
+    let ctx = result::ctx::get_current().map_err(|e| driver("context query", e))?.ok_or_else(|| {
+        PluginError::internal(
+            "no CUDA context is current on the calling thread: the host must make its context current before a \
+             CUDA call",
+        )
+    })?;
+    let mut id = 0u64;
+    // SAFETY: ctx is a live context (current on this thread); id is a valid out-pointer.
+    unsafe { sys::cuCtxGetId(ctx, &mut id) }.result().map_err(|e| driver("context id", e))?;
+    Ok(id)
+}
+
+/// `ptx` in the context `ctx`, loaded on first use there.
+fn module(ctx: u64, ptx: &Ptx) -> Result<sys::CUmodule, PluginError> {
+    let mut modules = MODULES.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(&(_, _, m)) = modules.iter().find(|(c, n, _)| *c == ctx && *n == ptx.name) {
+        return Ok(m as sys::CUmodule);
+    }
+    // SAFETY: the image is NUL-terminated PTX built by nvcc for this crate.
+    let m = unsafe { result::module::load_data(ptx.image.as_ptr().cast()) }
+        .map_err(|e| driver(&format!("loading the {} kernels", ptx.name), e))?;
+    modules.push((ctx, ptx.name, m as usize));
+    Ok(m)
+}
+
+/// Kernel `name` of `ptx` in the current context, looked up once per context.
+fn kernel(ptx: &Ptx, name: &CStr) -> Result<sys::CUfunction, PluginError> {
+    let ctx = current_context()?;
+    let key = (ctx, ptx.name, CString::from(name));
+    if let Some(&f) = KERNELS.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_default().get(&key) {
+        return Ok(f as sys::CUfunction);
+    }
+    let m = module(ctx, ptx)?;
+    // SAFETY: m is a loaded module; the name is one of its kernels.
+    let f = unsafe { result::module::get_function(m, key.2.clone()) }.map_err(|e| driver("kernel lookup", e))?;
+    KERNELS.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_default().insert(key, f as usize);
+    Ok(f)
+}
+
+/// Launches kernel `name` of `ptx` with `grid` blocks of `threads` on `stream`.
+///
+/// # Safety
+/// `params` must point at values matching the kernel's parameters one for one, and every
+/// device pointer among them must be valid for what the kernel reads and writes.
+pub unsafe fn launch(
+    ptx: &Ptx,
+    name: &CStr,
+    grid: u32,
+    threads: u32,
+    stream: &CudaStream,
+    params: &mut [*mut c_void],
+) -> Result<(), PluginError> {
+    // SAFETY: the caller's promise, passed on.
+    unsafe { launch_with(ptx, name, Launch { grid: (grid, 1, 1), threads, shared: 0 }, stream, params) }
+}
+
+/// A launch's shape: blocks in x and y (z is 1), threads a block, dynamic shared memory bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct Launch {
+    /// Blocks (x, y, z).
+    pub grid: (u32, u32, u32),
+    /// Threads per block.
+    pub threads: u32,
+    /// Dynamic shared memory a block, in bytes. Above 48 KiB the kernel is allowed that much
+    /// first (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
+    pub shared: u32,
+}
+
+/// [`launch`] with a full launch shape.
+///
+/// # Safety
+/// As [`launch`].
+pub unsafe fn launch_with(
+    ptx: &Ptx,
+    name: &CStr,
+    shape: Launch,
+    stream: &CudaStream,
+    params: &mut [*mut c_void],
+) -> Result<(), PluginError> {
+    let f = kernel(ptx, name)?;
+    if shape.shared > 48 << 10 {
+        // SAFETY: f is a live function of the current context.
+        unsafe {
+            result::function::set_function_attribute(
+                f,
+                sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shape.shared as i32,
+            )
+        }
+        .map_err(|e| {
+            driver(&format!("{} asking for {} KiB of shared memory", name.to_string_lossy(), shape.shared >> 10), e)
+        })?;
+    }
+    let (grid, block) = (shape.grid, (shape.threads, 1, 1));
+    // SAFETY: the caller's promise about params; the stream is the host's (0: the default).
+    unsafe { result::launch_kernel(f, grid, block, shape.shared, stream.handle as sys::CUstream, params) }
+        .map_err(|e| driver(&format!("launch of {}", name.to_string_lossy()), e))
+}
+
+/// Blocks of [`THREADS`] covering `n` elements.
+pub fn blocks(n: usize) -> Result<u32, PluginError> {
+    u32::try_from(n.div_ceil(THREADS as usize))
+        .ok()
+        .filter(|&b| b <= i32::MAX as u32)
+        .ok_or_else(|| PluginError::invalid_input(format!("{n} elements are more than one kernel launch covers")))
+}
+
+/// A kernel argument's address, as `cuLaunchKernel` takes it.
+pub fn arg<T>(v: &T) -> *mut c_void {
+    (v as *const T).cast_mut().cast()
+}
+
+/// Checks an attention call's buffers against `shape` for kernel `kernel`: q, k, v and the
+/// buffers shaped like q (`like_q`) share one element type (f32, bf16 or f16) and have the
+/// shape's lengths, the segments (when given) are (B, Tk) u32, `saved` holds `saved_len` f32,
+/// and the head dimension is at most `max_d`. Returns the element type.
+#[allow(clippy::too_many_arguments)]
+pub fn check_attention(
+    kernel: &str,
+    shape: &AttnShape,
+    q: &CudaBuf,
+    k: &CudaBuf,
+    v: &CudaBuf,
+    segments: &CudaBuf,
+    like_q: &[(&str, &CudaBuf)],
+    saved: &CudaBuf,
+    saved_len: usize,
+    max_d: u32,
+) -> Result<DType, PluginError> {
+    shape.validate()?;
+    if shape.head_dim > max_d {
+        return Err(PluginError::unsupported(format!(
+            "{kernel} on the GPU takes head dimensions up to {max_d}, got {}",
+            shape.head_dim
+        )));
+    }
+    let t = q.dtype;
+    if !matches!(t, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(PluginError::invalid_input(format!("q is {}; f32, bf16 or f16 expected", t.as_str())));
+    }
+    q.expect("q", t, shape.q_numel())?;
+    k.expect("k", t, shape.kv_numel())?;
+    v.expect("v", t, shape.kv_numel())?;
+    for (what, b) in like_q {
+        b.expect(what, t, shape.q_numel())?;
+    }
+    if !segments.is_empty() {
+        segments.expect("segments", DType::U32, shape.batch as usize * shape.kv_len as usize)?;
+    }
+    saved.expect("saved", DType::F32, saved_len)?;
+    Ok(t)
+}
+
+/// (H, Hkv, Tq, Tk, D) as the attention kernels take them.
+pub fn attention_dims(shape: &AttnShape) -> [i32; 5] {
+    [shape.q_heads, shape.kv_heads, shape.q_len, shape.kv_len, shape.head_dim].map(|d| d as i32)
+}
+
+/// The kernel `base` for element type `t`: `{base}_{f32|bf16|f16}`.
+pub fn typed(base: &str, t: DType) -> Result<CString, PluginError> {
+    CString::new(format!("{base}_{}", t.as_str())).map_err(|e| PluginError::internal(e.to_string()))
+}
+
+/// A grid dimension of `n` blocks, if one launch covers it.
+pub fn grid(n: usize, what: &str) -> Result<u32, PluginError> {
+    u32::try_from(n)
+        .ok()
+        .filter(|&r| r <= i32::MAX as u32)
+        .ok_or_else(|| PluginError::invalid_input(format!("{n} {what} are more than one launch covers")))
+}
