@@ -260,6 +260,30 @@ extern "C" __global__ void widen_f16(const f16 *__restrict__ x, float *__restric
     if (j < n) out[j] = __half2float(x[j]);
 }
 
+// ---- Σ x² of a whole tensor (gradient norms): many blocks, then one, in a fixed order ----
+
+// Each block's share of Σ x² (f32 partial sums, elements strided over the grid).
+// Launch: grid (SUMSQ_BLOCKS or fewer), block (256). x (n,); partial (gridDim.x,) f32.
+template <typename T> __device__ void sumsq_partial(const T *__restrict__ x, float *__restrict__ partial, size_t n) {
+    __shared__ float scratch[32];
+    float s = 0.0f;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float v = load(x[i]);
+        s += v * v;
+    }
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// out[0] = Σ partial[b] in block order. Launch: grid (1), block (256).
+extern "C" __global__ void sumsq_final(const float *__restrict__ partial, float *__restrict__ out, int blocks) {
+    __shared__ float scratch[32];
+    float s = 0.0f;
+    for (int b = threadIdx.x; b < blocks; b += blockDim.x) s += partial[b];
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) out[0] = s;
+}
+
 // ---- the entry points, one per element type ----
 
 #define FUSED_OPS(T, S)                                                                                           \
@@ -289,6 +313,9 @@ extern "C" __global__ void widen_f16(const f16 *__restrict__ x, float *__restric
     extern "C" __global__ void cross_entropy_bwd_##S(const T *logits, const unsigned int *targets,                \
                                                      const float *grad_loss, T *grad, int V) {                    \
         cross_entropy_bwd<T>(logits, targets, grad_loss, grad, V);                                                \
+    }                                                                                                             \
+    extern "C" __global__ void sumsq_partial_##S(const T *x, float *partial, size_t n) {                          \
+        sumsq_partial<T>(x, partial, n);                                                                          \
     }
 
 FUSED_OPS(float, f32)

@@ -200,9 +200,49 @@ fn open_cuda(spec: DeviceSpec, _ordinal: usize) -> Result<candle_core::Device, D
     Err(DeviceError::NotBuilt { spec })
 }
 
+/// The part of a card's memory `memory.budget` leaves out by default: the CUDA context,
+/// cuBLAS's workspace and the pool's slack live outside the run's allocations (1.2 GiB on an
+/// H200 running TinyLlama-1.1B's shape: the card's figure less the pool's peak), so 5% of the
+/// card, at least 2 GiB.
+pub fn card_margin(card_total: u64) -> u64 {
+    (card_total / 20).max(2 << 30)
+}
+
+/// `memory.budget`'s default on a GPU run: the card's memory (`cuMemGetInfo`'s total) less
+/// [`card_margin`]. `None` on the CPU, where the config's default stands.
+pub fn card_budget(spec: DeviceSpec) -> Result<Option<(u64, u64)>, DeviceError> {
+    if !spec.is_cuda() {
+        return Ok(None);
+    }
+    let total = card_total(spec)?;
+    Ok(Some((total.saturating_sub(card_margin(total)), total)))
+}
+
+#[cfg(feature = "cuda")]
+fn card_total(spec: DeviceSpec) -> Result<u64, DeviceError> {
+    let candle_core::Device::Cuda(gpu) = open(spec)? else { unreachable!("a cuda spec opens a GPU") };
+    crate::memory::device::read(&gpu)
+        .map(|m| m.card_total)
+        .map_err(|e| DeviceError::Open { spec, reason: e.to_string() })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn card_total(spec: DeviceSpec) -> Result<u64, DeviceError> {
+    Err(DeviceError::NotBuilt { spec })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_budget_leaves_five_percent_of_a_card_and_at_least_two_gib() {
+        const GIB: u64 = 1 << 30;
+        assert_eq!(card_margin(140 * GIB), 7 * GIB); // an H200
+        assert_eq!(card_margin(80 * GIB), 4 * GIB); // an H100
+        assert_eq!(card_margin(24 * GIB), 2 * GIB); // an RTX 4090
+        assert!(matches!(card_budget(DeviceSpec::Cpu), Ok(None)));
+    }
 
     #[test]
     fn the_three_forms_parse_and_print_back() {

@@ -241,3 +241,73 @@ fn standard_attention_matches_the_cpu() {
         }
     }
 }
+
+/// `flash` (FlashAttention-2, kernels/flash.cu in ava-kernels) through the engine's attention
+/// op against the same kernel on the CPU: causal, grouped-query, with and without packed
+/// documents; head dims 64, 80 (padded to 96 in the tiles) and 128; lengths that end inside a
+/// tile and span several (the f32 tiles are 32, the bf16/f16 ones 64).
+#[test]
+fn flash_attention_matches_the_cpu() {
+    use ava_kernels::attention::{Kernel, Masking};
+    let kernel: Arc<dyn ava_core::AttentionKernel> = Arc::new(Kernel::flash(Masking::Plain));
+    assert!(Kernel::flash(Masking::Plain).runs_on_cuda());
+    for (b, h, hkv, t, d) in [(2, 8, 2, 37, 64), (1, 4, 4, 200, 128), (1, 2, 1, 70, 80)] {
+        let segments: Arc<[u32]> = (0..b * t).map(|i| ((i % t) / 23) as u32).collect();
+        for dtype in TYPES {
+            let inputs = [
+                (data(b * h * t * d, 30, 1.0), vec![b, h, t, d]),
+                (data(b * hkv * t * d, 31, 1.0), vec![b, hkv, t, d]),
+                (data(b * hkv * t * d, 32, 1.0), vec![b, hkv, t, d]),
+            ];
+            for segs in [None, Some(&segments)] {
+                let what = format!("flash attention (B {b}, H {h}/{hkv}, T {t}, D {d}), documents {}", segs.is_some());
+                compare(&what, &inputs, dtype, |x| {
+                    ava_train::model::attention(&kernel, "flash", &x[0], &x[1], &x[2], segs, 2)
+                });
+            }
+        }
+    }
+}
+
+/// Flash on the GPU gives the same bits on every run (its sums run in a fixed order: no
+/// atomics), which exact resume on the GPU needs.
+#[test]
+fn flash_attention_is_deterministic() {
+    use ava_kernels::attention::{Kernel, Masking};
+    let kernel: Arc<dyn ava_core::AttentionKernel> = Arc::new(Kernel::flash(Masking::Plain));
+    let (b, h, hkv, t, d) = (1, 8, 2, 300, 64);
+    let dev = gpu();
+    let run = || {
+        let q = Var::from_tensor(&tensor(&data(b * h * t * d, 40, 1.0), &[b, h, t, d], DType::BF16, &dev)).unwrap();
+        let k = tensor(&data(b * hkv * t * d, 41, 1.0), &[b, hkv, t, d], DType::BF16, &dev);
+        let v = tensor(&data(b * hkv * t * d, 42, 1.0), &[b, hkv, t, d], DType::BF16, &dev);
+        let out = ava_train::model::attention(&kernel, "flash", q.as_tensor(), &k, &v, None, 2).unwrap();
+        let loss = out.to_dtype(DType::F32).and_then(|o| o.sqr()).and_then(|o| o.sum_all()).unwrap();
+        let g = loss.backward().unwrap().get(q.as_tensor()).unwrap().clone();
+        let bits = |x: &Tensor| x.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
+        (bits(&out), bits(&g))
+    };
+    let first = run();
+    for _ in 0..3 {
+        assert!(run() == first, "flash on the GPU gave different bits on a second run");
+    }
+}
+
+/// The gradient norm's sums of squares on the GPU (the engine's two-pass kernel) against the
+/// CPU's, for an empty tensor, one element, and sizes past one block and past the grid's
+/// stride; the same bits on a second run (fixed order).
+#[test]
+fn sums_of_squares_match_the_cpu() {
+    let dev = gpu();
+    for n in [0, 1, 1000, 3_000_001] {
+        for dtype in TYPES {
+            let x = data(n, 50, 1.0);
+            let (g, c) = (tensor(&x, &[n], dtype, &dev), tensor(&x, &[n], dtype, &Device::Cpu));
+            let on_gpu = ava_train::model::fused::sums_of_squares(&[&g, &g]).unwrap();
+            let on_cpu = c.to_dtype(DType::F64).unwrap().sqr().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+            let tol = 1e-5 * on_cpu + 1e-6;
+            assert!((f64::from(on_gpu[0]) - on_cpu).abs() <= tol, "n {n} {dtype:?}: {} vs {on_cpu}", on_gpu[0]);
+            assert_eq!(on_gpu[0].to_bits(), on_gpu[1].to_bits(), "n {n} {dtype:?}: two runs differ");
+        }
+    }
+}

@@ -37,13 +37,14 @@ pub(crate) struct StepSettings<'a> {
 }
 
 impl StepSettings<'_> {
-    /// Steps parameter `i` from `grad` (f32, already scaled); returns the gradient's Σ g².
+    /// Steps parameter `i` from `grad` (f32, already scaled); returns the gradient's Σ g² on
+    /// the CPU (see [`step_param`]).
     pub(crate) fn apply(
         &mut self,
         i: usize,
         grad: &Tensor,
         buffers: &mut Vec<super::StateBuffer>,
-    ) -> Result<f64, TrainError> {
+    ) -> Result<Option<f64>, TrainError> {
         let param = &self.params[i];
         let ctx = StepContext {
             step: self.step,
@@ -115,8 +116,7 @@ impl<'a> StepInBackward<'a> {
         self.stepped += 1;
         // Checked before the step: a NaN stepped into a parameter cannot be taken back, and
         // the parameters stepped before it are already updated, so the run stops here.
-        let sumsq =
-            grad.sqr().and_then(|s| s.sum_all()).and_then(|s| s.to_scalar::<f32>()).map_err(TrainError::candle)?;
+        let sumsq = crate::model::fused::sums_of_squares(&[&grad]).map_err(TrainError::candle)?[0];
         if !sumsq.is_finite() {
             let name = &self.settings.params[i].def.name;
             let word = if sumsq.is_nan() { "NaN" } else { "infinite" };
@@ -126,9 +126,10 @@ impl<'a> StepInBackward<'a> {
         let session = self.session.as_mut().ok_or_else(|| {
             TrainError::Invalid("step in backward: a gradient arrived before backward announced its order".into())
         })?;
-        let (settings, sumsq) = (&mut self.settings, &mut self.sumsq);
+        let (settings, total, checked) = (&mut self.settings, &mut self.sumsq, f64::from(sumsq));
         session.step(i, &mut |i, buffers| {
-            *sumsq += settings.apply(i, &grad, buffers)?;
+            // The step's own f64 sum where it has one (the CPU), else the check's.
+            *total += settings.apply(i, &grad, buffers)?.unwrap_or(checked);
             Ok(())
         })
     }

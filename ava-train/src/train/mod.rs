@@ -218,6 +218,19 @@ pub enum TrainError {
     /// A tensor operation failed.
     #[error("tensor operation failed: {0}")]
     Candle(String),
+    /// The GPU could not allocate: the step failed where it was, before anything was saved.
+    #[error(
+        "the GPU ran out of memory at step {step} ({detail}). Nothing of this step was saved: the last checkpoint, \
+         if one was written, is intact. Make the step smaller: lower train.micro_batch_size or data.seq_len, \
+         recompute activations (plugins.checkpoint: full), or hold less state on the card (train.master_weights: \
+         none); then run again, or resume with --resume latest"
+    )]
+    DeviceOutOfMemory {
+        /// The step that could not run.
+        step: u64,
+        /// The failing operation's own words.
+        detail: String,
+    },
     /// Another rank failed or the ranks disagree.
     #[error(transparent)]
     Dist(#[from] crate::dist::DistError),
@@ -261,10 +274,41 @@ macro_rules! boxed_from {
 boxed_from!(Data: crate::data::DataError, Model: crate::model::ModelError, Save: crate::save::SaveError, Host: ava_plugins::HostError);
 
 impl TrainError {
+    /// `e` as [`TrainError::DeviceOutOfMemory`] when a CUDA allocation failed inside it
+    /// (cudarc's `CUDA_ERROR_OUT_OF_MEMORY`, however deep in the step); otherwise `e`.
+    pub(crate) fn device_out_of_memory(step: u64, e: TrainError) -> TrainError {
+        let text = e.to_string();
+        if text.contains("CUDA_ERROR_OUT_OF_MEMORY") { TrainError::DeviceOutOfMemory { step, detail: text } } else { e }
+    }
+
     pub(crate) fn candle(e: candle_core::Error) -> Self {
         Self::Candle(e.to_string())
     }
     pub(crate) fn io(path: impl Into<PathBuf>, e: impl std::fmt::Display) -> Self {
         Self::Io { path: path.into(), message: e.to_string() }
+    }
+}
+
+#[cfg(test)]
+mod oom_tests {
+    use super::TrainError;
+
+    /// A CUDA allocation failure, however deep, is said as the GPU running out of memory at
+    /// the step, with what to change; any other error passes through unchanged.
+    #[test]
+    fn a_device_allocation_failure_is_said_plainly() {
+        let cuda = TrainError::Candle("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into());
+        let text = TrainError::device_out_of_memory(7, cuda).to_string();
+        assert!(
+            text.starts_with("the GPU ran out of memory at step 7 (tensor operation failed: DriverError("),
+            "{text}"
+        );
+        for hint in
+            ["Nothing of this step was saved", "train.micro_batch_size", "plugins.checkpoint: full", "--resume latest"]
+        {
+            assert!(text.contains(hint), "{text}");
+        }
+        let other = TrainError::device_out_of_memory(7, TrainError::Invalid("bad".into()));
+        assert!(matches!(other, TrainError::Invalid(ref m) if m == "bad"));
     }
 }

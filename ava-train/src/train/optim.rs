@@ -950,7 +950,7 @@ impl InplaceOp2 for StepOp<'_> {
 
 /// Updates `param` in place from `grad` (f32, same shape) with the plugin; `round_seed`
 /// seeds the stochastic rounding of half-precision weights without masters. Returns the
-/// gradient's Σ g².
+/// gradient's Σ g² on the CPU (computed as the step reads it), `None` on the GPU.
 pub fn step_param(
     optimizer: &mut dyn Optimizer,
     plugin: &str,
@@ -959,7 +959,7 @@ pub fn step_param(
     state: &mut Vec<StateBuffer>,
     ctx: StepContext,
     round_seed: u64,
-) -> Result<f64, TrainError> {
+) -> Result<Option<f64>, TrainError> {
     let shape = shape_u64(param);
     let op = StepOp {
         optimizer: RefCell::new(optimizer),
@@ -972,13 +972,11 @@ pub fn step_param(
         sumsq: std::cell::Cell::new(0.0),
     };
     let grad = grad.contiguous().map_err(TrainError::candle)?;
-    if grad.device().is_cuda() {
-        // Read where it lies: one scalar back from the GPU.
-        let s = grad.sqr().and_then(|s| s.sum_all()).and_then(|s| s.to_scalar::<f32>());
-        op.sumsq.set(f64::from(s.map_err(TrainError::candle)?));
-    }
     param.var.as_tensor().inplace_op2(&grad, &op).map_err(TrainError::candle)?;
-    let sumsq = op.sumsq.get();
+    // The CPU step adds Σ g² as it reads the gradient; the GPU's would cost a read back per
+    // parameter, and its callers have the sum already (the norm, the check before a step
+    // inside backward).
+    let sumsq = if grad.device().is_cuda() { None } else { Some(op.sumsq.get()) };
     op.result.into_inner().map_err(|e| TrainError::Plugin {
         plugin: plugin.to_string(),
         what: "step",

@@ -1429,6 +1429,12 @@ impl Trainer {
 
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.
     pub fn train_step(&mut self) -> Result<StepRecord, TrainError> {
+        let step = self.step + 1;
+        self.run_step().map_err(|e| TrainError::device_out_of_memory(step, e))
+    }
+
+    /// [`train_step`](Self::train_step)'s work.
+    fn run_step(&mut self) -> Result<StepRecord, TrainError> {
         if std::mem::take(&mut self.gather_pending) {
             self.zero.gather_parameters(self.model.params())?;
         }
@@ -1590,11 +1596,15 @@ impl Trainer {
             // named in the error.
             let mut sumsq = 0f64;
             let mut first_bad = None;
-            for (i, g) in grads.iter().enumerate() {
-                let Some(g) = g else { continue };
-                let s =
-                    g.sqr().and_then(|s| s.sum_all()).and_then(|s| s.to_scalar::<f32>()).map_err(TrainError::candle)?
-                        as f64;
+            let held: Vec<(usize, &Tensor)> =
+                grads.iter().enumerate().filter_map(|(i, g)| Some((i, g.as_ref()?))).collect();
+            let sums = {
+                let _span = crate::profile::scope("gradients: norm");
+                let tensors: Vec<&Tensor> = held.iter().map(|(_, g)| *g).collect();
+                crate::model::fused::sums_of_squares(&tensors).map_err(TrainError::candle)?
+            };
+            for (&(i, _), s) in held.iter().zip(sums) {
+                let s = s as f64;
                 if !s.is_finite() && first_bad.is_none() {
                     first_bad = Some(i);
                 }

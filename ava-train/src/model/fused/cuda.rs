@@ -471,6 +471,45 @@ pub(crate) fn round_stochastic_storage(x: &CudaSlice<f32>, s: &mut CudaStorage, 
     }
 }
 
+// ---- Σ x² ----
+
+/// Blocks of the first pass of [`sumsq`]: enough to fill a large GPU several times over.
+const SUMSQ_BLOCKS: usize = 1024;
+
+/// Σ x² of a whole tensor on the GPU, as a one-element f32 tensor on the same device (no
+/// synchronization): per-block partial sums over a strided grid, then one block adds them in
+/// block order, so the same tensor gives the same bits every time. (candle's `sum_all`
+/// reduces a whole tensor in a single block, which takes milliseconds per million elements.)
+pub fn sumsq(t: &Tensor) -> Result<Tensor> {
+    with_cuda(t, "sum of squares", |s, l| {
+        let dev = s.device();
+        let n = l.shape().elem_count();
+        let blocks = n.div_ceil(ELEMENT_THREADS as usize).clamp(1, SUMSQ_BLOCKS);
+        let mut partial = uninit::<f32>(dev, blocks)?; // (blocks,) f32
+        by_type!(s.dtype(), "sum of squares", |T, sfx| {
+            let x = view::<T>(s, l, "sum of squares")?;
+            let f = dev.get_or_load_custom_func(&format!("sumsq_partial_{sfx}"), MODULE, PTX)?;
+            let mut b = f.builder();
+            b.arg(&x).arg(&mut partial).arg(&n);
+            let cfg = LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (ELEMENT_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: sumsq_partial_*'s signature; x holds n elements, partial one per block.
+            unsafe { b.launch(cfg) }.w()?;
+        });
+        let mut out = uninit::<f32>(dev, 1)?; // (1,) f32
+        let f = dev.get_or_load_custom_func("sumsq_final", MODULE, PTX)?;
+        let mut b = f.builder();
+        let count = blocks as i32;
+        b.arg(&partial).arg(&mut out).arg(&count);
+        // SAFETY: sumsq_final's signature; partial holds `blocks` floats, out one.
+        unsafe { b.launch(per_row(1, ELEMENT_THREADS)?) }.w()?;
+        Ok(tensor(out, dev, 1))
+    })
+}
+
 // ---- buffers handed to plugins (the contract's device calls) ----
 
 /// The stream a plugin's device call launches on: candle's own, so the plugin's work is
