@@ -352,7 +352,12 @@ pub struct ReportArgs {
 pub enum BenchCommand {
     /// Training throughput on a config: tokens/s, model GFLOP/s, MFU against this
     /// machine's measured f32 matmul rate, peak memory by component, and where step time
-    /// goes. Example: ava bench train -c configs/small.yaml
+    /// goes. On a GPU (train.device: cuda): tokens/s from the median step (each ended by a
+    /// device synchronization), MFU against the H100/H200's dense bf16 peak beside candle's
+    /// bf16 matmul measured on the device, device memory, and where step time goes over 2
+    /// more steps synchronized at every profiled scope. Examples:
+    /// ava bench train -c configs/small.yaml;
+    /// ava bench train -c configs/gpu-tinyllama-1b.yaml --steps 10 --warmup 3
     Train {
         /// Where the configuration comes from.
         #[command(flatten)]
@@ -398,10 +403,25 @@ pub enum BenchCommand {
     ///                another kernel is assumed plain causal (marked *). '-' when that dense
     ///                reference's T² probabilities would need over 4 GiB
     ///
+    /// With --device cuda (a build with the `cuda` feature) each kernel runs on the GPU through
+    /// the training engine's attention op (its device calls, on device buffers in --dtype, bf16
+    /// by default), causal, after one untimed warm-up call; only kernels whose manifests list
+    /// cuda can run there (by default, all the installed ones that do). Columns there:
+    ///   fwd ms, fwd+bwd ms  median of the repeats (10 by default), each from a synchronized
+    ///                device to a synchronized device; fwd+bwd is candle's autograd of Σ out·dout
+    ///   TFLOP/s      4·B·H·T²·D/2 per forward (the causal half), 3.5× that per forward +
+    ///                backward (backward as 2.5 forwards), as PyTorch's attn_ref.py counts
+    ///   device peak  the most the device's memory pool held during forward + backward above
+    ///                what it held before
+    ///   max err      largest |difference| of out, dq, dk, dv from the same kernel on the CPU in
+    ///                f32 on the same (rounded) inputs; '-' beyond T=4096
+    ///
     /// Examples:
     ///   ava bench attention
     ///   ava bench attention --kernels flash,sliding-window --seq 8192 --set sliding-window.window=512
     ///   ava bench attention --seq 1024 --heads 8 --kv-heads 2 --set block-sparse.stride=8 --format json
+    ///   ava bench attention --device cuda --kernels standard,flash --seq 2048,4096,8192 \
+    ///       --heads 32 --kv-heads 4 --head-dim 64
     #[command(verbatim_doc_comment)]
     Attention(BenchAttentionArgs),
     /// Optimizers head to head on the tensors of a Llama-shaped model: bytes of state per
@@ -627,13 +647,10 @@ fn parse_count(s: &str) -> Result<u64, String> {
 #[derive(Debug, Args)]
 pub struct BenchAttentionArgs {
     /// Attention kernels to compare, by plugin name (see `ava plugins list --kind attention`).
-    #[arg(
-        long,
-        value_name = "NAME,...",
-        value_delimiter = ',',
-        default_value = "standard,flash,sliding-window,block-sparse"
-    )]
-    pub kernels: Vec<String>,
+    /// Default: standard,flash,sliding-window,block-sparse on the CPU; on a GPU, the
+    /// installed kernels that run there.
+    #[arg(long, value_name = "NAME,...", value_delimiter = ',')]
+    pub kernels: Option<Vec<String>>,
     /// Sequence lengths T to measure.
     #[arg(long, value_name = "T,...", value_delimiter = ',', default_value = "256,1024,2048,4096", value_parser = parse_seq)]
     pub seq: Vec<u32>,
@@ -652,13 +669,23 @@ pub struct BenchAttentionArgs {
     /// Causal (true) or full (false) attention.
     #[arg(long, default_value_t = true, value_name = "BOOL", action = clap::ArgAction::Set)]
     pub causal: bool,
-    /// Threads each kernel may use. Default (or 0): one per core, as training uses.
+    /// Threads each kernel may use (on a GPU: the CPU reference). Default (or 0): one per
+    /// core, as training uses.
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,
     /// Forward + backward runs per kernel and T, taking turns across kernels; times are
-    /// their median.
-    #[arg(long, default_value_t = 3, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
-    pub repeats: u32,
+    /// their median. Default: 3 on the CPU, 10 on a GPU.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub repeats: Option<u32>,
+    /// Where the kernels run: cpu (their host calls), or cuda / cuda:N (the GPU of that
+    /// ordinal, through the training engine's attention op; needs a build with the `cuda`
+    /// feature).
+    #[arg(long, default_value = "cpu", value_name = "DEVICE", value_parser = parse_device)]
+    pub device: ava_train::device::DeviceSpec,
+    /// The type of q, k, v, the output and the gradients on a GPU: f32, bf16 or f16 (the
+    /// kernels compute in f32). Default: bf16 on a GPU; the CPU takes f32 only.
+    #[arg(long, value_enum, value_name = "TYPE")]
+    pub dtype: Option<AttnDtype>,
     /// A kernel option, KERNEL.OPTION=VALUE (repeatable), checked by the kernel; e.g.
     /// --set sliding-window.window=512 --set block-sparse.stride=8. Options not given take
     /// the kernel's defaults (see `ava plugins info NAME`).
@@ -668,6 +695,22 @@ pub struct BenchAttentionArgs {
     /// come from. Default: ./ava.yaml if it exists.
     #[arg(short, long, value_name = "FILE", env = "AVA_CONFIG")]
     pub config: Option<PathBuf>,
+}
+
+/// The element types `ava bench attention --dtype` takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttnDtype {
+    /// 32-bit floats.
+    F32,
+    /// bfloat16, as mixed-precision training computes.
+    Bf16,
+    /// IEEE half precision.
+    F16,
+}
+
+/// Parses `--device`: cpu, cuda or cuda:N.
+fn parse_device(s: &str) -> Result<ava_train::device::DeviceSpec, String> {
+    ava_train::device::DeviceSpec::parse(s.trim())
 }
 
 /// Parses one sequence length of `--seq`.

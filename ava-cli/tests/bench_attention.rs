@@ -175,7 +175,15 @@ fn help_explains_the_columns_with_an_example() {
     let dir = tempfile::tempdir().unwrap();
     let o = ok(bench(dir.path(), &["--help"]));
     let help = String::from_utf8_lossy(&o.stdout);
-    for needle in ["host peak", "max err", "--set sliding-window.window=512", "KERNEL.OPTION=VALUE", "own allocator"] {
+    for needle in [
+        "host peak",
+        "max err",
+        "--set sliding-window.window=512",
+        "KERNEL.OPTION=VALUE",
+        "own allocator",
+        "ava bench attention --device cuda --kernels standard,flash --seq 2048,4096,8192 \\\n      --heads 32 --kv-heads 4 --head-dim 64",
+        "device peak",
+    ] {
         assert!(help.contains(needle), "help lacks '{needle}':\n{help}");
     }
 }
@@ -248,4 +256,39 @@ fn bad_sequence_lengths_and_heads_are_refused() {
     assert!(e.contains("expected a sequence length (a whole number >= 1)"), "{e}");
     let e = usage_error(bench(dir.path(), &["--seq", "4", "--heads", "4", "--kv-heads", "3"]));
     assert!(e.contains("--kv-heads 3 must divide --heads 4"), "{e}");
+}
+
+/// A GPU asked of a build without CUDA says how to build one, naming the flag (the engine's
+/// `train.device` refusal, worded for the bench); checked before any kernel is loaded.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn a_gpu_on_a_build_without_cuda_says_how_to_build_one() {
+    let dir = tempfile::tempdir().unwrap();
+    for (device, spec) in [("cuda", "cuda:0"), ("cuda:1", "cuda:1")] {
+        let e = usage_error(bench(dir.path(), &["--device", device, "--kernels", "standard", "--seq", "4"]));
+        assert!(e.contains(&format!("--device {spec}: this ava was built without CUDA.")), "{e}");
+        assert!(e.contains("cargo build --release --features cuda") && e.contains("tools/cuda-build-env.sh"), "{e}");
+        assert!(e.contains("or bench the kernels on the host with --device cpu"), "{e}");
+    }
+}
+
+/// What the GPU options refuse, each naming the flag and what to do instead.
+#[test]
+fn the_device_options_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let e = usage_error(bench(dir.path(), &["--device", "gpu", "--seq", "4"]));
+    assert!(e.contains("'gpu' is not a device: write cpu, cuda or cuda:N (N the GPU's ordinal, from 0)"), "{e}");
+    let e = usage_error(bench(dir.path(), &["--dtype", "bf16", "--seq", "4"]));
+    assert!(
+        e.contains("--dtype bf16: on --device cpu the kernels are called on f32 buffers")
+            && e.contains("add --device cuda to bench bf16 on a GPU"),
+        "{e}"
+    );
+    let e = usage_error(bench(dir.path(), &["--dtype", "f8", "--seq", "4"]));
+    assert!(e.contains("invalid value 'f8' for '--dtype <TYPE>'") && e.contains("f32, bf16, f16"), "{e}");
+    let e = usage_error(bench(dir.path(), &["--device", "cuda", "--causal", "false", "--seq", "4"]));
+    assert!(e.contains("--causal false: on a GPU each kernel runs through the training engine's attention op"), "{e}");
+    // --dtype f32 is the CPU's own type: accepted.
+    let o = ok(bench(dir.path(), &["--dtype", "f32", "--kernels", "standard", "--seq", "4", "--repeats", "1"]));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("median of 1 repeat"));
 }

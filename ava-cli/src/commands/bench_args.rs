@@ -1,5 +1,6 @@
-//! What the `ava bench` subcommands that compare plugins share: the list of plugin names
-//! to compare, `--set PLUGIN.OPTION=VALUE` options, and the statistics of repeated timings.
+//! What the `ava bench` subcommands share: the list of plugin names to compare,
+//! `--set PLUGIN.OPTION=VALUE` options, the statistics of repeated timings, and the name of
+//! the GPU a bench runs on.
 
 use std::collections::BTreeMap;
 
@@ -102,6 +103,22 @@ pub fn median(v: &[f64]) -> f64 {
 /// The smallest sample.
 pub fn min(v: &[f64]) -> f64 {
     v.iter().copied().fold(f64::INFINITY, f64::min)
+}
+
+/// The GPU's name as the driver gives it (`NVIDIA H100 80GB HBM3`), for a report's label;
+/// none for the CPU or when the driver does not say.
+#[cfg(feature = "cuda")]
+pub fn device_name(device: &candle_core::Device) -> Option<String> {
+    match device {
+        candle_core::Device::Cuda(gpu) => gpu.cuda_stream().context().name().ok(),
+        _ => None,
+    }
+}
+
+/// A build without the `cuda` feature opens no GPU.
+#[cfg(not(feature = "cuda"))]
+pub fn device_name(_: &candle_core::Device) -> Option<String> {
+    None
 }
 
 #[cfg(test)]

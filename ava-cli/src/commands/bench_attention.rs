@@ -12,6 +12,11 @@
 //! the training engine does every step (`ava-train/src/model/attention.rs`), so allocation and
 //! first-touch costs are part of the times. q, k, v and dout exist before the call and are
 //! not counted in the peak.
+//!
+//! With `--device cuda[:N]` the kernels run on the GPU instead, through the training
+//! engine's own attention op, in `--dtype` (see [`gpu`]): the same columns, with TFLOP/s, the
+//! device memory pool's peak in place of the host's, and the error against the same kernel
+//! on the CPU in f32.
 
 use std::{sync::Arc, time::Instant};
 
@@ -29,7 +34,7 @@ use super::bench_args::{self, Flag, median, min};
 
 use crate::{
     CmdResult, Failure,
-    cli::{BenchAttentionArgs, ConfigArgs},
+    cli::{AttnDtype, BenchAttentionArgs, ConfigArgs},
     context,
     output::{Printer, table},
 };
@@ -47,6 +52,12 @@ const KERNELS: Flag = Flag {
 
 /// The kernel every ratio is relative to.
 const BASELINE: &str = "standard";
+
+/// The kernels compared on the CPU when `--kernels` is not given.
+const CPU_KERNELS: [&str; 4] = ["standard", "flash", "sliding-window", "block-sparse"];
+
+/// Repeats on the CPU when `--repeats` is not given.
+const CPU_REPEATS: u32 = 3;
 
 /// One kernel under test, built with the user's options.
 struct Bench {
@@ -98,9 +109,21 @@ pub fn run(p: &Printer, args: &BenchAttentionArgs) -> CmdResult {
     if args.seq.is_empty() {
         return Err(Failure::Usage(anyhow::anyhow!("--seq needs at least one sequence length, e.g. --seq 256,1024")));
     }
-    let names = bench_args::names(&KERNELS, &args.kernels)?;
+    if args.device.is_cuda() {
+        return gpu::run(p, args, kv_heads);
+    }
+    if let Some(dtype) = args.dtype.filter(|d| *d != AttnDtype::F32) {
+        let word = dtype_word(dtype);
+        return Err(Failure::Usage(anyhow::anyhow!(
+            "--dtype {word}: on --device cpu the kernels are called on f32 buffers (the kernel contract's host calls \
+             take f32); drop --dtype, or add --device cuda to bench {word} on a GPU"
+        )));
+    }
+    let kernels = args.kernels.clone().unwrap_or_else(|| CPU_KERNELS.iter().map(|k| k.to_string()).collect());
+    let names = bench_args::names(&KERNELS, &kernels)?;
     let options = bench_args::parse_sets(&KERNELS, &args.set, &names)?;
     let threads = ava_train::train::resolve_threads(args.threads.unwrap_or(0));
+    let repeats = args.repeats.unwrap_or(CPU_REPEATS);
 
     let ctx = context::load(&ConfigArgs { config: args.config.clone(), set: Vec::new() }, p)?;
     let mut benches = Vec::new();
@@ -109,15 +132,8 @@ pub fn run(p: &Printer, args: &BenchAttentionArgs) -> CmdResult {
         benches.push(build(&ctx.registry, name, given)?);
     }
 
-    let header = Header {
-        batch: args.batch,
-        heads,
-        kv_heads,
-        head_dim: args.head_dim,
-        causal: args.causal,
-        threads,
-        repeats: args.repeats,
-    };
+    let header =
+        Header { batch: args.batch, heads, kv_heads, head_dim: args.head_dim, causal: args.causal, threads, repeats };
     let kctx = KernelContext { threads: threads.min(u32::MAX as usize) as u32, ..KernelContext::default() };
     let mut rows = Vec::new();
     for &seq in &args.seq {
@@ -144,12 +160,12 @@ pub fn run(p: &Printer, args: &BenchAttentionArgs) -> CmdResult {
             }
         }
         let mut runs: Vec<Result<Samples, String>> =
-            benches.iter().map(|bench| prepare(bench, &shape, args.repeats)).collect::<Result<_, _>>()?;
-        for r in 0..args.repeats {
-            p.note(&format!("[T={seq}] repeat {}/{}: every kernel once", r + 1, args.repeats));
+            benches.iter().map(|bench| prepare(bench, &shape, repeats)).collect::<Result<_, _>>()?;
+        for r in 0..repeats {
+            p.note(&format!("[T={seq}] repeat {}/{}: every kernel once", r + 1, repeats));
             for (bench, run) in benches.iter().zip(&mut runs) {
                 if let Ok(run) = run {
-                    run.once(bench, &shape, inputs, &kctx, r + 1 == args.repeats)?;
+                    run.once(bench, &shape, inputs, &kctx, r + 1 == repeats)?;
                 }
             }
         }
@@ -470,17 +486,7 @@ fn render_text(h: &Header, benches: &[Bench], rows: &[Row]) -> String {
         h.repeats,
         if h.repeats == 1 { "" } else { "s" }
     )];
-    let mut notes: Vec<String> = Vec::new();
-    let mut note = |n: String| {
-        let i = match notes.iter().position(|x| *x == n) {
-            Some(i) => i,
-            None => {
-                notes.push(n);
-                notes.len() - 1
-            }
-        };
-        format!("[{}]", i + 1)
-    };
+    let mut notes = Notes::default();
     let mut cells = Vec::new();
     for row in rows {
         let bench = &benches[row.kernel];
@@ -491,24 +497,17 @@ fn render_text(h: &Header, benches: &[Bench], rows: &[Row]) -> String {
         let m = match &row.outcome {
             Ok(m) => m,
             Err(why) => {
-                let mark = note(format!("{} at T={}: skipped, {why}", bench.name, row.seq));
-                let mut r = vec![row.seq.to_string(), name, format!("skipped {mark}")];
-                r.extend(std::iter::repeat_n(String::new(), 6));
-                cells.push(r);
+                cells.push(skipped_cells(&mut notes, bench, row.seq, name, why, 9));
                 continue;
             }
         };
         let (time_ratio, saved_ratio) = ratios(benches, rows, row);
-        let err = match (&m.errors, m.max_err()) {
-            (Err(why), _) => format!("- {}", note(why.clone())),
-            (Ok(_), Some(e)) => fmt_err(e),
-            (Ok(_), None) => "-".into(),
-        };
+        let err = err_cell(&mut notes, m);
         cells.push(vec![
             row.seq.to_string(),
             name,
             fmt_ms(m.fwd()),
-            m.total().map(fmt_ms).unwrap_or_else(|| format!("- {}", note(format!("{}: no backward", bench.name)))),
+            total_cell(&mut notes, bench, m),
             time_ratio.map(fmt_ratio).unwrap_or_else(|| "-".into()),
             fmt_bytes(m.saved_bytes),
             saved_ratio.map(fmt_ratio).unwrap_or_else(|| "-".into()),
@@ -553,10 +552,92 @@ fn render_text(h: &Header, benches: &[Bench], rows: &[Row]) -> String {
             ));
         }
     }
-    for (i, n) in notes.iter().enumerate() {
-        lines.push(format!("[{}] {n}", i + 1));
-    }
+    lines.extend(notes.lines());
     lines.join("\n")
+}
+
+/// A table's footnotes: each distinct text once, marked `[n]` where it applies.
+#[derive(Default)]
+struct Notes(Vec<String>);
+
+impl Notes {
+    /// The mark of `text`, added if new.
+    fn mark(&mut self, text: String) -> String {
+        let i = self.0.iter().position(|x| *x == text).unwrap_or_else(|| {
+            self.0.push(text);
+            self.0.len() - 1
+        });
+        format!("[{}]", i + 1)
+    }
+
+    /// `[n] text`, in order.
+    fn lines(&self) -> impl Iterator<Item = String> + '_ {
+        self.0.iter().enumerate().map(|(i, n)| format!("[{}] {n}", i + 1))
+    }
+}
+
+/// The cells of a skipped row, `width` in all: T, kernel, `skipped [n]`, then empty ones.
+fn skipped_cells(notes: &mut Notes, bench: &Bench, seq: u32, name: String, why: &str, width: usize) -> Vec<String> {
+    let mark = notes.mark(format!("{} at T={seq}: skipped, {why}", bench.name));
+    let mut r = vec![seq.to_string(), name, format!("skipped {mark}")];
+    r.resize(width, String::new());
+    r
+}
+
+/// The fwd+bwd time, or `- [n]` for a kernel without a backward.
+fn total_cell(notes: &mut Notes, bench: &Bench, m: &Measured) -> String {
+    m.total().map(fmt_ms).unwrap_or_else(|| format!("- {}", notes.mark(format!("{}: no backward", bench.name))))
+}
+
+/// The largest error, or `- [n]` with why there is none.
+fn err_cell(notes: &mut Notes, m: &Measured) -> String {
+    match (&m.errors, m.max_err()) {
+        (Err(why), _) => format!("- {}", notes.mark(why.clone())),
+        (Ok(_), Some(e)) => fmt_err(e),
+        (Ok(_), None) => "-".into(),
+    }
+}
+
+/// One row of `--format json`: the skipped reason, or the measurements, the peak under
+/// `peak_key`, and the (forward, forward + backward) TFLOP/s `tflops` gives (a GPU's).
+fn row_json(
+    benches: &[Bench],
+    rows: &[Row],
+    row: &Row,
+    peak_key: &str,
+    tflops: impl Fn(&Measured) -> Option<(f64, Option<f64>)>,
+) -> Value {
+    let name = &benches[row.kernel].name;
+    let m = match &row.outcome {
+        Err(why) => return json!({"seq": row.seq, "kernel": name, "skipped": why}),
+        Ok(m) => m,
+    };
+    let (time_ratio, saved_ratio) = ratios(benches, rows, row);
+    let (errors, reference_skipped) = match &m.errors {
+        Ok([out, dq, dk, dv]) => (json!({"out": out, "dq": dq, "dk": dk, "dv": dv}), None),
+        Err(why) => (Value::Null, Some(why)),
+    };
+    let mut v = json!({
+        "seq": row.seq,
+        "kernel": name,
+        "forward_ms": m.fwd(),
+        "forward_ms_min": min(&m.fwd_ms),
+        "forward_backward_ms": m.total(),
+        "forward_backward_ms_min": m.total_ms.as_deref().map(min),
+        "time_vs_standard": time_ratio,
+        "saved_bytes": m.saved_bytes,
+        "saved_vs_standard": saved_ratio,
+        "workspace_bytes": {"forward": m.workspace_bytes[0], "backward": m.workspace_bytes[1]},
+        "max_abs_err": m.max_err(),
+        "max_abs_err_by_buffer": errors,
+        "reference_skipped": reference_skipped,
+    });
+    v[peak_key] = json!(m.peak_bytes);
+    if let Some((fwd, total)) = tflops(m) {
+        v["forward_tflops"] = json!(fwd);
+        v["forward_backward_tflops"] = json!(total);
+    }
+    v
 }
 
 fn render_json(h: &Header, benches: &[Bench], rows: &[Row]) -> Value {
@@ -572,38 +653,7 @@ fn render_json(h: &Header, benches: &[Bench], rows: &[Row]) -> Value {
             })
         })
         .collect();
-    let rows: Vec<Value> = rows
-        .iter()
-        .map(|row| {
-            let name = &benches[row.kernel].name;
-            match &row.outcome {
-                Err(why) => json!({"seq": row.seq, "kernel": name, "skipped": why}),
-                Ok(m) => {
-                    let (time_ratio, saved_ratio) = ratios(benches, rows, row);
-                    let (errors, reference_skipped) = match &m.errors {
-                        Ok([out, dq, dk, dv]) => (json!({"out": out, "dq": dq, "dk": dk, "dv": dv}), None),
-                        Err(why) => (Value::Null, Some(why)),
-                    };
-                    json!({
-                        "seq": row.seq,
-                        "kernel": name,
-                        "forward_ms": m.fwd(),
-                        "forward_ms_min": min(&m.fwd_ms),
-                        "forward_backward_ms": m.total(),
-                        "forward_backward_ms_min": m.total_ms.as_deref().map(min),
-                        "time_vs_standard": time_ratio,
-                        "saved_bytes": m.saved_bytes,
-                        "saved_vs_standard": saved_ratio,
-                        "workspace_bytes": {"forward": m.workspace_bytes[0], "backward": m.workspace_bytes[1]},
-                        "host_peak_bytes": m.peak_bytes,
-                        "max_abs_err": m.max_err(),
-                        "max_abs_err_by_buffer": errors,
-                        "reference_skipped": reference_skipped,
-                    })
-                }
-            }
-        })
-        .collect();
+    let rows: Vec<Value> = rows.iter().map(|row| row_json(benches, rows, row, "host_peak_bytes", |_| None)).collect();
     json!({
         "shape": {
             "batch": h.batch,
@@ -618,6 +668,617 @@ fn render_json(h: &Header, benches: &[Bench], rows: &[Row]) -> Value {
         "kernels": kernels,
         "rows": rows,
     })
+}
+
+/// `--dtype`'s word for a type.
+fn dtype_word(dtype: AttnDtype) -> &'static str {
+    match dtype {
+        AttnDtype::F32 => "f32",
+        AttnDtype::Bf16 => "bf16",
+        AttnDtype::F16 => "f16",
+    }
+}
+
+/// `ava bench attention --device cuda[:N]`: each kernel through the training engine's
+/// attention op on the GPU (`ava_train::model::attention`: the kernel's `forward_cuda` and
+/// `backward_cuda` on device buffers, launched on candle's stream), in `--dtype`.
+///
+/// For each T: q, k, v and dout are the CPU path's draws, rounded to the type and copied to
+/// the device. Each kernel runs [`WARMUP`] untimed forward + backward calls (module loads,
+/// the memory pool's growth), then the repeats, interleaved across the kernels as on the CPU:
+/// a forward, then a forward + backward through candle's autograd (the gradients of
+/// Σ out·dout, so backward receives dout), each timed from a synchronized device to a
+/// synchronized device. The device peak is the memory pool's high-water mark over the
+/// forward + backward above what the pool held before it. The error is against the same
+/// kernel on the CPU in f32 on the same (rounded) inputs, up to [`REFERENCE_MAX_SEQ`].
+/// A call that fails (out of device memory, say) makes its row a skipped one with the error,
+/// and the other kernels go on.
+mod gpu {
+    use ava_core::Device as KernelDevice;
+    use ava_train::device::{DeviceError, DeviceSpec};
+    use candle_core::{DType, Device, Tensor, Var};
+
+    use super::*;
+
+    /// Beyond this T the CPU reference is not run: its time grows as T².
+    pub(super) const REFERENCE_MAX_SEQ: u32 = 4096;
+
+    /// Repeats when `--repeats` is not given (PyTorch's `attn_ref.py` takes 10).
+    const REPEATS: u32 = 10;
+
+    /// Untimed forward + backward calls per kernel and T before the repeats.
+    pub(super) const WARMUP: u32 = 1;
+
+    /// Backward counted as this many forwards (FlashAttention's and `attn_ref.py`'s count).
+    const BACKWARD_FORWARDS: f64 = 2.5;
+
+    /// The run's settings, for the header line and JSON.
+    struct GpuHeader {
+        batch: u32,
+        heads: u32,
+        kv_heads: u32,
+        head_dim: u32,
+        spec: DeviceSpec,
+        name: Option<String>,
+        dtype: AttnDtype,
+        repeats: u32,
+        /// Threads of the CPU reference.
+        threads: usize,
+    }
+
+    pub(super) fn run(p: &Printer, args: &BenchAttentionArgs, kv_heads: u32) -> CmdResult {
+        if !args.causal {
+            return Err(Failure::Usage(anyhow::anyhow!(
+                "--causal false: on a GPU each kernel runs through the training engine's attention op, which is \
+                 causal (as training is); drop --causal false, or bench full attention with --device cpu"
+            )));
+        }
+        let device = open(args.device)?;
+        let ctx = context::load(&ConfigArgs { config: args.config.clone(), set: Vec::new() }, p)?;
+        let kernels = match &args.kernels {
+            Some(kernels) => kernels.clone(),
+            None => ctx.registry.names_on(PluginKind::Attention, KernelDevice::Cuda),
+        };
+        if kernels.is_empty() {
+            return Err(Failure::Usage(anyhow::anyhow!(
+                "--device {}: none of the installed attention kernels runs on a GPU (no manifest lists cuda); \
+                 bench them on the host with --device cpu",
+                args.device
+            )));
+        }
+        let names = bench_args::names(&KERNELS, &kernels)?;
+        let options = bench_args::parse_sets(&KERNELS, &args.set, &names)?;
+        let mut benches = Vec::new();
+        for name in &names {
+            benches.push(build(&ctx.registry, name, options.get(name).cloned().unwrap_or_default())?);
+        }
+        refuse_host_only(&ctx.registry, &names, args.device)?;
+        let h = GpuHeader {
+            batch: args.batch,
+            heads: args.heads,
+            kv_heads,
+            head_dim: args.head_dim,
+            spec: args.device,
+            name: bench_args::device_name(&device),
+            dtype: args.dtype.unwrap_or(AttnDtype::Bf16),
+            repeats: args.repeats.unwrap_or(REPEATS),
+            threads: ava_train::train::resolve_threads(args.threads.unwrap_or(0)),
+        };
+        let mut rows = Vec::new();
+        for &seq in &args.seq {
+            let shape = AttnShape::self_attention(
+                h.batch as usize,
+                h.heads as usize,
+                kv_heads as usize,
+                seq as usize,
+                h.head_dim as usize,
+                true,
+            );
+            rows.extend(bench_seq(p, &benches, &shape, &device, &h)?);
+        }
+        p.result(|| render_text(&h, &benches, &rows), || render_json(&h, &benches, &rows));
+        Ok(())
+    }
+
+    /// Opens `--device` with the engine's own function; the errors name the flag.
+    fn open(spec: DeviceSpec) -> Result<Device, Failure> {
+        ava_train::device::open(spec).map_err(|e| {
+            Failure::Usage(match e {
+                DeviceError::NotBuilt { .. } => anyhow::anyhow!(
+                    "--device {spec}: this ava was built without CUDA. Build one with `cargo build --release \
+                     --features cuda` (a CUDA 12.4+ toolkit, and CUDA_COMPUTE_CAP for the card: 80 A100, 89 RTX \
+                     4090, 90 H100; on a machine without a toolkit, `source tools/cuda-build-env.sh` first), or \
+                     bench the kernels on the host with --device cpu"
+                ),
+                DeviceError::Open { reason, .. } => anyhow::anyhow!(
+                    "--device {spec}: the GPU could not be opened ({reason}). Check that `nvidia-smi` lists it \
+                     (ordinals start at 0) and that the CUDA libraries are found (LD_LIBRARY_PATH, e.g. \
+                     /usr/local/cuda/lib64), or use --device cpu"
+                ),
+                other => anyhow::anyhow!("--device {spec}: {other}"),
+            })
+        })
+    }
+
+    /// Refuses, all at once and by name, the kernels whose manifests do not list the GPU
+    /// ([`ava_plugins::Registry::check_devices`]): the engine hands them no device buffers.
+    pub(super) fn refuse_host_only(
+        registry: &ava_plugins::Registry,
+        names: &[String],
+        spec: DeviceSpec,
+    ) -> Result<(), Failure> {
+        let host_only: Vec<String> = names
+            .iter()
+            .filter(|n| registry.check_devices(&[(PluginKind::Attention, n.as_str())], KernelDevice::Cuda).is_err())
+            .map(|n| {
+                let manifest = registry.row(PluginKind::Attention, n).and_then(|r| r.manifest.as_ref());
+                let listed: Vec<&str> =
+                    manifest.map(|m| m.devices.iter().map(|d| d.as_str()).collect()).unwrap_or_default();
+                format!(
+                    "'{n}' (its manifest lists devices: {})",
+                    if listed.is_empty() { "none".into() } else { listed.join(", ") }
+                )
+            })
+            .collect();
+        if host_only.is_empty() {
+            return Ok(());
+        }
+        let on_gpu = registry.names_on(PluginKind::Attention, KernelDevice::Cuda);
+        let others = if on_gpu.is_empty() {
+            "none of the installed attention kernels does yet".to_string()
+        } else {
+            format!("the installed ones that do: {}", on_gpu.join(", "))
+        };
+        let (kernels, has, they, them) = match host_only.as_slice() {
+            [one] => (format!("attention kernel {one}"), "has", "it", "it"),
+            many => (format!("attention kernels {}", many.join(", ")), "have", "they", "them"),
+        };
+        Err(Failure::Usage(anyhow::anyhow!(
+            "--device {spec}: {kernels} {has} no GPU side (no calls that take device buffers), so {they} cannot \
+             run there; {others}. Drop {them} from --kernels, or bench {them} on the host with --device cpu"
+        )))
+    }
+
+    /// q, k, v (variables, for their gradients) and dout (B, H|Hkv, T, D), on one device in
+    /// one type.
+    struct Inputs {
+        q: Var,
+        k: Var,
+        v: Var,
+        dout: Tensor,
+    }
+
+    impl Inputs {
+        /// The CPU path's draws for `shape` (same seed, same order), in `dtype` on `device`.
+        fn new(shape: &AttnShape, dtype: DType, device: &Device) -> candle_core::Result<Self> {
+            let mut rng = Rng(0xA77E_0000 ^ u64::from(shape.q_len));
+            let (b, t, d) = (shape.batch as usize, shape.q_len as usize, shape.head_dim as usize);
+            let (h, hkv) = (shape.q_heads as usize, shape.kv_heads as usize);
+            let mut draw = |heads: usize| -> candle_core::Result<Tensor> {
+                let host = Tensor::from_vec(rng.vec(b * heads * t * d), (b, heads, t, d), &Device::Cpu)?;
+                host.to_dtype(dtype)?.to_device(device)
+            };
+            let q = draw(h)?; // (B, H, T, D)
+            let k = draw(hkv)?; // (B, Hkv, T, D)
+            let v = draw(hkv)?; // (B, Hkv, T, D)
+            let dout = draw(h)?; // (B, H, T, D)
+            Ok(Self { q: Var::from_tensor(&q)?, k: Var::from_tensor(&k)?, v: Var::from_tensor(&v)?, dout })
+        }
+
+        /// The same values widened to f32 on the host, for the CPU reference.
+        fn on_host_f32(&self) -> candle_core::Result<Self> {
+            let host = |t: &Tensor| t.to_dtype(DType::F32)?.to_device(&Device::Cpu);
+            Ok(Self {
+                q: Var::from_tensor(&host(self.q.as_tensor())?)?,
+                k: Var::from_tensor(&host(self.k.as_tensor())?)?,
+                v: Var::from_tensor(&host(self.v.as_tensor())?)?,
+                dout: host(&self.dout)?,
+            })
+        }
+    }
+
+    /// The kernel's forward through the engine's attention op, on the inputs' device.
+    fn forward(bench: &Bench, x: &Inputs, threads: usize) -> candle_core::Result<Tensor> {
+        let (q, k, v) = (x.q.as_tensor(), x.k.as_tensor(), x.v.as_tensor());
+        ava_train::model::attention(&bench.kernel, &bench.name, q, k, v, None, threads)
+    }
+
+    /// Forward, then backward through candle's autograd: out and the gradients of q, k, v
+    /// of Σ out·dout (summed in f32), so the kernel's backward receives dout.
+    fn forward_backward(bench: &Bench, x: &Inputs, threads: usize) -> candle_core::Result<(Tensor, [Tensor; 3])> {
+        let out = forward(bench, x, threads)?; // (B, H, T, D)
+        let grads = out.mul(&x.dout)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let grad = |v: &Var| {
+            grads
+                .get(v.as_tensor())
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg("no gradient reached an input".into()))
+        };
+        Ok((out, [grad(&x.q)?, grad(&x.k)?, grad(&x.v)?]))
+    }
+
+    /// `f`'s milliseconds from a synchronized device to a synchronized device, and its value.
+    fn timed<T>(device: &Device, f: impl FnOnce() -> candle_core::Result<T>) -> candle_core::Result<(f64, T)> {
+        device.synchronize()?;
+        let start = Instant::now();
+        let value = f()?;
+        device.synchronize()?;
+        Ok((start.elapsed().as_secs_f64() * 1e3, value))
+    }
+
+    /// A tensor's values as f32 on the host.
+    fn host_values(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+        t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+    }
+
+    /// Synchronizes `device`, then starts a new high-water mark of its memory pool: the bytes
+    /// the pool holds now.
+    #[cfg(feature = "cuda")]
+    fn pool_mark(device: &Device) -> candle_core::Result<u64> {
+        device.synchronize()?;
+        match device {
+            Device::Cuda(gpu) => {
+                memory::device::reset_peak(gpu)?;
+                Ok(memory::device::read(gpu)?.used)
+            }
+            _ => Ok(0),
+        }
+    }
+
+    /// The pool's high-water mark above `mark`.
+    #[cfg(feature = "cuda")]
+    fn pool_peak_above(device: &Device, mark: u64) -> candle_core::Result<u64> {
+        match device {
+            Device::Cuda(gpu) => Ok(memory::device::read(gpu)?.peak.saturating_sub(mark)),
+            _ => Ok(0),
+        }
+    }
+
+    /// The card's memory, if it can be read.
+    #[cfg(feature = "cuda")]
+    fn card_total(device: &Device) -> Option<u64> {
+        match device {
+            Device::Cuda(gpu) => memory::device::read(gpu).ok().map(|m| m.card_total),
+            _ => None,
+        }
+    }
+
+    /// Without the `cuda` feature no GPU opens, so these are never reached with one.
+    #[cfg(not(feature = "cuda"))]
+    fn pool_mark(device: &Device) -> candle_core::Result<u64> {
+        device.synchronize().map(|()| 0)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn pool_peak_above(_: &Device, _: u64) -> candle_core::Result<u64> {
+        Ok(0)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn card_total(_: &Device) -> Option<u64> {
+        None
+    }
+
+    /// One kernel's repeats at one T on the device, gathered one at a time.
+    struct DeviceSamples {
+        saved_len: u64,
+        /// f32s of workspace the kernel declared for a forward and a backward device call.
+        workspace: [u64; 2],
+        fwd_ms: Vec<f64>,
+        total_ms: Vec<f64>,
+        peak_bytes: u64,
+        /// The last repeat's out and dq, dk, dv as f32 on the host, when there is a reference.
+        last: Option<Outputs>,
+    }
+
+    /// Checks that a kernel takes the shape and that its buffers could fit on the card:
+    /// `Err(why)` when it is skipped. Only what cannot fit on the card at all is skipped
+    /// here: what fits on the card but not in its free memory fails its allocation, and the
+    /// row says so.
+    fn prepare(
+        bench: &Bench,
+        shape: &AttnShape,
+        dtype: DType,
+        device: &Device,
+        threads: usize,
+    ) -> Result<DeviceSamples, String> {
+        let saved_len = bench.kernel.saved_len(shape).map_err(|e| format!("refuses the shape: {}", e.message))?;
+        let ctx = KernelContext { threads: threads.min(u32::MAX as usize) as u32, device: KernelDevice::Cuda };
+        let declared = |pass: Pass| {
+            bench.kernel.workspace_len(shape, pass, &ctx).map_err(|e| format!("declares no workspace: {}", e.message))
+        };
+        let workspace = [declared(Pass::Forward)?, if bench.backward { declared(Pass::Backward)? } else { 0 }];
+        let (qn, kvn, elt) = (shape.q_numel() as u64, shape.kv_numel() as u64, dtype.size_in_bytes() as u64);
+        // out, saved, the larger workspace; dq, dk, dv and the loss's f32 product and its gradient.
+        let grads = if bench.backward { (qn + 2 * kvn) * elt + 2 * qn * 4 } else { 0 };
+        let needed = (saved_len + workspace[0].max(workspace[1])).saturating_mul(4) + qn * elt + grads;
+        if let Some(total) = card_total(device)
+            && needed > total
+        {
+            return Err(format!(
+                "needs {} of device memory for out, saved, workspace and gradients; the card has {}",
+                fmt_bytes(needed),
+                fmt_bytes(total)
+            ));
+        }
+        Ok(DeviceSamples { saved_len, workspace, fwd_ms: Vec::new(), total_ms: Vec::new(), peak_bytes: 0, last: None })
+    }
+
+    impl DeviceSamples {
+        /// One untimed forward + backward (forward alone without a backward).
+        fn warm_up(&mut self, bench: &Bench, x: &Inputs, threads: usize) -> candle_core::Result<()> {
+            if bench.backward {
+                forward_backward(bench, x, threads).map(drop)
+            } else {
+                forward(bench, x, threads).map(drop)
+            }
+        }
+
+        /// A timed forward, then a timed forward + backward (for a kernel without a backward,
+        /// the peak is the forward's); keeps the results on the host when `keep`.
+        fn once(
+            &mut self,
+            bench: &Bench,
+            x: &Inputs,
+            device: &Device,
+            threads: usize,
+            keep: bool,
+        ) -> candle_core::Result<()> {
+            let mark = pool_mark(device)?;
+            let (ms, out) = timed(device, || forward(bench, x, threads))?;
+            self.fwd_ms.push(ms);
+            if !bench.backward {
+                self.peak_bytes = self.peak_bytes.max(pool_peak_above(device, mark)?);
+                self.last = if keep { Some((host_values(&out)?, None)) } else { None };
+                return Ok(());
+            }
+            drop(out);
+            let mark = pool_mark(device)?;
+            let (ms, (out, [dq, dk, dv])) = timed(device, || forward_backward(bench, x, threads))?;
+            self.total_ms.push(ms);
+            self.peak_bytes = self.peak_bytes.max(pool_peak_above(device, mark)?);
+            if keep {
+                let grads = [host_values(&dq)?, host_values(&dk)?, host_values(&dv)?];
+                self.last = Some((host_values(&out)?, Some(grads)));
+            }
+            Ok(())
+        }
+
+        /// The measurement, with the last repeat's errors against `reference`.
+        fn finish(self, bench: &Bench, reference: Reference) -> Measured {
+            let errors = reference.and_then(|[r_out, r_dq, r_dk, r_dv]| {
+                let (out, grads) = self.last.as_ref().ok_or("no results were kept to compare")?;
+                let g = |i: usize, r: &[f32]| grads.as_ref().map(|g| max_abs_diff(&g[i], r));
+                Ok([Some(max_abs_diff(out, &r_out)), g(0, &r_dq), g(1, &r_dk), g(2, &r_dv)])
+            });
+            Measured {
+                fwd_ms: self.fwd_ms,
+                total_ms: bench.backward.then_some(self.total_ms),
+                saved_bytes: self.saved_len * 4,
+                workspace_bytes: self.workspace.map(|n| n * 4),
+                peak_bytes: self.peak_bytes,
+                errors,
+            }
+        }
+    }
+
+    /// Runs `f` on a kernel's samples unless it was skipped; a failure skips it from then on.
+    fn attempt(run: &mut Result<DeviceSamples, String>, f: impl FnOnce(&mut DeviceSamples) -> candle_core::Result<()>) {
+        if let Ok(samples) = run
+            && let Err(e) = f(samples)
+        {
+            *run = Err(format!("failed on the device: {e}"));
+        }
+    }
+
+    /// Every kernel at one T: warm-up, interleaved repeats, then each one's CPU reference.
+    fn bench_seq(
+        p: &Printer,
+        benches: &[Bench],
+        shape: &AttnShape,
+        device: &Device,
+        h: &GpuHeader,
+    ) -> Result<Vec<Row>, Failure> {
+        let seq = shape.q_len;
+        let dtype = candle_dtype(h.dtype);
+        let x = Inputs::new(shape, dtype, device)
+            .map_err(|e| Failure::Runtime(anyhow::anyhow!("making q, k, v and dout at T={seq} on {}: {e}", h.spec)))?;
+        let mut runs: Vec<_> = benches.iter().map(|b| prepare(b, shape, dtype, device, h.threads)).collect();
+        for w in 0..WARMUP {
+            p.note(&format!("[T={seq}] warm-up {}/{WARMUP}: every kernel once, untimed", w + 1));
+            for (bench, run) in benches.iter().zip(&mut runs) {
+                attempt(run, |s| s.warm_up(bench, &x, h.threads));
+            }
+        }
+        let keep = seq <= REFERENCE_MAX_SEQ;
+        for r in 0..h.repeats {
+            p.note(&format!("[T={seq}] repeat {}/{}: every kernel once", r + 1, h.repeats));
+            for (bench, run) in benches.iter().zip(&mut runs) {
+                attempt(run, |s| s.once(bench, &x, device, h.threads, keep && r + 1 == h.repeats));
+            }
+        }
+        let rows = benches
+            .iter()
+            .zip(runs)
+            .enumerate()
+            .map(|(i, (bench, run))| {
+                let outcome = run.map(|s| {
+                    let reference = cpu_reference(p, bench, shape, &x, h.threads);
+                    s.finish(bench, reference)
+                });
+                Row { seq, kernel: i, outcome }
+            })
+            .collect();
+        Ok(rows)
+    }
+
+    /// The same kernel on the CPU in f32, on the device's inputs widened: the rounding of the
+    /// inputs is common to both sides, so the difference is the device call's (its arithmetic
+    /// and the rounding of its results). Not beyond [`REFERENCE_MAX_SEQ`], nor when the
+    /// kernel's saved buffer would pass [`REFERENCE_CAP_BYTES`].
+    fn cpu_reference(p: &Printer, bench: &Bench, shape: &AttnShape, x: &Inputs, threads: usize) -> Reference {
+        let seq = shape.q_len;
+        if seq > REFERENCE_MAX_SEQ {
+            return Err(format!(
+                "no max err at T={seq}: the CPU reference runs up to T={REFERENCE_MAX_SEQ} (its time grows as T²)"
+            ));
+        }
+        let saved = bench.kernel.saved_len(shape).unwrap_or(0).saturating_mul(4);
+        if saved > REFERENCE_CAP_BYTES {
+            return Err(format!(
+                "no max err for {} at T={seq}: on the CPU it would save {} (over the {} cap)",
+                bench.name,
+                fmt_bytes(saved),
+                fmt_bytes(REFERENCE_CAP_BYTES)
+            ));
+        }
+        p.note(&format!("[T={seq}] {}: the CPU reference (f32, {threads} threads)", bench.name));
+        let failed = |e: candle_core::Error| format!("the CPU reference of {} failed: {e}", bench.name);
+        let host = x.on_host_f32().map_err(failed)?;
+        if !bench.backward {
+            let out = forward(bench, &host, threads).and_then(|o| host_values(&o)).map_err(failed)?;
+            return Ok([out, Vec::new(), Vec::new(), Vec::new()]);
+        }
+        let (out, [dq, dk, dv]) = forward_backward(bench, &host, threads).map_err(failed)?;
+        let values = [&out, &dq, &dk, &dv].map(host_values);
+        let [out, dq, dk, dv] = values;
+        Ok([out.map_err(failed)?, dq.map_err(failed)?, dk.map_err(failed)?, dv.map_err(failed)?])
+    }
+
+    /// candle's type for `--dtype`.
+    fn candle_dtype(dtype: AttnDtype) -> DType {
+        match dtype {
+            AttnDtype::F32 => DType::F32,
+            AttnDtype::Bf16 => DType::BF16,
+            AttnDtype::F16 => DType::F16,
+        }
+    }
+
+    /// Attention FLOPs of one forward at T, the causal half: QKᵀ and PV, 2·T²·D each per
+    /// head, halved (`attn_ref.py`'s count).
+    fn forward_flops(h: &GpuHeader, seq: u32) -> f64 {
+        4.0 * f64::from(h.batch) * f64::from(h.heads) * f64::from(seq).powi(2) * f64::from(h.head_dim) / 2.0
+    }
+
+    /// (forward, forward + backward) TFLOP/s of a row.
+    fn tflops(h: &GpuHeader, seq: u32, m: &Measured) -> (f64, Option<f64>) {
+        let flops = forward_flops(h, seq);
+        (flops / m.fwd() / 1e9, m.total().map(|t| (1.0 + BACKWARD_FORWARDS) * flops / t / 1e9))
+    }
+
+    fn render_text(h: &GpuHeader, benches: &[Bench], rows: &[Row]) -> String {
+        let mut lines = vec![format!(
+            "attention B={} H={} Hkv={} D={} causal, {} on {}{}, median of {} repeat{} after {WARMUP} warm-up call",
+            h.batch,
+            h.heads,
+            h.kv_heads,
+            h.head_dim,
+            dtype_word(h.dtype),
+            h.spec,
+            h.name.as_ref().map(|n| format!(" ({n})")).unwrap_or_default(),
+            h.repeats,
+            if h.repeats == 1 { "" } else { "s" }
+        )];
+        let mut notes = Notes::default();
+        let mut cells = Vec::new();
+        for row in rows {
+            let bench = &benches[row.kernel];
+            let m = match &row.outcome {
+                Ok(m) => m,
+                Err(why) => {
+                    cells.push(skipped_cells(&mut notes, bench, row.seq, bench.name.clone(), why, 11));
+                    continue;
+                }
+            };
+            let (time_ratio, saved_ratio) = ratios(benches, rows, row);
+            let (fwd_tflops, total_tflops) = tflops(h, row.seq, m);
+            let err = err_cell(&mut notes, m);
+            cells.push(vec![
+                row.seq.to_string(),
+                bench.name.clone(),
+                fmt_ms(m.fwd()),
+                format!("{fwd_tflops:.1}"),
+                total_cell(&mut notes, bench, m),
+                total_tflops.map(|t| format!("{t:.1}")).unwrap_or_else(|| "-".into()),
+                time_ratio.map(fmt_ratio).unwrap_or_else(|| "-".into()),
+                fmt_bytes(m.saved_bytes),
+                saved_ratio.map(fmt_ratio).unwrap_or_else(|| "-".into()),
+                fmt_bytes(m.peak_bytes),
+                err,
+            ]);
+        }
+        lines.push(table(
+            &[
+                "T",
+                "kernel",
+                "fwd ms",
+                "TFLOP/s",
+                "fwd+bwd ms",
+                "TFLOP/s",
+                "×standard",
+                "saved",
+                "×standard",
+                "device peak",
+                "max err",
+            ],
+            &cells,
+        ));
+        lines.push(String::new());
+        lines.push(
+            "fwd ms, fwd+bwd ms: median over the repeats, each from a synchronized device to a synchronized\n\
+             \x20 device; the op allocates out, saved, its workspace (and dq, dk, dv) inside the timed call, as\n\
+             \x20 in a training step. fwd+bwd also runs the loss's element-wise work (Σ out·dout in f32 and\n\
+             \x20 its gradient), small beside attention's."
+                .into(),
+        );
+        lines.push(format!(
+            "TFLOP/s: 4·B·H·T²·D/2 a forward (QKᵀ and PV over the causal half), {}× that a forward +\n\
+             \x20 backward (backward as {BACKWARD_FORWARDS} forwards), as PyTorch's attn_ref.py counts.",
+            1.0 + BACKWARD_FORWARDS
+        ));
+        if benches.iter().any(|b| b.name == BASELINE) {
+            lines.push(format!("×standard: fwd+bwd time and saved bytes divided by {BASELINE}'s at the same T."));
+        } else {
+            lines.push(format!("×standard: '-' since {BASELINE} is not in --kernels."));
+        }
+        lines
+            .push("saved: bytes the kernel keeps from forward for backward (saved_len · 4: f32 on the device).".into());
+        lines.push(
+            "device peak: the most bytes the device's memory pool held during forward + backward (forward\n\
+             \x20 alone for a kernel without one) above what it held before (q, k, v, dout not counted)."
+                .into(),
+        );
+        lines.push(format!(
+            "max err: largest |difference| of out, dq, dk, dv from the same kernel on the CPU in f32, on the\n\
+             \x20 same inputs (rounded to {}: the difference is the GPU call's arithmetic and the rounding\n\
+             \x20 of its results); '-' beyond T={REFERENCE_MAX_SEQ}.",
+            dtype_word(h.dtype)
+        ));
+        lines.extend(notes.lines());
+        lines.join("\n")
+    }
+
+    fn render_json(h: &GpuHeader, benches: &[Bench], rows: &[Row]) -> Value {
+        let kernels: Vec<Value> =
+            benches.iter().map(|b| json!({"name": b.name, "options": b.options, "backward": b.backward})).collect();
+        let rows: Vec<Value> = rows
+            .iter()
+            .map(|row| row_json(benches, rows, row, "device_peak_bytes", |m| Some(tflops(h, row.seq, m))))
+            .collect();
+        json!({
+            "device": {"spec": h.spec, "name": h.name},
+            "dtype": dtype_word(h.dtype),
+            "shape": {"batch": h.batch, "heads": h.heads, "kv_heads": h.kv_heads, "head_dim": h.head_dim, "causal": true},
+            "repeats": h.repeats,
+            "warmup": WARMUP,
+            "reference_threads": h.threads,
+            "flops": format!("forward 4·B·H·T²·D/2 (the causal half), forward + backward {}× that", 1.0 + BACKWARD_FORWARDS),
+            "device_peak_counts": "the device memory pool's high-water mark during forward + backward above what it held before: out, saved, workspace, dq, dk, dv and the loss's element-wise buffers",
+            "reference": format!("the same kernel on the CPU in f32 on the same inputs (rounded to {}), up to T={REFERENCE_MAX_SEQ}", dtype_word(h.dtype)),
+            "kernels": kernels,
+            "rows": rows,
+        })
+    }
 }
 
 fn fmt_ms(ms: f64) -> String {
@@ -713,6 +1374,24 @@ mod tests {
         let (m, assumed) = reference_masking("sliding-window", &bare, &Options::parse(&bare, ""));
         assert_eq!(m, Masking::Plain);
         assert!(assumed.is_some());
+    }
+
+    /// A kernel whose manifest does not list the GPU is refused by name, with what to do; the
+    /// built-in `standard` runs there in a `cuda` build only.
+    #[test]
+    fn a_kernel_without_a_gpu_side_is_refused_by_name() {
+        let registry = ava_plugins::Registry::builtins();
+        let spec = ava_train::device::DeviceSpec::Cuda(0);
+        let refused = gpu::refuse_host_only(&registry, &["standard".to_string()], spec);
+        assert_eq!(refused.is_ok(), cfg!(feature = "cuda"));
+        if let Err(Failure::Usage(e)) = refused {
+            assert_eq!(
+                e.to_string(),
+                "--device cuda:0: attention kernel 'standard' (its manifest lists devices: cpu) has no GPU side (no \
+                 calls that take device buffers), so it cannot run there; none of the installed attention kernels \
+                 does yet. Drop it from --kernels, or bench it on the host with --device cpu"
+            );
+        }
     }
 
     #[test]

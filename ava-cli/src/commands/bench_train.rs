@@ -1,24 +1,35 @@
 //! `ava bench train`: training throughput on a config. Measures tokens/s over a number of
 //! steps after a warmup, converts to model FLOP/s (6·N_matmul + 6·L·d·T per token: the causal
-//! half of attention), and compares with the best f32 matmul rate this machine shows between
-//! the steps, candle's or the engine's linear op (MFU). Also
-//! prints the memory breakdown of the last step and where step time went. With `--modes`,
-//! the same model in each memory mode side by side: peak, parts, step time, and the tier's
-//! traffic and the time the step waited on it.
+//! half of attention), and compares with a matmul rate (MFU). Also prints the memory
+//! breakdown of the last step and where step time went. With `--modes`, the same model in
+//! each memory mode side by side: peak, parts, step time, and the tier's traffic and the time
+//! the step waited on it.
+//!
+//! On the CPU the yardstick is the best f32 matmul rate this machine shows between the steps,
+//! candle's or the engine's linear op, and the measured steps are the profiled ones.
+//!
+//! On a GPU (`train.device: cuda`) candle's launches are asynchronous, so the two are apart:
+//! the measured steps run unprofiled, each ended by a device synchronization, and tokens/s is
+//! from their median (as PyTorch's reference, `torch_ref.py`, reports); then
+//! [`PROFILED_STEPS`] more steps run with every profiler scope synchronizing the device
+//! ([`profile::sync_with`]), for where the time goes. The MFU is against the card's dense
+//! bf16 peak ([`GPU_PEAK_TFLOPS`]), with candle's bf16 matmul measured on the device beside
+//! it; the memory is the device's (the pool's high-water mark, and the card's own figure).
 
 use std::time::Instant;
 
+use ava_train::config::Config;
 use ava_train::memory::size;
 use ava_train::model::fused::linear;
 use ava_train::profile;
-use ava_train::train::{TrainOptions, Trainer};
-use candle_core::{Device, Tensor};
+use ava_train::train::{RunHeader, StepRecord, TrainOptions, Trainer};
+use candle_core::{DType, Device, Tensor};
 use serde_json::json;
 
 use crate::{CmdResult, Failure, cli::ConfigArgs, context, output::Printer};
 
 use super::offload_arg::OffloadArg;
-use super::train::{failure, set_threads};
+use super::train::{failure, run_config, set_threads};
 
 /// The two matmul rates the bench compares against, sampled between the measured steps so
 /// they see the same machine as the steps do (on a shared 2-core VM the rate swings by
@@ -81,11 +92,13 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
         return Err(Failure::Usage(anyhow::anyhow!("--steps must be at least 1")));
     }
     let ctx = context::load_checked(args, p)?;
-    let mut config = context::load_config(args, p)?.into_config();
+    let mut config = run_config(context::load_config(args, p)?, p)?;
     // The benchmark writes nothing: its run directory is a temporary one.
     let tmp = tempfile::tempdir()?;
     config.train.out_dir = tmp.path().to_path_buf();
-    config.train.max_steps = config.train.max_steps.max(warmup + steps);
+    // A GPU run profiles its own steps after the measured ones.
+    let profiled = if config.train.device.is_cuda() { PROFILED_STEPS } else { 0 };
+    config.train.max_steps = config.train.max_steps.max(warmup + steps + profiled);
     set_threads(config.train.threads);
     let mut trainer = Trainer::new(&config, &ctx.registry, &TrainOptions::default()).map_err(failure)?;
     let header = trainer.header();
@@ -100,6 +113,15 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
     for _ in 0..warmup {
         trainer.train_step().map_err(failure)?;
     }
+    let device = trainer.model().device();
+    if device.is_cuda() {
+        return gpu_bench(p, &mut trainer, &header, &config, steps, &device);
+    }
+    cpu_bench(p, &mut trainer, &header, &config, steps)
+}
+
+/// The measured steps on the CPU, profiled, with the matmul rates sampled between them.
+fn cpu_bench(p: &Printer, trainer: &mut Trainer, header: &RunHeader, config: &Config, steps: u64) -> CmdResult {
     let mut probe = MatmulProbe::new(header.threads)?;
     profile::reset();
     let mut seconds = 0.0;
@@ -209,6 +231,203 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
     Ok(())
 }
 
+/// NVIDIA's dense (no sparsity) bf16 tensor-core peak of an H100 SXM, which the H200 shares
+/// (989.4 TFLOP/s on the datasheets): the yardstick of the GPU MFU, as of PyTorch's reference
+/// (`torch_ref.py`), whatever card runs (its name labels the line, nothing more).
+const GPU_PEAK_TFLOPS: f64 = 989.0;
+
+/// Steps run after the measured ones on a GPU, with the device synchronized at every
+/// profiler scope, for where the step time goes.
+const PROFILED_STEPS: u64 = 2;
+
+/// The side of the square bf16 matmul measured on a GPU (1.1 TFLOP a product).
+const GPU_MATMUL_N: usize = 8192;
+
+/// Timed bf16 matmuls on a GPU, after one untimed.
+const GPU_MATMUL_REPEATS: usize = 10;
+
+/// The steps measured on a GPU: each one's seconds, and the last one's record.
+struct GpuSteps {
+    seconds: Vec<f64>,
+    last: StepRecord,
+}
+
+/// `steps` steps without profiling, each timed from a synchronized device to a synchronized
+/// device (a step ends with the loss read on the host, but its optimizer update may still be
+/// queued: the synchronization puts it in its own step's time).
+fn timed_gpu_steps(trainer: &mut Trainer, device: &Device, steps: u64) -> Result<GpuSteps, Failure> {
+    device.synchronize()?;
+    let (mut seconds, mut last) = (Vec::new(), None);
+    for _ in 0..steps {
+        let start = Instant::now();
+        let record = trainer.train_step().map_err(failure)?;
+        device.synchronize()?;
+        seconds.push(start.elapsed().as_secs_f64());
+        last = Some(record);
+    }
+    Ok(GpuSteps { seconds, last: last.expect("at least one step") })
+}
+
+/// Profiler scopes: (name, seconds per step, share of the steps' time).
+type Scopes = Vec<(String, f64, f64)>;
+
+/// [`PROFILED_STEPS`] steps with every scope synchronizing the device: their scopes, and
+/// those steps' mean seconds.
+fn profiled_gpu_steps(trainer: &mut Trainer, device: &Device) -> Result<(Scopes, f64), Failure> {
+    profile::reset();
+    device.synchronize()?;
+    profile::sync_with(Some(device.clone()));
+    profile::enable(true);
+    let start = Instant::now();
+    let stepped = (0..PROFILED_STEPS).try_for_each(|_| trainer.train_step().map(drop));
+    let synced = device.synchronize();
+    let seconds = start.elapsed().as_secs_f64();
+    profile::enable(false);
+    profile::sync_with(None);
+    stepped.map_err(failure)?;
+    synced?;
+    let n = PROFILED_STEPS as f64;
+    let ops = profile::totals()
+        .into_iter()
+        .map(|(name, d, _)| (name.to_string(), d.as_secs_f64() / n, d.as_secs_f64() / seconds))
+        .collect();
+    Ok((ops, seconds / n))
+}
+
+/// candle's bf16 matmul on `device`, [`GPU_MATMUL_N`]³: TFLOP/s of each timed product, the
+/// device synchronized before and after each. The operands are freed on return.
+fn gpu_matmul_tflops(device: &Device) -> Result<Vec<f64>, candle_core::Error> {
+    let n = GPU_MATMUL_N;
+    let a = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(DType::BF16)?; // (n, n)
+    let b = Tensor::randn(0f32, 1.0, (n, n), device)?.to_dtype(DType::BF16)?; // (n, n)
+    drop(a.matmul(&b)?); // warm-up: cuBLAS's handle and heuristics
+    let flops = 2.0 * (n as f64).powi(3);
+    let mut tflops = Vec::with_capacity(GPU_MATMUL_REPEATS);
+    for _ in 0..GPU_MATMUL_REPEATS {
+        device.synchronize()?;
+        let start = Instant::now();
+        let c = a.matmul(&b)?; // (n, n)
+        device.synchronize()?;
+        tflops.push(flops / start.elapsed().as_secs_f64() / 1e12);
+        drop(c);
+    }
+    Ok(tflops)
+}
+
+/// The measured steps on a GPU (see the module's documentation).
+fn gpu_bench(
+    p: &Printer,
+    trainer: &mut Trainer,
+    header: &RunHeader,
+    config: &Config,
+    steps: u64,
+    device: &Device,
+) -> CmdResult {
+    let tokens_per_step = header.tokens_per_step as f64;
+    p.note(&format!("bench: {steps} measured steps, each ended by a device synchronization, not profiled"));
+    let measured = timed_gpu_steps(trainer, device, steps)?;
+    p.note(&format!("bench: {PROFILED_STEPS} more steps, profiled with the device synchronized at every scope"));
+    let (ops, profiled_seconds) = profiled_gpu_steps(trainer, device)?;
+    p.note(&format!("bench: candle's bf16 matmul, {GPU_MATMUL_N}³, on the device"));
+    let matmul = median(&gpu_matmul_tflops(device)?);
+
+    let times = &measured.seconds;
+    let step_median = median(times);
+    let step_mean = times.iter().sum::<f64>() / times.len() as f64;
+    let fastest = times.iter().copied().fold(f64::INFINITY, f64::min);
+    let slowest = times.iter().copied().fold(0.0, f64::max);
+    let tokens_per_sec = tokens_per_step / step_median;
+    let flops_per_token = trainer.model().spec().train_flops_per_token(config.data.seq_len);
+    let model_tflops = tokens_per_sec * flops_per_token / 1e12;
+    let (mfu, mfu_matmul) = (model_tflops / GPU_PEAK_TFLOPS, model_tflops / matmul);
+    let spec = config.train.device;
+    let name = super::bench_args::device_name(device);
+    let last = &measured.last;
+    let m = &last.memory;
+    let text = || {
+        let mut lines = vec![
+            format!("device             {spec}{}", name.as_ref().map(|n| format!(", {n}")).unwrap_or_default()),
+            format!("tokens/s           {tokens_per_sec:.0} (from the median step)"),
+            format!(
+                "step time          {:.1} ms median (mean {:.1}, fastest {:.1}, slowest {:.1}; each step ended by a \
+                 device synchronization, not profiled)",
+                1e3 * step_median,
+                1e3 * step_mean,
+                1e3 * fastest,
+                1e3 * slowest
+            ),
+            format!(
+                "model FLOPs/token  {:.1} M (6·N_matmul + 6·L·d·T, attention's causal half)",
+                flops_per_token / 1e6
+            ),
+            format!("model TFLOP/s      {model_tflops:.1}"),
+            format!(
+                "MFU                {:.1}% of {GPU_PEAK_TFLOPS:.0} TFLOP/s (the dense bf16 peak of an H100/H200 SXM, \
+                 PyTorch's reference's yardstick)",
+                100.0 * mfu
+            ),
+            format!(
+                "candle bf16 matmul {matmul:.1} TFLOP/s on this device ({GPU_MATMUL_N}³, median of \
+                 {GPU_MATMUL_REPEATS}); MFU against it {:.1}%",
+                100.0 * mfu_matmul
+            ),
+            format!(
+                "device peak        {} (the memory pool's high-water mark over the last step) — params {}, grads {}, \
+                 optimizer {}, data {}, activations {}",
+                size(m.peak),
+                size(m.params),
+                size(m.grads),
+                size(m.optimizer),
+                size(m.data),
+                size(m.activations)
+            ),
+        ];
+        if let Some(d) = &last.device_memory {
+            lines.push(format!(
+                "card in use        {} of {} (cuMemGetInfo after the last step: the pool's reserve, the CUDA \
+                 context, cuBLAS's workspace, other processes)",
+                size(d.card_used),
+                size(d.card_total)
+            ));
+        }
+        lines.push(format!(
+            "where step time goes ({PROFILED_STEPS} more steps, {:.1} ms each: the device synchronized at every \
+             scope's start and end, so slower than the steps above; a scope includes the scopes inside it, \
+             backward: autograd (all) every backward scope):",
+            1e3 * profiled_seconds
+        ));
+        for (name, per_step, share) in ops.iter().take(16) {
+            lines.push(format!("  {name:<34} {:>8.1} ms/step  {:>5.1}%", 1e3 * per_step, 100.0 * share));
+        }
+        lines.join("\n")
+    };
+    p.result(text, || {
+        json!({
+            "device": {"spec": spec, "name": name},
+            "tokens_per_sec": tokens_per_sec,
+            "step_seconds_median": step_median,
+            "step_seconds_mean": step_mean,
+            "step_seconds_fastest": fastest,
+            "step_seconds_slowest": slowest,
+            "step_seconds": times,
+            "flops_per_token": flops_per_token,
+            "model_gflops": model_tflops * 1e3,
+            "model_tflops": model_tflops,
+            "mfu": mfu,
+            "mfu_peak_tflops": GPU_PEAK_TFLOPS,
+            "matmul_tflops": matmul,
+            "matmul_n": GPU_MATMUL_N,
+            "mfu_vs_matmul": mfu_matmul,
+            "memory": m,
+            "device_memory": last.device_memory,
+            "profiled_steps": PROFILED_STEPS,
+            "profiled_step_seconds": profiled_seconds,
+            "profile": ops.iter().map(|(n, s, f)| json!({"scope": n, "seconds_per_step": s, "share": f})).collect::<Vec<_>>(),
+        })
+    });
+    Ok(())
+}
+
 /// One memory mode of `--modes`: its label and the settings that make it.
 struct Mode {
     label: String,
@@ -291,7 +510,7 @@ pub fn run_modes(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64, offloa
                 .into_iter()
                 .chain(mode.sets.iter().cloned()),
         );
-        let mut config = context::load_config(&mode_args, p)?.into_config();
+        let mut config = run_config(context::load_config(&mode_args, p)?, p)?;
         let tmp = tempfile::tempdir()?;
         config.train.out_dir = tmp.path().to_path_buf();
         config.train.max_steps = config.train.max_steps.max(warmup + steps);

@@ -18,6 +18,30 @@ use crate::{CmdResult, Failure, cli::TrainArgs, context, output::Printer, signal
 use super::progress::CliReporter;
 
 /// Maps the engine's errors to exit codes: configuration problems are usage errors (2).
+/// The run's config from `loaded`, with `memory.budget` taken from the card on a GPU run when
+/// no layer set it: the card's memory less a margin for what lives outside the run's
+/// allocations (`ava_train::device::card_budget`), said once.
+pub fn run_config(loaded: ava_train::config::LoadedConfig, p: &Printer) -> Result<Config, Failure> {
+    use ava_train::config::Origin;
+    let budget_set = !matches!(loaded.origin("memory.budget"), None | Some(Origin::Default));
+    let mut config = loaded.into_config();
+    if budget_set {
+        return Ok(config);
+    }
+    let card = ava_train::device::card_budget(config.train.device).map_err(|e| failure(e.into()))?;
+    if let Some((budget, total)) = card {
+        config.memory.budget = ava_train::config::ByteSize(budget);
+        p.note(&format!(
+            "memory.budget: {} of device memory (the card's {} less {} for the CUDA context, cuBLAS's workspace \
+             and the pool's slack); set memory.budget to choose another",
+            ava_core::format_size(budget),
+            ava_core::format_size(total),
+            ava_core::format_size(total - budget)
+        ));
+    }
+    Ok(config)
+}
+
 pub fn failure(e: TrainError) -> Failure {
     match e {
         TrainError::Invalid(_)
@@ -195,7 +219,7 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
         config_args.set.push(format!("train.max_steps={n}"));
     }
     let ctx = context::load_checked(&config_args, p)?;
-    let config = context::load_config(&config_args, p)?.into_config();
+    let config = run_config(context::load_config(&config_args, p)?, p)?;
     // Alone with threads 0, the pool keeps rayon's own default; ranks on one machine share
     // its cores.
     set_threads(match config.train.threads {

@@ -16,9 +16,13 @@ pub fn ava(dir: &Path, args: &[&str]) -> Output {
 
 /// The `ava` binary the tests run: this build's, or `$AVA_TEST_BIN` when set (a binary
 /// copied with the test binaries to a machine without cargo, e.g. the GPU machine, with the
-/// plugin libraries it loads beside it).
+/// plugin libraries it loads beside it). A relative `$AVA_TEST_BIN` is taken from the test's
+/// working directory (the binary runs in each test's own directory).
 pub fn ava_bin() -> std::path::PathBuf {
-    std::env::var_os("AVA_TEST_BIN").map_or_else(|| env!("CARGO_BIN_EXE_ava").into(), Into::into)
+    match std::env::var_os("AVA_TEST_BIN") {
+        None => env!("CARGO_BIN_EXE_ava").into(),
+        Some(bin) => std::path::absolute(&bin).expect("AVA_TEST_BIN names a path"),
+    }
 }
 
 /// The command [`ava`] runs, to spawn it instead.
