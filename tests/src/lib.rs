@@ -82,6 +82,31 @@ pub fn fixture(name: &str) -> PathBuf {
     fixtures_dir().join(library_file_name(&manifest))
 }
 
+/// Builds fixture `name` alone with its cargo `features` (e.g. `["cuda"]`) into
+/// `<repo>/target/<target>` and returns its library there (`.../debug/lib….so`). Panics with
+/// cargo's output if the build fails.
+///
+/// A target directory of its own (not [`fixtures_dir`]'s), so the fixtures the other tests
+/// load keep their default features and are not rebuilt.
+pub fn fixture_with_features(name: &str, features: &[&str], target: &str) -> PathBuf {
+    let root = repo_root();
+    let manifest = root.join("tests").join("fixtures").join(name).join("Cargo.toml");
+    assert!(manifest.is_file(), "no fixture '{name}' (known: {})", FIXTURES.join(", "));
+    let target = root.join("target").join(target);
+    let mut cmd = cargo();
+    cmd.arg("build")
+        .arg("--manifest-path")
+        .arg(root.join("tests").join("fixtures").join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&target)
+        .arg("-p")
+        .arg(package_name(&manifest))
+        .arg("--features")
+        .arg(features.join(","));
+    run_build(cmd, &format!("fixture '{name}' with features {features:?}"));
+    target.join("debug").join(library_file_name(&manifest))
+}
+
 /// The main target directory: `$CARGO_TARGET_DIR` when set, else `<repo>/target`.
 pub fn main_target_dir() -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR") {

@@ -1,9 +1,22 @@
 //! The fixture workspace builds, every fixture library is where the helpers say, and the
-//! complete example in `docs/plugin-authors.md` is the `sign-sgd` fixture, byte for byte.
+//! complete example in `docs/plugin-authors.md` is the `sign-sgd` fixture, byte for byte (its
+//! GPU side built by an ignored test where nvcc is installed).
 
-use std::fs;
+use std::{fs, path::Path};
 
-use ava_tests::{FIXTURES, fixture, fixtures_dir, repo_root};
+use ava_tests::{FIXTURES, fixture, fixture_with_features, fixtures_dir, repo_root};
+
+/// Asserts that `lib` is an abi_stable library: the host finds a plugin by this exported symbol.
+fn assert_exports_root_symbol(name: &str, lib: &Path) {
+    let bytes = fs::read(lib).unwrap_or_else(|e| panic!("fixture '{name}': cannot read {}: {e}", lib.display()));
+    let symbol = ava_core::ffi::ROOT_SYMBOL.as_bytes();
+    assert!(
+        bytes.windows(symbol.len()).any(|w| w == symbol),
+        "fixture '{name}' ({}) does not export {}",
+        lib.display(),
+        ava_core::ffi::ROOT_SYMBOL
+    );
+}
 
 #[test]
 fn all_fixtures_are_built() {
@@ -13,15 +26,7 @@ fn all_fixtures_are_built() {
         let lib = fixture(name);
         assert!(lib.is_file(), "fixture '{name}' not built: {} is missing", lib.display());
         assert_eq!(lib.parent(), Some(dir.as_path()), "fixture '{name}' at {}", lib.display());
-        // Each is an abi_stable library: the host finds it by this exported symbol.
-        let bytes = fs::read(&lib).unwrap();
-        let symbol = ava_core::ffi::ROOT_SYMBOL.as_bytes();
-        assert!(
-            bytes.windows(symbol.len()).any(|w| w == symbol),
-            "fixture '{name}' ({}) does not export {}",
-            lib.display(),
-            ava_core::ffi::ROOT_SYMBOL
-        );
+        assert_exports_root_symbol(name, &lib);
     }
     let names: Vec<String> =
         FIXTURES.iter().map(|n| fixture(n).file_name().unwrap().to_string_lossy().into()).collect();
@@ -62,47 +67,68 @@ fn block_after(doc: &str, path: &str) -> String {
     panic!("the block after {marker:?} is not closed");
 }
 
-/// The doc's example is the fixture crate. The one allowed difference: the doc's
-/// Cargo.toml depends on the published `ava-core = "0.2"` where the fixture, built inside
-/// this repository, adds a `path` to the repository's own `ava-core`.
-#[test]
-fn plugin_author_guide_shows_the_sign_sgd_fixture() {
-    const FIXTURE_DEP: &str = "ava-core = { version = \"0.2\", path = \"../../../ava-core\" }\n";
-    const DOC_DEP: &str = "ava-core = \"0.2\"\n";
-
-    let root = repo_root();
-    let doc = fs::read_to_string(root.join("docs/plugin-authors.md")).unwrap();
-
-    let cargo_toml = fs::read_to_string(root.join("tests/fixtures/sign-sgd/Cargo.toml")).unwrap();
-    assert_eq!(
-        cargo_toml.matches(FIXTURE_DEP).count(),
-        1,
-        "the fixture's Cargo.toml must contain {FIXTURE_DEP:?} once"
-    );
-    let expected_toml = cargo_toml.replace(FIXTURE_DEP, DOC_DEP);
-    let shown_toml = block_after(&doc, "tests/fixtures/sign-sgd/Cargo.toml");
-    assert!(
-        shown_toml == expected_toml,
-        "docs/plugin-authors.md shows another Cargo.toml than tests/fixtures/sign-sgd/Cargo.toml \
-         (with {DOC_DEP:?} for {FIXTURE_DEP:?}):\n--- doc ---\n{shown_toml}--- fixture ---\n{expected_toml}"
-    );
-
-    let lib_rs = fs::read_to_string(root.join("tests/fixtures/sign-sgd/src/lib.rs")).unwrap();
-    let shown_lib = block_after(&doc, "tests/fixtures/sign-sgd/src/lib.rs");
-    if shown_lib != lib_rs {
-        let (doc_lines, fixture_lines): (Vec<&str>, Vec<&str>) =
-            (shown_lib.lines().collect(), lib_rs.lines().collect());
+/// Panics, naming the first differing line, unless the doc shows `fixture` (the text of
+/// `path`, as the doc should show it) as `shown`.
+fn assert_shown(path: &str, shown: &str, fixture: &str, note: &str) {
+    if shown != fixture {
+        let (doc_lines, fixture_lines): (Vec<&str>, Vec<&str>) = (shown.lines().collect(), fixture.lines().collect());
         let i = (0..doc_lines.len().max(fixture_lines.len()))
             .find(|&i| doc_lines.get(i) != fixture_lines.get(i))
             .unwrap_or(doc_lines.len());
         panic!(
-            "docs/plugin-authors.md shows another src/lib.rs than tests/fixtures/sign-sgd/src/lib.rs; \
-             first difference at line {}:\n  doc:     {:?}\n  fixture: {:?}",
+            "docs/plugin-authors.md shows another file than {path}{note}; first difference at line {}:\n  \
+             doc:     {:?}\n  fixture: {:?}",
             i + 1,
             doc_lines.get(i),
             fixture_lines.get(i)
         );
     }
+}
+
+/// The doc's example is the fixture crate. The one allowed difference: the doc's
+/// Cargo.toml depends on the published crates (`ava-core = "0.2"`, ...) where the fixture,
+/// built inside this repository, adds a `path` to the repository's own copies.
+#[test]
+fn plugin_author_guide_shows_the_sign_sgd_fixture() {
+    /// (the fixture's line, the doc's line).
+    const DEPS: [(&str, &str); 3] = [
+        ("ava-core = { version = \"0.2\", path = \"../../../ava-core\" }\n", "ava-core = \"0.2\"\n"),
+        (
+            "ava-kernels = { version = \"0.1\", path = \"../../../ava-kernels\", optional = true }\n",
+            "ava-kernels = { version = \"0.1\", optional = true }\n",
+        ),
+        ("ava-cuda-build = { version = \"0.1\", path = \"../../../ava-cuda-build\" }\n", "ava-cuda-build = \"0.1\"\n"),
+    ];
+
+    let root = repo_root();
+    let doc = fs::read_to_string(root.join("docs/plugin-authors.md")).unwrap();
+
+    let path = "tests/fixtures/sign-sgd/Cargo.toml";
+    let mut cargo_toml = fs::read_to_string(root.join(path)).unwrap();
+    for (fixture_dep, doc_dep) in DEPS {
+        assert_eq!(cargo_toml.matches(fixture_dep).count(), 1, "{path} must contain {fixture_dep:?} once");
+        cargo_toml = cargo_toml.replace(fixture_dep, doc_dep);
+    }
+    assert_shown(path, &block_after(&doc, path), &cargo_toml, " (with the published dependencies, without paths)");
+
+    for file in ["src/lib.rs", "build.rs", "kernels/sign_sgd.cu"] {
+        let path = format!("tests/fixtures/sign-sgd/{file}");
+        let text = fs::read_to_string(root.join(&path)).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
+        assert_shown(&path, &block_after(&doc, &path), &text, "");
+    }
+}
+
+/// The guide's GPU example builds: the sign-sgd fixture with its `cuda` feature, its kernel
+/// made into PTX by nvcc, into a target directory of its own. No GPU and no CUDA library are
+/// needed (the plugin loads the driver at run time), only nvcc and `CUDA_COMPUTE_CAP`.
+#[test]
+#[ignore = "needs nvcc: .ci/run runs it after sourcing tools/cuda-build-env.sh"]
+fn sign_sgd_fixture_builds_with_cuda() {
+    let lib = fixture_with_features("sign-sgd", &["cuda"], "fixtures-cuda");
+    assert!(lib.is_file(), "the sign-sgd fixture built with cuda is missing: {}", lib.display());
+    let file = format!("{}ava_plugin_sign_sgd{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
+    assert!(lib.ends_with(Path::new("target/fixtures-cuda/debug").join(file)), "built at {}", lib.display());
+    assert_exports_root_symbol("sign-sgd", &lib);
 }
 
 #[test]
