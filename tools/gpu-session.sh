@@ -5,14 +5,16 @@
 #   tools/gpu-session.sh run DIR OUT   # on the GPU machine (no Rust there), logs into OUT
 #
 # `build` puts into DIR (ignore it in git: echo DIR >> .git/info/exclude) the stripped `ava`
-# binary, the `lion` plugin beside it (the refusal test loads it), the GPU test binaries
+# binary, the `lion` plugin beside it (the refusal test loads it) and `flash` (FlashAttention-2
+# on the GPU), the GPU test binaries
 # (ava-train gpu_ops, ava-plugins gpu_optim, ava-cli gpu_train) and PyTorch's reference
 # scripts when ../shared/gpu has them. Everything is built for a portable CPU
 # (x86-64-v3) in target/gpu, so repeated builds reuse their work.
 #
-# `run` runs each test binary (their output in OUT/<name>.log), then the tiny config on the
-# GPU timed beside the CPU, then PyTorch's reference on the small shape when present, and
-# prints a summary; it stops at nothing, so one call gathers everything.
+# `run` runs each test binary (their output in OUT/<name>.log), the tiny config on the GPU
+# (standard and flash) beside the CPU, `ava bench train` on TinyLlama-1.1B's shape plain and
+# checkpointed beside PyTorch's reference recipes, and `ava bench attention` beside PyTorch's
+# SDPA; it stops at nothing, so one call gathers everything (AVA_GPU_PARTS picks parts).
 set -uo pipefail
 
 usage() {
@@ -28,7 +30,7 @@ build() {
     export RUSTFLAGS="-C target-cpu=x86-64-v3"
     mkdir -p "$dir"
     local target=target/gpu
-    cargo build --release --features ava-cli/cuda -p ava-cli -p ava-plugin-lion --target-dir "$target"
+    cargo build --release --features ava-cli/cuda -p ava-cli -p ava-plugin-lion -p ava-plugin-flash --target-dir "$target"
     local json
     json=$(cargo test --release --features ava-cli/cuda --target-dir "$target" --no-run --message-format=json \
         -p ava-train --test gpu_ops -p ava-plugins --test gpu_optim -p ava-cli --test gpu_train)
@@ -42,8 +44,10 @@ for line in sys.stdin:
         print(m['executable'])")
         cp "$exe" "$dir/$t"
     done
-    cp "$target/release/ava" "$target/release/libava_plugin_lion.so" "$dir/"
-    strip "$dir"/ava "$dir"/gpu_* "$dir"/libava_plugin_lion.so
+    cp "$target/release/ava" "$target/release/libava_plugin_lion.so" "$target/release/libava_plugin_flash.so" "$dir/"
+    strip "$dir"/ava "$dir"/gpu_* "$dir"/libava_plugin_*.so
+    # The binaries travel compressed (a call carries 64 MiB); `run` unpacks them.
+    (cd "$dir" && tar -cf - ava gpu_* libava_plugin_*.so | xz -T2 -6 >bundle.tar.xz && rm -f ava gpu_* libava_plugin_*.so)
     if [ -d ../shared/gpu ]; then cp ../shared/gpu/*_ref.py "$dir/" 2>/dev/null || true; fi
     du -sh "$dir"
 }
@@ -51,23 +55,52 @@ for line in sys.stdin:
 run() {
     local dir=$1 out=$2
     mkdir -p "$out"
+    if [ -f "$dir/bundle.tar.xz" ]; then xz -dc "$dir/bundle.tar.xz" | tar -xf - -C "$dir"; fi
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-    export AVA_TEST_BIN=$dir/ava
+    export AVA_TEST_BIN=$(realpath "$dir/ava")
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-    for t in gpu_ops gpu_optim gpu_train; do
-        echo "== $t"
-        ( time "$dir/$t" --test-threads 1 ) >"$out/$t.log" 2>&1
-        grep -E "^test |test result" "$out/$t.log" | tail -20
-    done
-    echo "== tiny on the GPU and the CPU"
-    for dev in cuda cpu; do
-        ( time "$dir/ava" train --set train.device=$dev --set train.out_dir="$out/tiny-$dev" --set train.log_every=50 ) \
-            >"$out/tiny-$dev.log" 2>&1
-        tail -n 4 "$out/tiny-$dev.log"
-    done
-    if [ -f "$dir/torch_ref.py" ]; then
-        echo "== PyTorch, small shape"
-        python3 "$dir/torch_ref.py" --shape small --mode amp 2>&1 | tail -n 2 | tee "$out/torch-small.json"
+    # Each step has its own time limit, so one hang cannot eat the session's device time.
+    # AVA_GPU_PARTS picks parts (default all): tests tiny bench attention.
+    local parts=${AVA_GPU_PARTS:-tests tiny bench attention}
+    if [[ $parts == *tests* ]]; then
+        for t in gpu_ops gpu_optim gpu_train; do
+            echo "== $t"
+            ( time timeout 150 "$dir/$t" --test-threads 1 ) >"$out/$t.log" 2>&1
+            grep -E "^test |test result|panicked" "$out/$t.log" | tail -30
+        done
+    fi
+    if [[ $parts == *tiny* ]]; then
+        echo "== tiny: the GPU (standard, flash) and the CPU"
+        for run in ${AVA_TINY_RUNS:-cuda:standard cuda:flash cpu:standard}; do
+            local dev=${run%%:*} attn=${run##*:}
+            ( time timeout 90 "$dir/ava" train --set train.device=$dev --set plugins.attention=$attn \
+                --set train.out_dir="$out/tiny-$dev-$attn" --set train.log_every=50 ) >"$out/tiny-$dev-$attn.log" 2>&1
+            tail -n 4 "$out/tiny-$dev-$attn.log" | head -n 2
+        done
+    fi
+    if [[ $parts == *bench* ]]; then
+        echo "== TinyLlama-1.1B's shape, T 2048 x 4: Ava, then PyTorch (eager amp), each plain and checkpointed"
+        for ckpt in none full; do
+            timeout 150 "$dir/ava" bench train -c configs/gpu-tinyllama-1b.yaml --steps 8 --warmup 3 \
+                --set plugins.checkpoint=$ckpt >"$out/bench-1b-$ckpt.txt" 2>&1
+            cat "$out/bench-1b-$ckpt.txt"
+        done
+        if [ -f "$dir/torch_ref.py" ]; then
+            for flag in "" --ckpt; do
+                timeout 120 python3 "$dir/torch_ref.py" --shape 1b --mode amp --seq 2048 --batch 4 --steps 6 \
+                    --warmup 2 $flag 2>&1 | tail -n 1 | tee "$out/torch-1b$flag.json"
+            done
+        fi
+    fi
+    if [[ $parts == *attention* ]]; then
+        echo "== attention alone: flash on the GPU, then PyTorch SDPA (flash backend)"
+        timeout 150 "$dir/ava" bench attention --device cuda --kernels flash --seq 2048,4096,8192,16384,32768 \
+            --heads 32 --kv-heads 4 --head-dim 64 >"$out/attn-ava.txt" 2>&1
+        cat "$out/attn-ava.txt"
+        if [ -f "$dir/attn_ref.py" ]; then
+            timeout 120 python3 "$dir/attn_ref.py" --seq 2048,4096,8192,16384,32768 --heads 32 --kv-heads 4 \
+                --head-dim 64 2>&1 | tee "$out/attn-torch.txt"
+        fi
     fi
 }
 
