@@ -119,6 +119,11 @@ pub enum Command {
     /// a streaming plan waits for (less when the step runs inside backward). It is relative
     /// to the config as given.
     ///
+    /// A GPU config (train.device: cuda) is planned for the GPU engine: only the plugins whose
+    /// manifests take device buffers and the weight modes a GPU run keeps on the device are
+    /// searched, --offload is refused, and no step time is predicted (the costs above are the
+    /// CPU's): plans rank by the fewest changes, then the smallest peak.
+    ///
     /// Examples:
     ///   ava plan --budget 24GiB -c configs/small.yaml
     ///   ava plan --budget rtx-4090-24gb --model llama-7b

@@ -375,3 +375,39 @@ fn plan_for_several_ranks_searches_the_zero_stages() {
     assert!(written.starts_with("# ava train --nproc 2 -c p.yaml"), "{written}");
     assert!(written.contains("zero_stage: "), "{written}");
 }
+
+/// A GPU config is planned for the GPU engine: only what a GPU run takes is searched (no Kahan
+/// compensation or masters in a tier, no streamed state, only plugins that take device
+/// buffers besides the config's own), no step time is claimed (the cost model is the CPU
+/// engine's), and `--offload` is refused with what to do. Planning needs no GPU.
+#[test]
+fn plan_for_a_gpu_config_searches_what_the_gpu_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let cuda = ["--set", "train.device=cuda", "--set", "train.precision=bf16", "--set", "train.master_weights=kahan"];
+    let head = ["--format", "json", "plan", "--budget", "rtx-4090-24gb", "--top", "400"];
+    let args: Vec<&str> = head.iter().chain(&cuda).copied().collect();
+    let plan = json_of(&ok(run(dir.path(), &args, &[])));
+    assert_eq!(plan["device"], "cuda:0", "{plan}");
+    let configs = plan["configs"].as_array().unwrap();
+    assert!(!configs.is_empty(), "{plan}");
+    for c in configs {
+        assert!(c["relative_step_time"].is_null(), "{c}");
+        assert!(["f32", "none"].contains(&c["master_weights"].as_str().unwrap()), "{c}");
+        assert!(c["offload"].is_null() && c["offloaded_bytes"] == 0, "{c}");
+    }
+    // The same config on the CPU searches Kahan's compensation too, and predicts step times.
+    let cpu: Vec<&str> = head.iter().chain(&cuda[2..]).copied().collect();
+    let on_cpu = json_of(&ok(run(dir.path(), &cpu, &[])));
+    let configs = on_cpu["configs"].as_array().unwrap();
+    assert!(configs.iter().any(|c| c["master_weights"] == "kahan"), "{on_cpu}");
+    assert!(configs.iter().all(|c| c["relative_step_time"].is_number()), "{on_cpu}");
+
+    let offload: Vec<&str> =
+        ["plan", "--budget", "rtx-4090-24gb", "--offload", "nvme:/tmp"].iter().chain(&cuda).copied().collect();
+    let err = common::usage_error(run(dir.path(), &offload, &[]));
+    assert!(
+        err.contains("--offload: a GPU run (train.device: cuda:0) keeps its optimizer state in device memory"),
+        "{err}"
+    );
+    assert!(err.contains("drop --offload"), "{err}");
+}

@@ -285,6 +285,9 @@ struct Search {
     /// The memory policy's target fraction, and the bytes plans aim under.
     target: f64,
     aim: u64,
+    /// A GPU run (`train.device: cuda`): only what the GPU engine runs is searched, and the
+    /// step-time model (this CPU engine's measured costs) does not rank the plans.
+    gpu: bool,
 }
 
 impl Search {
@@ -298,7 +301,7 @@ impl Search {
         let key = |x: &Planned| {
             (
                 x.candidate.optimizer.name != self.given.optimizer.name,
-                (x.cost / reference_cost * 100.0).round() as i64,
+                if self.gpu { 0 } else { (x.cost / reference_cost * 100.0).round() as i64 },
                 changes(&self.given, &x.candidate),
             )
         };
@@ -342,6 +345,14 @@ fn search(
     keep: &[&str],
 ) -> Result<Search, Failure> {
     let pinned = |key: &str| keep.contains(&key);
+    let gpu = base.train.device.is_cuda();
+    if gpu && offload.is_some() {
+        return Err(Failure::Usage(anyhow::anyhow!(
+            "--offload: a GPU run (train.device: {}) keeps its optimizer state in device memory in this version, so \
+             plans that stream it to a tier are for train.device: cpu; drop --offload",
+            base.train.device
+        )));
+    }
     let base_offloaded = base.offload.tiers.offloaded().is_some();
     let offload = offload.filter(|_| !base_offloaded && !pinned("offload"));
     // The tier whose preflight checks each streaming plan's records fit on its disk: the
@@ -358,9 +369,12 @@ fn search(
     // attention, O(T) memory); kernels that change what attends to what are not offered.
     // Optimizers: the configured one, and for AdamW the installed ones that approximate it
     // with less state (Lion needs its own learning rate, so it is not offered).
+    // On a GPU, only the attention kernels and optimizers whose manifests take device buffers.
+    let on_device =
+        |kind: PluginKind, name: &str| !gpu || registry.check_devices(&[(kind, name)], ava_core::Device::Cuda).is_ok();
     let installed = |kind: PluginKind, name: &str| match kind {
-        PluginKind::Attention => registry.attention(name, "{}").is_ok(),
-        PluginKind::Optimizer => registry.optimizer(name, "{}").is_ok(),
+        PluginKind::Attention => registry.attention(name, "{}").is_ok() && on_device(kind, name),
+        PluginKind::Optimizer => registry.optimizer(name, "{}").is_ok() && on_device(kind, name),
         _ => registry.checkpoint(name, "{}").is_ok(),
     };
     let mut attentions = vec![base.plugins.attention.clone()];
@@ -409,12 +423,13 @@ fn search(
     // Where the weights live and when the optimizer steps: f32 masters always; with half
     // precision, the bf16 weights alone (stochastic rounding), or their masters in the tier;
     // the step inside backward with one micro-batch a step (not with f16, whose loss scale
-    // needs the whole gradient first).
+    // needs the whole gradient first). A GPU run keeps no buffer on the host (no Kahan
+    // compensation, no masters in a tier).
     let weight_modes = |precision: Precision, accumulation: usize| {
         let mut masters = vec![MasterWeights::F32];
         if precision != Precision::Fp32 {
             masters.push(MasterWeights::None);
-            if base.train.master_weights == MasterWeights::Kahan {
+            if base.train.master_weights == MasterWeights::Kahan && !gpu {
                 masters.push(MasterWeights::Kahan);
             }
         }
@@ -424,7 +439,7 @@ fn search(
                 continue;
             }
             let mut these = masters.clone();
-            if precision != Precision::Fp32 && (offloaded || base_offloaded) {
+            if precision != Precision::Fp32 && (offloaded || base_offloaded) && !gpu {
                 these.push(MasterWeights::Tier);
             }
             if pinned("train.master_weights") {
@@ -517,7 +532,7 @@ fn search(
         let n = x.estimate.plan.iter().filter(|d| d.is_recomputed()).count();
         x.candidate.checkpoint.name != "selective" || (n != 0 && n != x.estimate.plan.len())
     });
-    Ok(Search { total, refused, no_room, planned, given, reference, target, aim })
+    Ok(Search { total, refused, no_room, planned, given, reference, target, aim, gpu })
 }
 
 /// For `ava train` refused by its budget: what `ava plan --budget` would pick for `base`
@@ -582,7 +597,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     let world = args.world_size as usize;
     let found = search(registry, &base, &spec, usable, offload.clone(), world, &keep)?;
     let offload = offload.filter(|_| !base_offloaded && !keep.contains(&"offload"));
-    let Search { total, refused, ref no_room, ref given, ref reference, target, aim, .. } = found;
+    let Search { total, refused, ref no_room, ref given, ref reference, target, aim, gpu, .. } = found;
     let reference_cost = found.reference_cost();
     let fitting = found.fitting();
     let Some(best) = fitting.first() else {
@@ -651,7 +666,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                         plan_text(&x.candidate.checkpoint.name, &x.estimate),
                         format_size(b.peak),
                         format!("{:.0}%", 100.0 * b.peak as f64 / usable as f64),
-                        format!("×{:.2}", x.cost / reference_cost),
+                        if gpu { "-".into() } else { format!("×{:.2}", x.cost / reference_cost) },
                         format!("{} / {} / {} / {}", format_size(b.params), format_size(b.grads), format_size(b.optimizer), format_size(b.activations)),
                     ];
                     if world > 1 {
@@ -661,7 +676,14 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                 })
                 .collect();
             out.push_str(&crate::output::table(&headers, &rows));
-            out.push_str("\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see `ava plan --help`)");
+            out.push_str(if gpu {
+                "\nstep time: not predicted for the GPU engine yet (the model's costs are this CPU engine's, where bf16 is \
+                 slower than fp32); plans are ranked by the fewest changes to the config, then the smallest peak. The \
+                 peaks are the estimator's, without device terms of its own yet (README: NVIDIA GPUs); only the \
+                 plugins and weight modes a GPU run takes were searched"
+            } else {
+                "\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see `ava plan --help`)"
+            });
             if top.iter().any(|x| x.candidate.optimizer.name != given.optimizer.name) {
                 out.push_str(&format!(
                     "\noptimizer: another optimizer than the config's {} saves state but trains differently (val loss \
@@ -670,7 +692,11 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                     given.optimizer.name, given.optimizer.name
                 ));
             }
-            let ram = "on this CPU engine the device is RAM, so only a disk tier takes bytes out of the budget";
+            let ram = if gpu {
+                "a GPU run keeps its optimizer state in device memory in this version"
+            } else {
+                "on this CPU engine the device is RAM, so only a disk tier takes bytes out of the budget"
+            };
             let room = no_room.as_ref().map_or(String::new(), |e| format!(" (some plans did not fit on it: {e})"));
             out.push_str(&match &offload {
                 Some(o) => format!(
@@ -685,6 +711,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                      for each plan; {ram}{room}",
                     base.plugins.offload.name,
                 ),
+                None if gpu => format!("\noffload: not searched ({ram})"),
                 None => format!(
                     "\noffload: not searched; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the \
                      optimizer state to disk ({ram})"
@@ -706,6 +733,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         || {
             json!({
                 "budget": usable,
+                "device": base.train.device.to_string(),
                 "world_size": world,
                 "searched": total,
                 "fit": fitting.len(),
@@ -724,7 +752,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                     "offloaded_bytes": x.estimate.offloaded,
                     "plan": x.estimate.plan.iter().map(|d| d.as_str()).collect::<Vec<_>>(),
                     "peak": x.estimate.breakdown.peak,
-                    "relative_step_time": x.cost / reference_cost,
+                    "relative_step_time": (!gpu).then(|| x.cost / reference_cost),
                     "breakdown": x.estimate.breakdown,
                     "sets": x.candidate.sets(usable, &x.estimate),
                 })).collect::<Vec<_>>(),
