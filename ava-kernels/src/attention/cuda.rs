@@ -250,7 +250,7 @@ pub fn backward(
     } else {
         (0, 0)
     };
-    let (br, bc) = (tiles(t).0, tiles(t).1);
+    let (br, bc) = tiles(t);
     let smem = Smem::new(t, shape.head_dim);
     let d = attention_dims(shape);
     let (causal, segs) = (i32::from(shape.causal), segments_ptr(segments));

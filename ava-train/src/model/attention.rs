@@ -231,7 +231,6 @@ impl AttentionOp {
         saved: &candle_core::cuda::cudarc::driver::CudaSlice<f32>,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         use super::fused::{plugin_buf, plugin_stream, storage_buf, storage_tensor, zeros};
-        let _span = crate::profile::scope("backward: attention kernel");
         let (q, k, v, res) = (q.contiguous()?, k.contiguous()?, v.contiguous()?, res.contiguous()?);
         let grad_res = grad_res.to_dtype(q.dtype())?.contiguous()?;
         let candle_core::Device::Cuda(dev) = q.device() else { bail!("attention: a GPU backward off the GPU") };
