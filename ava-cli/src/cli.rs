@@ -100,6 +100,13 @@ pub enum Command {
         /// With --world-size: the breakdown of this rank (0-based) instead.
         #[arg(long, value_name = "R", requires = "world_size")]
         rank: Option<u32>,
+        /// The device to estimate for (train.device: cpu, cuda or cuda:N; default: the
+        /// config's). On a GPU every term is device memory as the GPU engine allocates it (what
+        /// `ava bench train` reports as the device peak), host memory is listed apart, and
+        /// what a GPU run refuses (CPU-only plugins, several ranks) is refused here too.
+        /// Needs no GPU: ava estimate -c configs/gpu-tinyllama-1b.yaml --device cuda
+        #[arg(long, value_name = "DEVICE", value_parser = ava_train::device::DeviceSpec::parse)]
+        device: Option<ava_train::device::DeviceSpec>,
     },
     /// Benchmarks.
     #[command(subcommand)]

@@ -3,6 +3,7 @@
 
 use ava_core::PluginKind;
 use ava_core::format_size;
+use ava_train::device::DeviceSpec;
 use ava_train::estimate::{Plugins, estimate_rank};
 use serde_json::json;
 
@@ -11,7 +12,7 @@ use crate::{CmdResult, UsageExt, cli::ConfigArgs, context, output::Printer};
 /// Ranks listed one by one up to this world size (each is a replay of the step).
 const MAX_LISTED: usize = 16;
 
-pub fn run(p: &Printer, args: &ConfigArgs, world: usize, rank: Option<usize>) -> CmdResult {
+pub fn run(p: &Printer, args: &ConfigArgs, world: usize, rank: Option<usize>, device: Option<DeviceSpec>) -> CmdResult {
     if let Some(r) = rank.filter(|&r| r >= world) {
         return Err(crate::Failure::Usage(anyhow::anyhow!(
             "--rank {r} is not a rank of --world-size {world}: ranks are 0..={}",
@@ -19,7 +20,11 @@ pub fn run(p: &Printer, args: &ConfigArgs, world: usize, rank: Option<usize>) ->
         )));
     }
     let ctx = context::load_checked(args, p)?;
-    let config = context::load_config(args, p)?.into_config();
+    let mut config = context::load_config(args, p)?.into_config();
+    if let Some(device) = device {
+        config.train.device = device;
+    }
+    check_device(p, &config, world, &ctx.registry)?;
     let sel = |k: PluginKind| config.selection(k).clone();
     let (o, a, c) = (sel(PluginKind::Optimizer), sel(PluginKind::Attention), sel(PluginKind::Checkpoint));
     let spec = ava_train::train::model_spec(&config).usage()?;
@@ -62,5 +67,36 @@ pub fn run(p: &Printer, args: &ConfigArgs, world: usize, rank: Option<usize>) ->
             v
         },
     );
+    Ok(())
+}
+
+/// A GPU estimate is of a run the GPU engine would start, so what it refuses is refused here
+/// too. A build without CUDA cannot tell which plugins run on a GPU (their manifests list
+/// the devices of this build), so it estimates the GPU engine all the same and says so.
+fn check_device(
+    p: &Printer,
+    config: &ava_train::config::Config,
+    world: usize,
+    registry: &ava_plugins::Registry,
+) -> CmdResult {
+    if !config.train.device.is_cuda() {
+        return Ok(());
+    }
+    if cfg!(feature = "cuda") {
+        ava_train::device::check_run(config, world, registry).usage()?;
+    } else {
+        if world > 1 {
+            return Err(crate::Failure::Usage(anyhow::anyhow!(
+                "train.device: {}: distributed training runs on the CPU only for now; estimate one rank \
+                 (drop --world-size), or set train.device: cpu",
+                config.train.device
+            )));
+        }
+        p.warn(&format!(
+            "this ava was built without CUDA: the estimate is of the GPU engine on {}, but whether the selected \
+             plugins run on a GPU is not checked here (a `cuda` build checks it: README, NVIDIA GPUs)",
+            config.train.device
+        ));
+    }
     Ok(())
 }

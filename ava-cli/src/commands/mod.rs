@@ -42,8 +42,8 @@ use crate::{
 pub fn run(command: Command, p: &Printer) -> CmdResult {
     match command {
         Command::Train(args) => train::run(p, &args),
-        Command::Estimate { config, world_size, rank } => {
-            estimate::run(p, &config, world_size as usize, rank.map(|r| r as usize))
+        Command::Estimate { config, world_size, rank, device } => {
+            estimate::run(p, &config, world_size as usize, rank.map(|r| r as usize), device)
         }
         Command::Plan(args) => plan::run(p, &args),
         Command::Generate(args) => generate::run(p, &args),

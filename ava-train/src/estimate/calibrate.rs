@@ -13,7 +13,7 @@ use ava_core::{BlockDecision, CheckpointContext};
 use super::inputs::{Inputs, Kernels};
 use super::render;
 use super::replay::{MicroBatchPeak, Replay, StepModel};
-use super::{EstimateError, dt};
+use super::{EstimateError, dt, replay_on};
 
 /// A plan, its replayed peak, and whether the step fits `memory.budget` with it.
 type Outcome = Result<(Vec<BlockDecision>, MicroBatchPeak, bool), EstimateError>;
@@ -132,8 +132,8 @@ pub(super) fn plan(
     let budget = s.config.memory.budget.0;
     // 0 would mean "no budget"; a budget already spent leaves the smallest one.
     let target = if budget == 0 { 0 } else { budget.saturating_sub(fixed).max(1) };
-    let replay = Replay::new(s.spec, s.batch, s.seq, dt(s.precision), kernels.saved)
-        .with_saved_half(s.plugins.attention.saved_tolerates_half())
+    let replay = replay_on(s.device, Replay::new(s.spec, s.batch, s.seq, dt(s.precision), kernels.saved))
+        .with_saved_half(kernels.saved_size == 2)
         .with_workspace(kernels.workspace_lens[0], kernels.workspace_lens[1])
         .with_step(step);
     let calibration = Calibration { s, kernels, replay, outside, budget };

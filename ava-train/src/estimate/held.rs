@@ -1,6 +1,10 @@
 //! The terms held through the whole step, outside any micro-batch: the parameters, this
 //! rank's optimizer state, the data. Each is a closed formula of the config; each function
 //! returns one term (or none where it does not apply), in bytes.
+//!
+//! On a GPU run ([`Inputs::gpu`]) these are device memory: the rotary tables' device copy
+//! and the batch's token ids replace their host forms, which [`host_terms`] lists apart with
+//! the loader's queue.
 
 use super::inputs::{Inputs, Offload, Shares, State};
 use super::{Component, Term, grouped};
@@ -11,7 +15,8 @@ use crate::model::fused::RopeTables;
 /// Every held term, in report order within each component.
 pub(super) fn terms(s: &Inputs<'_>, shares: &Shares, offload: &Offload) -> Vec<Term> {
     let note = share_note(s, shares);
-    let mut terms = vec![rotary_tables(s), weights(s, shares)];
+    let tables = if s.gpu() { device_rotary_tables(s) } else { rotary_tables(s) };
+    let mut terms = vec![tables, weights(s, shares)];
     terms.extend(weight_cast(s));
     terms.extend(state_kept_in_memory(s, offload, &note));
     if !offload.is_on() {
@@ -19,10 +24,49 @@ pub(super) fn terms(s: &Inputs<'_>, shares: &Shares, offload: &Offload) -> Vec<T
     }
     terms.extend(no_state(shares));
     terms.extend(mapped_shards(s));
+    if s.gpu() {
+        terms.push(device_tokens(s));
+    } else {
+        terms.extend(loader_queue(s));
+        terms.extend(packed_documents(s));
+        terms.push(batch_in_use(s));
+    }
+    terms
+}
+
+/// On a GPU run, what the step holds in host memory, outside the device's peak: the rotary
+/// tables the device copy is made from, the loader's queue and the batch in use (its
+/// targets and packed documents stay on the host, where the ops that take them read them).
+/// Empty on the CPU, where every term is host memory.
+pub(super) fn host_terms(s: &Inputs<'_>) -> Vec<Term> {
+    if !s.gpu() {
+        return Vec::new();
+    }
+    let mut terms = vec![rotary_tables(s)];
     terms.extend(loader_queue(s));
     terms.extend(packed_documents(s));
     terms.push(batch_in_use(s));
     terms
+}
+
+/// The rotary tables' device copy: cos and sin of every position in f32, (T, D) each.
+fn device_rotary_tables(s: &Inputs<'_>) -> Term {
+    Term::new(
+        Component::Parameters,
+        "rotary tables' device copy (cos, sin in f32)",
+        format!("T·D·2·4 = {}·{}·8", s.x.t, s.x.hd),
+        RopeTables::device_bytes(s.x.t as usize, s.x.hd as usize),
+    )
+}
+
+/// A GPU run's batch on the device: the micro-batch's (B, T) u32 token ids.
+fn device_tokens(s: &Inputs<'_>) -> Term {
+    Term::new(
+        Component::Data,
+        "token ids of the batch in use, on the device",
+        format!("B·T·4 = {}·4", s.x.n()),
+        s.x.n() * 4,
+    )
 }
 
 /// The rotary tables: cos and sin of every position in f32 and in f64, (T, D) each, in bytes.

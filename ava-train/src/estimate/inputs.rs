@@ -11,6 +11,7 @@ use super::block::Dims;
 use super::replay::{StepModel, ZeroModel};
 use super::{EstimateError, Plugins, block_facts, grouped, l2_bytes, rank_threads, saved_len, workspace_lens};
 use crate::config::{Config, MasterWeights, Precision};
+use crate::device::DeviceSpec;
 use crate::model::{ModelSpec, ParamDef};
 use crate::train::HostState;
 
@@ -50,6 +51,8 @@ pub(super) struct Inputs<'a> {
     pub(super) inside: bool,
     /// The ZeRO stage in effect: `distributed.zero_stage` on several ranks, else 0.
     pub(super) stage: u8,
+    /// `train.device`: on a GPU the terms count device memory, and host memory apart.
+    pub(super) device: DeviceSpec,
 }
 
 impl<'a> Inputs<'a> {
@@ -84,7 +87,13 @@ impl<'a> Inputs<'a> {
             stored_size: if stored_half { 2 } else { 4 },
             inside: config.train.step_in_backward,
             stage: if world > 1 { config.distributed.zero_stage } else { 0 },
+            device: config.train.device,
         }
+    }
+
+    /// Whether the run computes on a GPU (the terms are device memory).
+    pub(super) fn gpu(&self) -> bool {
+        self.device.is_cuda()
     }
 
     /// N with its digits grouped, for the formulas.
@@ -290,21 +299,26 @@ pub(super) struct Kernels {
     pub(super) workspace_lens: [u64; 2],
     /// This rank's compute threads.
     pub(super) threads: u64,
-    /// gemm's packing slabs, one L2-sized per thread (bytes).
+    /// gemm's packing slabs, one L2-sized per thread (bytes); none on a GPU (cuBLAS's
+    /// workspace is outside the pool the estimate counts).
     pub(super) gemm_workspace: u64,
 }
 
 impl Kernels {
-    /// Asks the attention kernel about the step's shape (its errors name the shape).
+    /// Asks the attention kernel about the step's shape (its errors name the shape), for the
+    /// device the run computes on: a GPU call's workspace is its device declaration, and the
+    /// saved buffer stays in f32 there.
     pub(super) fn new(s: &Inputs<'_>) -> Result<Self, EstimateError> {
         let attention = s.plugins.attention;
-        let facts = block_facts(s.spec, s.batch, s.seq, s.precision, attention)?;
+        let facts = block_facts(s.spec, s.batch, s.seq, s.precision, attention, s.device)?;
         let saved = saved_len(s.spec, s.batch, s.seq, attention)?;
         let threads = rank_threads(s.config.train.threads, s.world);
-        let workspace_lens = workspace_lens(s.spec, s.batch, s.seq, attention, threads)?;
+        let device = if s.gpu() { ava_core::Device::Cuda } else { ava_core::Device::Cpu };
+        let workspace_lens = workspace_lens(s.spec, s.batch, s.seq, attention, threads, device)?;
         let threads = threads as u64;
-        let half = s.precision != Precision::Fp32 && attention.saved_tolerates_half();
+        let half = s.precision != Precision::Fp32 && attention.saved_tolerates_half() && !s.gpu();
         let saved_size = if half { 2 } else { 4 };
-        Ok(Self { facts, saved, saved_size, workspace_lens, threads, gemm_workspace: threads * l2_bytes() })
+        let gemm_workspace = if s.gpu() { 0 } else { threads * l2_bytes() };
+        Ok(Self { facts, saved, saved_size, workspace_lens, threads, gemm_workspace })
     }
 }

@@ -22,8 +22,16 @@
 //! [`estimate_rank`] runs in stages, each term computed by a function of its own from the
 //! shared inputs (`inputs::Inputs`: the spec, the config and the sizes derived from them): the
 //! terms held through the step (`held`), the plan and its replay (`calibrate`), the terms at
-//! the replay's peak (`peak`), the ZeRO comparison (`zero`). Terms for another device (GPU
-//! memory) are functions of the same inputs beside these.
+//! the replay's peak (`peak`), the ZeRO comparison (`zero`).
+//!
+//! On a GPU run (`train.device: cuda`, or `ava estimate --device cuda`) the terms are device
+//! memory, what the stream-ordered pool hands out: the replay allocates as the engine's
+//! device ops do (`sim`'s module docs: candle's matmul for the linear layers, the attention
+//! kernel's device workspace and f32 saved buffer, the logits read in their own type), the
+//! held terms are the device's (the rotary tables' f32 copy, the batch's token ids), there
+//! are no gemm slabs, and the host's share of the step is listed apart
+//! ([`Estimate::host`]). `tests/estimate_vs_measured.rs` holds it against peaks measured
+//! on an H200.
 //!
 //! Files: `inputs` (what every term is computed from), `held`, `calibrate`, `peak`, `zero`,
 //! `sim` (shadow tensors and candle's backward), `replay` (the model on them), `block`
@@ -52,6 +60,7 @@ use self::inputs::{Inputs, Kernels, Offload, Shares, step_model};
 use self::replay::{MicroBatchPeak, Replay};
 use self::sim::{Cat, Dt};
 use crate::config::{Config, Precision};
+use crate::device::DeviceSpec;
 use crate::memory::Breakdown;
 use crate::model::ModelSpec;
 
@@ -177,6 +186,14 @@ pub struct Estimate {
     /// under each ZeRO stage, by the ZeRO paper's accounting in Ava's layout.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub zero_stages: Vec<ZeroStage>,
+    /// `train.device`: on a GPU every term is device memory (the stream-ordered pool's
+    /// allocations, what `ava bench train` reports as the device peak) and `host` lists the
+    /// host memory apart.
+    pub device: DeviceSpec,
+    /// On a GPU run, the step's host memory, outside the device peak (the loader's queue, the
+    /// batch, the rotary tables the device copy is made from); empty on the CPU.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub host: Vec<Term>,
 }
 
 /// One rank's model states under one ZeRO stage (Rajbhandari et al. 2020, §5: stage 1 =
@@ -283,16 +300,17 @@ fn saved_len(
 }
 
 /// The attention kernel's declared workspace for one forward and one backward call of the
-/// step's shape with `threads` threads (f32s).
+/// step's shape with `threads` threads on `device` (f32s).
 fn workspace_lens(
     spec: &ModelSpec,
     batch: usize,
     seq: usize,
     attention: &dyn AttentionKernel,
     threads: usize,
+    device: ava_core::Device,
 ) -> Result<[u64; 2], EstimateError> {
     let shape = AttnShape::self_attention(batch, spec.heads, spec.kv_heads, seq, spec.head_dim(), true);
-    let ctx = KernelContext { threads: threads.max(1) as u32, ..KernelContext::default() };
+    let ctx = KernelContext { threads: threads.max(1) as u32, device };
     let len = |pass: Pass| {
         attention.workspace_len(&shape, pass, &ctx).map_err(|e| EstimateError::Attention {
             shape: format!("B={batch}, H={}, Hkv={}, T={seq}, D={}", spec.heads, spec.kv_heads, spec.head_dim()),
@@ -315,12 +333,14 @@ fn block_forward_flops(spec: &ModelSpec, batch: usize, seq: usize) -> u64 {
 /// Per-block facts for the checkpoint policy: the bytes a kept block holds for backward (its
 /// activations, the attention kernel's saved buffer and its output), the bytes a recomputed
 /// block keeps instead (its (B, T, d) input), its f32 parameter bytes and its forward FLOPs.
+/// On a GPU (`device`) the activations are device memory, as the device's ops hold them.
 pub fn block_facts(
     spec: &ModelSpec,
     batch: usize,
     seq: usize,
     precision: Precision,
     attention: &dyn AttentionKernel,
+    device: DeviceSpec,
 ) -> Result<Vec<BlockFacts>, EstimateError> {
     if batch == 0 {
         return Err(EstimateError::Zero { key: "train.micro_batch_size" });
@@ -329,7 +349,8 @@ pub fn block_facts(
         return Err(EstimateError::Zero { key: "data.seq_len" });
     }
     let saved = saved_len(spec, batch, seq, attention)?;
-    let replay = Replay::new(spec, batch, seq, dt(precision), saved).with_saved_half(attention.saved_tolerates_half());
+    let replay = replay_on(device, Replay::new(spec, batch, seq, dt(precision), saved))
+        .with_saved_half(attention.saved_tolerates_half());
     let activation_bytes = replay.block_activation_bytes();
     let input_bytes = (batch * seq * spec.hidden * precision.bytes()) as u64;
     let defs = spec.params();
@@ -343,6 +364,11 @@ pub fn block_facts(
             forward_flops: flops,
         })
         .collect())
+}
+
+/// `replay` counting `device`'s memory: a GPU's device memory, or the host's.
+fn replay_on(device: DeviceSpec, replay: Replay<'_>) -> Replay<'_> {
+    if device.is_cuda() { replay.on_gpu() } else { replay }
 }
 
 /// The modeled peak of one micro-batch's forward and backward pass.
@@ -381,7 +407,7 @@ pub fn micro_batch(
     }
     ava_core::check_plan(plan, spec.layers).map_err(|message| EstimateError::Plan { message })?;
     let saved = saved_len(spec, batch, seq, attention)?;
-    let [fwd, bwd] = workspace_lens(spec, batch, seq, attention, threads)?;
+    let [fwd, bwd] = workspace_lens(spec, batch, seq, attention, threads, ava_core::Device::Cpu)?;
     let peak = Replay::new(spec, batch, seq, dt(precision), saved)
         .with_saved_half(attention.saved_tolerates_half())
         .with_workspace(fwd, bwd)
@@ -513,6 +539,8 @@ fn report(
     let moe = s.spec.moe.map(|m| (m.experts as u64, m.top_k as u64));
     Estimate {
         zero_stages: zero::stages(s, shares),
+        device: s.device,
+        host: held::host_terms(s),
         batch: s.batch,
         seq_len: s.seq,
         precision: s.precision,

@@ -24,7 +24,9 @@ pub(super) fn terms(
     terms.push(gradients(s, peak));
     terms.extend(activations(s, kernels, peak).into_iter().filter(|t| t.bytes > 0));
     terms.extend(kernel_workspace(kernels, peak));
-    terms.push(gemm_workspace(kernels));
+    if !s.gpu() {
+        terms.push(gemm_workspace(kernels));
+    }
     terms
 }
 
@@ -65,7 +67,12 @@ fn step_transients(s: &Inputs<'_>, offload: &Offload, peak: &MicroBatchPeak) -> 
             Component::Optimizer,
             "optimizer step's transients at the peak",
             format!(
-                "the global norm's g² of one gradient (4 · its elements){}{}",
+                "{}{}{}",
+                if s.gpu() {
+                    "the global norm's partial sums (a few per gradient)"
+                } else {
+                    "the global norm's g² of one gradient (4 · its elements)"
+                },
                 if s.scratch() { ", one parameter widened to f32 to be stepped (4 · its elements)" } else { "" },
                 if offload.is_on() { ", the state of the parameter being stepped, read from the tier" } else { "" }
             ),
@@ -145,7 +152,7 @@ fn activations(s: &Inputs<'_>, kernels: &Kernels, peak: &MicroBatchPeak) -> [Ter
         saved_buffers(kernels, peak),
         recomputed_inputs(x, peak),
         recomputed_block(peak),
-        head(x, peak),
+        head(x, !s.gpu(), peak),
         backward(peak),
     ]
 }
@@ -200,19 +207,21 @@ fn recomputed_block(peak: &MicroBatchPeak) -> Term {
     activation(peak, Cat::Recompute, "activations of the block being recomputed", formula)
 }
 
-/// The head: the final norm (B, T, d), the logits (B, T, V) (and their f32 copy in a half
-/// run), the loss's per-row values.
-fn head(x: &Dims, peak: &MicroBatchPeak) -> Term {
+/// The head: the final norm (B, T, d), the logits (B, T, V) (and, `widened` on the host,
+/// their f32 copy in a half run: a GPU's cross-entropy reads them in their type), the loss's
+/// per-row values.
+fn head(x: &Dims, widened: bool, peak: &MicroBatchPeak) -> Term {
+    let widened = widened && x.cast();
     let formula = format!(
         "norm B·T·d·p + logits B·T·V·p{} = {}·{}·{} + {}·{}·{}{}, plus the loss's per-row values",
-        if x.cast() { " + B·T·V·4 (f32 logits)" } else { "" },
+        if widened { " + B·T·V·4 (f32 logits)" } else { "" },
         x.n(),
         x.d,
         x.p,
         x.n(),
         x.v,
         x.p,
-        if x.cast() { format!(" + {}·{}·4", x.n(), x.v) } else { String::new() }
+        if widened { format!(" + {}·{}·4", x.n(), x.v) } else { String::new() }
     );
     activation(peak, Cat::Head, "head: final norm, logits, loss", formula)
 }

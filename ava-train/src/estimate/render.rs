@@ -33,7 +33,8 @@ impl Estimate {
         let mut out = String::new();
         let _ = writeln!(
             out,
-            "Memory estimate for one training step: N = {} parameters, micro-batch B = {} × T = {} tokens, {}{}",
+            "Memory estimate for one training step{}: N = {} parameters, micro-batch B = {} × T = {} tokens, {}{}",
+            if self.device.is_cuda() { format!(" on {} (device memory)", self.device) } else { String::new() },
             super::grouped(self.num_params),
             self.batch,
             self.seq_len,
@@ -83,7 +84,24 @@ impl Estimate {
                 let _ = writeln!(out, "    stage {}: {:<70} {:>12}", z.stage, z.formula, bytes(z.bytes));
             }
         }
+        if self.device.is_cuda() {
+            self.render_host(&mut out);
+        }
         let _ = writeln!(out, "{}", self.breakdown.line(&self.status));
         out
+    }
+
+    /// A GPU run's host memory, and what the device holds outside the allocations counted.
+    fn render_host(&self, out: &mut String) {
+        let total: u64 = self.host.iter().map(|t| t.bytes).sum();
+        let _ = writeln!(out, "  {:<54} {:>12}", "host memory (not in the device peak)", bytes(total));
+        for t in &self.host {
+            line(out, t);
+        }
+        let _ = writeln!(
+            out,
+            "  outside the counted allocations: the CUDA context, cuBLAS's workspace and the memory pool's slack \
+             (1.2 to 1.9 GiB on an H200); memory.budget's default leaves 5% of the card for them, at least 2 GiB"
+        );
     }
 }

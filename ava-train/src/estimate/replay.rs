@@ -222,8 +222,12 @@ fn add_opt(a: Option<T>, b: Option<T>) -> Option<T> {
 }
 
 /// `fused::linear`: x (N, in) · wᵀ, w (out, in), in their type; a half type through f32
-/// scratch inside the op.
-fn linear(x: &T, w: &T) -> T {
+/// scratch inside the op. On a GPU, candle's matmul of x by the transposed view of w
+/// (cuBLAS, no copy), differentiated by candle.
+fn linear(x: &T, w: &T, gpu: bool) -> T {
+    if gpu {
+        return x.matmul(&w.t());
+    }
     let dims = [x.dims()[0], w.dims()[0]];
     let kind = if x.dtype() == Dt::Half {
         Fused::LinearHalf { scratch: half_scratch_len(dims[0], x.dims()[1], dims[1]) as u64 }
@@ -279,6 +283,17 @@ impl<'a> Replay<'a> {
             final_norm,
             head,
         }
+    }
+
+    /// Counting a GPU run's device memory (`sim`'s module docs): the ops allocate as the
+    /// engine's device ops do, and the rotary tables are their device copy, cos and sin in
+    /// f32 (the host's f32 and f64 tables are host memory). Call first, before the other
+    /// `with_` settings.
+    pub(crate) fn on_gpu(mut self) -> Self {
+        self.meter.set_gpu();
+        self.meter.set_cat(Cat::Params);
+        self._rope = sim::raw(&self.meter, RopeTables::device_bytes(self.seq, self.spec.head_dim()));
+        self
     }
 
     /// With an attention kernel that declares `forward` and `backward` f32s of workspace.
@@ -350,7 +365,7 @@ impl<'a> Replay<'a> {
 
     /// `llama::projection`: the product, plus the bias when the projection has one.
     fn projection(&self, x: &T, weight: usize, bias: Option<usize>) -> T {
-        let y = linear(x, &self.weights.borrow()[weight]);
+        let y = linear(x, &self.weights.borrow()[weight], self.meter.on_gpu());
         match bias {
             Some(b) => y.broadcast_add(&self.weights.borrow()[b]),
             None => y,
@@ -374,7 +389,7 @@ impl<'a> Replay<'a> {
         let (n, d) = (x.dims()[0], x.dims()[1]);
         let e_count = experts.len();
         let m = &self.meter;
-        let probs = softmax_last(&linear(x, &self.weights.borrow()[router]).to_dtype(Dt::F32)); // (N, E) f32
+        let probs = softmax_last(&linear(x, &self.weights.borrow()[router], self.meter.on_gpu()).to_dtype(Dt::F32)); // (N, E) f32
         // probs.to_vec2 (rows of E f32 plus a Vec header each), the chosen ids, the counts.
         let _values = sim::raw(m, (n * e_count * 4 + n * 24) as u64);
         let _chosen = sim::raw(m, (n * top_k * 4) as u64);
@@ -510,7 +525,7 @@ impl<'a> Replay<'a> {
     fn head(&self, x: &T) -> T {
         let (b, t, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
         let normed = self.rms_norm(x, &self.weights.borrow()[self.final_norm]).reshape(&[b * t, d]);
-        linear(&normed, &self.weights.borrow()[self.head])
+        linear(&normed, &self.weights.borrow()[self.head], self.meter.on_gpu())
     }
 
     /// Bytes a kept block adds to the graph (its activations, the kernel's saved buffer and its
@@ -681,7 +696,11 @@ impl<'a> Replay<'a> {
         let outside = self.outside();
         self.fetch(&outside);
         let logits = self.head(&current.end); // (B·T, V)
-        let ce = logits.to_dtype(Dt::F32).contiguous().cross_entropy_rows().sum_all().affine(1.0);
+        // `ops::cross_entropy`: on the host the logits are widened to f32 first; a GPU's
+        // kernel reads them in their own type.
+        let wide = if m.on_gpu() { logits.contiguous() } else { logits.to_dtype(Dt::F32).contiguous() };
+        let ce = wide.cross_entropy_rows().sum_all().affine(1.0);
+        drop(wide);
         let mut loss = ce.clone();
         if let Some(aux) = &current.aux {
             loss = loss.add(&aux.to_dtype(Dt::F32).affine(1.0));
@@ -764,7 +783,9 @@ impl<'a> Replay<'a> {
             }
             m.set_phase("optimizer step".into());
             m.set_cat(Cat::Step);
-            for g in accumulators.iter().flatten() {
+            // On a GPU `fused::sums_of_squares` reduces each gradient in place into a few
+            // partial sums: no g².
+            for g in accumulators.iter().flatten().filter(|_| !m.on_gpu()) {
                 drop(T::new(m, g.dims(), Dt::F32)); // g²
             }
             // A rank steps only its own parameters; the others' gradients go first.

@@ -10,6 +10,13 @@
 //! The estimator runs the model's forward and `forward_backward` on these shadows (see
 //! `replay`) and reads the peak off the [`Meter`]. Buffers carry a [`Cat`] so the peak can be
 //! broken down by what holds the bytes.
+//!
+//! A meter [`on_gpu`](Meter::on_gpu) counts device memory as a GPU run allocates it instead:
+//! candle's CUDA backend follows the same allocation rules (the same `Tensor` code above the
+//! storage), but the engine's ops differ in three places, each marked where the op is: the
+//! attention op hands the kernel its inputs in their own type (no f32 copies) and keeps the
+//! saved buffer in f32; the cross-entropy reads the logits in their type and returns their
+//! gradient in it; RMSNorm's backward sums dw over blocks of 64 rows in one f32 buffer.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -92,12 +99,24 @@ pub(crate) struct Meter {
     phase: RefCell<String>,
     op: Cell<&'static str>,
     next_id: Cell<usize>,
+    /// Counts a GPU run's device memory (see the module docs).
+    gpu: Cell<bool>,
 }
 
 impl Meter {
     /// A meter at zero.
     pub(crate) fn new() -> Rc<Self> {
         Rc::new(Self::default())
+    }
+
+    /// From now on the ops allocate as a GPU run's do (before anything is counted).
+    pub(crate) fn set_gpu(&self) {
+        self.gpu.set(true);
+    }
+
+    /// Whether the ops allocate as a GPU run's do.
+    pub(crate) fn on_gpu(&self) -> bool {
+        self.gpu.get()
     }
 
     /// Bytes held now.
@@ -636,11 +655,18 @@ impl T {
         self.out(self.0.dims.clone(), self.0.dtype, None)
     }
 
-    /// The fused cross-entropy op on (N, V) f32 logits: (N,) per-row losses; the op keeps a
-    /// copy of the targets (N u32).
+    /// The fused cross-entropy op on (N, V) logits (f32 on the host, their own type on a
+    /// GPU): (N,) per-row f32 losses; the op keeps a copy of the targets (N u32), in host
+    /// memory on a GPU run, whose forward copies them to the device for its call.
     pub(crate) fn cross_entropy_rows(&self) -> T {
         let n = self.0.dims[0];
-        let targets = raw(self.meter(), n as u64 * 4);
+        let m = self.meter();
+        let targets = if m.on_gpu() {
+            drop(raw(m, n as u64 * 4)); // (N,) u32 on the device during the call
+            raw(m, 0)
+        } else {
+            raw(m, n as u64 * 4)
+        };
         let op = T::op_if(&[self], || Op::CrossEntropy(self.clone(), targets));
         self.out(vec![n], Dt::F32, op)
     }
@@ -669,6 +695,9 @@ impl T {
     pub(crate) fn attention(q: &T, k: &T, v: &T, saved_len: u64, saved_half: bool, workspace: [u64; 2]) -> T {
         let m = q.meter();
         let dtype = q.0.dtype;
+        if m.on_gpu() {
+            return T::attention_gpu(q, k, v, saved_len, workspace);
+        }
         // cpu_fwd widens q, k, v (half), allocates the f32 `out`, then `saved`, then the
         // workspace, freed when the kernel returns; then rounds `out` into the stored type and
         // frees the f32 buffers.
@@ -703,6 +732,32 @@ impl T {
             dims,
             dtype,
             buf: out_buf,
+            op,
+            var: false,
+            param: false,
+        }))
+    }
+}
+
+impl T {
+    /// The attention op on a GPU (`cuda_fwd`): the output in q's type, the saved buffer in
+    /// f32 (held by the op until backward takes it), the forward workspace while the kernel
+    /// runs; no f32 copies of the inputs.
+    fn attention_gpu(q: &T, k: &T, v: &T, saved_len: u64, workspace: [u64; 2]) -> T {
+        let m = q.meter();
+        let out = m.alloc(q.elem_count() * q.0.dtype.size(), None); // (B, H, T, D) in q's type
+        let saved = m.alloc(saved_len * 4, Some(Cat::AttnSaved)); // e.g. (B, H, T) f32
+        drop(m.alloc(workspace[0] * 4, Some(Cat::AttnWorkspace)));
+        let op = T::op_if(&[q, k, v], || {
+            Op::Attention(q.clone(), k.clone(), v.clone(), RefCell::new(Some(saved)), workspace[1] * 4, 0)
+        });
+        let dims = q.0.dims.clone();
+        T(Rc::new(Inner {
+            id: m.id(),
+            strides: contiguous_strides(&dims),
+            dims,
+            dtype: q.0.dtype,
+            buf: out,
             op,
             var: false,
             param: false,
@@ -904,12 +959,29 @@ pub(crate) fn backward(root: &T) -> GradStore {
             }
             Op::CrossEntropy(arg, _) => {
                 // bwd: a copy of the logits (to_vec1), the (N, V) gradient; the copy is freed
-                // when bwd returns.
-                let arg_grad = {
+                // when bwd returns. On a GPU: the targets copied to the device for the call,
+                // the gradient in the logits' type.
+                let arg_grad = if meter.on_gpu() {
+                    let _targets = raw(&meter, arg.0.dims[0] as u64 * 4);
+                    T::new(&meter, &arg.0.dims, arg.0.dtype)
+                } else {
                     let _logits_copy = raw(&meter, arg.elem_count() * 4);
                     T::new(&meter, &arg.0.dims, Dt::F32)
                 };
                 grads.accumulate(arg, |s| s.add(&arg_grad));
+            }
+            Op::Attention(q, k, v, saved, workspace, _) if meter.on_gpu() => {
+                // `cuda_bwd`: zeroed gradients in the inputs' types, then the workspace for
+                // the kernel's call; the saved buffer is freed when it returns.
+                let (dq, dk, dv) = {
+                    let saved = saved.borrow_mut().take();
+                    let [dq, dk, dv] = [q, k, v].map(|x| T::new(&meter, &x.0.dims, x.0.dtype));
+                    drop((meter.alloc(*workspace, Some(Cat::AttnWorkspace)), saved));
+                    (dq, dk, dv)
+                };
+                grads.accumulate(q, |s| s.add(&dq));
+                grads.accumulate(k, |s| s.add(&dk));
+                grads.accumulate(v, |s| s.add(&dv));
             }
             Op::Attention(q, k, v, saved, workspace, widen) => {
                 let (dq, dk, dv) = {
@@ -976,7 +1048,9 @@ pub(crate) fn backward(root: &T) -> GradStore {
                         let dx = T::new(&meter, &x.0.dims, x.0.dtype);
                         let d = *x.0.dims.last().expect("rows");
                         let tasks = (x.elem_count() / d as u64).div_ceil(64);
-                        let partial = raw(&meter, tasks * (d as u64 * 4 + 24));
+                        // One Vec per task on the host; one (blocks, d) f32 buffer on a GPU.
+                        let header = if meter.on_gpu() { 0 } else { 24 };
+                        let partial = raw(&meter, tasks * (d as u64 * 4 + header));
                         let dw = T::new(&meter, &w.0.dims, w.0.dtype);
                         drop(partial);
                         vec![dx, dw]

@@ -31,16 +31,20 @@ fn block_formulas_sum_to_the_replayed_block() {
         for (dt, p, step) in
             [(Dt::F32, 4, StepModel::default()), (Dt::Half, 2, StepModel::default()), (Dt::Half, 2, stored.clone())]
         {
-            for tolerates in [false, true] {
+            // On a GPU (the saved buffer is kept in f32 there, whatever the kernel tolerates).
+            for (tolerates, gpu) in [(false, false), (true, false), (false, true)] {
                 let (b, t) = (3, 10);
                 let saved = (b * s.heads * t * t) as u64;
-                let replay = Replay::new(&s, b, t, dt, saved).with_saved_half(tolerates).with_step(step.clone());
+                let replay = Replay::new(&s, b, t, dt, saved);
+                let replay = if gpu { replay.on_gpu() } else { replay };
+                let replay = replay.with_saved_half(tolerates).with_step(step.clone());
                 let replayed = replay.block_activation_bytes();
                 let saved_size = if tolerates && dt == Dt::Half { 2 } else { 4 };
                 let moe = s.moe.map(|m| (m.experts as u64, m.top_k as u64));
                 let terms = block_terms(&Dims::new(&s, b, t, p), saved, saved_size, moe);
                 let sum: u64 = terms.iter().map(|t| t.bytes).sum();
-                let what = format!("kv_heads {} moe {:?} {dt:?} {step:?} saved half {tolerates}", s.kv_heads, s.moe);
+                let what =
+                    format!("kv_heads {} moe {:?} {dt:?} {step:?} saved half {tolerates} gpu {gpu}", s.kv_heads, s.moe);
                 assert_eq!(sum, replayed, "{what}: {terms:#?}");
             }
         }
@@ -180,4 +184,60 @@ fn packed_documents_count_their_ids_as_data() {
     let ids = 4 * 64 * 4; // B·T·4
     assert_eq!(data(&document) - data(&concat), 2 * 3 * ids + 3 * ids);
     assert_eq!(document.breakdown.peak - concat.breakdown.peak, 2 * 3 * ids + 3 * ids);
+}
+
+/// On a GPU the replay frees everything but the gradients too.
+#[test]
+fn a_gpu_replay_frees_all_but_the_gradients() {
+    let s = spec(2, None);
+    let gpu = Replay::new(&s, 2, 16, Dt::Half, (2 * 4 * 16) as u64).on_gpu();
+    let before = gpu.meter().current();
+    let keep = gpu.forward_backward(&[BlockDecision::Keep; 3], false);
+    assert_eq!(gpu.meter().current(), before, "the replay drops its gradients at the end");
+    let full = gpu.forward_backward(&[BlockDecision::Recompute; 3], false);
+    assert!(full.bytes < keep.bytes, "{} vs {}", full.bytes, keep.bytes);
+}
+
+/// A GPU estimate counts device memory: the token ids on the device as its data, the rotary
+/// tables' f32 device copy, no gemm slabs, logits read in their type; the host's loader
+/// queue, batch and tables are listed apart and left out of the peak.
+#[test]
+fn a_gpu_estimate_lists_host_memory_apart() {
+    let registry = ava_plugins::Registry::builtins();
+    let (optimizer, attention) =
+        (registry.optimizer("adamw", "{}").unwrap(), registry.attention("standard", "{}").unwrap());
+    let checkpoint = registry.checkpoint("none", "{}").unwrap();
+    let plugins = super::Plugins {
+        optimizer: optimizer.as_ref(),
+        attention: attention.as_ref(),
+        checkpoint: checkpoint.as_ref(),
+    };
+    let estimate = |device: &str| {
+        let sets = [format!("train.device={device}"), "train.precision=bf16".into(), "train.micro_batch_size=2".into()];
+        let config =
+            crate::config::ConfigLoader::new().sets(sets.iter().map(String::as_str)).load().unwrap().into_config();
+        super::estimate(&ModelSpec::from_config(&config.model).unwrap(), &config, &plugins).unwrap()
+    };
+    let (cpu, gpu) = (estimate("cpu"), estimate("cuda:1"));
+    let names = |e: &super::Estimate| e.terms.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
+    assert!(cpu.host.is_empty());
+    assert!(names(&cpu).iter().any(|n| n.starts_with("matmul workspace")));
+    assert!(!names(&gpu).iter().any(|n| n.starts_with("matmul workspace") || n.starts_with("loader queue")));
+    let data: Vec<_> = gpu.terms.iter().filter(|t| t.component == super::Component::Data).collect();
+    assert_eq!(data.len(), 1, "{data:#?}");
+    assert_eq!(data[0].bytes, (gpu.batch * gpu.seq_len * 4) as u64);
+    let host: Vec<&str> = gpu.host.iter().map(|t| t.name.as_str()).collect();
+    assert!(host.iter().any(|n| n.starts_with("loader queue")), "{host:?}");
+    assert!(host.iter().any(|n| n.starts_with("rotary tables (cos, sin in f32 and f64)")), "{host:?}");
+    let head = |e: &super::Estimate| e.terms.iter().find(|t| t.name.starts_with("head:")).map(|t| t.formula.clone());
+    assert!(head(&cpu).is_some_and(|f| f.contains("f32 logits")));
+    assert!(head(&gpu).is_none_or(|f| !f.contains("f32 logits")));
+    assert!(gpu.breakdown.peak < cpu.breakdown.peak, "{} vs {}", gpu.breakdown.peak, cpu.breakdown.peak);
+    let b = &gpu.breakdown;
+    assert_eq!(b.peak, b.params + b.grads + b.optimizer + b.data + b.activations, "host memory is not in the peak");
+    let json = serde_json::to_value(&gpu).unwrap();
+    assert_eq!(json["device"], "cuda:1");
+    assert!(json["host"].as_array().is_some_and(|h| !h.is_empty()));
+    assert!(gpu.render().contains("on cuda:1 (device memory)"));
+    assert!(gpu.render().contains("host memory (not in the device peak)"));
 }

@@ -2198,9 +2198,9 @@ fn checkpoint_plan(
     config.train.micro_batch_size /= split;
     config.train.gradient_accumulation_steps *= split;
     let t = &config.train;
-    let facts =
-        crate::estimate::block_facts(spec, t.micro_batch_size, config.data.seq_len, t.precision, plugins.attention)
-            .map_err(|e| PlanError::Estimate(e.to_string()))?;
+    let (batch, seq) = (t.micro_batch_size, config.data.seq_len);
+    let facts = crate::estimate::block_facts(spec, batch, seq, t.precision, plugins.attention, t.device)
+        .map_err(|e| PlanError::Estimate(e.to_string()))?;
     let budget_bytes = if config.memory.budget.0 == 0 {
         0
     } else {

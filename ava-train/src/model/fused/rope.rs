@@ -87,6 +87,11 @@ impl RopeTables {
     pub fn bytes(seq: usize, head_dim: usize) -> u64 {
         (seq * head_dim * (2 * 4 + 2 * 8)) as u64
     }
+
+    /// Bytes of the tables' device copy on a GPU run, cos and sin in f32 (for the estimate).
+    pub fn device_bytes(seq: usize, head_dim: usize) -> u64 {
+        (seq * head_dim * 2 * 4) as u64
+    }
 }
 
 /// The tables in a compute type.
