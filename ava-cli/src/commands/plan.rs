@@ -679,8 +679,8 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
             out.push_str(if gpu {
                 "\nstep time: not predicted for the GPU engine yet (the model's costs are this CPU engine's, where bf16 is \
                  slower than fp32); plans are ranked by the fewest changes to the config, then the smallest peak. The \
-                 peaks are the estimator's, without device terms of its own yet (README: NVIDIA GPUs); only the \
-                 plugins and weight modes a GPU run takes were searched"
+                 peaks are device memory, as `ava estimate --device cuda` predicts it (host memory apart); only \
+                 the plugins and weight modes a GPU run takes were searched"
             } else {
                 "\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see `ava plan --help`)"
             });

@@ -26,7 +26,7 @@
 //!
 //! On a GPU run (`train.device: cuda`, or `ava estimate --device cuda`) the terms are device
 //! memory, what the stream-ordered pool hands out: the replay allocates as the engine's
-//! device ops do (`sim`'s module docs: candle's matmul for the linear layers, the attention
+//! device ops do (`sim`'s module docs: no f32 scratch in the linear layers, the attention
 //! kernel's device workspace and f32 saved buffer, the logits read in their own type), the
 //! held terms are the device's (the rotary tables' f32 copy, the batch's token ids), there
 //! are no gemm slabs, and the host's share of the step is listed apart

@@ -221,15 +221,11 @@ fn add_opt(a: Option<T>, b: Option<T>) -> Option<T> {
     }
 }
 
-/// `fused::linear`: x (N, in) · wᵀ, w (out, in), in their type; a half type through f32
-/// scratch inside the op. On a GPU, candle's matmul of x by the transposed view of w
-/// (cuBLAS, no copy), differentiated by candle.
+/// `fused::linear`: x (N, in) · wᵀ, w (out, in), in their type; on the host a half type
+/// through f32 scratch inside the op, on a GPU cuBLAS without scratch (in the pool).
 fn linear(x: &T, w: &T, gpu: bool) -> T {
-    if gpu {
-        return x.matmul(&w.t());
-    }
     let dims = [x.dims()[0], w.dims()[0]];
-    let kind = if x.dtype() == Dt::Half {
+    let kind = if x.dtype() == Dt::Half && !gpu {
         Fused::LinearHalf { scratch: half_scratch_len(dims[0], x.dims()[1], dims[1]) as u64 }
     } else {
         Fused::Linear

@@ -13,10 +13,11 @@
 //!
 //! A meter [`on_gpu`](Meter::on_gpu) counts device memory as a GPU run allocates it instead:
 //! candle's CUDA backend follows the same allocation rules (the same `Tensor` code above the
-//! storage), but the engine's ops differ in three places, each marked where the op is: the
+//! storage), but the engine's ops differ in a few places, each marked where the op is: the
 //! attention op hands the kernel its inputs in their own type (no f32 copies) and keeps the
 //! saved buffer in f32; the cross-entropy reads the logits in their type and returns their
-//! gradient in it; RMSNorm's backward sums dw over blocks of 64 rows in one f32 buffer.
+//! gradient in it; RMSNorm's backward sums dw over blocks of 64 rows in one f32 buffer; the
+//! linear layer holds no f32 scratch (`replay`'s `linear`).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
