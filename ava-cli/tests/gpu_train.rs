@@ -1,6 +1,7 @@
 //! `ava train` on an NVIDIA GPU, end to end (`cuda` feature; CI only compiles this target):
 //! the tiny config against the CPU at every logged step, exact resume on the GPU, checkpoints
-//! that move between the devices, and the refusals of what a GPU run does not do.
+//! that move between the devices, `memory.hard_limit` capping the device's memory, and the
+//! refusals of what a GPU run does not do.
 //!
 //!   source tools/cuda-build-env.sh   # where no CUDA toolkit is installed
 //!   cargo test -p ava-cli --features cuda --test gpu_train
@@ -144,20 +145,101 @@ fn what_the_gpu_does_not_do_is_refused_by_name() {
         "--set",
         "train.master_weights=kahan",
         "--set",
-        "memory.hard_limit=8GiB",
-        "--set",
         "plugins.optimizer=lion",
     ]);
     let err = usage_error(train_small(dir.path(), "refused", &args));
     assert!(err.contains("train.device: cuda:0 cannot run this configuration"), "{err}");
     assert!(err.contains("train.master_weights: kahan keeps a buffer on the host"), "{err}");
-    assert!(err.contains("memory.hard_limit limits host allocations"), "{err}");
     assert!(err.contains("optimizer 'lion' runs on the CPU only"), "{err}");
     assert!(err.contains("adamw") && err.contains("sgd"), "the optimizers that do run there are named: {err}");
     assert!(!dir.path().join("refused/metrics.jsonl").exists(), "nothing of a run is written");
 
     let err = usage_error(train_small(dir.path(), "refused", &on_gpu(&["--set", "train.device=cuda:63"])));
     assert!(err.contains("train.device: cuda:63: the GPU could not be opened"), "{err}");
+}
+
+/// The step records of a run's metrics.jsonl (none when the file was never written).
+fn step_records(run: &Path) -> Vec<serde_json::Value> {
+    let Ok(text) = std::fs::read_to_string(run.join("metrics.jsonl")) else { return Vec::new() };
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["type"] == "step")
+        .map(|v| v["data"].clone())
+        .collect()
+}
+
+/// `memory.hard_limit` caps the device memory the run's allocations may hold (a pool of
+/// that size made the device's current one). configs/tiny.yaml's step needs about 75 MiB
+/// (`ava estimate`) over about 7 MiB of weights, gradients and AdamW state: under 32 MiB the
+/// run is built, then its first step runs out of device memory, the message names the limit,
+/// and nothing of the run is saved (no checkpoint, no half-written one, no step logged).
+/// Under 2 GiB the same run trains, and every logged step's device peak (the capped pool's
+/// high-water mark) is above zero, so it is read from the pool the allocations come from, and
+/// within the limit. A limit past the card is refused by name before anything is trained, and
+/// an unset budget defaults to no more than the limit.
+#[test]
+fn a_hard_limit_caps_the_device_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tiny.yaml"), include_str!("../../configs/tiny.yaml")).unwrap();
+    let run = |name: &str, limit: &str, extra: &[&str]| {
+        let (out, lim) = (format!("train.out_dir={name}"), format!("memory.hard_limit={limit}"));
+        let mut args = vec!["train", "-c", "tiny.yaml", "--set", &out, "--set", &lim];
+        args.extend(CUDA);
+        args.extend(["--set", "train.log_every=5", "--max-steps", "20"]);
+        args.extend(extra);
+        (ava(dir.path(), &args), dir.path().join(name))
+    };
+
+    // tiny.yaml's budget (2 GiB) is over 32 MiB: 0 turns the budget (and its preflight) off.
+    let (out, small) = run("small", "32MiB", &["--set", "memory.budget=0"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "a runtime failure:\n{stderr}");
+    let said = "the GPU ran out of memory at step 1 under memory.hard_limit (32MiB), the most this run's device \
+                allocations may hold";
+    assert!(stderr.contains(said), "{stderr}");
+    assert!(stderr.contains("CUDA_ERROR_OUT_OF_MEMORY"), "the driver's words: {stderr}");
+    assert!(
+        stderr.contains("Nothing of this step was saved") && stderr.contains("raise memory.hard_limit"),
+        "{stderr}"
+    );
+    let saved: Vec<_> = std::fs::read_dir(small.join("checkpoints")).map(|d| d.flatten().collect()).unwrap_or_default();
+    assert!(
+        saved.is_empty(),
+        "no checkpoint, whole or partial: {:?}",
+        saved.iter().map(|e| e.path()).collect::<Vec<_>>()
+    );
+    assert!(step_records(&small).is_empty(), "no step was logged");
+
+    let (out, roomy) = run("roomy", "2GiB", &[]);
+    ok(out);
+    let steps = step_records(&roomy);
+    assert!(steps.iter().any(|s| s["step"] == 20), "the last step is logged");
+    for step in &steps {
+        let (peak, used) =
+            (step["device_memory"]["peak"].as_u64().unwrap(), step["device_memory"]["used"].as_u64().unwrap());
+        assert!(peak > 0 && peak <= 2 << 30 && used <= peak, "step {}: device peak {peak}, used {used}", step["step"]);
+        let shown = step["memory"]["peak"].as_u64().unwrap();
+        assert!(shown >= peak && shown <= 2 << 30, "step {}: the breakdown's peak {shown}", step["step"]);
+    }
+    assert!(checkpoint(&roomy, 20).is_dir(), "the run saved its last step");
+
+    // Past the card (no GPU has 64 TiB): refused before training, with the card's size.
+    let err = usage_error(train_small(
+        dir.path(),
+        "huge",
+        &on_gpu(&["--max-steps", "1", "--set", "memory.hard_limit=64TiB"]),
+    ));
+    assert!(err.contains("memory.hard_limit: 64TiB is more than the "), "{err}");
+    assert!(err.contains("set memory.hard_limit to at most"), "{err}");
+    assert!(!dir.path().join("huge/metrics.jsonl").exists(), "nothing of a run is written");
+
+    // No budget set: the card's default, capped by the limit, said once.
+    let out = ok(train_small(dir.path(), "budget", &on_gpu(&["--max-steps", "2", "--set", "memory.hard_limit=1GiB"])));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("memory.budget: 1.00 GiB of device memory (memory.hard_limit, 1GiB, which caps"),
+        "{stderr}"
+    );
 }
 
 /// The `flash` plugin library (FlashAttention-2 on the GPU, loaded from its .so as any plugin

@@ -6,9 +6,17 @@
 //! how to build one. A `cuda` build opens the device through candle (cudarc loads the driver
 //! at run time), so a machine without a GPU or driver, or an ordinal past the last GPU, is an
 //! error naming the key. Then [`check_run`] refuses, all at once and by name, what a GPU run
-//! does not do yet (several ranks, host-side master weights, streamed optimizer state, a
-//! host memory limit) and the selected plugins that take no device buffers: Ava never copies
-//! to the host behind the user's back.
+//! does not do yet (several ranks, host-side master weights, streamed optimizer state) and
+//! the selected plugins that take no device buffers: Ava never copies to the host behind the
+//! user's back.
+//!
+//! `memory.hard_limit` on a GPU run caps the device memory the run's allocations may hold
+//! ([`limit`]): checked against the card's size ([`check_limit`]), then a memory pool of that
+//! size becomes the device's current pool before the model moves there, so a run under
+//! `hard_limit: 24GiB` on an 80 GiB card runs out where a 24 GiB card's pool would. The
+//! returned [`DeviceLimit`] holds the pool for the run. `memory.budget`'s default on a GPU
+//! run is the card's memory less [`card_margin`] ([`card_budget`]), and not more than the
+//! hard limit ([`default_budget`]).
 
 use std::fmt;
 use std::str::FromStr;
@@ -111,6 +119,36 @@ pub enum DeviceError {
         /// What the driver said.
         reason: String,
     },
+    /// `memory.hard_limit` is more than the card has: a limit cannot make the card larger.
+    #[error(
+        "memory.hard_limit: {limit} is more than the {} of memory {spec} has; the limit caps the device memory the \
+         run's allocations may hold, so it can make the card smaller, not larger: set memory.hard_limit to at most \
+         {}MiB (or 0 for no limit)",
+        ava_core::format_size(*card_total),
+        card_total >> 20
+    )]
+    LimitPastCard {
+        /// The device asked for.
+        spec: DeviceSpec,
+        /// `memory.hard_limit`.
+        limit: crate::config::ByteSize,
+        /// The card's memory (`cuMemGetInfo`'s total).
+        card_total: u64,
+    },
+    /// The driver would not make the pool that caps the device's memory.
+    #[error(
+        "memory.hard_limit: {limit} cannot cap the memory of {spec} ({reason}); a capped pool needs a driver for \
+         CUDA 12.2 or later (`nvidia-smi` shows its CUDA version) on a GPU with stream-ordered memory pools: update \
+         the driver, or remove memory.hard_limit"
+    )]
+    Limit {
+        /// The device asked for.
+        spec: DeviceSpec,
+        /// `memory.hard_limit`.
+        limit: crate::config::ByteSize,
+        /// What the driver said.
+        reason: String,
+    },
     /// The GPU opened, but the run asks for what a GPU run does not do (yet), or selects
     /// plugins that take no device buffers.
     #[error("train.device: {spec} cannot run this configuration:\n  - {}", problems.join("\n  - "))]
@@ -163,13 +201,6 @@ pub fn check_run(config: &Config, world: usize, registry: &ava_plugins::Registry
                 .into(),
         );
     }
-    if config.memory.hard_limit.0 > 0 {
-        problems.push(
-            "memory.hard_limit limits host allocations, and a GPU run's memory is on the device, which it does not \
-             count yet; remove memory.hard_limit"
-                .into(),
-        );
-    }
     let selected = [
         (PluginKind::Optimizer, config.plugins.optimizer.name.as_str()),
         (PluginKind::Attention, config.plugins.attention.name.as_str()),
@@ -178,6 +209,76 @@ pub fn check_run(config: &Config, world: usize, registry: &ava_plugins::Registry
         problems.extend(plugins);
     }
     if problems.is_empty() { Ok(()) } else { Err(DeviceError::Unsupported { spec, problems }) }
+}
+
+/// `memory.hard_limit` on a GPU run, in force while held: the device's allocations come from
+/// a pool of at most [`bytes`](Self::bytes) (a `cuda` build's
+/// [`CappedPool`](crate::memory::device::CappedPool)). Dropping it destroys the pool, which
+/// gives the device its default pool back; the trainer holds it for as long as the run, and
+/// drops it after the run's tensors.
+#[derive(Debug)]
+pub struct DeviceLimit {
+    bytes: u64,
+    #[cfg(feature = "cuda")]
+    _pool: crate::memory::device::CappedPool,
+}
+
+impl DeviceLimit {
+    /// `memory.hard_limit`, in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// Caps what `device`'s allocations may hold at `config`'s `memory.hard_limit`, before
+/// anything of the run is on the device: `None` on the CPU (where the counting allocator
+/// enforces the limit) and without a limit. A limit past the card's memory is refused
+/// ([`check_limit`]); so is a driver that cannot make a capped pool.
+pub fn limit(device: &candle_core::Device, config: &Config) -> Result<Option<DeviceLimit>, DeviceError> {
+    let bytes = config.memory.hard_limit.0;
+    if bytes == 0 || device.is_cpu() {
+        return Ok(None);
+    }
+    limit_cuda(device, config.train.device, bytes)
+}
+
+#[cfg(feature = "cuda")]
+fn limit_cuda(device: &candle_core::Device, spec: DeviceSpec, bytes: u64) -> Result<Option<DeviceLimit>, DeviceError> {
+    let candle_core::Device::Cuda(gpu) = device else { return Ok(None) };
+    let limit = crate::config::ByteSize(bytes);
+    let card_total =
+        crate::memory::device::read(gpu).map_err(|e| DeviceError::Open { spec, reason: e.to_string() })?.card_total;
+    check_limit(spec, bytes, card_total)?;
+    let pool = crate::memory::device::CappedPool::new(gpu, bytes).map_err(|reason| DeviceError::Limit {
+        spec,
+        limit,
+        reason,
+    })?;
+    Ok(Some(DeviceLimit { bytes, _pool: pool }))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn limit_cuda(_: &candle_core::Device, spec: DeviceSpec, _: u64) -> Result<Option<DeviceLimit>, DeviceError> {
+    Err(DeviceError::NotBuilt { spec })
+}
+
+/// Whether `memory.hard_limit` (`limit` bytes, not 0) can cap a card of `card_total` bytes:
+/// up to the card's whole memory (what lives outside the run's pool, the context and
+/// cuBLAS's workspace, then competes with it as on any card).
+pub fn check_limit(spec: DeviceSpec, limit: u64, card_total: u64) -> Result<(), DeviceError> {
+    if limit > card_total {
+        return Err(DeviceError::LimitPastCard { spec, limit: crate::config::ByteSize(limit), card_total });
+    }
+    Ok(())
+}
+
+/// `memory.budget`'s default on a GPU run from the card's ([`card_budget`]) and
+/// `memory.hard_limit` (0: none): the card's, but not more than the limit. The budget is
+/// compared with the run's pool, which the limit caps, so a card made smaller by the limit
+/// gets the limit as its budget (the context and cuBLAS's workspace, which [`card_margin`]
+/// leaves room for, live outside the pool).
+pub fn default_budget(card_budget: u64, hard_limit: u64) -> u64 {
+    if hard_limit > 0 { card_budget.min(hard_limit) } else { card_budget }
 }
 
 #[cfg(feature = "cuda")]
@@ -264,7 +365,7 @@ mod tests {
     }
 
     /// A GPU run's refusals, all at once, each naming its key and what to change; checked
-    /// without opening a GPU.
+    /// without opening a GPU. `memory.hard_limit` is not one of them: it caps the device.
     #[test]
     fn a_gpu_run_refuses_every_host_only_setting_at_once() {
         let mut config = Config::default();
@@ -277,13 +378,53 @@ mod tests {
         let e = check_run(&config, 2, &registry).unwrap_err().to_string();
         assert!(e.starts_with("train.device: cuda:0 cannot run this configuration:\n  - 2 ranks: distributed"), "{e}");
         assert!(e.contains("\n  - train.master_weights: kahan keeps a buffer on the host"), "{e}");
-        assert!(e.contains("\n  - memory.hard_limit limits host allocations"), "{e}");
+        assert!(!e.contains("hard_limit"), "a GPU run takes memory.hard_limit: {e}");
         // The built-in optimizer and attention kernel take device buffers in a cuda build only.
         let cpu_only = "optimizer 'adamw' runs on the CPU only (its manifest lists devices: cpu)";
         assert_eq!(e.contains(cpu_only), !cfg!(feature = "cuda"), "{e}");
 
+        config.train.master_weights = MasterWeights::F32;
+        assert!(check_run(&config, 1, &registry).is_ok() == cfg!(feature = "cuda"), "a hard limit alone");
+
         config.train.device = DeviceSpec::Cpu;
+        config.train.master_weights = MasterWeights::Kahan;
         assert!(check_run(&config, 2, &registry).is_ok(), "the CPU refuses none of it here");
+    }
+
+    /// A hard limit can make a card smaller, up to its whole memory, never larger: the error
+    /// names the key, the card's size and what to set.
+    #[test]
+    fn a_hard_limit_past_the_card_is_refused_with_the_cards_size() {
+        const GIB: u64 = 1 << 30;
+        let h100 = 80 * GIB;
+        assert!(check_limit(DeviceSpec::Cuda(0), 24 * GIB, h100).is_ok());
+        assert!(check_limit(DeviceSpec::Cuda(0), h100, h100).is_ok(), "the whole card");
+        let e = check_limit(DeviceSpec::Cuda(1), 96 * GIB, h100).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "memory.hard_limit: 96GiB is more than the 80.00 GiB of memory cuda:1 has; the limit caps the device \
+             memory the run's allocations may hold, so it can make the card smaller, not larger: set \
+             memory.hard_limit to at most 81920MiB (or 0 for no limit)"
+        );
+    }
+
+    /// The GPU's budget default is the card's, capped by the hard limit when one is set.
+    #[test]
+    fn the_budget_default_is_no_more_than_the_hard_limit() {
+        const GIB: u64 = 1 << 30;
+        let card = 80 * GIB - card_margin(80 * GIB); // an H100's default: 76 GiB
+        assert_eq!(default_budget(card, 0), card, "no limit: the card's");
+        assert_eq!(default_budget(card, 24 * GIB), 24 * GIB, "a 24 GiB limit: a 24 GiB card");
+        assert_eq!(default_budget(card, 78 * GIB), card, "a limit above the card's budget leaves it");
+    }
+
+    /// Without a limit, or on the CPU (where the counting allocator enforces it), no pool.
+    #[test]
+    fn the_cpu_and_a_run_without_a_limit_cap_nothing_on_a_device() {
+        let mut config = Config::default();
+        assert!(limit(&candle_core::Device::Cpu, &config).unwrap().is_none());
+        config.memory.hard_limit = crate::config::ByteSize(8 << 30);
+        assert!(limit(&candle_core::Device::Cpu, &config).unwrap().is_none(), "the CPU's limit is the allocator's");
     }
 
     #[test]

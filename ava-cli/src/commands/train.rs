@@ -17,10 +17,10 @@ use crate::{CmdResult, Failure, cli::TrainArgs, context, output::Printer, signal
 
 use super::progress::CliReporter;
 
-/// Maps the engine's errors to exit codes: configuration problems are usage errors (2).
 /// The run's config from `loaded`, with `memory.budget` taken from the card on a GPU run when
 /// no layer set it: the card's memory less a margin for what lives outside the run's
-/// allocations (`ava_train::device::card_budget`), said once.
+/// allocations (`ava_train::device::card_budget`), and not more than `memory.hard_limit`
+/// when one caps the device (`ava_train::device::default_budget`), said once.
 pub fn run_config(loaded: ava_train::config::LoadedConfig, p: &Printer) -> Result<Config, Failure> {
     use ava_train::config::Origin;
     let budget_set = !matches!(loaded.origin("memory.budget"), None | Some(Origin::Default));
@@ -29,19 +29,34 @@ pub fn run_config(loaded: ava_train::config::LoadedConfig, p: &Printer) -> Resul
         return Ok(config);
     }
     let card = ava_train::device::card_budget(config.train.device).map_err(|e| failure(e.into()))?;
-    if let Some((budget, total)) = card {
+    if let Some((card_budget, total)) = card {
+        let limit = config.memory.hard_limit;
+        let budget = ava_train::device::default_budget(card_budget, limit.0);
         config.memory.budget = ava_train::config::ByteSize(budget);
+        let why = if budget < card_budget {
+            format!(
+                "memory.hard_limit, {limit}, which caps the run's device memory; the card's {} less {} for the CUDA \
+                 context, cuBLAS's workspace and the pool's slack would be {}",
+                ava_core::format_size(total),
+                ava_core::format_size(total - card_budget),
+                ava_core::format_size(card_budget)
+            )
+        } else {
+            format!(
+                "the card's {} less {} for the CUDA context, cuBLAS's workspace and the pool's slack",
+                ava_core::format_size(total),
+                ava_core::format_size(total - card_budget)
+            )
+        };
         p.note(&format!(
-            "memory.budget: {} of device memory (the card's {} less {} for the CUDA context, cuBLAS's workspace \
-             and the pool's slack); set memory.budget to choose another",
-            ava_core::format_size(budget),
-            ava_core::format_size(total),
-            ava_core::format_size(total - budget)
+            "memory.budget: {} of device memory ({why}); set memory.budget to choose another",
+            ava_core::format_size(budget)
         ));
     }
     Ok(config)
 }
 
+/// Maps the engine's errors to exit codes: configuration problems are usage errors (2).
 pub fn failure(e: TrainError) -> Failure {
     match e {
         TrainError::Invalid(_)

@@ -300,9 +300,11 @@ pub struct CheckpointsConfig {
 pub struct MemoryConfig {
     /// What the run may use; the memory policy acts on fractions of it.
     pub budget: ByteSize,
-    /// Where memory runs out (0: nowhere). On CPU nothing fails: the micro-step whose
-    /// allocations cross it is abandoned and retried at half the micro-batch, as a device
-    /// out-of-memory error would be.
+    /// Where memory runs out (0: nowhere); not below `budget`. On CPU nothing fails: the
+    /// micro-step whose allocations cross it is abandoned and retried at half the micro-batch,
+    /// as a device out-of-memory error would be. On a GPU it caps the device memory the run's
+    /// allocations may hold (at most the card's): one past it stops the run with the device's
+    /// out-of-memory error, as on a card of that size.
     pub hard_limit: ByteSize,
 }
 

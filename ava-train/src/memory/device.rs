@@ -1,11 +1,19 @@
 //! Device memory on a GPU run (`cuda` feature): what the engine's allocations hold, read from
-//! the device's stream-ordered memory pool, and what the whole card has in use.
+//! the device's stream-ordered memory pool, what the whole card has in use, and the pool
+//! that caps them at `memory.hard_limit` ([`CappedPool`]).
 //!
-//! candle allocates every device buffer with `cuMemAllocAsync` from the device's default
-//! pool, so the pool's used-memory attributes count every tensor, gradient and optimizer
-//! buffer the run holds, and its high-water mark (reset at the start of a step) is the step's
-//! peak. `cuMemGetInfo` is the card's own view: the pool's reserve, the CUDA context, cuBLAS's
+//! candle allocates every device buffer with `cuMemAllocAsync`, which takes memory from the
+//! device's *current* pool (the default pool, or the [`CappedPool`] while a run holds one),
+//! so that pool's used-memory attributes count every tensor, gradient and optimizer buffer
+//! the run holds, and its high-water mark (reset at the start of a step) is the step's peak.
+//! `cuMemGetInfo` is the card's own view: the pool's reserve, the CUDA context, cuBLAS's
 //! workspace and other processes, shown beside it rather than mixed in.
+//!
+//! A [`CappedPool`] is a pool created with `maxSize` (CUDA 12.2 and later) and made the
+//! device's current pool: an allocation that would take its reserve past the cap fails with
+//! `CUDA_ERROR_OUT_OF_MEMORY`, as on a card of that size. What lives outside the pool (the
+//! context, cuBLAS's workspace) is not counted against it, as it is not counted in
+//! `memory.budget`.
 
 use candle_core::cuda::cudarc::driver::{result, sys};
 use candle_core::{CudaDevice, Result};
@@ -16,13 +24,14 @@ fn driver(e: result::DriverError) -> candle_core::Error {
     candle_core::Error::Msg(format!("reading device memory: {e}"))
 }
 
-/// The device's default memory pool (the one candle's allocations come from).
+/// The device's current memory pool (the one candle's allocations come from: the default
+/// pool, or a [`CappedPool`] while one is held).
 fn pool(dev: &CudaDevice) -> Result<sys::CUmemoryPool> {
     let ctx = dev.cuda_stream().context().clone();
     ctx.bind_to_thread().map_err(driver)?;
     let mut pool = std::mem::MaybeUninit::uninit();
     // SAFETY: cu_device is the context's device; the out-pointer is valid.
-    unsafe { sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device()).result() }.map_err(driver)?;
+    unsafe { sys::cuDeviceGetMemPool(pool.as_mut_ptr(), ctx.cu_device()).result() }.map_err(driver)?;
     // SAFETY: written by the successful call above.
     Ok(unsafe { pool.assume_init() })
 }
@@ -57,4 +66,63 @@ pub fn reset_peak(dev: &CudaDevice) -> Result<()> {
         )
     }
     .map_err(driver)
+}
+
+/// A stream-ordered memory pool whose reserve cannot pass `max` bytes, the device's current
+/// pool from [`CappedPool::new`] on: every allocation candle makes afterwards comes from it,
+/// and one that would take it past `max` fails with `CUDA_ERROR_OUT_OF_MEMORY`.
+///
+/// Dropping it destroys the pool (`cuMemPoolDestroy`), which makes the device's default pool
+/// current again; buffers still allocated from it stay valid, and the driver releases its
+/// memory once the last of them is freed. The trainer holds it for the run, so a process
+/// that builds several runs gives each its own cap.
+#[derive(Debug)]
+pub struct CappedPool {
+    pool: sys::CUmemoryPool,
+    max: u64,
+}
+
+impl CappedPool {
+    /// Creates a pool of at most `max` bytes on `dev`'s device (pinned device memory, like
+    /// the default pool) and makes it the device's current pool. Needs a CUDA 12.2+ driver:
+    /// older ones know no `maxSize` and refuse the pool.
+    pub fn new(dev: &CudaDevice, max: u64) -> std::result::Result<Self, String> {
+        let ctx = dev.cuda_stream().context().clone();
+        ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        let max_size = usize::try_from(max).map_err(|_| format!("{max} bytes do not fit this machine's usize"))?;
+        // Zeroed, then set: the struct's other fields (win32SecurityAttributes, usage, the
+        // reserved bytes) differ across CUDA 12.2..13.0, and zero is "none" for all of them.
+        // SAFETY: CUmemPoolProps is plain C data (enums with a 0 variant, a pointer, bytes).
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE;
+        props.location =
+            sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: ctx.cu_device() };
+        props.maxSize = max_size;
+        let mut pool = std::mem::MaybeUninit::uninit();
+        // SAFETY: props is fully initialized and outlives the call; the out-pointer is valid.
+        unsafe { sys::cuMemPoolCreate(pool.as_mut_ptr(), &props).result() }
+            .map_err(|e| format!("cuMemPoolCreate: {e:?}"))?;
+        // SAFETY: written by the successful call above.
+        let capped = Self { pool: unsafe { pool.assume_init() }, max };
+        // SAFETY: the pool was made for this device, and lives until `capped` is dropped
+        // (which, on this error, destroys it).
+        unsafe { sys::cuDeviceSetMemPool(ctx.cu_device(), capped.pool).result() }
+            .map_err(|e| format!("cuDeviceSetMemPool: {e:?}"))?;
+        Ok(capped)
+    }
+
+    /// The cap, in bytes.
+    pub fn max(&self) -> u64 {
+        self.max
+    }
+}
+
+impl Drop for CappedPool {
+    fn drop(&mut self) {
+        // SAFETY: the pool is this struct's own; destroying the current pool makes the default
+        // one current, and the memory of buffers still allocated from it is released when
+        // they are freed. Nothing to do about an error at the end of a run.
+        let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
+    }
 }

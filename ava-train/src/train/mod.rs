@@ -218,16 +218,15 @@ pub enum TrainError {
     /// A tensor operation failed.
     #[error("tensor operation failed: {0}")]
     Candle(String),
-    /// The GPU could not allocate: the step failed where it was, before anything was saved.
-    #[error(
-        "the GPU ran out of memory at step {step} ({detail}). Nothing of this step was saved: the last checkpoint, \
-         if one was written, is intact. Make the step smaller: lower train.micro_batch_size or data.seq_len, \
-         recompute activations (plugins.checkpoint: full), or hold less state on the card (train.master_weights: \
-         none); then run again, or resume with --resume latest"
-    )]
+    /// The GPU could not allocate: the step (or the building of the run) failed where it
+    /// was, before anything was saved.
+    #[error("{}", device_out_of_memory_message(*step, *limit, detail))]
     DeviceOutOfMemory {
-        /// The step that could not run.
-        step: u64,
+        /// The step that could not run; `None` while the run was built (the model and its
+        /// optimizer state moved to the device).
+        step: Option<u64>,
+        /// `memory.hard_limit`, when one caps the device's pool.
+        limit: Option<u64>,
         /// The failing operation's own words.
         detail: String,
     },
@@ -260,6 +259,35 @@ fn non_finite_message(step: u64, what: &str, skipped: u64, checkpoint: Option<&s
     )
 }
 
+/// The message of [`TrainError::DeviceOutOfMemory`]: when, under which limit, what was
+/// saved, and what to change.
+fn device_out_of_memory_message(step: Option<u64>, limit: Option<u64>, detail: &str) -> String {
+    let when = match step {
+        Some(step) => format!("at step {step}"),
+        None => "while the run was built (the model and its optimizer state moved to the device)".to_string(),
+    };
+    let under = match limit {
+        Some(bytes) => format!(
+            " under memory.hard_limit ({}), the most this run's device allocations may hold",
+            crate::config::ByteSize(bytes)
+        ),
+        None => String::new(),
+    };
+    let raise = if limit.is_some() { ", or raise memory.hard_limit (up to the card's memory)" } else { "" };
+    match step {
+        Some(_) => format!(
+            "the GPU ran out of memory {when}{under} ({detail}). Nothing of this step was saved: the last checkpoint, \
+             if one was written, is intact. Make the step smaller: lower train.micro_batch_size or data.seq_len, \
+             recompute activations (plugins.checkpoint: full), or hold less state on the card (train.master_weights: \
+             none){raise}; then run again, or resume with --resume latest"
+        ),
+        None => format!(
+            "the GPU ran out of memory {when}{under} ({detail}). Nothing was trained or saved. Hold less on the card: \
+             train.master_weights: none (bf16 or f16 weights only), or a smaller model{raise}"
+        ),
+    }
+}
+
 /// The wrapped errors are boxed: they are large, and `TrainError` travels through every
 /// `Result` of the training loop.
 macro_rules! boxed_from {
@@ -275,10 +303,16 @@ boxed_from!(Data: crate::data::DataError, Model: crate::model::ModelError, Save:
 
 impl TrainError {
     /// `e` as [`TrainError::DeviceOutOfMemory`] when a CUDA allocation failed inside it
-    /// (cudarc's `CUDA_ERROR_OUT_OF_MEMORY`, however deep in the step); otherwise `e`.
-    pub(crate) fn device_out_of_memory(step: u64, e: TrainError) -> TrainError {
+    /// (cudarc's `CUDA_ERROR_OUT_OF_MEMORY`, however deep in the step, or in building the run
+    /// when `step` is `None`), under `limit` (`memory.hard_limit` on the device) if one is
+    /// set; otherwise `e`.
+    pub(crate) fn device_out_of_memory(step: Option<u64>, limit: Option<u64>, e: TrainError) -> TrainError {
         let text = e.to_string();
-        if text.contains("CUDA_ERROR_OUT_OF_MEMORY") { TrainError::DeviceOutOfMemory { step, detail: text } } else { e }
+        if text.contains("CUDA_ERROR_OUT_OF_MEMORY") {
+            TrainError::DeviceOutOfMemory { step, limit, detail: text }
+        } else {
+            e
+        }
     }
 
     pub(crate) fn candle(e: candle_core::Error) -> Self {
@@ -297,8 +331,8 @@ mod oom_tests {
     /// the step, with what to change; any other error passes through unchanged.
     #[test]
     fn a_device_allocation_failure_is_said_plainly() {
-        let cuda = TrainError::Candle("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into());
-        let text = TrainError::device_out_of_memory(7, cuda).to_string();
+        let cuda = || TrainError::Candle("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into());
+        let text = TrainError::device_out_of_memory(Some(7), None, cuda()).to_string();
         assert!(
             text.starts_with("the GPU ran out of memory at step 7 (tensor operation failed: DriverError("),
             "{text}"
@@ -308,7 +342,42 @@ mod oom_tests {
         {
             assert!(text.contains(hint), "{text}");
         }
-        let other = TrainError::device_out_of_memory(7, TrainError::Invalid("bad".into()));
+        assert!(!text.contains("hard_limit"), "no limit, none named: {text}");
+        let other = TrainError::device_out_of_memory(Some(7), None, TrainError::Invalid("bad".into()));
         assert!(matches!(other, TrainError::Invalid(ref m) if m == "bad"));
+    }
+
+    /// Under `memory.hard_limit` the message names the limit and its value, says nothing was
+    /// saved and what to lower, and that the limit may be raised; when the run's build ran
+    /// out, it says nothing was trained.
+    #[test]
+    fn running_out_under_a_hard_limit_names_it() {
+        let cuda = || TrainError::Candle("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into());
+        let text = TrainError::device_out_of_memory(Some(3), Some(24 << 30), cuda()).to_string();
+        assert!(
+            text.starts_with(
+                "the GPU ran out of memory at step 3 under memory.hard_limit (24GiB), the most this run's device \
+                 allocations may hold (tensor operation failed: DriverError("
+            ),
+            "{text}"
+        );
+        for hint in [
+            "Nothing of this step was saved",
+            "train.micro_batch_size",
+            "plugins.checkpoint: full",
+            "or raise memory.hard_limit (up to the card's memory)",
+            "--resume latest",
+        ] {
+            assert!(text.contains(hint), "{text}");
+        }
+        let text = TrainError::device_out_of_memory(None, Some(64 << 20), cuda()).to_string();
+        assert!(
+            text.starts_with(
+                "the GPU ran out of memory while the run was built (the model and its optimizer state moved to the \
+                 device) under memory.hard_limit (64MiB)"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("Nothing was trained or saved") && text.contains("raise memory.hard_limit"), "{text}");
     }
 }

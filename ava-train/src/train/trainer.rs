@@ -284,7 +284,8 @@ pub struct Trainer {
     /// The loader's position after the last completed step (what a checkpoint records: a
     /// step that ran out of memory at its smallest micro-batch has read its batches).
     data_position: u64,
-    /// `memory.hard_limit`, if set.
+    /// `memory.hard_limit` on the CPU, if set: the counting allocator's limit (`None` on a
+    /// GPU, whose limit is [`device_limit`](Self::device_limit)).
     hard_limit: Option<u64>,
     /// [`TrainOptions::oom_at_step`], until it fires.
     oom_at_step: Option<u64>,
@@ -301,6 +302,10 @@ pub struct Trainer {
     /// checkpoint turned into weights by their owners): gathered before the first step,
     /// not while the run is built, when the ranks have yet to agree that all of them started.
     gather_pending: bool,
+    /// `memory.hard_limit` on a GPU: the capped pool the device's allocations come from,
+    /// held for the run. Last, so it is dropped after the model and the state (dropping it
+    /// destroys the pool and gives the device its default pool back).
+    device_limit: Option<crate::device::DeviceLimit>,
 }
 
 /// How a step's micro-steps ended.
@@ -721,6 +726,31 @@ fn read_trainer_state(
     Ok(state)
 }
 
+/// `memory.hard_limit` against the rest of the config, before anything is allocated: not
+/// below `memory.budget` (on a GPU both are device memory), and on the CPU only with the
+/// counting allocator installed, which enforces it there.
+fn check_hard_limit(config: &Config) -> Result<(), TrainError> {
+    let limit = config.memory.hard_limit.0;
+    if limit == 0 {
+        return Ok(());
+    }
+    if config.memory.budget.0 > limit {
+        return Err(TrainError::Invalid(format!(
+            "memory.hard_limit ({}) is below memory.budget ({}): the memory policy acts at fractions of the budget, \
+             so memory would run out before it could; lower memory.budget or raise memory.hard_limit",
+            config.memory.hard_limit, config.memory.budget
+        )));
+    }
+    if !config.train.device.is_cuda() && !memory::installed() {
+        return Err(TrainError::Invalid(
+            "memory.hard_limit needs the counting allocator, which this program does not install (the ava binary \
+             does): remove memory.hard_limit, or install ava_train::memory::CountingAlloc as the #[global_allocator]"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 impl Trainer {
     /// Builds a run: opens the data, creates the plugins, builds or loads the model,
     /// allocates the optimizer state, asks the checkpoint policy for its plan, and, when
@@ -730,9 +760,28 @@ impl Trainer {
         // First, where it computes: nothing is read or allocated for a device that cannot be used.
         let device = crate::device::open(config.train.device)?;
         let group: Arc<dyn Collectives> = options.group.clone().unwrap_or_else(|| Arc::new(Single));
-        let (rank, world) = (group.rank(), group.size());
+        let world = group.size();
         crate::device::check_run(&config, world, registry)?;
         check_training_modes(&config, world)?;
+        check_hard_limit(&config)?;
+        // On a GPU the hard limit caps the device's pool before anything of the run is there;
+        // running out while the run is built (the model, the optimizer state) says so.
+        let device_limit = crate::device::limit(&device, &config)?;
+        let limit = device_limit.as_ref().map(crate::device::DeviceLimit::bytes);
+        Self::build(config, registry, options, device, group, device_limit)
+            .map_err(|e| TrainError::device_out_of_memory(None, limit, e))
+    }
+
+    /// [`new`](Self::new)'s work once the device is open, checked and capped.
+    fn build(
+        config: Config,
+        registry: &Registry,
+        options: &TrainOptions,
+        device: Device,
+        group: Arc<dyn Collectives>,
+        device_limit: Option<crate::device::DeviceLimit>,
+    ) -> Result<Self, TrainError> {
+        let (rank, world) = (group.rank(), group.size());
         let threads = resolve_threads(config.train.threads);
         let plugin = |kind: PluginKind| config.selection(kind);
 
@@ -991,25 +1040,8 @@ impl Trainer {
             std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::io(&out_dir, e))?;
         }
         let compute = compute_dtype(config.train.precision);
-        let hard_limit = Some(config.memory.hard_limit.0).filter(|&l| l > 0);
-        if let Some(limit) = hard_limit {
-            let budget = config.memory.budget.0;
-            if budget > limit {
-                return Err(TrainError::Invalid(format!(
-                    "memory.hard_limit ({}) is below memory.budget ({}): the memory policy acts at fractions of the \
-                     budget, so memory would run out before it could; lower memory.budget or raise memory.hard_limit",
-                    config.memory.hard_limit, config.memory.budget
-                )));
-            }
-            if !memory::installed() {
-                return Err(TrainError::Invalid(
-                    "memory.hard_limit needs the counting allocator, which this program does not install (the ava \
-                     binary does): remove memory.hard_limit, or install ava_train::memory::CountingAlloc as the \
-                     #[global_allocator]"
-                        .into(),
-                ));
-            }
-        }
+        // The counting allocator enforces the limit on the CPU; a GPU's pool is capped already.
+        let hard_limit = Some(config.memory.hard_limit.0).filter(|&l| l > 0 && !config.train.device.is_cuda());
         memory::set_limit(hard_limit);
         // Stage 3: each rank keeps only its own parameters' values from here on.
         let mut model = model;
@@ -1050,6 +1082,7 @@ impl Trainer {
             gather_pending,
             zero: Rc::new(zero),
             config,
+            device_limit,
         })
     }
 
@@ -1304,7 +1337,9 @@ impl Trainer {
             reporter.step(&record);
             let due = (t.eval_every > 0 && record.step % t.eval_every == 0) || record.step == last;
             if due && self.dataset.missing_validation().is_none() {
-                let eval = self.evaluate()?;
+                let limit = self.device_limit.as_ref().map(crate::device::DeviceLimit::bytes);
+                let eval =
+                    self.evaluate().map_err(|e| TrainError::device_out_of_memory(Some(record.step), limit, e))?;
                 summary.val_loss = Some(eval.val_loss);
                 write_line(metrics.as_mut(), &self.metrics_path(), &serde_json::json!({"type": "eval", "data": eval}))?;
                 reporter.eval(&eval);
@@ -1430,7 +1465,8 @@ impl Trainer {
     /// One optimizer step over `gradient_accumulation_steps` micro-batches.
     pub fn train_step(&mut self) -> Result<StepRecord, TrainError> {
         let step = self.step + 1;
-        self.run_step().map_err(|e| TrainError::device_out_of_memory(step, e))
+        let limit = self.device_limit.as_ref().map(crate::device::DeviceLimit::bytes);
+        self.run_step().map_err(|e| TrainError::device_out_of_memory(Some(step), limit, e))
     }
 
     /// [`train_step`](Self::train_step)'s work.
