@@ -30,3 +30,32 @@ fn a_gpu_asked_of_a_build_without_cuda_says_how_to_build_one() {
     let metrics = dir.path().join("runs/default/metrics.jsonl");
     assert!(!metrics.exists(), "nothing of a run is written");
 }
+
+/// `ava estimate --device cuda` needs no GPU: it predicts device memory (the GPU replay, host
+/// memory apart) in JSON and text; a build without CUDA says it cannot check the plugins'
+/// devices, and what a GPU run refuses whatever its plugins (several ranks) is refused.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn a_gpu_estimate_needs_no_gpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = ava(dir.path(), &["estimate", "--device", "cuda:1", "--format", "json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("this ava was built without CUDA: the estimate is of the GPU engine on cuda:1"),
+        "{stderr}"
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["device"], "cuda:1");
+    assert!(json["host"].as_array().is_some_and(|h| !h.is_empty()), "{json}");
+    let text = ava(dir.path(), &["estimate", "--device", "cuda"]);
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        text.contains("on cuda:0 (device memory)") && text.contains("host memory (not in the device peak)"),
+        "{text}"
+    );
+    let err = usage_error(ava(dir.path(), &["estimate", "--device", "cuda", "--world-size", "2"]));
+    assert!(err.contains("2 ranks: distributed training runs on the CPU only for now"), "{err}");
+    let err = usage_error(ava(dir.path(), &["estimate", "--device", "gpu"]));
+    assert!(err.contains("'gpu' is not a device: write cpu, cuda or cuda:N"), "{err}");
+}

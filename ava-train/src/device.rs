@@ -174,6 +174,17 @@ pub fn open(spec: DeviceSpec) -> Result<candle_core::Device, DeviceError> {
 /// host in this engine, and the selected optimizer and attention kernel unless their
 /// manifests list the GPU (`registry`, [`ava_plugins::Registry::check_devices`]).
 pub fn check_run(config: &Config, world: usize, registry: &ava_plugins::Registry) -> Result<(), DeviceError> {
+    check(config, world, Some(registry))
+}
+
+/// [`check_run`] without the plugins: what a GPU run of `world` ranks with `config` refuses
+/// whatever plugins it selects. For a build without CUDA, whose plugins' manifests list only
+/// the CPU (`ava estimate --device cuda` there estimates the GPU engine all the same).
+pub fn check_modes(config: &Config, world: usize) -> Result<(), DeviceError> {
+    check(config, world, None)
+}
+
+fn check(config: &Config, world: usize, registry: Option<&ava_plugins::Registry>) -> Result<(), DeviceError> {
     let spec = config.train.device;
     if !spec.is_cuda() {
         return Ok(());
@@ -205,7 +216,7 @@ pub fn check_run(config: &Config, world: usize, registry: &ava_plugins::Registry
         (PluginKind::Optimizer, config.plugins.optimizer.name.as_str()),
         (PluginKind::Attention, config.plugins.attention.name.as_str()),
     ];
-    if let Err(plugins) = registry.check_devices(&selected, ava_core::Device::Cuda) {
+    if let Some(Err(plugins)) = registry.map(|r| r.check_devices(&selected, ava_core::Device::Cuda)) {
         problems.extend(plugins);
     }
     if problems.is_empty() { Ok(()) } else { Err(DeviceError::Unsupported { spec, problems }) }

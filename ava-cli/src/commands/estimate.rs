@@ -85,13 +85,7 @@ fn check_device(
     if cfg!(feature = "cuda") {
         ava_train::device::check_run(config, world, registry).usage()?;
     } else {
-        if world > 1 {
-            return Err(crate::Failure::Usage(anyhow::anyhow!(
-                "train.device: {}: distributed training runs on the CPU only for now; estimate one rank \
-                 (drop --world-size), or set train.device: cpu",
-                config.train.device
-            )));
-        }
+        ava_train::device::check_modes(config, world).usage()?;
         p.warn(&format!(
             "this ava was built without CUDA: the estimate is of the GPU engine on {}, but whether the selected \
              plugins run on a GPU is not checked here (a `cuda` build checks it: README, NVIDIA GPUs)",
