@@ -393,7 +393,10 @@ __device__ void bwd_kv_sum(const float *__restrict__ dk_part, const float *__res
 // query) tiles. Only the K/V (or Q/dO) tiles the warps share are loaded between barriers.
 // WMMA's accumulator layout is opaque; each warp learns which row each of its fragment
 // elements holds by loading a 16 × 16 matrix of row numbers into a fragment (`row_of`), which
-// lets it scale its rows of O in registers. The head dimension is a template parameter (ND
+// lets it scale its rows of O in registers. The backward needs no reductions over a row, so
+// there S and dP never leave the accumulator fragments: with `col_of` too (the column numbers),
+// each lane computes P and dS on its own elements and writes them, in the input type, into the
+// warp's operand tile for the next product. The head dimension is a template parameter (ND
 // 16-column blocks, D padded to a multiple of 32), so the accumulator arrays stay in registers.
 
 #define TQ 64 // rows a block: 4 warps × 16
@@ -455,7 +458,27 @@ __device__ void store_rows(const Acc &acc, float *scratch, int lds, T *out, size
 __device__ void fill_rows(float *m) {
     for (int e = threadIdx.x; e < 256; e += THREADS) m[e] = (float)(e / 16);
 }
+
+// The 16 × 16 matrix of column numbers, for `col_of`.
+__device__ void fill_cols(float *m) {
+    for (int e = threadIdx.x; e < 256; e += THREADS) m[e] = (float)(e % 16);
+}
+
+// out (row-major U matrix, ld ld_out) at rows r < rows_left, columns col0 + c < D = scale ·
+// acc, written from the registers: element e of the fragment is (row_of.x[e], col_of.x[e]).
+template <typename U>
+__device__ __forceinline__ void store_elems(const Acc &acc, const Acc &row_of, const Acc &col_of, U *out,
+                                            size_t ld_out, int rows_left, int col0, int D, float scale) {
+#pragma unroll
+    for (int e = 0; e < acc.num_elements; e++) {
+        const int r = (int)row_of.x[e], c = col0 + (int)col_of.x[e];
+        if (r < rows_left && c < D) out[(size_t)r * ld_out + c] = store<U>(scale * acc.x[e]);
+    }
+}
 } // namespace tc
+
+// log2(e): the backward kernels compute exp(x) as exp2(x · log2 e).
+#define LOG2E 1.4426950408889634f
 
 // Forward. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory fwd_tc_smem.
 template <typename T, int ND>
@@ -548,6 +571,11 @@ __device__ void fwd_tc(const T *__restrict__ q, const T *__restrict__ k, const T
 }
 
 // dQ. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory bwd_q_tc_smem.
+// The backward needs no row reductions (P comes from the saved lse, dS from Δ), so S and dP
+// stay in the accumulator fragments: each lane computes P and dS on its own elements, whose
+// (row, column) it knows from `row_of`/`col_of`, and writes dS in the input type straight into
+// the warp's operand tile. Tiles wholly inside the causal triangle, the sequence and one
+// document skip the mask.
 template <typename T, int ND>
 __device__ void bwd_q_tc(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                          const unsigned int *__restrict__ segments, const T *__restrict__ dout,
@@ -555,16 +583,16 @@ __device__ void bwd_q_tc(const T *__restrict__ q, const T *__restrict__ k, const
                          int Hkv, int Tq, int Tk, int D, int causal, float scale) {
     using namespace tc;
     extern __shared__ __align__(128) unsigned char smem[];
-    constexpr int DP = ND * 16, LT = DP + 8, LP = TK + 8, LS = TK + 4;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int DP = ND * 16, LT = DP + 8, LP = TK + 8;
+    const int warp = threadIdx.x >> 5;
     Carver cv{smem, 0};
-    T *sQ = cv.take<T>(TQ * LT);                                   // (TQ, DP)
-    T *sdO = cv.take<T>(TQ * LT);                                  // (TQ, DP)
-    T *sK = cv.take<T>(TK * LT);                                   // (TK, DP)
-    T *sV = cv.take<T>(TK * LT);                                   // (TK, DP)
-    float *sS = cv.take<float>(WARPS * 16 * LS) + warp * 16 * LS;  // this warp's (16, TK) scores
-    float *sdP = cv.take<float>(WARPS * 16 * LS) + warp * 16 * LS; // this warp's (16, TK) dP
-    T *sdS = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP;         // this warp's (16, TK) dS
+    T *sQ = cv.take<T>(TQ * LT);                           // (TQ, DP)
+    T *sdO = cv.take<T>(TQ * LT);                          // (TQ, DP)
+    T *sK = cv.take<T>(TK * LT);                           // (TK, DP)
+    T *sV = cv.take<T>(TK * LT);                           // (TK, DP)
+    T *sdS = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP; // this warp's (16, TK) dS
+    float *sRows = cv.take<float>(256);                    // (16, 16) row numbers
+    float *sCols = cv.take<float>(256);                    // (16, 16) column numbers
 
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
@@ -574,9 +602,21 @@ __device__ void bwd_q_tc(const T *__restrict__ q, const T *__restrict__ k, const
     const unsigned int *seg = segments ? segments + (size_t)b * Tk : nullptr;
     tc::load_tile(sQ, LT, q + (size_t)bh * Tq * D, D, i0, Tq, TQ, DP);
     tc::load_tile(sdO, LT, dout + (size_t)bh * Tq * D, D, i0, Tq, TQ, DP);
-    const int r = lane >> 1, half = lane & 1, i = w0 + r;
-    const float row_lse = i < Tq ? lse[(size_t)bh * Tq + i] : 0.0f;
-    const float row_delta = i < Tq ? delta[(size_t)bh * Tq + i] : 0.0f;
+    fill_rows(sRows);
+    fill_cols(sCols);
+    __syncthreads();
+    Acc row_of, col_of;
+    wmma::load_matrix_sync(row_of, sRows, 16, wmma::mem_row_major);
+    wmma::load_matrix_sync(col_of, sCols, 16, wmma::mem_row_major);
+    // This lane's rows' lse (in log2 units) and Δ, fixed for the kernel.
+    float lse2[Acc::num_elements], dlt[Acc::num_elements];
+#pragma unroll
+    for (int e = 0; e < Acc::num_elements; e++) {
+        const int i = w0 + (int)row_of.x[e];
+        lse2[e] = i < Tq ? lse[(size_t)bh * Tq + i] * LOG2E : 0.0f;
+        dlt[e] = i < Tq ? delta[(size_t)bh * Tq + i] : 0.0f;
+    }
+    const float scale2 = scale * LOG2E;
     Acc acc[ND]; // this warp's (16, DP) dQ / scale
     _Pragma("unroll") for (int n = 0; n < ND; n++) wmma::fill_fragment(acc[n], 0.0f);
 
@@ -589,33 +629,35 @@ __device__ void bwd_q_tc(const T *__restrict__ q, const T *__restrict__ k, const
         tc::load_tile(sK, LT, kb, D, j0, Tk, TK, DP);
         tc::load_tile(sV, LT, vb, D, j0, Tk, TK, DP);
         __syncthreads();
-        for (int n = 0; n < TK / 16; n++) { // S = Q_w Kᵀ, dP = dO_w Vᵀ
+        // Every (row, key) of this warp's tile visible: no documents, whole rows and keys,
+        // and the tile's last key at or before the warp's first row's last visible key.
+        const bool whole = !seg && w0 + 16 <= Tq && j0 + TK <= Tk && (!causal || j0 + TK - 1 <= w0 + Tk - Tq);
+        for (int n = 0; n < TK / 16; n++) { // S = Q_w Kᵀ, dP = dO_w Vᵀ, then P and dS in registers
             Acc s, dp;
             wmma::fill_fragment(s, 0.0f);
             wmma::fill_fragment(dp, 0.0f);
             mma_row<T, true>(s, sQ + warp * 16 * LT, LT, sK + n * 16 * LT, LT, DP);
             mma_row<T, true>(dp, sdO + warp * 16 * LT, LT, sV + n * 16 * LT, LT, DP);
-            wmma::store_matrix_sync(sS + n * 16, s, LS, wmma::mem_row_major);
-            wmma::store_matrix_sync(sdP + n * 16, dp, LS, wmma::mem_row_major);
-        }
-        __syncwarp();
-#pragma unroll 8
-        for (int u = 0; u < 32; u++) {
-            const int c = half * 32 + u;
-            float p = 0.0f;
-            if (visible(i, j0 + c, Tq, Tk, causal, seg)) p = expf(sS[r * LS + c] * scale - row_lse);
-            sdS[r * LP + c] = store<T>(p * (sdP[r * LS + c] - row_delta));
+#pragma unroll
+            for (int e = 0; e < Acc::num_elements; e++) {
+                const int r = (int)row_of.x[e], c = n * 16 + (int)col_of.x[e];
+                float p = 0.0f;
+                if (whole || visible(w0 + r, j0 + c, Tq, Tk, causal, seg)) p = exp2f(s.x[e] * scale2 - lse2[e]);
+                sdS[r * LP + c] = store<T>(p * (dp.x[e] - dlt[e]));
+            }
         }
         __syncwarp();
         _Pragma("unroll") for (int n = 0; n < ND; n++) mma_row<T, false>(acc[n], sdS, LP, sK + n * 16, LT, TK); // dQ += dS K
         __syncwarp();
     }
     T *dqb = dq + ((size_t)bh * Tq + w0) * D;
-    _Pragma("unroll") for (int n = 0; n < ND; n++) store_rows(acc[n], sS, LS, dqb, D, Tq - w0, n * 16, D, scale);
+    _Pragma("unroll") for (int n = 0; n < ND; n++) store_elems(acc[n], row_of, col_of, dqb, D, Tq - w0, n * 16, D, scale);
 }
 
 // dK and dV: a warp owns 16 keys; the shared tiles are the query tiles (Q, dO). Grids and the
-// partial sums as bwd_kv's. Dynamic shared memory bwd_kv_tc_smem.
+// partial sums as bwd_kv's. As in bwd_q_tc, Sᵀ and dPᵀ stay in the accumulator fragments and
+// each lane writes Pᵀ and dSᵀ for its own elements (here a fragment's columns are queries,
+// whose lse and Δ come from the tile's shared rows). Dynamic shared memory bwd_kv_tc_smem.
 template <typename T, int ND>
 __device__ void bwd_kv_tc(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                           const unsigned int *__restrict__ segments, const T *__restrict__ dout,
@@ -624,19 +666,19 @@ __device__ void bwd_kv_tc(const T *__restrict__ q, const T *__restrict__ k, cons
                           int Hkv, int Tq, int Tk, int D, int causal, float scale) {
     using namespace tc;
     extern __shared__ __align__(128) unsigned char smem[];
-    constexpr int DP = ND * 16, LT = DP + 8, LP = TK + 8, LS = TK + 4;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int DP = ND * 16, LT = DP + 8, LP = TK + 8;
+    const int warp = threadIdx.x >> 5;
     Carver cv{smem, 0};
-    T *sK = cv.take<T>(TQ * LT);                                   // (TQ keys, DP)
-    T *sV = cv.take<T>(TQ * LT);                                   // (TQ keys, DP)
-    T *sQ = cv.take<T>(TK * LT);                                   // (TK queries, DP)
-    T *sdO = cv.take<T>(TK * LT);                                  // (TK queries, DP)
-    float *sLse = cv.take<float>(TK);                              // (TK,)
-    float *sDelta = cv.take<float>(TK);                            // (TK,)
-    float *sS = cv.take<float>(WARPS * 16 * LS) + warp * 16 * LS;  // this warp's (16 keys, TK) Sᵀ
-    float *sdP = cv.take<float>(WARPS * 16 * LS) + warp * 16 * LS; // this warp's (16 keys, TK) dPᵀ
-    T *sP = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP;          // this warp's (16 keys, TK) Pᵀ
-    T *sdS = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP;         // this warp's (16 keys, TK) dSᵀ
+    T *sK = cv.take<T>(TQ * LT);                           // (TQ keys, DP)
+    T *sV = cv.take<T>(TQ * LT);                           // (TQ keys, DP)
+    T *sQ = cv.take<T>(TK * LT);                           // (TK queries, DP)
+    T *sdO = cv.take<T>(TK * LT);                          // (TK queries, DP)
+    float *sLse = cv.take<float>(TK);                      // (TK,)
+    float *sDelta = cv.take<float>(TK);                    // (TK,)
+    T *sP = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP;  // this warp's (16 keys, TK) Pᵀ
+    T *sdS = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP; // this warp's (16 keys, TK) dSᵀ
+    float *sRows = cv.take<float>(256);                    // (16, 16) row numbers
+    float *sCols = cv.take<float>(256);                    // (16, 16) column numbers
 
     const int kt = blockIdx.x, group = H / Hkv;
     const bool split = dk_part != nullptr;
@@ -648,13 +690,18 @@ __device__ void bwd_kv_tc(const T *__restrict__ q, const T *__restrict__ k, cons
     const unsigned int *seg = segments ? segments + (size_t)b * Tk : nullptr;
     tc::load_tile(sK, LT, k + bk * Tk * D, D, j0, Tk, TQ, DP);
     tc::load_tile(sV, LT, v + bk * Tk * D, D, j0, Tk, TQ, DP);
+    fill_rows(sRows);
+    fill_cols(sCols);
+    __syncthreads();
+    Acc row_of, col_of;
+    wmma::load_matrix_sync(row_of, sRows, 16, wmma::mem_row_major);
+    wmma::load_matrix_sync(col_of, sCols, 16, wmma::mem_row_major);
+    const float scale2 = scale * LOG2E;
     Acc gk[ND], gv[ND]; // this warp's (16 keys, DP) dK / scale and dV
     _Pragma("unroll") for (int n = 0; n < ND; n++) {
         wmma::fill_fragment(gk[n], 0.0f);
         wmma::fill_fragment(gv[n], 0.0f);
     }
-    // Two lanes a key: key `c`, query rows half·32 .. half·32 + 31 of each query tile.
-    const int c = lane >> 1, half = lane & 1, j = w0 + c;
     const int first = causal ? max(0, j0 - (Tk - Tq)) / TK : 0;
     const int query_tiles = (Tq + TK - 1) / TK;
     for (int g = 0; g < heads; g++) {
@@ -667,23 +714,26 @@ __device__ void bwd_kv_tc(const T *__restrict__ q, const T *__restrict__ k, cons
             load_rows(sLse, lse + bh * Tq, i0, Tq, TK);
             load_rows(sDelta, delta + bh * Tq, i0, Tq, TK);
             __syncthreads();
-            for (int n = 0; n < TK / 16; n++) { // Sᵀ = K_w Qᵀ, dPᵀ = V_w dOᵀ
+            // Every (key, query) of this warp's tile visible: no documents, whole keys and
+            // queries, and the warp's last key at or before the tile's first query's last
+            // visible key.
+            const bool whole =
+                !seg && w0 + 16 <= Tk && i0 + TK <= Tq && (!causal || w0 + 15 <= i0 + Tk - Tq);
+            for (int n = 0; n < TK / 16; n++) { // Sᵀ = K_w Qᵀ, dPᵀ = V_w dOᵀ, then Pᵀ and dSᵀ
                 Acc s, dp;
                 wmma::fill_fragment(s, 0.0f);
                 wmma::fill_fragment(dp, 0.0f);
                 mma_row<T, true>(s, sK + warp * 16 * LT, LT, sQ + n * 16 * LT, LT, DP);
                 mma_row<T, true>(dp, sV + warp * 16 * LT, LT, sdO + n * 16 * LT, LT, DP);
-                wmma::store_matrix_sync(sS + n * 16, s, LS, wmma::mem_row_major);
-                wmma::store_matrix_sync(sdP + n * 16, dp, LS, wmma::mem_row_major);
-            }
-            __syncwarp();
-#pragma unroll 8
-            for (int u = 0; u < 32; u++) {
-                const int rr = half * 32 + u; // the query row in the tile
-                float p = 0.0f;
-                if (visible(i0 + rr, j, Tq, Tk, causal, seg)) p = expf(sS[c * LS + rr] * scale - sLse[rr]);
-                sP[c * LP + rr] = store<T>(p);
-                sdS[c * LP + rr] = store<T>(p * (sdP[c * LS + rr] - sDelta[rr]));
+#pragma unroll
+                for (int e = 0; e < Acc::num_elements; e++) {
+                    const int c = (int)row_of.x[e], rr = n * 16 + (int)col_of.x[e]; // key, query in the tile
+                    float p = 0.0f;
+                    if (whole || visible(i0 + rr, w0 + c, Tq, Tk, causal, seg))
+                        p = exp2f(s.x[e] * scale2 - sLse[rr] * LOG2E);
+                    sP[c * LP + rr] = store<T>(p);
+                    sdS[c * LP + rr] = store<T>(p * (dp.x[e] - sDelta[rr]));
+                }
             }
             __syncwarp();
             _Pragma("unroll") for (int n = 0; n < ND; n++) {
@@ -697,15 +747,15 @@ __device__ void bwd_kv_tc(const T *__restrict__ q, const T *__restrict__ k, cons
         float *pk = dk_part + ((size_t)blockIdx.y * Tk + w0) * D;
         float *pv = dv_part + ((size_t)blockIdx.y * Tk + w0) * D;
         _Pragma("unroll") for (int n = 0; n < ND; n++) {
-            store_rows(gk[n], sS, LS, pk, D, Tk - w0, n * 16, D, 1.0f);
-            store_rows(gv[n], sS, LS, pv, D, Tk - w0, n * 16, D, 1.0f);
+            store_elems(gk[n], row_of, col_of, pk, D, Tk - w0, n * 16, D, 1.0f);
+            store_elems(gv[n], row_of, col_of, pv, D, Tk - w0, n * 16, D, 1.0f);
         }
     } else {
         T *dkb = dk + (bk * Tk + w0) * D;
         T *dvb = dv + (bk * Tk + w0) * D;
         _Pragma("unroll") for (int n = 0; n < ND; n++) {
-            store_rows(gk[n], sS, LS, dkb, D, Tk - w0, n * 16, D, scale);
-            store_rows(gv[n], sS, LS, dvb, D, Tk - w0, n * 16, D, 1.0f);
+            store_elems(gk[n], row_of, col_of, dkb, D, Tk - w0, n * 16, D, scale);
+            store_elems(gv[n], row_of, col_of, dvb, D, Tk - w0, n * 16, D, 1.0f);
         }
     }
 }

@@ -108,7 +108,7 @@ impl Smem {
     }
 
     /// bwd_q: sQ, sdO, sK, sV, sdS, sS, sdP, sdQ, sLse, sDelta; bwd_q_tc: sQ, sdO, sK, sV,
-    /// sS, sdP, sdS.
+    /// sdS, sRows, sCols (S and dP stay in registers).
     fn backward_q(&self) -> u32 {
         let (br, bc) = (self.br, self.bc);
         if self.tc {
@@ -117,9 +117,9 @@ impl Smem {
                 self.tile(br),
                 self.tile(bc),
                 self.tile(bc),
-                self.scores(),
-                self.scores(),
                 self.probs(),
+                (256, 4),
+                (256, 4),
             ])
         } else {
             Self::carve(&[
@@ -138,7 +138,7 @@ impl Smem {
     }
 
     /// bwd_kv: sK, sV, sQ, sdO, sP, sdS, sS, sdP, sdK, sdV, sLse, sDelta; bwd_kv_tc: sK, sV,
-    /// sQ, sdO, sLse, sDelta, sS, sdP, sP, sdS.
+    /// sQ, sdO, sLse, sDelta, sP, sdS, sRows, sCols (Sᵀ and dPᵀ stay in registers).
     fn backward_kv(&self) -> u32 {
         let (br, bc) = (self.br, self.bc);
         if self.tc {
@@ -149,10 +149,10 @@ impl Smem {
                 self.tile(bc),
                 (bc, 4),
                 (bc, 4),
-                self.scores(),
-                self.scores(),
                 self.probs(),
                 self.probs(),
+                (256, 4),
+                (256, 4),
             ])
         } else {
             Self::carve(&[
@@ -370,7 +370,10 @@ mod tests {
         assert_eq!(f.forward(), 3 * 17_408 + 5_120 + 4_608 + 16_896 + 128 + 128);
         let h = Smem::new(DType::BF16, 128);
         assert_eq!(h.forward(), 3 * 17_408 + 17_408 + 9_216 + 256 + 1_024);
-        assert_eq!(h.backward_kv(), 4 * 17_408 + 256 + 256 + 2 * 17_408 + 2 * 9_216);
+        // The backward keeps S and dP in registers: no f32 score tiles, two 16 × 16 index
+        // matrices instead.
+        assert_eq!(h.backward_q(), 4 * 17_408 + 9_216 + 1_024 + 1_024);
+        assert_eq!(h.backward_kv(), 4 * 17_408 + 256 + 256 + 2 * 9_216 + 1_024 + 1_024);
         // D = 80 runs in the 96-column bucket; its name says so.
         assert_eq!(Smem::new(DType::F16, 80).dp, 96);
         assert_eq!(kernel_name("flash_fwd", DType::F16, 80).unwrap().to_str().unwrap(), "flash_fwd_f16_d96");
