@@ -6,8 +6,8 @@
 #
 # `build` puts into DIR (ignore it in git: echo DIR >> .git/info/exclude) the stripped `ava`
 # binary, the `lion` plugin beside it (the refusal test loads it) and `flash` (FlashAttention-2
-# on the GPU), the GPU test binaries
-# (ava-train gpu_ops, ava-plugins gpu_optim, ava-cli gpu_train) and PyTorch's reference
+# on the GPU), the GPU test binaries ($TESTS: ava-train gpu_ops, ava-plugins gpu_optim, ava-cli
+# gpu_train, the lion and adam-8bit plugins' gpu_lion, gpu_adam_8bit) and PyTorch's reference
 # scripts when ../shared/gpu has them. Everything is built for a portable CPU
 # (x86-64-v3) in target/gpu, so repeated builds reuse their work.
 #
@@ -16,6 +16,10 @@
 # checkpointed beside PyTorch's reference recipes, and `ava bench attention` beside PyTorch's
 # SDPA; it stops at nothing, so one call gathers everything (AVA_GPU_PARTS picks parts).
 set -uo pipefail
+
+# The GPU test binaries: the engine's ops, the built-in optimizers, end-to-end training, the
+# lion and adam-8bit plugins' steps (each bit for bit the CPU's).
+TESTS="gpu_ops gpu_optim gpu_train gpu_lion gpu_adam_8bit"
 
 usage() {
     echo "usage: $0 build DIR | run DIR OUT" >&2
@@ -31,10 +35,15 @@ build() {
     mkdir -p "$dir"
     local target=target/gpu
     cargo build --release --features ava-cli/cuda -p ava-cli -p ava-plugin-lion -p ava-plugin-flash --target-dir "$target"
+    # Copied now: the test build below compiles lion with its `cuda` feature, and the refusal
+    # test needs this one, built without it (a CPU-only optimizer).
+    cp "$target/release/ava" "$target/release/libava_plugin_lion.so" "$target/release/libava_plugin_flash.so" "$dir/"
     local json
-    json=$(cargo test --release --features ava-cli/cuda --target-dir "$target" --no-run --message-format=json \
-        -p ava-train --test gpu_ops -p ava-plugins --test gpu_optim -p ava-cli --test gpu_train)
-    for t in gpu_ops gpu_optim gpu_train; do
+    json=$(cargo test --release --features ava-cli/cuda,ava-plugin-lion/cuda,ava-plugin-adam-8bit/cuda \
+        --target-dir "$target" --no-run --message-format=json \
+        -p ava-train --test gpu_ops -p ava-plugins --test gpu_optim -p ava-cli --test gpu_train \
+        -p ava-plugin-lion --test gpu_lion -p ava-plugin-adam-8bit --test gpu_adam_8bit)
+    for t in $TESTS; do
         local exe
         exe=$(echo "$json" | python3 -c "
 import json, sys
@@ -44,7 +53,6 @@ for line in sys.stdin:
         print(m['executable'])")
         cp "$exe" "$dir/$t"
     done
-    cp "$target/release/ava" "$target/release/libava_plugin_lion.so" "$target/release/libava_plugin_flash.so" "$dir/"
     strip "$dir"/ava "$dir"/gpu_* "$dir"/libava_plugin_*.so
     # The binaries travel compressed (a call carries 64 MiB); `run` unpacks them.
     (cd "$dir" && tar -cf - ava gpu_* libava_plugin_*.so | xz -T2 -6 >bundle.tar.xz && rm -f ava gpu_* libava_plugin_*.so)
@@ -63,9 +71,9 @@ run() {
     # AVA_GPU_PARTS picks parts (default all): tests tiny bench attention.
     local parts=${AVA_GPU_PARTS:-tests tiny bench attention}
     if [[ $parts == *tests* ]]; then
-        for t in gpu_ops gpu_optim gpu_train; do
+        for t in $TESTS; do
             echo "== $t"
-            ( time timeout 150 "$dir/$t" --test-threads 1 ) >"$out/$t.log" 2>&1
+            ( time timeout 420 "$dir/$t" --test-threads 1 ) >"$out/$t.log" 2>&1
             grep -E "^test |test result|panicked" "$out/$t.log" | tail -30
         done
     fi
@@ -84,6 +92,9 @@ run() {
             timeout 150 "$dir/ava" bench train -c configs/gpu-tinyllama-1b.yaml --steps 8 --warmup 3 \
                 --set plugins.checkpoint=$ckpt >"$out/bench-1b-$ckpt.txt" 2>&1
             cat "$out/bench-1b-$ckpt.txt"
+            # What the estimator predicted for the peak just measured (its last line).
+            timeout 60 "$dir/ava" estimate -c configs/gpu-tinyllama-1b.yaml --device cuda --set plugins.checkpoint=$ckpt \
+                -q 2>&1 | tail -n 1 | tee "$out/estimate-1b-$ckpt.txt"
         done
         if [ -f "$dir/torch_ref.py" ]; then
             for flag in "" --ckpt; do

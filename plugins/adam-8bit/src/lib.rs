@@ -33,7 +33,16 @@
 //!
 //! Bias correction counts each parameter's own steps (`step` in its state), so resumed runs
 //! and skipped steps stay exact.
+//!
+//! Built with the `cuda` feature it also steps on NVIDIA GPUs (`step_cuda`:
+//! kernels/adam_8bit.cu, one thread block per quantization block, launched through
+//! `ava_kernels::cuda` on the host's stream) and its manifest lists the cuda device, so
+//! `train.device: cuda` can use it. The state is the same bytes on both devices and a GPU
+//! step gives the CPU's bits (the `gpu` module says how, and its exception: a gradient
+//! holding a NaN or an infinity), so a checkpoint moves between devices without changing the run.
 
+#[cfg(feature = "cuda")]
+mod gpu;
 mod kernel;
 pub mod quant;
 
@@ -108,6 +117,7 @@ impl Plugin for Adam8bit {
             env!("CARGO_PKG_VERSION"),
             "8-bit AdamW: moments as 1-byte dynamic-tree codes with one f32 absmax per block, ~2 bytes of state per parameter (Dettmers et al. 2021)",
         )
+        .devices(if cfg!(feature = "cuda") { &[Device::Cpu, Device::Cuda] } else { &[Device::Cpu] })
         .option(OptionSpec::float_list("betas", &[0.9, 0.999], "[β1, β2]: decay rates of the first and second moments"))
         .option(OptionSpec::float("eps", 1e-8, "added to the denominator √v̂ for numerical stability"))
         .option(OptionSpec::int(
@@ -183,6 +193,22 @@ impl Adam8bit {
     pub fn is_8bit(&self, param: &ParamInfo<'_>) -> bool {
         self.kind(param).eight_bit
     }
+
+    /// How many state buffers the layout has for a parameter of `kind`.
+    fn buffers(kind: Kind) -> usize {
+        3 + 2 * usize::from(kind.eight_bit) + usize::from(kind.clipping)
+    }
+
+    /// The error for `got` state buffers where the layout of a `kind` parameter has another
+    /// number.
+    fn wrong_state(param: &ParamInfo<'_>, kind: Kind, got: usize) -> PluginError {
+        PluginError::invalid_input(format!(
+            "adam-8bit expects {} state buffers for {} ({}), got {got}",
+            Self::buffers(kind),
+            param.name,
+            if kind.eight_bit { "8-bit" } else { "fp32" },
+        ))
+    }
 }
 
 impl Optimizer for Adam8bit {
@@ -219,14 +245,8 @@ impl Optimizer for Adam8bit {
         expect_len("values", values.len(), n)?;
         expect_len("grad", grad.len(), n)?;
         let kind = self.kind(param);
-        let want = 3 + 2 * usize::from(kind.eight_bit) + usize::from(kind.clipping);
-        if state.len() != want {
-            return Err(PluginError::invalid_input(format!(
-                "adam-8bit expects {want} state buffers for {} ({}), got {}",
-                param.name,
-                if kind.eight_bit { "8-bit" } else { "fp32" },
-                state.len()
-            )));
+        if state.len() != Self::buffers(kind) {
+            return Err(Self::wrong_state(param, kind, state.len()));
         }
         let (moments, rest) = state.split_at_mut(if kind.eight_bit { 4 } else { 2 });
         let (step_buf, history) = rest.split_at_mut(1);
@@ -292,6 +312,21 @@ impl Optimizer for Adam8bit {
             }
         }
         Ok(())
+    }
+
+    /// The same step on the GPU, with the same state bytes and the same bits: see the `gpu`
+    /// module.
+    #[cfg(feature = "cuda")]
+    fn step_cuda(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &CudaBuf,
+        grad: &CudaBuf,
+        state: &[CudaBuf],
+        ctx: &StepContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        gpu::step(self, param, values, grad, state, ctx, stream)
     }
 }
 
@@ -365,7 +400,7 @@ impl Scalars {
 /// returns the factor that brings the norm down to the `p`-th percentile of the recorded
 /// ones, or 1 if it is not above it.
 fn percentile_scale(history: &mut [f32], t: u32, grad: &[f32], p: u32) -> f32 {
-    let norm2 = grad.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>();
+    let norm2 = sum_of_squares(grad);
     history[(t as usize - 1) % HISTORY] = norm2 as f32;
     let seen = (t as usize).min(HISTORY);
     let mut sorted = [0f32; HISTORY];
@@ -373,6 +408,42 @@ fn percentile_scale(history: &mut [f32], t: u32, grad: &[f32], p: u32) -> f32 {
     sorted[..seen].sort_unstable_by(f32::total_cmp);
     let limit = f64::from(sorted[(p as usize * seen / 100).min(seen - 1)]);
     if norm2 > limit && norm2 > 0.0 { (limit / norm2).sqrt() as f32 } else { 1.0 }
+}
+
+/// The fan-in of [`sum_of_squares`]' tree.
+const SUM_FAN: usize = 32;
+
+/// Σ g² in f64, added in one fixed order that a GPU can follow in parallel (the `cuda`
+/// step's kernels/adam_8bit.cu adds in exactly this order, so both give the same bits): the
+/// squares of each 32 consecutive elements in index order, then each 32 consecutive such sums
+/// in order, and so on up a 32-ary tree to one value. A short last group adds what it has
+/// (the GPU adds zeros in its place, which changes no sum: none is −0). The squares are exact
+/// in f64. Kept as one running sum per level, so no memory is allocated.
+fn sum_of_squares(grad: &[f32]) -> f64 {
+    // level[k]: the sum in progress of the current group of level-k values (level 1: the
+    // sums of 32 squares). 13 levels cover 32^13 > 2^64 elements.
+    let mut level = [0f64; 14];
+    for (i, chunk) in grad.chunks(SUM_FAN).enumerate() {
+        let mut sum = 0.0;
+        for &g in chunk {
+            sum += f64::from(g) * f64::from(g);
+        }
+        // Add this level-1 value to its group; a full group becomes a value of the level above.
+        let (mut value, mut index) = (sum, i);
+        for group in &mut level[1..] {
+            *group += value;
+            if index % SUM_FAN != SUM_FAN - 1 {
+                break;
+            }
+            value = std::mem::take(group);
+            index /= SUM_FAN;
+        }
+    }
+    // The unfinished groups, lowest first, each the last value of the group above it.
+    for k in 1..level.len() - 1 {
+        level[k + 1] += level[k];
+    }
+    level[level.len() - 1]
 }
 
 ava_core::export_plugin!(optimizer: Adam8bit);

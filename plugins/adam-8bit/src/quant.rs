@@ -345,6 +345,79 @@ mod tests {
         }
     }
 
+    /// The encoder of the `cuda` step (kernels/adam_8bit.cu's `encode_signed` and
+    /// `encode_unsigned`), in Rust: the code of |x| is the map's first non-negative code plus
+    /// how many midpoints between the non-negative values lie below |x|, found by an 8-probe
+    /// binary search over the midpoints padded with +inf to 256; NaN takes the top code; a
+    /// negative x the mirrored code (signed) or 0 (unsigned).
+    fn encode_by_search(map: &QuantMap, x: f32) -> u8 {
+        let zero = map.zero as usize;
+        let mut mids = [f32::INFINITY; CODES];
+        for (i, mid) in mids.iter_mut().enumerate().take(CODES - 1 - zero) {
+            *mid = 0.5 * (map.values[zero + i] + map.values[zero + i + 1]);
+        }
+        let a = x.abs();
+        let c = if a.is_nan() {
+            CODES - 1
+        } else {
+            let mut lo = 0;
+            let mut step = 128;
+            while step > 0 {
+                if mids[lo + step - 1] < a {
+                    lo += step;
+                }
+                step >>= 1;
+            }
+            zero + lo
+        };
+        match (x < 0.0, map.signed) {
+            (true, true) => (CODES - 1 - c) as u8,
+            (true, false) => 0,
+            (false, _) => c as u8,
+        }
+    }
+
+    /// The GPU's search gives every input the lookup table's code: at and either side of
+    /// every bucket edge and every midpoint (where the two could part), at zeros, subnormals,
+    /// NaNs, infinities and values above 1, over a sweep of the whole f32 range, and on random
+    /// bit patterns.
+    #[test]
+    fn the_gpus_search_is_the_lookup_table() {
+        let mut xs: Vec<f32> = Vec::new();
+        let near = |x: f32, xs: &mut Vec<f32>| {
+            for d in 0..=3u32 {
+                xs.extend([f32::from_bits(x.to_bits() + d), f32::from_bits(x.to_bits().saturating_sub(d))]);
+            }
+        };
+        for b in 0..BUCKETS as u32 + 2 {
+            near(f32::from_bits((b + LOW) << BUCKET_SHIFT), &mut xs);
+        }
+        for map in [QuantMap::signed(), QuantMap::unsigned()] {
+            for w in map.values.windows(2) {
+                near(0.5 * (w[0] + w[1]), &mut xs);
+                near(w[0].abs(), &mut xs);
+            }
+        }
+        xs.extend([0.0, 1.0, 1.5, 1e-30, 1e-45, f32::MIN_POSITIVE, f32::MAX, f32::INFINITY, f32::NAN]);
+        xs.extend([f32::from_bits(0x7F80_0001), f32::from_bits(0x7FFF_FFFF)]); // NaN payloads
+        xs.extend((0..1u64 << 20).map(|i| f32::from_bits((i * 4099) as u32 & 0x7FFF_FFFF)));
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        for _ in 0..1 << 20 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            xs.push(f32::from_bits((state >> 32) as u32 & 0x7FFF_FFFF));
+        }
+        for map in [QuantMap::signed(), QuantMap::unsigned()] {
+            for &a in &xs {
+                for x in [a, -a] {
+                    let (want, got) = (map.encode(x), encode_by_search(&map, x));
+                    assert_eq!(got, want, "x = {x:e} ({:#010x}), signed {}", x.to_bits(), map.signed);
+                }
+            }
+        }
+    }
+
     /// Round trip through block-wise quantization: every element within half the local gap
     /// of the map (scaled by its block's absmax), so a block's largest relative error is at
     /// most half the map's largest gap; zeros and each block's absmax element exact.

@@ -238,6 +238,46 @@ fn percentile_clipping_scales_to_the_percentile_of_recent_norms() {
     assert!(worst < 1e-6, "clipped step differs from the step with the scaled gradient by {worst}");
 }
 
+/// Σ g² by its definition: squares summed 32 at a time in order, then each 32 consecutive
+/// sums of a level in order, up to one value (what the `cuda` step's kernels add in parallel).
+fn tree_sum_of_squares(grad: &[f32]) -> f64 {
+    let mut level: Vec<f64> =
+        grad.chunks(32).map(|c| c.iter().fold(0.0, |s, &g| s + f64::from(g) * f64::from(g))).collect();
+    while level.len() > 1 {
+        level = level.chunks(32).map(|c| c.iter().fold(0.0, |s, &x| s + x)).collect();
+    }
+    level.first().copied().unwrap_or(0.0)
+}
+
+/// The running-sum form the step uses is the tree, bit for bit, at every raggedness of every
+/// level (lengths around 32, 32², 32³ and beyond, where a short last group is left at each
+/// level); and the tree is a sum: exact on integers, and within 1e-14 (relative) of a
+/// compensated (Neumaier) sum on 130k random squares, whose own error is ~1e-16 (the tree's
+/// bound: 4 levels of 32 additions, ~128 roundings of 1.1e-16 at worst).
+#[test]
+fn sum_of_squares_is_the_fixed_tree() {
+    let mut rng = Rng(5);
+    let big: Vec<f32> = (0..3 * 32768 + 32 * 1024 + 77).map(|_| (rng.uniform() - 0.5) * 1e3).collect();
+    let mut lengths = vec![0, 1, 2, 31, 32, 33, 1023, 1024, 1025, 32767, 32768, 32769, 65536 + 1024 + 3];
+    lengths.push(big.len());
+    for n in lengths {
+        let g = &big[..n];
+        let (got, want) = (sum_of_squares(g), tree_sum_of_squares(g));
+        assert_eq!(got.to_bits(), want.to_bits(), "n = {n}: {got} vs {want}");
+    }
+    let ints: Vec<f32> = (0..5000).map(|i| (i % 17) as f32).collect(); // exact in f64
+    let exact: f64 = ints.iter().map(|&g| f64::from(g * g)).sum();
+    assert_eq!(sum_of_squares(&ints), exact);
+    let (mut sum, mut compensation) = (0f64, 0f64);
+    for x in big.iter().map(|&g| f64::from(g) * f64::from(g)) {
+        let t = sum + x;
+        compensation += if sum.abs() >= x.abs() { (sum - t) + x } else { (x - t) + sum };
+        sum = t;
+    }
+    let (s, accurate) = (sum_of_squares(&big), sum + compensation);
+    assert!((s - accurate).abs() <= 1e-14 * accurate, "{s} vs {accurate}");
+}
+
 #[test]
 fn state_layout_and_bytes_per_parameter() {
     let layout = |o: &Adam8bit, name: &str, shape: &[u64]| -> Vec<(String, DType, u64)> {
@@ -300,6 +340,13 @@ fn wrong_state_is_refused_and_changes_nothing() {
         "adam-8bit expects 5 state buffers for model.layers.0.mlp.down_proj.weight (8-bit), got 3"
     );
     assert!(w.iter().all(|&x| x == 1.0) && step == [0], "a refused step leaves everything alone");
+}
+
+#[test]
+fn takes_cuda_buffers_only_when_built_with_cuda() {
+    let manifest = Adam8bit::manifest();
+    assert!(manifest.runs_on(Device::Cpu));
+    assert_eq!(manifest.runs_on(Device::Cuda), cfg!(feature = "cuda"));
 }
 
 #[test]

@@ -13,6 +13,15 @@
 //! One f32 of state per parameter (AdamW has two). `sign(0) = 0`, as in the reference
 //! implementation (`torch.sign`). The paper suggests a learning rate 3–10× smaller and a
 //! weight decay 3–10× larger than AdamW's, because the sign update has a larger norm.
+//!
+//! Built with the `cuda` feature it also steps on NVIDIA GPUs (`step_cuda`: kernels/lion.cu,
+//! one thread per element, launched through `ava_kernels::cuda` on the host's stream) and its
+//! manifest lists the cuda device, so `train.device: cuda` can use it. The kernel is built
+//! with `--fmad=false` and does the CPU's f32 operations in the CPU's order, so a step on the
+//! GPU gives the CPU's bits (tests/gpu_lion.rs checks it on a GPU) and a checkpoint moves
+//! between devices without changing the run. (Not a NaN's bits: from a NaN or infinite
+//! gradient x86 passes an operand's NaN on or makes 0xFFC00000, an NVIDIA GPU makes
+//! 0x7FFFFFFF.)
 
 use ava_core::prelude::*;
 
@@ -39,6 +48,7 @@ impl Plugin for Lion {
             env!("CARGO_PKG_VERSION"),
             "Lion: sign of interpolated momentum; one state buffer per parameter (Chen et al. 2023)",
         )
+        .devices(if cfg!(feature = "cuda") { &[Device::Cpu, Device::Cuda] } else { &[Device::Cpu] })
         .option(OptionSpec::float_list(
             "betas",
             &[0.9, 0.99],
@@ -67,7 +77,7 @@ impl Optimizer for Lion {
         ctx: &StepContext,
     ) -> Result<(), PluginError> {
         let [m] = state else {
-            return Err(PluginError::invalid_input(format!("lion expects 1 state buffer, got {}", state.len())));
+            return Err(wrong_state(state.len()));
         };
         let m = m.f32()?;
         let n = param.numel();
@@ -84,7 +94,58 @@ impl Optimizer for Lion {
         }
         Ok(())
     }
+
+    /// The same step on the GPU: kernels/lion.cu, one thread per element, enqueued on the
+    /// host's stream (nothing here waits for it). `lr` and `decay` are computed in f32 here
+    /// exactly as `step` computes them.
+    #[cfg(feature = "cuda")]
+    fn step_cuda(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &CudaBuf,
+        grad: &CudaBuf,
+        state: &[CudaBuf],
+        ctx: &StepContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        use ava_kernels::cuda::{THREADS, arg, blocks, launch};
+        let [m] = state else {
+            return Err(wrong_state(state.len()));
+        };
+        let n = param.numel();
+        values.expect("values", DType::F32, n)?;
+        grad.expect("grad", DType::F32, n)?;
+        m.expect("exp_avg", DType::F32, n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let lr = ctx.lr as f32;
+        let decay = 1.0 - lr * ctx.weight_decay as f32;
+        let mut params = [
+            arg(&values.ptr),
+            arg(&grad.ptr),
+            arg(&m.ptr),
+            arg(&n),
+            arg(&lr),
+            arg(&decay),
+            arg(&self.beta1),
+            arg(&self.beta2),
+        ];
+        // SAFETY: lion_step's parameters one for one (size_t n is a usize, the floats f32s);
+        // values, grad and exp_avg were checked to hold n f32s each.
+        unsafe { launch(&LION_PTX, c"lion_step", blocks(n)?, THREADS, stream, &mut params) }
+    }
 }
+
+/// The error for state buffers that are not those of `state_layout`.
+fn wrong_state(got: usize) -> PluginError {
+    PluginError::invalid_input(format!("lion expects 1 state buffer, got {got}"))
+}
+
+/// kernels/lion.cu as PTX (made by build.rs), NUL-terminated for the driver.
+#[cfg(feature = "cuda")]
+const LION_PTX: ava_kernels::cuda::Ptx =
+    ava_kernels::cuda::Ptx::new("lion", concat!(include_str!(concat!(env!("OUT_DIR"), "/lion.ptx")), "\0"));
 
 /// `torch.sign`: −1, 0 or +1 (NaN stays NaN so a bad gradient is not hidden).
 fn sign(x: f32) -> f32 {
@@ -144,6 +205,50 @@ mod tests {
             assert!((w[i] - want_w2[i] as f32).abs() < 1e-6, "step 2 w[{i}] = {} want {}", w[i], want_w2[i]);
             assert!((m[i] - want_m2[i] as f32).abs() < 1e-7, "step 2 m[{i}] = {} want {}", m[i], want_m2[i]);
         }
+    }
+
+    #[test]
+    fn takes_cuda_buffers_only_when_built_with_cuda() {
+        let manifest = Lion::manifest();
+        assert!(manifest.runs_on(Device::Cpu));
+        assert_eq!(manifest.runs_on(Device::Cuda), cfg!(feature = "cuda"));
+    }
+
+    /// nvcc's output: the kernel is there, and no instruction rounds differently from the
+    /// CPU (a fused multiply-add, which `--fmad=false` forbids; an approximate division or
+    /// square root; a flush of subnormals to zero).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn the_ptx_has_the_kernel_and_only_the_cpus_rounding() {
+        let ptx = include_str!(concat!(env!("OUT_DIR"), "/lion.ptx"));
+        assert!(ptx.contains(".entry lion_step("), "no lion_step kernel in the PTX");
+        for line in ptx.lines().map(str::trim).filter(|l| !l.starts_with("//")) {
+            let op = line.split_whitespace().next().unwrap_or("");
+            let fused =
+                (op.starts_with("fma.") || op.starts_with("mad.")) && (op.ends_with("f32") || op.ends_with("f64"));
+            let inexact = op.contains(".approx") || op.contains(".ftz");
+            assert!(!fused && !inexact, "the PTX has '{line}': the GPU would not give the CPU's bits");
+        }
+    }
+
+    /// Wrong buffers are refused, naming the buffer, before anything touches a GPU (none here).
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn step_cuda_checks_the_buffers_first() {
+        let shape = [4u64];
+        let info = ParamInfo::new("w", &shape);
+        let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1 };
+        let stream = CudaStream { handle: 0, ordinal: 0 };
+        let buf = |len, dtype| CudaBuf { ptr: 0x1000, len, dtype, ordinal: 0 };
+        let f32s = buf(4, DType::F32);
+        let step = |w: &CudaBuf, g: &CudaBuf, state: &[CudaBuf]| {
+            Lion::default().step_cuda(&info, w, g, state, &ctx, &stream).unwrap_err().message.to_string()
+        };
+        assert_eq!(step(&f32s, &buf(3, DType::F32), &[f32s]), "grad has 3 f32 elements, expected 4 f32");
+        assert_eq!(step(&buf(4, DType::BF16), &f32s, &[f32s]), "values has 4 bf16 elements, expected 4 f32");
+        assert_eq!(step(&f32s, &f32s, &[buf(4, DType::U8)]), "exp_avg has 4 u8 elements, expected 4 f32");
+        assert_eq!(step(&f32s, &f32s, &[]), "lion expects 1 state buffer, got 0");
+        assert_eq!(step(&f32s, &f32s, &[f32s, f32s]), "lion expects 1 state buffer, got 2");
     }
 
     #[test]
