@@ -311,3 +311,41 @@ fn flash_in_bf16_and_the_step_inside_backward_resume_exactly_on_the_gpu() {
     ok(train_small(dir.path(), "inside-cpu", &f32_inside));
     follows(&dir.path().join("inside-gpu"), &dir.path().join("inside-cpu"), 0.01);
 }
+
+/// Out of device memory inside a step, the step backs off as on the host: tiny.yaml at a
+/// micro-batch of 32 (138 MiB by `ava estimate --device cuda`) under a 110 MiB hard limit
+/// runs out at step 1, retries the same samples as two micro-batches of 16 (72 MiB), and
+/// trains on; its losses follow a run of 16 × 2 from the start within 1% (f32).
+#[test]
+fn running_out_of_device_memory_backs_off_to_a_smaller_micro_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tiny.yaml"), include_str!("../../configs/tiny.yaml")).unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let out = format!("train.out_dir={name}");
+        let mut args = vec!["train", "-c", "tiny.yaml", "--set", &out, "--set", "train.device=cuda"];
+        args.extend(["--set", "train.precision=fp32", "--set", "train.log_every=1", "--max-steps", "6"]);
+        args.extend(extra);
+        ok(ava(dir.path(), &args));
+        dir.path().join(name)
+    };
+    let limited = run(
+        "limited",
+        &["--set", "train.micro_batch_size=32", "--set", "memory.hard_limit=110MiB", "--set", "memory.budget=0"],
+    );
+    let steps: Vec<serde_json::Value> = std::fs::read_to_string(limited.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["type"] == "step")
+        .collect();
+    assert_eq!(steps.len(), 6, "every step ran");
+    let backoffs = steps[0]["data"]["backoffs"].as_array().cloned().unwrap_or_default();
+    assert!(
+        backoffs.iter().any(|b| b["micro_batch"] == 32 && b["retry_micro_batch"] == 16),
+        "step 1 did not back off from 32 to 16: {}",
+        steps[0]
+    );
+    let reference =
+        run("reference", &["--set", "train.micro_batch_size=16", "--set", "train.gradient_accumulation_steps=2"]);
+    follows(&limited, &reference, 0.01);
+}

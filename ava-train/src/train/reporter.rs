@@ -79,14 +79,16 @@ pub struct SourceTokens {
     pub tokens: u64,
 }
 
-/// A step's attempt abandoned because an allocation crossed `memory.hard_limit`.
+/// A step's attempt abandoned because an allocation crossed `memory.hard_limit` (on a GPU:
+/// the device ran out of memory, under the limit's capped pool or on the whole card).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Backoff {
     /// The micro-batch of the abandoned attempt.
     pub micro_batch: usize,
     /// The micro-batch of the retry.
     pub retry_micro_batch: usize,
-    /// Bytes in use just after the allocation that crossed the limit.
+    /// Bytes in use just after the allocation that crossed the limit (on a GPU, in the
+    /// device pool once the failed allocation was refused).
     pub crossed_at: u64,
     /// Bytes in use before the attempt's first micro-step.
     pub held_before: u64,

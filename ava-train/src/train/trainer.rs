@@ -313,8 +313,26 @@ enum MicroSteps {
     /// All ran: the mean losses, and the most host memory the offload tier held for parked
     /// block inputs.
     Done { ce: f64, aux: f64, tier_peak: u64 },
-    /// One crossed the hard limit, with this many bytes in use.
-    OutOfMemory { at: u64 },
+    /// One crossed the hard limit, with this many bytes in use; on a GPU one ran out of
+    /// device memory (`device`: the driver's error), with this many bytes in the pool.
+    OutOfMemory { at: u64, device: Option<String> },
+}
+
+/// Bytes the run's allocations hold now: the device pool's on a GPU, the counting
+/// allocator's on the host.
+fn held_now(device: &Device) -> u64 {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(gpu) = device {
+        return memory::device::read(gpu).map_or(0, |m| m.used);
+    }
+    let _ = device;
+    memory::current()
+}
+
+/// Whether a failed forward or backward ran out of device memory (candle's CUDA allocation
+/// error): the step can back off as a crossed hard limit does on the host.
+fn is_device_oom(device: &Device, e: &candle_core::Error) -> bool {
+    device.is_cuda() && e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY")
 }
 
 /// What the micro-steps of a step run with.
@@ -329,7 +347,9 @@ struct MicroBatches<'a> {
 impl MicroBatches<'_> {
     /// Forward and backward of every micro-batch of the step's `batches` (each split into
     /// `split` pieces), the gradients going to `sink`; stops at the first micro-step during
-    /// which an allocation crossed the hard limit (the caller drops what it received).
+    /// which an allocation crossed the hard limit, or on a GPU failed for want of device
+    /// memory (the caller drops what it received; what the failed micro-step allocated is
+    /// freed as its tensors drop).
     fn run(
         &self,
         weights: &mut dyn Weights,
@@ -340,9 +360,10 @@ impl MicroBatches<'_> {
         let pieces = batches.len() * split;
         let (mut ce, mut aux, mut tier_peak) = (0.0, 0.0, 0);
         memory::take_crossed(); // a crossing before the micro-steps is not theirs
+        let device = self.model.device();
         for batch in batches {
-            for micro in split_batch(batch, split, &self.model.device())? {
-                let loss = forward_backward(
+            for micro in split_batch(batch, split, &device)? {
+                let loss = match forward_backward(
                     self.model,
                     weights,
                     &micro.tokens,
@@ -353,10 +374,16 @@ impl MicroBatches<'_> {
                     pieces as f64,
                     self.offload,
                     sink,
-                )
-                .map_err(TrainError::candle)?;
+                ) {
+                    Ok(loss) => loss,
+                    Err(e) if is_device_oom(&device, &e) => {
+                        drop(micro);
+                        return Ok(MicroSteps::OutOfMemory { at: held_now(&device), device: Some(e.to_string()) });
+                    }
+                    Err(e) => return Err(TrainError::candle(e)),
+                };
                 if let Some(at) = memory::take_crossed() {
-                    return Ok(MicroSteps::OutOfMemory { at });
+                    return Ok(MicroSteps::OutOfMemory { at, device: None });
                 }
                 ce += loss.ce / pieces as f64;
                 aux += loss.aux / pieces as f64;
@@ -1549,14 +1576,19 @@ impl Trainer {
                     return Err(failed(TrainError::NonFiniteInBackward { step, what }));
                 }
                 MicroSteps::Done { ce, aux, tier_peak } => (ce, aux, tier_peak, sumsq.sqrt(), true, 0),
-                MicroSteps::OutOfMemory { at } => {
+                MicroSteps::OutOfMemory { device: Some(detail), .. } => {
+                    let limit = self.device_limit.as_ref().map(crate::device::DeviceLimit::bytes);
+                    return Err(failed(TrainError::DeviceOutOfMemory { step: Some(step), limit, detail }));
+                }
+                MicroSteps::OutOfMemory { at, device: None } => {
                     let limit = if inject { held_before + 1 } else { self.hard_limit.unwrap_or(0) };
                     return Err(TrainError::OutOfMemoryInBackward { step, limit, at, saved: self.step });
                 }
             }
         } else {
+            let device = self.model.device();
             let (mut grads, ce, aux, parked_peak) = loop {
-                let held_before = memory::current();
+                let held_before = held_now(&device);
                 let inject = self.oom_at_step == Some(step);
                 if inject {
                     self.oom_at_step = None;
@@ -1600,23 +1632,35 @@ impl Trainer {
                         self.zero.mean(&mut losses)?;
                         break (grads, losses[0], losses[1], tier_peak);
                     }
-                    MicroSteps::OutOfMemory { at } => {
+                    MicroSteps::OutOfMemory { at, device: oom } => {
                         drop(grads);
                         let micro_batch = t.micro_batch_size / self.split;
                         let limit = if inject { held_before + 1 } else { self.hard_limit.unwrap_or(0) };
                         if !self.shrink_micro_batch() {
-                            return Err(TrainError::OutOfMemory { step, micro_batch, limit, at });
+                            return Err(match oom {
+                                // Out of device memory at a micro-batch of one: what to change.
+                                Some(detail) => TrainError::DeviceOutOfMemory {
+                                    step: Some(step),
+                                    limit: self.device_limit.as_ref().map(crate::device::DeviceLimit::bytes),
+                                    detail,
+                                },
+                                None => TrainError::OutOfMemory { step, micro_batch, limit, at },
+                            });
                         }
                         backoffs.push(Backoff {
                             micro_batch,
                             retry_micro_batch: t.micro_batch_size / self.split,
                             crossed_at: at,
                             held_before,
-                            held_after: memory::current(),
+                            held_after: held_now(&device),
                         });
                         // The step's peak is the attempt that ran (the crossing is in `backoffs`),
                         // so the memory policy does not shrink again for the abandoned one.
                         memory::reset_peak();
+                        #[cfg(feature = "cuda")]
+                        if let Device::Cuda(gpu) = &device {
+                            memory::device::reset_peak(gpu).map_err(TrainError::candle)?;
+                        }
                     }
                 }
             };
