@@ -169,10 +169,12 @@ fn step_records(run: &Path) -> Vec<serde_json::Value> {
 }
 
 /// `memory.hard_limit` caps the device memory the run's allocations may hold (a pool of
-/// that size made the device's current one). configs/tiny.yaml's step needs about 75 MiB
-/// (`ava estimate`) over about 7 MiB of weights, gradients and AdamW state: under 32 MiB the
-/// run is built, then its first step runs out of device memory, the message names the limit,
-/// and nothing of the run is saved (no checkpoint, no half-written one, no step logged).
+/// that size made the device's current one). configs/tiny.yaml at T = 1024 needs about 78 MiB
+/// a step even at a micro-batch of 1 (`ava estimate --device cuda`) over about 7 MiB of
+/// weights, gradients and AdamW state: under 32 MiB the run is built, then its first step
+/// runs out of device memory at every micro-batch it backs off to (16 down to 1), the
+/// message names the limit, and nothing of the run is saved (no checkpoint, no half-written
+/// one, no step logged).
 /// Under 2 GiB the same run trains, and every logged step's device peak (the capped pool's
 /// high-water mark) is above zero, so it is read from the pool the allocations come from, and
 /// within the limit. A limit past the card is refused by name before anything is trained, and
@@ -191,7 +193,7 @@ fn a_hard_limit_caps_the_device_memory() {
     };
 
     // tiny.yaml's budget (2 GiB) is over 32 MiB: 0 turns the budget (and its preflight) off.
-    let (out, small) = run("small", "32MiB", &["--set", "memory.budget=0"]);
+    let (out, small) = run("small", "32MiB", &["--set", "memory.budget=0", "--set", "data.seq_len=1024"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "a runtime failure:\n{stderr}");
     let said = "the GPU ran out of memory at step 1 under memory.hard_limit (32MiB), the most this run's device \
