@@ -87,23 +87,24 @@ fn the_tiny_config_on_the_gpu_follows_the_cpu_within_one_percent() {
 fn resume_on_the_gpu_continues_exactly() {
     let dir = tempfile::tempdir().unwrap();
     for (tag, extra) in [("f32", "train.precision=fp32"), ("none", "train.master_weights=none")] {
-        let (straight, split) = (format!("straight-{tag}"), format!("split-{tag}"));
-        let base = ["--set", "train.precision=bf16", "--set", extra];
-        ok(train_small(dir.path(), &straight, &on_gpu(&[&base[..], &["--max-steps", "6"]].concat())));
-        ok(train_small(dir.path(), &split, &on_gpu(&[&base[..], &["--max-steps", "6", "--steps", "3"]].concat())));
-        ok(train_small(
-            dir.path(),
-            &split,
-            &on_gpu(&[&base[..], &["--max-steps", "6", "--resume", "latest"]].concat()),
-        ));
-        let (a, b) = (dir.path().join(&straight), dir.path().join(&split));
-        for file in ["model.safetensors", "optimizer.safetensors"] {
-            let x = std::fs::read(checkpoint(&a, 6).join(file)).unwrap();
-            let y = std::fs::read(checkpoint(&b, 6).join(file)).unwrap();
-            assert!(x == y, "{tag}: {file} differs between the straight and the resumed run on the GPU");
-        }
-        assert_eq!(losses(&a), losses(&b), "{tag}: losses differ");
+        resumes_exactly(dir.path(), tag, &["--set", "train.precision=bf16", "--set", extra]);
     }
+}
+
+/// On the GPU with `base` settings, 6 steps straight and 3 + 3 in two processes give the same
+/// checkpoint bytes (weights and optimizer state) and losses.
+fn resumes_exactly(dir: &Path, tag: &str, base: &[&str]) {
+    let (straight, split) = (format!("straight-{tag}"), format!("split-{tag}"));
+    ok(train_small(dir, &straight, &on_gpu(&[base, &["--max-steps", "6"]].concat())));
+    ok(train_small(dir, &split, &on_gpu(&[base, &["--max-steps", "6", "--steps", "3"]].concat())));
+    ok(train_small(dir, &split, &on_gpu(&[base, &["--max-steps", "6", "--resume", "latest"]].concat())));
+    let (a, b) = (dir.join(&straight), dir.join(&split));
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let x = std::fs::read(checkpoint(&a, 6).join(file)).unwrap();
+        let y = std::fs::read(checkpoint(&b, 6).join(file)).unwrap();
+        assert!(x == y, "{tag}: {file} differs between the straight and the resumed run on the GPU");
+    }
+    assert_eq!(losses(&a), losses(&b), "{tag}: losses differ");
 }
 
 /// A checkpoint written on the GPU resumes on the CPU, and one of the CPU on the GPU: the
@@ -291,22 +292,7 @@ fn flash_in_bf16_and_the_step_inside_backward_resume_exactly_on_the_gpu() {
     ];
     let flash = ["--set", "plugins.attention=flash"];
     for (tag, extra) in [("flash", &flash[..]), ("inside", &inside[..])] {
-        let (straight, split) = (format!("straight-{tag}"), format!("split-{tag}"));
-        let base = [&["--set", "train.precision=bf16"][..], extra].concat();
-        ok(train_small(dir.path(), &straight, &on_gpu(&[&base[..], &["--max-steps", "6"]].concat())));
-        ok(train_small(dir.path(), &split, &on_gpu(&[&base[..], &["--max-steps", "6", "--steps", "3"]].concat())));
-        ok(train_small(
-            dir.path(),
-            &split,
-            &on_gpu(&[&base[..], &["--max-steps", "6", "--resume", "latest"]].concat()),
-        ));
-        let (a, b) = (dir.path().join(&straight), dir.path().join(&split));
-        for file in ["model.safetensors", "optimizer.safetensors"] {
-            let x = std::fs::read(checkpoint(&a, 6).join(file)).unwrap();
-            let y = std::fs::read(checkpoint(&b, 6).join(file)).unwrap();
-            assert!(x == y, "{tag}: {file} differs between the straight and the resumed run on the GPU");
-        }
-        assert_eq!(losses(&a), losses(&b), "{tag}: losses differ");
+        resumes_exactly(dir.path(), tag, &[&["--set", "train.precision=bf16"][..], extra].concat());
     }
     let f32_inside = [&["--set", "train.precision=fp32", "--max-steps", "6"][..], &inside[..]].concat();
     ok(train_small(dir.path(), "inside-gpu", &on_gpu(&f32_inside)));
