@@ -16,7 +16,8 @@
 //!
 //! Every file is compiled with this crate's `include/` on the include path, so kernels share
 //! `#include <ava/common.cuh>`: loads that widen bf16/f16 to f32, stores that round once,
-//! and block-wide sums and maxima in a fixed order.
+//! block-wide sums and maxima in a fixed order, and LLVM's `powi` (the optimizers' bias
+//! corrections, as Rust's `f64::powi` computes them).
 //!
 //! nvcc is `$NVCC`, else `$CUDA_ROOT/bin/nvcc`, else `nvcc` on PATH. The target is
 //! `compute_$CUDA_COMPUTE_CAP` (80 A100, 89 RTX 4090, 90 H100/H200), else the first GPU's as
@@ -69,7 +70,7 @@ pub fn ptx_with(source: &str, out_name: &str, flags: &[&str]) -> PathBuf {
     out
 }
 
-/// This crate's `include/`: `<ava/common.cuh>` (loads, stores, block reductions) for every
+/// This crate's `include/`: `<ava/common.cuh>` (loads, stores, block reductions, `powi`) for every
 /// kernel file.
 pub fn include_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("include")

@@ -8,21 +8,10 @@
 // a one-thread kernel advances it, in stream order, before (AdamW) or after (SGD, which reads
 // "first update" from it) the element kernel.
 
+#include <ava/common.cuh>
 #include <stdint.h>
 
-// LLVM's powi (compiler-rt __powidf2), which Rust's f64::powi calls: the same products in the
-// same order, so the bias corrections match the CPU's to the bit.
-__device__ double powi(double a, int b) {
-    const bool recip = b < 0;
-    double r = 1.0;
-    while (true) {
-        if (b & 1) r *= a;
-        b /= 2;
-        if (b == 0) break;
-        a *= a;
-    }
-    return recip ? 1.0 / r : r;
-}
+// powi: LLVM's, from ava/common.cuh (the CPU's f64::powi, bit for bit).
 
 // count[0] += 1, saturating. Launch: grid (1), block (1).
 extern "C" __global__ void count_update(unsigned int *count) {

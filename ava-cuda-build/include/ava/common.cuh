@@ -1,6 +1,6 @@
 // Device helpers every Ava kernel file shares (`#include <ava/common.cuh>`; ava-cuda-build
 // puts this directory on nvcc's include path): loads that widen the stored type to f32,
-// stores that round once to nearest (ties to even), and block-wide reductions.
+// stores that round once to nearest (ties to even), block-wide reductions, and LLVM's powi.
 
 #pragma once
 
@@ -19,6 +19,21 @@ template <typename T> __device__ __forceinline__ T store(float v);
 template <> __device__ __forceinline__ float store<float>(float v) { return v; }
 template <> __device__ __forceinline__ bf16 store<bf16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ f16 store<f16>(float v) { return __float2half_rn(v); }
+
+// LLVM's powi (compiler-rt __powidf2), which Rust's f64::powi calls: the same products in the
+// same order, so an optimizer's bias corrections match the CPU's to the bit (build with
+// --fmad=false, as the optimizer kernels are).
+__device__ inline double powi(double a, int b) {
+    const bool recip = b < 0;
+    double r = 1.0;
+    while (true) {
+        if (b & 1) r *= a;
+        b /= 2;
+        if (b == 0) break;
+        a *= a;
+    }
+    return recip ? 1.0 / r : r;
+}
 
 // The sum of `v` over the block, returned to every thread. blockDim.x a multiple of 32, at
 // most 1024; `scratch` holds 32 floats. Lanes and warps are added in a fixed order.

@@ -34,20 +34,7 @@
 // Elements per adam8_sumsq block: three levels of the tree (32 · 32 · 32).
 #define SUMSQ_SPAN 32768
 
-// LLVM's powi (compiler-rt __powidf2), which Rust's f64::powi calls: the same products in the
-// same order, so the bias corrections match the CPU's to the bit (as kernels/optim.cu of
-// ava-plugins does for adamw).
-__device__ double powi(double a, int b) {
-    const bool recip = b < 0;
-    double r = 1.0;
-    while (true) {
-        if (b & 1) r *= a;
-        b /= 2;
-        if (b == 0) break;
-        a *= a;
-    }
-    return recip ? 1.0 / r : r;
-}
+// powi: LLVM's, from ava/common.cuh (the CPU's f64::powi, bit for bit).
 
 // The step's constants from the updated count, as `Scalars::new` computes them: in f64, then
 // rounded to f32 once each.
