@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use ava_train::model::fused::{self, RopeTables};
-use ava_train::model::{RopeScaling, RopeSpec, ops};
+use ava_train::model::{RopeScaling, RopeSpec, head_loss, ops};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use half::{bf16, f16};
 
@@ -174,6 +174,23 @@ fn a_target_outside_the_vocabulary_is_an_error_on_the_gpu_too() {
     let logits = tensor(&data(2 * 10, 8, 1.0), &[2, 10], DType::F32, &gpu());
     let err = ops::cross_entropy(&logits, &[3, 10]).unwrap_err().to_string();
     assert!(err.contains("target token 10 is outside the vocabulary of 10"), "{err}");
+}
+
+/// The LM head and the loss in blocks of rows (`model::head_loss`): one block (dW from the
+/// linear layer's own backward), and several, whose dW cuBLAS adds into one f32 sum (f32
+/// output, beta = 1), a last block shorter than the others included; against the CPU.
+#[test]
+fn head_loss_in_blocks_matches_the_cpu() {
+    let (n, d, v) = (300, 64, 1000);
+    let targets: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % v as u32).collect();
+    for dtype in TYPES {
+        for rows in [n, 128, 100] {
+            let inputs = [(data(n * d, 11, 1.0), vec![n, d]), (data(v * d, 12, 0.2), vec![v, d])];
+            compare(&format!("head_loss ({n}, {d}) × ({v}, {d}) in blocks of {rows}"), &inputs, dtype, |t| {
+                head_loss(&t[0], &t[1], &targets, rows, 1)?.to_dtype(dtype)
+            });
+        }
+    }
 }
 
 #[test]

@@ -134,6 +134,7 @@ const TRAIN: &[Field] = &[
     Field { key: "precision", kind: Kind::OneOf(Precision::NAMES) },
     Field { key: "master_weights", kind: Kind::OneOf(MasterWeights::NAMES) },
     Field { key: "step_in_backward", kind: Kind::Bool },
+    Field { key: "loss_chunk_rows", kind: Kind::Int(0, 1 << 30) },
     Field { key: "nan_policy", kind: Kind::OneOf(NanPolicy::NAMES) },
     Field { key: "lr", kind: Kind::Float(0.0, 1e3) },
     Field { key: "min_lr", kind: Kind::Float(0.0, 1e3) },

@@ -222,6 +222,11 @@ pub struct TrainConfig {
     /// Step each parameter as soon as its gradient is final, inside backward, so the
     /// whole-model gradient buffer never exists.
     pub step_in_backward: bool,
+    /// Rows of the LM head and the cross-entropy computed at once (`model::head_loss`): the
+    /// (B·T, V) logits exist a block of this many rows at a time, in forward and again in
+    /// backward, instead of whole and kept for backward. 0: the logits whole, kept.
+    #[serde(default = "default_loss_chunk_rows")]
+    pub loss_chunk_rows: usize,
     /// What a step with a non-finite loss or gradient does.
     pub nan_policy: NanPolicy,
     /// Peak learning rate.
@@ -272,6 +277,10 @@ impl TrainConfig {
 
 fn default_sample_tokens() -> usize {
     64
+}
+
+fn default_loss_chunk_rows() -> usize {
+    crate::model::DEFAULT_LOSS_CHUNK_ROWS
 }
 
 /// The `train.loss_scale` section.

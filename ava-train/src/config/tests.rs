@@ -216,6 +216,27 @@ fn eval_batch_size_defaults_to_the_micro_batch_and_names_its_key() {
     );
 }
 
+/// `train.loss_chunk_rows` is 4096 by default (the model's default), 0 turns the blocks off,
+/// and a bad value is named by its key.
+#[test]
+fn loss_chunk_rows_defaults_to_the_models_and_names_its_key() {
+    let config = ConfigLoader::new().load().unwrap().into_config();
+    assert_eq!(config.train.loss_chunk_rows, crate::model::DEFAULT_LOSS_CHUNK_ROWS);
+    assert_eq!(config.train.loss_chunk_rows, 4096);
+    let config = ConfigLoader::new().set("train.loss_chunk_rows=0").load().unwrap().into_config();
+    assert_eq!(config.train.loss_chunk_rows, 0);
+    assert_eq!(
+        file_error("bad.yaml", "train:\n  loss_chunk_rows: -1\n"),
+        "<dir>/bad.yaml: 1 problem in the configuration:\n  \
+         - train.loss_chunk_rows: -1 is out of range: must be between 0 and 1073741824 [<dir>/bad.yaml]"
+    );
+    assert_eq!(
+        file_error("bad.yaml", "train:\n  loss_chunk_rows: all\n"),
+        "<dir>/bad.yaml: 1 problem in the configuration:\n  \
+         - train.loss_chunk_rows: expected an integer, got a string [<dir>/bad.yaml]"
+    );
+}
+
 #[test]
 fn golden_threshold_out_of_range() {
     assert_eq!(

@@ -135,6 +135,7 @@ pub(super) fn plan(
     let replay = replay_on(s.device, Replay::new(s.spec, s.batch, s.seq, dt(s.precision), kernels.saved))
         .with_saved_half(kernels.saved_size == 2)
         .with_workspace(kernels.workspace_lens[0], kernels.workspace_lens[1])
+        .with_loss_chunk_rows(s.config.train.loss_chunk_rows)
         .with_step(step);
     let calibration = Calibration { s, kernels, replay, outside, budget };
     match calibration.calibrate(target) {

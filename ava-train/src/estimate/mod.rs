@@ -387,7 +387,9 @@ pub struct MicroBatch {
 /// tokens in `precision`, under `plan` (one decision per block), on byte-counting shadow
 /// tensors. With `accumulating`, gradient accumulators from an earlier micro-batch are held
 /// and this micro-batch's gradients are added to them at the end (the additions count). The
-/// attention kernel runs with `threads` threads (its workspace depends on them).
+/// attention kernel runs with `threads` threads (its workspace depends on them); the loss
+/// computes the LM head `loss_chunk_rows` rows at a time (`train.loss_chunk_rows`, as
+/// `Model::with_loss_chunk_rows`; 0: the logits whole).
 #[allow(clippy::too_many_arguments)] // the step's shape, its plan and how it runs
 pub fn micro_batch(
     spec: &ModelSpec,
@@ -398,6 +400,7 @@ pub fn micro_batch(
     plan: &[BlockDecision],
     accumulating: bool,
     threads: usize,
+    loss_chunk_rows: usize,
 ) -> Result<MicroBatch, EstimateError> {
     if batch == 0 {
         return Err(EstimateError::Zero { key: "train.micro_batch_size" });
@@ -411,6 +414,7 @@ pub fn micro_batch(
     let peak = Replay::new(spec, batch, seq, dt(precision), saved)
         .with_saved_half(attention.saved_tolerates_half())
         .with_workspace(fwd, bwd)
+        .with_loss_chunk_rows(loss_chunk_rows)
         .forward_backward(plan, accumulating);
     Ok(MicroBatch {
         peak_bytes: peak.bytes,

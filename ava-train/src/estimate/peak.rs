@@ -152,7 +152,7 @@ fn activations(s: &Inputs<'_>, kernels: &Kernels, peak: &MicroBatchPeak) -> [Ter
         saved_buffers(kernels, peak),
         recomputed_inputs(x, peak),
         recomputed_block(peak),
-        head(x, !s.gpu(), peak),
+        head(x, !s.gpu(), s.config.train.loss_chunk_rows as u64, peak),
         backward(peak),
     ]
 }
@@ -207,10 +207,26 @@ fn recomputed_block(peak: &MicroBatchPeak) -> Term {
     activation(peak, Cat::Recompute, "activations of the block being recomputed", formula)
 }
 
-/// The head: the final norm (B, T, d), the logits (B, T, V) (and, `widened` on the host,
-/// their f32 copy in a half run: a GPU's cross-entropy reads them in their type), the loss's
-/// per-row values.
-fn head(x: &Dims, widened: bool, peak: &MicroBatchPeak) -> Term {
+/// The head. With `chunk_rows` 0: the final norm (B, T, d), the logits (B, T, V) (and,
+/// `widened` on the host, their f32 copy in a half run: a GPU's cross-entropy reads them in
+/// their type), the loss's per-row values, all kept for backward. In blocks of `chunk_rows`
+/// rows (`model::head_loss`): the final norm, and the logits and per-row values of one block
+/// while the head's forward computes them (the head's backward computes each block's logits
+/// and their gradient again: those count under backward).
+fn head(x: &Dims, widened: bool, chunk_rows: u64, peak: &MicroBatchPeak) -> Term {
+    if chunk_rows > 0 {
+        let rows = chunk_rows.min(x.n());
+        let formula = format!(
+            "norm B·T·d·p = {}·{}·{}, plus the loss's per-row values; the logits exist {rows}·V·p = {rows}·{}·{} at a \
+             time (train.loss_chunk_rows = {chunk_rows}), in the head's forward and, with their gradient, in its backward",
+            x.n(),
+            x.d,
+            x.p,
+            x.v,
+            x.p,
+        );
+        return activation(peak, Cat::Head, "head: final norm, loss (logits in blocks of rows)", formula);
+    }
     let widened = widened && x.cast();
     let formula = format!(
         "norm B·T·d·p + logits B·T·V·p{} = {}·{}·{} + {}·{}·{}{}, plus the loss's per-row values",

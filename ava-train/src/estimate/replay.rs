@@ -196,6 +196,9 @@ pub(crate) struct Replay<'a> {
     workspace: [u64; 2],
     /// How the optimizer steps the parameters (`train.master_weights`, `step_in_backward`).
     step: StepModel,
+    /// Rows of the LM head computed at once in the loss (`train.loss_chunk_rows`; 0: the
+    /// logits whole).
+    loss_chunk_rows: usize,
     /// The streamed parameters in the order the replay stepped them.
     stepped: std::cell::RefCell<Vec<usize>>,
     defs: Vec<ParamDef>,
@@ -269,6 +272,7 @@ impl<'a> Replay<'a> {
             saved_half: false,
             workspace: [0, 0],
             step: StepModel::default(),
+            loss_chunk_rows: crate::model::DEFAULT_LOSS_CHUNK_ROWS,
             stepped: Default::default(),
             defs,
             vars: RefCell::new(vars),
@@ -302,6 +306,14 @@ impl<'a> Replay<'a> {
     /// [`saved_tolerates_half`](ava_core::AttentionKernel::saved_tolerates_half)).
     pub(crate) fn with_saved_half(mut self, tolerates: bool) -> Self {
         self.saved_half = tolerates;
+        self
+    }
+
+    /// With the loss computing the LM head `rows` rows at a time (`train.loss_chunk_rows`; 0:
+    /// the logits whole, kept for backward); [`crate::model::DEFAULT_LOSS_CHUNK_ROWS`] otherwise,
+    /// as a built `Model`.
+    pub(crate) fn with_loss_chunk_rows(mut self, rows: usize) -> Self {
+        self.loss_chunk_rows = rows;
         self
     }
 
@@ -524,6 +536,35 @@ impl<'a> Replay<'a> {
         linear(&normed, &self.weights.borrow()[self.head], self.meter.on_gpu())
     }
 
+    /// `Model::head_loss`: the final norm, the LM head and the mean cross-entropy of (B, T, d),
+    /// an f32 scalar. Without blocks (`loss_chunk_rows` 0) the logits of [`head`](Self::head)
+    /// go whole into `ops::cross_entropy` (on the host widened to f32 first; a GPU's kernel
+    /// reads them in their type), and the graph keeps them. In blocks (`model::head_loss`):
+    /// each block's logits and per-row values on detached inputs, the logits freed, the values
+    /// concatenated and averaged, then the op that holds h and W ([`T::head_loss`]).
+    fn head_loss(&self, x: &T) -> T {
+        let gpu = self.meter.on_gpu();
+        if self.loss_chunk_rows == 0 {
+            let logits = self.head(x); // (B·T, V)
+            let wide = if gpu { logits } else { logits.to_dtype(Dt::F32) };
+            return wide.contiguous().cross_entropy_rows().sum_all().affine(1.0);
+        }
+        let (b, t, d) = (x.dims()[0], x.dims()[1], x.dims()[2]);
+        let normed = self.rms_norm(x, &self.weights.borrow()[self.final_norm]).reshape(&[b * t, d]); // (B·T, d)
+        let w = self.weights.borrow()[self.head].clone(); // (V, d)
+        let (hd, wd) = (normed.detach(), w.detach());
+        let value = {
+            let mut rows = Vec::new();
+            for (start, len) in crate::model::loss_blocks(b * t, self.loss_chunk_rows) {
+                let logits = linear(&hd.narrow(0, start, len), &wd, gpu); // (len, V)
+                rows.push(logits.contiguous().cross_entropy_rows()); // (len,) f32
+            }
+            let refs: Vec<&T> = rows.iter().collect();
+            sim::cat(&refs, 0).sum_all().affine(1.0)
+        };
+        T::head_loss(&normed, &w, value, self.loss_chunk_rows)
+    }
+
     /// Bytes a kept block adds to the graph (its activations, the kernel's saved buffer and its
     /// output), measured on a fresh input.
     pub(crate) fn block_activation_bytes(&self) -> u64 {
@@ -691,12 +732,7 @@ impl<'a> Replay<'a> {
         m.set_cat(Cat::Head);
         let outside = self.outside();
         self.fetch(&outside);
-        let logits = self.head(&current.end); // (B·T, V)
-        // `ops::cross_entropy`: on the host the logits are widened to f32 first; a GPU's
-        // kernel reads them in their own type.
-        let wide = if m.on_gpu() { logits.contiguous() } else { logits.to_dtype(Dt::F32).contiguous() };
-        let ce = wide.cross_entropy_rows().sum_all().affine(1.0);
-        drop(wide);
+        let ce = self.head_loss(&current.end);
         let mut loss = ce.clone();
         if let Some(aux) = &current.aux {
             loss = loss.add(&aux.to_dtype(Dt::F32).affine(1.0));
@@ -705,7 +741,7 @@ impl<'a> Replay<'a> {
         m.set_cat(Cat::Backward);
         let root = loss.affine(1.0);
         let store = backward(&root);
-        drop((root, loss, ce, logits));
+        drop((root, loss, ce));
         let mut grad_out = self.collect(&current.blocks, current.start.as_ref(), store, &mut accumulators);
         self.release(&outside.iter().copied().filter(|&i| i != 0).collect::<Vec<_>>());
         self.release_blocks(&current.blocks);

@@ -17,7 +17,8 @@
 //! attention op hands the kernel its inputs in their own type (no f32 copies) and keeps the
 //! saved buffer in f32; the cross-entropy reads the logits in their type and returns their
 //! gradient in it; RMSNorm's backward sums dw over blocks of 64 rows in one f32 buffer; the
-//! linear layer holds no f32 scratch (`replay`'s `linear`).
+//! linear layer holds no f32 scratch (`replay`'s `linear`); the chunked LM head's loss sums
+//! dW of several blocks in one f32 buffer through cuBLAS ([`T::head_loss`]).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -245,6 +246,10 @@ enum Op {
     Gather(T, T, usize),
     /// One of the engine's fused ops (`model::fused`) on its compute-type inputs.
     Fused(Fused, Vec<T>),
+    /// The LM head and the cross-entropy in blocks of rows (`model::head_loss`) on h (N, d)
+    /// and W (V, d): it holds a copy of the targets (host memory), the forward's value (a
+    /// scalar), and the rows per block.
+    HeadLoss(T, T, #[allow(dead_code)] Rc<Buf>, #[allow(dead_code)] T, usize), // held only to be counted
 }
 
 /// The engine's fused ops (`model::fused`).
@@ -298,6 +303,7 @@ impl Op {
             Op::Fused(Fused::SplitHeads, _) => "split-heads",
             Op::Fused(Fused::MergeHeads, _) => "merge-heads",
             Op::Fused(Fused::SwiGlu, _) => "swiglu",
+            Op::HeadLoss(..) => "lm head + cross-entropy (logits recomputed)",
         }
     }
 
@@ -305,7 +311,7 @@ impl Op {
     fn args(&self) -> Vec<&T> {
         match self {
             Op::Add(a, b) | Op::Sub(a, b) | Op::Mul(a, b) | Op::Div(a, b) | Op::Matmul(a, b) => vec![a, b],
-            Op::IndexSelect(a, b, _) | Op::Gather(a, b, _) => vec![a, b],
+            Op::IndexSelect(a, b, _) | Op::Gather(a, b, _) | Op::HeadLoss(a, b, ..) => vec![a, b],
             Op::Attention(a, b, c, _, _, _) | Op::IndexAdd(a, b, c, _) => vec![a, b, c],
             Op::Cat(args, _) | Op::Fused(_, args) => args.iter().collect(),
             // Affine with a zero factor would stop the walk; the model never uses one.
@@ -687,6 +693,18 @@ impl T {
         out
     }
 
+    /// `model::head_loss`'s op on h (N, d) and W (V, d), after its forward computed `value`
+    /// (the f32 scalar) block by block on detached inputs: the op holds a copy of the N
+    /// targets (host memory: not counted on a GPU) and the value, and returns a copy of the
+    /// value. Backward runs the blocks again (see [`backward`]).
+    pub(crate) fn head_loss(h: &T, w: &T, value: T, chunk_rows: usize) -> T {
+        let m = h.meter();
+        let n = h.0.dims[0] as u64;
+        let targets = if m.on_gpu() { raw(m, 0) } else { raw(m, n * 4) };
+        let op = T::op_if(&[h, w], || Op::HeadLoss(h.clone(), w.clone(), targets, value, chunk_rows));
+        h.out(vec![], Dt::F32, op)
+    }
+
     /// The attention op on contiguous q, k, v of one type: the output (q's shape and type)
     /// and the kernel's saved buffer of `saved_len` f32s (counted under [`Cat::AttnSaved`]),
     /// held by the op, in the half type when the inputs are half and `saved_half` (the
@@ -959,17 +977,20 @@ pub(crate) fn backward(root: &T) -> GradStore {
                 grads.accumulate(arg, |s| s.add(&arg_grad));
             }
             Op::CrossEntropy(arg, _) => {
-                // bwd: a copy of the logits (to_vec1), the (N, V) gradient; the copy is freed
-                // when bwd returns. On a GPU: the targets copied to the device for the call,
-                // the gradient in the logits' type.
-                let arg_grad = if meter.on_gpu() {
-                    let _targets = raw(&meter, arg.0.dims[0] as u64 * 4);
+                // `ops::cross_entropy_grad`: the (N, V) gradient in the logits' type, while
+                // the upstream gradients are read into a Vec on the host (N f32), or the
+                // targets are copied to the device on a GPU; both freed when it returns.
+                let arg_grad = {
+                    let _rows_or_targets = raw(&meter, arg.0.dims[0] as u64 * 4);
                     T::new(&meter, &arg.0.dims, arg.0.dtype)
-                } else {
-                    let _logits_copy = raw(&meter, arg.elem_count() * 4);
-                    T::new(&meter, &arg.0.dims, Dt::F32)
                 };
                 grads.accumulate(arg, |s| s.add(&arg_grad));
+            }
+            Op::HeadLoss(h, w, _, _, chunk_rows) => {
+                let (dh, dw) = head_loss_backward(&meter, h, w, *chunk_rows);
+                grads.accumulate(h, |s| s.add(&dh));
+                drop(dh);
+                grads.accumulate(w, |s| s.add(&dw));
             }
             Op::Attention(q, k, v, saved, workspace, _) if meter.on_gpu() => {
                 // `cuda_bwd`: zeroed gradients in the inputs' types, then the workspace for
@@ -1029,19 +1050,21 @@ pub(crate) fn backward(root: &T) -> GradStore {
             Op::Fused(kind, args) => {
                 // bwd returns a fresh gradient per input, in the input's type; RMSNorm also
                 // fills one f32 partial dw per task of 64 rows (with its Vec header) while dx
-                // is held; the half linear op holds its step scratch throughout, the weight's
-                // f32 copy while it computes dx, and dW's f32 accumulator while it computes
-                // and rounds dW.
+                // is held; the half linear op holds its step scratch while it computes dx and
+                // dW, the weight's f32 copy while it computes dx, and dW's f32 accumulator
+                // while it computes and rounds dW.
                 let arg_grads: Vec<T> = match *kind {
                     Fused::LinearHalf { scratch } => {
+                        // `linear_backward` (scratch and dW's f32 sum), then the sum rounded.
                         let (x, w) = (&args[0], &args[1]);
                         let scratch = raw(&meter, scratch * 4);
                         let wf = raw(&meter, w.elem_count() * 4);
                         let dx = T::new(&meter, &x.0.dims, x.0.dtype);
                         drop(wf);
                         let dw32 = raw(&meter, w.elem_count() * 4);
+                        drop(scratch);
                         let dw = T::new(&meter, &w.0.dims, w.0.dtype);
-                        drop((dw32, scratch));
+                        drop(dw32);
                         vec![dx, dw]
                     }
                     Fused::RmsNorm => {
@@ -1070,6 +1093,87 @@ pub(crate) fn backward(root: &T) -> GradStore {
     }
     meter.op.set("");
     grads
+}
+
+/// `model::head_loss`'s backward on the host or a GPU (the meter's): per block of rows, the
+/// logits again (`fused::linear` on detached inputs), their gradient in the compute type
+/// (`ops::cross_entropy_grad`, which reads the per-row upstream gradients into a Vec on the
+/// host, or copies them and the targets to the device), the logits freed, then dh by the
+/// linear layer's backward (`fused::linear_backward`: the half op's scratch and the weight's
+/// f32 copy on the host) while dW is added into one f32 sum; dh written into an (N, d) buffer
+/// when there are several blocks. Returns (dh, dW), dW the sum rounded into W's type (a GPU
+/// with one block computes dW in W's type directly).
+fn head_loss_backward(meter: &Rc<Meter>, h: &T, w: &T, chunk_rows: usize) -> (T, T) {
+    let (n, d, v) = (h.0.dims[0], h.0.dims[1], w.0.dims[0]);
+    let (dtype, gpu) = (h.0.dtype, meter.on_gpu());
+    let (hd, wd) = (h.detach(), w.detach());
+    let _per_row = T::new(meter, &[], Dt::F32); // g · (1/N)
+    let blocks = crate::model::loss_blocks(n, chunk_rows);
+    let several = blocks.len() > 1;
+    let dh_all = several.then(|| T::new(meter, &[n, d], dtype));
+    let mut dh_one = None;
+    let (mut sum, mut single) = (None, None);
+    for (start, len) in blocks {
+        let h_block = hd.narrow(0, start, len);
+        let kind = if dtype == Dt::Half && !gpu {
+            Fused::LinearHalf { scratch: crate::model::fused::half_scratch_len(len, d, v) as u64 }
+        } else {
+            Fused::Linear
+        };
+        let logits = T::fused(kind, &[&h_block, &wd], &[len, v]);
+        let dlogits = {
+            // The upstream gradients' Vec (host), or their contiguous copy and the targets'
+            // (device).
+            let staged = if gpu {
+                vec![raw(meter, len as u64 * 4), raw(meter, len as u64 * 4)]
+            } else {
+                vec![raw(meter, len as u64 * 4)]
+            };
+            let g = T::new(meter, &[len, v], dtype);
+            drop(staged);
+            g
+        };
+        drop(logits);
+        let dx = if gpu {
+            let dx = T::new(meter, &[len, d], dtype);
+            if several {
+                sum.get_or_insert_with(|| raw(meter, (v * d) as u64 * 4));
+            } else {
+                single = Some(T::new(meter, &[v, d], dtype));
+            }
+            dx
+        } else if let Fused::LinearHalf { scratch } = kind {
+            let scratch = raw(meter, scratch * 4);
+            let wf = raw(meter, (v * d) as u64 * 4);
+            let dx = T::new(meter, &[len, d], dtype);
+            drop(wf);
+            sum.get_or_insert_with(|| raw(meter, (v * d) as u64 * 4));
+            drop(scratch);
+            dx
+        } else {
+            let dx = T::new(meter, &[len, d], dtype);
+            sum.get_or_insert_with(|| raw(meter, (v * d) as u64 * 4));
+            dx
+        };
+        drop(dlogits);
+        if several {
+            drop(dx); // written into dh_all
+        } else {
+            dh_one = Some(dx);
+        }
+    }
+    let dw = match (single, sum) {
+        (Some(dw), _) => dw,
+        (None, Some(sum)) if dtype == Dt::F32 => T::wrap(vec![v, d], Dt::F32, sum),
+        (None, Some(sum)) => {
+            let dw = T::new(meter, &[v, d], dtype);
+            drop(sum);
+            dw
+        }
+        (None, None) => unreachable!("every block adds to dW"),
+    };
+    let dh = dh_all.or(dh_one).expect("one block at least");
+    (dh, dw)
 }
 
 #[cfg(test)]

@@ -213,7 +213,13 @@ fn a_gpu_estimate_lists_host_memory_apart() {
         checkpoint: checkpoint.as_ref(),
     };
     let estimate = |device: &str| {
-        let sets = [format!("train.device={device}"), "train.precision=bf16".into(), "train.micro_batch_size=2".into()];
+        // The logits whole (kept for backward), where the host's copy differs from the GPU's.
+        let sets = [
+            format!("train.device={device}"),
+            "train.precision=bf16".into(),
+            "train.micro_batch_size=2".into(),
+            "train.loss_chunk_rows=0".into(),
+        ];
         let config =
             crate::config::ConfigLoader::new().sets(sets.iter().map(String::as_str)).load().unwrap().into_config();
         super::estimate(&ModelSpec::from_config(&config.model).unwrap(), &config, &plugins).unwrap()
@@ -240,4 +246,36 @@ fn a_gpu_estimate_lists_host_memory_apart() {
     assert!(json["host"].as_array().is_some_and(|h| !h.is_empty()));
     assert!(gpu.render().contains("on cuda:1 (device memory)"));
     assert!(gpu.render().contains("host memory (not in the device peak)"));
+}
+
+/// The loss in blocks of rows (`train.loss_chunk_rows`): on the host and on a GPU, in f32 and
+/// bf16, a micro-batch whose logits dominate peaks lower with the logits in blocks than
+/// whole, lower again with smaller blocks (until the peak is elsewhere), and frees
+/// everything but its gradients.
+#[test]
+fn the_loss_in_blocks_of_rows_lowers_the_peak() {
+    // A vocabulary of 4096 on d 48: the logits (B·T·V) are 64 times a block's activations.
+    let s = ModelSpec { vocab: 4096, ..spec(2, None) };
+    let (b, t) = (4, 64); // 256 rows
+    let saved = (b * s.heads * t * t) as u64;
+    for (dt, gpu) in [(Dt::F32, false), (Dt::Half, false), (Dt::Half, true)] {
+        let peak = |rows: usize| {
+            let replay = Replay::new(&s, b, t, dt, saved);
+            let replay = if gpu { replay.on_gpu() } else { replay };
+            let replay = replay.with_loss_chunk_rows(rows);
+            let before = replay.meter().current();
+            let peak = replay.forward_backward(&[BlockDecision::Keep; 3], false);
+            assert_eq!(replay.meter().current(), before, "{dt:?} gpu {gpu} rows {rows}: all but the gradients freed");
+            peak.bytes
+        };
+        let (whole, one, four, sixteen) = (peak(0), peak(256), peak(64), peak(16));
+        let what = format!("{dt:?} gpu {gpu}: whole {whole}, one block {one}, 64 rows {four}, 16 rows {sixteen}");
+        println!("{what}");
+        assert!(one < whole && four < one && sixteen <= four, "{what}");
+        // The logits of 256 rows are 256·4096·p; in blocks of 16 the peak is lower by most
+        // of two of them (the kept logits and their gradient), less the f32 dW sum.
+        let p = if dt == Dt::F32 { 4 } else { 2 };
+        let logits = 256 * 4096 * p;
+        assert!(whole - sixteen > logits, "{what}");
+    }
 }

@@ -12,7 +12,8 @@ use candle_core::{D, DType, Device, Result as CResult, Tensor, Var};
 
 use super::attention::attention;
 use super::fused::{RopeTables, add, cast, linear, merge_heads, rms_norm, split_heads, swiglu_gate};
-use super::ops::softmax_last;
+use super::head_loss::head_loss;
+use super::ops::{cross_entropy, softmax_last};
 use super::spec::{BlockIndex, MlpIndex, ModelSpec, ParamDef, ParamIndex, ParamRole};
 use super::{Documents, ModelError, cerr};
 
@@ -56,6 +57,8 @@ pub struct Model {
     kernel: Arc<dyn AttentionKernel>,
     kernel_name: String,
     threads: usize,
+    /// Rows of the LM head computed at once in training's loss (0: the logits whole).
+    loss_chunk_rows: usize,
 }
 
 impl std::fmt::Debug for Model {
@@ -238,6 +241,7 @@ impl Model {
             kernel,
             kernel_name: kernel_name.to_string(),
             threads,
+            loss_chunk_rows: super::DEFAULT_LOSS_CHUNK_ROWS,
         })
     }
 
@@ -249,6 +253,19 @@ impl Model {
     /// The compute threads its ops split their work over.
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// The model with training's loss ([`head_loss`](Self::head_loss)) computing the LM head
+    /// `rows` rows at a time (`train.loss_chunk_rows`; 0: the logits whole, kept for
+    /// backward). Built models start at [`DEFAULT_LOSS_CHUNK_ROWS`](super::DEFAULT_LOSS_CHUNK_ROWS).
+    pub fn with_loss_chunk_rows(mut self, rows: usize) -> Self {
+        self.loss_chunk_rows = rows;
+        self
+    }
+
+    /// Rows of the LM head training's loss computes at once (0: all of them, kept).
+    pub fn loss_chunk_rows(&self) -> usize {
+        self.loss_chunk_rows
     }
 
     /// The parameters, in [`ModelSpec::params`] order.
@@ -378,6 +395,26 @@ impl Model {
         let _span = crate::profile::scope("forward: final norm + lm_head");
         let normed = rms_norm(x, &w[self.final_norm], self.spec.eps)?.reshape((b * t, d))?; // (B·T, d)
         linear(&normed, &w[self.head], self.threads) // (B·T, V)
+    }
+
+    /// Training's loss: the final norm, the LM head and the mean cross-entropy of (B, T, d)
+    /// against the B·T `targets` (f32 scalar). With a positive
+    /// [`loss_chunk_rows`](Self::loss_chunk_rows) the head and the loss run in blocks of that
+    /// many rows (`model::head_loss`), so the logits never exist whole, and backward computes
+    /// each block's again; with 0, or f64 weights (the gradient checks), the logits of
+    /// [`head`](Self::head) go whole into `ops::cross_entropy`, and the graph keeps them for
+    /// backward. The value and the gradients are the same bits either way, but for the
+    /// exceptions `model::head_loss` lists.
+    pub fn head_loss(&self, w: &[Tensor], x: &Tensor, targets: &[u32]) -> CResult<Tensor> {
+        if self.loss_chunk_rows == 0 || x.dtype() == DType::F64 {
+            return cross_entropy(&self.head(w, x)?, targets);
+        }
+        let (b, t, d) = x.dims3()?;
+        let normed = {
+            let _span = crate::profile::scope("forward: final norm");
+            rms_norm(x, &w[self.final_norm], self.spec.eps)?.reshape((b * t, d))? // (B·T, d)
+        };
+        head_loss(&normed, &w[self.head], targets, self.loss_chunk_rows, self.threads)
     }
 
     /// Plain forward pass: logits (B·T, V) and the summed load-balancing losses.

@@ -6,6 +6,7 @@ mod attention;
 mod documents;
 pub mod fused;
 mod generate;
+mod head_loss;
 mod hf;
 mod hf_config;
 mod llama;
@@ -22,6 +23,8 @@ use std::path::PathBuf;
 pub use attention::{attention, unsupported_packing};
 pub use documents::Documents;
 pub use generate::{Generator, Sampler, Sampling, Stop, argmax, generate};
+pub(crate) use head_loss::blocks as loss_blocks;
+pub use head_loss::{DEFAULT_LOSS_CHUNK_ROWS, head_loss};
 pub(crate) use hf::{dir_error, read_bounded};
 pub use hf::{
     load_hf_folder, save_hf_folder, save_hf_folder_with, tensor_spec, tensor_to_buffer, tensors_from_safetensors,

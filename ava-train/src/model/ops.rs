@@ -5,7 +5,13 @@
 //! written either from candle's differentiable primitives or as custom ops that implement
 //! `bwd` (tested against the composed forms and finite differences).
 
+use std::mem::MaybeUninit;
+
 use candle_core::{CpuStorage, CustomOp1, D, DType, Layout, Result, Shape, Tensor, bail};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::fused::{ROWS_PER_TASK, Stored, filled, values, with_values};
 
 /// RMSNorm over the last dimension: `x / sqrt(mean(x²) + ε) · w`, computed in f32 whatever
 /// the input type (as Hugging Face Llama does), returned in the input type.
@@ -81,7 +87,8 @@ impl Rope {
 ///
 /// A custom op: forward computes each row's `logsumexp − logit[target]` without keeping the
 /// softmax; backward recomputes the softmax from the logits it already holds and returns
-/// `(softmax − onehot) · grad`. The composed form would keep four N×V tensors alive.
+/// `(softmax − onehot) · grad` ([`cross_entropy_grad`]). The composed form would keep four
+/// N×V tensors alive.
 ///
 /// f64 logits (gradient checks) take the composed log-softmax path instead, in f64.
 pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
@@ -90,20 +97,93 @@ pub fn cross_entropy(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     }
     // On the GPU the kernel reads the logits in their own type and computes in f32, so no f32
     // copy of the (N, V) logits is made; on the CPU they are widened first.
-    let logits =
-        if logits.device().is_cuda() { logits.contiguous()? } else { logits.to_dtype(DType::F32)?.contiguous()? };
+    let logits = if logits.device().is_cuda() { logits.clone() } else { logits.to_dtype(DType::F32)? };
+    cross_entropy_rows(&logits, targets)?.mean_all()
+}
+
+/// Each row's cross-entropy `logsumexp − logit[target]`, (N,) f32, for logits (N, V) of f32,
+/// bf16 or f16, read in their own type (each element widened as it is read): the fused op of
+/// [`cross_entropy`], which keeps the logits for its backward when they are in a graph.
+pub(crate) fn cross_entropy_rows(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     let (n, _) = logits.dims2()?;
     if targets.len() != n {
         bail!("cross_entropy: {} targets for {n} rows", targets.len());
     }
+    let logits = logits.contiguous()?;
     let _span = crate::profile::scope("forward: cross-entropy");
-    let rows = logits.apply_op1(CrossEntropy { targets: targets.to_vec() })?; // (N,)
-    rows.mean_all()
+    logits.apply_op1(CrossEntropy { targets: targets.to_vec() }) // (N,)
+}
+
+/// The gradient of the rows' cross-entropy with respect to logits (N, V):
+/// `(softmax(row) − onehot(target)) · grad_rows[row]`, in the logits' type (f32, bf16 or
+/// f16), each element computed in f32 and rounded once. On the CPU a loop over the rows; on a
+/// GPU the kernel of `kernels/fused.cu`, the same math. `grad_rows` (N,) is the upstream
+/// gradient of each row's value (any layout).
+pub(crate) fn cross_entropy_grad(logits: &Tensor, targets: &[u32], grad_rows: &Tensor) -> Result<Tensor> {
+    let _span = crate::profile::scope("backward: cross-entropy");
+    let (n, v) = logits.dims2()?;
+    if targets.len() != n || grad_rows.dims() != [n] {
+        bail!("cross-entropy: {} targets and upstream gradients {:?} for {n} rows", targets.len(), grad_rows.dims());
+    }
+    #[cfg(feature = "cuda")]
+    if logits.device().is_cuda() {
+        return crate::model::fused::cross_entropy_bwd(logits, targets, grad_rows);
+    }
+    check_targets(targets, v)?;
+    let grad_rows = grad_rows.detach().to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    // Row by row on the threads (each row computed alone, so the bits do not depend on them).
+    fn rows<S: Stored<C = f32>>(logits: &[S], v: usize, targets: &[u32], grad_rows: &[f32]) -> Vec<S> {
+        let fill = |grad: &mut [MaybeUninit<S>]| {
+            // (Chunks of at least one element: no rows, or none of V, is no work.)
+            let rows = grad.par_chunks_exact_mut(v.max(1)).zip(logits.par_chunks_exact(v.max(1))).enumerate();
+            rows.with_min_len(ROWS_PER_TASK).for_each(|(i, (g, row))| {
+                let (max, lse) = log_sum_exp(row);
+                let scale = grad_rows[i];
+                let p = |x: S| ava_core::math::exp(x.load() - max - lse) * scale;
+                for (gj, &x) in g.iter_mut().zip(row) {
+                    gj.write(S::store(p(x)));
+                }
+                // The target's element again, less the scale, rounded once.
+                let t = targets[i] as usize;
+                g[t].write(S::store(p(row[t]) - scale));
+            });
+        };
+        // SAFETY: every row of V is written whole.
+        unsafe { filled(logits.len(), fill) } // (N, V)
+    }
+    let logits = logits.detach();
+    let grad = match logits.dtype() {
+        DType::F32 => Tensor::from_vec(
+            with_values(&logits, "cross-entropy", |l| Ok(rows::<f32>(l, v, targets, &grad_rows)))?,
+            (n, v),
+            logits.device(),
+        )?,
+        DType::BF16 => Tensor::from_vec(
+            with_values(&logits, "cross-entropy", |l| Ok(rows::<bf16>(l, v, targets, &grad_rows)))?,
+            (n, v),
+            logits.device(),
+        )?,
+        DType::F16 => Tensor::from_vec(
+            with_values(&logits, "cross-entropy", |l| Ok(rows::<f16>(l, v, targets, &grad_rows)))?,
+            (n, v),
+            logits.device(),
+        )?,
+        other => bail!("cross-entropy: logits of {other:?} (f32, bf16 or f16)"),
+    };
+    Ok(grad)
+}
+
+/// Fails unless every target is inside the vocabulary of `v`.
+fn check_targets(targets: &[u32], v: usize) -> Result<()> {
+    match targets.iter().find(|&&t| t as usize >= v) {
+        Some(t) => bail!("cross-entropy: target token {t} is outside the vocabulary of {v}"),
+        None => Ok(()),
+    }
 }
 
 /// Mean cross-entropy from differentiable primitives (log-softmax, gather): the reference
 /// for the fused op, and the f64 path.
-fn cross_entropy_composed(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+pub(crate) fn cross_entropy_composed(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     let max = logits.max_keepdim(D::Minus1)?.detach();
     let lse = (logits.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &max)?; // (N, 1)
     let logp = logits.broadcast_sub(&lse)?; // (N, V)
@@ -116,10 +196,11 @@ struct CrossEntropy {
     targets: Vec<u32>,
 }
 
-/// `row` is one row of logits; returns (max, log Σ exp(x − max)).
-fn log_sum_exp(row: &[f32]) -> (f32, f32) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f32 = row.iter().map(|&x| ava_core::math::exp(x - max)).sum();
+/// `row` is one row of logits; returns (max, log Σ exp(x − max)), in f32 (a half row
+/// widened as it is read).
+fn log_sum_exp<S: Stored<C = f32>>(row: &[S]) -> (f32, f32) {
+    let max = row.iter().map(|x| x.load()).fold(f32::NEG_INFINITY, f32::max);
+    let sum: f32 = row.iter().map(|x| ava_core::math::exp(x.load() - max)).sum();
     (max, sum.ln())
 }
 
@@ -130,18 +211,22 @@ impl CustomOp1 for CrossEntropy {
 
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, v) = layout.shape().dims2()?;
-        let Some((start, end)) = layout.contiguous_offsets() else { bail!("cross-entropy: logits not contiguous") };
-        let CpuStorage::F32(data) = storage else { bail!("cross-entropy: logits must be f32") };
-        let data = &data[start..end];
-        let mut out = Vec::with_capacity(n);
-        for (row, &t) in data.chunks_exact(v).zip(&self.targets) {
-            let t = t as usize;
-            if t >= v {
-                bail!("cross-entropy: target token {t} is outside the vocabulary of {v}");
-            }
-            let (max, lse) = log_sum_exp(row);
-            out.push(max + lse - row[t]);
+        check_targets(&self.targets, v)?;
+        // Row by row on the threads (each row computed alone).
+        fn rows<S: Stored<C = f32>>(data: &[S], v: usize, targets: &[u32]) -> Vec<f32> {
+            let rows = data.par_chunks_exact(v.max(1)).zip(targets.par_iter()).with_min_len(ROWS_PER_TASK);
+            rows.map(|(row, &t)| {
+                let (max, lse) = log_sum_exp(row);
+                max + lse - row[t as usize].load()
+            })
+            .collect()
         }
+        let out = match storage {
+            CpuStorage::F32(_) => rows::<f32>(values(storage, layout, "cross-entropy")?, v, &self.targets),
+            CpuStorage::BF16(_) => rows::<bf16>(values(storage, layout, "cross-entropy")?, v, &self.targets),
+            CpuStorage::F16(_) => rows::<f16>(values(storage, layout, "cross-entropy")?, v, &self.targets),
+            _ => bail!("cross-entropy: logits must be f32, bf16 or f16"),
+        };
         Ok((CpuStorage::F32(out), Shape::from(n)))
     }
 
@@ -156,24 +241,7 @@ impl CustomOp1 for CrossEntropy {
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
-        let _span = crate::profile::scope("backward: cross-entropy");
-        #[cfg(feature = "cuda")]
-        if arg.device().is_cuda() {
-            return Ok(Some(crate::model::fused::cross_entropy_bwd(arg, &self.targets, grad_res)?));
-        }
-        let (n, v) = arg.dims2()?;
-        let logits = arg.detach().contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let grad_rows = grad_res.detach().to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        let mut grad = vec![0f32; n * v]; // (N, V)
-        for (i, (row, g)) in logits.chunks_exact(v).zip(grad.chunks_exact_mut(v)).enumerate() {
-            let (max, lse) = log_sum_exp(row);
-            let scale = grad_rows[i];
-            for (gj, &x) in g.iter_mut().zip(row) {
-                *gj = ava_core::math::exp(x - max - lse) * scale;
-            }
-            g[self.targets[i] as usize] -= scale;
-        }
-        Ok(Some(Tensor::from_vec(grad, (n, v), arg.device())?))
+        Ok(Some(cross_entropy_grad(arg, &self.targets, grad_res)?))
     }
 }
 

@@ -19,7 +19,6 @@ use candle_core::{DType, Device, Result, Tensor, Var, backprop::GradStore};
 
 use super::Documents;
 use super::llama::{Model, add_opt};
-use super::ops::cross_entropy;
 
 /// A stretch of the forward graph between two recomputed blocks.
 struct Kept {
@@ -256,8 +255,10 @@ pub fn forward_backward(
     // The last stretch ends in the loss.
     let outside = model.outside_params();
     weights.fetch(model, outside)?;
-    let logits = model.head(weights.tensors(), &current.end)?; // (B·T, V)
-    let ce = cross_entropy(&logits, targets)?;
+    // The final norm, the LM head and the mean cross-entropy: with `train.loss_chunk_rows`
+    // the logits exist a block of rows at a time, here and in backward, and the graph holds
+    // only the normed hidden state; otherwise the graph keeps the (B·T, V) logits.
+    let ce = model.head_loss(weights.tensors(), &current.end, targets)?;
     let mut loss = ce.clone();
     if let Some(aux) = &current.aux {
         aux_total += aux.to_dtype(DType::F64)?.to_scalar::<f64>()?;
@@ -276,7 +277,7 @@ pub fn forward_backward(
     let span = crate::profile::scope("backward: autograd (all)");
     let store = loss.affine(scale / divisor, 0.0)?.backward()?;
     drop(span);
-    drop((loss, ce, logits));
+    drop((loss, ce));
     // Gradients go straight into the accumulators, stretch by stretch, so no second copy of
     // them is held. The additions happen in the same order whatever the plan: every
     // parameter belongs to one stretch, except a tied embedding, whose head use is always

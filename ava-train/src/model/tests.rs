@@ -227,6 +227,43 @@ fn recomputed_blocks_give_identical_gradients() {
     }
 }
 
+/// The loss with the LM head in blocks of rows (`train.loss_chunk_rows`) through the whole
+/// model, kept and recomputed blocks, tied embeddings (the head's use of the embedding is
+/// still collected before the embedding's own) and MoE: the loss and every gradient as with
+/// the logits whole, within f32 rounding (blocks of 5 and 2 of 12 rows: gemm is not asked
+/// for the same products, so exact bits are not promised; `head_loss`'s tests pin where they
+/// are), in f32 and bf16.
+#[test]
+fn the_loss_in_blocks_of_rows_gives_the_whole_logits_loss_and_gradients() {
+    use BlockDecision::*;
+    for (moe, tie) in [(None, false), (None, true), (Some(MoeSpec { experts: 3, top_k: 2, aux_weight: 0.1 }), false)] {
+        let s = ModelSpec { layers: 3, ..spec(moe, tie) };
+        let (whole, blocks) = (model(s.clone(), 5).with_loss_chunk_rows(0), model(s, 5).with_loss_chunk_rows(5));
+        let (tokens, targets) = batch(2, 6, 11, 3);
+        for (dtype, tolerance) in [(DType::F32, 1e-5), (DType::BF16, 1e-2)] {
+            for plan in [[Keep, Keep, Keep], [Recompute, Keep, Recompute]] {
+                let (want_loss, want) = grads_of(&whole, dtype, &tokens, &targets, &plan);
+                let (loss, grads) = grads_of(&blocks, dtype, &tokens, &targets, &plan);
+                let what = format!("{dtype:?} {plan:?}, moe {moe:?}, tied {tie}");
+                assert!(
+                    (loss.ce - want_loss.ce).abs() <= 1e-6 * want_loss.ce.abs(),
+                    "{what}: {loss:?} vs {want_loss:?}"
+                );
+                for (i, (g, w)) in grads.iter().zip(&want).enumerate() {
+                    let (g, w) = (values(g.as_ref().unwrap()), values(w.as_ref().unwrap()));
+                    let scale = w.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+                    let off = g.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+                    assert!(
+                        off <= tolerance,
+                        "{what}: {} off by {off} of its largest element",
+                        whole.params()[i].def.name
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Accumulates like [`Grads`] but asks for a stretch per block, and records the final
 /// counts it is told after each stretch.
 struct PerBlock {

@@ -883,7 +883,7 @@ impl Trainer {
         };
         // Built or loaded on the host (a checkpoint of any device loads the same way), then
         // moved to where it computes.
-        let model = model.to_device(&device)?;
+        let model = model.to_device(&device)?.with_loss_chunk_rows(config.train.loss_chunk_rows);
         // Where the state (and f32 masters) live: the share that is not `ram` streams
         // through the tier, placed as it is allocated (a 7B model's state never exists in
         // memory whole).

@@ -5,7 +5,9 @@
 //! this project's 2-core benchmark machine reached 1.35× its single-thread rate on the
 //! model's shapes; splitting the rows into one part per thread reached 1.9× (`ava bench
 //! train` reports the effect). Splitting by rows does not change any element's summation
-//! order, so the result is the same for every thread count (tested).
+//! order, so the result is the same for every thread count (tested), but for one case: a
+//! part of a single row (the last part can be one) goes to `gemm`'s matrix-vector kernel,
+//! which sums in another order.
 //!
 //! Backward: `dx = g W` (rows of x split) and `dW = gᵀ x` (rows of W split), both written
 //! directly in the layout of their input, so no transposed views or strided additions
@@ -28,6 +30,11 @@
 //! saves each weight's gradient a zero-filled transposed buffer, a strided addition into it
 //! and its transposed view's own accumulation, and the backward's time shows under
 //! "backward: linear" in a profile.
+//!
+//! The backward's math is also a function of its own, [`linear_backward`], for callers that
+//! run the product over blocks of rows and want one weight gradient: each call returns its
+//! rows' dx and adds its dW into a [`WeightGrad`], rounded once at the end. The op's own
+//! backward is one such call (the LM head's chunked loss, `model::head_loss`, makes several).
 
 use std::mem::MaybeUninit;
 
@@ -71,9 +78,20 @@ struct Linear {
 }
 
 /// Element types the op hands to `gemm` as they are.
-trait Gemm: WithDType {}
-impl Gemm for f32 {}
-impl Gemm for f64 {}
+trait Gemm: WithDType {
+    /// The host sum of dW of this type in a [`WeightGrad`].
+    fn sum(dw: &mut WeightGrad) -> &mut Option<Vec<Self>>;
+}
+impl Gemm for f32 {
+    fn sum(dw: &mut WeightGrad) -> &mut Option<Vec<f32>> {
+        &mut dw.f32
+    }
+}
+impl Gemm for f64 {
+    fn sum(dw: &mut WeightGrad) -> &mut Option<Vec<f64>> {
+        &mut dw.f64
+    }
+}
 
 /// A row-major matrix operand: where it starts and its strides (elements) along rows and
 /// columns.
@@ -108,6 +126,28 @@ fn matmul_into<T: Gemm>(
         let a_part = Operand { data: &a.data[i * rows * a.row_stride..], ..a };
         // SAFETY: `out` holds whole rows of n; gemm writes all of them (no accumulation).
         unsafe { gemm_call(out.as_mut_ptr().cast::<T>(), out.len() / n, n, k, a_part, b, false) }
+    });
+}
+
+/// `dst (m, n) += a (m, k) · b (k, n)`, the rows of dst split into `parts` single-threaded
+/// `gemm` calls as [`matmul`] splits them (so each element's sum is the same for any split).
+fn matmul_add<T: Gemm>(
+    dst: &mut [T],
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Operand<'_, T>,
+    b: Operand<'_, T>,
+    parts: usize,
+) {
+    if m == 0 || n == 0 || k == 0 {
+        return;
+    }
+    let rows = m.div_ceil(parts.min(m));
+    dst.par_chunks_mut(rows * n).enumerate().for_each(|(i, out)| {
+        let a_part = Operand { data: &a.data[i * rows * a.row_stride..], ..a };
+        // SAFETY: `out` is whole rows of n, initialized (the sum so far).
+        unsafe { gemm_call(out.as_mut_ptr(), out.len() / n, n, k, a_part, b, true) }
     });
 }
 
@@ -204,16 +244,28 @@ impl Linear {
         matmul(n_rows, out_dim, k, a, b, self.threads) // (N, out)
     }
 
-    /// (dx, dw) for x (N, in), w (out, in) and g (N, out).
-    fn bwd_values<T: Gemm>(&self, x: &[T], w: &[T], g: &[T], n_rows: usize, k: usize) -> (Vec<T>, Vec<T>) {
-        let out_dim = w.len() / k;
+    /// dx for x (N, in), w (out, in) and g (N, out); dW = gᵀ x is the sum's first value, or
+    /// is added into it.
+    fn bwd_values<T: Gemm>(
+        &self,
+        x: &[T],
+        w: &[T],
+        g: &[T],
+        n_rows: usize,
+        k: usize,
+        dw: &mut Option<Vec<T>>,
+    ) -> Vec<T> {
+        let out_dim = w.len() / k.max(1);
         let a = Operand { data: g, row_stride: out_dim, col_stride: 1 };
         let b = Operand { data: w, row_stride: k, col_stride: 1 };
         let dx = matmul(n_rows, k, out_dim, a, b, self.threads); // (N, in)
         let a = Operand { data: g, row_stride: 1, col_stride: out_dim }; // gᵀ: (out, N)
         let b = Operand { data: x, row_stride: k, col_stride: 1 };
-        let dw = matmul(out_dim, k, n_rows, a, b, self.threads); // (out, in)
-        (dx, dw)
+        match dw {
+            None => *dw = Some(matmul(out_dim, k, n_rows, a, b, self.threads)), // (out, in)
+            Some(sum) => matmul_add(sum, out_dim, k, n_rows, a, b, self.threads),
+        }
+        dx
     }
 
     /// `x Wᵀ` for half x and w through f32 scratch (see the module docs).
@@ -231,11 +283,21 @@ impl Linear {
         unsafe { super::filled(n_rows * out_dim, |y| stepped(y, x, k, out_dim, b, parts, &mut scratch)) } // (N, out)
     }
 
-    /// (dx, dw) for half x (N, in), w (out, in) and g (N, out) through f32 scratch.
-    fn bwd_half<S: Stored<C = f32>>(&self, x: &[S], w: &[S], g: &[S], n_rows: usize, k: usize) -> (Vec<S>, Vec<S>) {
+    /// dx for half x (N, in), w (out, in) and g (N, out) through f32 scratch; dW = gᵀ x is
+    /// added into its f32 sum (zeros when there is none yet).
+    fn bwd_half<S: Stored<C = f32>>(
+        &self,
+        x: &[S],
+        w: &[S],
+        g: &[S],
+        n_rows: usize,
+        k: usize,
+        dw: &mut Option<Vec<f32>>,
+    ) -> Vec<S> {
         let out_dim = w.len() / k.max(1);
         if n_rows == 0 || out_dim == 0 || k == 0 {
-            return (vec![S::store(0.0); n_rows * k], vec![S::store(0.0); w.len()]);
+            dw.get_or_insert_with(|| vec![0f32; w.len()]);
+            return vec![S::store(0.0); n_rows * k];
         }
         let mut scratch = vec![0f32; half_scratch_len(n_rows, k, out_dim)]; // (step rows, in + out)
         let mut wf = vec![0f32; w.len()]; // (out, in)
@@ -246,8 +308,11 @@ impl Linear {
         let dx = unsafe { super::filled(n_rows * k, |dx| stepped(dx, g, out_dim, k, b, parts, &mut scratch)) }; // (N, in)
         drop(wf);
         // dW = Σ over steps of g_stepᵀ x_step, accumulated in f32 in step order, the rows of
-        // dW split over the threads (which leaves each element's sum unchanged).
-        let mut dw32 = vec![0f32; w.len()]; // (out, in)
+        // dW split over the threads (which leaves each element's sum unchanged). Into the sum
+        // of earlier calls, if any: then from the first step on, as if this call's rows had
+        // been more steps of theirs.
+        let fresh = dw.is_none();
+        let dw32 = dw.get_or_insert_with(|| vec![0f32; w.len()]); // (out, in)
         let step_rows = STEP_ROWS.min(n_rows);
         let (gs, xs) = scratch.split_at_mut(step_rows * out_dim); // (step rows, out) and (step rows, in)
         let dw_rows = out_dim.div_ceil(self.threads.min(out_dim));
@@ -260,11 +325,10 @@ impl Linear {
                 let a = Operand { data: &gs[p * dw_rows..], row_stride: 1, col_stride: out_dim }; // gᵀ rows
                 let b = Operand { data: xs, row_stride: k, col_stride: 1 };
                 // SAFETY: `part` is whole rows of dW, initialized (zeros, then earlier steps).
-                unsafe { gemm_call(part.as_mut_ptr(), part.len() / k, k, rows, a, b, i > 0) };
+                unsafe { gemm_call(part.as_mut_ptr(), part.len() / k, k, rows, a, b, i > 0 || !fresh) };
             });
         }
-        let dw = dw32.iter().map(|&v| S::store(v)).collect(); // (out, in)
-        (dx, dw)
+        dx
     }
 }
 
@@ -311,36 +375,138 @@ impl CustomOp2 for Linear {
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let _span = crate::profile::scope("backward: linear");
-        if x.device().is_cuda() {
-            // Detached, so the products hold no graph of their own; both in the layout of
-            // their input.
-            let (x, w, g) = (x.detach(), w.detach(), g.to_dtype(x.dtype())?.detach());
-            let dx = g.matmul(&w)?; // (N, out) · (out, in) → (N, in)
-            let dw = g.t()?.matmul(&x)?; // (out, N) · (N, in) → (out, in)
-            return Ok((Some(dx), Some(dw)));
+        let mut dw = WeightGrad::new(1);
+        let dx = linear_backward(x, w, g, self.threads, &mut dw)?;
+        Ok((Some(dx), Some(dw.finish(w)?)))
+    }
+}
+
+/// The weight gradient of [`linear`] summed over the calls of [`linear_backward`] that add
+/// to it, in call order, and rounded once into the weight's type by [`finish`](Self::finish).
+///
+/// On the CPU the sum is f32 (f64 for f64 weights), and each call adds its product into it
+/// as the op's backward adds its steps of rows: for a half weight, calls on consecutive
+/// blocks of rows whose sizes are multiples of the op's step (1024 rows) give the bits of one
+/// call on all the rows; for an f32 weight the additions are grouped differently (each call
+/// is its own gemm sum, added to the sum), so the result differs by rounding. On a GPU a
+/// single call is the op's own backward (dW in the weight's type from cuBLAS); more calls add
+/// each product into an f32 buffer through cuBLAS (f32 output, beta = 1), so nothing is
+/// rounded per call and no per-call dW exists.
+pub(crate) struct WeightGrad {
+    /// The calls that will add to it.
+    calls: usize,
+    /// The host sum (f32, bf16 and f16 weights).
+    f32: Option<Vec<f32>>,
+    /// The host sum of f64 weights.
+    f64: Option<Vec<f64>>,
+    /// A single GPU call's dW, in the weight's type.
+    single: Option<Tensor>,
+    /// The GPU sum of several calls, f32.
+    #[cfg(feature = "cuda")]
+    device: Option<candle_core::cuda::cudarc::driver::CudaSlice<f32>>,
+}
+
+impl WeightGrad {
+    /// An empty sum for `calls` calls of [`linear_backward`].
+    pub(crate) fn new(calls: usize) -> Self {
+        Self {
+            calls,
+            f32: None,
+            f64: None,
+            single: None,
+            #[cfg(feature = "cuda")]
+            device: None,
         }
-        fn run<T: WithDType>(
-            x: &Tensor,
-            w: &Tensor,
-            g: &Tensor,
-            bwd: impl FnOnce(&[T], &[T], &[T], usize, usize) -> (Vec<T>, Vec<T>),
-        ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-            let (n_rows, k) = x.dims2()?;
-            let g = g.to_dtype(T::DTYPE)?;
-            let (dx, dw) = with_values::<T, _>(x, "linear", |xv| {
-                with_values::<T, _>(w, "linear", |wv| {
-                    with_values::<T, _>(&g, "linear", |gv| Ok(bwd(xv, wv, gv, n_rows, k)))
-                })
-            })?;
-            Ok((Some(Tensor::from_vec(dx, x.dims(), x.device())?), Some(Tensor::from_vec(dw, w.dims(), w.device())?)))
+    }
+
+    /// The sum as a tensor of `w`'s shape, type and device: the f32 sum rounded once into a
+    /// half type (to nearest, ties to even, as the op's backward rounds).
+    pub(crate) fn finish(self, w: &Tensor) -> Result<Tensor> {
+        let dims = w.dims();
+        if let Some(dw) = self.single {
+            return Ok(dw);
         }
-        match x.dtype() {
-            DType::F32 => run::<f32>(x, w, g, |x, w, g, n, k| self.bwd_values(x, w, g, n, k)),
-            DType::F64 => run::<f64>(x, w, g, |x, w, g, n, k| self.bwd_values(x, w, g, n, k)),
-            DType::BF16 => run::<bf16>(x, w, g, |x, w, g, n, k| self.bwd_half(x, w, g, n, k)),
-            DType::F16 => run::<f16>(x, w, g, |x, w, g, n, k| self.bwd_half(x, w, g, n, k)),
-            dt => bail!("linear: backward for {dt:?} is not supported"),
+        #[cfg(feature = "cuda")]
+        if let Some(sum) = self.device {
+            let dev = match w.device() {
+                candle_core::Device::Cuda(d) => d.clone(),
+                _ => bail!("linear: a GPU weight gradient for a weight that is not on the GPU"),
+            };
+            let sum = super::storage_tensor(candle_core::CudaStorage::wrap_cuda_slice(sum, dev), dims);
+            return sum.to_dtype(w.dtype());
         }
+        match (w.dtype(), self.f32, self.f64) {
+            (DType::F32, Some(sum), _) => Tensor::from_vec(sum, dims, w.device()),
+            (DType::F64, _, Some(sum)) => Tensor::from_vec(sum, dims, w.device()),
+            (DType::BF16, Some(sum), _) => Tensor::from_vec(round::<bf16>(&sum), dims, w.device()),
+            (DType::F16, Some(sum), _) => Tensor::from_vec(round::<f16>(&sum), dims, w.device()),
+            (dt, ..) => bail!("linear: no weight gradient of {dt:?} was summed"),
+        }
+    }
+}
+
+/// f32 values rounded into a half type.
+fn round<S: Stored<C = f32>>(sum: &[f32]) -> Vec<S> {
+    sum.iter().map(|&v| S::store(v)).collect()
+}
+
+/// The backward of [`linear`] for the output gradient `g` (N, out) of x (N, in) and
+/// w (out, in): returns dx = g W in x's type and adds dW = gᵀ x into `dw`, with the op's math
+/// on either device (its module docs). The op's own backward is one call; the chunked LM head
+/// makes one per block of rows.
+pub(crate) fn linear_backward(
+    x: &Tensor,
+    w: &Tensor,
+    g: &Tensor,
+    threads: usize,
+    dw: &mut WeightGrad,
+) -> Result<Tensor> {
+    let _span = crate::profile::scope("backward: linear");
+    if x.device().is_cuda() {
+        // Detached, so the products hold no graph of their own; both in the layout of
+        // their input.
+        let (x, w, g) = (x.detach(), w.detach(), g.to_dtype(x.dtype())?.detach());
+        let dx = g.matmul(&w)?; // (N, out) · (out, in) → (N, in)
+        if dw.calls <= 1 {
+            if dw.single.is_some() {
+                bail!("linear: a second call adds to a weight gradient made for one");
+            }
+            dw.single = Some(g.t()?.matmul(&x)?); // (out, N) · (N, in) → (out, in)
+            return Ok(dx);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let sum = match dw.device.take() {
+                Some(sum) => sum,
+                None => super::cuda::zeros_f32(&x, w.elem_count())?,
+            };
+            dw.device = Some(super::cuda::add_weight_grad(sum, &x, &g)?);
+            return Ok(dx);
+        }
+        #[cfg(not(feature = "cuda"))]
+        bail!("linear: a GPU tensor in a build without the cuda feature");
+    }
+    fn run<T: WithDType>(
+        x: &Tensor,
+        w: &Tensor,
+        g: &Tensor,
+        bwd: impl FnOnce(&[T], &[T], &[T], usize, usize) -> Vec<T>,
+    ) -> Result<Tensor> {
+        let (n_rows, k) = x.dims2()?;
+        let g = g.to_dtype(T::DTYPE)?;
+        let dx = with_values::<T, _>(x, "linear", |xv| {
+            with_values::<T, _>(w, "linear", |wv| {
+                with_values::<T, _>(&g, "linear", |gv| Ok(bwd(xv, wv, gv, n_rows, k)))
+            })
+        })?;
+        Tensor::from_vec(dx, x.dims(), x.device())
+    }
+    let op = Linear { threads: threads.max(1) };
+    match x.dtype() {
+        DType::F32 => run::<f32>(x, w, g, |x, w, g, n, k| op.bwd_values(x, w, g, n, k, f32::sum(dw))),
+        DType::F64 => run::<f64>(x, w, g, |x, w, g, n, k| op.bwd_values(x, w, g, n, k, f64::sum(dw))),
+        DType::BF16 => run::<bf16>(x, w, g, |x, w, g, n, k| op.bwd_half(x, w, g, n, k, &mut dw.f32)),
+        DType::F16 => run::<f16>(x, w, g, |x, w, g, n, k| op.bwd_half(x, w, g, n, k, &mut dw.f32)),
+        dt => bail!("linear: backward for {dt:?} is not supported"),
     }
 }

@@ -43,8 +43,8 @@ use candle_core::{CpuStorage, Layout, Result, Storage, Tensor, WithDType, bail};
 
 pub use convert::{add, cast};
 pub(crate) use convert::{rounded, widened};
-pub(crate) use linear::half_scratch_len;
 pub use linear::linear;
+pub(crate) use linear::{WeightGrad, half_scratch_len, linear_backward};
 pub use norm::rms_norm;
 pub use rope::{RopeTables, merge_heads, split_heads};
 pub(crate) use stored::{Stored, with_stored};
