@@ -112,15 +112,7 @@ impl Smem {
     fn backward_q(&self) -> u32 {
         let (br, bc) = (self.br, self.bc);
         if self.tc {
-            Self::carve(&[
-                self.tile(br),
-                self.tile(br),
-                self.tile(bc),
-                self.tile(bc),
-                self.probs(),
-                (256, 4),
-                (256, 4),
-            ])
+            Self::carve(&[self.tile(br), self.tile(br), self.tile(bc), self.tile(bc), self.probs(), (256, 4), (256, 4)])
         } else {
             Self::carve(&[
                 self.tile(br),
