@@ -152,10 +152,9 @@ fn the_policy_budget_is_raised_when_the_replay_shows_room() {
     assert!(e.contains("is not enough"), "{e}");
 }
 
-/// Packed documents add their ids to the data component: B·T·4 per queued batch and
-/// 3·B·T·4 for the batch in use (its ids, the step's ids and positions), nothing else.
-#[test]
-fn packed_documents_count_their_ids_as_data() {
+/// The estimate of the default config with `sets`, under the built-in adamw, standard
+/// attention and no checkpointing.
+fn estimate_with(sets: &[String]) -> super::Estimate {
     let registry = ava_plugins::Registry::builtins();
     let (optimizer, attention) =
         (registry.optimizer("adamw", "{}").unwrap(), registry.attention("standard", "{}").unwrap());
@@ -165,6 +164,14 @@ fn packed_documents_count_their_ids_as_data() {
         attention: attention.as_ref(),
         checkpoint: checkpoint.as_ref(),
     };
+    let config = crate::config::ConfigLoader::new().sets(sets.iter().map(String::as_str)).load().unwrap().into_config();
+    super::estimate(&ModelSpec::from_config(&config.model).unwrap(), &config, &plugins).unwrap()
+}
+
+/// Packed documents add their ids to the data component: B·T·4 per queued batch and
+/// 3·B·T·4 for the batch in use (its ids, the step's ids and positions), nothing else.
+#[test]
+fn packed_documents_count_their_ids_as_data() {
     let estimate = |packing: &str| {
         let sets = [
             format!("data.packing={packing}"),
@@ -173,9 +180,7 @@ fn packed_documents_count_their_ids_as_data() {
             "train.micro_batch_size=4".into(),
             "data.seq_len=64".into(),
         ];
-        let config =
-            crate::config::ConfigLoader::new().sets(sets.iter().map(String::as_str)).load().unwrap().into_config();
-        super::estimate(&ModelSpec::from_config(&config.model).unwrap(), &config, &plugins).unwrap()
+        estimate_with(&sets)
     };
     let data = |e: &super::Estimate| -> u64 {
         e.terms.iter().filter(|t| t.component == super::Component::Data).map(|t| t.bytes).sum()
@@ -203,15 +208,6 @@ fn a_gpu_replay_frees_all_but_the_gradients() {
 /// queue, batch and tables are listed apart and left out of the peak.
 #[test]
 fn a_gpu_estimate_lists_host_memory_apart() {
-    let registry = ava_plugins::Registry::builtins();
-    let (optimizer, attention) =
-        (registry.optimizer("adamw", "{}").unwrap(), registry.attention("standard", "{}").unwrap());
-    let checkpoint = registry.checkpoint("none", "{}").unwrap();
-    let plugins = super::Plugins {
-        optimizer: optimizer.as_ref(),
-        attention: attention.as_ref(),
-        checkpoint: checkpoint.as_ref(),
-    };
     let estimate = |device: &str| {
         // The logits whole (kept for backward), where the host's copy differs from the GPU's.
         let sets = [
@@ -220,9 +216,7 @@ fn a_gpu_estimate_lists_host_memory_apart() {
             "train.micro_batch_size=2".into(),
             "train.loss_chunk_rows=0".into(),
         ];
-        let config =
-            crate::config::ConfigLoader::new().sets(sets.iter().map(String::as_str)).load().unwrap().into_config();
-        super::estimate(&ModelSpec::from_config(&config.model).unwrap(), &config, &plugins).unwrap()
+        estimate_with(&sets)
     };
     let (cpu, gpu) = (estimate("cpu"), estimate("cuda:1"));
     let names = |e: &super::Estimate| e.terms.iter().map(|t| t.name.clone()).collect::<Vec<_>>();
