@@ -301,6 +301,12 @@ macro_rules! boxed_from {
 }
 boxed_from!(Data: crate::data::DataError, Model: crate::model::ModelError, Save: crate::save::SaveError, Host: ava_plugins::HostError);
 
+/// Whether an error's text is a CUDA allocation that failed for want of device memory
+/// (cudarc's `CUDA_ERROR_OUT_OF_MEMORY`, wherever candle or a plugin passed it on).
+pub(crate) fn says_out_of_device_memory(text: &str) -> bool {
+    text.contains("CUDA_ERROR_OUT_OF_MEMORY")
+}
+
 impl TrainError {
     /// `e` as [`TrainError::DeviceOutOfMemory`] when a CUDA allocation failed inside it
     /// (cudarc's `CUDA_ERROR_OUT_OF_MEMORY`, however deep in the step, or in building the run
@@ -308,11 +314,7 @@ impl TrainError {
     /// set; otherwise `e`.
     pub(crate) fn device_out_of_memory(step: Option<u64>, limit: Option<u64>, e: TrainError) -> TrainError {
         let text = e.to_string();
-        if text.contains("CUDA_ERROR_OUT_OF_MEMORY") {
-            TrainError::DeviceOutOfMemory { step, limit, detail: text }
-        } else {
-            e
-        }
+        if says_out_of_device_memory(&text) { TrainError::DeviceOutOfMemory { step, limit, detail: text } } else { e }
     }
 
     pub(crate) fn candle(e: candle_core::Error) -> Self {

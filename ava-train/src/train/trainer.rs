@@ -332,7 +332,19 @@ fn held_now(device: &Device) -> u64 {
 /// Whether a failed forward or backward ran out of device memory (candle's CUDA allocation
 /// error): the step can back off as a crossed hard limit does on the host.
 fn is_device_oom(device: &Device, e: &candle_core::Error) -> bool {
-    device.is_cuda() && e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY")
+    device.is_cuda() && super::says_out_of_device_memory(&e.to_string())
+}
+
+/// Starts a new high-water mark of the memory the step holds: the counting allocator's, and
+/// on a GPU the device pool's.
+fn reset_step_peak(device: &Device) -> Result<(), TrainError> {
+    memory::reset_peak();
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(gpu) = device {
+        memory::device::reset_peak(gpu).map_err(TrainError::candle)?;
+    }
+    let _ = device;
+    Ok(())
 }
 
 /// What the micro-steps of a step run with.
@@ -377,7 +389,6 @@ impl MicroBatches<'_> {
                 ) {
                     Ok(loss) => loss,
                     Err(e) if is_device_oom(&device, &e) => {
-                        drop(micro);
                         return Ok(MicroSteps::OutOfMemory { at: held_now(&device), device: Some(e.to_string()) });
                     }
                     Err(e) => return Err(TrainError::candle(e)),
@@ -1519,11 +1530,7 @@ impl Trainer {
             tier.arm((self.model.params().len() / 2) as u64);
         }
         let baseline = memory::current();
-        memory::reset_peak();
-        #[cfg(feature = "cuda")]
-        if let Device::Cuda(gpu) = self.model.device() {
-            memory::device::reset_peak(&gpu).map_err(TrainError::candle)?;
-        }
+        reset_step_peak(&self.model.device())?;
 
         // Stage 3 gathers each block's weights as forward and backward reach it.
         let mut weights = self.step_weights(false)?;
@@ -1656,11 +1663,7 @@ impl Trainer {
                         });
                         // The step's peak is the attempt that ran (the crossing is in `backoffs`),
                         // so the memory policy does not shrink again for the abandoned one.
-                        memory::reset_peak();
-                        #[cfg(feature = "cuda")]
-                        if let Device::Cuda(gpu) = &device {
-                            memory::device::reset_peak(gpu).map_err(TrainError::candle)?;
-                        }
+                        reset_step_peak(&device)?;
                     }
                 }
             };
