@@ -6,7 +6,8 @@
 //! how to build one. A `cuda` build opens the device through candle (cudarc loads the driver
 //! at run time), so a machine without a GPU or driver, or an ordinal past the last GPU, is an
 //! error naming the key. Then [`check_run`] refuses, all at once and by name, what a GPU run
-//! does not do yet (several ranks, host-side master weights, streamed optimizer state) and
+//! does not do yet (several ranks, host-side master weights, state streamed through a tier
+//! plugin; state in page-locked host memory, offload.tiers' `ram` share, it does) and
 //! the selected plugins that take no device buffers: Ava never copies to the host behind the
 //! user's back.
 //!
@@ -205,12 +206,16 @@ fn check(config: &Config, world: usize, registry: Option<&ava_plugins::Registry>
             config.train.precision.as_str()
         ));
     }
-    if config.offload.tiers.offloaded().is_some() {
-        problems.push(
-            "offload.tiers streams optimizer state through a tier, which a GPU run does not do yet; set \
-             offload.tiers: [ram: 100%] (the state then lives in device memory)"
-                .into(),
-        );
+    if let Some(tier) = config.offload.tiers.offloaded() {
+        let pinned = (1.0 - config.offload.tiers.resident(true)) * 100.0;
+        problems.push(format!(
+            "offload.tiers streams optimizer state through the tier '{}', which a GPU run does not do yet; stream it \
+             from page-locked host memory instead (offload.tiers: [device: {}%, ram: {}%]), or keep it in device \
+             memory (offload.tiers: [device: 100%])",
+            tier.name,
+            ((100.0 - pinned) * 1e4).round() / 1e4,
+            (pinned * 1e4).round() / 1e4,
+        ));
     }
     let selected = [
         (PluginKind::Optimizer, config.plugins.optimizer.name.as_str()),

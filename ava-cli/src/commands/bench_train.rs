@@ -314,6 +314,23 @@ fn gpu_matmul_tflops(device: &Device) -> Result<Vec<f64>, candle_core::Error> {
     Ok(tflops)
 }
 
+/// What streaming the optimizer state through the GPU cost in the last measured step: the
+/// bytes each way, the copies' own time and rate, and how much of it compute hid.
+fn stream_line(st: &ava_train::train::StreamStats) -> String {
+    let moved = (st.read_bytes + st.written_bytes) as f64;
+    let rate = if st.copy_seconds > 0.0 { moved / st.copy_seconds / 1e9 } else { 0.0 };
+    let hidden = if st.copy_seconds > 0.0 { 1.0 - (st.wait_seconds / st.copy_seconds).min(1.0) } else { 1.0 };
+    format!(
+        "state streamed     {} up, {} back in the last step; copies {:.1} ms on their streams ({rate:.1} GB/s), \
+         compute waited {:.1} ms for them ({:.0}% of the copy time hidden)",
+        size(st.read_bytes),
+        size(st.written_bytes),
+        1e3 * st.copy_seconds,
+        1e3 * st.wait_seconds,
+        100.0 * hidden
+    )
+}
+
 /// The measured steps on a GPU (see the module's documentation).
 fn gpu_bench(
     p: &Printer,
@@ -382,6 +399,9 @@ fn gpu_bench(
                 size(m.activations)
             ),
         ];
+        if let Some(st) = &last.stream {
+            lines.push(stream_line(st));
+        }
         if let Some(d) = &last.device_memory {
             lines.push(format!(
                 "card in use        {} of {} (cuMemGetInfo after the last step: the pool's reserve, the CUDA \
@@ -420,6 +440,7 @@ fn gpu_bench(
             "mfu_vs_matmul": mfu_matmul,
             "memory": m,
             "device_memory": last.device_memory,
+            "stream": last.stream,
             "profiled_steps": PROFILED_STEPS,
             "profiled_step_seconds": profiled_seconds,
             "profile": ops.iter().map(|(n, s, f)| json!({"scope": n, "seconds_per_step": s, "share": f})).collect::<Vec<_>>(),
@@ -441,7 +462,7 @@ struct Mode {
 fn modes(offload: Option<&OffloadArg>) -> Vec<Mode> {
     let mode = |label: &str, sets: &[&str]| Mode {
         label: label.to_string(),
-        sets: sets.iter().map(|s| s.to_string()).chain(["offload.tiers=[ram: 100%]".to_string()]).collect(),
+        sets: sets.iter().map(|s| s.to_string()).chain(["offload.tiers=[device: 100%]".to_string()]).collect(),
         in_memory: None,
     };
     let bf16 = "train.precision=bf16";

@@ -49,7 +49,7 @@ pub fn run(p: &Printer, kind: &str, name: &str, config: Option<std::path::PathBu
     let also = match &tiers {
         Some(TiersEdit::Set(value)) => format!(
             "\nset offload.tiers: {} too: the optimizer state streams through {name} (keep a share in memory with \
-             offload.tiers: [ram: 50%, {name}: 50%])",
+             offload.tiers: [device: 50%, {name}: 50%])",
             ava_train::config::yaml_flow(value)
         ),
         Some(TiersEdit::Lossy) => format!(

@@ -321,8 +321,9 @@ pub struct MemoryConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OffloadConfig {
-    /// The optimizer state's placement by fraction of its bytes: `ram` (kept in memory) and
-    /// the tier `plugins.offload` names.
+    /// The optimizer state's placement by fraction of its bytes: `device` (the memory the run
+    /// computes in), `ram` (host memory: on a GPU run page-locked, streamed through the device)
+    /// and the tier `plugins.offload` names ([`Tiers`]).
     pub tiers: Tiers,
     /// Parameters whose offloaded state is read ahead while the optimizer steps another.
     pub prefetch: usize,
@@ -459,31 +460,62 @@ fn percent(f: f64) -> String {
     if (pct - pct.round()).abs() < 1e-9 { format!("{}%", pct.round()) } else { format!("{pct}%") }
 }
 
-/// One share of the optimizer state: a tier's name and the fraction of the bytes it holds.
+/// One share of the optimizer state: a place's or a tier's name and the fraction of the
+/// bytes it holds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TierShare {
-    /// `ram`, or the name of the offload tier in `plugins.offload`.
+    /// [`Tiers::DEVICE`], [`Tiers::RAM`], or the name of the offload tier in
+    /// `plugins.offload`.
     pub name: String,
     /// In [0, 1].
     pub fraction: f64,
 }
 
-/// `[ram: 60%, nvme: 40%]`: shares that add up to 100%.
+/// `[device: 60%, nvme: 40%]`: shares that add up to 100%. Two names are places rather than
+/// tiers: `device`, the memory the run computes in, and `ram`, host memory. On a CPU run they
+/// are the same memory; on a GPU run the `ram` share lives in page-locked host memory and
+/// streams through the device each step. Any other name is the tier `plugins.offload`
+/// selects.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tiers(pub Vec<TierShare>);
 
 impl Tiers {
     /// What a config's `offload.tiers` must look like, for messages.
-    pub const EXPECTED: &str = "expected a list of tier shares such as [ram: 60%, nvme: 40%]";
+    pub const EXPECTED: &str = "expected a list of tier shares such as [device: 60%, nvme: 40%]";
+    /// The memory the run computes in: host RAM on a CPU run, the GPU's on a GPU run.
+    pub const DEVICE: &str = "device";
+    /// Host memory: on a GPU run, page-locked and streamed through the device each step.
+    pub const RAM: &str = "ram";
 
-    /// The fraction of the optimizer state kept in memory (the `ram` share).
-    pub fn in_ram(&self) -> f64 {
-        self.0.iter().filter(|t| t.name == "ram").map(|t| t.fraction).sum()
+    /// All of the state where the run computes (the default).
+    pub fn on_device() -> Self {
+        Self(vec![TierShare { name: Self::DEVICE.into(), fraction: 1.0 }])
     }
 
-    /// The tier the rest streams through, with its share, if any share is not `ram`.
+    /// Whether `name` is a place (`device`, `ram`) rather than a tier.
+    pub fn is_place(name: &str) -> bool {
+        name == Self::DEVICE || name == Self::RAM
+    }
+
+    fn share(&self, name: &str) -> f64 {
+        self.0.iter().filter(|t| t.name == name).map(|t| t.fraction).sum()
+    }
+
+    /// The fraction of the state kept in the memory the run computes in: the `device`
+    /// share, and on a CPU run (`gpu` false) the `ram` share too, which is the same memory.
+    pub fn resident(&self, gpu: bool) -> f64 {
+        if gpu { self.share(Self::DEVICE) } else { self.share(Self::DEVICE) + self.share(Self::RAM) }
+    }
+
+    /// The fraction a GPU run keeps in page-locked host memory and streams through the
+    /// device each step (its `ram` share); 0 on a CPU run.
+    pub fn pinned(&self, gpu: bool) -> f64 {
+        if gpu { self.share(Self::RAM) } else { 0.0 }
+    }
+
+    /// The tier the rest streams through, with its share, if any share is not a place.
     pub fn offloaded(&self) -> Option<&TierShare> {
-        self.0.iter().find(|t| t.name != "ram" && t.fraction > 0.0)
+        self.0.iter().find(|t| !Self::is_place(&t.name) && t.fraction > 0.0)
     }
 
     /// Reads the list from its config value; the error says what is wrong with it.
@@ -496,10 +528,11 @@ impl Tiers {
             .into_iter()
             .map(|(name, fraction)| TierShare { name, fraction })
             .collect();
-        let others: Vec<&str> = shares.iter().filter(|s| s.name != "ram").map(|s| s.name.as_str()).collect();
+        let others: Vec<&str> = shares.iter().filter(|s| !Self::is_place(&s.name)).map(|s| s.name.as_str()).collect();
         if others.len() > 1 {
             return Err(format!(
-                "{} offload tiers named ({}): the state splits between ram and the one tier plugins.offload selects",
+                "{} offload tiers named ({}): the state splits between device, ram and the one tier \
+                 plugins.offload selects",
                 others.len(),
                 others.join(", ")
             ));

@@ -91,7 +91,7 @@ fn defaults_load_and_are_complete() {
         checkpoints: defaults.checkpoints.clone(),
         memory: defaults.memory.clone(),
         offload: super::OffloadConfig {
-            tiers: super::Tiers(vec![super::TierShare { name: "ram".into(), fraction: 1.0 }]),
+            tiers: super::Tiers(vec![super::TierShare { name: "device".into(), fraction: 1.0 }]),
             prefetch: 2,
         },
         distributed: super::DistributedConfig { zero_stage: 0, bucket_size: super::ByteSize(25 << 20) },
@@ -979,7 +979,14 @@ fn toml_removal_keeps_comments_above_the_key() {
 fn offload_tiers_are_read_and_checked() {
     let load = |tiers: &str| ConfigLoader::new().sets([format!("offload.tiers={tiers}").as_str()]).load();
     let c = load("[ram: 60%, nvme: 40%]").unwrap().into_config();
-    assert_eq!(c.offload.tiers.in_ram(), 0.6);
+    assert_eq!((c.offload.tiers.resident(false), c.offload.tiers.resident(true)), (0.6, 0.0));
+    assert_eq!((c.offload.tiers.pinned(false), c.offload.tiers.pinned(true)), (0.0, 0.6));
+    // `device` and `ram` are places: on a CPU run one memory, on a GPU run the GPU's and the
+    // host's; neither is a tier.
+    let places = load("[device: 30%, ram: 50%, nvme: 20%]").unwrap().into_config().offload.tiers;
+    assert_eq!((places.resident(false), places.resident(true), places.pinned(true)), (0.8, 0.3, 0.5));
+    assert_eq!(places.offloaded().map(|t| t.name.as_str()), Some("nvme"));
+    assert_eq!(Config::default().offload.tiers, crate::config::Tiers::on_device());
     let streamed = c.offload.tiers.offloaded().unwrap();
     assert_eq!((streamed.name.as_str(), streamed.fraction), ("nvme", 0.4));
     assert_eq!(serde_json::to_value(&c.offload.tiers).unwrap(), serde_json::json!([{"ram": "60%"}, {"nvme": "40%"}]));
@@ -993,7 +1000,8 @@ fn offload_tiers_are_read_and_checked() {
         ),
         ("[ram: 50%, ram: 50%]", "offload.tiers: entry 1: 'ram' is listed twice"),
         ("[nvme: 50%, int8: 50%]", "offload.tiers: 2 offload tiers named (nvme, int8)"),
-        ("nvme", "offload.tiers: expected a list of tier shares such as [ram: 60%, nvme: 40%], got a string"),
+        ("[nvme: 50%, int8: 50%, device: 0%]", "offload.tiers: 2 offload tiers named (nvme, int8)"),
+        ("nvme", "offload.tiers: expected a list of tier shares such as [device: 60%, nvme: 40%], got a string"),
     ] {
         let e = load(tiers).unwrap_err().to_string();
         assert!(e.contains(problem), "{tiers}: {e}");

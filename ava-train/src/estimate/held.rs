@@ -38,15 +38,31 @@ pub(super) fn terms(s: &Inputs<'_>, shares: &Shares, offload: &Offload) -> Vec<T
 /// tables the device copy is made from, the loader's queue and the batch in use (its
 /// targets and packed documents stay on the host, where the ops that take them read them).
 /// Empty on the CPU, where every term is host memory.
-pub(super) fn host_terms(s: &Inputs<'_>) -> Vec<Term> {
+pub(super) fn host_terms(s: &Inputs<'_>, offload: &Offload) -> Vec<Term> {
     if !s.gpu() {
         return Vec::new();
     }
     let mut terms = vec![rotary_tables(s)];
+    terms.extend(pinned_state(s, offload));
     terms.extend(loader_queue(s));
     terms.extend(packed_documents(s));
     terms.push(batch_in_use(s));
     terms
+}
+
+/// A GPU run's `ram` share of the optimizer state, in page-locked host memory.
+fn pinned_state(s: &Inputs<'_>, offload: &Offload) -> Option<Term> {
+    let (_, bytes) = offload.through.as_ref().filter(|_| offload.pinned)?;
+    Some(Term::new(
+        Component::Optimizer,
+        "optimizer state in page-locked host memory",
+        format!(
+            "the state of the parameters past the device share of offload.tiers ({:.0}%), streamed through the GPU \
+             each step",
+            s.config.offload.tiers.resident(true) * 100.0
+        ),
+        *bytes,
+    ))
 }
 
 /// The rotary tables' device copy: cos and sin of every position in f32, (T, D) each.
@@ -137,10 +153,10 @@ fn state_kept_in_memory(s: &Inputs<'_>, offload: &Offload, note: &str) -> Option
     offload.is_on().then(|| {
         Term::new(
             Component::Optimizer,
-            format!("state kept in memory{note}"),
+            format!("state kept in {}memory{note}", if s.gpu() { "device " } else { "" }),
             format!(
-                "the first parameters' state, up to the ram share of offload.tiers ({:.0}%)",
-                (s.config.offload.tiers.in_ram() * 100.0).abs()
+                "the first parameters' state, up to the device share of offload.tiers ({:.0}%)",
+                (s.config.offload.tiers.resident(s.gpu()) * 100.0).abs()
             ),
             offload.kept,
         )

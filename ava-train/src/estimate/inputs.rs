@@ -234,6 +234,9 @@ pub(super) struct Offload {
     pub(super) kept: u64,
     /// The tier's records, one per streamed buffer, in bytes.
     pub(super) records: Vec<u64>,
+    /// A GPU run's streamed state lives in page-locked host memory (`offload.tiers`' `ram`
+    /// share) rather than in a tier: `through` names `ram`, and there are no records.
+    pub(super) pinned: bool,
 }
 
 impl Offload {
@@ -242,20 +245,31 @@ impl Offload {
     pub(super) fn new(s: &Inputs<'_>, shares: &Shares) -> Self {
         let per_param = shares.per_param();
         let held: u64 = per_param.iter().sum();
-        let Some(share) = s.config.offload.tiers.offloaded() else {
-            return Self { streamed: vec![0; per_param.len()], through: None, kept: held, records: Vec::new() };
+        let tiers = &s.config.offload.tiers;
+        let pinned = tiers.offloaded().is_none() && tiers.pinned(s.gpu()) > 0.0;
+        let through = match tiers.offloaded() {
+            Some(share) => share.name.clone(),
+            None if pinned => crate::config::Tiers::RAM.to_string(),
+            None => {
+                let streamed = vec![0; per_param.len()];
+                return Self { streamed, through: None, kept: held, records: Vec::new(), pinned };
+            }
         };
-        let is_streamed = crate::train::streamed_params(&per_param, s.config.offload.tiers.in_ram());
+        let is_streamed = crate::train::streamed_params(&per_param, tiers.resident(s.gpu()));
         let streamed: Vec<u64> = per_param.iter().zip(&is_streamed).map(|(&b, &on)| if on { b } else { 0 }).collect();
-        let records = shares
-            .buffers
-            .iter()
-            .zip(&is_streamed)
-            .filter(|(_, on)| **on)
-            .flat_map(|(b, _)| b.iter().copied())
-            .collect();
+        let records = if pinned {
+            Vec::new()
+        } else {
+            shares
+                .buffers
+                .iter()
+                .zip(&is_streamed)
+                .filter(|(_, on)| **on)
+                .flat_map(|(b, _)| b.iter().copied())
+                .collect()
+        };
         let total = streamed.iter().sum::<u64>();
-        Self { streamed, through: Some((share.name.clone(), total)), kept: held - total, records }
+        Self { streamed, through: Some((through, total)), kept: held - total, records, pinned }
     }
 
     /// Whether any state streams through a tier.
@@ -281,6 +295,7 @@ pub(super) fn step_model(s: &Inputs<'_>, shares: &Shares, offload: &Offload) -> 
         after: true,
         streamed: offload.streamed.clone(),
         prefetch: s.config.offload.prefetch,
+        pinned: offload.pinned,
     }
 }
 

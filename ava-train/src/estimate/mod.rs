@@ -544,7 +544,7 @@ fn report(
     Estimate {
         zero_stages: zero::stages(s, shares),
         device: s.device,
-        host: held::host_terms(s),
+        host: held::host_terms(s, &offload),
         batch: s.batch,
         seq_len: s.seq,
         precision: s.precision,

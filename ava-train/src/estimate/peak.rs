@@ -74,7 +74,11 @@ fn step_transients(s: &Inputs<'_>, offload: &Offload, peak: &MicroBatchPeak) -> 
                     "the global norm's g² of one gradient (4 · its elements)"
                 },
                 if s.scratch() { ", one parameter widened to f32 to be stepped (4 · its elements)" } else { "" },
-                if offload.is_on() { ", the state of the parameter being stepped, read from the tier" } else { "" }
+                match (offload.is_on(), offload.pinned) {
+                    (true, true) => ", the state of the parameter being stepped, uploaded from host memory",
+                    (true, false) => ", the state of the parameter being stepped, read from the tier",
+                    _ => "",
+                }
             ),
             at(peak, Cat::Step),
         )
@@ -85,6 +89,19 @@ fn step_transients(s: &Inputs<'_>, offload: &Offload, peak: &MicroBatchPeak) -> 
 /// reads ahead (`offload.prefetch` parameters') and the one it writes behind.
 fn tier_held(s: &Inputs<'_>, offload: &Offload, peak: &MicroBatchPeak) -> Option<Term> {
     let (tier, total) = offload.through.as_ref()?;
+    if offload.pinned {
+        return Some(Term::new(
+            Component::Optimizer,
+            "streamed state on the device (uploaded ahead, written back behind)",
+            format!(
+                "at most, as the step goes: the next offload.prefetch = {} parameters' state uploaded ahead and the \
+                 one stepped before, freed once the next is stepped (of the {} in page-locked host memory)",
+                s.config.offload.prefetch,
+                render::bytes(*total)
+            ),
+            peak.tier_peak,
+        ));
+    }
     Some(Term::new(
         Component::Optimizer,
         "streamed state held by the tier (read ahead, written behind)",

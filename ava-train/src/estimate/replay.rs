@@ -37,6 +37,10 @@ pub(crate) struct StepModel {
     /// Streamed parameters whose records the tier reads ahead of the one being stepped
     /// (`offload.prefetch`).
     pub prefetch: usize,
+    /// The streamed state visits a GPU from page-locked host memory (`offload.tiers`' `ram`
+    /// share on a GPU run): a parameter's device copy stays until the next one is stepped,
+    /// while its write-back runs, rather than the tier holding it.
+    pub pinned: bool,
     /// Data parallelism over several ranks (`dist`), for the rank estimated.
     pub zero: Option<ZeroModel>,
 }
@@ -862,11 +866,16 @@ impl<'a> Replay<'a> {
     /// `train::optim`'s session drives it: `prefetch` records read ahead before the first
     /// step; then, stepping the k-th, the next `prefetch` read ahead and the k-th's new
     /// record waiting to be written.
+    ///
+    /// From page-locked memory on a GPU (`pinned`), what the device holds besides the one
+    /// being stepped (a step transient): the next `prefetch` uploaded ahead and the one
+    /// stepped before it, freed once this one is stepped (`train::pinned_state`).
     fn tier_peak(&self) -> u64 {
         let order = self.stepped.borrow();
         let bytes = |k: usize| order.get(k).map_or(0, |&i| self.step.streamed[i]);
         let ahead = |from: usize| (from..from + self.step.prefetch).map(bytes).sum::<u64>();
-        (0..order.len()).map(|k| ahead(k + 1) + bytes(k)).fold(ahead(0), u64::max)
+        let behind = |k: usize| if self.step.pinned { k.checked_sub(1).map_or(0, bytes) } else { bytes(k) };
+        (0..order.len()).map(|k| ahead(k + 1) + behind(k)).fold(ahead(0), u64::max)
     }
 }
 

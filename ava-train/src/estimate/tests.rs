@@ -242,6 +242,39 @@ fn a_gpu_estimate_lists_host_memory_apart() {
     assert!(gpu.render().contains("host memory (not in the device peak)"));
 }
 
+/// `offload.tiers`' `ram` share on a GPU: that state is host memory (listed apart, out of the
+/// device peak), and the device holds the rest plus what visits it (the next
+/// `offload.prefetch` parameters' state and the one stepped before). On the CPU the same
+/// shares are one memory: nothing streams.
+#[test]
+fn a_gpu_estimate_puts_the_ram_share_of_the_state_in_host_memory() {
+    let estimate = |device: &str, tiers: &str| {
+        estimate_with(&[format!("train.device={device}"), format!("offload.tiers={tiers}")])
+    };
+    let state = |e: &super::Estimate| e.breakdown.optimizer;
+    let on_device = estimate("cuda", "[device: 100%]");
+    let total = state(&on_device);
+    let pinned = |e: &super::Estimate| {
+        e.host.iter().find(|t| t.name == "optimizer state in page-locked host memory").map(|t| t.bytes)
+    };
+    assert_eq!(pinned(&on_device), None);
+    for tiers in ["[device: 30%, ram: 70%]", "[ram: 100%]"] {
+        let split = estimate("cuda", tiers);
+        let host = pinned(&split).unwrap_or_else(|| panic!("{tiers}: no host term in {:#?}", split.host));
+        let kept =
+            split.terms.iter().find(|t| t.name.starts_with("state kept in device memory")).map_or(0, |t| t.bytes);
+        assert_eq!(kept + host, total, "{tiers}: the state is kept on the device or homed on the host");
+        let visiting = split.terms.iter().find(|t| t.name.starts_with("streamed state on the device")).expect(tiers);
+        assert!(visiting.bytes > 0 && visiting.bytes < host, "{tiers}: {visiting:?}");
+        assert!(state(&split) < total, "{tiers}: {} of device state, {total} kept whole", state(&split));
+        assert!(split.breakdown.peak < on_device.breakdown.peak, "{tiers}");
+        assert_eq!(split.offloaded, 0, "{tiers}: no tier records");
+    }
+    // On the CPU, `device` and `ram` are the same memory.
+    let (cpu, cpu_split) = (estimate("cpu", "[device: 100%]"), estimate("cpu", "[device: 30%, ram: 70%]"));
+    assert_eq!(cpu.breakdown, cpu_split.breakdown);
+}
+
 /// The loss in blocks of rows (`train.loss_chunk_rows`): on the host and on a GPU, in f32 and
 /// bf16, a micro-batch whose logits dominate peaks lower with the logits in blocks than
 /// whole, lower again with smaller blocks (until the peak is elsewhere), and frees

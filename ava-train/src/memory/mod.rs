@@ -7,6 +7,8 @@ mod alloc;
 mod breakdown;
 #[cfg(feature = "cuda")]
 pub mod device;
+#[cfg(feature = "cuda")]
+pub mod pinned;
 
 pub use alloc::{
     CountingAlloc, current, installed, limit, peak, reset_peak, resident_bytes, set_limit, stop_counting, take_crossed,

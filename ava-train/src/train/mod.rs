@@ -8,6 +8,8 @@ mod fault;
 mod in_backward;
 pub mod metrics;
 mod optim;
+#[cfg(feature = "cuda")]
+mod pinned_state;
 mod preflight;
 mod reporter;
 pub mod rounding;
@@ -17,8 +19,8 @@ mod trainer;
 use std::path::PathBuf;
 
 pub use optim::{
-    COMPENSATION, HostState, MASTER, MODEL_OPTIONS, OptimizerState, Placement, StateBuffer, StepSession, StreamStats,
-    optimizer_options, step_param, streamed_params,
+    COMPENSATION, HostState, MASTER, MODEL_OPTIONS, OptimizerState, PinnedHome, Placement, StateBuffer, StepSession,
+    StreamStats, optimizer_options, step_param, streamed_params,
 };
 pub use preflight::{Preflight, fit_budget};
 pub(crate) use reporter::is_zero;

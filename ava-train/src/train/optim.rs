@@ -70,9 +70,13 @@ pub struct StateBuffer {
     /// The engine's own buffer (f32 masters, a compensation), not the plugin's.
     pub host: bool,
     words: Vec<u64>,
-    /// The bytes on the GPU (then `words` is empty).
+    /// The bytes on the GPU (then `words` is empty): where they live, or while a step
+    /// visits them from `pinned`.
     #[cfg(feature = "cuda")]
     device: Option<candle_core::cuda::cudarc::driver::CudaSlice<u8>>,
+    /// The bytes in page-locked host memory: a GPU run's `ram` share ([`super::pinned_state`]).
+    #[cfg(feature = "cuda")]
+    pinned: Option<crate::memory::pinned::PinnedBytes>,
 }
 
 /// Equal when spec, owner and bytes are, wherever the bytes live.
@@ -93,6 +97,8 @@ impl StateBuffer {
             words: Vec::new(),
             #[cfg(feature = "cuda")]
             device: None,
+            #[cfg(feature = "cuda")]
+            pinned: None,
         }
     }
 
@@ -105,6 +111,10 @@ impl StateBuffer {
             let mut bytes = d.stream().clone_dtoh(d).w()?;
             bytes.truncate(self.spec.bytes() as usize); // a 0-byte buffer holds 1 on the device
             return Ok(std::borrow::Cow::Owned(bytes));
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(p) = &self.pinned {
+            return Ok(std::borrow::Cow::Borrowed(p.as_slice().map_err(candle_core::Error::Msg)?));
         }
         Ok(std::borrow::Cow::Borrowed(&bytemuck::cast_slice(&self.words)[..self.spec.bytes() as usize]))
     }
@@ -121,6 +131,63 @@ impl StateBuffer {
         self.device = Some(on);
         self.words = Vec::new();
         Ok(())
+    }
+
+    /// The host words' bytes, the words freed: what moves to page-locked memory.
+    #[cfg(feature = "cuda")]
+    pub(super) fn take_host_bytes(&mut self) -> Vec<u8> {
+        let n = self.spec.bytes() as usize;
+        let mut bytes: Vec<u8> = bytemuck::cast_slice(&std::mem::take(&mut self.words)).to_vec();
+        bytes.resize(n, 0); // a buffer whose words were never reserved is all zeros
+        bytes
+    }
+
+    /// Makes page-locked memory the bytes' home.
+    #[cfg(feature = "cuda")]
+    pub(super) fn set_pinned(&mut self, pinned: crate::memory::pinned::PinnedBytes) {
+        self.pinned = Some(pinned);
+    }
+
+    /// The page-locked bytes, if this is their home.
+    #[cfg(feature = "cuda")]
+    pub(super) fn pinned_ref(&self) -> Option<&crate::memory::pinned::PinnedBytes> {
+        self.pinned.as_ref()
+    }
+
+    /// The page-locked bytes to record a copy's event on.
+    #[cfg(feature = "cuda")]
+    pub(super) fn pinned_mut(&mut self) -> Option<&mut crate::memory::pinned::PinnedBytes> {
+        self.pinned.as_mut()
+    }
+
+    /// The device memory a step visits the page-locked bytes in.
+    #[cfg(feature = "cuda")]
+    pub(super) fn set_slot(&mut self, slot: candle_core::cuda::cudarc::driver::CudaSlice<u8>) {
+        self.device = Some(slot);
+    }
+
+    /// The visiting device copy and the page-locked home, for a copy between them.
+    #[cfg(feature = "cuda")]
+    pub(super) fn slot_and_pinned(
+        &mut self,
+    ) -> Option<(&candle_core::cuda::cudarc::driver::CudaSlice<u8>, &mut crate::memory::pinned::PinnedBytes)> {
+        match (&self.device, &mut self.pinned) {
+            (Some(d), Some(p)) => Some((d, p)),
+            _ => None,
+        }
+    }
+
+    /// Drops the visiting device copy of page-locked bytes (freed in the compute stream's
+    /// order); whether there was one.
+    #[cfg(feature = "cuda")]
+    pub(super) fn drop_slot(&mut self) -> bool {
+        self.pinned.is_some() && self.device.take().is_some()
+    }
+
+    /// Whether the bytes are on the device now.
+    #[cfg(feature = "cuda")]
+    pub(super) fn on_device_now(&self) -> bool {
+        self.device.is_some()
     }
 
     /// The bytes on the GPU, if they live there.
@@ -206,8 +273,13 @@ pub struct StreamStats {
     pub written_bytes: u64,
     /// Seconds the step spent waiting on the tier: reads not yet done when a parameter's
     /// turn came, writes held back for room, and the final flush. What streaming did not
-    /// hide behind compute.
+    /// hide behind compute. On a GPU run streaming from page-locked host memory: the seconds
+    /// the compute stream waited for uploads, timed on the device.
     pub wait_seconds: f64,
+    /// On a GPU run streaming from page-locked host memory, the seconds the copies ran on
+    /// their own streams, both ways: with `wait_seconds`, how much of them compute hid.
+    #[serde(default)]
+    pub copy_seconds: f64,
 }
 
 /// Every parameter's optimizer state.
@@ -219,6 +291,9 @@ pub struct OptimizerState {
     streamed: Option<Streamed>,
     /// Per parameter, whether this process holds its state (under ZeRO, another rank may).
     held: Vec<bool>,
+    /// A GPU run's state in page-locked host memory, and the streams that move it.
+    #[cfg(feature = "cuda")]
+    pinned: Option<super::pinned_state::PinnedState>,
 }
 
 /// Equal when every buffer has the same bytes, wherever they live (tests compare runs).
@@ -267,6 +342,16 @@ impl HostState {
             Self::Compensation(dtype) => Some(StateSpec::new(COMPENSATION, dtype, numel)),
         }
     }
+}
+
+/// Where a GPU run keeps the state of the parameters past its `device` share: in page-locked
+/// host memory, visiting the device during each step.
+#[derive(Debug, Clone, Copy)]
+pub struct PinnedHome {
+    /// Share of the state's bytes kept in device memory (the first parameters, model order).
+    pub on_device: f64,
+    /// Parameters uploaded ahead of the one being stepped.
+    pub prefetch: usize,
 }
 
 /// Where the state of the parameters past the first `in_ram` share streams to.
@@ -361,14 +446,20 @@ impl OptimizerState {
     ) -> Result<Self, TrainError> {
         let held: Vec<bool> = (0..params.len()).map(held).collect();
         let layouts = Self::layouts(optimizer, params, plugin, host)?;
-        let mut state = Self { buffers: layouts, streamed: None, held: held.clone() };
+        let mut state = Self {
+            buffers: layouts,
+            streamed: None,
+            held: held.clone(),
+            #[cfg(feature = "cuda")]
+            pinned: None,
+        };
         let offloaded = match &placement {
             Some(p) => {
                 if !p.tier.exact() {
                     return Err(TrainError::Invalid(format!(
                         "offload.tiers: the tier '{}' is lossy (it compresses what it stores), and optimizer state \
                          and master weights must come back exactly: stream them through an exact tier such as nvme, \
-                         or set offload.tiers: [ram: 100%]",
+                         or set offload.tiers: [device: 100%]",
                         p.name
                     )));
                 }
@@ -451,15 +542,45 @@ impl OptimizerState {
 
     /// Moves the state this process holds in memory to `dev`: a GPU run's stage after the
     /// state is allocated (or loaded from a checkpoint of any device). The plugin's
-    /// `step_cuda` then updates it where it lies, and a checkpoint copies it back.
+    /// `step_cuda` then updates it where it lies, and a checkpoint copies it back. With
+    /// `home`, the parameters past its `on_device` share of the bytes (model order, as
+    /// [`streamed_params`] splits) go to page-locked host memory instead and visit the
+    /// device during each step ([`super::pinned_state`]); `names(i)` names parameter `i`
+    /// in errors.
     #[cfg(feature = "cuda")]
-    pub fn place_on(&mut self, dev: &candle_core::CudaDevice) -> Result<(), TrainError> {
-        for (bufs, _) in self.buffers.iter_mut().zip(&self.held).filter(|(_, h)| **h) {
+    pub fn place_on(
+        &mut self,
+        dev: &candle_core::CudaDevice,
+        home: Option<PinnedHome>,
+        names: &dyn Fn(usize) -> String,
+    ) -> Result<(), TrainError> {
+        if let Some(home) = home {
+            let per_param: Vec<u64> = (self.buffers.iter().zip(&self.held))
+                .map(|(b, &h)| if h { b.iter().map(|b| b.spec.bytes()).sum() } else { 0 })
+                .collect();
+            let homed = streamed_params(&per_param, home.on_device);
+            let pinned = super::pinned_state::PinnedState::new(dev, &mut self.buffers, homed, home.prefetch, names)
+                .map_err(TrainError::Invalid)?;
+            self.pinned = Some(pinned);
+        }
+        for (i, (bufs, _)) in self.buffers.iter_mut().zip(&self.held).enumerate().filter(|(_, (_, h))| **h) {
+            if self.pinned.as_ref().is_some_and(|p| p.homed[i]) {
+                continue;
+            }
             for b in bufs {
                 b.place_on(dev).map_err(TrainError::candle)?;
             }
         }
         Ok(())
+    }
+
+    /// Bytes of state in page-locked host memory (a GPU run's `ram` share).
+    pub fn pinned_bytes(&self) -> u64 {
+        #[cfg(feature = "cuda")]
+        if let Some(p) = &self.pinned {
+            return p.bytes(&self.buffers);
+        }
+        0
     }
 
     /// Bytes of buffer `j` of parameter `i`, which this process holds (read from the tier
@@ -661,9 +782,23 @@ impl OptimizerState {
         session.finish()
     }
 
-    /// Whether parameter `i`'s state lives in the tier.
+    /// Whether parameter `i`'s state lives in the tier, or in page-locked host memory on a
+    /// GPU run: away from where the step runs, so it streams.
     pub fn is_streamed(&self, i: usize) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.pinned.as_ref().is_some_and(|p| p.homed[i]) {
+            return true;
+        }
         self.streamed.as_ref().is_some_and(|s| s.offloaded[i])
+    }
+
+    /// Parameters read ahead of the one being stepped.
+    fn prefetch(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        if let Some(p) = &self.pinned {
+            return p.prefetch;
+        }
+        self.streamed.as_ref().map_or(0, |s| s.prefetch)
     }
 
     /// Starts a step whose parameters are updated one at a time, in about the `order`
@@ -678,9 +813,13 @@ impl OptimizerState {
             position[i] = position[i].min(n);
         }
         let resident = self.resident_bytes();
+        #[cfg(feature = "cuda")]
+        if let Some(p) = self.pinned.as_mut() {
+            p.begin(&mut self.buffers).map_err(TrainError::candle)?;
+        }
+        let ahead = self.prefetch();
         let mut session =
             StepSession { state: self, order, position, queued: 0, stats: StreamStats::default(), resident };
-        let ahead = session.state.streamed.as_ref().map_or(0, |s| s.prefetch);
         session.read_ahead(ahead)?;
         Ok(session)
     }
@@ -710,8 +849,18 @@ impl StepSession<'_> {
         }
     }
 
-    /// Asks the tier for the streamed parameters of `order[..upto]` not yet asked for.
+    /// Asks the tier for the streamed parameters of `order[..upto]` not yet asked for (on a
+    /// GPU run from page-locked memory, issues their uploads).
     fn read_ahead(&mut self, upto: usize) -> Result<(), TrainError> {
+        #[cfg(feature = "cuda")]
+        if let Some(p) = self.state.pinned.as_mut() {
+            while self.queued < self.order.len().min(upto) {
+                let i = self.order[self.queued];
+                p.upload(i, &mut self.state.buffers[i]).map_err(TrainError::candle)?;
+                self.queued += 1;
+            }
+            return Ok(());
+        }
         let Some(s) = &self.state.streamed else { return Ok(()) };
         while self.queued < self.order.len().min(upto) {
             for k in &s.keys[self.order[self.queued]] {
@@ -732,6 +881,10 @@ impl StepSession<'_> {
     ) -> Result<(), TrainError> {
         if !self.state.is_streamed(i) {
             return step(i, &mut self.state.buffers[i]);
+        }
+        #[cfg(feature = "cuda")]
+        if self.state.pinned.is_some() {
+            return self.step_pinned(i, step);
         }
         let s = self.state.streamed.as_ref().expect("streamed");
         let (tier, name, prefetch) = (Arc::clone(&s.tier), s.name.clone(), s.prefetch);
@@ -770,9 +923,47 @@ impl StepSession<'_> {
         Ok(())
     }
 
+    /// [`step`](Self::step) of a parameter whose state lives in page-locked host memory on a
+    /// GPU run: uploaded (if it was not read ahead), the compute stream waiting for it, the
+    /// next ones' uploads issued, stepped, and written back.
+    #[cfg(feature = "cuda")]
+    fn step_pinned(
+        &mut self,
+        i: usize,
+        step: &mut impl FnMut(usize, &mut Vec<StateBuffer>) -> Result<(), TrainError>,
+    ) -> Result<(), TrainError> {
+        let pinned = self.state.pinned.as_mut().expect("pinned");
+        pinned.before_step(i, &mut self.state.buffers[i]).map_err(TrainError::candle)?;
+        let at = self.position[i];
+        if at != usize::MAX {
+            self.queued = self.queued.max(at + 1);
+            let prefetch = self.state.prefetch();
+            self.read_ahead(at + 1 + prefetch)?;
+        }
+        step(i, &mut self.state.buffers[i])?;
+        let pinned = self.state.pinned.as_mut().expect("pinned");
+        pinned.after_step(i, &mut self.state.buffers).map_err(TrainError::candle)
+    }
+
     /// Waits for every write, so an I/O error is this step's, and returns what streaming
     /// held at its most.
     pub fn finish(mut self) -> Result<StreamStats, TrainError> {
+        #[cfg(feature = "cuda")]
+        if let Some(p) = self.state.pinned.as_mut() {
+            let copies = p.finish(&mut self.state.buffers).map_err(TrainError::candle)?;
+            let kept: u64 = (0..self.state.buffers.len())
+                .filter(|&i| self.state.held[i] && !p.homed[i])
+                .flat_map(|i| self.state.buffers[i].iter().map(|b| b.spec.bytes()))
+                .sum();
+            return Ok(StreamStats {
+                peak_resident: kept + copies.peak_on_device,
+                peak_tier: 0,
+                read_bytes: copies.uploaded,
+                written_bytes: copies.written_back,
+                wait_seconds: copies.wait_seconds,
+                copy_seconds: copies.copy_seconds,
+            });
+        }
         if let Some(s) = &self.state.streamed {
             let waiting = Instant::now();
             s.tier.flush().map_err(|e| tier_error(&s.name, "writing the optimizer state", e))?;

@@ -907,7 +907,7 @@ impl Trainer {
                 format!("select it, with its options (plugins.offload: {{name: {}, ...}})", share.name)
             } else {
                 format!(
-                    "name the selected tier (offload.tiers: [ram: {}%, {}: {}%]) or select '{}' in plugins.offload",
+                    "name the selected tier (offload.tiers: [device: {}%, {}: {}%]) or select '{}' in plugins.offload",
                     pct(1.0 - share.fraction),
                     off_sel.name,
                     pct(share.fraction),
@@ -924,7 +924,7 @@ impl Trainer {
         let placement = tiers.offloaded().map(|_| Placement {
             tier: Arc::clone(&offload),
             name: off_sel.name.clone(),
-            in_ram: tiers.in_ram(),
+            in_ram: tiers.resident(config.train.device.is_cuda()),
             prefetch: config.offload.prefetch,
         });
         let host = host_state(&config);
@@ -1001,15 +1001,31 @@ impl Trainer {
             resumed_from = Some(ckpt.dir.clone());
         }
 
-        // The state, allocated (or loaded) on the host, moves to the GPU with the model.
+        // The state, allocated (or loaded) on the host, moves to the GPU with the model; the
+        // `ram` share of offload.tiers to page-locked host memory, streamed through the GPU.
         #[cfg(feature = "cuda")]
         if let Device::Cuda(gpu) = &device {
-            state.place_on(gpu)?;
+            let home = (tiers.pinned(true) > 0.0).then(|| super::optim::PinnedHome {
+                on_device: tiers.resident(true),
+                prefetch: config.offload.prefetch,
+            });
+            let params = model.params();
+            state.place_on(gpu, home, &|i| params[i].def.name.clone())?;
         }
         let offload_foreign = registry
             .row(PluginKind::Offload, &off_sel.name)
             .is_some_and(|r| !matches!(r.source, PluginSource::Builtin));
+        let pinned = state.pinned_bytes();
         let offload_note = match tiers.offloaded() {
+            None if pinned > 0 => Some(format!(
+                "optimizer state: {} of {} ({:.0}%) in page-locked host memory (offload.tiers ram share {:.0}%), \
+                 streamed through the GPU each step, {} parameters uploaded ahead",
+                ava_core::format_size(pinned),
+                ava_core::format_size(state.bytes()),
+                100.0 * pinned as f64 / state.bytes().max(1) as f64,
+                tiers.pinned(true) * 100.0,
+                config.offload.prefetch
+            )),
             None => None,
             Some(share) => {
                 let moved = state.streamed_bytes();
@@ -1758,12 +1774,13 @@ impl Trainer {
         let optimizer_bytes = held_optimizer.max(stream.peak_resident);
         let device_memory = self.device_memory()?;
         let breakdown = match device_memory {
-            // On a GPU: the device's high-water mark, the state held there, the step's tokens.
+            // On a GPU: the device's high-water mark, the state held there (of the state in
+            // page-locked host memory, what visited the device at once), the step's tokens.
             Some(d) => Breakdown::measured(
                 d.peak,
                 params_bytes,
                 grads_bytes,
-                self.state.held_bytes(),
+                self.state.held_bytes().saturating_sub(self.state.pinned_bytes()).max(stream.peak_resident),
                 (t.micro_batch_size * self.config.data.seq_len * 4) as u64,
                 self.config.memory.budget.0,
             ),
@@ -1797,7 +1814,7 @@ impl Trainer {
             memory_events: Vec::new(),
             nonfinite,
             offload_bytes: stream.peak_tier.max(parked_peak),
-            stream: self.state.streamed_bytes().gt(&0).then_some(stream),
+            stream: (self.state.streamed_bytes() + self.state.pinned_bytes()).gt(&0).then_some(stream),
             communication: comm,
             rank_peaks,
             tokens_by_source: self.tokens_by_source(),
