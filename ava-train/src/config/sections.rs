@@ -498,7 +498,8 @@ impl Tiers {
     }
 
     fn share(&self, name: &str) -> f64 {
-        self.0.iter().filter(|t| t.name == name).map(|t| t.fraction).sum()
+        // A fold from +0: an empty f64 sum is -0, which prints as "-0%".
+        self.0.iter().filter(|t| t.name == name).fold(0.0, |sum, t| sum + t.fraction)
     }
 
     /// The fraction of the state kept in the memory the run computes in: the `device`
