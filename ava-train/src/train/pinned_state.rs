@@ -145,7 +145,9 @@ impl PinnedState {
     /// freed once its copies are done, and the counts start again.
     pub fn begin(&mut self, buffers: &mut [Vec<StateBuffer>]) -> candle_core::Result<()> {
         self.dev.cuda_stream().context().bind_to_thread().map_err(|e| msg(e.to_string()))?;
-        let left: Vec<usize> = (0..buffers.len()).filter(|&i| self.homed[i] && buffers[i][0].on_device_now()).collect();
+        let left: Vec<usize> = (0..buffers.len())
+            .filter(|&i| self.homed[i] && buffers[i].iter().any(StateBuffer::on_device_now))
+            .collect();
         for i in left {
             self.free(i, &mut buffers[i])?;
         }
