@@ -67,3 +67,48 @@ __device__ __forceinline__ float block_max(float v, float *scratch) {
     __syncthreads();
     return scratch[0];
 }
+
+// The 32 lanes' values of a warp added in f64 in lane order (0 + lane 0 + lane 1 + … + lane
+// 31), returned to every lane. All 32 lanes must call it. The CPU adds its 32 lane
+// accumulators in the same order, so both give the same bits.
+template <typename T> __device__ __forceinline__ double lanes_in_order(T v) {
+    double sum = 0.0;
+    for (int j = 0; j < 32; ++j) sum += (double)__shfl_sync(0xffffffffu, v, j);
+    return sum;
+}
+
+// The sum of `len` f64 values, load(0) … load(len − 1), in one fixed 32-ary tree: groups of
+// 32 consecutive values each added in index order from 0, then those sums grouped the same
+// way, and so on up to one value (a short last group adds what it has; one value is itself).
+// A level's groups are added in parallel by the block's threads. `a` holds ceil(len / 32)
+// doubles, `b` ceil(len / 1024); levels alternate between them. Every thread of the block
+// calls it and gets the sum. The optimizer plugins' CPU steps add the same tree (a running
+// sum per level), so both give the same bits.
+template <typename Load> __device__ double tree_sum(Load load, size_t len, double *a, double *b) {
+    if (len == 0) return 0.0;
+    if (len == 1) return load(0);
+    size_t cur = (len + 31) / 32;
+    for (size_t j = threadIdx.x; j < cur; j += blockDim.x) {
+        double s = 0.0;
+        for (size_t i = j * 32; i < j * 32 + 32 && i < len; ++i) s += load(i);
+        a[j] = s;
+    }
+    __syncthreads();
+    double *src = a, *dst = b;
+    while (cur > 1) { // the same on every thread
+        const size_t groups = (cur + 31) / 32;
+        for (size_t j = threadIdx.x; j < groups; j += blockDim.x) {
+            double s = 0.0;
+            for (size_t i = j * 32; i < j * 32 + 32 && i < cur; ++i) s += src[i];
+            dst[j] = s;
+        }
+        __syncthreads();
+        double *t = src;
+        src = dst;
+        dst = t;
+        cur = groups;
+    }
+    const double sum = src[0];
+    __syncthreads(); // every thread has read it before a next call writes a or b
+    return sum;
+}

@@ -56,10 +56,27 @@
 //! the tensor — second-moment update and Σθ², then Σ U² for the clip, then the update —
 //! in column tiles whose per-column values live on the stack, with one reciprocal square
 //! root per row and per column instead of one per element. g² is formed in f32 (as
-//! transformers does); sums run in f32 within a tile row and in f64 across them. It runs on
-//! the calling thread (`ctx.threads` is not used).
+//! transformers does). It runs on the calling thread (`ctx.threads` is not used).
+//!
+//! Every sum is added in one fixed order that a GPU follows too (the `reduce` module): a
+//! row tile's (or a vector's chunk of 1024 elements') terms in 32 strided f32 lanes, the
+//! lanes in f64 in order; the column sums in f32 over blocks of 64 rows, the blocks in f64 in
+//! order; and the tensor-wide sums (Σθ², Σ U², Σ R for mean(R)) as a 32-ary tree over those
+//! per-tile-row (per-chunk, per-row) values. `1 − t^decay_rate` takes `reduce::pow`
+//! instead of libm's. So a step on the GPU gives the CPU's bits.
+//!
+//! Built with the `cuda` feature it also steps on NVIDIA GPUs (`step_cuda`: the `gpu`
+//! module, kernels/adafactor.cu, launched through `ava_kernels::cuda` on the host's stream)
+//! and its manifest lists the cuda device, so `train.device: cuda` can use it. The state is
+//! the same bytes on both devices, so a checkpoint moves between them without changing the
+//! run (tests/gpu_adafactor.rs checks every step's bits on a GPU).
+
+#[cfg(feature = "cuda")]
+mod gpu;
+mod reduce;
 
 use ava_core::{error::expect_len, prelude::*};
+use reduce::{CHUNK, LANES, Tree, lanes_in_order, tree_mean};
 
 /// Columns per tile: the per-column values of a tile live on the stack (48 KiB in pass 1).
 /// Wide enough that the rows of most weights are one tile, read front to back: a tile's row
@@ -112,6 +129,7 @@ impl Plugin for Adafactor {
             "Adafactor: factored second moment (row and column averages), update clipping and relative step size, \
              as transformers' Adafactor (Shazeer & Stern 2018)",
         )
+        .devices(if cfg!(feature = "cuda") { &[Device::Cpu, Device::Cuda] } else { &[Device::Cpu] })
         .option(OptionSpec::float_list(
             "eps",
             &[1e-30, 1e-3],
@@ -219,6 +237,18 @@ impl Adafactor {
             (true, Factoring::Matrices { .. }) => &["exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "step"],
         }
     }
+
+    /// The error for `got` state buffers where `param`'s layout has another number.
+    fn wrong_state(&self, param: &ParamInfo<'_>, got: usize) -> PluginError {
+        let names = self.state_names(Factoring::of(&param.shape));
+        PluginError::invalid_input(format!(
+            "adafactor expects {} state buffers ({}) for {} of shape {:?}, got {got}",
+            names.len(),
+            names.join(", "),
+            param.name,
+            param.shape.as_slice(),
+        ))
+    }
 }
 
 impl Optimizer for Adafactor {
@@ -251,16 +281,8 @@ impl Optimizer for Adafactor {
         expect_len("values", values.len(), n)?;
         expect_len("grad", grad.len(), n)?;
         let factoring = Factoring::of(&param.shape);
-        let names = self.state_names(factoring);
-        if state.len() != names.len() {
-            return Err(PluginError::invalid_input(format!(
-                "adafactor expects {} state buffers ({}) for {} of shape {:?}, got {}",
-                names.len(),
-                names.join(", "),
-                param.name,
-                param.shape.as_slice(),
-                state.len()
-            )));
+        if state.len() != self.state_names(factoring).len() {
+            return Err(self.wrong_state(param, state.len()));
         }
         // Check every buffer before touching anything, so a refused step changes nothing.
         let (m, rest) = if self.beta1.is_some() {
@@ -294,7 +316,7 @@ impl Optimizer for Adafactor {
             return Ok(());
         }
         let t = f64::from(t[0]);
-        let s = SecondMoment { beta2: 1.0 - t.powf(self.decay_rate), eps1: self.eps1 };
+        let s = SecondMoment { beta2: 1.0 - reduce::pow(t, self.decay_rate), eps1: self.eps1 };
 
         // Pass 1 updates the second moment and sums θ² (for the parameter scale) and, where it
         // can, the squared raw update (for the clip); a factored tensor needs a second pass for
@@ -331,6 +353,21 @@ impl Optimizer for Adafactor {
         }
         Ok(())
     }
+
+    /// The same step on the GPU, with the same state bytes and the same bits: see the `gpu`
+    /// module.
+    #[cfg(feature = "cuda")]
+    fn step_cuda(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &CudaBuf,
+        grad: &CudaBuf,
+        state: &[CudaBuf],
+        ctx: &StepContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        gpu::step(self, param, values, grad, state, ctx, stream)
+    }
 }
 
 impl Adafactor {
@@ -362,11 +399,11 @@ fn in_buffer(what: &'static str) -> impl FnOnce(PluginError) -> PluginError {
     move |e| PluginError::invalid_input(format!("adafactor: state buffer '{what}': {}", e.message))
 }
 
-/// Sums are cascaded: within a block of at most [`TILE`] elements they run in f32 over
-/// `LANES` independent accumulators (so the compiler vectorizes them; a single running sum is
-/// a serial dependency chain), and blocks are added in f64. No f32 sum sees more than
-/// `TILE / LANES` terms, and a tensor's totals keep f64 precision whatever its size.
-const LANES: usize = 16;
+// Sums are cascaded: within a row tile of at most [`TILE`] elements (a vector's chunk of
+// [`CHUNK`]) they run in f32 over `LANES` independent accumulators (so the compiler vectorizes
+// them; a single running sum is a serial dependency chain), and the rest in f64 (see
+// [`reduce`]). No f32 sum sees more than `TILE / LANES` terms, and a tensor's totals keep f64
+// precision whatever its size.
 
 /// Rows whose column sums are gathered in f32 before they are added to the f64 totals.
 const ROW_BLOCK: usize = 64;
@@ -396,7 +433,9 @@ impl SecondMoment {
         let size = rows * cols;
         let mut acc = [0f64; TILE];
         let mut block = [0f32; TILE];
-        let mut sum_w2 = 0.0;
+        // Σθ²: a tree over the tile rows' sums, in the order they are visited here (matrix,
+        // column tile, row).
+        let mut sum_w2 = Tree::default();
         let mats =
             w.chunks_exact(size).zip(g.chunks_exact(size)).zip(r.chunks_exact_mut(rows)).zip(c.chunks_exact_mut(cols));
         for (((w, g), r), c) in mats {
@@ -409,7 +448,9 @@ impl SecondMoment {
                     for (i, ri) in r.iter_mut().enumerate() {
                         let at = (b * ROW_BLOCK + i) * cols + j0;
                         let (sum_g2, w2) = accumulate_row::<W>(&g[at..at + width], &w[at..at + width], block);
-                        sum_w2 += w2;
+                        if W {
+                            sum_w2.push(w2);
+                        }
                         let part = sum_g2 / cols as f64;
                         let old = f64::from(*ri);
                         *ri = if j0 == 0 { keep * old + add * (part + self.eps1) } else { old + add * part } as f32;
@@ -423,15 +464,15 @@ impl SecondMoment {
                 }
             }
         }
-        sum_w2
+        sum_w2.sum()
     }
 
     /// Updates the per-element averages; returns Σθ² (when `W`, else 0) and Σ(g²/V), the
-    /// squared norm of the raw update.
+    /// squared norm of the raw update: each a tree over chunks of [`CHUNK`] elements.
     fn full<const W: bool>(&self, w: &[f32], g: &[f32], v: &mut [f32]) -> (f64, f64) {
         let (keep, add, eps1) = (self.beta2 as f32, (1.0 - self.beta2) as f32, self.eps1 as f32);
-        let (mut sum_w2, mut sum_u2) = (0.0, 0.0);
-        for ((w, g), v) in w.chunks(TILE).zip(g.chunks(TILE)).zip(v.chunks_mut(TILE)) {
+        let (mut sum_w2, mut sum_u2) = (Tree::default(), Tree::default());
+        for ((w, g), v) in w.chunks(CHUNK).zip(g.chunks(CHUNK)).zip(v.chunks_mut(CHUNK)) {
             let (mut wl, mut ul) = ([0f32; LANES], [0f32; LANES]);
             let head = g.len() / LANES * LANES;
             let chunks =
@@ -452,15 +493,13 @@ impl SecondMoment {
                     wl[k] += w * w;
                 }
             }
-            sum_u2 += lanes_sum(&ul);
-            sum_w2 += lanes_sum(&wl);
+            sum_u2.push(lanes_in_order(&ul));
+            if W {
+                sum_w2.push(lanes_in_order(&wl));
+            }
         }
-        (sum_w2, sum_u2)
+        (sum_w2.sum(), sum_u2.sum())
     }
-}
-
-fn lanes_sum(lanes: &[f32; LANES]) -> f64 {
-    lanes.iter().map(|&x| f64::from(x)).sum()
 }
 
 /// One row tile of pass 1: adds g² to the column sums `cols`; returns the tile's Σg² and
@@ -487,17 +526,17 @@ fn accumulate_row<const W: bool>(g: &[f32], w: &[f32], cols: &mut [f32]) -> (f64
             wl[k] += w * w;
         }
     }
-    (lanes_sum(&gl), lanes_sum(&wl))
+    (lanes_in_order(&gl), lanes_in_order(&wl))
 }
 
 /// Pass 2 for factored tensors: Σ U² with `U_ij = g_ij / √(R_i·C_j / mean(R))`, i.e.
 /// `Σ_i mean(R)/R_i · Σ_j g_ij²/C_j`: one reciprocal per column (per tile, on the stack)
-/// and one division per row.
+/// and one division per row. A tree over the tile rows' values (matrix, column tile, row).
 fn factored_sum_sq(g: &[f32], r: &[f32], c: &[f32], rows: usize, cols: usize) -> f64 {
     let mut inv_c = [0f32; TILE];
-    let mut total = 0.0;
+    let mut total = Tree::default();
     for ((g, r), c) in g.chunks_exact(rows * cols).zip(r.chunks_exact(rows)).zip(c.chunks_exact(cols)) {
-        let mut sum = 0.0;
+        let mean_r = tree_mean(r);
         for j0 in (0..cols).step_by(TILE) {
             let width = TILE.min(cols - j0);
             let inv_c = &mut inv_c[..width];
@@ -506,12 +545,11 @@ fn factored_sum_sq(g: &[f32], r: &[f32], c: &[f32], rows: usize, cols: usize) ->
             }
             for (i, &ri) in r.iter().enumerate() {
                 let at = i * cols + j0;
-                sum += weighted_sum_sq(&g[at..at + width], inv_c) / f64::from(ri);
+                total.push(weighted_sum_sq(&g[at..at + width], inv_c) * (mean_r / f64::from(ri)));
             }
         }
-        total += sum * mean(r);
     }
-    total
+    total.sum()
 }
 
 /// Σ g²·s over one row tile.
@@ -526,12 +564,7 @@ fn weighted_sum_sq(g: &[f32], s: &[f32]) -> f64 {
     for (k, (&g, &s)) in g[head..].iter().zip(&s[head..]).enumerate() {
         lanes[k] += g * g * s;
     }
-    lanes_sum(&lanes)
-}
-
-/// Mean in f64.
-fn mean(x: &[f32]) -> f64 {
-    x.iter().map(|&v| f64::from(v)).sum::<f64>() / x.len() as f64
+    lanes_in_order(&lanes)
 }
 
 /// Pass 3: `θ ← θ·(1 − λ·lr_t) − U`, with `U = scale·g/√v̂` (or its first moment).
@@ -563,7 +596,7 @@ impl Apply {
             .zip(r.chunks_exact(rows).zip(c.chunks_exact(cols)))
             .enumerate()
         {
-            let mean_r = mean(r);
+            let mean_r = tree_mean(r);
             for j0 in (0..cols).step_by(TILE) {
                 let width = TILE.min(cols - j0);
                 let inv_sqrt_c = &mut inv_sqrt_c[..width];

@@ -785,3 +785,10 @@ fn built_from_json_options() {
     assert!(!opt.relative_step);
     assert_eq!(opt.beta1, Some(0.0));
 }
+
+#[test]
+fn takes_cuda_buffers_only_when_built_with_cuda() {
+    let manifest = Adafactor::manifest();
+    assert!(manifest.runs_on(Device::Cpu));
+    assert_eq!(manifest.runs_on(Device::Cuda), cfg!(feature = "cuda"));
+}

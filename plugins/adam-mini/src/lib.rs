@@ -51,6 +51,19 @@
 //!
 //! `exp_avg` (f32, numel), `exp_avg_sq` (f32, one per block), `step` (u32, 1: the
 //! parameter's own step count, so resumed runs and parameters that start later stay exact).
+//!
+//! ## On the GPU
+//!
+//! Built with the `cuda` feature it also steps on NVIDIA GPUs (`step_cuda`: the `gpu` module,
+//! kernels/adam_mini.cu, launched through `ava_kernels::cuda` on the host's stream) and its
+//! manifest lists the cuda device, so `train.device: cuda` can use it. A block's Σ g² is
+//! added in one fixed order on both devices (`sum_sq`), the other operations are the same
+//! f32/f64 operations in the same order, and the state is the same bytes: a step on the GPU
+//! gives the CPU's bits and a checkpoint moves between devices without changing the run
+//! (tests/gpu_adam_mini.rs checks it on a GPU).
+
+#[cfg(feature = "cuda")]
+mod gpu;
 
 use ava_core::{error::expect_len, prelude::*};
 
@@ -83,6 +96,7 @@ impl Plugin for AdamMini {
             env!("CARGO_PKG_VERSION"),
             "Adam-mini: Adam with one second-moment scalar per head/neuron block; ~4 bytes of state per parameter (Zhang et al. 2024)",
         )
+        .devices(if cfg!(feature = "cuda") { &[Device::Cpu, Device::Cuda] } else { &[Device::Cpu] })
         .option(OptionSpec::float_list(
             "betas",
             &[0.9, 0.999],
@@ -180,24 +194,62 @@ fn in_buffer(what: &'static str) -> impl FnOnce(PluginError) -> PluginError {
     move |e| PluginError::invalid_input(format!("adam-mini: state buffer '{what}': {}", e.message))
 }
 
-/// Σ g² in f64. The blocks can be whole tensors (millions of elements), where an f32 running
-/// sum loses digits in proportion to the length; f64 keeps the mean exact to ~1e-16·n
-/// whatever the block size. Eight independent lanes let the compiler vectorize the loop
-/// (a single accumulator is a serial dependency chain); the pass only reads `g`, so it is
-/// bound by memory, not by the wider arithmetic.
+/// Lanes of a chunk's sum: a warp's threads on a GPU.
+const LANES: usize = 32;
+
+/// Elements per chunk of [`sum_sq`]: 32 in each of the 32 lanes.
+const CHUNK: usize = LANES * 32;
+
+/// Fan-in of [`sum_sq`]'s tree over the chunks.
+const FAN: usize = 32;
+
+/// Σ g² in f64, in one fixed order that a GPU follows in parallel (kernels/adam_mini.cu adds
+/// in exactly this order, so both give the same bits). The blocks can be whole tensors
+/// (millions of elements), where an f32 running sum loses digits in proportion to the
+/// length; f64 keeps the mean exact to ~1e-16·n whatever the block size.
+///
+/// The block in chunks of [`CHUNK`] = 1024 elements; a chunk in 32 strided f64 lanes (lane k
+/// adds the squares of elements k, k + 32, … in order, from 0; a warp's lanes on a GPU, and
+/// independent accumulators here, which the compiler vectorizes), the lanes added in lane
+/// order; the chunks' sums in a 32-ary tree (each 32 consecutive values added in order, and
+/// so on up to one value; a short last group adds what it has), kept as one running sum per
+/// level, so nothing is allocated. The pass only reads `g`, so it is bound by memory.
 fn sum_sq(g: &[f32]) -> f64 {
-    const LANES: usize = 8;
-    let mut acc = [0.0f64; LANES];
-    let chunks = g.chunks_exact(LANES);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (a, &x) in acc.iter_mut().zip(c) {
-            let x = f64::from(x);
-            *a += x * x;
+    // level[k]: the sum in progress of the current group of level-k values (level 0: the
+    // chunks' sums). 14 levels cover 32^14 > 2^64 chunks.
+    let mut level = [0f64; 14];
+    for (index, chunk) in g.chunks(CHUNK).enumerate() {
+        let mut lanes = [0f64; LANES];
+        let head = chunk.len() / LANES * LANES;
+        for c in chunk[..head].chunks_exact(LANES) {
+            for k in 0..LANES {
+                let x = f64::from(c[k]);
+                lanes[k] += x * x;
+            }
+        }
+        for (k, &x) in chunk[head..].iter().enumerate() {
+            lanes[k] += f64::from(x) * f64::from(x);
+        }
+        let mut value = 0.0;
+        for l in lanes {
+            value += l;
+        }
+        // Add the chunk's sum to its group; a full group becomes a value of the level above.
+        let mut index = index;
+        for group in &mut level {
+            *group += value;
+            if index % FAN != FAN - 1 {
+                break;
+            }
+            value = std::mem::take(group);
+            index /= FAN;
         }
     }
-    let tail: f64 = rest.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-    acc.iter().sum::<f64>() + tail
+    // The unfinished groups, lowest first, each the last value of the group above it.
+    for k in 0..level.len() - 1 {
+        level[k + 1] += level[k];
+    }
+    level[level.len() - 1]
 }
 
 impl Optimizer for AdamMini {
@@ -223,10 +275,7 @@ impl Optimizer for AdamMini {
         expect_len("values", values.len(), n)?;
         expect_len("grad", grad.len(), n)?;
         let [m, v, t] = state else {
-            return Err(PluginError::invalid_input(format!(
-                "adam-mini expects 3 state buffers (exp_avg, exp_avg_sq, step), got {}",
-                state.len()
-            )));
+            return Err(wrong_state(state.len()));
         };
         let m = m.f32().map_err(in_buffer("exp_avg"))?;
         let v = v.f32().map_err(in_buffer("exp_avg_sq"))?;
@@ -271,6 +320,26 @@ impl Optimizer for AdamMini {
         }
         Ok(())
     }
+
+    /// The same step on the GPU, with the same state bytes and the same bits: see the `gpu`
+    /// module.
+    #[cfg(feature = "cuda")]
+    fn step_cuda(
+        &mut self,
+        param: &ParamInfo<'_>,
+        values: &CudaBuf,
+        grad: &CudaBuf,
+        state: &[CudaBuf],
+        ctx: &StepContext,
+        stream: &CudaStream,
+    ) -> Result<(), PluginError> {
+        gpu::step(self, param, values, grad, state, ctx, stream)
+    }
+}
+
+/// The error for `got` state buffers instead of the layout's three.
+fn wrong_state(got: usize) -> PluginError {
+    PluginError::invalid_input(format!("adam-mini expects 3 state buffers (exp_avg, exp_avg_sq, step), got {got}"))
 }
 
 ava_core::export_plugin!(optimizer: AdamMini);

@@ -349,3 +349,68 @@ fn manifest_is_valid() {
     let names: Vec<&str> = m.options.iter().map(|o| o.name.as_str()).collect();
     assert_eq!(names, ["betas", "eps", "head_dim", "adam_names"]);
 }
+
+/// `sum_sq` as a GPU adds it: each chunk of 1024 in 32 strided f64 lanes added in lane order,
+/// then the chunks' sums level by level, each level's groups of 32 in order.
+fn sum_sq_by_levels(g: &[f32]) -> f64 {
+    let mut level: Vec<f64> = g
+        .chunks(CHUNK)
+        .map(|chunk| {
+            let mut value = 0.0;
+            for k in 0..LANES {
+                let mut lane = 0.0f64;
+                for &x in chunk.iter().skip(k).step_by(LANES) {
+                    lane += f64::from(x) * f64::from(x);
+                }
+                value += lane;
+            }
+            value
+        })
+        .collect();
+    if level.len() == 1 {
+        return level[0];
+    }
+    while level.len() > 1 {
+        level = level
+            .chunks(FAN)
+            .map(|group| {
+                let mut s = 0.0;
+                for &v in group {
+                    s += v;
+                }
+                s
+            })
+            .collect();
+    }
+    level.first().copied().unwrap_or(0.0)
+}
+
+/// The block's Σ g² is the fixed tree the GPU adds (the same bits), for lengths around every
+/// level's edges, and the exact sum to f64's rounding.
+#[test]
+fn sum_sq_is_the_gpus_tree() {
+    let mut s = 3u64;
+    let g: Vec<f32> = (0..1_100_000)
+        .map(|i| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let x = ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0;
+            x * [1.0, 1e-3, 30.0, 1e-6][i % 4]
+        })
+        .collect();
+    let mut differs_from_lanes = false;
+    for len in [0, 1, 31, 32, 33, 1023, 1024, 1025, 32 * 1024 - 1, 32 * 1024, 32 * 1024 + 5, 1_100_000] {
+        let got = sum_sq(&g[..len]);
+        assert_eq!(got.to_bits(), sum_sq_by_levels(&g[..len]).to_bits(), "length {len}");
+        let sequential = g[..len].iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+        assert!((got - sequential).abs() <= 1e-13 * sequential, "length {len}: {got} against {sequential}");
+        differs_from_lanes |= got != sequential;
+    }
+    assert!(differs_from_lanes, "the test's values do not tell the orders apart");
+}
+
+#[test]
+fn takes_cuda_buffers_only_when_built_with_cuda() {
+    let manifest = AdamMini::manifest();
+    assert!(manifest.runs_on(Device::Cpu));
+    assert_eq!(manifest.runs_on(Device::Cuda), cfg!(feature = "cuda"));
+}
