@@ -33,35 +33,84 @@ __device__ void rms_norm_fwd(const T *__restrict__ x, const T *__restrict__ w, T
     for (int j = threadIdx.x; j < d; j += blockDim.x) yr[j] = store<T>(load(xr[j]) * r * load(w[j]));
 }
 
+// Columns of a row one thread of RMSNorm's backward holds in registers: rows of up to
+// NORM_BWD_COLS · 1024 elements (the launcher picks the block's width from d).
+#define NORM_BWD_COLS 8
+
+// Σ of two values over the block, returned to every thread (block_sum for a pair: one
+// round of barriers for both).
+__device__ __forceinline__ float2 block_sum2(float2 v, float2 *scratch) {
+    for (int o = 16; o > 0; o >>= 1) {
+        v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+        v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    __syncthreads(); // the previous call's readers are done with scratch
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float2 s = lane < warps ? scratch[lane] : make_float2(0.0f, 0.0f);
+        for (int o = 16; o > 0; o >>= 1) {
+            s.x += __shfl_xor_sync(0xffffffffu, s.x, o);
+            s.y += __shfl_xor_sync(0xffffffffu, s.y, o);
+        }
+        if (lane == 0) scratch[0] = s;
+    }
+    __syncthreads();
+    return scratch[0];
+}
+
 // dx = r·(g∘w) − x·r³·Σ(g∘w∘x)/d for each row; this block's share of dw = Σ_rows g∘x·r
 // written to partial[blockIdx.x] (f32), later added in block order by `column_sums`.
-// Launch: grid (ceil(rows / rows_per_block)), block (NORM_THREADS). x, g, dx (rows, d);
-// w (d,); partial (gridDim.x, d) f32.
+// Each thread owns the columns j = threadIdx.x + k·blockDim.x (k < NORM_BWD_COLS): it reads
+// a row's x and g once into registers, both sums of the row (Σx² for r, Σ g∘w∘x) take one
+// block reduction, and its share of dw stays in registers until the block's rows are done
+// (no atomics: the sums' order is fixed, so the bits are the same every run).
+// Launch: grid (ceil(rows / rows_per_block)), block (a multiple of 32, at least
+// ceil(d / NORM_BWD_COLS), at most 1024). x, g, dx (rows, d); w (d,); partial (gridDim.x, d) f32.
 template <typename T>
 __device__ void rms_norm_bwd(const T *__restrict__ x, const T *__restrict__ w, const T *__restrict__ g,
                              T *__restrict__ dx, float *__restrict__ partial, int rows, int d, float eps,
                              int rows_per_block) {
-    __shared__ float scratch[32];
-    float *part = partial + (size_t)blockIdx.x * d;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) part[j] = 0.0f;
+    __shared__ float2 scratch[32];
+    const int t = threadIdx.x, nt = blockDim.x;
     const int first = blockIdx.x * rows_per_block;
     const int last = min(rows, first + rows_per_block);
     const float inv_d = 1.0f / (float)d;
+    float xv[NORM_BWD_COLS], gv[NORM_BWD_COLS], acc[NORM_BWD_COLS];
+#pragma unroll
+    for (int k = 0; k < NORM_BWD_COLS; k++) acc[k] = 0.0f;
     for (int row = first; row < last; row++) {
         const T *xr = x + (size_t)row * d;
         const T *gr = g + (size_t)row * d;
         T *dr = dx + (size_t)row * d;
-        const float r = inv_rms(xr, d, eps, scratch);
-        float s = 0.0f;
-        for (int j = threadIdx.x; j < d; j += blockDim.x) s += load(gr[j]) * load(w[j]) * load(xr[j]);
-        s = block_sum(s, scratch);
-        const float c = r * r * r * s * inv_d;
-        // Each thread owns the columns j it touches, so its partial sums need no atomics.
-        for (int j = threadIdx.x; j < d; j += blockDim.x) {
-            const float gj = load(gr[j]), xj = load(xr[j]);
-            dr[j] = store<T>(r * gj * load(w[j]) - xj * c);
-            part[j] += gj * xj * r;
+        float2 sums = make_float2(0.0f, 0.0f); // (Σ x², Σ g∘w∘x) of this thread's columns
+#pragma unroll
+        for (int k = 0; k < NORM_BWD_COLS; k++) {
+            const int j = t + k * nt;
+            xv[k] = j < d ? load(xr[j]) : 0.0f;
+            gv[k] = j < d ? load(gr[j]) : 0.0f;
+            const float wj = j < d ? load(w[j]) : 0.0f;
+            sums.x += xv[k] * xv[k];
+            sums.y += gv[k] * wj * xv[k];
         }
+        sums = block_sum2(sums, scratch);
+        const float r = 1.0f / sqrtf(sums.x * inv_d + eps);
+        const float c = r * r * r * sums.y * inv_d;
+#pragma unroll
+        for (int k = 0; k < NORM_BWD_COLS; k++) {
+            const int j = t + k * nt;
+            if (j < d) {
+                dr[j] = store<T>(r * gv[k] * load(w[j]) - xv[k] * c);
+                acc[k] += gv[k] * xv[k] * r;
+            }
+        }
+    }
+    float *part = partial + (size_t)blockIdx.x * d;
+#pragma unroll
+    for (int k = 0; k < NORM_BWD_COLS; k++) {
+        const int j = t + k * nt;
+        if (j < d) part[j] = acc[k];
     }
 }
 

@@ -98,9 +98,10 @@ const TYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
 #[test]
 fn rms_norm_matches_the_cpu() {
-    // 300 rows: several blocks of the backward's row groups (64), and a row size that is not a
-    // multiple of the block (256) nor of a warp.
-    for (rows, d) in [(3, 8), (300, 130), (70, 2048)] {
+    // 300 rows: several blocks of the backward's row groups (16), and a row size that is not a
+    // multiple of the block (256) nor of a warp; 4100 columns: a backward block wider than 256
+    // threads (each holds at most 8 columns), with a ragged last column.
+    for (rows, d) in [(3, 8), (300, 130), (70, 2048), (40, 4100)] {
         for dtype in TYPES {
             let inputs = [(data(rows * d, 1, 2.0), vec![rows, d]), (data(d, 2, 1.0), vec![d])];
             compare(&format!("rms_norm ({rows}, {d})"), &inputs, dtype, |t| fused::rms_norm(&t[0], &t[1], 1e-5));

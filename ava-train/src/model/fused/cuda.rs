@@ -33,8 +33,26 @@ const ROW_THREADS: u32 = 256;
 const ELEMENT_THREADS: u32 = 256;
 
 /// Rows one block of RMSNorm's backward walks, adding their share of dw: the partial sums are
-/// (blocks, d) f32, added in block order by `column_sums`.
-const NORM_BWD_ROWS: usize = 64;
+/// (blocks, d) f32, added in block order by `column_sums`. 16 gives B·T = 8192 rows 512
+/// blocks, several per SM, so one block's reduction waits while another's loads run.
+const NORM_BWD_ROWS: usize = 16;
+
+/// Columns one thread of RMSNorm's backward holds in registers (`NORM_BWD_COLS` in fused.cu).
+const NORM_BWD_COLS: usize = 8;
+
+/// The block width of RMSNorm's backward for rows of `d`: whole warps, at least 256 and
+/// enough that each thread holds at most [`NORM_BWD_COLS`] columns; rows past 1024 threads'
+/// worth are refused.
+fn norm_bwd_threads(d: usize) -> Result<u32> {
+    let needed = d.div_ceil(NORM_BWD_COLS).next_multiple_of(32).max(ROW_THREADS as usize);
+    if needed > 1024 {
+        bail!(
+            "rms-norm: rows of {d} elements are beyond the GPU backward's {} (1024 threads of {NORM_BWD_COLS} columns)",
+            1024 * NORM_BWD_COLS
+        );
+    }
+    Ok(needed as u32)
+}
 
 /// Runs `$body` with `$t` the Rust element type of `$dtype` and `$s` its kernel suffix.
 macro_rules! by_type {
@@ -167,8 +185,9 @@ pub(super) fn rms_norm_bwd(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> Resu
                             .arg(&di)
                             .arg(&eps)
                             .arg(&per);
-                        // SAFETY: rms_norm_bwd's signature; partial holds blocks·d f32.
-                        unsafe { b.launch(per_row(blocks, ROW_THREADS)?) }.w()?;
+                        // SAFETY: rms_norm_bwd's signature; partial holds blocks·d f32; the block
+                        // is wide enough that each thread holds at most NORM_BWD_COLS columns.
+                        unsafe { b.launch(per_row(blocks, norm_bwd_threads(d)?)?) }.w()?;
                     }
                     let bi = int(if rows > 0 { blocks } else { 0 }, "blocks")?;
                     let f = dev.get_or_load_custom_func(&format!("column_sums_{s}"), MODULE, PTX)?;
