@@ -15,7 +15,9 @@
 # `run` runs each test binary (their output in OUT/<name>.log), the tiny config on the GPU
 # (standard and flash) beside the CPU, `ava bench train` on TinyLlama-1.1B's shape plain and
 # checkpointed beside PyTorch's reference recipes, and `ava bench attention` beside PyTorch's
-# SDPA; it stops at nothing, so one call gathers everything (AVA_GPU_PARTS picks parts).
+# SDPA; with AVA_GPU_PARTS naming `big` and `long`, issue 37's targets (Llama-2-7B's shape in
+# 16 GiB, TinyLlama-1.1B's at 32K and 64K tokens) beside PyTorch's 8-bit recipes. It stops at
+# nothing, so one call gathers everything (AVA_GPU_PARTS picks parts).
 set -uo pipefail
 
 # The GPU test binaries: the engine's ops, the built-in optimizers, end-to-end training, the
@@ -70,7 +72,8 @@ run() {
     export AVA_TEST_BIN=$(realpath "$dir/ava")
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
     # Each step has its own time limit, so one hang cannot eat the session's device time.
-    # AVA_GPU_PARTS picks parts (default all): tests tiny bench attention.
+    # AVA_GPU_PARTS picks parts (default: tests tiny bench attention; also big and long, issue
+    # 37's 7B-in-16-GiB and long-context targets).
     local parts=${AVA_GPU_PARTS:-tests tiny bench attention}
     if [[ $parts == *tests* ]]; then
         for t in $TESTS; do
@@ -104,6 +107,45 @@ run() {
                     --warmup 2 $flag 2>&1 | tail -n 1 | tee "$out/torch-1b$flag.json"
             done
         fi
+    fi
+    # Issue 37's targets (not in the default parts: minutes each). PyTorch's 8-bit recipes
+    # need bitsandbytes: a wheel in DIR (bitsandbytes-*.whl, ../shared/gpu/README.md says how
+    # to download it; 43 MB, so it travels in a call of its own) is installed into DIR/py.
+    if [[ $parts == *big* || $parts == *long* ]]; then
+        local wheel
+        wheel=$(ls "$dir"/bitsandbytes-*.whl 2>/dev/null | head -n 1)
+        if [ -n "$wheel" ]; then
+            python3 -m pip install -q --no-deps -t "$dir/py" "$wheel" >"$out/bnb-install.log" 2>&1 &&
+                export PYTHONPATH="$dir/py:${PYTHONPATH:-}"
+        fi
+    fi
+    if [[ $parts == *big* ]]; then
+        echo "== Llama-2-7B's shape in 16 GiB: 8-bit Adam in backward, its state in host memory; then PyTorch's recipes"
+        timeout 420 "$dir/ava" bench train -c configs/gpu-llama2-7b-16gib.yaml --steps 5 --warmup 2 \
+            >"$out/bench-7b-16gib.txt" 2>&1
+        cat "$out/bench-7b-16gib.txt"
+        timeout 60 "$dir/ava" estimate -c configs/gpu-llama2-7b-16gib.yaml --device cuda -q 2>&1 | tail -n 1 |
+            tee "$out/estimate-7b-16gib.txt"
+        if [ -f "$dir/torch_ref.py" ] && [ -n "${wheel:-}" ]; then
+            for mode in bnb8-inbwd bnb8; do
+                timeout 240 python3 "$dir/torch_ref.py" --shape 7b --mode $mode --ckpt --seq 2048 --batch 1 --steps 5 \
+                    --warmup 2 2>&1 | tail -n 1 | tee "$out/torch-7b-$mode.json"
+            done
+        fi
+    fi
+    if [[ $parts == *long* ]]; then
+        echo "== TinyLlama-1.1B's shape at 32K and 64K tokens: Ava, then PyTorch (bf16, 8-bit AdamW, checkpointing)"
+        for seq in 32768 65536; do
+            timeout 300 "$dir/ava" bench train -c configs/gpu-tinyllama-1b-64k.yaml --set data.seq_len=$seq \
+                --steps 3 --warmup 1 >"$out/bench-1b-$seq.txt" 2>&1
+            cat "$out/bench-1b-$seq.txt"
+            timeout 60 "$dir/ava" estimate -c configs/gpu-tinyllama-1b-64k.yaml --device cuda --set data.seq_len=$seq \
+                -q 2>&1 | tail -n 1 | tee "$out/estimate-1b-$seq.txt"
+            if [ -f "$dir/torch_ref.py" ] && [ -n "${wheel:-}" ]; then
+                timeout 240 python3 "$dir/torch_ref.py" --shape 1b --mode bnb8 --ckpt --seq $seq --batch 1 --steps 3 \
+                    --warmup 1 2>&1 | tail -n 1 | tee "$out/torch-1b-$seq.json"
+            fi
+        done
     fi
     if [[ $parts == *attention* ]]; then
         echo "== attention alone: flash on the GPU, then PyTorch SDPA (flash backend)"
