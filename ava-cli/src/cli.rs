@@ -126,10 +126,20 @@ pub enum Command {
     /// a streaming plan waits for (less when the step runs inside backward). It is relative
     /// to the config as given.
     ///
-    /// A GPU config (train.device: cuda) is planned for the GPU engine: only the plugins whose
-    /// manifests take device buffers and the weight modes a GPU run keeps on the device are
-    /// searched, --offload is refused, and no step time is predicted (the costs above are the
-    /// CPU's): plans rank by the fewest changes, then the smallest peak.
+    /// A GPU config (train.device: cuda) is planned for the GPU engine: peaks are device
+    /// memory; only the plugins whose manifests take device buffers and the modes a GPU run
+    /// accepts are searched (--offload is refused: no tier plugin on a GPU), and where the
+    /// optimizer state lives is searched too: on the device (offload.tiers: [device: 100%]),
+    /// all in page-locked host memory streamed through the GPU each step ([ram: 100%]), and
+    /// where only streaming fits, the largest device share that still fits (e.g. [device: 4%,
+    /// ram: 96%]). Each plan's host memory (that state, the loader's queue, the batch) is
+    /// counted apart and must fit the host's RAM (--host-ram, default this machine's
+    /// MemTotal, 10% kept back). No step time is predicted (the costs above are the CPU's):
+    /// plans rank by the fewest changes, then the fewest state bytes over the link, then the
+    /// smallest peak. A streamed plan shows its copies' time, 2 x state bytes / 90.7 GB/s
+    /// (pinned copies both ways at once, measured on an H100 machine's link): a model, not yet
+    /// calibrated against an Ava GPU run; the step waits for it after backward, and backward
+    /// hides some or all of it when the step runs inside backward.
     ///
     /// Examples:
     ///   ava plan --budget 24GiB -c configs/small.yaml
@@ -221,6 +231,12 @@ pub struct PlanArgs {
     /// 3) is searched too.
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub world_size: u32,
+    /// On a GPU config, the RAM of the host the GPU is in (e.g. 128GiB; 10% is kept back for
+    /// the OS): a plan whose host memory (its optimizer state streamed from page-locked host
+    /// memory, the loader's queue, the batch) is over it does not fit. Default: this
+    /// machine's MemTotal (/proc/meminfo).
+    #[arg(long, value_name = "SIZE")]
+    pub host_ram: Option<String>,
     /// Keep this setting as the config has it instead of searching it (repeatable, or
     /// comma-separated): train.micro_batch_size, train.precision, train.master_weights,
     /// train.step_in_backward, plugins.attention, plugins.optimizer, plugins.checkpoint,

@@ -377,9 +377,10 @@ fn plan_for_several_ranks_searches_the_zero_stages() {
 }
 
 /// A GPU config is planned for the GPU engine: only what a GPU run takes is searched (no Kahan
-/// compensation or masters in a tier, no streamed state, only plugins that take device
-/// buffers besides the config's own), no step time is claimed (the cost model is the CPU
-/// engine's), and `--offload` is refused with what to do. Planning needs no GPU.
+/// compensation or masters in a tier, no state through a tier plugin, only plugins that take
+/// device buffers besides the config's own), no step time is claimed (the cost model is the
+/// CPU engine's), and `--offload` is refused with what to do. Planning needs no GPU. (State
+/// streamed from host memory: tests/plan_gpu.rs.)
 #[test]
 fn plan_for_a_gpu_config_searches_what_the_gpu_runs() {
     let dir = tempfile::tempdir().unwrap();
@@ -406,7 +407,7 @@ fn plan_for_a_gpu_config_searches_what_the_gpu_runs() {
         ["plan", "--budget", "rtx-4090-24gb", "--offload", "nvme:/tmp"].iter().chain(&cuda).copied().collect();
     let err = common::usage_error(run(dir.path(), &offload, &[]));
     assert!(
-        err.contains("--offload: a GPU run (train.device: cuda:0) keeps its optimizer state in device memory"),
+        err.contains("--offload: a GPU run (train.device: cuda:0) streams its optimizer state from page-locked host"),
         "{err}"
     );
     assert!(err.contains("drop --offload"), "{err}");

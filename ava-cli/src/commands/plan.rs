@@ -14,6 +14,18 @@
 //! part of the tier's traffic the step waits for.
 //! The constants are this engine's measurements (README: `ava bench train`, `ava bench
 //! optimizer` on this project's CI machine); times are relative to the config as given.
+//!
+//! On a GPU config (`train.device: cuda`) the peaks are device memory, and the plan also
+//! searches where the optimizer state lives: all on the device (`offload.tiers: [device:
+//! 100%]`), all in page-locked host memory streamed through the GPU each step (`[ram:
+//! 100%]`), and, when only streaming fits, the largest device share that still fits (the
+//! fewest bytes over the link). Only the modes a GPU run accepts are proposed
+//! ([`ava_train::device::check_modes`]). Each plan's host memory (the estimate's `host`
+//! terms, the pinned state among them) is counted apart and checked against the host's RAM
+//! (`--host-ram`, or this machine's MemTotal). The CPU's FLOP model does not rank GPU plans
+//! (its costs are this CPU engine's); a streamed plan's copies are predicted from the bytes
+//! moved and the link's measured bandwidth ([`LINK_BOTH_WAYS`]), a model not yet calibrated
+//! against an Ava GPU run of that mode.
 
 use std::path::PathBuf;
 
@@ -37,6 +49,19 @@ pub const DEVICES: &[(&str, u64, f64)] = &[
     // Unified memory shared with the OS and other programs.
     ("m2-16gb", 16 << 30, 0.65),
 ];
+
+/// The share of the host's RAM a GPU plan's host memory may take: 10% back for the OS and
+/// whatever else the machine runs (page-locked memory cannot be swapped out).
+const HOST_USABLE: f64 = 0.90;
+
+/// The estimator's host term for a GPU run's `ram` share of the optimizer state.
+const PINNED_TERM: &str = "optimizer state in page-locked host memory";
+
+/// Bytes per second over the host–device link with copies both ways at once: pinned 2 GiB
+/// buffers on two streams, 90.7 GB/s together (55.1 GB/s host→device alone, 54.8 back),
+/// PyTorch on the H100 machine (PCIe), ../shared/gpu/README.md, 2026-11-25. A streamed
+/// state crosses it up and back each step, uploads and write-backs on their own streams.
+const LINK_BOTH_WAYS: f64 = 90.7e9;
 
 /// A byte budget keeps this back: the estimate's measured error is under 1% (README), the
 /// allocator's run-to-run jitter a few hundred KB.
@@ -178,6 +203,10 @@ struct Candidate {
     offload: Option<OffloadArg>,
     /// `distributed.zero_stage` (with `--world-size` N > 1).
     zero_stage: u8,
+    /// On a GPU run, the percent of the optimizer state in page-locked host memory,
+    /// streamed through the device each step (`offload.tiers: [device: 100 − p%, ram: p%]`);
+    /// `None` leaves `offload.tiers` as the config has it (the CPU engine).
+    host_share: Option<u8>,
 }
 
 impl Candidate {
@@ -208,6 +237,7 @@ impl Candidate {
         // Stepping inside backward cannot wait for the global norm.
         .chain(self.in_backward.then(|| "train.grad_clip=0".to_string()))
         .chain(self.offload.iter().flat_map(OffloadArg::sets))
+        .chain(self.host_share.map(|p| format!("offload.tiers={}", placement(p))))
         .collect()
     }
 
@@ -231,6 +261,26 @@ impl Candidate {
             config.plugins.offload = tier;
             config.offload.tiers = Tiers(vec![TierShare { name: o.tier.clone(), fraction: 1.0 }]);
         }
+        if let Some(p) = self.host_share {
+            let shares = [(Tiers::DEVICE, 100 - p), (Tiers::RAM, p)];
+            config.offload.tiers = Tiers(
+                shares
+                    .iter()
+                    .filter(|(_, pct)| *pct > 0)
+                    .map(|(name, pct)| TierShare { name: name.to_string(), fraction: f64::from(*pct) / 100.0 })
+                    .collect(),
+            );
+        }
+    }
+}
+
+/// `[device: 100%]`, `[device: 4%, ram: 96%]`, `[ram: 100%]`: `offload.tiers` with `p`% of
+/// the state in host memory.
+fn placement(p: u8) -> String {
+    match p {
+        0 => "[device: 100%]".into(),
+        100 => "[ram: 100%]".into(),
+        _ => format!("[device: {}%, ram: {p}%]", 100 - p),
     }
 }
 
@@ -240,6 +290,72 @@ struct Planned {
     estimate: Estimate,
     /// Predicted step cost in FLOP equivalents.
     cost: f64,
+}
+
+impl Planned {
+    /// On a GPU run, the host memory outside the device peak: the sum of the estimate's
+    /// `host` terms (the pinned optimizer state, the loader's queue, the batch, the rotary
+    /// tables); 0 on the CPU, where every term is in the peak.
+    fn host(&self) -> u64 {
+        self.estimate.host.iter().map(|t| t.bytes).sum()
+    }
+
+    /// The optimizer state a GPU run keeps in page-locked host memory.
+    fn pinned(&self) -> u64 {
+        pinned_bytes(&self.estimate)
+    }
+
+    /// The seconds a step's state copies take on the link ([`LINK_BOTH_WAYS`]): the pinned
+    /// state up and back once a step; `None` when nothing streams from host memory.
+    fn copies(&self) -> Option<f64> {
+        let bytes = self.pinned();
+        (bytes > 0).then(|| 2.0 * bytes as f64 / LINK_BOTH_WAYS)
+    }
+}
+
+fn pinned_bytes(est: &Estimate) -> u64 {
+    est.host.iter().filter(|t| t.name == PINNED_TERM).map(|t| t.bytes).sum()
+}
+
+/// The host's RAM a GPU plan's host memory is checked against.
+#[derive(Debug, Clone)]
+struct HostRam {
+    /// The RAM, and where it was read: `--host-ram` or `/proc/meminfo MemTotal`.
+    total: u64,
+    from: &'static str,
+}
+
+impl HostRam {
+    /// `--host-ram` if given, else this machine's MemTotal; `None` when neither is known.
+    fn new(arg: Option<&str>) -> Result<Option<Self>, Failure> {
+        if let Some(text) = arg {
+            return match parse_size(text) {
+                Ok(total) if total > 0 => Ok(Some(Self { total, from: "--host-ram" })),
+                _ => Err(Failure::Usage(anyhow::anyhow!("--host-ram {text:?} is not a size (e.g. 128GiB, 64GB)"))),
+            };
+        }
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let kib = meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok());
+        Ok(kib.map(|k| Self { total: k * 1024, from: "this machine's MemTotal, /proc/meminfo" }))
+    }
+
+    /// What a plan's host memory may take ([`HOST_USABLE`]).
+    fn usable(&self) -> u64 {
+        (self.total as f64 * HOST_USABLE) as u64
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} of {} ({}; {:.0}% kept back for the OS)",
+            format_size(self.usable()),
+            format_size(self.total),
+            self.from,
+            100.0 * (1.0 - HOST_USABLE)
+        )
+    }
 }
 
 /// What `--keep` can pin: the settings the plan searches.
@@ -288,25 +404,48 @@ struct Search {
     /// A GPU run (`train.device: cuda`): only what the GPU engine runs is searched, and the
     /// step-time model (this CPU engine's measured costs) does not rank the plans.
     gpu: bool,
+    /// On a GPU run, the RAM the plans' host memory must fit (when known).
+    host_ram: Option<HostRam>,
 }
 
 impl Search {
     /// The candidates under the aim: the user's optimizer first (another one trains
     /// differently, so it never outranks one that keeps it), then fastest; within 1% of each
     /// other, the fewest changes to the config, then the smallest peak.
+    ///
+    /// On a GPU the step time is not predicted: the user's optimizer first, then the fewest
+    /// changes, then the fewest state bytes over the link (none for state on the device),
+    /// then the smallest peak; a plan whose host memory is over the host's RAM does not fit.
     fn fitting(&self) -> Vec<&Planned> {
         let reference_cost = self.reference_cost();
         let mut fitting: Vec<&Planned> =
-            self.planned.iter().filter(|x| x.estimate.breakdown.peak <= self.aim).collect();
+            self.planned.iter().filter(|x| x.estimate.breakdown.peak <= self.aim && self.fits_host(x)).collect();
         let key = |x: &Planned| {
             (
                 x.candidate.optimizer.name != self.given.optimizer.name,
                 if self.gpu { 0 } else { (x.cost / reference_cost * 100.0).round() as i64 },
                 changes(&self.given, &x.candidate),
+                x.pinned(),
             )
         };
         fitting.sort_by(|a, b| key(a).cmp(&key(b)).then(a.estimate.breakdown.peak.cmp(&b.estimate.breakdown.peak)));
         fitting
+    }
+
+    /// Whether a plan's host memory fits the host's RAM (always on the CPU, where the budget
+    /// is that memory, and when the RAM is unknown).
+    fn fits_host(&self, x: &Planned) -> bool {
+        !self.gpu || self.host_ram.as_ref().is_none_or(|h| x.host() <= h.usable())
+    }
+
+    /// The plans that fit the device but whose host memory is over the host's RAM.
+    fn over_host(&self) -> Vec<&Planned> {
+        self.planned.iter().filter(|x| x.estimate.breakdown.peak <= self.aim && !self.fits_host(x)).collect()
+    }
+
+    /// The search checked against the host's RAM (on a GPU run).
+    fn with_host_ram(self, host_ram: Option<HostRam>) -> Self {
+        Self { host_ram: host_ram.filter(|_| self.gpu), ..self }
     }
 
     fn reference_cost(&self) -> f64 {
@@ -348,8 +487,16 @@ fn search(
     let gpu = base.train.device.is_cuda();
     if gpu && offload.is_some() {
         return Err(Failure::Usage(anyhow::anyhow!(
-            "--offload: a GPU run (train.device: {}) keeps its optimizer state in device memory in this version, so \
-             plans that stream it to a tier are for train.device: cpu; drop --offload",
+            "--offload: a GPU run (train.device: {}) streams its optimizer state from page-locked host memory \
+             (offload.tiers' ram share, which the plan searches by itself), not through a tier plugin; drop \
+             --offload",
+            base.train.device
+        )));
+    }
+    if gpu && world > 1 {
+        return Err(Failure::Usage(anyhow::anyhow!(
+            "--world-size {world}: a GPU run (train.device: {}) is one process in this version; plan it without \
+             --world-size, or set train.device: cpu",
             base.train.device
         )));
     }
@@ -466,6 +613,24 @@ fn search(
     } else {
         vec![base.distributed.zero_stage]
     };
+    // On a GPU, where the optimizer state lives: the config's placement, all on the device,
+    // all in page-locked host memory (the split between them that fits best is searched
+    // below, from these). A tier plugin's share is refused on a GPU, so it is not kept.
+    let given_share = (gpu && base.offload.tiers.offloaded().is_none())
+        .then(|| (base.offload.tiers.pinned(true) * 100.0).round().clamp(0.0, 100.0) as u8);
+    let placements: Vec<Option<u8>> = if !gpu {
+        vec![None]
+    } else if pinned("offload") {
+        vec![given_share]
+    } else {
+        let mut these = vec![given_share.unwrap_or(0)];
+        for p in [0, 100] {
+            if !these.contains(&p) {
+                these.push(p);
+            }
+        }
+        these.into_iter().map(Some).collect()
+    };
     let mut candidates = Vec::new();
     for attention in &attentions {
         for optimizer in &optimizers {
@@ -476,28 +641,37 @@ fn search(
                         for (checkpoint, &zero_stage) in
                             checkpoints.iter().flat_map(|c| stages.iter().map(move |s| (c, s)))
                         {
-                            candidates.push(Candidate {
-                                zero_stage,
-                                micro_batch,
-                                accumulation,
-                                precision,
-                                attention: attention.clone(),
-                                optimizer: optimizer.clone(),
-                                checkpoint: checkpoint.clone(),
-                                masters,
-                                in_backward,
-                                offload: offload.clone(),
-                            });
+                            for &host_share in &placements {
+                                candidates.push(Candidate {
+                                    zero_stage,
+                                    micro_batch,
+                                    accumulation,
+                                    precision,
+                                    attention: attention.clone(),
+                                    optimizer: optimizer.clone(),
+                                    checkpoint: checkpoint.clone(),
+                                    masters,
+                                    in_backward,
+                                    offload: offload.clone(),
+                                    host_share,
+                                });
+                            }
                         }
                     }
                 }
             }
         }
     }
-    let total = candidates.len();
+    let mut total = candidates.len();
     let mut planned = Vec::new();
     let (mut refused, mut no_room) = (0, None);
     for c in candidates {
+        // Nothing a GPU run refuses (host-side master weights, a tier plugin's share, several
+        // ranks) is proposed.
+        if gpu && ava_train::device::check_modes(&applied(base, &c), world).is_err() {
+            refused += 1;
+            continue;
+        }
         match plan_one(registry, spec, base, &c, aim, world) {
             Ok(Some(x)) => {
                 // A plan that streams must fit on the tier's disk.
@@ -513,6 +687,14 @@ fn search(
             Ok(None) | Err(_) => refused += 1,
         }
     }
+    // On a GPU, where only streaming the state from host memory fits: the largest device
+    // share that still fits, so the fewest bytes cross the link each step.
+    if gpu && !pinned("offload") {
+        let (tried, found, not) = splits(registry, spec, base, &planned, aim, world);
+        total += tried;
+        refused += not;
+        planned.extend(found);
+    }
     // The config as given, for reference (its own budget, its own plan).
     let given = Candidate {
         micro_batch: base.train.micro_batch_size,
@@ -525,6 +707,7 @@ fn search(
         in_backward: base.train.step_in_backward,
         offload: None,
         zero_stage: base.distributed.zero_stage,
+        host_share: given_share,
     };
     let reference = plan_one(registry, spec, base, &given, 0, world).ok().flatten();
     // A selective plan that keeps or recomputes every block is `none` or `full` again.
@@ -532,7 +715,58 @@ fn search(
         let n = x.estimate.plan.iter().filter(|d| d.is_recomputed()).count();
         x.candidate.checkpoint.name != "selective" || (n != 0 && n != x.estimate.plan.len())
     });
-    Ok(Search { total, refused, no_room, planned, given, reference, target, aim, gpu })
+    Ok(Search { total, refused, no_room, planned, given, reference, target, aim, gpu, host_ram: None })
+}
+
+/// For each plan that fits the device only with all of its optimizer state in host memory
+/// (`[ram: 100%]` fits `aim`, the same settings with the state on the device do not): the
+/// largest device share that still fits. The all-host plan's peak leaves `aim − peak` for
+/// state kept on the device, so that share of the state is tried first, then 5 and 10
+/// points less (the state is kept whole parameters at a time). Returns the splits tried, the
+/// ones that fit, and how many a plugin refused.
+fn splits(
+    registry: &ava_plugins::Registry,
+    spec: &ModelSpec,
+    base: &Config,
+    planned: &[Planned],
+    aim: u64,
+    world: usize,
+) -> (usize, Vec<Planned>, usize) {
+    let same_but_placement = |a: &Candidate, b: &Candidate| {
+        let (mut a, mut b) = (a.clone(), b.clone());
+        (a.host_share, b.host_share) = (None, None);
+        format!("{a:?}") == format!("{b:?}")
+    };
+    let (mut tried, mut found, mut refused) = (0, Vec::new(), 0);
+    for all_host in planned.iter().filter(|x| x.candidate.host_share == Some(100) && x.estimate.breakdown.peak <= aim) {
+        let state = all_host.pinned();
+        let fits_otherwise = planned.iter().any(|x| {
+            x.candidate.host_share != Some(100)
+                && x.estimate.breakdown.peak <= aim
+                && same_but_placement(&x.candidate, &all_host.candidate)
+        });
+        if state == 0 || fits_otherwise {
+            continue;
+        }
+        let room = aim - all_host.estimate.breakdown.peak;
+        let first = (100.0 * room as f64 / state as f64).floor().min(99.0) as u8;
+        for device in [first, first.saturating_sub(5), first.saturating_sub(10)] {
+            if device == 0 {
+                break;
+            }
+            let c = Candidate { host_share: Some(100 - device), ..all_host.candidate.clone() };
+            tried += 1;
+            match plan_one(registry, spec, base, &c, aim, world) {
+                Ok(Some(x)) if x.estimate.breakdown.peak <= aim => {
+                    found.push(x);
+                    break;
+                }
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => refused += 1,
+            }
+        }
+    }
+    (tried, found, refused)
 }
 
 /// For `ava train` refused by its budget: what `ava plan --budget` would pick for `base`
@@ -540,7 +774,8 @@ fn search(
 /// change; None when nothing it searches fits.
 pub fn suggestion(registry: &ava_plugins::Registry, base: &Config, budget: u64) -> Option<(String, Vec<String>)> {
     let spec = ava_train::train::model_spec(base).ok()?;
-    let found = search(registry, base, &spec, budget, None, 1, &[]).ok()?;
+    let host_ram = HostRam::new(None).ok().flatten();
+    let found = search(registry, base, &spec, budget, None, 1, &[]).ok()?.with_host_ram(host_ram);
     let best = *found.fitting().first()?;
     let given = found.reference.as_ref().map_or(&best.estimate, |r| &r.estimate);
     let given_sets = found.given.sets(budget, given);
@@ -595,21 +830,42 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         ));
     }
     let world = args.world_size as usize;
-    let found = search(registry, &base, &spec, usable, offload.clone(), world, &keep)?;
+    let host_ram = if base.train.device.is_cuda() {
+        HostRam::new(args.host_ram.as_deref())?
+    } else {
+        if args.host_ram.is_some() {
+            p.warn("--host-ram: ignored on a CPU config, whose budget is the host's memory itself");
+        }
+        None
+    };
+    let found = search(registry, &base, &spec, usable, offload.clone(), world, &keep)?.with_host_ram(host_ram);
     let offload = offload.filter(|_| !base_offloaded && !keep.contains(&"offload"));
-    let Search { total, refused, ref no_room, ref given, ref reference, target, aim, gpu, .. } = found;
+    let Search { total, refused, ref no_room, ref given, ref reference, target, aim, gpu, ref host_ram, .. } = found;
     let reference_cost = found.reference_cost();
     let fitting = found.fitting();
+    let over_host = found.over_host();
+    let host_text = host_ram.as_ref().map(HostRam::describe);
     let Some(best) = fitting.first() else {
         let smallest = found.planned.iter().min_by_key(|x| x.estimate.breakdown.peak);
         let offload_hint =
-            if offload.is_none() { ", stream the optimizer state to disk (--offload nvme:/path)" } else { "" };
+            if offload.is_none() && !gpu { ", stream the optimizer state to disk (--offload nvme:/path)" } else { "" };
         let kept_hint =
             if keep.is_empty() { String::new() } else { format!(", keep fewer settings (--keep {})", keep.join(",")) };
+        // Plans that fit the device but not the host's RAM: the one with the least host memory.
+        let host_hint = match (over_host.iter().min_by_key(|x| x.host()), &host_text) {
+            (Some(least), Some(ram)) => format!(
+                "; {} plan(s) fit the device but not the host's RAM, {ram}: the least host memory is {} ({}); plan for a \
+                 host with more RAM (--host-ram SIZE)",
+                over_host.len(),
+                format_size(least.host()),
+                describe(&least.candidate, &least.estimate)
+            ),
+            _ => String::new(),
+        };
         return Err(Failure::Usage(anyhow::anyhow!(
             "no configuration fits {budget_text} (plans aim under {}, the memory policy's target): of {total} searched, \
-             the smallest peak is {}{}{}; lower data.seq_len{offload_hint}{kept_hint}, use a smaller model, or give a \
-             larger budget",
+             the smallest peak is {}{}{}{host_hint}; lower data.seq_len{offload_hint}{kept_hint}, use a smaller model, \
+             or give a larger budget",
             format_size(aim),
             smallest.map_or("unknown".into(), |s| format_size(s.estimate.breakdown.peak)),
             smallest.map_or(String::new(), |s| format!(" ({})", describe(&s.candidate, &s.estimate))),
@@ -626,18 +882,41 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     p.result(
         || {
             let mut out = format!(
-                "budget {budget_text}; plans fit under {:.0}% of it ({}), the memory policy's target\n\
-                 searched {total} configurations ({refused} refused by a plugin), {} fit\n",
+                "budget {budget_text}; plans fit under {:.0}% of it ({}), the memory policy's target\n",
                 100.0 * target,
                 format_size(aim),
-                fitting.len()
             );
+            if gpu {
+                out.push_str(&match &host_text {
+                    Some(ram) => format!("host RAM {ram}: each plan's host memory must fit it\n"),
+                    None => "host RAM unknown (no /proc/meminfo MemTotal): plans' host memory is not checked; give \
+                             --host-ram\n"
+                        .into(),
+                });
+            }
+            out.push_str(&format!(
+                "searched {total} configurations ({refused} refused by a plugin{}), {} fit{}\n",
+                if gpu { " or by the GPU engine" } else { "" },
+                fitting.len(),
+                if over_host.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({} more fit the device but not the host's RAM)", over_host.len())
+                }
+            ));
             if let Some(r) = &reference {
+                let host = if gpu { format!(", host memory {}", format_size(r.host())) } else { String::new() };
+                let over_host = gpu && !found.fits_host(r);
                 out.push_str(&format!(
-                    "the config as given: {}, peak {} ({})\n",
+                    "the config as given: {}, peak {}{host} ({})\n",
                     describe(given, &r.estimate),
                     format_size(r.estimate.breakdown.peak),
-                    if r.estimate.breakdown.peak <= aim { "fits" } else { "over the budget" }
+                    match (r.estimate.breakdown.peak <= aim, over_host) {
+                        (true, false) => "fits",
+                        (true, true) => "over the host's RAM",
+                        (false, false) => "over the budget",
+                        (false, true) => "over the budget and the host's RAM",
+                    }
                 ));
             }
             if world > 1 {
@@ -646,6 +925,11 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                 ));
             }
             let mut headers = vec!["#", "micro × acc", "precision", "weights", "opt. step", "attention", "optimizer", "state", "checkpoint", "peak", "of budget", "step time", "params / grads / optimizer / activations"];
+            if gpu {
+                // Device peak, then the host's memory apart; the copies instead of a step time.
+                headers[11] = "state copies";
+                headers.insert(11, "host");
+            }
             if world > 1 {
                 headers.insert(2, "ZeRO");
             }
@@ -666,9 +950,12 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                         plan_text(&x.candidate.checkpoint.name, &x.estimate),
                         format_size(b.peak),
                         format!("{:.0}%", 100.0 * b.peak as f64 / usable as f64),
-                        if gpu { "-".into() } else { format!("×{:.2}", x.cost / reference_cost) },
+                        if gpu { copies_text(x) } else { format!("×{:.2}", x.cost / reference_cost) },
                         format!("{} / {} / {} / {}", format_size(b.params), format_size(b.grads), format_size(b.optimizer), format_size(b.activations)),
                     ];
+                    if gpu {
+                        row.insert(11, format_size(x.host()));
+                    }
                     if world > 1 {
                         row.insert(2, format!("stage {}", x.candidate.zero_stage));
                     }
@@ -678,9 +965,16 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
             out.push_str(&crate::output::table(&headers, &rows));
             out.push_str(if gpu {
                 "\nstep time: not predicted for the GPU engine yet (the model's costs are this CPU engine's, where bf16 is \
-                 slower than fp32); plans are ranked by the fewest changes to the config, then the smallest peak. The \
-                 peaks are device memory, as `ava estimate --device cuda` predicts it (host memory apart); only \
-                 the plugins and weight modes a GPU run takes were searched"
+                 slower than fp32); plans are ranked by the fewest changes to the config, then the fewest state bytes \
+                 over the link, then the smallest peak. The peaks are device memory, as `ava estimate --device cuda` \
+                 predicts it; `host` is the host memory apart (the state in page-locked memory, the loader's queue, the \
+                 batch, the rotary tables); only the plugins and modes a GPU run accepts were searched\n\
+                 state copies: a plan whose state lives in host memory moves it up and back each step, 2 x its bytes / \
+                 90.7 GB/s (pinned copies both ways at once on two streams, measured with PyTorch on an H100 machine's \
+                 link, ../shared/gpu/README.md; another machine's link differs). After backward the step waits for \
+                 them; inside backward, backward's compute hides some or all of them (not predicted), so it is the \
+                 most they add. A model from the link's bandwidth, not yet calibrated against an Ava GPU run of this \
+                 mode: `ava bench train` on the plan's config prints the copies' time and the share hidden"
             } else {
                 "\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see `ava plan --help`)"
             });
@@ -693,7 +987,11 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                 ));
             }
             let ram = if gpu {
-                "a GPU run keeps its optimizer state in device memory in this version"
+                "a GPU run keeps the optimizer state in device memory ([device: 100%]) or, where the state column says \
+                 ram, in page-locked host memory streamed through the GPU each step ([ram: 100%], or the largest device \
+                 share that fits when only streaming does: the fewest bytes over the link); the device then holds the \
+                 next offload.prefetch parameters' state and the one stepped before. A tier plugin (--offload nvme) is \
+                 refused on a GPU run"
             } else {
                 "on this CPU engine the device is RAM, so only a disk tier takes bytes out of the budget"
             };
@@ -711,7 +1009,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                      for each plan; {ram}{room}",
                     base.plugins.offload.name,
                 ),
-                None if gpu => format!("\noffload: not searched ({ram})"),
+                None if gpu => format!("\nstate: {ram}"),
                 None => format!(
                     "\noffload: not searched; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the \
                      optimizer state to disk ({ram})"
@@ -734,6 +1032,8 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
             json!({
                 "budget": usable,
                 "device": base.train.device.to_string(),
+                "host_ram": host_ram.as_ref().map(|h| json!({"bytes": h.total, "usable": h.usable(), "from": h.from})),
+                "fit_device_not_host": over_host.len(),
                 "world_size": world,
                 "searched": total,
                 "fit": fitting.len(),
@@ -750,6 +1050,16 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                     "zero_stage": x.candidate.zero_stage,
                     "offload": x.candidate.offload.as_ref().map(|o| json!({"tier": o.tier, "path": o.path})),
                     "offloaded_bytes": x.estimate.offloaded,
+                    "state": state_text(&x.candidate, &x.estimate),
+                    "offload_tiers": x.candidate.host_share.map(placement),
+                    "host_memory": gpu.then(|| x.host()),
+                    "state_in_host_memory": gpu.then(|| x.pinned()),
+                    "state_copies": x.copies().map(|seconds| json!({
+                        "bytes_each_way": x.pinned(),
+                        "seconds": seconds,
+                        "hidden_by_backward": if x.candidate.in_backward { "some or all (backward's GPU time is not predicted)" } else { "none: the step waits for them after backward" },
+                        "model": "2 x bytes / 90.7 GB/s (pinned copies both ways at once, PyTorch on an H100 machine, ../shared/gpu/README.md); not yet calibrated against an Ava GPU run of this mode",
+                    })),
                     "plan": x.estimate.plan.iter().map(|d| d.as_str()).collect::<Vec<_>>(),
                     "peak": x.estimate.breakdown.peak,
                     "relative_step_time": (!gpu).then(|| x.cost / reference_cost),
@@ -762,6 +1072,13 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     Ok(())
 }
 
+/// `base` with the candidate's settings.
+fn applied(base: &Config, c: &Candidate) -> Config {
+    let mut config = base.clone();
+    c.apply(&mut config);
+    config
+}
+
 /// Estimates `c` with `memory.budget` = `usable` (0: the config's own); `None` when a plugin
 /// refuses it (a budget policy that cannot fit, an optimizer that cannot be built).
 fn plan_one(
@@ -772,8 +1089,7 @@ fn plan_one(
     usable: u64,
     world: usize,
 ) -> Result<Option<Planned>, Failure> {
-    let mut config = base.clone();
-    c.apply(&mut config);
+    let mut config = applied(base, c);
     if usable > 0 {
         config.memory.budget = ava_train::config::ByteSize(usable);
     }
@@ -848,12 +1164,37 @@ fn weights_text(c: &Candidate) -> String {
     }
 }
 
-/// Where the optimizer state lives: `ram`, or the tier and how much it takes there.
+/// Where the optimizer state lives: `ram` (the CPU engine), `device` (a GPU's memory), the
+/// tier and how much it takes there, or on a GPU what lives in page-locked host memory:
+/// `ram (host, 50.21 GiB)`, `device 4% + ram (host, 48.2 GiB)`.
 fn state_text(c: &Candidate, est: &Estimate) -> String {
+    let pinned = pinned_bytes(est);
     match &c.offload {
         Some(o) => format!("{} ({})", o.tier, format_size(est.offloaded)),
         None if est.offloaded > 0 => format!("as configured ({})", format_size(est.offloaded)),
+        None if pinned > 0 => {
+            let on_device = match c.host_share {
+                Some(p) => 100 - u32::from(p),
+                None => {
+                    let kept = est.terms.iter().filter(|t| t.name.starts_with("state kept in device memory"));
+                    let kept: u64 = kept.map(|t| t.bytes).sum();
+                    (100.0 * kept as f64 / (kept + pinned) as f64).round() as u32
+                }
+            };
+            let host = format!("ram (host, {})", format_size(pinned));
+            if on_device == 0 { host } else { format!("device {on_device}% + {host}") }
+        }
+        None if est.device.is_cuda() => "device".into(),
         None => "ram".into(),
+    }
+}
+
+/// A GPU plan's state copies a step ([`Planned::copies`]), e.g. `1.11 s`, or `none`.
+fn copies_text(x: &Planned) -> String {
+    match x.copies() {
+        Some(s) if x.candidate.in_backward => format!("≤ {s:.2} s"),
+        Some(s) => format!("{s:.2} s"),
+        None => "none".into(),
     }
 }
 
@@ -877,6 +1218,7 @@ fn changes(given: &Candidate, c: &Candidate) -> usize {
         c.in_backward != given.in_backward,
         c.offload.is_some(),
         c.zero_stage != given.zero_stage,
+        c.host_share.is_some() && c.host_share != given.host_share,
     ]
     .iter()
     .filter(|&&d| d)
