@@ -5,8 +5,8 @@
 #   tools/gpu-session.sh run DIR OUT   # on the GPU machine (no Rust there), logs into OUT
 #
 # `build` puts into DIR (ignore it in git: echo DIR >> .git/info/exclude) the stripped `ava`
-# binary, the `lion` plugin beside it (the refusal test loads it) and `flash` (FlashAttention-2
-# on the GPU), the GPU test binaries ($TESTS: ava-train gpu_ops, ava-plugins gpu_optim, ava-cli
+# binary, the `lion` plugin beside it (the refusal test loads it), `flash` (FlashAttention-2
+# on the GPU) and `nvme` (state streamed through a disk tier), the GPU test binaries ($TESTS: ava-train gpu_ops, ava-plugins gpu_optim, ava-cli
 # gpu_train, the lion, adam-8bit, adafactor and adam-mini plugins' gpu_lion, gpu_adam_8bit,
 # gpu_adafactor, gpu_adam_mini) and PyTorch's reference
 # scripts when ../shared/gpu has them. Everything is built for a portable CPU
@@ -37,10 +37,12 @@ build() {
     export RUSTFLAGS="-C target-cpu=x86-64-v3"
     mkdir -p "$dir"
     local target=target/gpu
-    cargo build --release --features ava-cli/cuda -p ava-cli -p ava-plugin-lion -p ava-plugin-flash --target-dir "$target"
+    cargo build --release --features ava-cli/cuda -p ava-cli -p ava-plugin-lion -p ava-plugin-flash -p ava-plugin-nvme \
+        --target-dir "$target"
     # Copied now: the test build below compiles lion with its `cuda` feature, and the refusal
     # test needs this one, built without it (a CPU-only optimizer).
-    cp "$target/release/ava" "$target/release/libava_plugin_lion.so" "$target/release/libava_plugin_flash.so" "$dir/"
+    cp "$target/release/ava" "$target/release/libava_plugin_lion.so" "$target/release/libava_plugin_flash.so" \
+        "$target/release/libava_plugin_nvme.so" "$dir/"
     local json
     json=$(cargo test --release --target-dir "$target" --no-run --message-format=json \
         --features ava-cli/cuda,ava-plugin-lion/cuda,ava-plugin-adam-8bit/cuda,ava-plugin-adafactor/cuda,ava-plugin-adam-mini/cuda \

@@ -388,3 +388,86 @@ fn optimizer_state_in_host_memory_steps_exactly_as_on_the_device() {
     }
     resumes_exactly(dir.path(), "host", &["--set", "offload.tiers=[device: 30%, ram: 70%]"]);
 }
+
+/// `offload.tiers` through a tier plugin on a GPU run (`nvme`): each streamed parameter's
+/// state is read from the disk, visits the device for its step and is written back, so the
+/// run gives the same bits as with the state kept on the device. Host memory and a tier at
+/// once is refused by name.
+#[test]
+fn optimizer_state_streamed_through_nvme_steps_exactly_as_on_the_device() {
+    // The nvme plugin: built here, or beside $AVA_TEST_BIN where there is no cargo.
+    if std::env::var_os("AVA_TEST_BIN").is_none() {
+        ava_tests::workspace_plugins_dir();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let nvme = format!("plugins.offload={{name: nvme, path: {}}}", dir.path().join("disk").display());
+    let base = ["--max-steps", "6", "--set", "train.precision=fp32"];
+    let device = [&base[..], &["--set", "offload.tiers=[device: 100%]"]].concat();
+    ok(train_small(dir.path(), "device", &on_gpu(&device)));
+    let streamed = [&base[..], &["--set", &nvme, "--set", "offload.tiers=[device: 30%, nvme: 70%]"]].concat();
+    ok(train_small(dir.path(), "nvme", &on_gpu(&streamed)));
+    let (a, b) = (dir.path().join("device"), dir.path().join("nvme"));
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let x = std::fs::read(checkpoint(&a, 6).join(file)).unwrap();
+        let y = std::fs::read(checkpoint(&b, 6).join(file)).unwrap();
+        assert!(x == y, "{file} differs between the state on the device and streamed through nvme");
+    }
+    assert_eq!(losses(&a), losses(&b), "losses differ");
+    assert!(step_records(&b).iter().all(|r| r["stream"]["read_bytes"].as_u64().is_some_and(|n| n > 0)));
+
+    let both = ["--max-steps", "1", "--set", &nvme, "--set", "offload.tiers=[device: 20%, ram: 40%, nvme: 40%]"];
+    let err = usage_error(train_small(dir.path(), "both", &on_gpu(&both)));
+    assert!(err.contains("on a GPU run the state streams from one place"), "{err}");
+}
+
+/// Block inputs parked off the device on a GPU run (`selective` with `offload: true`, the
+/// built-in `ram` tier): each is written back into page-locked host memory on a copy stream
+/// while the next blocks compute, and uploaded on another ahead of its recompute. The run is
+/// the same bits as the same blocks recomputed with their inputs held on the device: after 6
+/// steps the checkpoint's weights and optimizer state and every loss, in f32 and bf16, with
+/// every block parked (against `full`) and with a kept block between two parked ones. Every
+/// step record gives the host memory the parked inputs held: their (B, T, d) buffers.
+#[test]
+fn block_inputs_parked_in_host_memory_train_exactly_as_held_on_the_device() {
+    // The selective plugin: built here, or beside $AVA_TEST_BIN where there is no cargo.
+    if std::env::var_os("AVA_TEST_BIN").is_none() {
+        ava_tests::workspace_plugins_dir();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (precision, bytes) in [("fp32", 4), ("bf16", 2)] {
+        let run = |name: &str, policy: &str| {
+            let (precision, policy) = (format!("train.precision={precision}"), format!("plugins.checkpoint={policy}"));
+            let out = format!("{name}-{precision}");
+            let args = ["--max-steps", "6", "--set", "model.num_layers=3", "--set", &precision, "--set", &policy];
+            let output = ok(train_small(dir.path(), &out, &on_gpu(&args)));
+            (dir.path().join(out), String::from_utf8_lossy(&output.stderr).into_owned())
+        };
+        // SMALL: micro-batches of 4 sequences of 32 tokens, width 32.
+        let input = 4 * 32 * 32 * bytes;
+        for (tag, held, parked, blocks) in [
+            ("every block", "full", "{name: selective, every: 1, offload: true}", 3),
+            (
+                "blocks 0 and 2",
+                "{name: selective, layers: [0, 2]}",
+                "{name: selective, layers: [0, 2], offload: true}",
+                2,
+            ),
+        ] {
+            let (held, _) = run(&format!("held-{blocks}"), held);
+            let (parked, header) = run(&format!("parked-{blocks}"), parked);
+            assert!(header.contains("parked in page-locked host memory (ram)"), "{precision}, {tag}: {header}");
+            for file in ["model.safetensors", "optimizer.safetensors"] {
+                let x = std::fs::read(checkpoint(&held, 6).join(file)).unwrap();
+                let y = std::fs::read(checkpoint(&parked, 6).join(file)).unwrap();
+                assert!(x == y, "{precision}, {tag}: {file} differs from the run with the inputs on the device");
+            }
+            assert_eq!(losses(&held), losses(&parked), "{precision}, {tag}: losses differ");
+            let records = step_records(&parked);
+            assert_eq!(records.len(), 6, "{precision}, {tag}: every step logged");
+            for r in &records {
+                assert_eq!(r["offload_bytes"].as_u64(), Some(blocks * input), "{precision}, {tag}: step record {r}");
+            }
+            assert!(step_records(&held).iter().all(|r| r["offload_bytes"].is_null()), "{precision}, {tag}: held");
+        }
+    }
+}

@@ -6,8 +6,8 @@
 //! how to build one. A `cuda` build opens the device through candle (cudarc loads the driver
 //! at run time), so a machine without a GPU or driver, or an ordinal past the last GPU, is an
 //! error naming the key. Then [`check_run`] refuses, all at once and by name, what a GPU run
-//! does not do yet (several ranks, host-side master weights, state streamed through a tier
-//! plugin; state in page-locked host memory, offload.tiers' `ram` share, it does) and
+//! does not do yet (several ranks, host-side master weights, state streamed from both host
+//! memory and a tier at once) and
 //! the selected plugins that take no device buffers: Ava never copies to the host behind the
 //! user's back.
 //!
@@ -206,15 +206,17 @@ fn check(config: &Config, world: usize, registry: Option<&ava_plugins::Registry>
             config.train.precision.as_str()
         ));
     }
-    if let Some(tier) = config.offload.tiers.offloaded() {
-        let pinned = (1.0 - config.offload.tiers.resident(true)) * 100.0;
+    let tiers = &config.offload.tiers;
+    if let Some(tier) = tiers.offloaded().filter(|_| tiers.pinned(true) > 0.0) {
         problems.push(format!(
-            "offload.tiers streams optimizer state through the tier '{}', which a GPU run does not do yet; stream it \
-             from page-locked host memory instead (offload.tiers: [device: {}%, ram: {}%]), or keep it in device \
-             memory (offload.tiers: [device: 100%])",
+            "offload.tiers: on a GPU run the state streams from one place, but this names both ram (page-locked host \
+             memory) and the tier '{}'; keep one (offload.tiers: [device: {}%, ram: {}%] or [device: {}%, {}: {}%])",
             tier.name,
-            ((100.0 - pinned) * 1e4).round() / 1e4,
-            (pinned * 1e4).round() / 1e4,
+            percent(tiers.resident(true)),
+            percent(1.0 - tiers.resident(true)),
+            percent(tiers.resident(true)),
+            tier.name,
+            percent(1.0 - tiers.resident(true)),
         ));
     }
     let selected = [
@@ -225,6 +227,11 @@ fn check(config: &Config, world: usize, registry: Option<&ava_plugins::Registry>
         problems.extend(plugins);
     }
     if problems.is_empty() { Ok(()) } else { Err(DeviceError::Unsupported { spec, problems }) }
+}
+
+/// A fraction as a percentage for a message: `30`, `12.5`.
+fn percent(fraction: f64) -> f64 {
+    (fraction * 1e6).round() / 1e4
 }
 
 /// `memory.hard_limit` on a GPU run, in force while held: the device's allocations come from

@@ -46,7 +46,8 @@ struct Calibration<'a> {
 impl Calibration<'_> {
     /// The policy's plan for an activation budget of `budget_bytes`, replayed. Both the
     /// trainer and the estimate offer the offload tier (there always is one, `ram` by
-    /// default); the replay counts an offloaded input as held, which is what `ram` does.
+    /// default); the replay counts an offloaded input as held on the CPU, which is what `ram`
+    /// does, and off the device on a GPU (`ParkedInputs`).
     fn decide(&self, budget_bytes: u64) -> Outcome {
         let ctx = CheckpointContext { budget_bytes, offload_available: true };
         let plan = self.s.plugins.checkpoint.decide(&self.kernels.facts, &ctx);
@@ -136,6 +137,7 @@ pub(super) fn plan(
         .with_saved_half(kernels.saved_size == 2)
         .with_workspace(kernels.workspace_lens[0], kernels.workspace_lens[1])
         .with_loss_chunk_rows(s.config.train.loss_chunk_rows)
+        .with_parked_inputs(s.parked_inputs())
         .with_step(step);
     let calibration = Calibration { s, kernels, replay, outside, budget };
     match calibration.calibrate(target) {

@@ -6,7 +6,10 @@
 //! and the batch's token ids replace their host forms, which [`host_terms`] lists apart with
 //! the loader's queue.
 
+use ava_core::BlockDecision;
+
 use super::inputs::{Inputs, Offload, Shares, State};
+use super::replay::ParkedInputs;
 use super::{Component, Term, grouped};
 use crate::config::{DataSource, Precision};
 use crate::data::Packing;
@@ -38,12 +41,13 @@ pub(super) fn terms(s: &Inputs<'_>, shares: &Shares, offload: &Offload) -> Vec<T
 /// tables the device copy is made from, the loader's queue and the batch in use (its
 /// targets and packed documents stay on the host, where the ops that take them read them).
 /// Empty on the CPU, where every term is host memory.
-pub(super) fn host_terms(s: &Inputs<'_>, offload: &Offload) -> Vec<Term> {
+pub(super) fn host_terms(s: &Inputs<'_>, offload: &Offload, plan: &[BlockDecision]) -> Vec<Term> {
     if !s.gpu() {
         return Vec::new();
     }
     let mut terms = vec![rotary_tables(s)];
     terms.extend(pinned_state(s, offload));
+    terms.extend(parked_inputs(s, plan));
     terms.extend(loader_queue(s));
     terms.extend(packed_documents(s));
     terms.push(batch_in_use(s));
@@ -63,6 +67,28 @@ fn pinned_state(s: &Inputs<'_>, offload: &Offload) -> Option<Term> {
         ),
         *bytes,
     ))
+}
+
+/// A GPU run's `Offload` blocks' inputs in page-locked host memory (`plugins.offload: ram`,
+/// `model::park`): a buffer per parked block, (B, T, d) in the compute type, kept for the run.
+/// Through another tier they are that tier's (compressed, or on disk), not listed here.
+fn parked_inputs(s: &Inputs<'_>, plan: &[BlockDecision]) -> Option<Term> {
+    let parked = plan.iter().filter(|d| **d == BlockDecision::Offload).count() as u64;
+    (parked > 0 && s.parked_inputs() == ParkedInputs::Pinned).then(|| {
+        let x = &s.x;
+        Term::new(
+            Component::Activations,
+            "inputs of offloaded blocks in page-locked host memory",
+            format!(
+                "{parked} × B·T·d·p = {parked} × {}·{}·{} (each written back in forward, uploaded again ahead of its \
+                 recompute)",
+                x.n(),
+                x.d,
+                x.p
+            ),
+            parked * x.n() * x.d * x.p,
+        )
+    })
 }
 
 /// The rotary tables' device copy: cos and sin of every position in f32, (T, D) each.

@@ -8,7 +8,7 @@
 use ava_core::{BlockFacts, ParamInfo, StateSpec};
 
 use super::block::Dims;
-use super::replay::{StepModel, ZeroModel};
+use super::replay::{ParkedInputs, StepModel, ZeroModel};
 use super::{EstimateError, Plugins, block_facts, grouped, l2_bytes, rank_threads, saved_len, workspace_lens};
 use crate::config::{Config, MasterWeights, Precision};
 use crate::device::DeviceSpec;
@@ -94,6 +94,17 @@ impl<'a> Inputs<'a> {
     /// Whether the run computes on a GPU (the terms are device memory).
     pub(super) fn gpu(&self) -> bool {
         self.device.is_cuda()
+    }
+
+    /// Where `Offload` blocks' inputs wait for backward, as `model::Parking::for_run`
+    /// decides: on a GPU in page-locked host memory with `ram`, through any other tier's
+    /// byte API; on the CPU in the tier, which is host memory counted with the rest.
+    pub(super) fn parked_inputs(&self) -> ParkedInputs {
+        match self.gpu() {
+            false => ParkedInputs::Held,
+            true if self.config.plugins.offload.name == crate::config::Tiers::RAM => ParkedInputs::Pinned,
+            true => ParkedInputs::Tier,
+        }
     }
 
     /// N with its digits grouped, for the formulas.

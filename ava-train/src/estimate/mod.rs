@@ -544,7 +544,7 @@ fn report(
     Estimate {
         zero_stages: zero::stages(s, shares),
         device: s.device,
-        host: held::host_terms(s, &offload),
+        host: [held::host_terms(s, &offload, &planned.plan), peak::host_terms(s, &offload, &planned.peak)].concat(),
         batch: s.batch,
         seq_len: s.seq,
         precision: s.precision,

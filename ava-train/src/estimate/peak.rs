@@ -19,7 +19,11 @@ pub(super) fn terms(
 ) -> Vec<Term> {
     let mut terms: Vec<Term> = gradient_accumulators(s, shares).into_iter().collect();
     terms.extend(step_transients(s, offload, peak));
-    terms.extend(tier_held(s, offload, peak));
+    // A tier's read-ahead and write-behind are host memory: on a GPU run they are listed
+    // apart ([`host_terms`]); state streamed from page-locked memory visits the device.
+    if !s.gpu() || offload.pinned {
+        terms.extend(tier_held(s, offload, peak));
+    }
     terms.extend(gathered_weights(s, peak));
     terms.push(gradients(s, peak));
     terms.extend(activations(s, kernels, peak).into_iter().filter(|t| t.bytes > 0));
@@ -114,6 +118,15 @@ fn tier_held(s: &Inputs<'_>, offload: &Offload, peak: &MicroBatchPeak) -> Option
         ),
         peak.tier_peak,
     ))
+}
+
+/// On a GPU run streaming its state through a tier, what the tier holds in host memory at
+/// most (its read-ahead and write-behind), listed apart from the device's peak.
+pub(super) fn host_terms(s: &Inputs<'_>, offload: &Offload, peak: &MicroBatchPeak) -> Vec<Term> {
+    if !s.gpu() || offload.pinned {
+        return Vec::new();
+    }
+    tier_held(s, offload, peak).into_iter().collect()
 }
 
 /// At ZeRO stage 3, the weights gathered from the other ranks and their compute-type casts

@@ -165,8 +165,33 @@ enum Stage {
     /// One recomputed block, or a segment of them run again from the first one's input.
     Recompute {
         blocks: Vec<usize>,
-        input: T,
+        input: Input,
     },
+}
+
+/// Where a recomputed block's input waits for backward (`recompute::Input`).
+enum Input {
+    /// In the memory counted.
+    Held(T),
+    /// Off the device (a GPU run's `Offload` block, [`ParkedInputs`]): its shape and type,
+    /// and its device copy once uploaded ahead.
+    Parked { dims: Vec<usize>, dtype: Dt, back: Option<T> },
+}
+
+/// Where a GPU run's `Offload` blocks keep their inputs between forward and backward
+/// (`model::park`), as far as device memory goes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum ParkedInputs {
+    /// In the memory counted (the host's: the CPU parks in a tier of the same memory).
+    #[default]
+    Held,
+    /// In page-locked host memory (`ram`): each device copy stays until the next block is
+    /// parked (or forward is done) while it is written back; in backward the next one down
+    /// is uploaded while a stage is recomputed, first before the loss's backward.
+    Pinned,
+    /// Through another tier's byte API: off the device from its synchronous copy until its
+    /// stage is recomputed, fetched then.
+    Tier,
 }
 
 /// What one replayed micro-batch cost.
@@ -203,6 +228,8 @@ pub(crate) struct Replay<'a> {
     /// Rows of the LM head computed at once in the loss (`train.loss_chunk_rows`; 0: the
     /// logits whole).
     loss_chunk_rows: usize,
+    /// Where `Offload` blocks' inputs wait.
+    parked_inputs: ParkedInputs,
     /// The streamed parameters in the order the replay stepped them.
     stepped: std::cell::RefCell<Vec<usize>>,
     defs: Vec<ParamDef>,
@@ -277,6 +304,7 @@ impl<'a> Replay<'a> {
             workspace: [0, 0],
             step: StepModel::default(),
             loss_chunk_rows: crate::model::DEFAULT_LOSS_CHUNK_ROWS,
+            parked_inputs: ParkedInputs::Held,
             stepped: Default::default(),
             defs,
             vars: RefCell::new(vars),
@@ -318,6 +346,12 @@ impl<'a> Replay<'a> {
     /// as a built `Model`.
     pub(crate) fn with_loss_chunk_rows(mut self, rows: usize) -> Self {
         self.loss_chunk_rows = rows;
+        self
+    }
+
+    /// With `Offload` blocks' inputs kept as `parked` says (a GPU run's; held otherwise).
+    pub(crate) fn with_parked_inputs(mut self, parked: ParkedInputs) -> Self {
+        self.parked_inputs = parked;
         self
     }
 
@@ -634,7 +668,8 @@ impl<'a> Replay<'a> {
     }
 
     /// `recompute::forward_backward` for one micro-batch under `plan` (an `Offload` block
-    /// without an offload tier keeps its input in memory, as the engine does). With
+    /// keeps its input as [`ParkedInputs`] says: in memory on the CPU, whose tier is counted
+    /// memory too). With
     /// `accumulating`, gradient accumulators from an earlier micro-batch are held throughout
     /// and this micro-batch's gradients are added to them at the end. Returns the peak above
     /// what was held before the call (parameters, casts, accumulators, the batch).
@@ -678,6 +713,8 @@ impl<'a> Replay<'a> {
         let first = embedded.detach().make_var();
         let mut stages = vec![Stage::Kept(Kept { start: None, end: embedded, aux: None, blocks: vec![] })];
         let mut current = Kept { end: first.clone(), start: Some(first), aux: None, blocks: vec![] };
+        // A parked input's device copy while its write-back runs (`ParkedInputs::Pinned`).
+        let mut retiring: Option<T> = None;
         for (i, decision) in plan.iter().enumerate() {
             match decision {
                 BlockDecision::Keep => {
@@ -723,6 +760,18 @@ impl<'a> Replay<'a> {
                     if !current.blocks.is_empty() {
                         stages.push(Stage::Kept(current));
                     }
+                    let input = match (decision, self.parked_inputs) {
+                        (BlockDecision::Offload, ParkedInputs::Pinned) => {
+                            let parked =
+                                Input::Parked { dims: input.dims().to_vec(), dtype: input.dtype(), back: None };
+                            retiring = Some(input); // the one before goes
+                            parked
+                        }
+                        (BlockDecision::Offload, ParkedInputs::Tier) => {
+                            Input::Parked { dims: input.dims().to_vec(), dtype: input.dtype(), back: None }
+                        }
+                        _ => Input::Held(input),
+                    };
                     stages.push(Stage::Recompute { blocks: vec![i], input });
                     m.set_cat(Cat::Inputs);
                     let start = hidden.make_var();
@@ -742,6 +791,8 @@ impl<'a> Replay<'a> {
             loss = loss.add(&aux.to_dtype(Dt::F32).affine(1.0));
         }
         m.set_phase(format!("backward: loss, head and {}", stretch_name(&current.blocks)));
+        drop(retiring); // forward is done: the last write-back's device copy goes
+        self.bring_back(&mut stages);
         m.set_cat(Cat::Backward);
         let root = loss.affine(1.0);
         let store = backward(&root);
@@ -764,6 +815,14 @@ impl<'a> Replay<'a> {
                         [] => unreachable!("a recompute stage has its first block"),
                     });
                     m.set_cat(Cat::Inputs);
+                    let input = match input {
+                        Input::Held(t) => t,
+                        Input::Parked { dims, dtype, back } => {
+                            let input = back.unwrap_or_else(|| T::new(m, &dims, dtype)); // fetched now
+                            self.bring_back(&mut stages);
+                            input
+                        }
+                    };
                     let start = input.make_var();
                     drop(input);
                     m.set_cat(Cat::Recompute);
@@ -859,6 +918,22 @@ impl<'a> Replay<'a> {
             phase: peak.phase,
             op: peak.op,
             tier_peak: self.tier_peak(),
+        }
+    }
+
+    /// With inputs in page-locked memory, the next parked input down uploaded ahead
+    /// (`park::next_down`), counted under [`Cat::Inputs`] (new buffers stay counted there).
+    fn bring_back(&self, stages: &mut [Stage]) {
+        if self.parked_inputs != ParkedInputs::Pinned {
+            return;
+        }
+        let next = stages.iter_mut().rev().find_map(|s| match s {
+            Stage::Recompute { input: Input::Parked { dims, dtype, back }, .. } => Some((dims, *dtype, back)),
+            _ => None,
+        });
+        if let Some((dims, dtype, back @ None)) = next {
+            self.meter.set_cat(Cat::Inputs);
+            *back = Some(T::new(&self.meter, dims, dtype)); // (B, T, d)
         }
     }
 

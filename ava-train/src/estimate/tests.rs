@@ -155,15 +155,16 @@ fn the_policy_budget_is_raised_when_the_replay_shows_room() {
 /// The estimate of the default config with `sets`, under the built-in adamw, standard
 /// attention and no checkpointing.
 fn estimate_with(sets: &[String]) -> super::Estimate {
+    let checkpoint = ava_plugins::Registry::builtins().checkpoint("none", "{}").unwrap();
+    estimate_planned(sets, checkpoint.as_ref())
+}
+
+/// [`estimate_with`] under the checkpoint policy `checkpoint`.
+fn estimate_planned(sets: &[String], checkpoint: &dyn ava_core::CheckpointPolicy) -> super::Estimate {
     let registry = ava_plugins::Registry::builtins();
     let (optimizer, attention) =
         (registry.optimizer("adamw", "{}").unwrap(), registry.attention("standard", "{}").unwrap());
-    let checkpoint = registry.checkpoint("none", "{}").unwrap();
-    let plugins = super::Plugins {
-        optimizer: optimizer.as_ref(),
-        attention: attention.as_ref(),
-        checkpoint: checkpoint.as_ref(),
-    };
+    let plugins = super::Plugins { optimizer: optimizer.as_ref(), attention: attention.as_ref(), checkpoint };
     let config = crate::config::ConfigLoader::new().sets(sets.iter().map(String::as_str)).load().unwrap().into_config();
     super::estimate(&ModelSpec::from_config(&config.model).unwrap(), &config, &plugins).unwrap()
 }
@@ -273,6 +274,14 @@ fn a_gpu_estimate_puts_the_ram_share_of_the_state_in_host_memory() {
     // On the CPU, `device` and `ram` are the same memory.
     let (cpu, cpu_split) = (estimate("cpu", "[device: 100%]"), estimate("cpu", "[device: 30%, ram: 70%]"));
     assert_eq!(cpu.breakdown, cpu_split.breakdown);
+    // Through a tier on a GPU: the tier's read-ahead is host memory, not the device's.
+    let disk = estimate("cuda", "[device: 30%, nvme: 70%]");
+    let tier = "streamed state held by the tier (read ahead, written behind)";
+    assert!(disk.host.iter().any(|t| t.name == tier), "{:#?}", disk.host);
+    assert!(!disk.terms.iter().any(|t| t.name == tier));
+    assert!(state(&disk) < total && disk.offloaded > 0);
+    let on_cpu = estimate("cpu", "[device: 30%, nvme: 70%]");
+    assert!(on_cpu.terms.iter().any(|t| t.name == tier) && on_cpu.host.is_empty());
 }
 
 /// The loss in blocks of rows (`train.loss_chunk_rows`): on the host and on a GPU, in f32 and
@@ -305,4 +314,69 @@ fn the_loss_in_blocks_of_rows_lowers_the_peak() {
         let logits = 256 * 4096 * p;
         assert!(whole - sixteen > logits, "{what}");
     }
+}
+
+/// Every block's input parked (as `selective` with `offload: true` decides).
+struct OffloadAll;
+
+impl ava_core::CheckpointPolicy for OffloadAll {
+    fn decide(
+        &self,
+        blocks: &[ava_core::BlockFacts],
+        _: &ava_core::CheckpointContext,
+    ) -> Result<Vec<BlockDecision>, ava_core::PluginError> {
+        Ok(vec![BlockDecision::Offload; blocks.len()])
+    }
+}
+
+/// On a GPU with `ram`, offloaded blocks' inputs are host memory (page-locked, one buffer
+/// per block, listed apart) and the device holds of them only the one written back behind
+/// the block computing in forward, and in backward the one uploaded ahead beside the one
+/// being recomputed: its peak is below every block's input held (`full`). Through another
+/// tier (int8) they are off the device too, not listed as host memory (they are the tier's).
+/// On the CPU parking changes nothing: the tier is host memory counted with the rest.
+#[test]
+fn a_gpu_estimate_puts_parked_block_inputs_in_host_memory() {
+    let full = ava_plugins::Registry::builtins().checkpoint("full", "{}").unwrap();
+    let sets = |device: &str, tier: &str| {
+        [
+            format!("train.device={device}"),
+            format!("plugins.offload={tier}"),
+            "train.micro_batch_size=8".into(),
+            "data.seq_len=256".into(),
+            "train.precision=bf16".into(),
+            "model.num_layers=6".into(),
+            // The logits whole, large: the peak is the head's, after every block has parked.
+            "model.vocab_size=8192".into(),
+            "train.loss_chunk_rows=0".into(),
+        ]
+    };
+    let inputs =
+        |e: &super::Estimate| e.terms.iter().find(|t| t.name == "inputs of recomputed blocks").map_or(0, |t| t.bytes);
+    let host = |e: &super::Estimate| {
+        e.host.iter().find(|t| t.name == "inputs of offloaded blocks in page-locked host memory").map(|t| t.bytes)
+    };
+    let held = estimate_planned(&sets("cuda", "ram"), full.as_ref());
+    let parked = estimate_planned(&sets("cuda", "ram"), &OffloadAll);
+    assert!(parked.plan.iter().all(|d| *d == BlockDecision::Offload), "{:?}", parked.plan);
+    let one = held.block_facts[0].input_bytes; // (B, T, d) bf16
+    assert_eq!(host(&parked), Some(6 * one), "one buffer per block: {:#?}", parked.host);
+    assert_eq!(host(&held), None, "nothing parked, nothing listed");
+    // The peak is the head's backward. `full` holds every block's input there; parked, only
+    // the last block's is on the device, uploaded ahead (block 0's input is the embedding's
+    // Var, counted with the embedding; the other five are the Vars blocks 0..=4's outputs
+    // became, in the inputs term with the Var the head's stretch starts from).
+    assert!(held.peak_at.starts_with("backward: loss, head") && parked.peak_at == held.peak_at, "{}", parked.peak_at);
+    assert_eq!(inputs(&held), inputs(&parked) + 4 * one);
+    assert_eq!(held.micro_batch_peak, parked.micro_batch_peak + 5 * one);
+    assert_eq!(held.breakdown.peak, parked.breakdown.peak + 5 * one);
+
+    // Through int8 nothing is uploaded ahead: all six are off the device at the head.
+    let int8 = estimate_planned(&sets("cuda", "int8"), &OffloadAll);
+    assert_eq!(host(&int8), None, "the tier's memory is its own");
+    assert_eq!(held.micro_batch_peak, int8.micro_batch_peak + 6 * one);
+
+    let cpu = estimate_planned(&sets("cpu", "ram"), &OffloadAll);
+    assert!(cpu.host.is_empty());
+    assert_eq!(cpu.breakdown, estimate_planned(&sets("cpu", "ram"), full.as_ref()).breakdown);
 }

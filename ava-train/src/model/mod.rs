@@ -11,6 +11,7 @@ mod hf;
 mod hf_config;
 mod llama;
 pub mod ops;
+mod park;
 mod recompute;
 mod rope;
 mod spec;
@@ -32,6 +33,7 @@ pub use hf::{
 };
 pub use hf_config::{HfConfig, parse_hf_config, read_hf_config};
 pub use llama::{BlockOut, Model, Param};
+pub use park::Parking;
 pub use recompute::{GradSink, Grads, MicroLoss, Weights, forward_backward, forward_logits};
 pub use rope::{RopeScaling, RopeSpec};
 pub use spec::{Arch, Biases, ModelSpec, MoeSpec, ParamDef, ParamRole};

@@ -8,17 +8,18 @@
 //! and back-propagating `(out · grad_out).sum()`; each kept stretch the same way from its
 //! end. Every kept gradient is detached and each grad store dropped at once, since a kept
 //! gradient would otherwise hold its whole graph alive. An `Offload` block is recomputed
-//! too, with its input parked in the offload tier between forward and backward. `Segment`
+//! too, with its input parked off the device between forward and backward (`park`: in the
+//! offload tier, or on a GPU with `ram` in page-locked host memory, the next one down brought
+//! back while a stage is recomputed). `Segment`
 //! blocks join the recomputed block below them: the segment keeps only its first block's
 //! input and is run again, all of it, in backward (Chen et al. 2016).
 
-use std::sync::Arc;
-
-use ava_core::{BlockDecision, DType as StoredType, OffloadTier};
-use candle_core::{DType, Device, Result, Tensor, Var, backprop::GradStore};
+use ava_core::BlockDecision;
+use candle_core::{DType, Result, Tensor, Var, backprop::GradStore};
 
 use super::Documents;
 use super::llama::{Model, add_opt};
+use super::park::{self, Parked, Parking, Session};
 
 /// A stretch of the forward graph between two recomputed blocks.
 struct Kept {
@@ -36,8 +37,8 @@ struct Kept {
 enum Input {
     /// In memory (detached).
     Held(Tensor),
-    /// In the offload tier under this key, with its shape and type.
-    Offloaded { key: String, dims: Vec<usize>, dtype: DType },
+    /// Parked off the device (`park`).
+    Parked(Parked),
 }
 
 enum Stage {
@@ -56,8 +57,9 @@ pub struct MicroLoss {
     pub ce: f64,
     /// Summed load-balancing loss of the MoE blocks (unweighted; 0 for a dense model).
     pub aux: f64,
-    /// The most host memory the offload tier held while block inputs were parked in it
-    /// (sampled after each put; 0 without offloaded blocks).
+    /// The most host memory parked block inputs held at once: the offload tier's resident
+    /// bytes, sampled after each put, or on a GPU run with `ram` the page-locked buffers of
+    /// the inputs parked at once (0 without offloaded blocks).
     pub tier_peak: u64,
 }
 
@@ -167,9 +169,10 @@ pub fn forward_backward(
     plan: &[BlockDecision],
     scale: f64,
     divisor: f64,
-    offload: Option<&Arc<dyn OffloadTier>>,
+    offload: Option<&Parking>,
     grads: &mut dyn GradSink,
 ) -> Result<MicroLoss> {
+    let mut parking = offload.map(Parking::session).transpose()?;
     let aux_weight = model.spec().moe.map_or(0.0, |m| m.aux_weight);
     // The embedding is always a stretch of its own. With tied embeddings the same weight is
     // used by the embedding and the head, and keeping the two uses in separate graphs makes
@@ -181,7 +184,6 @@ pub fn forward_backward(
     let mut stages: Vec<Stage> = vec![Stage::Kept(embedded)];
     let mut current = Kept { end: first.as_tensor().clone(), start: Some(first), aux: None, blocks: vec![] };
     let mut aux_total = 0.0;
-    let mut tier_peak = 0;
     for (i, decision) in plan.iter().enumerate() {
         match decision {
             BlockDecision::Keep => {
@@ -237,12 +239,8 @@ pub fn forward_backward(
                     }
                     stages.push(Stage::Kept(current));
                 }
-                let input = match (decision, offload) {
-                    (BlockDecision::Offload, Some(tier)) => {
-                        let parked = park(tier.as_ref(), i, &input)?;
-                        tier_peak = tier_peak.max(tier.resident_bytes());
-                        parked
-                    }
+                let input = match (decision, parking.as_mut()) {
+                    (BlockDecision::Offload, Some(parking)) => Input::Parked(parking.park(i, input)?),
                     _ => Input::Held(input),
                 };
                 stages.push(Stage::Recompute { blocks: vec![i], input });
@@ -272,8 +270,11 @@ pub fn forward_backward(
         Some(*n)
     });
     grads.expect(&order.concat())?;
-    // The tier reads the first input backward needs while the last stretch back-propagates.
-    prefetch(offload, &stages)?;
+    // The first input backward needs comes back while the last stretch back-propagates.
+    if let Some(parking) = parking.as_mut() {
+        parking.forward_done()?;
+    }
+    prefetch(parking.as_mut(), &mut stages)?;
     let span = crate::profile::scope("backward: autograd (all)");
     let store = loss.affine(scale / divisor, 0.0)?.backward()?;
     drop(span);
@@ -295,11 +296,11 @@ pub fn forward_backward(
             Stage::Recompute { blocks, input } => {
                 let input = match input {
                     Input::Held(t) => t,
-                    Input::Offloaded { key, dims, dtype } => {
-                        let input =
-                            fetch(offload.expect("offloaded with a tier"), &key, &dims, dtype, &model.device())?;
-                        // The next one down loads while these blocks are recomputed.
-                        prefetch(offload, &stages)?;
+                    Input::Parked(parked) => {
+                        let parking = parking.as_mut().expect("parked with a parking");
+                        let input = parking.take(parked, &model.device())?;
+                        // The next one down comes back while these blocks are recomputed.
+                        prefetch(Some(parking), &mut stages)?;
                         input
                     }
                 };
@@ -336,6 +337,7 @@ pub fn forward_backward(
             }
         }
     }
+    let tier_peak = parking.as_ref().map_or(0, Session::peak);
     Ok(MicroLoss { ce: ce_value, aux: aux_total, tier_peak })
 }
 
@@ -426,61 +428,14 @@ fn gradient_order(model: &Model, last: &Kept, stages: &[Stage]) -> Vec<Vec<usize
     order
 }
 
-/// Puts a block input into the offload tier, in its own element type.
-fn park(tier: &dyn OffloadTier, block: usize, input: &Tensor) -> Result<Input> {
-    let key = format!("activation/block-{block}");
-    let dims = input.dims().to_vec();
-    let dtype = input.dtype();
-    let flat = input.flatten_all()?; // (B·T·d)
-    let stored = match dtype {
-        DType::F32 => tier.put(&key, bytemuck::cast_slice(&flat.to_vec1::<f32>()?), StoredType::F32),
-        DType::BF16 => tier.put(&key, bytemuck::cast_slice(&flat.to_vec1::<half::bf16>()?), StoredType::BF16),
-        DType::F16 => tier.put(&key, bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?), StoredType::F16),
-        other => candle_core::bail!("offload: block inputs of type {other:?} are not supported"),
-    };
-    stored.map_err(|e| candle_core::Error::Msg(format!("offload put {key}: {e}")))?;
-    Ok(Input::Offloaded { key, dims, dtype })
-}
-
-/// Takes a block input back from the offload tier, onto `device` (the model's).
-fn fetch(tier: &Arc<dyn OffloadTier>, key: &str, dims: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-    let n: usize = dims.iter().product();
-    let get =
-        |into: &mut [u8]| tier.get(key, into).map_err(|e| candle_core::Error::Msg(format!("offload get {key}: {e}")));
-    let tensor = match dtype {
-        DType::F32 => {
-            let mut values = vec![0f32; n];
-            get(bytemuck::cast_slice_mut(&mut values))?;
-            Tensor::from_vec(values, dims, device)?
-        }
-        DType::BF16 => {
-            let mut values = vec![half::bf16::ZERO; n];
-            get(bytemuck::cast_slice_mut(&mut values))?;
-            Tensor::from_vec(values, dims, device)?
-        }
-        DType::F16 => {
-            let mut values = vec![half::f16::ZERO; n];
-            get(bytemuck::cast_slice_mut(&mut values))?;
-            Tensor::from_vec(values, dims, device)?
-        }
-        other => candle_core::bail!("offload: block inputs of type {other:?} are not supported"),
-    };
-    tier.evict(key).map_err(|e| candle_core::Error::Msg(format!("offload evict {key}: {e}")))?;
-    Ok(tensor)
-}
-
-/// The key of the next block input backward will fetch from the tier, to prefetch it while
-/// the blocks above it are recomputed.
-fn next_offloaded(stages: &[Stage]) -> Option<&str> {
-    stages.iter().rev().find_map(|s| match s {
-        Stage::Recompute { input: Input::Offloaded { key, .. }, .. } => Some(key.as_str()),
-        _ => None,
-    })
-}
-
-fn prefetch(tier: Option<&Arc<dyn OffloadTier>>, stages: &[Stage]) -> Result<()> {
-    if let (Some(tier), Some(key)) = (tier, next_offloaded(stages)) {
-        tier.prefetch(key).map_err(|e| candle_core::Error::Msg(format!("offload prefetch {key}: {e}")))?;
+/// Starts bringing back the next parked input backward will take (`park::next_down`), while
+/// the stages above it back-propagate.
+fn prefetch(parking: Option<&mut Session<'_>>, stages: &mut [Stage]) -> Result<()> {
+    let Some(parking) = parking else { return Ok(()) };
+    let parked: Vec<bool> =
+        stages.iter().map(|s| matches!(s, Stage::Recompute { input: Input::Parked(_), .. })).collect();
+    match park::next_down(&parked).map(|k| &mut stages[k]) {
+        Some(Stage::Recompute { input: Input::Parked(next), .. }) => parking.prefetch(next),
+        _ => Ok(()),
     }
-    Ok(())
 }

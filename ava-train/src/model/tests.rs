@@ -335,7 +335,8 @@ fn offloaded_block_inputs_give_identical_gradients() {
     let mut w = m.weights(DType::F32).unwrap();
     let mut grads = vec![None; m.params().len()];
     let plan = [BlockDecision::Offload, BlockDecision::Offload];
-    forward_backward(&m, &mut w, &tokens, None, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
+    let parking = Parking::tier(tier.clone());
+    forward_backward(&m, &mut w, &tokens, None, &targets, &plan, 1.0, 1.0, Some(&parking), &mut grads).unwrap();
     assert_eq!(max_diff(&grads, &plain), 0.0);
     assert_eq!(tier.used_bytes(), 0, "inputs are evicted after use");
 }
@@ -352,7 +353,9 @@ fn int8_parked_inputs_give_gradients_within_a_bounded_error() {
     let mut w = m.weights(DType::F32).unwrap();
     let mut grads = vec![None; m.params().len()];
     let plan = [BlockDecision::Offload, BlockDecision::Offload];
-    let loss = forward_backward(&m, &mut w, &tokens, None, &targets, &plan, 1.0, 1.0, Some(&tier), &mut grads).unwrap();
+    let parking = Some(Parking::tier(tier.clone()));
+    let loss =
+        forward_backward(&m, &mut w, &tokens, None, &targets, &plan, 1.0, 1.0, parking.as_ref(), &mut grads).unwrap();
     let (mut err, mut norm) = (0f64, 0f64);
     for (a, b) in grads.iter().zip(&plain) {
         for (p, q) in values(a.as_ref().unwrap()).iter().zip(values(b.as_ref().unwrap())) {

@@ -278,8 +278,9 @@ fn device_out_of_memory_message(step: Option<u64>, limit: Option<u64>, detail: &
     let raise = if limit.is_some() { ", or raise memory.hard_limit (up to the card's memory)" } else { "" };
     match step {
         Some(_) => format!(
-            "the GPU ran out of memory {when}{under} ({detail}). Nothing of this step was saved: the last checkpoint, \
-             if one was written, is intact. Make the step smaller: lower train.micro_batch_size or data.seq_len, \
+            "the GPU ran out of memory {when}{under} ({detail}). Nothing of this step was saved or applied: the run \
+             stops with its last completed step saved, if it completed one. Make the step smaller: lower \
+             train.micro_batch_size or data.seq_len, \
              recompute activations (plugins.checkpoint: full), or hold less state on the card (train.master_weights: \
              none){raise}; then run again, or resume with --resume latest"
         ),

@@ -201,9 +201,13 @@ impl StateBuffer {
         &mut bytemuck::cast_slice_mut(&mut self.words)[..n]
     }
 
-    /// Gives the memory back (the bytes are in the tier).
+    /// Gives the memory back (the bytes are in the tier), on the host and on the GPU.
     fn release(&mut self) {
         self.words = Vec::new();
+        #[cfg(feature = "cuda")]
+        {
+            self.device = None;
+        }
     }
 
     /// Memory for the bytes again, zero-filled.
@@ -294,6 +298,10 @@ pub struct OptimizerState {
     /// A GPU run's state in page-locked host memory, and the streams that move it.
     #[cfg(feature = "cuda")]
     pinned: Option<super::pinned_state::PinnedState>,
+    /// The GPU a GPU run's state lives on: a parameter streamed through a tier visits it for
+    /// its step.
+    #[cfg(feature = "cuda")]
+    gpu: Option<candle_core::CudaDevice>,
 }
 
 /// Equal when every buffer has the same bytes, wherever they live (tests compare runs).
@@ -452,6 +460,8 @@ impl OptimizerState {
             held: held.clone(),
             #[cfg(feature = "cuda")]
             pinned: None,
+            #[cfg(feature = "cuda")]
+            gpu: None,
         };
         let offloaded = match &placement {
             Some(p) => {
@@ -563,6 +573,7 @@ impl OptimizerState {
                 .map_err(TrainError::Invalid)?;
             self.pinned = Some(pinned);
         }
+        self.gpu = Some(dev.clone());
         for (i, (bufs, _)) in self.buffers.iter_mut().zip(&self.held).enumerate().filter(|(_, (_, h))| **h) {
             if self.pinned.as_ref().is_some_and(|p| p.homed[i]) {
                 continue;
@@ -896,6 +907,16 @@ impl StepSession<'_> {
             self.stats.read_bytes += b.held();
         }
         self.stats.wait_seconds += waiting.elapsed().as_secs_f64();
+        let held: Vec<u64> = self.state.buffers[i].iter().map(StateBuffer::held).collect();
+        // On a GPU run the state visits the device for its step (copied from and back to the
+        // host's pageable bytes on the compute stream: next to a disk's 0.5–1 GB/s the link's
+        // 13–17 GB/s for pageable copies costs little, so no page-locked staging).
+        #[cfg(feature = "cuda")]
+        if let Some(dev) = &self.state.gpu {
+            for b in self.state.buffers[i].iter_mut() {
+                b.place_on(dev).map_err(TrainError::candle)?;
+            }
+        }
         // The next `prefetch` parameters load while this one is updated (this one was just
         // read: never asked for again).
         let at = self.position[i];
@@ -903,7 +924,7 @@ impl StepSession<'_> {
             self.queued = self.queued.max(at + 1);
             self.read_ahead(at + 1 + prefetch)?;
         }
-        let working: u64 = self.state.buffers[i].iter().map(StateBuffer::held).sum();
+        let working: u64 = held.iter().sum();
         self.sample(working);
         step(i, &mut self.state.buffers[i])?;
         // Each buffer is freed as soon as the tier has its copy.
@@ -914,11 +935,10 @@ impl StepSession<'_> {
             let bytes = b.bytes().map_err(TrainError::candle)?;
             tier.put(k, &bytes, b.spec.dtype).map_err(|e| tier_error(&name, &format!("storing {k}"), e))?;
             self.stats.wait_seconds += waiting.elapsed().as_secs_f64();
-            self.stats.written_bytes += b.held();
+            self.stats.written_bytes += held[j];
             self.sample(left);
-            let b = &mut self.state.buffers[i][j];
-            left -= b.held();
-            b.release();
+            left -= held[j];
+            self.state.buffers[i][j].release();
         }
         Ok(())
     }

@@ -27,7 +27,7 @@ use crate::config::{Config, DataSource, MasterWeights, NanPolicy, PluginSelectio
 use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Packing, Share, Source, Split};
 use crate::dist::{Collectives, Gathered, ReduceInBackward, Single, Zero};
 use crate::memory::{self, Breakdown};
-use crate::model::{self, Documents, GradSink, Grads, Model, ModelSpec, Weights, forward_backward};
+use crate::model::{self, Documents, GradSink, Grads, Model, ModelSpec, Parking, Weights, forward_backward};
 use crate::save::{CheckpointStore, FileBody, LoadedCheckpoint, NamedBuffer, differing_keys, safetensors_views};
 
 /// How a run starts.
@@ -252,7 +252,9 @@ pub struct Trainer {
     optimizer: Box<dyn Optimizer>,
     state: OptimizerState,
     plan: Vec<BlockDecision>,
-    offload: Option<Arc<dyn OffloadTier>>,
+    /// Where `Offload` blocks' inputs wait for backward: the offload tier, or on a GPU with
+    /// `ram` page-locked host memory (`model::Parking`).
+    parking: Parking,
     /// Whether the offload tier is a loaded library, whose memory the counting allocator
     /// does not see (a built-in tier's it does).
     offload_foreign: bool,
@@ -353,7 +355,7 @@ struct MicroBatches<'a> {
     plan: &'a [BlockDecision],
     /// The f16 loss scale (1 otherwise).
     scale: f64,
-    offload: Option<&'a Arc<dyn OffloadTier>>,
+    offload: Option<&'a Parking>,
 }
 
 impl MicroBatches<'_> {
@@ -1067,11 +1069,32 @@ impl Trainer {
                 serde_json::to_string(&config.offload.tiers).unwrap_or_default()
             ));
         }
+        // On a GPU with the built-in `ram`, parked inputs go to page-locked host memory on copy
+        // streams of their own; any other tier keeps its byte API (`model::park`).
+        let builtin_ram = off_sel.name == crate::config::Tiers::RAM && !offload_foreign;
+        let parking = Parking::for_run(Arc::clone(&offload), &device, builtin_ram, parked > 0)
+            .map_err(|e| TrainError::candle(candle_core::Error::Msg(format!("offload: parked block inputs: {e}"))))?;
         let offload_note = offload_note.or_else(|| {
             (parked > 0).then(|| {
+                if parking.is_pinned() {
+                    return format!(
+                        "block inputs of {parked} blocks parked in page-locked host memory ({}) between forward and \
+                         backward: written back on a copy stream, the next one down uploaded while a block is recomputed",
+                        off_sel.name
+                    );
+                }
                 let described = offload.describe();
                 let how = if described.is_empty() { String::new() } else { format!("; {described}") };
-                format!("block inputs of {parked} blocks parked in {} between forward and backward{how}", off_sel.name)
+                let waits = if device.is_cuda() {
+                    "; on the GPU each park and fetch waits for its copy through the tier's host bytes (plugins.offload: \
+                     ram overlaps them with compute)"
+                } else {
+                    ""
+                };
+                format!(
+                    "block inputs of {parked} blocks parked in {} between forward and backward{how}{waits}",
+                    off_sel.name
+                )
             })
         });
 
@@ -1108,7 +1131,7 @@ impl Trainer {
             optimizer,
             state,
             plan,
-            offload: Some(offload),
+            parking,
             offload_foreign,
             offload_note,
             model_notes,
@@ -1300,7 +1323,11 @@ impl Trainer {
                 Ok(record) => record,
                 // With several ranks the others are waiting in this step's collectives: the
                 // error ends the job (the last checkpoint is intact).
-                Err(e @ TrainError::OutOfMemory { .. }) if self.zero.size() == 1 => {
+                // Out of memory at the smallest micro-batch, the host's limit or the device's
+                // (outside backward: a step inside it wraps the error as FailedInBackward).
+                Err(e @ (TrainError::OutOfMemory { .. } | TrainError::DeviceOutOfMemory { step: Some(_), .. }))
+                    if self.zero.size() == 1 =>
+                {
                     // Nothing of the step was applied: save what the last step left (unless
                     // it is saved already, e.g. the checkpoint this run resumed from), and stop.
                     let existing = self.store.root().join(crate::save::step_dir_name(self.step));
@@ -1575,7 +1602,7 @@ impl Trainer {
             let poison = self.poisoned(step);
             let settings = step_settings(self.optimizer.as_mut(), &opt_name, &self.model, &t, step, lr, self.threads);
             let mut sink = StepInBackward::new(settings, &mut self.state, poison);
-            let run = MicroBatches { model: &self.model, plan: &self.plan, scale: 1.0, offload: self.offload.as_ref() };
+            let run = MicroBatches { model: &self.model, plan: &self.plan, scale: 1.0, offload: Some(&self.parking) };
             let outcome = run.run(weights.as_mut(), &batches, self.split, &mut sink);
             if inject {
                 memory::set_limit(self.hard_limit);
@@ -1622,7 +1649,7 @@ impl Trainer {
                     model: &self.model,
                     plan: &self.plan,
                     scale: self.scaler.scale,
-                    offload: self.offload.as_ref(),
+                    offload: Some(&self.parking),
                 };
                 // Stage 2 reduces during backward, stretch by stretch; stages 0 and 1 after it.
                 let outcome = if self.zero.stage() >= 2 && self.zero.size() > 1 {
