@@ -407,7 +407,7 @@ fn plan_for_a_gpu_config_searches_what_the_gpu_runs() {
         ["plan", "--budget", "rtx-4090-24gb", "--offload", "nvme:/tmp"].iter().chain(&cuda).copied().collect();
     let err = common::usage_error(run(dir.path(), &offload, &[]));
     assert!(
-        err.contains("--offload: a GPU run (train.device: cuda:0) streams its optimizer state from page-locked host"),
+        err.contains("--offload: on a GPU run (train.device: cuda:0) the plan searches page-locked host memory"),
         "{err}"
     );
     assert!(err.contains("drop --offload"), "{err}");

@@ -487,9 +487,10 @@ fn search(
     let gpu = base.train.device.is_cuda();
     if gpu && offload.is_some() {
         return Err(Failure::Usage(anyhow::anyhow!(
-            "--offload: a GPU run (train.device: {}) streams its optimizer state from page-locked host memory \
-             (offload.tiers' ram share, which the plan searches by itself), not through a tier plugin; drop \
-             --offload",
+            "--offload: on a GPU run (train.device: {}) the plan searches page-locked host memory for the optimizer \
+             state by itself (offload.tiers' ram share), not a disk tier; drop --offload. A GPU run can stream \
+             through one (offload.tiers: [device: X%, nvme: Y%] with plugins.offload): set it in the config and \
+             check it with `ava estimate`",
             base.train.device
         )));
     }
