@@ -34,6 +34,17 @@ fn follows(gpu: &Path, cpu: &Path, rel: f64) {
     }
 }
 
+/// Fails unless runs `a` and `b` saved the same bits at step 6 (weights and optimizer state)
+/// and logged the same losses; `what` says which runs, for the message.
+fn same_bits(a: &Path, b: &Path, what: &str) {
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let x = std::fs::read(checkpoint(a, 6).join(file)).unwrap();
+        let y = std::fs::read(checkpoint(b, 6).join(file)).unwrap();
+        assert!(x == y, "{what}: {file} differs");
+    }
+    assert_eq!(losses(a), losses(b), "{what}: losses differ");
+}
+
 /// The validation losses of a run, by step.
 fn validation(run: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
@@ -99,12 +110,7 @@ fn resumes_exactly(dir: &Path, tag: &str, base: &[&str]) {
     ok(train_small(dir, &split, &on_gpu(&[base, &["--max-steps", "6", "--steps", "3"]].concat())));
     ok(train_small(dir, &split, &on_gpu(&[base, &["--max-steps", "6", "--resume", "latest"]].concat())));
     let (a, b) = (dir.join(&straight), dir.join(&split));
-    for file in ["model.safetensors", "optimizer.safetensors"] {
-        let x = std::fs::read(checkpoint(&a, 6).join(file)).unwrap();
-        let y = std::fs::read(checkpoint(&b, 6).join(file)).unwrap();
-        assert!(x == y, "{tag}: {file} differs between the straight and the resumed run on the GPU");
-    }
-    assert_eq!(losses(&a), losses(&b), "{tag}: losses differ");
+    same_bits(&a, &b, &format!("{tag}: the straight and the resumed run on the GPU"));
 }
 
 /// A checkpoint written on the GPU resumes on the CPU, and one of the CPU on the GPU: the
@@ -372,12 +378,7 @@ fn optimizer_state_in_host_memory_steps_exactly_as_on_the_device() {
         let device = run("device", "[device: 100%]", "2");
         for (name, tiers, prefetch) in [("split", "[device: 30%, ram: 70%]", "2"), ("host", "[ram: 100%]", "0")] {
             let host = run(name, tiers, prefetch);
-            for file in ["model.safetensors", "optimizer.safetensors"] {
-                let x = std::fs::read(checkpoint(&device, 6).join(file)).unwrap();
-                let y = std::fs::read(checkpoint(&host, 6).join(file)).unwrap();
-                assert!(x == y, "{tag}, {tiers}: {file} differs from the run with the state on the device");
-            }
-            assert_eq!(losses(&device), losses(&host), "{tag}, {tiers}: losses differ");
+            same_bits(&device, &host, &format!("{tag}, {tiers} against the state on the device"));
             let records = step_records(&host);
             assert_eq!(records.len(), 6, "{tag}, {tiers}: every step logged");
             for r in &records {
@@ -407,12 +408,7 @@ fn optimizer_state_streamed_through_nvme_steps_exactly_as_on_the_device() {
     let streamed = [&base[..], &["--set", &nvme, "--set", "offload.tiers=[device: 30%, nvme: 70%]"]].concat();
     ok(train_small(dir.path(), "nvme", &on_gpu(&streamed)));
     let (a, b) = (dir.path().join("device"), dir.path().join("nvme"));
-    for file in ["model.safetensors", "optimizer.safetensors"] {
-        let x = std::fs::read(checkpoint(&a, 6).join(file)).unwrap();
-        let y = std::fs::read(checkpoint(&b, 6).join(file)).unwrap();
-        assert!(x == y, "{file} differs between the state on the device and streamed through nvme");
-    }
-    assert_eq!(losses(&a), losses(&b), "losses differ");
+    same_bits(&a, &b, "the state on the device and streamed through nvme");
     assert!(step_records(&b).iter().all(|r| r["stream"]["read_bytes"].as_u64().is_some_and(|n| n > 0)));
 
     let both = ["--max-steps", "1", "--set", &nvme, "--set", "offload.tiers=[device: 20%, ram: 40%, nvme: 40%]"];
@@ -456,12 +452,7 @@ fn block_inputs_parked_in_host_memory_train_exactly_as_held_on_the_device() {
             let (held, _) = run(&format!("held-{blocks}"), held);
             let (parked, header) = run(&format!("parked-{blocks}"), parked);
             assert!(header.contains("parked in page-locked host memory (ram)"), "{precision}, {tag}: {header}");
-            for file in ["model.safetensors", "optimizer.safetensors"] {
-                let x = std::fs::read(checkpoint(&held, 6).join(file)).unwrap();
-                let y = std::fs::read(checkpoint(&parked, 6).join(file)).unwrap();
-                assert!(x == y, "{precision}, {tag}: {file} differs from the run with the inputs on the device");
-            }
-            assert_eq!(losses(&held), losses(&parked), "{precision}, {tag}: losses differ");
+            same_bits(&held, &parked, &format!("{precision}, {tag} against the inputs held on the device"));
             let records = step_records(&parked);
             assert_eq!(records.len(), 6, "{precision}, {tag}: every step logged");
             for r in &records {
