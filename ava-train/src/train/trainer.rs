@@ -1800,14 +1800,18 @@ impl Trainer {
         let data_bytes = baseline.saturating_sub(params_bytes + held_optimizer);
         let optimizer_bytes = held_optimizer.max(stream.peak_resident);
         let device_memory = self.device_memory()?;
+        // On a GPU, the state kept on the device; of the state in page-locked host memory,
+        // what visited the device at once (`peak_resident` counts both then).
+        let (pinned, streamed) = (self.state.pinned_bytes(), self.state.streamed_bytes());
+        let kept = self.state.held_bytes().saturating_sub(pinned + streamed);
+        let state_on_device = if pinned > 0 { kept.max(stream.peak_resident) } else { kept };
         let breakdown = match device_memory {
-            // On a GPU: the device's high-water mark, the state held there (of the state in
-            // page-locked host memory, what visited the device at once), the step's tokens.
+            // On a GPU: the device's high-water mark, the state there, the step's tokens.
             Some(d) => Breakdown::measured(
                 d.peak,
                 params_bytes,
                 grads_bytes,
-                self.state.held_bytes().saturating_sub(self.state.pinned_bytes()).max(stream.peak_resident),
+                state_on_device,
                 (t.micro_batch_size * self.config.data.seq_len * 4) as u64,
                 self.config.memory.budget.0,
             ),
@@ -1841,7 +1845,7 @@ impl Trainer {
             memory_events: Vec::new(),
             nonfinite,
             offload_bytes: stream.peak_tier.max(parked_peak),
-            stream: (self.state.streamed_bytes() + self.state.pinned_bytes()).gt(&0).then_some(stream),
+            stream: (streamed + pinned).gt(&0).then_some(stream),
             communication: comm,
             rank_peaks,
             tokens_by_source: self.tokens_by_source(),
