@@ -148,6 +148,10 @@ run() {
                     --warmup 1 2>&1 | tail -n 1 | tee "$out/torch-1b-$seq.json"
             fi
         done
+        echo "== the same at 64K with the block inputs parked in host memory"
+        timeout 300 "$dir/ava" bench train -c configs/gpu-tinyllama-1b-64k.yaml --steps 3 --warmup 1 \
+            --set 'plugins.checkpoint={name: selective, every: 1, offload: true}' >"$out/bench-1b-65536-parked.txt" 2>&1
+        cat "$out/bench-1b-65536-parked.txt"
     fi
     if [[ $parts == *attention* ]]; then
         echo "== attention alone: flash on the GPU, then PyTorch SDPA (flash backend)"
