@@ -6,7 +6,8 @@
 #
 # `build` puts into DIR (ignore it in git: echo DIR >> .git/info/exclude) the stripped `ava`
 # binary, the `lion` plugin beside it (the refusal test loads it), `flash` (FlashAttention-2
-# on the GPU) and `nvme` (state streamed through a disk tier), the GPU test binaries ($TESTS: ava-train gpu_ops, ava-plugins gpu_optim, ava-cli
+# on the GPU), `nvme` (state streamed through a disk tier), `adam-8bit` (with its GPU step) and
+# `selective` (the targets' configs use them), the GPU test binaries ($TESTS: ava-train gpu_ops, ava-plugins gpu_optim, ava-cli
 # gpu_train, the lion, adam-8bit, adafactor and adam-mini plugins' gpu_lion, gpu_adam_8bit,
 # gpu_adafactor, gpu_adam_mini) and PyTorch's reference
 # scripts when ../shared/gpu has them. Everything is built for a portable CPU
@@ -37,12 +38,14 @@ build() {
     export RUSTFLAGS="-C target-cpu=x86-64-v3"
     mkdir -p "$dir"
     local target=target/gpu
-    cargo build --release --features ava-cli/cuda -p ava-cli -p ava-plugin-lion -p ava-plugin-flash -p ava-plugin-nvme \
-        --target-dir "$target"
+    # adam-8bit with its `cuda` step and selective: the configs of issue 37's targets use them.
+    cargo build --release --features ava-cli/cuda,ava-plugin-adam-8bit/cuda -p ava-cli -p ava-plugin-lion \
+        -p ava-plugin-flash -p ava-plugin-nvme -p ava-plugin-adam-8bit -p ava-plugin-selective --target-dir "$target"
     # Copied now: the test build below compiles lion with its `cuda` feature, and the refusal
     # test needs this one, built without it (a CPU-only optimizer).
-    cp "$target/release/ava" "$target/release/libava_plugin_lion.so" "$target/release/libava_plugin_flash.so" \
-        "$target/release/libava_plugin_nvme.so" "$dir/"
+    local lib
+    for lib in lion flash nvme adam_8bit selective; do cp "$target/release/libava_plugin_$lib.so" "$dir/"; done
+    cp "$target/release/ava" "$dir/"
     local json
     json=$(cargo test --release --target-dir "$target" --no-run --message-format=json \
         --features ava-cli/cuda,ava-plugin-lion/cuda,ava-plugin-adam-8bit/cuda,ava-plugin-adafactor/cuda,ava-plugin-adam-mini/cuda \
