@@ -4,8 +4,8 @@
 //! hands over, with device pointers and a `CUstream` as integers. No CUDA library is linked
 //! outside a CUDA build of the workspace: cudarc loads the driver at run time.
 //!
-//! Also the checks every attention kernel's device call makes on its buffers
-//! ([`check_attention`]).
+//! Also a step's stream-ordered scratch memory ([`Scratch`]), and the checks every attention
+//! kernel's device call makes on its buffers ([`check_attention`]).
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_void};
@@ -162,6 +162,70 @@ pub fn blocks(n: usize) -> Result<u32, PluginError> {
 /// A kernel argument's address, as `cuLaunchKernel` takes it.
 pub fn arg<T>(v: &T) -> *mut c_void {
     (v as *const T).cast_mut().cast()
+}
+
+/// A step's own device memory for the values its kernels pass on to each other (partial
+/// sums, a tree's levels, a factor), allocated and freed in stream order: `cuMemAllocAsync`
+/// on the host's stream, from the device's current pool (where the host's own tensors live),
+/// and `cuMemFreeAsync` on the same stream. Nothing waits for the GPU.
+///
+/// The ordering rule: the buffer may be used only by work enqueued on that one stream after
+/// [`new`](Self::new), and [`free`](Self::free) must come after the last launch that uses it:
+/// the free is itself enqueued, so the memory goes back to the pool once the work before it
+/// on the stream has run. Dropped without `free` (an early return when a launch failed), it
+/// is freed the same way, the failure of that free unreported.
+///
+/// Errors name the owner: `"{plugin}: CUDA allocation for {what}: …"`, `"{plugin}: CUDA free
+/// of {what}: …"`.
+pub struct Scratch {
+    ptr: sys::CUdeviceptr,
+    stream: sys::CUstream,
+    plugin: &'static str,
+    what: &'static str,
+}
+
+impl Scratch {
+    /// `bytes` bytes on `stream` (the host's, on the device whose context is current) for
+    /// `plugin`'s `what` (e.g. `"its scratch"`), named so in errors.
+    pub fn new(
+        bytes: usize,
+        stream: &CudaStream,
+        plugin: &'static str,
+        what: &'static str,
+    ) -> Result<Self, PluginError> {
+        let driver = |step: &str, e: result::DriverError| {
+            PluginError::internal(format!("{plugin}: CUDA {step} for {what}: {e}"))
+        };
+        result::init().map_err(|e| driver("driver init", e))?;
+        let stream = stream.handle as sys::CUstream;
+        // SAFETY: the host's stream on the device whose context is current (the contract).
+        let ptr = unsafe { result::malloc_async(stream, bytes) }.map_err(|e| driver("allocation", e))?;
+        Ok(Self { ptr, stream, plugin, what })
+    }
+
+    /// The device address `offset` bytes in.
+    pub fn at(&self, offset: usize) -> u64 {
+        self.ptr + offset as u64
+    }
+
+    /// Frees the buffer after the work enqueued on its stream so far (a free that fails is
+    /// reported).
+    pub fn free(mut self) -> Result<(), PluginError> {
+        let ptr = std::mem::take(&mut self.ptr);
+        // SAFETY: ptr came from malloc_async on this stream and is freed once.
+        unsafe { result::free_async(ptr, self.stream) }
+            .map_err(|e| PluginError::internal(format!("{}: CUDA free of {}: {e}", self.plugin, self.what)))
+    }
+}
+
+impl Drop for Scratch {
+    /// On an early return (a launch failed): free anyway, in stream order.
+    fn drop(&mut self) {
+        if self.ptr != 0 {
+            // SAFETY: as in `free`; the pointer is freed once (free() zeroes it).
+            let _ = unsafe { result::free_async(self.ptr, self.stream) };
+        }
+    }
 }
 
 /// Checks an attention call's buffers against `shape` for kernel `kernel`: q, k, v and the

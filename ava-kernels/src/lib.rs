@@ -12,7 +12,8 @@
 //! - `cuda` (feature `cuda`): loading PTX and launching kernels on the host's stream, the
 //!   plumbing of every GPU plugin; `flash` runs on the GPU through it.
 //! - [`testing`]: the checks every attention kernel's tests share (f64 reference, dense
-//!   comparison, finite differences), and the byte mutator the parsers' property tests share.
+//!   comparison, finite differences), the byte mutator the parsers' property tests share,
+//!   and (feature `cuda`) the optimizers' GPU-against-CPU test harness.
 
 pub mod attention;
 #[cfg(feature = "cuda")]

@@ -5,10 +5,16 @@
 //! plugin's [`AttentionKernel`] implementation, options and all), so every kernel is held
 //! to the same tolerances: f32 against f32 `atol 1e-4, rtol 1e-3`; analytic against f64
 //! finite differences `1e-4 · (1 + |fd|)`.
+//!
+//! With `cuda`, [`gpu`]: the harness of the optimizers' GPU tests (their GPU step against
+//! their CPU step, bit for bit).
 
 use ava_core::{AttentionKernel, AttnShape, KernelContext, attention::Pass};
 
 use crate::attention::{Mask, dense};
+
+#[cfg(feature = "cuda")]
+pub mod gpu;
 
 /// splitmix64 (Steele, Lea & Flood 2014): reproducible inputs without a rand crate.
 pub struct Rng(pub u64);

@@ -17,11 +17,10 @@
 //! ([`Layout`]): about 16 bytes per row and column tile of a matrix and 8 per column (for a
 //! 4096 × 4096 weight 96 KiB), 16 per 1024 elements of a vector, allocated and freed in stream
 //! order (`cuMemAllocAsync` on the host's stream, from the device's current pool, where the
-//! host's own tensors live). Nothing here waits for the GPU.
+//! host's own tensors live: [`Scratch`]). Nothing here waits for the GPU.
 
 use ava_core::prelude::*;
-use ava_kernels::cuda::{Launch, Ptx, THREADS, arg, blocks, grid, launch, launch_with};
-use cudarc::driver::{result, sys};
+use ava_kernels::cuda::{Launch, Ptx, Scratch, THREADS, arg, blocks, grid, launch, launch_with};
 
 use crate::reduce::CHUNK;
 use crate::{Adafactor, Factoring, TILE};
@@ -88,48 +87,6 @@ impl Layout {
     }
 }
 
-/// A stream-ordered device allocation of the plugin's own, freed in stream order.
-struct Scratch {
-    ptr: sys::CUdeviceptr,
-    stream: sys::CUstream,
-}
-
-impl Scratch {
-    fn new(bytes: usize, stream: &CudaStream) -> Result<Self, PluginError> {
-        let driver = |what: &str, e: result::DriverError| {
-            PluginError::internal(format!("adafactor: CUDA {what} for its scratch: {e}"))
-        };
-        result::init().map_err(|e| driver("driver init", e))?;
-        let stream = stream.handle as sys::CUstream;
-        // SAFETY: the host's stream on the device whose context is current (the contract).
-        let ptr = unsafe { result::malloc_async(stream, bytes) }.map_err(|e| driver("allocation", e))?;
-        Ok(Self { ptr, stream })
-    }
-
-    /// The device address `offset` bytes in.
-    fn at(&self, offset: usize) -> u64 {
-        self.ptr + offset as u64
-    }
-
-    /// Frees the buffer after the work enqueued so far (a free that fails is reported).
-    fn free(mut self) -> Result<(), PluginError> {
-        let ptr = std::mem::take(&mut self.ptr);
-        // SAFETY: ptr came from malloc_async on this stream and is freed once.
-        unsafe { result::free_async(ptr, self.stream) }
-            .map_err(|e| PluginError::internal(format!("adafactor: CUDA free of its scratch: {e}")))
-    }
-}
-
-impl Drop for Scratch {
-    /// On an early return (a launch failed): free anyway, in stream order.
-    fn drop(&mut self) {
-        if self.ptr != 0 {
-            // SAFETY: as in `free`; the pointer is freed once (free() zeroes it).
-            let _ = unsafe { result::free_async(self.ptr, self.stream) };
-        }
-    }
-}
-
 /// [`Optimizer::step_cuda`] of [`Adafactor`]: checks every buffer first (a refused step
 /// launches nothing), then enqueues the step's kernels on `stream`.
 pub(crate) fn step(
@@ -171,7 +128,7 @@ pub(crate) fn step(
         return Ok(());
     }
     let at = Layout::of(factoring, n);
-    let scratch = Scratch::new(at.bytes, stream)?;
+    let scratch = Scratch::new(at.bytes, stream, "adafactor", "its scratch")?;
     let (decay_rate, eps1) = (opt.decay_rate, opt.eps1);
     let scale_w = i32::from(opt.scale_parameter);
     let (w2, u2) = (scratch.at(at.w2), scratch.at(at.u2));
@@ -350,16 +307,7 @@ mod tests {
             "adafactor_apply_factored",
             "adafactor_apply_full",
         ];
-        for kernel in kernels {
-            assert!(ptx.contains(&format!(".entry {kernel}(")), "no {kernel} kernel in the PTX");
-        }
-        for line in ptx.lines().map(str::trim).filter(|l| !l.starts_with("//")) {
-            let op = line.split_whitespace().next().unwrap_or("");
-            let fused =
-                (op.starts_with("fma.") || op.starts_with("mad.")) && (op.ends_with("f32") || op.ends_with("f64"));
-            let inexact = op.contains(".approx") || op.contains(".ftz");
-            assert!(!fused && !inexact, "the PTX has '{line}': the GPU would not give the CPU's bits");
-        }
+        ava_kernels::testing::gpu::assert_ptx_rounds_as_the_cpu(ptx, kernels);
     }
 
     /// The launch constants agree with the kernel file's and the CPU step's.

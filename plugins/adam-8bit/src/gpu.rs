@@ -26,13 +26,12 @@
 //! buffer of 8·(⌈n/32768⌉ + ⌈n/32768/32⌉ + 1) bytes, about 8 bytes per 32 Ki elements (11 KiB
 //! for a 4096 × 11008 matrix, 32 KiB for a 32000 × 4096 embedding), allocated and freed in
 //! stream order (`cuMemAllocAsync` on the host's stream, from the device's current pool,
-//! where the host's own tensors live), then `adam8_block_step_<PER>` (one block per
+//! where the host's own tensors live: [`Scratch`]), then `adam8_block_step_<PER>` (one block per
 //! quantization block) or `adam8_full_step` (fp32 moments).
 //! Nothing here waits for the GPU.
 
 use ava_core::prelude::*;
-use ava_kernels::cuda::{Ptx, THREADS, arg, blocks, grid, launch};
-use cudarc::driver::{result, sys};
+use ava_kernels::cuda::{Ptx, Scratch, THREADS, arg, blocks, grid, launch};
 
 use crate::{Adam8bit, HISTORY, MAX_BLOCK, SUM_FAN, quant::CODES};
 
@@ -68,43 +67,6 @@ fn block_kernel(block: usize) -> (&'static std::ffi::CStr, u32) {
 struct Maps {
     signed: [f32; CODES],
     unsigned: [f32; CODES],
-}
-
-/// A stream-ordered device allocation of the plugin's own, freed in stream order.
-struct Scratch {
-    ptr: sys::CUdeviceptr,
-    stream: sys::CUstream,
-}
-
-impl Scratch {
-    fn new(bytes: usize, stream: &CudaStream) -> Result<Self, PluginError> {
-        let driver = |what: &str, e: result::DriverError| {
-            PluginError::internal(format!("adam-8bit: CUDA {what} for percentile clipping's scratch: {e}"))
-        };
-        result::init().map_err(|e| driver("driver init", e))?;
-        let stream = stream.handle as sys::CUstream;
-        // SAFETY: the host's stream on the device whose context is current (the contract).
-        let ptr = unsafe { result::malloc_async(stream, bytes) }.map_err(|e| driver("allocation", e))?;
-        Ok(Self { ptr, stream })
-    }
-
-    /// Frees the buffer after the work enqueued so far (a free that fails is reported).
-    fn free(mut self) -> Result<(), PluginError> {
-        let ptr = std::mem::take(&mut self.ptr);
-        // SAFETY: ptr came from malloc_async on this stream and is freed once.
-        unsafe { result::free_async(ptr, self.stream) }
-            .map_err(|e| PluginError::internal(format!("adam-8bit: CUDA free of percentile clipping's scratch: {e}")))
-    }
-}
-
-impl Drop for Scratch {
-    /// On an early return (a launch failed): free anyway, in stream order.
-    fn drop(&mut self) {
-        if self.ptr != 0 {
-            // SAFETY: as in `free`; the pointer is freed once (free() zeroes it).
-            let _ = unsafe { result::free_async(self.ptr, self.stream) };
-        }
-    }
 }
 
 /// [`Optimizer::step_cuda`] of [`Adam8bit`]: checks every buffer first (a refused step
@@ -231,15 +193,16 @@ fn clip_factor(
     let parts = n.div_ceil(SUMSQ_SPAN);
     // The partial sums, the tree's next level, and one slot for the factor.
     let slots = parts + parts.div_ceil(SUM_FAN) + 1;
-    let scratch = Scratch::new(slots * 8, stream)?;
+    let scratch = Scratch::new(slots * 8, stream, "adam-8bit", "percentile clipping's scratch")?;
+    let sums = scratch.at(0);
     if parts > 0 {
-        let mut params = [arg(&grad.ptr), arg(&n), arg(&scratch.ptr)];
+        let mut params = [arg(&grad.ptr), arg(&n), arg(&sums)];
         // SAFETY: adam8_sumsq(const float*, size_t, double*): grad holds n f32s, the scratch
         // at least `parts` f64s, one per block.
         unsafe { launch(&PTX, c"adam8_sumsq", grid(parts, "Σ g² blocks")?, 256, stream, &mut params)? };
     }
-    let clip = scratch.ptr + ((slots - 1) * 8) as u64;
-    let mut params = [arg(&scratch.ptr), arg(&parts), arg(&history.ptr), arg(&count.ptr), arg(&p), arg(&clip)];
+    let clip = scratch.at((slots - 1) * 8);
+    let mut params = [arg(&sums), arg(&parts), arg(&history.ptr), arg(&count.ptr), arg(&p), arg(&clip)];
     // SAFETY: adam8_clip(double*, size_t, float*, const unsigned*, unsigned, float*): the
     // scratch holds the `parts` partials and ⌈parts/32⌉ more f64s before the factor's slot,
     // the history 100 f32s, the count one u32 (checked by the caller).
@@ -258,16 +221,8 @@ mod tests {
     fn the_ptx_has_every_kernel_and_only_the_cpus_rounding() {
         let ptx = include_str!(concat!(env!("OUT_DIR"), "/adam_8bit.ptx"));
         let blocks = (6..=12).map(|b| block_kernel(1 << b).0.to_str().unwrap());
-        for kernel in ["adam8_count", "adam8_sumsq", "adam8_clip", "adam8_full_step"].into_iter().chain(blocks) {
-            assert!(ptx.contains(&format!(".entry {kernel}(")), "no {kernel} kernel in the PTX");
-        }
-        for line in ptx.lines().map(str::trim).filter(|l| !l.starts_with("//")) {
-            let op = line.split_whitespace().next().unwrap_or("");
-            let fused =
-                (op.starts_with("fma.") || op.starts_with("mad.")) && (op.ends_with("f32") || op.ends_with("f64"));
-            let inexact = op.contains(".approx") || op.contains(".ftz");
-            assert!(!fused && !inexact, "the PTX has '{line}': the GPU would not give the CPU's bits");
-        }
+        let kernels = ["adam8_count", "adam8_sumsq", "adam8_clip", "adam8_full_step"].into_iter().chain(blocks);
+        ava_kernels::testing::gpu::assert_ptx_rounds_as_the_cpu(ptx, kernels);
     }
 
     /// The launch constants agree with the kernel file's.

@@ -16,22 +16,9 @@
 //!   source tools/cuda-build-env.sh   # where no CUDA toolkit is installed
 //!   cargo test -p ava-plugin-adam-8bit --features cuda --test gpu_adam_8bit
 
-use std::sync::Arc;
-
 use ava_core::prelude::*;
+use ava_kernels::testing::gpu::{Sides, gpu};
 use ava_plugin_adam_8bit::Adam8bit;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream as Stream, DevicePtr};
-
-/// The GPU's context (current on this thread) and its stream, or a panic saying the test
-/// needs one.
-fn gpu() -> (Arc<CudaContext>, Arc<Stream>) {
-    let ctx = CudaContext::new(0).unwrap_or_else(|e| {
-        panic!("this test runs on an NVIDIA GPU, and none could be opened ({e}); CI only compiles it")
-    });
-    ctx.bind_to_thread().unwrap();
-    let stream = ctx.default_stream();
-    (ctx, stream)
-}
 
 fn build(json: &str) -> Adam8bit {
     ava_core::ffi::build::<Adam8bit>(json, &HostContext::default()).unwrap()
@@ -55,100 +42,6 @@ fn grad(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-/// One parameter on both sides: weights, and the state the layout declares as bytes.
-struct Sides {
-    layout: Vec<StateSpec>,
-    cpu_w: Vec<f32>,
-    cpu_state: Vec<Vec<u8>>,
-    gpu_w: CudaSlice<f32>,
-    gpu_state: Vec<CudaSlice<u8>>,
-}
-
-impl Sides {
-    /// Weights `w` and zero-filled state (as the host allocates it) on both sides.
-    fn new(opt: &Adam8bit, info: &ParamInfo<'_>, w: &[f32], stream: &Arc<Stream>) -> Self {
-        let layout = opt.state_layout(info).unwrap();
-        let cpu_state: Vec<Vec<u8>> = layout.iter().map(|s| vec![0u8; s.bytes() as usize]).collect();
-        let mut sides =
-            Self { layout, cpu_w: w.to_vec(), cpu_state, gpu_w: stream.clone_htod(w).unwrap(), gpu_state: Vec::new() };
-        sides.upload(stream);
-        sides
-    }
-
-    /// The CPU's weights and state copied to the GPU (a checkpoint loaded there).
-    fn upload(&mut self, stream: &Arc<Stream>) {
-        self.gpu_w = stream.clone_htod(&self.cpu_w).unwrap();
-        // A zero-length buffer still gets one byte (what the host allocates); the call sees len 0.
-        self.gpu_state = self.cpu_state.iter().map(|b| stream.clone_htod(&padded(b)).unwrap()).collect();
-    }
-
-    /// One step on the CPU only.
-    fn cpu_step(&mut self, opt: &mut Adam8bit, info: &ParamInfo<'_>, g: &[f32], ctx: &StepContext) {
-        // State as 8-byte-aligned host buffers, as the host allocates them.
-        let mut aligned: Vec<Vec<u64>> = self.cpu_state.iter().map(|b| vec![0u64; b.len().div_ceil(8)]).collect();
-        for (a, b) in aligned.iter_mut().zip(&self.cpu_state) {
-            as_bytes_mut(a)[..b.len()].copy_from_slice(b);
-        }
-        {
-            let mut bufs: Vec<StateBuf<'_>> = aligned
-                .iter_mut()
-                .zip(&self.layout)
-                .map(|(a, s)| StateBuf::new(s.dtype, &mut as_bytes_mut(a)[..s.bytes() as usize]))
-                .collect();
-            opt.step(info, &mut self.cpu_w, g, &mut bufs, ctx).unwrap();
-        }
-        for (a, b) in aligned.iter_mut().zip(self.cpu_state.iter_mut()) {
-            let n = b.len();
-            b.copy_from_slice(&as_bytes_mut(a)[..n]);
-        }
-    }
-
-    /// One step on each side with gradient `g`.
-    fn step(&mut self, opt: &mut Adam8bit, info: &ParamInfo<'_>, g: &[f32], ctx: &StepContext, stream: &Arc<Stream>) {
-        self.cpu_step(opt, info, g, ctx);
-        let gg = stream.clone_htod(&padded(g)).unwrap();
-        let dev = |ptr: u64, len: usize, dtype: DType| CudaBuf { ptr, len: len as u64, dtype, ordinal: 0 };
-        let (wp, _w_sync) = self.gpu_w.device_ptr(stream);
-        let (gp, _g_sync) = gg.device_ptr(stream);
-        let ptrs: Vec<_> = self.gpu_state.iter().map(|s| s.device_ptr(stream)).collect();
-        let state: Vec<CudaBuf> =
-            ptrs.iter().zip(&self.layout).map(|((p, _), s)| dev(*p, s.len as usize, s.dtype)).collect();
-        let cuda_stream = CudaStream { handle: stream.cu_stream() as u64, ordinal: 0 };
-        let n = g.len();
-        opt.step_cuda(info, &dev(wp, n, DType::F32), &dev(gp, n, DType::F32), &state, ctx, &cuda_stream).unwrap();
-    }
-
-    /// Fails unless both sides hold the same bits, naming the first difference.
-    fn same(&self, what: &str, stream: &Arc<Stream>) {
-        let w = stream.clone_dtoh(&self.gpu_w).unwrap();
-        let differ = w.iter().zip(&self.cpu_w).position(|(a, b)| a.to_bits() != b.to_bits());
-        if let Some(i) = differ {
-            panic!("{what}: values differ first at {i}: GPU {:e}, CPU {:e}", w[i], self.cpu_w[i]);
-        }
-        for ((g, c), s) in self.gpu_state.iter().zip(&self.cpu_state).zip(&self.layout) {
-            let g = stream.clone_dtoh(g).unwrap();
-            let differ = c.iter().zip(&g).position(|(a, b)| a != b);
-            if let Some(i) = differ {
-                let at = i / s.dtype.size();
-                panic!(
-                    "{what}: state '{}' differs first at element {at} (byte {i}): GPU {}, CPU {}",
-                    s.name, g[i], c[i]
-                );
-            }
-        }
-    }
-}
-
-/// At least one element: cudarc's allocations of nothing are not a buffer to point at.
-fn padded<T: Copy + Default>(v: &[T]) -> Vec<T> {
-    if v.is_empty() { vec![T::default()] } else { v.to_vec() }
-}
-
-fn as_bytes_mut(words: &mut [u64]) -> &mut [u8] {
-    // SAFETY: u64 has no padding and every byte pattern is a valid u8; the length is exact.
-    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
-}
-
 /// `steps` steps of `opt` on a parameter of `n` elements named `name`, compared after every
 /// step. The gradient's scale follows `scales` (cycled; jumps make percentile clipping engage),
 /// the learning rate changes each step and weight decay starts at step 2; the CPU step runs
@@ -159,7 +52,7 @@ fn run(opt: &mut Adam8bit, name: &str, n: usize, steps: u64, scales: &[f32], thr
     let info = ParamInfo::new(name, &shape);
     let w0: Vec<f32> = ava_kernels::testing::Rng(1).vec(n);
     let mut sides = Sides::new(opt, &info, &w0, &stream);
-    for step in 1..=steps {
+    let input = |step: u64| {
         let scale = scales[(step as usize - 1) % scales.len()];
         let g = grad(n, 100 + step, scale);
         let ctx = StepContext {
@@ -168,9 +61,9 @@ fn run(opt: &mut Adam8bit, name: &str, n: usize, steps: u64, scales: &[f32], thr
             weight_decay: if step > 1 { 0.1 } else { 0.0 },
             threads,
         };
-        sides.step(opt, &info, &g, &ctx, &stream);
-        sides.same(&format!("{what}: n {n}, step {step}"), &stream);
-    }
+        (g, ctx)
+    };
+    sides.steps(opt, &info, 1..=steps, input, &format!("{what}: n {n}"), &stream);
 }
 
 const LAYER: &str = "model.layers.0.mlp.up_proj.weight";
@@ -221,15 +114,8 @@ fn cpu_state_continues_on_the_gpu() {
     let info = ParamInfo::new(LAYER, &shape);
     let mut opt = build(r#"{"percentile_clipping": 80}"#);
     let mut sides = Sides::new(&opt, &info, &ava_kernels::testing::Rng(2).vec(n), &stream);
-    let ctx = |step| StepContext { step, lr: 1e-3, weight_decay: 0.01, threads: 1 };
-    for step in 1..=3 {
-        sides.cpu_step(&mut opt, &info, &grad(n, step, 1.0), &ctx(step));
-    }
-    sides.upload(&stream);
-    for step in 4..=6 {
-        sides.step(&mut opt, &info, &grad(n, step, 1.0), &ctx(step), &stream);
-        sides.same(&format!("continued, step {step}"), &stream);
-    }
+    let input = |step| (grad(n, step, 1.0), StepContext { step, lr: 1e-3, weight_decay: 0.01, threads: 1 });
+    sides.continued(&mut opt, &info, 1..=3, 4..=6, input, "continued", &stream);
 }
 
 #[test]
@@ -239,19 +125,9 @@ fn a_buffer_of_the_wrong_size_is_refused_before_any_launch() {
     let shape = [n as u64];
     let info = ParamInfo::new(LAYER, &shape);
     let mut opt = Adam8bit::default();
-    let mut sides = Sides::new(&opt, &info, &vec![1f32; n], &stream);
-    let (wp, _w) = sides.gpu_w.device_ptr(&stream);
-    let ptrs: Vec<_> = sides.gpu_state.iter().map(|s| s.device_ptr(&stream)).collect();
-    let dev = |ptr: u64, len: u64, dtype: DType| CudaBuf { ptr, len, dtype, ordinal: 0 };
-    let mut state: Vec<CudaBuf> = ptrs.iter().zip(&sides.layout).map(|((p, _), s)| dev(*p, s.len, s.dtype)).collect();
-    state[2].len -= 1; // absmax_exp_avg one short
-    let w = dev(wp, n as u64, DType::F32);
-    let ctx = StepContext { step: 1, lr: 1e-3, weight_decay: 0.0, threads: 1 };
-    let s = CudaStream { handle: stream.cu_stream() as u64, ordinal: 0 };
-    let err = opt.step_cuda(&info, &w, &w, &state, &ctx, &s).unwrap_err().to_string();
+    let sides = Sides::new(&opt, &info, &vec![1f32; n], &stream);
+    let err = sides.refused(&mut opt, &info, &stream, |state| state[2].len -= 1); // absmax_exp_avg one short
     assert!(err.contains("absmax_exp_avg"), "{err}");
-    drop(ptrs);
-    drop(_w);
-    sides.cpu_w = vec![1f32; n]; // what the GPU side must still hold, state all zeros
+    // The GPU side must still hold the weights it started with, the state all zeros.
     sides.same("refused step", &stream);
 }

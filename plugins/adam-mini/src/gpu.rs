@@ -17,11 +17,10 @@
 //! blocks' scales live in a scratch buffer of about 8 bytes per 1024 elements plus 4 per
 //! block (32 KiB for a 4096 × 4096 weight), allocated and freed in stream order
 //! (`cuMemAllocAsync` on the host's stream, from the device's current pool, where the host's
-//! own tensors live). Nothing here waits for the GPU.
+//! own tensors live: [`Scratch`]). Nothing here waits for the GPU.
 
 use ava_core::prelude::*;
-use ava_kernels::cuda::{Ptx, THREADS, arg, blocks, grid, launch};
-use cudarc::driver::{result, sys};
+use ava_kernels::cuda::{Ptx, Scratch, THREADS, arg, blocks, grid, launch};
 
 use crate::{AdamMini, CHUNK, Partition, wrong_state};
 
@@ -62,48 +61,6 @@ impl Layout {
         let tb = take(8 * count * chunks.div_ceil(1024));
         let scales = take(4 * count);
         Self { chunks, sums, ta, tb, scales, bytes: at }
-    }
-}
-
-/// A stream-ordered device allocation of the plugin's own, freed in stream order.
-struct Scratch {
-    ptr: sys::CUdeviceptr,
-    stream: sys::CUstream,
-}
-
-impl Scratch {
-    fn new(bytes: usize, stream: &CudaStream) -> Result<Self, PluginError> {
-        let driver = |what: &str, e: result::DriverError| {
-            PluginError::internal(format!("adam-mini: CUDA {what} for its scratch: {e}"))
-        };
-        result::init().map_err(|e| driver("driver init", e))?;
-        let stream = stream.handle as sys::CUstream;
-        // SAFETY: the host's stream on the device whose context is current (the contract).
-        let ptr = unsafe { result::malloc_async(stream, bytes) }.map_err(|e| driver("allocation", e))?;
-        Ok(Self { ptr, stream })
-    }
-
-    /// The device address `offset` bytes in.
-    fn at(&self, offset: usize) -> u64 {
-        self.ptr + offset as u64
-    }
-
-    /// Frees the buffer after the work enqueued so far (a free that fails is reported).
-    fn free(mut self) -> Result<(), PluginError> {
-        let ptr = std::mem::take(&mut self.ptr);
-        // SAFETY: ptr came from malloc_async on this stream and is freed once.
-        unsafe { result::free_async(ptr, self.stream) }
-            .map_err(|e| PluginError::internal(format!("adam-mini: CUDA free of its scratch: {e}")))
-    }
-}
-
-impl Drop for Scratch {
-    /// On an early return (a launch failed): free anyway, in stream order.
-    fn drop(&mut self) {
-        if self.ptr != 0 {
-            // SAFETY: as in `free`; the pointer is freed once (free() zeroes it).
-            let _ = unsafe { result::free_async(self.ptr, self.stream) };
-        }
     }
 }
 
@@ -157,7 +114,7 @@ pub(crate) fn step(
     }
 
     let at = Layout::of(partition);
-    let scratch = Scratch::new(at.bytes, stream)?;
+    let scratch = Scratch::new(at.bytes, stream, "adam-mini", "its scratch")?;
     let (sums, ta, tb, scales) = (scratch.at(at.sums), scratch.at(at.ta), scratch.at(at.tb), scratch.at(at.scales));
     let total = blocks_n * at.chunks;
     let mut params = [arg(&grad.ptr), arg(&sums), arg(&size), arg(&at.chunks), arg(&total)];
@@ -206,17 +163,8 @@ mod tests {
     #[test]
     fn the_ptx_has_every_kernel_and_only_the_cpus_rounding() {
         let ptx = include_str!(concat!(env!("OUT_DIR"), "/adam_mini.ptx"));
-        for kernel in ["adam_mini_count", "adam_mini_adam", "adam_mini_chunks", "adam_mini_blocks", "adam_mini_update"]
-        {
-            assert!(ptx.contains(&format!(".entry {kernel}(")), "no {kernel} kernel in the PTX");
-        }
-        for line in ptx.lines().map(str::trim).filter(|l| !l.starts_with("//")) {
-            let op = line.split_whitespace().next().unwrap_or("");
-            let fused =
-                (op.starts_with("fma.") || op.starts_with("mad.")) && (op.ends_with("f32") || op.ends_with("f64"));
-            let inexact = op.contains(".approx") || op.contains(".ftz");
-            assert!(!fused && !inexact, "the PTX has '{line}': the GPU would not give the CPU's bits");
-        }
+        let kernels = ["adam_mini_count", "adam_mini_adam", "adam_mini_chunks", "adam_mini_blocks", "adam_mini_update"];
+        ava_kernels::testing::gpu::assert_ptx_rounds_as_the_cpu(ptx, kernels);
     }
 
     /// The launch constants agree with the kernel file's.

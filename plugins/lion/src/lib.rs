@@ -221,14 +221,7 @@ mod tests {
     #[test]
     fn the_ptx_has_the_kernel_and_only_the_cpus_rounding() {
         let ptx = include_str!(concat!(env!("OUT_DIR"), "/lion.ptx"));
-        assert!(ptx.contains(".entry lion_step("), "no lion_step kernel in the PTX");
-        for line in ptx.lines().map(str::trim).filter(|l| !l.starts_with("//")) {
-            let op = line.split_whitespace().next().unwrap_or("");
-            let fused =
-                (op.starts_with("fma.") || op.starts_with("mad.")) && (op.ends_with("f32") || op.ends_with("f64"));
-            let inexact = op.contains(".approx") || op.contains(".ftz");
-            assert!(!fused && !inexact, "the PTX has '{line}': the GPU would not give the CPU's bits");
-        }
+        ava_kernels::testing::gpu::assert_ptx_rounds_as_the_cpu(ptx, ["lion_step"]);
     }
 
     /// Wrong buffers are refused, naming the buffer, before anything touches a GPU (none here).

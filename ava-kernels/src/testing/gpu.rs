@@ -1,0 +1,268 @@
+//! The harness every optimizer's GPU test shares (feature `cuda`): one parameter's weights
+//! and state on both sides, the CPU's [`Optimizer::step`] and the GPU's
+//! [`Optimizer::step_cuda`] on the same inputs, and a bit-for-bit comparison of the weights
+//! and of every state byte after each step.
+//!
+//! The GPU side's buffers are allocated by the test with cudarc and handed over as the host
+//! would: device pointers, the stream as a `CUstream`, state zero-filled before the first
+//! step. The CPU side's state is handed over in 8-byte-aligned host buffers, as the host
+//! allocates it.
+//!
+//! Used by ava-plugins' `gpu_optim` and the optimizer plugins' GPU tests (lion, adam-8bit,
+//! adafactor, adam-mini), which run on a machine with an NVIDIA GPU and fail, saying so,
+//! where none can be opened.
+
+use std::ops::RangeInclusive;
+use std::sync::Arc;
+
+use ava_core::prelude::*;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream as Stream, DevicePtr};
+
+/// The GPU's context (current on this thread) and its stream, or a panic saying the test
+/// needs one.
+pub fn gpu() -> (Arc<CudaContext>, Arc<Stream>) {
+    let ctx = CudaContext::new(0).unwrap_or_else(|e| {
+        panic!("this test runs on an NVIDIA GPU, and none could be opened ({e}); CI only compiles it")
+    });
+    ctx.bind_to_thread().unwrap();
+    let stream = ctx.default_stream();
+    (ctx, stream)
+}
+
+/// `n` values in [-scale, scale), a pure function of `seed` ([`Rng`](super::Rng)), with
+/// every 9th an exact zero and stretches of very different sizes (every 5th run of 77
+/// elements 100× smaller: in a 77-wide matrix, every 5th row).
+pub fn uneven(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut rng = super::Rng(seed);
+    (0..n)
+        .map(|i| {
+            let x = rng.uniform() * scale;
+            match i {
+                _ if i % 9 == 4 => 0.0,
+                _ if (i / 77) % 5 == 2 => x * 0.01,
+                _ => x,
+            }
+        })
+        .collect()
+}
+
+/// Step `step`'s gradient and context on a parameter of `n` elements, for the tests that take
+/// their data from [`uneven`]: the gradient's scale changes each step (1, 0.3, 5, 0.02), the
+/// learning rate too (1e-3 to 3e-3), and weight decay (0.1) starts at step 2.
+pub fn uneven_step(n: usize, step: u64) -> (Vec<f32>, StepContext) {
+    let g = uneven(n, 100 + step, [1.0, 0.3, 5.0, 0.02][step as usize % 4]);
+    let ctx = StepContext {
+        step,
+        lr: 1e-3 * (1.0 + (step % 3) as f64),
+        weight_decay: if step > 1 { 0.1 } else { 0.0 },
+        threads: 1,
+    };
+    (g, ctx)
+}
+
+/// Fails unless nvcc's output `ptx` has every kernel of `kernels` and no instruction that
+/// rounds differently from the CPU: a fused multiply-add (which `--fmad=false` forbids), an
+/// approximate division, reciprocal or square root, a flush of subnormals to zero. For the
+/// unit tests of every optimizer whose GPU step gives the CPU's bits.
+pub fn assert_ptx_rounds_as_the_cpu<'a>(ptx: &str, kernels: impl IntoIterator<Item = &'a str>) {
+    for kernel in kernels {
+        assert!(ptx.contains(&format!(".entry {kernel}(")), "no {kernel} kernel in the PTX");
+    }
+    for line in ptx.lines().map(str::trim).filter(|l| !l.starts_with("//")) {
+        let op = line.split_whitespace().next().unwrap_or("");
+        let fused = (op.starts_with("fma.") || op.starts_with("mad.")) && (op.ends_with("f32") || op.ends_with("f64"));
+        let inexact = op.contains(".approx") || op.contains(".ftz");
+        assert!(!fused && !inexact, "the PTX has '{line}': the GPU would not give the CPU's bits");
+    }
+}
+
+/// One parameter on both sides: weights, and the state the optimizer's layout declares as
+/// bytes.
+pub struct Sides {
+    /// The optimizer's state layout for the parameter.
+    pub layout: Vec<StateSpec>,
+    /// The CPU's weights.
+    pub cpu_w: Vec<f32>,
+    /// The CPU's state buffers, in the layout's order.
+    pub cpu_state: Vec<Vec<u8>>,
+    /// The GPU's weights.
+    pub gpu_w: CudaSlice<f32>,
+    /// The GPU's state buffers, in the layout's order (a zero-length one holds one byte).
+    pub gpu_state: Vec<CudaSlice<u8>>,
+}
+
+impl Sides {
+    /// Weights `w` and zero-filled state (as the host allocates it) on both sides.
+    pub fn new(opt: &dyn Optimizer, info: &ParamInfo<'_>, w: &[f32], stream: &Arc<Stream>) -> Self {
+        let layout = opt.state_layout(info).unwrap();
+        let cpu_state: Vec<Vec<u8>> = layout.iter().map(|s| vec![0u8; s.bytes() as usize]).collect();
+        let mut sides =
+            Self { layout, cpu_w: w.to_vec(), cpu_state, gpu_w: stream.clone_htod(w).unwrap(), gpu_state: Vec::new() };
+        sides.upload(stream);
+        sides
+    }
+
+    /// The CPU's weights and state copied to the GPU (a checkpoint loaded there).
+    pub fn upload(&mut self, stream: &Arc<Stream>) {
+        self.gpu_w = stream.clone_htod(&self.cpu_w).unwrap();
+        // A zero-length buffer still gets one byte (what the host allocates); the call sees len 0.
+        self.gpu_state = self.cpu_state.iter().map(|b| stream.clone_htod(&padded(b)).unwrap()).collect();
+    }
+
+    /// One step on the CPU only.
+    pub fn cpu_step(&mut self, opt: &mut dyn Optimizer, info: &ParamInfo<'_>, g: &[f32], ctx: &StepContext) {
+        // State as 8-byte-aligned host buffers, as the host allocates them.
+        let mut aligned: Vec<Vec<u64>> = self.cpu_state.iter().map(|b| vec![0u64; b.len().div_ceil(8)]).collect();
+        for (a, b) in aligned.iter_mut().zip(&self.cpu_state) {
+            as_bytes_mut(a)[..b.len()].copy_from_slice(b);
+        }
+        {
+            let mut bufs: Vec<StateBuf<'_>> = aligned
+                .iter_mut()
+                .zip(&self.layout)
+                .map(|(a, s)| StateBuf::new(s.dtype, &mut as_bytes_mut(a)[..s.bytes() as usize]))
+                .collect();
+            opt.step(info, &mut self.cpu_w, g, &mut bufs, ctx).unwrap();
+        }
+        for (a, b) in aligned.iter_mut().zip(self.cpu_state.iter_mut()) {
+            let n = b.len();
+            b.copy_from_slice(&as_bytes_mut(a)[..n]);
+        }
+    }
+
+    /// One step on the GPU only, through device pointers on `stream`.
+    pub fn gpu_step(
+        &mut self,
+        opt: &mut dyn Optimizer,
+        info: &ParamInfo<'_>,
+        g: &[f32],
+        ctx: &StepContext,
+        stream: &Arc<Stream>,
+    ) {
+        let gg = stream.clone_htod(&padded(g)).unwrap();
+        let dev = |ptr: u64, len: usize, dtype: DType| CudaBuf { ptr, len: len as u64, dtype, ordinal: 0 };
+        let (wp, _w_sync) = self.gpu_w.device_ptr(stream);
+        let (gp, _g_sync) = gg.device_ptr(stream);
+        let ptrs: Vec<_> = self.gpu_state.iter().map(|s| s.device_ptr(stream)).collect();
+        let state: Vec<CudaBuf> =
+            ptrs.iter().zip(&self.layout).map(|((p, _), s)| dev(*p, s.len as usize, s.dtype)).collect();
+        let cuda_stream = CudaStream { handle: stream.cu_stream() as u64, ordinal: 0 };
+        let n = g.len();
+        opt.step_cuda(info, &dev(wp, n, DType::F32), &dev(gp, n, DType::F32), &state, ctx, &cuda_stream).unwrap();
+    }
+
+    /// One step on each side (the CPU's first) with gradient `g`.
+    pub fn step(
+        &mut self,
+        opt: &mut dyn Optimizer,
+        info: &ParamInfo<'_>,
+        g: &[f32],
+        ctx: &StepContext,
+        stream: &Arc<Stream>,
+    ) {
+        self.cpu_step(opt, info, g, ctx);
+        self.gpu_step(opt, info, g, ctx, stream);
+    }
+
+    /// The steps `steps` on each side, [`same`](Self::same) after every one: `input(step)`
+    /// gives the step's gradient and context; a difference is reported as `"{what}, step
+    /// {step}: …"`.
+    pub fn steps(
+        &mut self,
+        opt: &mut dyn Optimizer,
+        info: &ParamInfo<'_>,
+        steps: RangeInclusive<u64>,
+        mut input: impl FnMut(u64) -> (Vec<f32>, StepContext),
+        what: &str,
+        stream: &Arc<Stream>,
+    ) {
+        for step in steps {
+            let (g, ctx) = input(step);
+            self.step(opt, info, &g, &ctx, stream);
+            self.same(&format!("{what}, step {step}"), stream);
+        }
+    }
+
+    /// A checkpoint moving between devices: the steps `cpu` on the CPU only, the CPU's weights
+    /// and state then loaded on the GPU ([`upload`](Self::upload)), and the steps `then` on
+    /// each side as in [`steps`](Self::steps) (`input` gives every step's gradient and context).
+    #[allow(clippy::too_many_arguments)]
+    pub fn continued(
+        &mut self,
+        opt: &mut dyn Optimizer,
+        info: &ParamInfo<'_>,
+        cpu: RangeInclusive<u64>,
+        then: RangeInclusive<u64>,
+        mut input: impl FnMut(u64) -> (Vec<f32>, StepContext),
+        what: &str,
+        stream: &Arc<Stream>,
+    ) {
+        for step in cpu {
+            let (g, ctx) = input(step);
+            self.cpu_step(opt, info, &g, &ctx);
+        }
+        self.upload(stream);
+        self.steps(opt, info, then, input, what, stream);
+    }
+
+    /// Fails unless both sides hold the same bits, naming the first difference: the weight's
+    /// index and both values, or the state buffer, the element (and its byte) and both
+    /// elements' bits.
+    pub fn same(&self, what: &str, stream: &Arc<Stream>) {
+        let w = stream.clone_dtoh(&self.gpu_w).unwrap();
+        let differ = w.iter().zip(&self.cpu_w).position(|(a, b)| a.to_bits() != b.to_bits());
+        if let Some(i) = differ {
+            panic!("{what}: values differ first at {i}: GPU {:e}, CPU {:e}", w[i], self.cpu_w[i]);
+        }
+        for ((g, c), s) in self.gpu_state.iter().zip(&self.cpu_state).zip(&self.layout) {
+            let g = stream.clone_dtoh(g).unwrap();
+            let differ = c.iter().zip(&g).position(|(a, b)| a != b);
+            if let Some(i) = differ {
+                let size = s.dtype.size();
+                let at = i / size;
+                // The element's bytes as one little-endian word.
+                let word =
+                    |b: &[u8]| b[size * at..size * (at + 1)].iter().rev().fold(0u64, |w, &x| w << 8 | u64::from(x));
+                panic!(
+                    "{what}: state '{}' differs first at element {at} (byte {i}): GPU {:#0digits$x}, CPU {:#0digits$x}",
+                    s.name,
+                    word(&g),
+                    word(c),
+                    digits = 2 + 2 * size
+                );
+            }
+        }
+    }
+
+    /// `opt`'s GPU step on these buffers, with the state as `edit` leaves it, the weights
+    /// passed as the gradient too and a first step's context, which must be refused: returns
+    /// the error's text. (Then [`same`](Self::same) checks that nothing was launched.)
+    pub fn refused(
+        &self,
+        opt: &mut dyn Optimizer,
+        info: &ParamInfo<'_>,
+        stream: &Arc<Stream>,
+        edit: impl FnOnce(&mut [CudaBuf]),
+    ) -> String {
+        let (wp, _w) = self.gpu_w.device_ptr(stream);
+        let ptrs: Vec<_> = self.gpu_state.iter().map(|s| s.device_ptr(stream)).collect();
+        let dev = |ptr: u64, len: u64, dtype: DType| CudaBuf { ptr, len, dtype, ordinal: 0 };
+        let mut state: Vec<CudaBuf> =
+            ptrs.iter().zip(&self.layout).map(|((p, _), s)| dev(*p, s.len, s.dtype)).collect();
+        edit(&mut state);
+        let w = dev(wp, self.cpu_w.len() as u64, DType::F32);
+        let ctx = StepContext { step: 1, lr: 1e-3, weight_decay: 0.0, threads: 1 };
+        let s = CudaStream { handle: stream.cu_stream() as u64, ordinal: 0 };
+        opt.step_cuda(info, &w, &w, &state, &ctx, &s).unwrap_err().to_string()
+    }
+}
+
+/// At least one element: cudarc's allocations of nothing are not a buffer to point at.
+fn padded<T: Copy + Default>(v: &[T]) -> Vec<T> {
+    if v.is_empty() { vec![T::default()] } else { v.to_vec() }
+}
+
+fn as_bytes_mut(words: &mut [u64]) -> &mut [u8] {
+    // SAFETY: u64 has no padding and every byte pattern is a valid u8; the length is exact.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
+}
