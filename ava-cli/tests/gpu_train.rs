@@ -16,6 +16,16 @@ use common::{ava, checkpoint, losses, ok, train_small, usage_error};
 
 const CUDA: &[&str] = &["--set", "train.device=cuda"];
 
+/// Each parameter stepped inside backward (which takes no clipping and one micro-batch).
+const INSIDE: &[&str] = &[
+    "--set",
+    "train.step_in_backward=true",
+    "--set",
+    "train.grad_clip=0",
+    "--set",
+    "train.gradient_accumulation_steps=1",
+];
+
 /// The run's arguments with the GPU added.
 fn on_gpu<'a>(extra: &[&'a str]) -> Vec<&'a str> {
     CUDA.iter().chain(extra).copied().collect()
@@ -288,19 +298,11 @@ fn flash_in_bf16_and_the_step_inside_backward_resume_exactly_on_the_gpu() {
         ava_tests::workspace_plugins_dir();
     }
     let dir = tempfile::tempdir().unwrap();
-    let inside = [
-        "--set",
-        "train.step_in_backward=true",
-        "--set",
-        "train.grad_clip=0",
-        "--set",
-        "train.gradient_accumulation_steps=1",
-    ];
     let flash = ["--set", "plugins.attention=flash"];
-    for (tag, extra) in [("flash", &flash[..]), ("inside", &inside[..])] {
+    for (tag, extra) in [("flash", &flash[..]), ("inside", INSIDE)] {
         resumes_exactly(dir.path(), tag, &[&["--set", "train.precision=bf16"][..], extra].concat());
     }
-    let f32_inside = [&["--set", "train.precision=fp32", "--max-steps", "6"][..], &inside[..]].concat();
+    let f32_inside = [&["--set", "train.precision=fp32", "--max-steps", "6"][..], INSIDE].concat();
     ok(train_small(dir.path(), "inside-gpu", &on_gpu(&f32_inside)));
     ok(train_small(dir.path(), "inside-cpu", &f32_inside));
     follows(&dir.path().join("inside-gpu"), &dir.path().join("inside-cpu"), 0.01);
@@ -355,18 +357,7 @@ fn running_out_of_device_memory_backs_off_to_a_smaller_micro_batch() {
 fn optimizer_state_in_host_memory_steps_exactly_as_on_the_device() {
     let dir = tempfile::tempdir().unwrap();
     let after = ["--set", "train.precision=fp32"];
-    let inside = [
-        "--set",
-        "train.precision=bf16",
-        "--set",
-        "train.master_weights=none",
-        "--set",
-        "train.step_in_backward=true",
-        "--set",
-        "train.grad_clip=0",
-        "--set",
-        "train.gradient_accumulation_steps=1",
-    ];
+    let inside = [&["--set", "train.precision=bf16", "--set", "train.master_weights=none"], INSIDE].concat();
     for (tag, mode) in [("after", &after[..]), ("inside", &inside[..])] {
         let run = |name: &str, tiers: &str, prefetch: &str| {
             let (tiers, prefetch) = (format!("offload.tiers={tiers}"), format!("offload.prefetch={prefetch}"));
