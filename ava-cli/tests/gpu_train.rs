@@ -166,7 +166,7 @@ fn what_the_gpu_does_not_do_is_refused_by_name() {
     ]);
     let err = usage_error(train_small(dir.path(), "refused", &args));
     assert!(err.contains("train.device: cuda:0 cannot run this configuration"), "{err}");
-    assert!(err.contains("train.master_weights: kahan keeps a buffer on the host"), "{err}");
+    assert!(err.contains("train.master_weights: kahan keeps a compensation buffer"), "{err}");
     assert!(err.contains("optimizer 'lion' runs on the CPU only"), "{err}");
     assert!(err.contains("adamw") && err.contains("sgd"), "the optimizers that do run there are named: {err}");
     assert!(!dir.path().join("refused/metrics.jsonl").exists(), "nothing of a run is written");
@@ -452,4 +452,42 @@ fn block_inputs_parked_in_host_memory_train_exactly_as_held_on_the_device() {
             assert!(step_records(&held).iter().all(|r| r["offload_bytes"].is_null()), "{precision}, {tag}: held");
         }
     }
+}
+
+/// `master_weights: tier` on a GPU run: the f32 masters live with the optimizer state in
+/// page-locked host memory (`[ram: 100%]`), each visits the device for its parameter's step,
+/// and the resident bf16 weights are its rounding to nearest. The losses are those of f32
+/// masters on the device (the forward reads the same rounded weights, the step updates the
+/// same f32 values), after backward and inside it; and the run resumes exactly.
+#[test]
+fn f32_masters_in_host_memory_train_as_f32_masters_on_the_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = ["--max-steps", "6", "--set", "train.precision=bf16"];
+    let device = [&base[..], &["--set", "train.master_weights=f32"]].concat();
+    ok(train_small(dir.path(), "f32", &on_gpu(&device)));
+    let tier = [&base[..], &["--set", "train.master_weights=tier", "--set", "offload.tiers=[ram: 100%]"]].concat();
+    let out = ok(train_small(dir.path(), "tier", &on_gpu(&tier)));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("optimizer state and f32 masters:") && stderr.contains("page-locked host memory"),
+        "{stderr}"
+    );
+    ok(train_small(dir.path(), "tier-inside", &on_gpu(&[&tier[..], INSIDE].concat())));
+    ok(train_small(dir.path(), "f32-inside", &on_gpu(&[&device[..], INSIDE].concat())));
+    for (run, reference) in [("tier", "f32"), ("tier-inside", "f32-inside")] {
+        let (a, b) = (losses(&dir.path().join(run)), losses(&dir.path().join(reference)));
+        assert_eq!(a, b, "{run}: losses differ from f32 masters on the device");
+    }
+    resumes_exactly(
+        dir.path(),
+        "masters",
+        &[
+            "--set",
+            "train.precision=bf16",
+            "--set",
+            "train.master_weights=tier",
+            "--set",
+            "offload.tiers=[device: 30%, ram: 70%]",
+        ],
+    );
 }

@@ -296,6 +296,20 @@ extern "C" __global__ void round_stochastic_f16(const float *__restrict__ x, f16
     out[j] = pick == nf ? near : other;
 }
 
+// x (an f32 master) rounded to the nearest half value, ties to even (the CPU's
+// `rounding::round_nearest`): the resident copy of `master_weights: tier`.
+// Launch: grid (ceil(n / 256)), block (256). x (n,) f32; out (n,).
+extern "C" __global__ void round_nearest_bf16(const float *__restrict__ x, bf16 *__restrict__ out, size_t n) {
+    const size_t j = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n) out[j] = __float2bfloat16_rn(x[j]);
+}
+
+// Launch: as round_nearest_bf16.
+extern "C" __global__ void round_nearest_f16(const float *__restrict__ x, f16 *__restrict__ out, size_t n) {
+    const size_t j = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n) out[j] = __float2half_rn(x[j]);
+}
+
 // x widened to f32 (a half parameter's values, for the optimizer's f32 step).
 // Launch: grid (ceil(n / 256)), block (256). x, out (n,).
 extern "C" __global__ void widen_bf16(const bf16 *__restrict__ x, float *__restrict__ out, size_t n) {

@@ -197,11 +197,11 @@ fn check(config: &Config, world: usize, registry: Option<&ava_plugins::Registry>
              train.device: cpu"
         ));
     }
-    if matches!(config.train.master_weights, MasterWeights::Kahan | MasterWeights::Tier) {
+    if config.train.master_weights == MasterWeights::Kahan {
         problems.push(format!(
-            "train.master_weights: {} keeps a buffer on the host that the GPU step does not use yet; use f32 (f32 \
-             weights, {} compute, as PyTorch's autocast) or none (weights in {} only, rounded stochastically)",
-            config.train.master_weights.as_str(),
+            "train.master_weights: kahan keeps a compensation buffer that the GPU step does not use yet; use f32 \
+             (f32 weights, {} compute, as PyTorch's autocast), none (weights in {} only, rounded stochastically), or \
+             tier (f32 masters in host memory with the optimizer state, offload.tiers' ram share)",
             config.train.precision.as_str(),
             config.train.precision.as_str()
         ));
@@ -400,7 +400,7 @@ mod tests {
         config.memory.hard_limit = crate::config::ByteSize(8 << 30);
         let e = check_run(&config, 2, &registry).unwrap_err().to_string();
         assert!(e.starts_with("train.device: cuda:0 cannot run this configuration:\n  - 2 ranks: distributed"), "{e}");
-        assert!(e.contains("\n  - train.master_weights: kahan keeps a buffer on the host"), "{e}");
+        assert!(e.contains("\n  - train.master_weights: kahan keeps a compensation buffer"), "{e}");
         assert!(!e.contains("hard_limit"), "a GPU run takes memory.hard_limit: {e}");
         // The built-in optimizer and attention kernel take device buffers in a cuda build only.
         let cpu_only = "optimizer 'adamw' runs on the CPU only (its manifest lists devices: cpu)";

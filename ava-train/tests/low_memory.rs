@@ -179,7 +179,7 @@ fn the_modes_bad_combinations_are_refused_by_name() {
     let e = refused(&["train.master_weights=none"]);
     assert!(e.contains("train.master_weights: none") && e.contains("set train.precision: bf16"), "{e}");
     let e = refused(&["train.precision=bf16", "train.master_weights=tier"]);
-    assert!(e.contains("offload.tiers keeps all of it in ram") && e.contains("plugins.offload"), "{e}");
+    assert!(e.contains("offload.tiers keeps all of it where the run computes") && e.contains("plugins.offload"), "{e}");
     // Every problem at once.
     let e = refused(&[
         "train.step_in_backward=true",

@@ -1067,9 +1067,11 @@ impl InplaceOp2 for StepOp<'_> {
     }
 
     /// On the GPU: the plugin's `step_cuda` on the parameter, its f32 gradient and its state
-    /// in device memory, launched on candle's stream. bf16/f16 weights (no f32 master) are
-    /// widened into an f32 scratch on the device, stepped there and rounded back
-    /// stochastically with the CPU's bits.
+    /// in device memory, launched on candle's stream. bf16/f16 weights with an f32 master
+    /// (`master_weights: tier`, its buffer on the device for the step) step the master and
+    /// take its rounding to nearest, as on the CPU; without one they are widened into an f32
+    /// scratch on the device, stepped there and rounded back stochastically with the CPU's
+    /// bits.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
@@ -1087,22 +1089,22 @@ impl InplaceOp2 for StepOp<'_> {
         }
         let info = ParamInfo::new(self.name, self.shape);
         let state = self.state.borrow();
-        if state.iter().any(|b| b.host) {
-            candle_core::bail!(
-                "optimizer step: master_weights tier and kahan keep host buffers, not supported on the GPU"
-            );
+        fn on_device(b: &StateBuffer) -> candle_core::Result<&candle_core::cuda::cudarc::driver::CudaSlice<u8>> {
+            b.on_device()
+                .ok_or_else(|| candle_core::Error::Msg(format!("optimizer state {} is not on the GPU", b.spec.name)))
         }
-        let slices = state
-            .iter()
-            .map(|b| {
-                b.on_device().ok_or_else(|| {
-                    candle_core::Error::Msg(format!("optimizer state {} is not on the GPU", b.spec.name))
-                })
-            })
-            .collect::<candle_core::Result<Vec<_>>>()?;
+        let (host, plugin): (Vec<&StateBuffer>, Vec<&StateBuffer>) = state.iter().partition(|b| b.host);
+        let master = match host.as_slice() {
+            [] => None,
+            [b] if b.spec.name.as_str() == MASTER => Some(on_device(b)?),
+            _ => candle_core::bail!(
+                "optimizer step: master_weights: kahan keeps a compensation buffer the GPU step does not use"
+            ),
+        };
+        let slices = plugin.iter().copied().map(on_device).collect::<candle_core::Result<Vec<_>>>()?;
         let bufs = slices
             .iter()
-            .zip(state.iter())
+            .zip(&plugin)
             .map(|(d, b)| {
                 plugin_buf(d, 0, b.spec.bytes() as usize, candle_core::DType::U8, &stream).map(|(mut buf, g)| {
                     // The plugin's own element type and count, over the same bytes.
@@ -1115,12 +1117,22 @@ impl InplaceOp2 for StepOp<'_> {
         let views: Vec<ava_core::device::CudaBuf> = bufs.iter().map(|(b, _)| *b).collect();
         let (grad, _g) = storage_buf(s2, l2, &stream)?;
         let mut optimizer = self.optimizer.borrow_mut();
-        let result = match s1.dtype() {
-            candle_core::DType::F32 => {
+        let result = match (s1.dtype(), master) {
+            (candle_core::DType::F32, None) => {
                 let (values, _v) = storage_buf(s1, l1, &stream)?;
                 optimizer.step_cuda(&info, &values, &grad, &views, &self.ctx, &plugin_stream(&dev)?)
             }
-            candle_core::DType::BF16 | candle_core::DType::F16 => {
+            (candle_core::DType::BF16 | candle_core::DType::F16, Some(master)) => {
+                let r = {
+                    let (mut values, _v) = plugin_buf(master, 0, master.len(), candle_core::DType::U8, &stream)?;
+                    values.dtype = ava_core::DType::F32;
+                    values.len = (master.len() / 4) as u64;
+                    optimizer.step_cuda(&info, &values, &grad, &views, &self.ctx, &plugin_stream(&dev)?)
+                };
+                crate::model::fused::round_nearest_storage(master, s1, l1)?;
+                r
+            }
+            (candle_core::DType::BF16 | candle_core::DType::F16, None) => {
                 let scratch = crate::model::fused::widen_storage(s1, l1)?; // (numel,) f32
                 let r = {
                     let (values, _v) = plugin_buf(&scratch, 0, scratch.len(), candle_core::DType::F32, &stream)?;
@@ -1129,7 +1141,10 @@ impl InplaceOp2 for StepOp<'_> {
                 crate::model::fused::round_stochastic_storage(&scratch, s1, l1, self.round_seed)?;
                 r
             }
-            other => candle_core::bail!("optimizer step: parameters stored as {other:?}; f32, bf16 or f16 expected"),
+            (other, _) => candle_core::bail!(
+                "optimizer step: parameters stored as {other:?} (with an f32 master: {}); f32, or bf16 or f16 expected",
+                master.is_some()
+            ),
         };
         *self.result.borrow_mut() = result;
         Ok(())

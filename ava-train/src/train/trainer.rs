@@ -554,14 +554,19 @@ pub fn check_training_modes(config: &Config, world: usize) -> Result<(), TrainEr
             mw.as_str()
         ));
     }
-    if mw == MasterWeights::Tier && config.offload.tiers.offloaded().is_none() {
-        problems.push(
+    let tiers = &config.offload.tiers;
+    if mw == MasterWeights::Tier && tiers.offloaded().is_none() && tiers.pinned(t.device.is_cuda()) == 0.0 {
+        let gpu = if t.device.is_cuda() {
+            "; on a GPU run, page-locked host memory takes them too (offload.tiers: [device: 0%, ram: 100%])"
+        } else {
+            ""
+        };
+        problems.push(format!(
             "train.master_weights: tier streams the f32 master weights through the offload tier with the optimizer \
-             state, but offload.tiers keeps all of it in ram: select a tier and give it a share, e.g. \
-             plugins.offload: {name: nvme, path: /mnt/scratch} and offload.tiers: [ram: 0%, nvme: 100%] \
+             state, but offload.tiers keeps all of it where the run computes: select a tier and give it a share, \
+             e.g. plugins.offload: {{name: nvme, path: /mnt/scratch}} and offload.tiers: [device: 0%, nvme: 100%]{gpu} \
              (or train.master_weights: none or kahan, which keep no masters)"
-                .to_string(),
-        );
+        ));
     }
     if t.sample_every > 0 && world > 1 && config.distributed.zero_stage >= 3 {
         problems.push(
@@ -1018,10 +1023,11 @@ impl Trainer {
             .row(PluginKind::Offload, &off_sel.name)
             .is_some_and(|r| !matches!(r.source, PluginSource::Builtin));
         let pinned = state.pinned_bytes();
+        let what = if host == HostState::Master { "optimizer state and f32 masters" } else { "optimizer state" };
         let offload_note = match tiers.offloaded() {
             None if pinned > 0 => Some(format!(
-                "optimizer state: {} of {} ({:.0}%) in page-locked host memory (offload.tiers ram share {:.0}%), \
-                 streamed through the GPU each step, {} parameters uploaded ahead",
+                "{what}: {} of {} ({:.0}%) in page-locked host memory (offload.tiers ram share {:.0}%), streamed \
+                 through the GPU each step, {} parameters uploaded ahead",
                 ava_core::format_size(pinned),
                 ava_core::format_size(state.bytes()),
                 100.0 * pinned as f64 / state.bytes().max(1) as f64,
@@ -1032,8 +1038,6 @@ impl Trainer {
             Some(share) => {
                 let moved = state.streamed_bytes();
                 let total = state.bytes();
-                let what =
-                    if host == HostState::Master { "optimizer state and f32 masters" } else { "optimizer state" };
                 let mut note = format!(
                     "{what}: {} of {} ({:.0}%) streams through {} (offload.tiers share {:.0}%), {} read ahead",
                     ava_core::format_size(moved),

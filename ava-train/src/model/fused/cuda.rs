@@ -541,17 +541,41 @@ pub(crate) fn widen_storage(s: &CudaStorage, l: &Layout) -> Result<CudaSlice<f32
 /// `x` (f32) rounded stochastically into the half storage `s` in place (the elements `l`
 /// places), with the bits of (seed, index) the CPU draws.
 pub(crate) fn round_stochastic_storage(x: &CudaSlice<f32>, s: &mut CudaStorage, l: &Layout, seed: u64) -> Result<()> {
-    fn round<H: CudaDType + DeviceRepr>(
-        x: &CudaSlice<f32>,
+    let names = ["round_stochastic_bf16", "round_stochastic_f16"];
+    round_in_place(x, x.len(), s, l, "stochastic rounding", names, Some(seed))
+}
+
+/// `x`, the bytes of f32 values (an f32 master in a state buffer: 4 bytes a value, or one
+/// byte for an empty one, which the device cannot allocate), rounded to nearest (ties to
+/// even, the CPU's `rounding::round_nearest`) into the half storage `s` in place.
+pub(crate) fn round_nearest_storage(x: &CudaSlice<u8>, s: &mut CudaStorage, l: &Layout) -> Result<()> {
+    round_in_place(x, x.len() / 4, s, l, "rounding to nearest", ["round_nearest_bf16", "round_nearest_f16"], None)
+}
+
+/// Launches `names`' kernel for the storage's type (bf16, f16) on `x` (`n` f32 values) into
+/// the elements of `s` that `l` places, with the kernel's `seed` when it takes one.
+fn round_in_place<X: DeviceRepr>(
+    x: &CudaSlice<X>,
+    n_x: usize,
+    s: &mut CudaStorage,
+    l: &Layout,
+    what: &str,
+    names: [&str; 2],
+    seed: Option<u64>,
+) -> Result<()> {
+    fn round<H: CudaDType + DeviceRepr, X: DeviceRepr>(
+        x: &CudaSlice<X>,
+        n_x: usize,
         s: &mut CudaStorage,
         l: &Layout,
-        seed: u64,
+        what: &str,
         name: &str,
+        seed: Option<u64>,
     ) -> Result<()> {
-        let Some((start, end)) = l.contiguous_offsets() else { bail!("stochastic rounding: parameter not contiguous") };
+        let Some((start, end)) = l.contiguous_offsets() else { bail!("{what}: parameter not contiguous") };
         let n = end - start;
-        if x.len() != n {
-            bail!("stochastic rounding: {} values for {n} elements", x.len());
+        if n_x != n {
+            bail!("{what}: {n_x} values for {n} elements");
         }
         if n == 0 {
             return Ok(());
@@ -560,15 +584,19 @@ pub(crate) fn round_stochastic_storage(x: &CudaSlice<f32>, s: &mut CudaStorage, 
         let mut out = s.as_cuda_slice_mut::<H>()?.slice_mut(start..end); // (n,) the parameter
         let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut b = f.builder();
-        b.arg(x).arg(&mut out).arg(&n).arg(&seed);
-        // SAFETY: round_stochastic_*'s signature; x and the parameter's elements are n long.
+        b.arg(x).arg(&mut out).arg(&n);
+        if let Some(seed) = &seed {
+            b.arg(seed);
+        }
+        // SAFETY: round_stochastic_* and round_nearest_*'s signatures (the seed only for the
+        // former); x holds n f32 values and the parameter's elements are n long.
         unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
         Ok(())
     }
     match s.dtype() {
-        DType::BF16 => round::<half::bf16>(x, s, l, seed, "round_stochastic_bf16"),
-        DType::F16 => round::<half::f16>(x, s, l, seed, "round_stochastic_f16"),
-        other => bail!("stochastic rounding: into {other:?}; bf16 or f16 expected"),
+        DType::BF16 => round::<half::bf16, X>(x, n_x, s, l, what, names[0], seed),
+        DType::F16 => round::<half::f16, X>(x, n_x, s, l, what, names[1], seed),
+        other => bail!("{what}: into {other:?}; bf16 or f16 expected"),
     }
 }
 

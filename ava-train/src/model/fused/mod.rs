@@ -66,8 +66,8 @@ pub fn sums_of_squares(tensors: &[&Tensor]) -> Result<Vec<f32>> {
 }
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::{
-    TableCache, cross_entropy_bwd, cross_entropy_fwd, plugin_buf, plugin_stream, round_stochastic_storage, storage_buf,
-    storage_tensor, widen_storage, zeros,
+    TableCache, cross_entropy_bwd, cross_entropy_fwd, plugin_buf, plugin_stream, round_nearest_storage,
+    round_stochastic_storage, storage_buf, storage_tensor, widen_storage, zeros,
 };
 
 /// The element types the fused ops compute in.
