@@ -1,4 +1,5 @@
-//! Numerics helpers for kernel authors: an f32 `exp` that the compiler can vectorize.
+//! Numerics helpers for kernel authors: an f32 `exp` that the compiler can vectorize, and
+//! [`TreeSum`], the fixed summation order an optimizer's CPU and GPU steps share.
 //!
 //! `f32::exp` calls libm once per element, which keeps a loop around it scalar; softmax and
 //! SiLU spend most of their time there. [`exp`] is branch-free arithmetic (range reduction
@@ -41,6 +42,53 @@ pub fn exp(x: f32) -> f32 {
         f32::INFINITY
     } else {
         y // NaN stays NaN: the comparisons above are false for it
+    }
+}
+
+/// Fan-in of a [`TreeSum`].
+pub const TREE_FAN: usize = 32;
+
+/// A running sum of f64 values in one fixed 32-ary tree: the values in groups of
+/// [`TREE_FAN`] consecutive ones, each group added in index order from 0; those sums grouped
+/// and added the same way, and so on up to one value. A short last group adds what it has.
+/// Kept as one running sum per level, so nothing is allocated (14 levels cover
+/// 32^14 > 2^64 values).
+///
+/// A GPU adds the same tree level by level (`tree_sum` in ava-cuda-build's `ava/common.cuh`:
+/// a level's groups in parallel, each group sequentially), so an optimizer whose CPU and GPU
+/// steps both reduce through it gives the same bits on both devices (adam-8bit's, adafactor's
+/// and adam-mini's sums).
+#[derive(Debug, Default, Clone)]
+pub struct TreeSum {
+    /// level[k]: the sum in progress of the current group of level-k values (level 0: the
+    /// pushed values).
+    level: [f64; 14],
+    count: usize,
+}
+
+impl TreeSum {
+    /// Adds the next value of the sequence.
+    pub fn push(&mut self, value: f64) {
+        let (mut value, mut index) = (value, self.count);
+        self.count += 1;
+        for group in &mut self.level {
+            *group += value;
+            if index % TREE_FAN != TREE_FAN - 1 {
+                break;
+            }
+            // A full group becomes a value of the level above.
+            value = std::mem::take(group);
+            index /= TREE_FAN;
+        }
+    }
+
+    /// The sum of every value pushed (0 for none). The unfinished groups, lowest first, are
+    /// each the last value of the group above it.
+    pub fn sum(mut self) -> f64 {
+        for k in 0..self.level.len() - 1 {
+            self.level[k + 1] += self.level[k];
+        }
+        self.level[self.level.len() - 1]
     }
 }
 

@@ -133,15 +133,6 @@ impl StateBuffer {
         Ok(())
     }
 
-    /// The host words' bytes, the words freed: what moves to page-locked memory.
-    #[cfg(feature = "cuda")]
-    pub(super) fn take_host_bytes(&mut self) -> Vec<u8> {
-        let n = self.spec.bytes() as usize;
-        let mut bytes: Vec<u8> = bytemuck::cast_slice(&std::mem::take(&mut self.words)).to_vec();
-        bytes.resize(n, 0); // a buffer whose words were never reserved is all zeros
-        bytes
-    }
-
     /// Makes page-locked memory the bytes' home.
     #[cfg(feature = "cuda")]
     pub(super) fn set_pinned(&mut self, pinned: crate::memory::pinned::PinnedBytes) {
@@ -201,8 +192,9 @@ impl StateBuffer {
         &mut bytemuck::cast_slice_mut(&mut self.words)[..n]
     }
 
-    /// Gives the memory back (the bytes are in the tier), on the host and on the GPU.
-    fn release(&mut self) {
+    /// Gives the memory back (the bytes are in the tier or page-locked memory), on the host
+    /// and on the GPU.
+    pub(super) fn release(&mut self) {
         self.words = Vec::new();
         #[cfg(feature = "cuda")]
         {

@@ -112,7 +112,8 @@ impl PinnedState {
                         b.spec.name
                     )
                 })?;
-                pinned.as_mut_slice()?.copy_from_slice(&b.take_host_bytes());
+                pinned.as_mut_slice()?.copy_from_slice(&b.bytes().map_err(|e| e.to_string())?);
+                b.release();
                 b.set_pinned(pinned);
             }
         }

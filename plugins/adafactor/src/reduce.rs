@@ -15,9 +15,6 @@
 /// Lanes of a [`lane_sum`]: a warp's threads on a GPU.
 pub(crate) const LANES: usize = 32;
 
-/// Fan-in of a [`Tree`].
-pub(crate) const FAN: usize = 32;
-
 /// Elements of one leaf of a vector's sums (Σθ², Σ U²): 32 terms in each of the 32 lanes.
 pub(crate) const CHUNK: usize = LANES * 32;
 
@@ -32,46 +29,9 @@ pub(crate) fn lanes_in_order(lanes: &[f32; LANES]) -> f64 {
     sum
 }
 
-/// A running sum of f64 values in one fixed 32-ary tree: the values in groups of 32
-/// consecutive ones, each group added in index order from 0; those sums grouped and added the
-/// same way, and so on up to one value. A short last group adds what it has. Kept as one
-/// running sum per level, so nothing is allocated (14 levels cover 32^14 > 2^64 values).
-///
-/// A GPU adds the same tree level by level (`tree_sum` in ava/common.cuh): a level's groups in
-/// parallel, each group sequentially.
-#[derive(Debug, Default)]
-pub(crate) struct Tree {
-    /// level[k]: the sum in progress of the current group of level-k values (level 0: the
-    /// pushed values).
-    level: [f64; 14],
-    count: usize,
-}
-
-impl Tree {
-    /// Adds the next value of the sequence.
-    pub(crate) fn push(&mut self, value: f64) {
-        let (mut value, mut index) = (value, self.count);
-        self.count += 1;
-        for group in &mut self.level {
-            *group += value;
-            if index % FAN != FAN - 1 {
-                break;
-            }
-            // A full group becomes a value of the level above.
-            value = std::mem::take(group);
-            index /= FAN;
-        }
-    }
-
-    /// The sum of every value pushed (0 for none). The unfinished groups, lowest first, are
-    /// each the last value of the group above it.
-    pub(crate) fn sum(mut self) -> f64 {
-        for k in 0..self.level.len() - 1 {
-            self.level[k + 1] += self.level[k];
-        }
-        self.level[self.level.len() - 1]
-    }
-}
+/// The fixed 32-ary tree every sum of the step goes through (ava-core's, shared with
+/// adam-8bit and adam-mini; `tree_sum` in ava/common.cuh on the GPU).
+pub(crate) use ava_core::math::TreeSum as Tree;
 
 /// The mean of `x` in f64: Σ in a [`Tree`] over the values in order, over the length.
 pub(crate) fn tree_mean(x: &[f32]) -> f64 {
@@ -156,7 +116,7 @@ mod tests {
         }
         while level.len() > 1 {
             level = level
-                .chunks(FAN)
+                .chunks(ava_core::math::TREE_FAN)
                 .map(|g| {
                     let mut s = 0.0;
                     for &v in g {

@@ -411,7 +411,7 @@ fn percentile_scale(history: &mut [f32], t: u32, grad: &[f32], p: u32) -> f32 {
 }
 
 /// The fan-in of [`sum_of_squares`]' tree.
-const SUM_FAN: usize = 32;
+const SUM_FAN: usize = ava_core::math::TREE_FAN;
 
 /// Σ g² in f64, added in one fixed order that a GPU can follow in parallel (the `cuda`
 /// step's kernels/adam_8bit.cu adds in exactly this order, so both give the same bits): the
@@ -420,30 +420,16 @@ const SUM_FAN: usize = 32;
 /// (the GPU adds zeros in its place, which changes no sum: none is −0). The squares are exact
 /// in f64. Kept as one running sum per level, so no memory is allocated.
 fn sum_of_squares(grad: &[f32]) -> f64 {
-    // level[k]: the sum in progress of the current group of level-k values (level 1: the
-    // sums of 32 squares). 13 levels cover 32^13 > 2^64 elements.
-    let mut level = [0f64; 14];
-    for (i, chunk) in grad.chunks(SUM_FAN).enumerate() {
+    // The sums of 32 squares, then ava-core's tree over them (the tree's first level here).
+    let mut tree = ava_core::math::TreeSum::default();
+    for chunk in grad.chunks(SUM_FAN) {
         let mut sum = 0.0;
         for &g in chunk {
             sum += f64::from(g) * f64::from(g);
         }
-        // Add this level-1 value to its group; a full group becomes a value of the level above.
-        let (mut value, mut index) = (sum, i);
-        for group in &mut level[1..] {
-            *group += value;
-            if index % SUM_FAN != SUM_FAN - 1 {
-                break;
-            }
-            value = std::mem::take(group);
-            index /= SUM_FAN;
-        }
+        tree.push(sum);
     }
-    // The unfinished groups, lowest first, each the last value of the group above it.
-    for k in 1..level.len() - 1 {
-        level[k + 1] += level[k];
-    }
-    level[level.len() - 1]
+    tree.sum()
 }
 
 ava_core::export_plugin!(optimizer: Adam8bit);

@@ -200,9 +200,6 @@ const LANES: usize = 32;
 /// Elements per chunk of [`sum_sq`]: 32 in each of the 32 lanes.
 const CHUNK: usize = LANES * 32;
 
-/// Fan-in of [`sum_sq`]'s tree over the chunks.
-const FAN: usize = 32;
-
 /// Σ g² in f64, in one fixed order that a GPU follows in parallel (kernels/adam_mini.cu adds
 /// in exactly this order, so both give the same bits). The blocks can be whole tensors
 /// (millions of elements), where an f32 running sum loses digits in proportion to the
@@ -215,10 +212,8 @@ const FAN: usize = 32;
 /// so on up to one value; a short last group adds what it has), kept as one running sum per
 /// level, so nothing is allocated. The pass only reads `g`, so it is bound by memory.
 fn sum_sq(g: &[f32]) -> f64 {
-    // level[k]: the sum in progress of the current group of level-k values (level 0: the
-    // chunks' sums). 14 levels cover 32^14 > 2^64 chunks.
-    let mut level = [0f64; 14];
-    for (index, chunk) in g.chunks(CHUNK).enumerate() {
+    let mut tree = ava_core::math::TreeSum::default(); // over the chunks' sums
+    for chunk in g.chunks(CHUNK) {
         let mut lanes = [0f64; LANES];
         let head = chunk.len() / LANES * LANES;
         for c in chunk[..head].chunks_exact(LANES) {
@@ -234,22 +229,9 @@ fn sum_sq(g: &[f32]) -> f64 {
         for l in lanes {
             value += l;
         }
-        // Add the chunk's sum to its group; a full group becomes a value of the level above.
-        let mut index = index;
-        for group in &mut level {
-            *group += value;
-            if index % FAN != FAN - 1 {
-                break;
-            }
-            value = std::mem::take(group);
-            index /= FAN;
-        }
+        tree.push(value);
     }
-    // The unfinished groups, lowest first, each the last value of the group above it.
-    for k in 0..level.len() - 1 {
-        level[k + 1] += level[k];
-    }
-    level[level.len() - 1]
+    tree.sum()
 }
 
 impl Optimizer for AdamMini {

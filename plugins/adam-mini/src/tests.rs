@@ -372,7 +372,7 @@ fn sum_sq_by_levels(g: &[f32]) -> f64 {
     }
     while level.len() > 1 {
         level = level
-            .chunks(FAN)
+            .chunks(ava_core::math::TREE_FAN)
             .map(|group| {
                 let mut s = 0.0;
                 for &v in group {
