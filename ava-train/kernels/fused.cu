@@ -67,7 +67,9 @@ __device__ __forceinline__ float2 block_sum2(float2 v, float2 *scratch) {
 // block reduction, and its share of dw stays in registers until the block's rows are done
 // (no atomics: the sums' order is fixed, so the bits are the same every run).
 // Launch: grid (ceil(rows / rows_per_block)), block (a multiple of 32, at least
-// ceil(d / NORM_BWD_COLS), at most 1024). x, g, dx (rows, d); w (d,); partial (gridDim.x, d) f32.
+// ceil(d / NORM_BWD_COLS), at most 1024: the entry point's __launch_bounds__(1024) keeps its
+// registers under 64 a thread, or a 1024-thread block would not fit an SM's register file).
+// x, g, dx (rows, d); w (d,); partial (gridDim.x, d) f32.
 template <typename T>
 __device__ void rms_norm_bwd(const T *__restrict__ x, const T *__restrict__ w, const T *__restrict__ g,
                              T *__restrict__ dx, float *__restrict__ partial, int rows, int d, float eps,
@@ -323,6 +325,55 @@ extern "C" __global__ void widen_f16(const f16 *__restrict__ x, float *__restric
     if (j < n) out[j] = __half2float(x[j]);
 }
 
+// ---- Kahan-compensated weights (`master_weights: kahan`), as train/rounding.rs on the CPU ----
+//
+// A parameter is stored as h (its half values) and c (what rounding h lost, itself rounded,
+// in the same half type). The step widens h + c into an f32 scratch, the optimizer steps the
+// scratch, and x, the result, is stored back as h = nearest(x) and c = nearest(x − h): both
+// roundings to nearest, ties to even (`store`, as the CPU's `half` from_f32), and x − h is
+// exact in f32, so both devices keep the same bits. Plain adds: no multiply for the
+// compiler to fuse.
+
+// out[j] = h[j] + c[j] in f32 (`rounding::widen` with a compensation).
+// Launch: grid (ceil(n / 256)), block (256). h, c (n,); out (n,) f32.
+template <typename T>
+__device__ void widen_compensated(const T *__restrict__ h, const T *__restrict__ c, float *__restrict__ out, size_t n) {
+    const size_t j = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j < n) out[j] = load(h[j]) + load(c[j]);
+}
+
+// h[j] = nearest(x[j]), c[j] = nearest(x[j] − h[j]) (`rounding::round_compensated`).
+// Launch: grid (ceil(n / 256)), block (256). x (n,) f32; h, c (n,).
+template <typename T>
+__device__ void round_compensated(const float *__restrict__ x, T *__restrict__ h, T *__restrict__ c, size_t n) {
+    const size_t j = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= n) return;
+    const float v = x[j];
+    const T near = store<T>(v);
+    h[j] = near;
+    c[j] = store<T>(v - load(near));
+}
+
+// Launch: as widen_compensated. h, c (n,) bf16; out (n,) f32.
+extern "C" __global__ void widen_compensated_bf16(const bf16 *h, const bf16 *c, float *out, size_t n) {
+    widen_compensated<bf16>(h, c, out, n);
+}
+
+// Launch: as widen_compensated. h, c (n,) f16; out (n,) f32.
+extern "C" __global__ void widen_compensated_f16(const f16 *h, const f16 *c, float *out, size_t n) {
+    widen_compensated<f16>(h, c, out, n);
+}
+
+// Launch: as round_compensated. x (n,) f32; h, c (n,) bf16.
+extern "C" __global__ void round_compensated_bf16(const float *x, bf16 *h, bf16 *c, size_t n) {
+    round_compensated<bf16>(x, h, c, n);
+}
+
+// Launch: as round_compensated. x (n,) f32; h, c (n,) f16.
+extern "C" __global__ void round_compensated_f16(const float *x, f16 *h, f16 *c, size_t n) {
+    round_compensated<f16>(x, h, c, n);
+}
+
 // ---- Σ x² of a whole tensor (gradient norms): many blocks, then one, in a fixed order ----
 
 // Each block's share of Σ x² (f32 partial sums, elements strided over the grid).
@@ -353,7 +404,7 @@ extern "C" __global__ void sumsq_final(const float *__restrict__ partial, float 
     extern "C" __global__ void rms_norm_fwd_##S(const T *x, const T *w, T *y, int d, float eps) {               \
         rms_norm_fwd<T>(x, w, y, d, eps);                                                                         \
     }                                                                                                             \
-    extern "C" __global__ void rms_norm_bwd_##S(const T *x, const T *w, const T *g, T *dx, float *partial,       \
+    extern "C" __global__ void __launch_bounds__(1024) rms_norm_bwd_##S(const T *x, const T *w, const T *g, T *dx, float *partial,       \
                                                 int rows, int d, float eps, int rows_per_block) {                 \
         rms_norm_bwd<T>(x, w, g, dx, partial, rows, d, eps, rows_per_block);                                      \
     }                                                                                                             \

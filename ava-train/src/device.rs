@@ -6,10 +6,10 @@
 //! how to build one. A `cuda` build opens the device through candle (cudarc loads the driver
 //! at run time), so a machine without a GPU or driver, or an ordinal past the last GPU, is an
 //! error naming the key. Then [`check_run`] refuses, all at once and by name, what a GPU run
-//! does not do yet (several ranks, host-side master weights, state streamed from both host
-//! memory and a tier at once) and
-//! the selected plugins that take no device buffers: Ava never copies to the host behind the
-//! user's back.
+//! does not do yet (several ranks, state streamed from both host memory and a tier at once)
+//! and the selected plugins that take no device buffers: Ava never copies to the host behind
+//! the user's back. Every `train.master_weights` runs there: f32 masters or Kahan's
+//! compensation are state buffers, on the device or streamed with the optimizer state.
 //!
 //! `memory.hard_limit` on a GPU run caps the device memory the run's allocations may hold
 //! ([`limit`]): checked against the card's size ([`check_limit`]), then a memory pool of that
@@ -25,7 +25,7 @@ use std::str::FromStr;
 use ava_core::PluginKind;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use crate::config::{Config, MasterWeights};
+use crate::config::Config;
 
 /// `train.device` as written in a config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -171,8 +171,8 @@ pub fn open(spec: DeviceSpec) -> Result<candle_core::Device, DeviceError> {
 }
 
 /// What a run of `world` ranks with `config` asks of its device that it cannot give, all
-/// problems at once: on the CPU nothing; on a GPU the settings whose memory lives on the
-/// host in this engine, and the selected optimizer and attention kernel unless their
+/// problems at once: on the CPU nothing; on a GPU several ranks and state streamed from two
+/// places at once, and the selected optimizer and attention kernel unless their
 /// manifests list the GPU (`registry`, [`ava_plugins::Registry::check_devices`]).
 pub fn check_run(config: &Config, world: usize, registry: &ava_plugins::Registry) -> Result<(), DeviceError> {
     check(config, world, Some(registry))
@@ -195,15 +195,6 @@ fn check(config: &Config, world: usize, registry: Option<&ava_plugins::Registry>
         problems.push(format!(
             "{world} ranks: distributed training runs on the CPU only for now; run one process, or set \
              train.device: cpu"
-        ));
-    }
-    if config.train.master_weights == MasterWeights::Kahan {
-        problems.push(format!(
-            "train.master_weights: kahan keeps a compensation buffer that the GPU step does not use yet; use f32 \
-             (f32 weights, {} compute, as PyTorch's autocast), none (weights in {} only, rounded stochastically), or \
-             tier (f32 masters in host memory with the optimizer state, offload.tiers' ram share)",
-            config.train.precision.as_str(),
-            config.train.precision.as_str()
         ));
     }
     let tiers = &config.offload.tiers;
@@ -358,6 +349,7 @@ fn card_total(spec: DeviceSpec) -> Result<u64, DeviceError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{MasterWeights, TierShare, Tiers};
 
     #[test]
     fn the_budget_leaves_five_percent_of_a_card_and_at_least_two_gib() {
@@ -396,22 +388,40 @@ mod tests {
         let registry = ava_plugins::Registry::builtins();
         assert!(check_run(&config, 1, &registry).is_ok() == cfg!(feature = "cuda"), "the default config");
 
-        config.train.master_weights = MasterWeights::Kahan;
         config.memory.hard_limit = crate::config::ByteSize(8 << 30);
+        let share = |name: &str, fraction: f64| TierShare { name: name.into(), fraction };
+        config.offload.tiers = Tiers(vec![share(Tiers::RAM, 0.4), share("nvme", 0.6)]);
         let e = check_run(&config, 2, &registry).unwrap_err().to_string();
         assert!(e.starts_with("train.device: cuda:0 cannot run this configuration:\n  - 2 ranks: distributed"), "{e}");
-        assert!(e.contains("\n  - train.master_weights: kahan keeps a compensation buffer"), "{e}");
+        assert!(e.contains("\n  - offload.tiers: on a GPU run the state streams from one place"), "{e}");
         assert!(!e.contains("hard_limit"), "a GPU run takes memory.hard_limit: {e}");
         // The built-in optimizer and attention kernel take device buffers in a cuda build only.
         let cpu_only = "optimizer 'adamw' runs on the CPU only (its manifest lists devices: cpu)";
         assert_eq!(e.contains(cpu_only), !cfg!(feature = "cuda"), "{e}");
 
-        config.train.master_weights = MasterWeights::F32;
+        config.offload.tiers = Tiers::on_device();
         assert!(check_run(&config, 1, &registry).is_ok() == cfg!(feature = "cuda"), "a hard limit alone");
 
         config.train.device = DeviceSpec::Cpu;
-        config.train.master_weights = MasterWeights::Kahan;
+        config.offload.tiers = Tiers(vec![share(Tiers::RAM, 0.4), share("nvme", 0.6)]);
         assert!(check_run(&config, 2, &registry).is_ok(), "the CPU refuses none of it here");
+    }
+
+    /// Every `train.master_weights` runs on a GPU, `kahan` included (its compensation lives
+    /// and streams with the optimizer state, and the GPU step keeps the CPU's bits): none is
+    /// among a GPU run's refusals, with the state on the device or in host memory.
+    #[test]
+    fn a_gpu_run_takes_every_master_weights_mode() {
+        let mut config = Config::default();
+        config.train.device = DeviceSpec::Cuda(0);
+        config.train.precision = crate::config::Precision::Bf16;
+        for mode in [MasterWeights::F32, MasterWeights::None, MasterWeights::Kahan, MasterWeights::Tier] {
+            config.train.master_weights = mode;
+            for tiers in [Tiers::on_device(), Tiers(vec![TierShare { name: Tiers::RAM.into(), fraction: 1.0 }])] {
+                config.offload.tiers = tiers;
+                assert!(check_modes(&config, 1).is_ok(), "master_weights: {}", mode.as_str());
+            }
+        }
     }
 
     /// A hard limit can make a card smaller, up to its whole memory, never larger: the error

@@ -10,12 +10,15 @@
 //! same on both sides, so the difference is the f32 arithmetic inside the op (summation order,
 //! `expf` against the CPU's fast exp) plus one rounding of the output: bf16 atol 1e-2 + rtol
 //! 1e-2 (two units in the last place), f16 atol 2e-3 + rtol 2e-3. Stochastic rounding is bit
-//! for bit: both sides draw the same bits from (seed, index).
+//! for bit: both sides draw the same bits from (seed, index). So are Kahan's compensated
+//! rounding and widening, alone and inside the engine's optimizer step.
 
 use std::sync::Arc;
 
 use ava_train::model::fused::{self, RopeTables};
-use ava_train::model::{RopeScaling, RopeSpec, head_loss, ops};
+use ava_train::model::{Param, ParamDef, ParamRole, RopeScaling, RopeSpec, head_loss, ops};
+use ava_train::train::rounding::Half;
+use ava_train::train::{HostState, OptimizerState, PinnedHome, step_param};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use half::{bf16, f16};
 
@@ -100,8 +103,9 @@ const TYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 fn rms_norm_matches_the_cpu() {
     // 300 rows: several blocks of the backward's row groups (16), and a row size that is not a
     // multiple of the block (256) nor of a warp; 4100 columns: a backward block wider than 256
-    // threads (each holds at most 8 columns), with a ragged last column.
-    for (rows, d) in [(3, 8), (300, 130), (70, 2048), (40, 4100)] {
+    // threads (each holds at most 8 columns), with a ragged last column; 8192 columns: the
+    // widest row the backward takes, a block of 1024 threads (Llama-70B's width).
+    for (rows, d) in [(3, 8), (300, 130), (70, 2048), (40, 4100), (20, 8192)] {
         for dtype in TYPES {
             let inputs = [(data(rows * d, 1, 2.0), vec![rows, d]), (data(d, 2, 1.0), vec![d])];
             compare(&format!("rms_norm ({rows}, {d})"), &inputs, dtype, |t| fused::rms_norm(&t[0], &t[1], 1e-5));
@@ -354,5 +358,114 @@ fn sums_of_squares_match_the_cpu() {
             assert!((f64::from(on_gpu[0]) - on_cpu).abs() <= tol, "n {n} {dtype:?}: {} vs {on_cpu}", on_gpu[0]);
             assert_eq!(on_gpu[0].to_bits(), on_gpu[1].to_bits(), "n {n} {dtype:?}: two runs differ");
         }
+    }
+}
+
+/// Fails naming `what` and the first differing element unless the half values `gpu` and
+/// `cpu` are the same bits (NaN where the other is NaN: the GPU's conversions write the
+/// canonical NaN, the CPU's keep the payload).
+fn same_halves<H: Half>(what: &str, gpu: &[H], cpu: &[H]) {
+    assert_eq!(gpu.len(), cpu.len(), "{what}: lengths differ");
+    let bits = |h: &H| bytemuck::cast::<H, u16>(*h);
+    let differ =
+        (gpu.iter().zip(cpu)).position(|(a, b)| bits(a) != bits(b) && !(a.widen().is_nan() && b.widen().is_nan()));
+    assert_eq!(differ, None, "{what}: first differing element {differ:?}");
+}
+
+/// `round_compensated` and `widen_compensated` of `values` into `dtype` (`H`) on the GPU
+/// against `train::rounding`'s on the CPU, bit for bit.
+fn kahan_kernels_match<H: Half + candle_core::WithDType>(values: &[f32], dtype: DType) {
+    use ava_train::train::rounding::{round_compensated, widen};
+    let (n, dev) = (values.len(), gpu());
+    let (mut h, mut c) = (vec![H::nearest(0.0); n], vec![H::nearest(0.0); n]); // (n,) each
+    round_compensated(values, &mut h, &mut c);
+    let on_gpu = Tensor::from_slice(values, n, &dev).unwrap();
+    let (gh, gc) = fused::round_compensated(&on_gpu, dtype).unwrap();
+    same_halves(&format!("{dtype:?}: the rounded weights"), &gh.to_vec1::<H>().unwrap(), &h);
+    same_halves(&format!("{dtype:?}: the compensation"), &gc.to_vec1::<H>().unwrap(), &c);
+
+    // What the CPU stored, widened back: h + c in f32.
+    let mut wide = vec![0f32; n]; // (n,) f32
+    widen(&h, Some(&c), &mut wide);
+    let (th, tc) = (Tensor::from_slice(&h, n, &dev).unwrap(), Tensor::from_slice(&c, n, &dev).unwrap());
+    let g = fused::widen_compensated(&th, &tc).unwrap().to_vec1::<f32>().unwrap();
+    let differ = g.iter().zip(&wide).position(|(a, b)| a.to_bits() != b.to_bits() && !(a.is_nan() && b.is_nan()));
+    assert_eq!(differ, None, "{dtype:?}: widened with the compensation, first differing element {differ:?}");
+}
+
+/// `master_weights: kahan`'s kernels (`round_compensated_*`, `widen_compensated_*`) give the
+/// CPU's bits in bf16 and f16: values between neighbours, ties to even of both parities at
+/// each type's unit in the last place, exact ones, zeros, f32's, bf16's and f16's subnormals,
+/// f16's overflow and f32's extremes, infinities and NaN.
+#[test]
+fn kahan_rounding_is_bit_for_bit_the_cpus() {
+    let mut values = data(300_001, 15, 5.0);
+    let ties = |ulp: f32| [1.0 + ulp / 2.0, 1.0 + 1.5 * ulp, -(1.0 + ulp / 2.0), -(1.0 + 1.5 * ulp)];
+    values.extend(ties(2f32.powi(-7)));
+    values.extend(ties(2f32.powi(-10)));
+    values.extend([0.0, -0.0, 1.0, 3.0e-6, -7.0e-8, 1.0e-40, -3.0e-39, 65_519.0, 70_000.0, -1.0e6]);
+    values.extend([f32::MAX, f32::MIN_POSITIVE, f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+    kahan_kernels_match::<bf16>(&values, DType::BF16);
+    kahan_kernels_match::<f16>(&values, DType::F16);
+}
+
+/// Five steps of `master_weights: kahan` through the engine's optimizer step
+/// (`train::step_param`, AdamW, weight decay from the second step) on a `dtype` parameter of
+/// 70 001 elements, from the same weights and gradients on each device: after every step the
+/// weights and the whole optimizer state (AdamW's moments and the `ava.kahan` compensation)
+/// are the same bits on the GPU as on the CPU. `home`: the GPU's state in page-locked host
+/// memory, uploaded for each step and written back (`offload.tiers: [ram: 100%]`).
+fn kahan_steps_match(dtype: DType, compensation: ava_core::DType, home: Option<PinnedHome>) {
+    use ava_core::StepContext;
+    use ava_plugins::builtin::adamw::AdamW;
+    let n = 70_001;
+    let def = ParamDef {
+        name: "model.layers.0.mlp.up_proj.weight".into(),
+        shape: vec![n],
+        role: ParamRole::Matrix,
+        block: Some(0),
+    };
+    let init = data(n, 21, 1.0);
+    let param =
+        |dev: &Device| Param { def: def.clone(), var: Var::from_tensor(&tensor(&init, &[n], dtype, dev)).unwrap() };
+    let (on_cpu, on_gpu) = (param(&Device::Cpu), param(&gpu()));
+    let (mut adam_cpu, mut adam_gpu) = (AdamW::default(), AdamW::default());
+    let host = HostState::Compensation(compensation);
+    let no_master = |_: &Param| Vec::new();
+    let allocate = |opt: &AdamW, p: &Param| {
+        OptimizerState::allocate_with(opt, std::slice::from_ref(p), "adamw", host, None, &no_master).unwrap()
+    };
+    let (mut cpu_state, mut gpu_state) = (allocate(&adam_cpu, &on_cpu), allocate(&adam_gpu, &on_gpu));
+    let Device::Cuda(cuda) = on_gpu.var.device() else { unreachable!("the parameter was made on the GPU") };
+    gpu_state.place_on(cuda, home, &|_| def.name.clone()).unwrap();
+    let what = format!("{dtype:?}, state {}", if home.is_some() { "in host memory" } else { "on the device" });
+    for step in 1..=5u64 {
+        let ctx =
+            StepContext { step, lr: 1e-3 * step as f64, weight_decay: if step > 1 { 0.1 } else { 0.0 }, threads: 1 };
+        let g = Tensor::from_slice(&data(n, 30 + step, 0.5), n, &Device::Cpu).unwrap(); // (n,) f32
+        let g_gpu = g.to_device(on_gpu.var.device()).unwrap();
+        cpu_state
+            .for_each(&[0], |_, bufs| step_param(&mut adam_cpu, "adamw", &on_cpu, &g, bufs, ctx, 0).map(|_| ()))
+            .unwrap();
+        gpu_state
+            .for_each(&[0], |_, bufs| step_param(&mut adam_gpu, "adamw", &on_gpu, &g_gpu, bufs, ctx, 0).map(|_| ()))
+            .unwrap();
+        let bits = |p: &Param| p.var.as_tensor().to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+        let (w_gpu, w_cpu) = (bits(&on_gpu).to_vec1::<f32>().unwrap(), bits(&on_cpu).to_vec1::<f32>().unwrap());
+        let differ = w_gpu.iter().zip(&w_cpu).position(|(a, b)| a.to_bits() != b.to_bits());
+        assert_eq!(differ, None, "{what}, step {step}: the weights differ first at element {differ:?}");
+        assert!(gpu_state == cpu_state, "{what}, step {step}: the optimizer state or the compensation differs");
+    }
+}
+
+/// `master_weights: kahan` on the GPU is the CPU's step bit for bit (AdamW's own GPU step is,
+/// ava-plugins' gpu_optim): bf16 and f16 weights, the compensation on the device and in
+/// page-locked host memory.
+#[test]
+fn kahan_steps_on_the_gpu_are_the_cpus_bit_for_bit() {
+    let pinned = Some(PinnedHome { on_device: 0.0, prefetch: 0 });
+    for home in [None, pinned] {
+        kahan_steps_match(DType::BF16, ava_core::DType::BF16, home);
+        kahan_steps_match(DType::F16, ava_core::DType::F16, home);
     }
 }

@@ -187,6 +187,12 @@ impl StateBuffer {
         self.device.as_ref()
     }
 
+    /// The bytes on the GPU to write, if they live there.
+    #[cfg(feature = "cuda")]
+    fn on_device_mut(&mut self) -> Option<&mut candle_core::cuda::cudarc::driver::CudaSlice<u8>> {
+        self.device.as_mut()
+    }
+
     fn bytes_mut(&mut self) -> &mut [u8] {
         let n = self.spec.bytes() as usize;
         &mut bytemuck::cast_slice_mut(&mut self.words)[..n]
@@ -1053,6 +1059,59 @@ impl StepOp<'_> {
     }
 }
 
+/// The bytes of a state buffer on the GPU, or an error naming it.
+#[cfg(feature = "cuda")]
+fn device_bytes(b: &StateBuffer) -> candle_core::Result<&candle_core::cuda::cudarc::driver::CudaSlice<u8>> {
+    b.on_device().ok_or_else(|| candle_core::Error::Msg(format!("optimizer state {} is not on the GPU", b.spec.name)))
+}
+
+/// The engine's own buffer of a parameter for its GPU step, told apart by name, its bytes
+/// on the device.
+#[cfg(feature = "cuda")]
+enum EngineBuf<'a> {
+    /// None: f32 weights, or half weights rounded stochastically.
+    Nothing,
+    /// [`MASTER`]: the f32 master the plugin steps (`master_weights: tier`).
+    Master(&'a candle_core::cuda::cudarc::driver::CudaSlice<u8>),
+    /// [`COMPENSATION`]: what rounding lost, in the weights' half type (`master_weights: kahan`).
+    Compensation(&'a mut candle_core::cuda::cudarc::driver::CudaSlice<u8>),
+}
+
+#[cfg(feature = "cuda")]
+impl<'a> EngineBuf<'a> {
+    /// The one engine buffer among a parameter's `host` buffers, if any.
+    fn of(host: Vec<&'a mut StateBuffer>) -> candle_core::Result<Self> {
+        let count = host.len();
+        let Some(b) = host.into_iter().next() else { return Ok(Self::Nothing) };
+        if count > 1 {
+            candle_core::bail!(
+                "optimizer step: {count} engine buffers for one parameter; one at most (an f32 master or a compensation)"
+            );
+        }
+        match b.spec.name.as_str() {
+            MASTER => Ok(Self::Master(device_bytes(b)?)),
+            COMPENSATION => {
+                let name = b.spec.name.clone();
+                b.on_device_mut()
+                    .map(Self::Compensation)
+                    .ok_or_else(|| candle_core::Error::Msg(format!("optimizer state {name} is not on the GPU")))
+            }
+            other => candle_core::bail!(
+                "optimizer step: the engine keeps no buffer named {other} (only {MASTER} and {COMPENSATION})"
+            ),
+        }
+    }
+
+    /// What it is, for an error.
+    fn describe(&self) -> &'static str {
+        match self {
+            Self::Nothing => "no engine buffer",
+            Self::Master(_) => "an f32 master (ava.master)",
+            Self::Compensation(_) => "a compensation (ava.kahan)",
+        }
+    }
+}
+
 impl InplaceOp2 for StepOp<'_> {
     fn name(&self) -> &'static str {
         "ava-optimizer-step"
@@ -1061,9 +1120,12 @@ impl InplaceOp2 for StepOp<'_> {
     /// On the GPU: the plugin's `step_cuda` on the parameter, its f32 gradient and its state
     /// in device memory, launched on candle's stream. bf16/f16 weights with an f32 master
     /// (`master_weights: tier`, its buffer on the device for the step) step the master and
-    /// take its rounding to nearest, as on the CPU; without one they are widened into an f32
-    /// scratch on the device, stepped there and rounded back stochastically with the CPU's
-    /// bits.
+    /// take its rounding to nearest, as on the CPU. With a compensation (`master_weights:
+    /// kahan`, on the device with the rest of the state) they are widened with it into an f32
+    /// scratch on the device, stepped there, and stored back as the scratch's rounding to
+    /// nearest and what that lost, rounded to nearest. Without either they are widened into an
+    /// f32 scratch, stepped there and rounded back stochastically. Every rounding gives the
+    /// CPU's bits.
     #[cfg(feature = "cuda")]
     fn cuda_fwd(
         &self,
@@ -1072,33 +1134,24 @@ impl InplaceOp2 for StepOp<'_> {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> candle_core::Result<()> {
-        use crate::model::fused::{plugin_buf, plugin_stream, storage_buf};
+        use crate::model::fused::{self, plugin_buf, plugin_stream, storage_buf};
+        use candle_core::DType;
         use candle_core::backend::BackendStorage;
         let dev = s1.device().clone();
         let stream = dev.cuda_stream();
-        if s2.dtype() != candle_core::DType::F32 {
+        if s2.dtype() != DType::F32 {
             candle_core::bail!("optimizer step: the gradient must be f32");
         }
         let info = ParamInfo::new(self.name, self.shape);
-        let state = self.state.borrow();
-        fn on_device(b: &StateBuffer) -> candle_core::Result<&candle_core::cuda::cudarc::driver::CudaSlice<u8>> {
-            b.on_device()
-                .ok_or_else(|| candle_core::Error::Msg(format!("optimizer state {} is not on the GPU", b.spec.name)))
-        }
-        let (host, plugin): (Vec<&StateBuffer>, Vec<&StateBuffer>) = state.iter().partition(|b| b.host);
-        let master = match host.as_slice() {
-            [] => None,
-            [b] if b.spec.name.as_str() == MASTER => Some(on_device(b)?),
-            _ => candle_core::bail!(
-                "optimizer step: master_weights: kahan keeps a compensation buffer the GPU step does not use"
-            ),
-        };
-        let slices = plugin.iter().copied().map(on_device).collect::<candle_core::Result<Vec<_>>>()?;
+        let mut state = self.state.borrow_mut();
+        let (host, plugin): (Vec<&mut StateBuffer>, Vec<&mut StateBuffer>) = state.iter_mut().partition(|b| b.host);
+        let engine = EngineBuf::of(host)?;
+        let slices = plugin.iter().map(|b| device_bytes(b)).collect::<candle_core::Result<Vec<_>>>()?;
         let bufs = slices
             .iter()
             .zip(&plugin)
             .map(|(d, b)| {
-                plugin_buf(d, 0, b.spec.bytes() as usize, candle_core::DType::U8, &stream).map(|(mut buf, g)| {
+                plugin_buf(d, 0, b.spec.bytes() as usize, DType::U8, &stream).map(|(mut buf, g)| {
                     // The plugin's own element type and count, over the same bytes.
                     buf.dtype = b.spec.dtype;
                     buf.len = b.spec.len;
@@ -1108,34 +1161,47 @@ impl InplaceOp2 for StepOp<'_> {
             .collect::<candle_core::Result<Vec<_>>>()?;
         let views: Vec<ava_core::device::CudaBuf> = bufs.iter().map(|(b, _)| *b).collect();
         let (grad, _g) = storage_buf(s2, l2, &stream)?;
+        let on = plugin_stream(&dev)?;
         let mut optimizer = self.optimizer.borrow_mut();
-        let result = match (s1.dtype(), master) {
-            (candle_core::DType::F32, None) => {
+        let mut step =
+            |values: &ava_core::device::CudaBuf| optimizer.step_cuda(&info, values, &grad, &views, &self.ctx, &on);
+        // The plugin steps an f32 scratch of the widened weights.
+        let step_scratch =
+            |scratch: &candle_core::cuda::cudarc::driver::CudaSlice<f32>,
+             step: &mut dyn FnMut(&ava_core::device::CudaBuf) -> Result<(), ava_core::PluginError>| {
+                plugin_buf(scratch, 0, scratch.len(), DType::F32, &stream).map(|(values, _v)| step(&values))
+            };
+        let result = match (s1.dtype(), engine) {
+            (DType::F32, EngineBuf::Nothing) => {
                 let (values, _v) = storage_buf(s1, l1, &stream)?;
-                optimizer.step_cuda(&info, &values, &grad, &views, &self.ctx, &plugin_stream(&dev)?)
+                step(&values)
             }
-            (candle_core::DType::BF16 | candle_core::DType::F16, Some(master)) => {
+            (DType::BF16 | DType::F16, EngineBuf::Master(master)) => {
                 let r = {
-                    let (mut values, _v) = plugin_buf(master, 0, master.len(), candle_core::DType::U8, &stream)?;
+                    let (mut values, _v) = plugin_buf(master, 0, master.len(), DType::U8, &stream)?;
                     values.dtype = ava_core::DType::F32;
                     values.len = (master.len() / 4) as u64;
-                    optimizer.step_cuda(&info, &values, &grad, &views, &self.ctx, &plugin_stream(&dev)?)
+                    step(&values)
                 };
-                crate::model::fused::round_nearest_storage(master, s1, l1)?;
+                fused::round_nearest_storage(master, s1, l1)?;
                 r
             }
-            (candle_core::DType::BF16 | candle_core::DType::F16, None) => {
-                let scratch = crate::model::fused::widen_storage(s1, l1)?; // (numel,) f32
-                let r = {
-                    let (values, _v) = plugin_buf(&scratch, 0, scratch.len(), candle_core::DType::F32, &stream)?;
-                    optimizer.step_cuda(&info, &values, &grad, &views, &self.ctx, &plugin_stream(&dev)?)
-                };
-                crate::model::fused::round_stochastic_storage(&scratch, s1, l1, self.round_seed)?;
+            (DType::BF16 | DType::F16, EngineBuf::Compensation(comp)) => {
+                let scratch = fused::widen_compensated_storage(s1, l1, &comp.as_view())?; // (numel,) f32: w + c
+                let r = step_scratch(&scratch, &mut step)?;
+                fused::round_compensated_storage(&scratch.as_view(), s1, l1, comp.as_view_mut())?;
                 r
             }
-            (other, _) => candle_core::bail!(
-                "optimizer step: parameters stored as {other:?} (with an f32 master: {}); f32, or bf16 or f16 expected",
-                master.is_some()
+            (DType::BF16 | DType::F16, EngineBuf::Nothing) => {
+                let scratch = fused::widen_storage(s1, l1)?; // (numel,) f32
+                let r = step_scratch(&scratch, &mut step)?;
+                fused::round_stochastic_storage(&scratch, s1, l1, self.round_seed)?;
+                r
+            }
+            (other, engine) => candle_core::bail!(
+                "optimizer step: parameters stored as {other:?} with {}; f32 weights take no engine buffer, bf16 or \
+                 f16 ones an f32 master, a compensation or none",
+                engine.describe()
             ),
         };
         *self.result.borrow_mut() = result;

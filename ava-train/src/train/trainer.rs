@@ -1023,7 +1023,11 @@ impl Trainer {
             .row(PluginKind::Offload, &off_sel.name)
             .is_some_and(|r| !matches!(r.source, PluginSource::Builtin));
         let pinned = state.pinned_bytes();
-        let what = if host == HostState::Master { "optimizer state and f32 masters" } else { "optimizer state" };
+        let what = match host {
+            HostState::Master => "optimizer state and f32 masters",
+            HostState::Compensation(_) => "optimizer state and the weights' compensation (kahan)",
+            HostState::Nothing => "optimizer state",
+        };
         let offload_note = match tiers.offloaded() {
             None if pinned > 0 => Some(format!(
                 "{what}: {} of {} ({:.0}%) in page-locked host memory (offload.tiers ram share {:.0}%), streamed \

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{
-    CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, DeviceId, WrapErr};
 use candle_core::op::BackpropOp;
@@ -514,68 +514,204 @@ fn round_into<H: CudaDType + DeviceRepr>(
     Ok(out)
 }
 
+/// `values` (f32, on the GPU) stored as Kahan-compensated `dtype` (bf16 or f16): `(h, c)`,
+/// h their rounding to nearest and c what that lost, rounded to nearest; the same bits as
+/// `train::rounding::round_compensated` on the CPU.
+pub fn round_compensated(values: &Tensor, dtype: DType) -> Result<(Tensor, Tensor)> {
+    if values.dtype() != DType::F32 {
+        bail!("compensated rounding: values are {:?}, f32 expected", values.dtype());
+    }
+    let n = values.elem_count();
+    with_cuda(values, "compensated rounding", |vs, l| {
+        let dev = vs.device();
+        let x = view::<f32>(vs, l, "compensated rounding")?;
+        let (mut h, mut c) = (zeros(dev, dtype, n)?, zeros(dev, dtype, n)?); // (n,) each
+        let whole = Layout::contiguous(n);
+        match dtype {
+            DType::BF16 => {
+                let c = c.as_cuda_slice_mut::<half::bf16>()?.slice_mut(..n);
+                round_compensated_storage(&x, &mut h, &whole, c)?
+            }
+            DType::F16 => {
+                let c = c.as_cuda_slice_mut::<half::f16>()?.slice_mut(..n);
+                round_compensated_storage(&x, &mut h, &whole, c)?
+            }
+            other => bail!("compensated rounding: to {other:?}; bf16 or f16 expected"),
+        }
+        let shape = values.shape().clone();
+        Ok((storage_tensor(h, shape.clone()), storage_tensor(c, shape)))
+    })
+}
+
+/// `h + c` in f32 for half values `h` and their compensation `c` (one type, bf16 or f16, on
+/// the GPU): the same bits as `train::rounding::widen` with a compensation on the CPU.
+pub fn widen_compensated(h: &Tensor, c: &Tensor) -> Result<Tensor> {
+    if h.dtype() != c.dtype() || h.dims() != c.dims() {
+        bail!(
+            "widening with a compensation: values {:?} {:?}, compensation {:?} {:?}",
+            h.dims(),
+            h.dtype(),
+            c.dims(),
+            c.dtype()
+        );
+    }
+    with_cuda(h, "widening with a compensation", |hs, hl| {
+        with_cuda(c, "widening with a compensation", |cs, cl| {
+            let wide = by_type!(c.dtype(), "widening with a compensation", |T, _s| widen_compensated_storage(
+                hs,
+                hl,
+                &view::<T>(cs, cl, "widening with a compensation")?
+            ))?;
+            Ok(tensor(wide, hs.device(), h.shape().clone()))
+        })
+    })
+}
+
 /// A half storage's values (bf16/f16, contiguous as `l` places them) widened into a fresh
 /// f32 buffer: the optimizer steps f32 values.
 pub(crate) fn widen_storage(s: &CudaStorage, l: &Layout) -> Result<CudaSlice<f32>> {
-    fn widen<H: CudaDType + DeviceRepr>(s: &CudaStorage, l: &Layout, name: &str) -> Result<CudaSlice<f32>> {
+    widen_with::<u8>(s, l, None)
+}
+
+/// A kahan parameter's half values `h` (bf16/f16, contiguous as `l` places them) plus `c`,
+/// their compensation in the same type (the `ava.kahan` state buffer's bytes, 2 a value or
+/// one byte for an empty one, which the device cannot allocate; or a tensor's values),
+/// widened into a fresh f32 buffer, `h + c`: the value the optimizer steps, as the CPU's
+/// `rounding::widen` with a compensation.
+pub(crate) fn widen_compensated_storage<C: DeviceRepr>(
+    s: &CudaStorage,
+    l: &Layout,
+    c: &CudaView<'_, C>,
+) -> Result<CudaSlice<f32>> {
+    widen_with(s, l, Some(c))
+}
+
+/// [`widen_storage`], adding the compensation `comp` when given.
+fn widen_with<C: DeviceRepr>(s: &CudaStorage, l: &Layout, comp: Option<&CudaView<'_, C>>) -> Result<CudaSlice<f32>> {
+    fn widen<H: CudaDType + DeviceRepr, C: DeviceRepr>(
+        s: &CudaStorage,
+        l: &Layout,
+        comp: Option<&CudaView<'_, C>>,
+        names: [&str; 2],
+    ) -> Result<CudaSlice<f32>> {
         let dev = s.device();
         let x = view::<H>(s, l, "widen")?;
         let n = x.len();
-        let mut out = uninit::<f32>(dev, n)?; // (n,)
+        if let Some(c) = comp {
+            let n_c = values_of::<C, H>(c.len());
+            if n_c != n {
+                bail!("widen: {n_c} compensation values for {n} weights");
+            }
+        }
+        let mut out = uninit::<f32>(dev, n)?; // (n,) f32
         if n > 0 {
-            let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+            let f = dev.get_or_load_custom_func(names[usize::from(comp.is_some())], MODULE, PTX)?;
             let mut b = f.builder();
-            b.arg(&x).arg(&mut out).arg(&n);
-            // SAFETY: widen_*'s signature; in and out hold n elements.
+            b.arg(&x);
+            if let Some(c) = comp {
+                b.arg(c);
+            }
+            b.arg(&mut out).arg(&n);
+            // SAFETY: widen_*'s signature, and widen_compensated_*'s with the compensation;
+            // in, the compensation and out hold n elements.
             unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
         }
         Ok(out)
     }
     match s.dtype() {
-        DType::BF16 => widen::<half::bf16>(s, l, "widen_bf16"),
-        DType::F16 => widen::<half::f16>(s, l, "widen_f16"),
+        DType::BF16 => widen::<half::bf16, C>(s, l, comp, ["widen_bf16", "widen_compensated_bf16"]),
+        DType::F16 => widen::<half::f16, C>(s, l, comp, ["widen_f16", "widen_compensated_f16"]),
         other => bail!("widen: {other:?} is not a half type"),
     }
+}
+
+/// Values of `H` in `len` elements of `C` (a state buffer's bytes hold half values; an
+/// empty one's single byte holds none).
+fn values_of<C, H>(len: usize) -> usize {
+    len * std::mem::size_of::<C>() / std::mem::size_of::<H>()
 }
 
 /// `x` (f32) rounded stochastically into the half storage `s` in place (the elements `l`
 /// places), with the bits of (seed, index) the CPU draws.
 pub(crate) fn round_stochastic_storage(x: &CudaSlice<f32>, s: &mut CudaStorage, l: &Layout, seed: u64) -> Result<()> {
-    let names = ["round_stochastic_bf16", "round_stochastic_f16"];
-    round_in_place(x, x.len(), s, l, "stochastic rounding", names, Some(seed))
+    round_in_place::<f32, u8>(&x.as_view(), x.len(), s, l, Rounding::Stochastic(seed))
 }
 
 /// `x`, the bytes of f32 values (an f32 master in a state buffer: 4 bytes a value, or one
 /// byte for an empty one, which the device cannot allocate), rounded to nearest (ties to
 /// even, the CPU's `rounding::round_nearest`) into the half storage `s` in place.
 pub(crate) fn round_nearest_storage(x: &CudaSlice<u8>, s: &mut CudaStorage, l: &Layout) -> Result<()> {
-    round_in_place(x, x.len() / 4, s, l, "rounding to nearest", ["round_nearest_bf16", "round_nearest_f16"], None)
+    round_in_place::<u8, u8>(&x.as_view(), x.len() / 4, s, l, Rounding::Nearest)
 }
 
-/// Launches `names`' kernel for the storage's type (bf16, f16) on `x` (`n` f32 values) into
-/// the elements of `s` that `l` places, with the kernel's `seed` when it takes one.
-fn round_in_place<X: DeviceRepr>(
-    x: &CudaSlice<X>,
+/// `x` (f32, a kahan parameter just stepped) stored back: its rounding to nearest into the
+/// half storage `s` in place (the elements `l` places), and what that lost, rounded to
+/// nearest, into `c`, the compensation (in the storage's type, as
+/// [`widen_compensated_storage`] takes it): the CPU's `rounding::round_compensated`.
+pub(crate) fn round_compensated_storage<C: DeviceRepr>(
+    x: &CudaView<'_, f32>,
+    s: &mut CudaStorage,
+    l: &Layout,
+    c: CudaViewMut<'_, C>,
+) -> Result<()> {
+    round_in_place(x, x.len(), s, l, Rounding::Compensated(c))
+}
+
+/// How [`round_in_place`] rounds f32 values into a half storage.
+enum Rounding<'a, C> {
+    /// Up or down, with the bits of (seed, index) the CPU draws.
+    Stochastic(u64),
+    /// To nearest, ties to even.
+    Nearest,
+    /// To nearest, and what that lost, rounded to nearest, into this compensation buffer
+    /// (values of the storage's type).
+    Compensated(CudaViewMut<'a, C>),
+}
+
+impl<C> Rounding<'_, C> {
+    /// Its kernels for bf16 and f16, and its words for errors.
+    fn kernels(&self) -> ([&'static str; 2], &'static str) {
+        match self {
+            Self::Stochastic(_) => (["round_stochastic_bf16", "round_stochastic_f16"], "stochastic rounding"),
+            Self::Nearest => (["round_nearest_bf16", "round_nearest_f16"], "rounding to nearest"),
+            Self::Compensated(_) => (["round_compensated_bf16", "round_compensated_f16"], "compensated rounding"),
+        }
+    }
+}
+
+/// Launches `how`'s kernel for the storage's type (bf16, f16) on `x` (`n_x` f32 values) into
+/// the elements of `s` that `l` places.
+fn round_in_place<X: DeviceRepr, C: DeviceRepr>(
+    x: &CudaView<'_, X>,
     n_x: usize,
     s: &mut CudaStorage,
     l: &Layout,
-    what: &str,
-    names: [&str; 2],
-    seed: Option<u64>,
+    how: Rounding<'_, C>,
 ) -> Result<()> {
-    fn round<H: CudaDType + DeviceRepr, X: DeviceRepr>(
-        x: &CudaSlice<X>,
+    fn round<H: CudaDType + DeviceRepr, X: DeviceRepr, C: DeviceRepr>(
+        x: &CudaView<'_, X>,
         n_x: usize,
         s: &mut CudaStorage,
         l: &Layout,
-        what: &str,
         name: &str,
-        seed: Option<u64>,
+        what: &str,
+        how: Rounding<'_, C>,
     ) -> Result<()> {
         let Some((start, end)) = l.contiguous_offsets() else { bail!("{what}: parameter not contiguous") };
         let n = end - start;
         if n_x != n {
             bail!("{what}: {n_x} values for {n} elements");
+        }
+        let (mut comp, seed) = match how {
+            Rounding::Stochastic(seed) => (None, Some(seed)),
+            Rounding::Nearest => (None, None),
+            Rounding::Compensated(c) => (Some(c), None),
+        };
+        if let Some(c) = &comp {
+            let n_c = values_of::<C, H>(c.len());
+            if n_c != n {
+                bail!("{what}: a compensation of {n_c} values for {n} elements");
+            }
         }
         if n == 0 {
             return Ok(());
@@ -584,18 +720,24 @@ fn round_in_place<X: DeviceRepr>(
         let mut out = s.as_cuda_slice_mut::<H>()?.slice_mut(start..end); // (n,) the parameter
         let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
         let mut b = f.builder();
-        b.arg(x).arg(&mut out).arg(&n);
+        b.arg(x).arg(&mut out);
+        if let Some(c) = comp.as_mut() {
+            b.arg(c);
+        }
+        b.arg(&n);
         if let Some(seed) = &seed {
             b.arg(seed);
         }
-        // SAFETY: round_stochastic_* and round_nearest_*'s signatures (the seed only for the
-        // former); x holds n f32 values and the parameter's elements are n long.
+        // SAFETY: round_stochastic_*, round_nearest_* and round_compensated_*'s signatures
+        // (the seed only for the first, the compensation only for the last); x holds n f32
+        // values, and the parameter and the compensation n elements.
         unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
         Ok(())
     }
+    let (names, what) = how.kernels();
     match s.dtype() {
-        DType::BF16 => round::<half::bf16, X>(x, n_x, s, l, what, names[0], seed),
-        DType::F16 => round::<half::f16, X>(x, n_x, s, l, what, names[1], seed),
+        DType::BF16 => round::<half::bf16, X, C>(x, n_x, s, l, names[0], what, how),
+        DType::F16 => round::<half::f16, X, C>(x, n_x, s, l, names[1], what, how),
         other => bail!("{what}: into {other:?}; bf16 or f16 expected"),
     }
 }

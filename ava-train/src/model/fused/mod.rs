@@ -51,7 +51,7 @@ pub(crate) use stored::{Stored, with_stored};
 pub use swiglu::swiglu_gate;
 
 #[cfg(feature = "cuda")]
-pub use cuda::round_stochastic;
+pub use cuda::{round_compensated, round_stochastic, widen_compensated};
 
 /// Σ x² of each tensor, read back in one transfer: on the GPU each sum is the engine's
 /// two-pass kernel (no synchronization until the one read); on the CPU candle's ops, one
@@ -66,8 +66,9 @@ pub fn sums_of_squares(tensors: &[&Tensor]) -> Result<Vec<f32>> {
 }
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::{
-    TableCache, cross_entropy_bwd, cross_entropy_fwd, plugin_buf, plugin_stream, round_nearest_storage,
-    round_stochastic_storage, storage_buf, storage_tensor, widen_storage, zeros,
+    TableCache, cross_entropy_bwd, cross_entropy_fwd, plugin_buf, plugin_stream, round_compensated_storage,
+    round_nearest_storage, round_stochastic_storage, storage_buf, storage_tensor, widen_compensated_storage,
+    widen_storage, zeros,
 };
 
 /// The element types the fused ops compute in.
