@@ -128,24 +128,26 @@ pub enum Command {
     ///
     /// A GPU config (train.device: cuda) is planned for the GPU engine: peaks are device
     /// memory; only the plugins whose manifests take device buffers and the modes a GPU run
-    /// accepts are searched (--offload is refused: no tier plugin on a GPU), and where the
-    /// optimizer state lives is searched too: on the device (offload.tiers: [device: 100%]),
-    /// all in page-locked host memory streamed through the GPU each step ([ram: 100%]), and
-    /// where only streaming fits, the largest device share that still fits (e.g. [device: 4%,
-    /// ram: 96%]). Each plan's host memory (that state, the loader's queue, the batch) is
+    /// accepts are searched, and where the optimizer state lives is searched too: on the
+    /// device (offload.tiers: [device: 100%]), all in page-locked host memory streamed through
+    /// the GPU each step ([ram: 100%]), where only streaming fits the largest device share
+    /// that still fits (e.g. [device: 4%, ram: 96%]), and with --offload all of it through
+    /// that disk tier. Each plan's host memory (that state, the loader's queue, the batch) is
     /// counted apart and must fit the host's RAM (--host-ram, default this machine's
-    /// MemTotal, 10% kept back). No step time is predicted (the costs above are the CPU's):
-    /// plans rank by the fewest changes, then the fewest state bytes over the link, then the
-    /// smallest peak. A streamed plan shows its copies' time, 2 x state bytes / 90.7 GB/s
-    /// (pinned copies both ways at once, measured on an H100 machine's link): a model, not yet
-    /// calibrated against an Ava GPU run; the step waits for it after backward, and backward
-    /// hides some or all of it when the step runs inside backward.
+    /// MemTotal, 10% kept back). Step times are predicted in milliseconds on a card (--card,
+    /// default --budget's device, else h100-80gb): a roofline per kind of work (matmuls,
+    /// attention, the memory-bound ops, recomputation, the optimizer step) at efficiencies
+    /// measured on an H200, scaled to the card's datasheet peaks, plus the copies of state
+    /// streamed over the card's link that compute does not hide (inside backward, backward
+    /// hides them; after it, only the other parameters' steps) and a disk tier's time.
+    /// `ava bench train` on a GPU prints the prediction beside the measured step.
     ///
     /// Examples:
     ///   ava plan --budget 24GiB -c configs/small.yaml
     ///   ava plan --budget rtx-4090-24gb --model llama-7b
     ///   ava plan --budget 200MiB -c configs/small.yaml --write small-200m.yaml && ava train -c small-200m.yaml
     ///   ava plan --budget 24GiB -c configs/llama-7b-24gb.yaml --offload nvme:/mnt/nvme
+    ///   ava plan --budget 16GiB --card h200-141gb -c configs/gpu-llama2-7b-16gib.yaml
     #[command(verbatim_doc_comment)]
     Plan(PlanArgs),
     /// Generate text with a trained model: from a run directory (its model/, else its latest
@@ -207,10 +209,16 @@ pub struct PlanArgs {
     #[command(flatten)]
     pub config: ConfigArgs,
     /// Memory to fit: a size (24GiB, 512MB; 3% is kept back for the estimate's error) or a
-    /// device: rtx-3060-12gb, rtx-4090-24gb, a100-40gb, a100-80gb, h100-80gb (10% kept back
-    /// for the runtime), m2-16gb (65% usable: memory shared with the OS).
+    /// device: rtx-3060-12gb, rtx-4090-24gb, a100-40gb, a100-80gb, h100-80gb, h200-141gb
+    /// (10% kept back for the runtime), m2-16gb (65% usable: memory shared with the OS).
     #[arg(long, value_name = "SIZE|DEVICE")]
     pub budget: String,
+    /// On a GPU config, the card whose speeds predict the plans' step times (one of the GPU
+    /// devices --budget names). Default: --budget's own device, else h100-80gb. The model is a
+    /// roofline per kind of work at efficiencies measured on an H200, scaled to the card's
+    /// datasheet peaks; `ava bench train` prints it beside the measured step.
+    #[arg(long, value_name = "DEVICE")]
+    pub card: Option<String>,
     /// A model preset instead of the config's model section: tiny, small, llama-7b.
     #[arg(long, value_name = "PRESET")]
     pub model: Option<String>,

@@ -376,11 +376,11 @@ fn plan_for_several_ranks_searches_the_zero_stages() {
     assert!(written.contains("zero_stage: "), "{written}");
 }
 
-/// A GPU config is planned for the GPU engine: only what a GPU run takes is searched (no Kahan
-/// compensation or masters in a tier, no state through a tier plugin, only plugins that take
-/// device buffers besides the config's own), no step time is claimed (the cost model is the
-/// CPU engine's), and `--offload` is refused with what to do. Planning needs no GPU. (State
-/// streamed from host memory: tests/plan_gpu.rs.)
+/// A GPU config is planned for the GPU engine: only what a GPU run takes is searched (masters
+/// in a tier only with the state they stream with, only plugins that take device buffers
+/// besides the config's own; Kahan's compensation as on the CPU), each plan's step predicted by the GPU model
+/// on the budget's card, and `--offload` adds plans through the disk tier. Planning needs no
+/// GPU. (State streamed from host memory or a tier: tests/plan_gpu.rs.)
 #[test]
 fn plan_for_a_gpu_config_searches_what_the_gpu_runs() {
     let dir = tempfile::tempdir().unwrap();
@@ -389,26 +389,36 @@ fn plan_for_a_gpu_config_searches_what_the_gpu_runs() {
     let args: Vec<&str> = head.iter().chain(&cuda).copied().collect();
     let plan = json_of(&ok(run(dir.path(), &args, &[])));
     assert_eq!(plan["device"], "cuda:0", "{plan}");
+    assert_eq!(plan["card"]["name"], "rtx-4090-24gb", "{plan}");
     let configs = plan["configs"].as_array().unwrap();
     assert!(!configs.is_empty(), "{plan}");
     for c in configs {
-        assert!(c["relative_step_time"].is_null(), "{c}");
-        assert!(["f32", "none"].contains(&c["master_weights"].as_str().unwrap()), "{c}");
+        assert!(c["relative_step_time"].is_number() && c["predicted_step"]["seconds"].is_number(), "{c}");
+        let masters = c["master_weights"].as_str().unwrap();
+        assert!(["f32", "none", "kahan", "tier"].contains(&masters), "{c}");
+        if masters == "tier" {
+            assert!(c["state_in_host_memory"].as_u64().unwrap() > 0, "masters stream with host memory's share: {c}");
+        }
         assert!(c["offload"].is_null() && c["offloaded_bytes"] == 0, "{c}");
     }
-    // The same config on the CPU searches Kahan's compensation too, and predicts step times.
+    assert!(configs.iter().any(|c| c["master_weights"] == "kahan"), "{plan}");
+    // The same config on the CPU searches Kahan's compensation too, and predicts step times
+    // with the CPU engine's model.
     let cpu: Vec<&str> = head.iter().chain(&cuda[2..]).copied().collect();
     let on_cpu = json_of(&ok(run(dir.path(), &cpu, &[])));
     let configs = on_cpu["configs"].as_array().unwrap();
     assert!(configs.iter().any(|c| c["master_weights"] == "kahan"), "{on_cpu}");
-    assert!(configs.iter().all(|c| c["relative_step_time"].is_number()), "{on_cpu}");
+    assert!(configs.iter().all(|c| c["relative_step_time"].is_number() && c["predicted_step"].is_null()), "{on_cpu}");
+    assert!(on_cpu["card"].is_null(), "{on_cpu}");
 
-    let offload: Vec<&str> =
-        ["plan", "--budget", "rtx-4090-24gb", "--offload", "nvme:/tmp"].iter().chain(&cuda).copied().collect();
-    let err = common::usage_error(run(dir.path(), &offload, &[]));
-    assert!(
-        err.contains("--offload: on a GPU run (train.device: cuda:0) the plan searches page-locked host memory"),
-        "{err}"
-    );
-    assert!(err.contains("drop --offload"), "{err}");
+    // --offload: plans through the tier join the others.
+    let tier = dir.path().join("tier");
+    std::fs::create_dir(&tier).unwrap();
+    let offload = format!("nvme:{}", tier.display());
+    let args: Vec<&str> = head.iter().chain(&["--offload", &offload]).chain(&cuda).copied().collect();
+    let plan = json_of(&ok(run(dir.path(), &args, &[])));
+    let configs = plan["configs"].as_array().unwrap();
+    let through = configs.iter().filter(|c| c["offload"]["tier"] == "nvme").collect::<Vec<_>>();
+    assert!(!through.is_empty(), "{plan}");
+    assert!(through.iter().all(|c| c["offloaded_bytes"].as_u64().unwrap() > 0 && c["offload_tiers"].is_null()));
 }

@@ -21,7 +21,8 @@ fn seven_b(dir: &Path) -> String {
 /// memory: every plan proposed streams it, lists it as host memory apart from the device
 /// peak, is one a GPU run accepts, and estimates as planned; the same settings with the
 /// state on the device are over the budget. The split that keeps the most state on the
-/// device ranks before all of it in host memory (fewer bytes over the link).
+/// device ranks before all of it in host memory (as fast, fewer bytes over the link). Each plan's
+/// step is predicted on the budget's card, its copies over that card's link.
 #[test]
 fn a_gpu_plan_streams_the_state_from_host_memory_where_the_device_cannot_hold_it() {
     let dir = tempfile::tempdir().unwrap();
@@ -33,12 +34,15 @@ fn a_gpu_plan_streams_the_state_from_host_memory_where_the_device_cannot_hold_it
     assert_eq!(plan["host_ram"]["bytes"], 128u64 << 30, "{plan}");
     assert_eq!(plan["host_ram"]["from"], "--host-ram", "{plan}");
     let host_usable = plan["host_ram"]["usable"].as_u64().unwrap();
+    assert_eq!(plan["card"]["name"], "rtx-4090-24gb", "{plan}");
+    let link = plan["card"]["link_both_ways"].as_f64().unwrap();
     let aim = (plan["budget"].as_f64().unwrap() * 0.9) as u64;
     let configs = plan["configs"].as_array().unwrap();
     assert!(!configs.is_empty(), "{plan}");
     for c in configs {
-        // Nothing a GPU run refuses: no host-side masters, no tier plugin.
-        assert!(["f32", "none"].contains(&c["master_weights"].as_str().unwrap()), "{c}");
+        // Nothing a GPU run refuses: no Kahan compensation, no tier plugin; masters in a tier
+        // stream with the state from host memory.
+        assert!(["f32", "none", "tier"].contains(&c["master_weights"].as_str().unwrap()), "{c}");
         assert!(c["offload"].is_null() && c["offloaded_bytes"] == 0, "{c}");
         let tiers = c["offload_tiers"].as_str().unwrap();
         assert!(tiers.contains("ram: "), "{c}");
@@ -53,11 +57,20 @@ fn a_gpu_plan_streams_the_state_from_host_memory_where_the_device_cannot_hold_it
         let copies = &c["state_copies"];
         assert_eq!(copies["bytes_each_way"], pinned, "{c}");
         let seconds = copies["seconds"].as_f64().unwrap();
-        assert!((seconds - 2.0 * pinned as f64 / 90.7e9).abs() < 1e-9, "{c}");
-        assert!(copies["model"].as_str().unwrap().contains("not yet calibrated"), "{c}");
+        assert!((seconds - 2.0 * pinned as f64 / link).abs() < 1e-9, "{c}");
+        let exposed = copies["seconds_not_hidden"].as_f64().unwrap();
+        assert!((0.0..=seconds).contains(&exposed), "{c}");
+        // The predicted step: its terms add up, the exposed copies among them.
+        let step = &c["predicted_step"];
+        let terms = step["terms"].as_array().unwrap();
+        let sum: f64 = terms.iter().map(|t| t["seconds"].as_f64().unwrap()).sum();
+        assert!((sum - step["seconds"].as_f64().unwrap()).abs() < 1e-9, "{c}");
+        assert!(terms.iter().any(|t| t["name"] == "state copies not hidden" && t["seconds"] == exposed), "{c}");
     }
-    let all_host = configs.iter().position(|c| c["offload_tiers"] == "[ram: 100%]").expect("an all-host plan");
-    let split = configs.iter().position(|c| c["offload_tiers"].as_str().unwrap().starts_with("[device: "));
+    // Among the plans that recompute every block (equally fast but for the copies).
+    let full = |c: &&serde_json::Value| c["checkpoint"] == "full" && c["master_weights"] == "none";
+    let all_host = configs.iter().position(|c| full(&c) && c["offload_tiers"] == "[ram: 100%]").expect("all in host");
+    let split = configs.iter().position(|c| full(&c) && c["offload_tiers"].as_str().unwrap().starts_with("[device: "));
     let split = split.expect("a plan keeping some of the state on the device");
     assert!(split < all_host, "{plan}");
     assert!(configs[split]["state_in_host_memory"].as_u64() < configs[all_host]["state_in_host_memory"].as_u64());
@@ -90,8 +103,13 @@ fn a_gpu_plan_streams_the_state_from_host_memory_where_the_device_cannot_hold_it
     // The table: host memory in a column of its own, the state's place, the copies' model.
     let args: Vec<&str> = ["plan", "--top", "3"].iter().chain(&head).copied().collect();
     let text = String::from_utf8(ok(ava(dir.path(), &args)).stdout).unwrap();
-    for needle in ["host RAM 115.20 GiB of 128.00 GiB (--host-ram", "state copies", "ram (host, ", "not yet calibrated"]
-    {
+    for needle in [
+        "host RAM 115.20 GiB of 128.00 GiB (--host-ram",
+        "state copies",
+        "ram (host, ",
+        "step time: predicted on rtx-4090-24gb",
+        " tok/s (×",
+    ] {
         assert!(text.contains(needle), "{needle:?} in\n{text}");
     }
     assert!(!text.contains("keeps its optimizer state in device memory in this version"), "{text}");
@@ -108,7 +126,83 @@ fn a_gpu_plan_over_the_hosts_ram_does_not_fit() {
     assert!(err.contains("no configuration fits rtx-4090-24gb"), "{err}");
     assert!(err.contains("fit the device but not the host's RAM, 28.80 GiB of 32.00 GiB (--host-ram"), "{err}");
     assert!(err.contains("the least host memory is "), "{err}");
-    assert!(!err.contains("--offload nvme"), "a GPU run takes no tier plugin: {err}");
+    assert!(err.contains("stream the optimizer state to disk (--offload nvme:/path)"), "a GPU run takes a tier: {err}");
     let err = usage_error(ava(dir.path(), &["plan", "--budget", "24GiB", "--host-ram", "lots", "-c", &config]));
     assert!(err.contains("--host-ram \"lots\" is not a size"), "{err}");
+}
+
+/// `--card` predicts the steps on another card (the same plans, the same peaks); a name that
+/// is not a GPU preset is refused with the presets listed.
+#[test]
+fn a_gpu_plans_steps_are_predicted_on_the_card_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = seven_b(dir.path());
+    let plan = |card: &str| {
+        let args =
+            ["--format", "json", "plan", "--budget", "24GiB", "--host-ram", "128GiB", "--card", card, "-c", &config];
+        json_of(&ok(ava(dir.path(), &args)))
+    };
+    let (h100, a100) = (plan("h100-80gb"), plan("a100-80gb"));
+    assert_eq!(h100["card"]["name"], "h100-80gb");
+    assert_eq!(a100["card"]["name"], "a100-80gb");
+    let best = |p: &serde_json::Value| p["configs"][0].clone();
+    assert_eq!(best(&h100)["peak"], best(&a100)["peak"]);
+    let seconds = |p: &serde_json::Value| best(p)["predicted_step"]["seconds"].as_f64().unwrap();
+    assert!(seconds(&a100) > 2.0 * seconds(&h100), "{} against {}", seconds(&a100), seconds(&h100));
+
+    let args = ["plan", "--budget", "24GiB", "--card", "v100", "-c", &config];
+    let err = usage_error(ava(dir.path(), &args));
+    assert!(err.contains("--card \"v100\" is not a GPU preset: rtx-3060-12gb, "), "{err}");
+    assert!(err.contains("h200-141gb"), "{err}");
+}
+
+/// `--offload nvme:PATH` on a GPU config adds plans that stream all of the optimizer state
+/// (and with `master_weights: tier` the f32 masters) through the disk tier instead of host
+/// memory: with too little host RAM for the state, only those fit; each keeps none of it in
+/// host memory, predicts the disk's time, and its settings estimate as planned.
+#[test]
+fn a_gpu_plan_streams_the_state_through_a_disk_tier_with_offload() {
+    let dir = tempfile::tempdir().unwrap();
+    let tier = dir.path().join("tier");
+    std::fs::create_dir(&tier).unwrap();
+    let config = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/gpu-tinyllama-1b.yaml");
+    let config = config.to_str().unwrap();
+    // TinyLlama's vocabulary, a narrow two-block body: 38M parameters, 307 MB of AdamW state.
+    let small = [
+        "model.hidden_size=512",
+        "model.intermediate_size=1408",
+        "model.num_layers=2",
+        "model.num_heads=8",
+        "model.num_kv_heads=2",
+        "data.seq_len=256",
+    ];
+    let offload = format!("nvme:{}", tier.display());
+    let mut args =
+        vec!["--format", "json", "plan", "--budget", "600MiB", "--host-ram", "256MiB", "--keep", "optimizer"];
+    args.extend(["--offload", &offload, "--top", "50", "-c", config]);
+    args.extend(small.iter().flat_map(|s| ["--set", s]));
+    let plan = json_of(&ok(ava(dir.path(), &args)));
+    let configs = plan["configs"].as_array().unwrap();
+    assert!(!configs.is_empty(), "{plan}");
+    for c in configs {
+        assert_eq!(c["offload"]["tier"], "nvme", "{c}");
+        assert!(c["offload_tiers"].is_null() && c["state_in_host_memory"] == 0, "{c}");
+        let streamed = c["offloaded_bytes"].as_u64().unwrap();
+        let state = if c["master_weights"] == "tier" { 400_000_000 } else { 300_000_000 };
+        assert!(streamed > state, "{c}");
+        let terms = c["predicted_step"]["terms"].as_array().unwrap();
+        assert!(terms.iter().any(|t| t["name"] == "disk tier" && t["seconds"].as_f64().unwrap() > 0.0), "{c}");
+    }
+    // The best plan's settings: a GPU run's modes, estimated as planned.
+    let mut args = vec!["--format".to_string(), "json".into(), "estimate".into(), "-c".into(), config.into()];
+    for s in small
+        .iter()
+        .map(|s| s.to_string())
+        .chain(configs[0]["sets"].as_array().unwrap().iter().map(|s| s.as_str().unwrap().to_string()))
+    {
+        args.extend(["--set".into(), s]);
+    }
+    let estimate = json_of(&ok(ava(dir.path(), &args.iter().map(String::as_str).collect::<Vec<_>>())));
+    assert_eq!(estimate["breakdown"]["peak"], configs[0]["peak"], "{estimate}");
+    assert_eq!(estimate["offloaded"], configs[0]["offloaded_bytes"], "{estimate}");
 }

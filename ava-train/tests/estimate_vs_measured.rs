@@ -434,3 +434,30 @@ fn the_gpu_estimate_matches_the_peaks_measured_on_an_h200() {
         }
     }
 }
+
+/// The GPU step-time model (`estimate::step_time`) against the two H200 steps its constants
+/// were fitted to (session 41, `ava bench train -c configs/gpu-tinyllama-1b.yaml [--set
+/// plugins.checkpoint=full]`: median 420.7 and 823.8 ms): the fit reproduces them within 3%.
+/// Those steps were measured before the flash backward, linear and RMSNorm rewrites; a
+/// GPU session's `ava bench train` prints the prediction beside each new measurement.
+#[test]
+fn the_gpu_step_time_model_reproduces_the_h200_steps_it_was_fitted_to() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/gpu-tinyllama-1b.yaml");
+    let reg = Registry::builtins();
+    let optimizer = reg.optimizer("adamw", "{}").unwrap();
+    let flash = ava_kernels::attention::Kernel::flash(ava_kernels::attention::Masking::Plain);
+    let card = estimate::step_time::Card::named("h200-141gb").unwrap();
+    for (checkpoint, measured_ms) in [("none", 420.7), ("full", 823.8)] {
+        let cfg = ConfigLoader::new().file(path).load().unwrap().into_config();
+        let policy = reg.checkpoint(checkpoint, "{}").unwrap();
+        let plugins = Plugins { optimizer: optimizer.as_ref(), attention: &flash, checkpoint: policy.as_ref() };
+        let spec = ModelSpec::from_config(&cfg.model).unwrap();
+        let est = estimate::estimate(&spec, &cfg, &plugins).unwrap();
+        let predicted = estimate::step_time::predict(&spec, &cfg, &est, card);
+        let ms = 1e3 * predicted.seconds;
+        println!("checkpoint {checkpoint}: predicted {ms:.1} ms, measured {measured_ms} ms: {:?}", predicted.terms);
+        assert!((ms / measured_ms - 1.0).abs() < 0.03, "checkpoint {checkpoint}: {ms:.1} ms against {measured_ms}");
+        assert!((predicted.tokens_per_sec - 8192.0 / predicted.seconds).abs() < 1e-6);
+    }
+}

@@ -14,11 +14,14 @@
 //! [`PROFILED_STEPS`] more steps run with every profiler scope synchronizing the device
 //! ([`profile::sync_with`]), for where the time goes. The MFU is against the card's dense
 //! bf16 peak ([`GPU_PEAK_TFLOPS`]), with candle's bf16 matmul measured on the device beside
-//! it; the memory is the device's (the pool's high-water mark, and the card's own figure).
+//! it; the memory is the device's (the pool's high-water mark, and the card's own figure);
+//! and the step `ava plan`'s GPU model predicts for the card (`estimate::step_time`) is
+//! printed beside the measured one, so every GPU run says how far off the model is.
 
 use std::time::Instant;
 
 use ava_train::config::Config;
+use ava_train::estimate::step_time::{self, Card, StepTime};
 use ava_train::memory::size;
 use ava_train::model::fused::linear;
 use ava_train::profile;
@@ -115,7 +118,7 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
     }
     let device = trainer.model().device();
     if device.is_cuda() {
-        return gpu_bench(p, &mut trainer, &header, &config, steps, &device);
+        return gpu_bench(p, &mut trainer, &header, (&config, &ctx.registry), steps, &device);
     }
     cpu_bench(p, &mut trainer, &header, &config, steps)
 }
@@ -314,6 +317,38 @@ fn gpu_matmul_tflops(device: &Device) -> Result<Vec<f64>, candle_core::Error> {
     Ok(tflops)
 }
 
+/// The GPU step-time model's prediction for `config` on the card this is (recognized from
+/// its name and memory), as `ava plan` ranks plans by; why not, when it cannot be made.
+fn predicted_step(
+    registry: &ava_plugins::Registry,
+    config: &Config,
+    name: Option<&str>,
+    card_total: Option<u64>,
+) -> Result<StepTime, String> {
+    let name = name.ok_or("the device's name could not be read")?;
+    let card = Card::recognize(name, card_total.unwrap_or(0))
+        .ok_or_else(|| format!("{name} is none of the cards the model knows (`ava plan --help`, --card)"))?;
+    let spec = ava_train::train::model_spec(config).map_err(|e| e.to_string())?;
+    let selected = super::estimate::Selected::new(registry, config, &spec).map_err(|e| match e {
+        Failure::Usage(e) | Failure::Runtime(e) | Failure::Signal(_, e) => e.to_string(),
+    })?;
+    let est = ava_train::estimate::estimate(&spec, config, &selected.plugins()).map_err(|e| e.to_string())?;
+    Ok(step_time::predict(&spec, config, &est, card))
+}
+
+/// The prediction beside the measured median step, with its terms.
+fn predicted_line(t: &StepTime, measured: f64) -> String {
+    let terms: Vec<String> =
+        t.terms.iter().filter(|x| x.seconds > 0.0).map(|x| format!("{} {:.1}", x.name, 1e3 * x.seconds)).collect();
+    format!(
+        "predicted step     {:.1} ms on {} by `ava plan`'s GPU model ({} ms); measured/predicted ×{:.2}",
+        1e3 * t.seconds,
+        t.card,
+        terms.join(", "),
+        measured / t.seconds
+    )
+}
+
 /// What streaming the optimizer state through the GPU cost in the last measured step: the
 /// bytes each way, the copies' own time and rate, and how much of it compute hid.
 fn stream_line(st: &ava_train::train::StreamStats) -> String {
@@ -336,7 +371,7 @@ fn gpu_bench(
     p: &Printer,
     trainer: &mut Trainer,
     header: &RunHeader,
-    config: &Config,
+    (config, registry): (&Config, &ava_plugins::Registry),
     steps: u64,
     device: &Device,
 ) -> CmdResult {
@@ -361,6 +396,8 @@ fn gpu_bench(
     let name = super::bench_args::device_name(device);
     let last = &measured.last;
     let m = &last.memory;
+    let card_total = last.device_memory.as_ref().map(|d| d.card_total);
+    let predicted = predicted_step(registry, config, name.as_deref(), card_total);
     let text = || {
         let mut lines = vec![
             format!("device             {spec}{}", name.as_ref().map(|n| format!(", {n}")).unwrap_or_default()),
@@ -399,6 +436,10 @@ fn gpu_bench(
                 size(m.activations)
             ),
         ];
+        lines.push(match &predicted {
+            Ok(t) => predicted_line(t, step_median),
+            Err(why) => format!("predicted step     none: {why}"),
+        });
         if let Some(st) = &last.stream {
             lines.push(stream_line(st));
         }
@@ -441,6 +482,8 @@ fn gpu_bench(
             "memory": m,
             "device_memory": last.device_memory,
             "stream": last.stream,
+            "predicted_step": predicted.as_ref().ok(),
+            "measured_over_predicted": predicted.as_ref().ok().map(|t| step_median / t.seconds),
             "profiled_steps": PROFILED_STEPS,
             "profiled_step_seconds": profiled_seconds,
             "profile": ops.iter().map(|(n, s, f)| json!({"scope": n, "seconds_per_step": s, "share": f})).collect::<Vec<_>>(),

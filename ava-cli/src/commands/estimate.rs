@@ -1,13 +1,45 @@
 //! `ava estimate`: the memory breakdown predicted from the config alone, with its formula
 //! terms; nothing model-sized is allocated, so it works for models bigger than the machine.
 
-use ava_core::PluginKind;
-use ava_core::format_size;
+use std::sync::Arc;
+
+use ava_core::{AttentionKernel, CheckpointPolicy, Optimizer, PluginKind, format_size};
+use ava_train::config::Config;
 use ava_train::device::DeviceSpec;
 use ava_train::estimate::{Plugins, estimate_rank};
+use ava_train::model::ModelSpec;
 use serde_json::json;
 
-use crate::{CmdResult, UsageExt, cli::ConfigArgs, context, output::Printer};
+use crate::{CmdResult, Failure, UsageExt, cli::ConfigArgs, context, output::Printer};
+
+/// The config's optimizer, attention kernel and checkpoint policy, built from the registry
+/// as a run builds them, for the estimator to ask their declared sizes.
+pub struct Selected {
+    optimizer: Box<dyn Optimizer>,
+    attention: Arc<dyn AttentionKernel>,
+    checkpoint: Arc<dyn CheckpointPolicy>,
+}
+
+impl Selected {
+    pub fn new(registry: &ava_plugins::Registry, config: &Config, spec: &ModelSpec) -> Result<Self, Failure> {
+        let sel = |k: PluginKind| config.selection(k).clone();
+        let (o, a, c) = (sel(PluginKind::Optimizer), sel(PluginKind::Attention), sel(PluginKind::Checkpoint));
+        let optimizer_options = ava_train::train::optimizer_options(registry, &o, spec).usage()?;
+        Ok(Self {
+            optimizer: registry.optimizer(&o.name, &optimizer_options)?,
+            attention: registry.attention(&a.name, &a.options_json())?,
+            checkpoint: registry.checkpoint(&c.name, &c.options_json())?,
+        })
+    }
+
+    pub fn plugins(&self) -> Plugins<'_> {
+        Plugins {
+            optimizer: self.optimizer.as_ref(),
+            attention: self.attention.as_ref(),
+            checkpoint: self.checkpoint.as_ref(),
+        }
+    }
+}
 
 /// Ranks listed one by one up to this world size (each is a replay of the step).
 const MAX_LISTED: usize = 16;
@@ -25,20 +57,14 @@ pub fn run(p: &Printer, args: &ConfigArgs, world: usize, rank: Option<usize>, de
         config.train.device = device;
     }
     check_device(p, &config, world, &ctx.registry)?;
-    let sel = |k: PluginKind| config.selection(k).clone();
-    let (o, a, c) = (sel(PluginKind::Optimizer), sel(PluginKind::Attention), sel(PluginKind::Checkpoint));
     let spec = ava_train::train::model_spec(&config).usage()?;
     if world > 1 {
         // What training on that many ranks would refuse (the step inside
         // backward) is not estimated either.
         ava_train::train::check_training_modes(&config, world).usage()?;
     }
-    let optimizer_options = ava_train::train::optimizer_options(&ctx.registry, &o, &spec).usage()?;
-    let optimizer = ctx.registry.optimizer(&o.name, &optimizer_options)?;
-    let attention = ctx.registry.attention(&a.name, &a.options_json())?;
-    let checkpoint = ctx.registry.checkpoint(&c.name, &c.options_json())?;
-    let plugins =
-        Plugins { optimizer: optimizer.as_ref(), attention: attention.as_ref(), checkpoint: checkpoint.as_ref() };
+    let selected = Selected::new(&ctx.registry, &config, &spec)?;
+    let plugins = selected.plugins();
     let est = estimate_rank(&spec, &config, &plugins, world, rank).usage()?;
     // Each rank's peak, when the ranks differ (from stage 1 they own different parameters).
     let ranks: Vec<u64> = if world > 1 && config.distributed.zero_stage >= 1 && world <= MAX_LISTED {

@@ -19,18 +19,20 @@
 //! searches where the optimizer state lives: all on the device (`offload.tiers: [device:
 //! 100%]`), all in page-locked host memory streamed through the GPU each step (`[ram:
 //! 100%]`), and, when only streaming fits, the largest device share that still fits (the
-//! fewest bytes over the link). Only the modes a GPU run accepts are proposed
+//! fewest bytes over the link); with `--offload`, all of it through that disk tier instead.
+//! Only the modes a GPU run accepts are proposed
 //! ([`ava_train::device::check_modes`]). Each plan's host memory (the estimate's `host`
 //! terms, the pinned state among them) is counted apart and checked against the host's RAM
-//! (`--host-ram`, or this machine's MemTotal). The CPU's FLOP model does not rank GPU plans
-//! (its costs are this CPU engine's); a streamed plan's copies are predicted from the bytes
-//! moved and the link's measured bandwidth ([`LINK_BOTH_WAYS`]), a model not yet calibrated
-//! against an Ava GPU run of that mode.
+//! (`--host-ram`, or this machine's MemTotal). GPU plans are ranked by the GPU step-time
+//! model ([`ava_train::estimate::step_time`]: a roofline per kind of work at efficiencies
+//! measured on an H200, scaled to the card `--card` names, `--budget`'s by default), which
+//! also predicts a streamed plan's copies over the link and the part backward does not hide.
 
 use std::path::PathBuf;
 
 use ava_core::{PluginKind, format_size, parse_size};
 use ava_train::config::{Config, MasterWeights, PluginSelection, Precision, TierShare, Tiers};
+use ava_train::estimate::step_time::{self, Card, StepTime};
 use ava_train::estimate::{Estimate, Plugins, estimate_on};
 use ava_train::model::ModelSpec;
 use serde_json::json;
@@ -38,30 +40,41 @@ use serde_json::json;
 use super::offload_arg::OffloadArg;
 use crate::{CmdResult, Failure, UsageExt, cli::PlanArgs, context, output::Printer};
 
-/// Device presets: (name, bytes on the device, bytes the plan may use).
-pub const DEVICES: &[(&str, u64, f64)] = &[
-    // GPUs: 10% back for the CUDA context, the allocator's caching and fragmentation.
-    ("rtx-3060-12gb", 12 << 30, 0.90),
-    ("rtx-4090-24gb", 24 << 30, 0.90),
-    ("a100-40gb", 40 << 30, 0.90),
-    ("a100-80gb", 80 << 30, 0.90),
-    ("h100-80gb", 80 << 30, 0.90),
-    // Unified memory shared with the OS and other programs.
-    ("m2-16gb", 16 << 30, 0.65),
-];
+/// The share of a GPU preset's memory ([`step_time::CARDS`]) a plan may use: 10% back for
+/// the CUDA context, the allocator's caching and fragmentation.
+const GPU_USABLE: f64 = 0.90;
+
+/// Presets of unified memory shared with the OS and other programs: (name, bytes, the share
+/// a plan may use).
+const UNIFIED: &[(&str, u64, f64)] = &[("m2-16gb", 16 << 30, 0.65)];
+
+/// The card a GPU config's step times are predicted for when neither `--card` nor
+/// `--budget` names one: the card the model's link figures were measured on.
+const DEFAULT_CARD: &str = "h100-80gb";
+
+/// Every `--budget` preset: (name, bytes on the device, the share a plan may use).
+pub fn devices() -> Vec<(&'static str, u64, f64)> {
+    let gpus = step_time::CARDS.iter().map(|c| (c.name, c.memory, GPU_USABLE));
+    gpus.chain(UNIFIED.iter().copied()).collect()
+}
+
+/// The card a GPU plan's step times are predicted for: `--card`, else `--budget`'s preset
+/// when it names a GPU, else [`DEFAULT_CARD`].
+fn card(arg: Option<&str>, budget: &str) -> Result<&'static Card, Failure> {
+    match arg {
+        Some(name) => Card::named(name).ok_or_else(|| {
+            Failure::Usage(anyhow::anyhow!(
+                "--card {name:?} is not a GPU preset: {}",
+                step_time::CARDS.iter().map(|c| c.name).collect::<Vec<_>>().join(", ")
+            ))
+        }),
+        None => Ok(Card::named(budget).unwrap_or_else(|| Card::named(DEFAULT_CARD).expect("a preset"))),
+    }
+}
 
 /// The share of the host's RAM a GPU plan's host memory may take: 10% back for the OS and
 /// whatever else the machine runs (page-locked memory cannot be swapped out).
 const HOST_USABLE: f64 = 0.90;
-
-/// The estimator's host term for a GPU run's `ram` share of the optimizer state.
-const PINNED_TERM: &str = "optimizer state in page-locked host memory";
-
-/// Bytes per second over the host–device link with copies both ways at once: pinned 2 GiB
-/// buffers on two streams, 90.7 GB/s together (55.1 GB/s host→device alone, 54.8 back),
-/// PyTorch on the H100 machine (PCIe), ../shared/gpu/README.md, 2026-11-25. A streamed
-/// state crosses it up and back each step, uploads and write-backs on their own streams.
-const LINK_BOTH_WAYS: f64 = 90.7e9;
 
 /// A byte budget keeps this back: the estimate's measured error is under 1% (README), the
 /// allocator's run-to-run jitter a few hundred KB.
@@ -155,14 +168,14 @@ fn attention_cost(name: &str) -> f64 {
 
 /// The usable bytes of `--budget`, and how it was read.
 fn budget(text: &str) -> Result<(u64, String), Failure> {
-    if let Some((name, bytes, usable)) = DEVICES.iter().find(|d| d.0 == text) {
-        let b = (*bytes as f64 * usable) as u64;
+    if let Some((name, bytes, usable)) = devices().into_iter().find(|d| d.0 == text) {
+        let b = (bytes as f64 * usable) as u64;
         return Ok((
             b,
             format!(
                 "{name}: {} of {} ({:.0}% kept back for the runtime)",
                 format_size(b),
-                format_size(*bytes),
+                format_size(bytes),
                 100.0 * (1.0 - usable)
             ),
         ));
@@ -181,7 +194,7 @@ fn budget(text: &str) -> Result<(u64, String), Failure> {
         }
         _ => Err(Failure::Usage(anyhow::anyhow!(
             "--budget {text:?} is neither a size (e.g. 24GiB, 512MB) nor a device: {}",
-            DEVICES.iter().map(|d| d.0).collect::<Vec<_>>().join(", ")
+            devices().iter().map(|d| d.0).collect::<Vec<_>>().join(", ")
         ))),
     }
 }
@@ -288,8 +301,11 @@ fn placement(p: u8) -> String {
 struct Planned {
     candidate: Candidate,
     estimate: Estimate,
-    /// Predicted step cost in FLOP equivalents.
+    /// Predicted step cost: FLOP equivalents on the CPU (the CPU engine's model, relative);
+    /// on a GPU, the step's seconds on the search's card ([`time`](Self::time)'s).
     cost: f64,
+    /// On a GPU run, the step time predicted on the search's card.
+    time: Option<StepTime>,
 }
 
 impl Planned {
@@ -302,19 +318,20 @@ impl Planned {
 
     /// The optimizer state a GPU run keeps in page-locked host memory.
     fn pinned(&self) -> u64 {
-        pinned_bytes(&self.estimate)
+        self.estimate.pinned_state_bytes()
     }
 
-    /// The seconds a step's state copies take on the link ([`LINK_BOTH_WAYS`]): the pinned
-    /// state up and back once a step; `None` when nothing streams from host memory.
+    /// The seconds a step's state copies take on the card's link: the pinned state up and
+    /// back once a step; `None` when nothing streams from host memory.
     fn copies(&self) -> Option<f64> {
-        let bytes = self.pinned();
-        (bytes > 0).then(|| 2.0 * bytes as f64 / LINK_BOTH_WAYS)
+        self.time.as_ref().and_then(|t| t.state_copies)
     }
-}
 
-fn pinned_bytes(est: &Estimate) -> u64 {
-    est.host.iter().filter(|t| t.name == PINNED_TERM).map(|t| t.bytes).sum()
+    /// The part of the copies' seconds the step waits for (not hidden by compute).
+    fn copies_exposed(&self) -> f64 {
+        let terms = self.time.as_ref().map(|t| t.terms.as_slice()).unwrap_or_default();
+        terms.iter().filter(|t| t.name == step_time::STATE_COPIES_EXPOSED).map(|t| t.seconds).sum()
+    }
 }
 
 /// The host's RAM a GPU plan's host memory is checked against.
@@ -401,9 +418,11 @@ struct Search {
     /// The memory policy's target fraction, and the bytes plans aim under.
     target: f64,
     aim: u64,
-    /// A GPU run (`train.device: cuda`): only what the GPU engine runs is searched, and the
-    /// step-time model (this CPU engine's measured costs) does not rank the plans.
+    /// A GPU run (`train.device: cuda`): only what the GPU engine runs is searched, ranked by
+    /// the GPU step-time model on [`card`](Self::card).
     gpu: bool,
+    /// On a GPU run, the card step times are predicted for.
+    card: Option<&'static Card>,
     /// On a GPU run, the RAM the plans' host memory must fit (when known).
     host_ram: Option<HostRam>,
 }
@@ -411,11 +430,9 @@ struct Search {
 impl Search {
     /// The candidates under the aim: the user's optimizer first (another one trains
     /// differently, so it never outranks one that keeps it), then fastest; within 1% of each
-    /// other, the fewest changes to the config, then the smallest peak.
-    ///
-    /// On a GPU the step time is not predicted: the user's optimizer first, then the fewest
-    /// changes, then the fewest state bytes over the link (none for state on the device),
-    /// then the smallest peak; a plan whose host memory is over the host's RAM does not fit.
+    /// other, the fewest changes to the config, then (on a GPU) the fewest state bytes over
+    /// the link, then the smallest peak. On a GPU a plan whose host memory is over the host's
+    /// RAM does not fit.
     fn fitting(&self) -> Vec<&Planned> {
         let reference_cost = self.reference_cost();
         let mut fitting: Vec<&Planned> =
@@ -423,7 +440,7 @@ impl Search {
         let key = |x: &Planned| {
             (
                 x.candidate.optimizer.name != self.given.optimizer.name,
-                if self.gpu { 0 } else { (x.cost / reference_cost * 100.0).round() as i64 },
+                (x.cost / reference_cost * 100.0).round() as i64,
                 changes(&self.given, &x.candidate),
                 x.pinned(),
             )
@@ -448,8 +465,10 @@ impl Search {
         Self { host_ram: host_ram.filter(|_| self.gpu), ..self }
     }
 
+    /// The cost step times are given relative to: the config as given, else the cheapest plan.
     fn reference_cost(&self) -> f64 {
-        self.reference.as_ref().map_or(1.0, |r| r.cost)
+        let cheapest = || self.planned.iter().map(|x| x.cost).fold(f64::INFINITY, f64::min);
+        self.reference.as_ref().map_or_else(cheapest, |r| r.cost).max(f64::MIN_POSITIVE)
     }
 }
 
@@ -473,27 +492,21 @@ fn kept(keys: &[String]) -> Result<Vec<&'static str>, Failure> {
     Ok(out)
 }
 
-/// Searches the combinations for `base` under `usable` bytes (see the module docs).
+/// Searches the combinations for `base` under `usable` bytes (see the module docs), a GPU
+/// config's step times predicted on `card`.
 fn search(
     registry: &ava_plugins::Registry,
     base: &Config,
-    spec: &ModelSpec,
     usable: u64,
     offload: Option<OffloadArg>,
     world: usize,
     keep: &[&str],
+    card: &'static Card,
 ) -> Result<Search, Failure> {
     let pinned = |key: &str| keep.contains(&key);
+    let spec = &ava_train::train::model_spec(base).usage()?;
     let gpu = base.train.device.is_cuda();
-    if gpu && offload.is_some() {
-        return Err(Failure::Usage(anyhow::anyhow!(
-            "--offload: on a GPU run (train.device: {}) the plan searches page-locked host memory for the optimizer \
-             state by itself (offload.tiers' ram share), not a disk tier; drop --offload. A GPU run can stream \
-             through one (offload.tiers: [device: X%, nvme: Y%] with plugins.offload): set it in the config and \
-             check it with `ava estimate`",
-            base.train.device
-        )));
-    }
+    let card = gpu.then_some(card);
     if gpu && world > 1 {
         return Err(Failure::Usage(anyhow::anyhow!(
             "--world-size {world}: a GPU run (train.device: {}) is one process in this version; plan it without \
@@ -571,13 +584,14 @@ fn search(
     // Where the weights live and when the optimizer steps: f32 masters always; with half
     // precision, the bf16 weights alone (stochastic rounding), or their masters in the tier;
     // the step inside backward with one micro-batch a step (not with f16, whose loss scale
-    // needs the whole gradient first). A GPU run keeps no buffer on the host (no Kahan
-    // compensation, no masters in a tier).
+    // needs the whole gradient first). On a GPU the masters stream with the state from host
+    // memory (a placement with a `ram` share, below), and Kahan's compensation (kept with the
+    // state) runs there too.
     let weight_modes = |precision: Precision, accumulation: usize| {
         let mut masters = vec![MasterWeights::F32];
         if precision != Precision::Fp32 {
             masters.push(MasterWeights::None);
-            if base.train.master_weights == MasterWeights::Kahan && !gpu {
+            if base.train.master_weights == MasterWeights::Kahan {
                 masters.push(MasterWeights::Kahan);
             }
         }
@@ -587,7 +601,7 @@ fn search(
                 continue;
             }
             let mut these = masters.clone();
-            if precision != Precision::Fp32 && (offloaded || base_offloaded) && !gpu {
+            if precision != Precision::Fp32 && (offloaded || base_offloaded || gpu) {
                 these.push(MasterWeights::Tier);
             }
             if pinned("train.master_weights") {
@@ -614,9 +628,10 @@ fn search(
     } else {
         vec![base.distributed.zero_stage]
     };
-    // On a GPU, where the optimizer state lives: the config's placement, all on the device,
-    // all in page-locked host memory (the split between them that fits best is searched
-    // below, from these). A tier plugin's share is refused on a GPU, so it is not kept.
+    // On a GPU, where the optimizer state lives: the config's placement (None: through the
+    // config's own tier), all on the device, all in page-locked host memory (the split between
+    // them that fits best is searched below, from these). A plan streaming through --offload's
+    // tier keeps all of its state there (the tier's share and host memory's are exclusive).
     let given_share = (gpu && base.offload.tiers.offloaded().is_none())
         .then(|| (base.offload.tiers.pinned(true) * 100.0).round().clamp(0.0, 100.0) as u8);
     let placements: Vec<Option<u8>> = if !gpu {
@@ -624,13 +639,13 @@ fn search(
     } else if pinned("offload") {
         vec![given_share]
     } else {
-        let mut these = vec![given_share.unwrap_or(0)];
+        let mut these = vec![given_share];
         for p in [0, 100] {
-            if !these.contains(&p) {
-                these.push(p);
+            if !these.contains(&Some(p)) {
+                these.push(Some(p));
             }
         }
-        these.into_iter().map(Some).collect()
+        these
     };
     let mut candidates = Vec::new();
     for attention in &attentions {
@@ -642,7 +657,13 @@ fn search(
                         for (checkpoint, &zero_stage) in
                             checkpoints.iter().flat_map(|c| stages.iter().map(move |s| (c, s)))
                         {
-                            for &host_share in &placements {
+                            let through_tier: &[Option<u8>] = &[None];
+                            let shares = if gpu && offload.is_some() { through_tier } else { &placements };
+                            for &host_share in shares {
+                                // Masters in a tier need one: on a GPU, host memory's share.
+                                if gpu && masters == MasterWeights::Tier && host_share == Some(0) {
+                                    continue;
+                                }
                                 candidates.push(Candidate {
                                     zero_stage,
                                     micro_batch,
@@ -667,13 +688,13 @@ fn search(
     let mut planned = Vec::new();
     let (mut refused, mut no_room) = (0, None);
     for c in candidates {
-        // Nothing a GPU run refuses (host-side master weights, a tier plugin's share, several
-        // ranks) is proposed.
+        // Nothing a GPU run refuses (host memory's and a tier's share at once, several ranks)
+        // is proposed.
         if gpu && ava_train::device::check_modes(&applied(base, &c), world).is_err() {
             refused += 1;
             continue;
         }
-        match plan_one(registry, spec, base, &c, aim, world) {
+        match plan_one(registry, spec, base, &c, aim, world, card) {
             Ok(Some(x)) => {
                 // A plan that streams must fit on the tier's disk.
                 if let (Some(tier), true) = (&tier, x.estimate.offloaded > 0) {
@@ -691,7 +712,7 @@ fn search(
     // On a GPU, where only streaming the state from host memory fits: the largest device
     // share that still fits, so the fewest bytes cross the link each step.
     if gpu && !pinned("offload") {
-        let (tried, found, not) = splits(registry, spec, base, &planned, aim, world);
+        let (tried, found, not) = splits(registry, spec, base, &planned, aim, world, card);
         total += tried;
         refused += not;
         planned.extend(found);
@@ -710,13 +731,13 @@ fn search(
         zero_stage: base.distributed.zero_stage,
         host_share: given_share,
     };
-    let reference = plan_one(registry, spec, base, &given, 0, world).ok().flatten();
+    let reference = plan_one(registry, spec, base, &given, 0, world, card).ok().flatten();
     // A selective plan that keeps or recomputes every block is `none` or `full` again.
     planned.retain(|x| {
         let n = x.estimate.plan.iter().filter(|d| d.is_recomputed()).count();
         x.candidate.checkpoint.name != "selective" || (n != 0 && n != x.estimate.plan.len())
     });
-    Ok(Search { total, refused, no_room, planned, given, reference, target, aim, gpu, host_ram: None })
+    Ok(Search { total, refused, no_room, planned, given, reference, target, aim, gpu, card, host_ram: None })
 }
 
 /// For each plan that fits the device only with all of its optimizer state in host memory
@@ -732,6 +753,7 @@ fn splits(
     planned: &[Planned],
     aim: u64,
     world: usize,
+    card: Option<&'static Card>,
 ) -> (usize, Vec<Planned>, usize) {
     let same_but_placement = |a: &Candidate, b: &Candidate| {
         let (mut a, mut b) = (a.clone(), b.clone());
@@ -757,8 +779,9 @@ fn splits(
             }
             let c = Candidate { host_share: Some(100 - device), ..all_host.candidate.clone() };
             tried += 1;
-            match plan_one(registry, spec, base, &c, aim, world) {
-                Ok(Some(x)) if x.estimate.breakdown.peak <= aim => {
+            match plan_one(registry, spec, base, &c, aim, world, card) {
+                // A share that streams no whole parameter keeps it all on the device.
+                Ok(Some(x)) if x.estimate.breakdown.peak <= aim && x.pinned() > 0 => {
                     found.push(x);
                     break;
                 }
@@ -774,9 +797,9 @@ fn splits(
 /// under `budget` bytes (its memory.budget), as a sentence and the `KEY=VALUE` settings that
 /// change; None when nothing it searches fits.
 pub fn suggestion(registry: &ava_plugins::Registry, base: &Config, budget: u64) -> Option<(String, Vec<String>)> {
-    let spec = ava_train::train::model_spec(base).ok()?;
     let host_ram = HostRam::new(None).ok().flatten();
-    let found = search(registry, base, &spec, budget, None, 1, &[]).ok()?.with_host_ram(host_ram);
+    let card = Card::named(DEFAULT_CARD).expect("a preset");
+    let found = search(registry, base, budget, None, 1, &[], card).ok()?.with_host_ram(host_ram);
     let best = *found.fitting().first()?;
     let given = found.reference.as_ref().map_or(&best.estimate, |r| &r.estimate);
     let given_sets = found.given.sets(budget, given);
@@ -819,7 +842,6 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     let keep = kept(&args.keep)?;
     let ctx = context::load_checked(&config_args, p)?;
     let base = context::load_config(&config_args, p)?.into_config();
-    let spec = ava_train::train::model_spec(&base).usage()?;
     let registry = &ctx.registry;
     let base_offloaded = base.offload.tiers.offloaded().is_some();
     let offload = args.offload.as_deref().map(|o| OffloadArg::parse(o, registry)).transpose()?;
@@ -839,9 +861,11 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         }
         None
     };
-    let found = search(registry, &base, &spec, usable, offload.clone(), world, &keep)?.with_host_ram(host_ram);
+    let card = card(args.card.as_deref(), &args.budget)?;
+    let found = search(registry, &base, usable, offload.clone(), world, &keep, card)?.with_host_ram(host_ram);
     let offload = offload.filter(|_| !base_offloaded && !keep.contains(&"offload"));
-    let Search { total, refused, ref no_room, ref given, ref reference, target, aim, gpu, ref host_ram, .. } = found;
+    let Search { total, refused, ref no_room, ref given, ref reference, target, aim, gpu, card, ref host_ram, .. } =
+        found;
     let reference_cost = found.reference_cost();
     let fitting = found.fitting();
     let over_host = found.over_host();
@@ -849,7 +873,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
     let Some(best) = fitting.first() else {
         let smallest = found.planned.iter().min_by_key(|x| x.estimate.breakdown.peak);
         let offload_hint =
-            if offload.is_none() && !gpu { ", stream the optimizer state to disk (--offload nvme:/path)" } else { "" };
+            if offload.is_none() { ", stream the optimizer state to disk (--offload nvme:/path)" } else { "" };
         let kept_hint =
             if keep.is_empty() { String::new() } else { format!(", keep fewer settings (--keep {})", keep.join(",")) };
         // Plans that fit the device but not the host's RAM: the one with the least host memory.
@@ -927,9 +951,9 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
             }
             let mut headers = vec!["#", "micro × acc", "precision", "weights", "opt. step", "attention", "optimizer", "state", "checkpoint", "peak", "of budget", "step time", "params / grads / optimizer / activations"];
             if gpu {
-                // Device peak, then the host's memory apart; the copies instead of a step time.
-                headers[11] = "state copies";
+                // Device peak, then the host's memory apart; the copies beside the step time.
                 headers.insert(11, "host");
+                headers.insert(13, "state copies");
             }
             if world > 1 {
                 headers.insert(2, "ZeRO");
@@ -951,11 +975,12 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                         plan_text(&x.candidate.checkpoint.name, &x.estimate),
                         format_size(b.peak),
                         format!("{:.0}%", 100.0 * b.peak as f64 / usable as f64),
-                        if gpu { copies_text(x) } else { format!("×{:.2}", x.cost / reference_cost) },
+                        step_text(x, reference_cost),
                         format!("{} / {} / {} / {}", format_size(b.params), format_size(b.grads), format_size(b.optimizer), format_size(b.activations)),
                     ];
                     if gpu {
                         row.insert(11, format_size(x.host()));
+                        row.insert(13, copies_text(x));
                     }
                     if world > 1 {
                         row.insert(2, format!("stage {}", x.candidate.zero_stage));
@@ -964,20 +989,25 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                 })
                 .collect();
             out.push_str(&crate::output::table(&headers, &rows));
-            out.push_str(if gpu {
-                "\nstep time: not predicted for the GPU engine yet (the model's costs are this CPU engine's, where bf16 is \
-                 slower than fp32); plans are ranked by the fewest changes to the config, then the fewest state bytes \
-                 over the link, then the smallest peak. The peaks are device memory, as `ava estimate --device cuda` \
-                 predicts it; `host` is the host memory apart (the state in page-locked memory, the loader's queue, the \
-                 batch, the rotary tables); only the plugins and modes a GPU run accepts were searched\n\
-                 state copies: a plan whose state lives in host memory moves it up and back each step, 2 x its bytes / \
-                 90.7 GB/s (pinned copies both ways at once on two streams, measured with PyTorch on an H100 machine's \
-                 link, ../shared/gpu/README.md; another machine's link differs). After backward the step waits for \
-                 them; inside backward, backward's compute hides some or all of them (not predicted), so it is the \
-                 most they add. A model from the link's bandwidth, not yet calibrated against an Ava GPU run of this \
-                 mode: `ava bench train` on the plan's config prints the copies' time and the share hidden"
-            } else {
-                "\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see `ava plan --help`)"
+            out.push_str(&match card {
+                Some(card) => format!(
+                    "\nstep time: predicted on {} (ms a step, tokens/s, and against the config as given): a roofline per \
+                     kind of work (matmuls, attention, memory-bound ops, recomputation, the optimizer step, copies) at \
+                     efficiencies measured on an H200, scaled to the card's datasheet peaks; it reproduces the H200 \
+                     steps it was fitted to, and `ava bench train` prints it beside each measured step (--card picks \
+                     another card). The peaks are device memory, as `ava estimate --device cuda` predicts it; `host` is \
+                     the host memory apart (the state in page-locked memory, the loader's queue, the batch, the rotary \
+                     tables); only the plugins and modes a GPU run accepts were searched\n\
+                     state copies: a plan whose state lives in host memory moves it up and back each step over the \
+                     link, 2 x its bytes / {:.1} GB/s ({}), and the part not hidden: inside backward, backward's \
+                     compute and the steps hide them; after it, only the other parameters' steps do",
+                    card.name,
+                    card.link_both_ways / 1e9,
+                    card.link_from
+                ),
+                None => "\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see \
+                         `ava plan --help`)"
+                    .to_string(),
             });
             if top.iter().any(|x| x.candidate.optimizer.name != given.optimizer.name) {
                 out.push_str(&format!(
@@ -991,8 +1021,9 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                 "a GPU run keeps the optimizer state in device memory ([device: 100%]) or, where the state column says \
                  ram, in page-locked host memory streamed through the GPU each step ([ram: 100%], or the largest device \
                  share that fits when only streaming does: the fewest bytes over the link); the device then holds the \
-                 next offload.prefetch parameters' state and the one stepped before. A tier plugin (--offload nvme) is \
-                 refused on a GPU run"
+                 next offload.prefetch parameters' state and the one stepped before. Through a disk tier \
+                 (--offload), the records are read into the device for each step and written back, the disk's time \
+                 predicted from the CPU engine's measured waits on it (not yet measured on a GPU)"
             } else {
                 "on this CPU engine the device is RAM, so only a disk tier takes bytes out of the budget"
             };
@@ -1010,7 +1041,10 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                      for each plan; {ram}{room}",
                     base.plugins.offload.name,
                 ),
-                None if gpu => format!("\nstate: {ram}"),
+                None if gpu => format!(
+                    "\nstate: {ram}; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the state through \
+                     a disk tier instead of host memory"
+                ),
                 None => format!(
                     "\noffload: not searched; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the \
                      optimizer state to disk ({ram})"
@@ -1033,6 +1067,7 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
             json!({
                 "budget": usable,
                 "device": base.train.device.to_string(),
+                "card": card,
                 "host_ram": host_ram.as_ref().map(|h| json!({"bytes": h.total, "usable": h.usable(), "from": h.from})),
                 "fit_device_not_host": over_host.len(),
                 "world_size": world,
@@ -1058,12 +1093,12 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                     "state_copies": x.copies().map(|seconds| json!({
                         "bytes_each_way": x.pinned(),
                         "seconds": seconds,
-                        "hidden_by_backward": if x.candidate.in_backward { "some or all (backward's GPU time is not predicted)" } else { "none: the step waits for them after backward" },
-                        "model": "2 x bytes / 90.7 GB/s (pinned copies both ways at once, PyTorch on an H100 machine, ../shared/gpu/README.md); not yet calibrated against an Ava GPU run of this mode",
+                        "seconds_not_hidden": x.copies_exposed(),
                     })),
+                    "predicted_step": x.time,
                     "plan": x.estimate.plan.iter().map(|d| d.as_str()).collect::<Vec<_>>(),
                     "peak": x.estimate.breakdown.peak,
-                    "relative_step_time": (!gpu).then(|| x.cost / reference_cost),
+                    "relative_step_time": x.cost / reference_cost,
                     "breakdown": x.estimate.breakdown,
                     "sets": x.candidate.sets(usable, &x.estimate),
                 })).collect::<Vec<_>>(),
@@ -1080,8 +1115,9 @@ fn applied(base: &Config, c: &Candidate) -> Config {
     config
 }
 
-/// Estimates `c` with `memory.budget` = `usable` (0: the config's own); `None` when a plugin
-/// refuses it (a budget policy that cannot fit, an optimizer that cannot be built).
+/// Estimates `c` with `memory.budget` = `usable` (0: the config's own) and predicts its step
+/// (on `card` for a GPU run); `None` when a plugin refuses it (a budget policy that cannot
+/// fit, an optimizer that cannot be built).
 fn plan_one(
     registry: &ava_plugins::Registry,
     spec: &ModelSpec,
@@ -1089,6 +1125,7 @@ fn plan_one(
     c: &Candidate,
     usable: u64,
     world: usize,
+    card: Option<&'static Card>,
 ) -> Result<Option<Planned>, Failure> {
     let mut config = applied(base, c);
     if usable > 0 {
@@ -1108,8 +1145,9 @@ fn plan_one(
     let plugins =
         Plugins { optimizer: optimizer.as_ref(), attention: attention.as_ref(), checkpoint: checkpoint.as_ref() };
     let Ok(est) = estimate_on(spec, &config, &plugins, world) else { return Ok(None) };
-    let cost = cost(spec, c, &est, world);
-    Ok(Some(Planned { candidate: c.clone(), estimate: est, cost }))
+    let time = card.map(|card| step_time::predict(spec, &config, &est, card));
+    let cost = time.as_ref().map_or_else(|| cost(spec, c, &est, world), |t| t.seconds);
+    Ok(Some(Planned { candidate: c.clone(), estimate: est, cost, time }))
 }
 
 /// The predicted step cost in forward-FLOP equivalents (see the module docs).
@@ -1169,7 +1207,7 @@ fn weights_text(c: &Candidate) -> String {
 /// tier and how much it takes there, or on a GPU what lives in page-locked host memory:
 /// `ram (host, 50.21 GiB)`, `device 4% + ram (host, 48.2 GiB)`.
 fn state_text(c: &Candidate, est: &Estimate) -> String {
-    let pinned = pinned_bytes(est);
+    let pinned = est.pinned_state_bytes();
     match &c.offload {
         Some(o) => format!("{} ({})", o.tier, format_size(est.offloaded)),
         None if est.offloaded > 0 => format!("as configured ({})", format_size(est.offloaded)),
@@ -1193,9 +1231,22 @@ fn state_text(c: &Candidate, est: &Estimate) -> String {
 /// A GPU plan's state copies a step ([`Planned::copies`]), e.g. `1.11 s`, or `none`.
 fn copies_text(x: &Planned) -> String {
     match x.copies() {
-        Some(s) if x.candidate.in_backward => format!("≤ {s:.2} s"),
-        Some(s) => format!("{s:.2} s"),
+        Some(s) => format!("{:.0} ms, {:.0} not hidden", 1e3 * s, 1e3 * x.copies_exposed()),
         None => "none".into(),
+    }
+}
+
+/// The predicted step against the config as given: on a GPU `412 ms, 19,880 tok/s (×0.98)`,
+/// on the CPU `×0.98`.
+fn step_text(x: &Planned, reference_cost: f64) -> String {
+    let relative = format!("×{:.2}", x.cost / reference_cost);
+    match &x.time {
+        Some(t) => format!(
+            "{:.0} ms, {} tok/s ({relative})",
+            1e3 * t.seconds,
+            ava_train::estimate::grouped(t.tokens_per_sec.round() as u64)
+        ),
+        None => relative,
     }
 }
 

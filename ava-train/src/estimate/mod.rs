@@ -35,7 +35,8 @@
 //!
 //! Files: `inputs` (what every term is computed from), `held`, `calibrate`, `peak`, `zero`,
 //! `sim` (shadow tensors and candle's backward), `replay` (the model on them), `block`
-//! (per-block formulas), `render` (the text report).
+//! (per-block formulas), `render` (the text report); `step_time`, a GPU step's time
+//! predicted from the estimate (`ava plan`, `ava bench train`).
 
 mod block;
 mod calibrate;
@@ -45,6 +46,7 @@ mod peak;
 mod render;
 mod replay;
 mod sim;
+pub mod step_time;
 mod zero;
 
 #[cfg(test)]
@@ -178,6 +180,9 @@ pub struct Estimate {
     /// Bytes of optimizer state (and masters) streamed through the offload tier, outside
     /// memory between steps (0 without `offload.tiers`).
     pub offloaded: u64,
+    /// This rank's optimizer state with the engine's buffers beside it (masters in a tier, the
+    /// Kahan compensation), wherever it lives: on the device, in host memory or in a tier.
+    pub state_bytes: u64,
     /// The records the tier will store, one per streamed buffer, in bytes: what its
     /// `preflight` is asked about.
     #[serde(skip)]
@@ -194,6 +199,17 @@ pub struct Estimate {
     /// batch, the rotary tables the device copy is made from); empty on the CPU.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub host: Vec<Term>,
+}
+
+/// The name of the host term of a GPU run's optimizer state in page-locked host memory.
+pub const PINNED_STATE: &str = "optimizer state in page-locked host memory";
+
+impl Estimate {
+    /// On a GPU run, the optimizer state (and masters) kept in page-locked host memory and
+    /// streamed through the device each step; 0 when none is.
+    pub fn pinned_state_bytes(&self) -> u64 {
+        self.host.iter().filter(|t| t.name == PINNED_STATE).map(|t| t.bytes).sum()
+    }
 }
 
 /// One rank's model states under one ZeRO stage (Rajbhandari et al. 2020, §5: stage 1 =
@@ -424,7 +440,7 @@ pub fn micro_batch(
 }
 
 /// `1234567` → `1,234,567`.
-pub(crate) fn grouped(n: u64) -> String {
+pub fn grouped(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
@@ -560,6 +576,7 @@ fn report(
         micro_batch_peak: planned.peak.bytes,
         peak_at: peak_at(&planned.peak),
         offloaded: offload.records.iter().sum(),
+        state_bytes: shares.per_param().iter().sum(),
         offload_records: offload.records,
     }
 }
