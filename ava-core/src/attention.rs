@@ -121,12 +121,27 @@ impl AttnShape {
         expect_len("out", out, self.q_numel())
     }
 
+    /// Checks the shape can take packed-document segments: they give one id per key position,
+    /// and query i's document is the id at its own position, the last Tq of the Tk (i + Tk −
+    /// Tq), so there cannot be more queries than keys.
+    pub fn check_segmented(&self) -> Result<(), PluginError> {
+        if self.q_len > self.kv_len {
+            return Err(PluginError::invalid_input(format!(
+                "packed-document segments give one id per key position and the queries are the last of them, but \
+                 q_len ({}) is more than kv_len ({}); attend without segments, or over as many keys as queries",
+                self.q_len, self.kv_len
+            )));
+        }
+        Ok(())
+    }
+
     /// Checks segment ids: none, or B·Tk of them, non-decreasing along each sequence (a
     /// document is one run of positions, which is what lets kernels treat it as an interval).
     pub fn check_segments(&self, segments: &[u32]) -> Result<(), PluginError> {
         if segments.is_empty() {
             return Ok(());
         }
+        self.check_segmented()?;
         let tk = self.kv_len as usize;
         expect_len("segments", segments.len(), self.batch as usize * tk)?;
         for (b, row) in segments.chunks_exact(tk.max(1)).enumerate() {
@@ -905,5 +920,13 @@ mod tests {
             err.message.as_str(),
             "segment ids of sequence 1 decrease at position 2 (2 after 3): a document must be one run of positions"
         );
+        // Fewer queries than keys: they are the last positions, each in its own document.
+        let last = AttnShape { q_len: 2, ..s };
+        assert!(last.check_segments(&[0, 0, 1, 0, 1, 1]).is_ok());
+        // More (non-causal): the first queries have no position among the keys, so no document.
+        let more = AttnShape { q_len: 4, causal: false, ..s };
+        let err = more.check_segments(&[0, 0, 1, 0, 1, 1]).unwrap_err();
+        assert!(err.message.as_str().contains("q_len (4) is more than kv_len (3)"), "{err:?}");
+        assert!(more.check_segments(&[]).is_ok());
     }
 }

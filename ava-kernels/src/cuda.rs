@@ -263,7 +263,13 @@ pub fn check_attention(
         b.expect(what, t, shape.q_numel())?;
     }
     if !segments.is_empty() {
+        shape.check_segmented()?;
         segments.expect("segments", DType::U32, shape.batch as usize * shape.kv_len as usize)?;
+    }
+    if shape.q_len == 0 {
+        return Err(PluginError::invalid_input(format!(
+            "{kernel} on the GPU needs at least one query (q_len is 0): a launch of no blocks is refused by the driver"
+        )));
     }
     saved.expect("saved", DType::F32, saved_len)?;
     Ok(t)
@@ -279,10 +285,18 @@ pub fn typed(base: &str, t: DType) -> Result<CString, PluginError> {
     CString::new(format!("{base}_{}", t.as_str())).map_err(|e| PluginError::internal(e.to_string()))
 }
 
-/// A grid dimension of `n` blocks, if one launch covers it.
+/// A grid's x dimension of `n` blocks, if one launch covers it (2³¹ − 1).
 pub fn grid(n: usize, what: &str) -> Result<u32, PluginError> {
-    u32::try_from(n)
-        .ok()
-        .filter(|&r| r <= i32::MAX as u32)
-        .ok_or_else(|| PluginError::invalid_input(format!("{n} {what} are more than one launch covers")))
+    grid_within(n, i32::MAX as u32, what)
+}
+
+/// A grid's y or z dimension of `n` blocks, if one launch covers it (65,535).
+pub fn grid_yz(n: usize, what: &str) -> Result<u32, PluginError> {
+    grid_within(n, u16::MAX as u32, what)
+}
+
+fn grid_within(n: usize, most: u32, what: &str) -> Result<u32, PluginError> {
+    u32::try_from(n).ok().filter(|&r| r <= most).ok_or_else(|| {
+        PluginError::invalid_input(format!("{n} {what} are more than one launch covers (at most {most})"))
+    })
 }

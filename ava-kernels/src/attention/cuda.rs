@@ -17,7 +17,7 @@
 use ava_core::device::{CudaBuf, CudaStream};
 use ava_core::{AttnShape, DType, PluginError};
 
-use crate::cuda::{Launch, Ptx, arg, attention_dims, check_attention, grid, launch_with, typed};
+use crate::cuda::{Launch, Ptx, arg, attention_dims, check_attention, grid, grid_yz, launch_with, typed};
 
 /// kernels/flash.cu.
 const FLASH: Ptx = Ptx::new("flash", concat!(include_str!(concat!(env!("OUT_DIR"), "/flash.ptx")), "\0"));
@@ -206,7 +206,7 @@ pub fn forward(
         arg(&causal),
         arg(&shape.scale),
     ];
-    let heads = grid(shape.batch as usize * shape.q_heads as usize, "batch × heads")?;
+    let heads = grid_yz(shape.batch as usize * shape.q_heads as usize, "batch × heads")?;
     let shape_of = Launch {
         grid: (grid((shape.q_len as usize).div_ceil(br), "query tiles")?, heads, 1),
         threads: THREADS,
@@ -263,7 +263,7 @@ pub fn backward(
         arg(&causal),
         arg(&shape.scale),
     ];
-    let heads = grid(shape.batch as usize * shape.q_heads as usize, "batch × heads")?;
+    let heads = grid_yz(shape.batch as usize * shape.q_heads as usize, "batch × heads")?;
     let q_launch = Launch {
         grid: (grid((shape.q_len as usize).div_ceil(br), "query tiles")?, heads, 1),
         threads: THREADS,
@@ -297,7 +297,7 @@ pub fn backward(
     let kv_launch = Launch {
         grid: (
             grid((shape.kv_len as usize).div_ceil(bc), "key tiles")?,
-            grid(shape.batch as usize * per as usize, "batch × heads")?,
+            grid_yz(shape.batch as usize * per as usize, "batch × heads")?,
             1,
         ),
         threads: THREADS,
