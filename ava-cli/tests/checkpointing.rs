@@ -314,6 +314,7 @@ fn plan_picks_a_config_that_trains_under_the_budget() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no configuration fits") && err.contains("the smallest peak is"), "{err}");
+    assert!(err.contains("), most of it "), "what dominates the smallest peak: {err}");
     let out = run(dir.path(), &["plan", "--budget", "lots"], &wide(&[]));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(

@@ -124,6 +124,9 @@ fn a_gpu_plan_over_the_hosts_ram_does_not_fit() {
     let args = ["plan", "--budget", "rtx-4090-24gb", "--host-ram", "32GiB", "-c", &config];
     let err = usage_error(ava(dir.path(), &args));
     assert!(err.contains("no configuration fits rtx-4090-24gb"), "{err}");
+    // The smallest peak, and what dominates it: the 7B bf16 weights.
+    assert!(err.contains("the smallest peak is 16.95 GiB ("), "{err}");
+    assert!(err.contains("most of it parameters, 12.55 GiB (74%; the largest term: bf16 weights"), "{err}");
     assert!(err.contains("fit the device but not the host's RAM, 28.80 GiB of 32.00 GiB (--host-ram"), "{err}");
     assert!(err.contains("the least host memory is "), "{err}");
     assert!(err.contains("stream the optimizer state to disk (--offload nvme:/path)"), "a GPU run takes a tier: {err}");

@@ -893,7 +893,11 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
              or give a larger budget",
             format_size(aim),
             smallest.map_or("unknown".into(), |s| format_size(s.estimate.breakdown.peak)),
-            smallest.map_or(String::new(), |s| format!(" ({})", describe(&s.candidate, &s.estimate))),
+            smallest.map_or(String::new(), |s| format!(
+                " ({}), most of it {}",
+                describe(&s.candidate, &s.estimate),
+                dominant(&s.estimate)
+            )),
             no_room.as_ref().map_or(String::new(), |e| format!("; plans that stream were refused: {e}"))
         )));
     };
@@ -1188,6 +1192,28 @@ fn cost(spec: &ModelSpec, c: &Candidate, est: &Estimate, world: usize) -> f64 {
         0.0
     };
     compute + optimizer_cost(&c.optimizer.name) * stepped + rounding + (wait + gathers) * ENGINE_RATE
+}
+
+/// What dominates an estimate's peak: its largest component, and the largest term in it,
+/// e.g. `parameters, 12.55 GiB (74%; the largest term: bf16 weights, 12.55 GiB)`.
+fn dominant(est: &Estimate) -> String {
+    let b = &est.breakdown;
+    let parts = [
+        (ava_train::estimate::Component::Parameters, b.params),
+        (ava_train::estimate::Component::Gradients, b.grads),
+        (ava_train::estimate::Component::Optimizer, b.optimizer),
+        (ava_train::estimate::Component::Data, b.data),
+        (ava_train::estimate::Component::Activations, b.activations),
+    ];
+    let Some(&(component, bytes)) = parts.iter().max_by_key(|p| p.1) else { return String::new() };
+    let term = est.terms.iter().filter(|t| t.component == component).max_by_key(|t| t.bytes);
+    format!(
+        "{}, {} ({:.0}%{})",
+        component.as_str(),
+        format_size(bytes),
+        100.0 * bytes as f64 / b.peak.max(1) as f64,
+        term.map_or(String::new(), |t| format!("; the largest term: {}, {}", t.name, format_size(t.bytes)))
+    )
 }
 
 /// Where the weights live: `f32`, `bf16 only`, `bf16 + kahan`, `bf16 + masters in nvme`.
