@@ -15,12 +15,13 @@
 // summed by one block in a fixed order, so a step gives the same bits every run (exact resume)
 // at the price of computing S and dP twice.
 //
-// Tiles live in shared memory. For bf16/f16 the tile products run on the tensor cores (WMMA
-// 16×16×16, f32 accumulation); for f32 on the CUDA cores with f32 products, so f32 matches the
-// CPU to rounding. Inputs are read in their stored type, everything is computed in f32, P and
+// Tiles live in shared memory. For bf16/f16 the tile products run on the tensor cores (f32
+// accumulation: raw mma.sync m16n8k16 in the forward, WMMA 16×16×16 in the backward); for f32
+// on the CUDA cores with f32 products, so f32 matches the CPU to rounding. Inputs are read in their stored type, everything is computed in f32, P and
 // dS are rounded to the input type only as the tensor cores' operands (as FA2 does).
 //
-// Head dimensions up to MAX_D; D is padded to a multiple of 16 in shared memory (zeros).
+// Head dimensions up to MAX_D; D is padded in shared memory (zeros) to a multiple of 16 for
+// f32 and to the kernel's bucket, a multiple of 32, for bf16/f16.
 // Every block has THREADS threads; the shared memory a launch needs is `*_smem` below, and
 // src/attention/cuda.rs computes the same sizes (its `Smem`).
 
@@ -387,16 +388,15 @@ __device__ void bwd_kv_sum(const float *__restrict__ dk_part, const float *__res
 
 // ---- bf16/f16: the tensor cores, a warp owning 16 rows ----------------------------------------
 // The same three passes for half-precision inputs, organized as FlashAttention-2 does: each of
-// a block's four warps owns 16 rows (queries in forward and dQ, keys in dK/dV), computes its
-// rows' score tile with WMMA into its own shared scratch, applies the softmax there (two lanes
-// a row), and keeps its accumulators (O, dQ or dK and dV) in registers across the key (or
-// query) tiles. Only the K/V (or Q/dO) tiles the warps share are loaded between barriers.
-// WMMA's accumulator layout is opaque; each warp learns which row each of its fragment
-// elements holds by loading a 16 × 16 matrix of row numbers into a fragment (`row_of`), which
-// lets it scale its rows of O in registers. The backward needs no reductions over a row, so
-// there S and dP never leave the accumulator fragments: with `col_of` too (the column numbers),
-// each lane computes P and dS on its own elements and writes them, in the input type, into the
-// warp's operand tile for the next product. The head dimension is a template parameter (ND
+// a block's four warps owns 16 rows (queries in forward and dQ, keys in dK/dV) and keeps its
+// accumulators (O, dQ or dK and dV) in registers across the key (or query) tiles. Only the K/V
+// (or Q/dO) tiles the warps share are loaded between barriers. The forward (below, on raw
+// mma.sync) keeps S and P in registers too. The backward uses WMMA, whose accumulator layout
+// is opaque: each warp learns which row and column each of its fragment elements holds by
+// loading 16 × 16 matrices of row and column numbers into fragments (`row_of`, `col_of`). It
+// needs no reductions over a row, so S and dP never leave the accumulator fragments: each lane
+// computes P and dS on its own elements and writes them, in the input type, into the warp's
+// operand tile for the next product. The head dimension is a template parameter (ND
 // 16-column blocks, D padded to a multiple of 32), so the accumulator arrays stay in registers.
 
 #define TQ 64 // rows a block: 4 warps × 16
@@ -439,21 +439,6 @@ __device__ __forceinline__ void mma_row(Acc &acc, const T *a, int lda, const T *
     }
 }
 
-// out (16 × 16 at column block n of a row-major T matrix, rows < n_rows valid, cols < D) =
-// scale · acc, staged through the warp's f32 scratch (16 × ≥16).
-template <typename T>
-__device__ void store_rows(const Acc &acc, float *scratch, int lds, T *out, size_t ld_out, int rows_left, int col0,
-                           int D, float scale) {
-    wmma::store_matrix_sync(scratch, acc, lds, wmma::mem_row_major);
-    __syncwarp();
-    const int lane = threadIdx.x & 31;
-    for (int e = lane; e < 256; e += 32) {
-        const int r = e / 16, c = e % 16;
-        if (r < rows_left && col0 + c < D) out[(size_t)r * ld_out + col0 + c] = store<T>(scale * scratch[r * lds + c]);
-    }
-    __syncwarp();
-}
-
 // The 16 × 16 matrix of row numbers, for `row_of`.
 __device__ void fill_rows(float *m) {
     for (int e = threadIdx.x; e < 256; e += THREADS) m[e] = (float)(e / 16);
@@ -480,40 +465,103 @@ __device__ __forceinline__ void store_elems(const Acc &acc, const Acc &row_of, c
 // log2(e): the backward kernels compute exp(x) as exp2(x · log2 e).
 #define LOG2E 1.4426950408889634f
 
-// Forward. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory fwd_tc_smem.
+// ---- The forward on raw mma.sync: S, P and O never leave the registers ----------------------
+// WMMA's fragments are opaque, so a row's maximum and sum would need S in shared memory. The
+// PTX ISA documents mma.sync.m16n8k16's register layouts instead (lane = 4·g + t): C/D holds
+// (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1); A holds (g, 2t..2t+1), (g+8, 2t..2t+1),
+// (g, 2t+8..2t+9), (g+8, 2t+8..2t+9), two halves a register, the lower column in the low
+// bits; B holds (k 2t..2t+1, n g), (k 2t+8..2t+9, n g). So a row is spread over the four lanes
+// of a quad (two shuffles reduce it), and two adjacent 8-key blocks of S's accumulators are,
+// packed to the input type, exactly P's A operand for those 16 keys (FlashAttention-2's
+// trick): no shared memory between S and O. Operands come from shared memory by ldmatrix
+// (each lane gives one row's address of one of four 8 × 8 matrices; .trans for V, whose
+// rows are the keys, the product's k).
+namespace mma {
+// Two f32 as two halves of one register, rounded to nearest (ties to even) as store<T>.
+template <typename T> __device__ __forceinline__ uint32_t pack(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack<bf16>(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi); // .x (low bits) = lo
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+template <> __device__ __forceinline__ uint32_t pack<f16>(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
+
+// d (16 × 8 f32) += a (16 × 16) · b (16 × 8), inputs bf16 or f16, f32 accumulation.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma16816<bf16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<f16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8 × 8 matrices of 16-bit elements from shared memory, lane l giving the address of
+// row l % 8 of matrix l / 8; lane l receives (row l/4, columns 2(l%4), 2(l%4)+1) of each,
+// or with TRANS (rows 2(l%4), 2(l%4)+1, column l/4).
+template <bool TRANS> __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *row) {
+    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    if (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at)
+                     : "memory");
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at)
+                     : "memory");
+    }
+}
+} // namespace mma
+
+// Forward. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory fwd_tc_smem
+// (sQ, sK, sV). Each warp owns 16 query rows: its Q as A fragments (loaded once), S (16 × TK)
+// and O (16 × DP) as accumulators, and per lane the maximum m and the partial sum l of its two
+// rows (g and g + 8), the sum over the quad taken at the end. Tiles wholly inside the causal
+// triangle, the sequence and one document skip the mask.
 template <typename T, int ND>
 __device__ void fwd_tc(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                        const unsigned int *__restrict__ segments, T *__restrict__ out, float *__restrict__ lse, int H,
                        int Hkv, int Tq, int Tk, int D, int causal, float scale) {
-    using namespace tc;
+    using mma::ldsm_x4;
+    using mma::mma16816;
     extern __shared__ __align__(128) unsigned char smem[];
-    constexpr int DP = ND * 16, LT = DP + 8, LP = TK + 8, LS = TK + 4;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int DP = ND * 16, LT = DP + 8;
+    constexpr int NB = TK / 8; // S's 8-key column blocks
+    constexpr int OB = DP / 8; // O's 8-column blocks
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     Carver cv{smem, 0};
-    T *sQ = cv.take<T>(TQ * LT);                  // (TQ, DP)
-    T *sK = cv.take<T>(TK * LT);                  // (TK, DP)
-    T *sV = cv.take<T>(TK * LT);                  // (TK, DP)
-    float *sS = cv.take<float>(WARPS * 16 * LS) + warp * 16 * LS; // this warp's (16, TK) scores
-    T *sP = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP;         // this warp's (16, TK) probabilities
-    float *sA = cv.take<float>(WARPS * 16) + warp * 16;           // this warp's rows' rescale factors
-    float *sRows = cv.take<float>(256);                           // (16, 16) row numbers
+    T *sQ = cv.take<T>(TQ * LT); // (TQ, DP)
+    T *sK = cv.take<T>(TK * LT); // (TK, DP)
+    T *sV = cv.take<T>(TK * LT); // (TK, DP)
 
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
     const int i0 = qt * TQ, w0 = i0 + warp * 16; // the block's and this warp's first query
+    const int rows[2] = {w0 + g, w0 + g + 8};    // this lane's two query rows
     const T *kb = k + ((size_t)b * Hkv + hk) * Tk * D;
     const T *vb = v + ((size_t)b * Hkv + hk) * Tk * D;
     const unsigned int *seg = segments ? segments + (size_t)b * Tk : nullptr;
     tc::load_tile(sQ, LT, q + (size_t)bh * Tq * D, D, i0, Tq, TQ, DP);
-    fill_rows(sRows);
     __syncthreads();
-    Acc row_of;
-    wmma::load_matrix_sync(row_of, sRows, 16, wmma::mem_row_major);
-    Acc o[ND]; // this warp's (16, DP) output, unnormalized
-    _Pragma("unroll") for (int n = 0; n < ND; n++) wmma::fill_fragment(o[n], 0.0f);
-    // Two lanes a row: row `r`, columns half·32 .. half·32 + 31 of each key tile.
-    const int r = lane >> 1, half = lane & 1, i = w0 + r;
-    float m = -INFINITY, l = 0.0f;
+    uint32_t qa[ND][4]; // this warp's Q (16, DP) as A fragments of 16 columns
+#pragma unroll
+    for (int kk = 0; kk < ND; kk++) ldsm_x4<false>(qa[kk], sQ + (warp * 16 + (lane & 15)) * LT + kk * 16 + (lane >> 4) * 8);
+    float o[OB][4]; // this warp's (16, DP) output, unnormalized
+#pragma unroll
+    for (int ob = 0; ob < OB; ob++) o[ob][0] = o[ob][1] = o[ob][2] = o[ob][3] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
     const int last_row = min(i0 + TQ, Tq) - 1;
     const int key_tiles = (Tk + TK - 1) / TK;
@@ -524,50 +572,96 @@ __device__ void fwd_tc(const T *__restrict__ q, const T *__restrict__ k, const T
         tc::load_tile(sK, LT, kb, D, j0, Tk, TK, DP);
         tc::load_tile(sV, LT, vb, D, j0, Tk, TK, DP);
         __syncthreads();
-        for (int n = 0; n < TK / 16; n++) { // S (16, TK) = Q_w Kᵀ
-            Acc s;
-            wmma::fill_fragment(s, 0.0f);
-            mma_row<T, true>(s, sQ + warp * 16 * LT, LT, sK + n * 16 * LT, LT, DP);
-            wmma::store_matrix_sync(sS + n * 16, s, LS, wmma::mem_row_major);
-        }
-        __syncwarp();
-        float x[32], mx = -INFINITY;
+        float s[NB][4]; // S (16, TK) = Q_w Kᵀ
 #pragma unroll
-        for (int u = 0; u < 32; u++) {
-            const int c = half * 32 + u;
-            x[u] = visible(i, j0 + c, Tq, Tk, causal, seg) ? sS[r * LS + c] * scale : -INFINITY;
-            mx = fmaxf(mx, x[u]);
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        const float m_new = fmaxf(m, mx);
-        const float alpha = m_new == -INFINITY ? 1.0f : expf(m - m_new);
-        float sum = 0.0f;
+        for (int nb = 0; nb < NB; nb++) s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
 #pragma unroll
-        for (int u = 0; u < 32; u++) {
-            const float p = x[u] == -INFINITY ? 0.0f : expf(x[u] - m_new);
-            sum += p;
-            sP[r * LP + half * 32 + u] = store<T>(p);
+        for (int kk = 0; kk < ND; kk++) {
+#pragma unroll
+            for (int nb = 0; nb < NB; nb += 2) { // keys nb·8 .. nb·8 + 15: B = Kᵀ, K's rows as given
+                uint32_t kf[4];
+                ldsm_x4<false>(kf, sK + (nb * 8 + (lane & 7) + ((lane >> 4) << 3)) * LT + kk * 16 + ((lane >> 3) & 1) * 8);
+                mma16816<T>(s[nb], qa[kk], kf[0], kf[1]);
+                mma16816<T>(s[nb + 1], qa[kk], kf[2], kf[3]);
+            }
         }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        l = l * alpha + sum;
-        m = m_new;
-        if (half == 0) sA[r] = alpha;
-        __syncwarp();
-        _Pragma("unroll") for (int n = 0; n < ND; n++) { // O = diag(alpha) O + P V
-            for (int e = 0; e < o[n].num_elements; e++) o[n].x[e] *= sA[(int)row_of.x[e]];
-            mma_row<T, false>(o[n], sP, LP, sV + n * 16, LT, TK);
+        // Mask and scale; each row's maximum over the quad.
+        const bool whole = !seg && w0 + 16 <= Tq && j0 + TK <= Tk && (!causal || j0 + TK - 1 <= w0 + Tk - Tq);
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int j = j0 + nb * 8 + 2 * t + (e & 1);
+                const float x = whole || visible(rows[e >> 1], j, Tq, Tk, causal, seg) ? s[nb][e] * scale : -INFINITY;
+                s[nb][e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
         }
-        __syncwarp();
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m[r], mx[r]);
+            alpha[r] = m_new == -INFINITY ? 1.0f : expf(m[r] - m_new);
+            m[r] = m_new;
+        }
+        // P = exp(S − m) in place; l = alpha l + this lane's Σ P; O = diag(alpha) O.
+        float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const float p = s[nb][e] == -INFINITY ? 0.0f : expf(s[nb][e] - m[e >> 1]);
+                s[nb][e] = p;
+                sum[e >> 1] += p;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; r++) l[r] = l[r] * alpha[r] + sum[r];
+#pragma unroll
+        for (int ob = 0; ob < OB; ob++) {
+            o[ob][0] *= alpha[0];
+            o[ob][1] *= alpha[0];
+            o[ob][2] *= alpha[1];
+            o[ob][3] *= alpha[1];
+        }
+        // O += P V, 16 keys at a time: P's A fragment is S's blocks 2kk and 2kk + 1, packed.
+#pragma unroll
+        for (int kk = 0; kk < TK / 16; kk++) {
+            const uint32_t pa[4] = {mma::pack<T>(s[2 * kk][0], s[2 * kk][1]), mma::pack<T>(s[2 * kk][2], s[2 * kk][3]),
+                                    mma::pack<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                    mma::pack<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int ob = 0; ob < OB; ob += 2) { // columns ob·8 .. ob·8 + 15: B = V, keys as k
+                uint32_t vf[4];
+                ldsm_x4<true>(vf, sV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LT + ob * 8 + (lane >> 4) * 8);
+                mma16816<T>(o[ob], pa, vf[0], vf[1]);
+                mma16816<T>(o[ob + 1], pa, vf[2], vf[3]);
+            }
+        }
     }
-    // O / l, and lse = m + log l.
-    if (half == 0) sA[r] = l > 0.0f ? 1.0f / l : 0.0f;
-    __syncwarp();
-    T *ob = out + ((size_t)bh * Tq + w0) * D;
-    _Pragma("unroll") for (int n = 0; n < ND; n++) {
-        for (int e = 0; e < o[n].num_elements; e++) o[n].x[e] *= sA[(int)row_of.x[e]];
-        store_rows(o[n], sS, LS, ob, D, Tq - w0, n * 16, D, 1.0f);
+    // l over the quad; O / l, and lse = m + log l.
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
-    if (half == 0 && i < Tq) lse[(size_t)bh * Tq + i] = l > 0.0f ? m + logf(l) : -INFINITY;
+    const float inv[2] = {l[0] > 0.0f ? 1.0f / l[0] : 0.0f, l[1] > 0.0f ? 1.0f / l[1] : 0.0f};
+    T *ob_ = out + (size_t)bh * Tq * D;
+#pragma unroll
+    for (int ob = 0; ob < OB; ob++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int i = rows[e >> 1], d = ob * 8 + 2 * t + (e & 1);
+            if (i < Tq && d < D) ob_[(size_t)i * D + d] = store<T>(o[ob][e] * inv[e >> 1]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        if (t == 0 && rows[r] < Tq) lse[(size_t)bh * Tq + rows[r]] = l[r] > 0.0f ? m[r] + logf(l[r]) : -INFINITY;
+    }
 }
 
 // dQ. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory bwd_q_tc_smem.

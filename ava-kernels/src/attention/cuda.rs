@@ -88,11 +88,11 @@ impl Smem {
         (rows * (self.dp + 4), 4)
     }
 
-    /// fwd: sQ, sK, sV, sP, sS, sO, sM, sL; fwd_tc: sQ, sK, sV, sS, sP, sA, sRows.
+    /// fwd: sQ, sK, sV, sP, sS, sO, sM, sL; fwd_tc: sQ, sK, sV (S, P and O in registers).
     fn forward(&self) -> u32 {
         let (br, bc) = (self.br, self.bc);
         if self.tc {
-            Self::carve(&[self.tile(br), self.tile(bc), self.tile(bc), self.scores(), self.probs(), (br, 4), (256, 4)])
+            Self::carve(&[self.tile(br), self.tile(bc), self.tile(bc)])
         } else {
             Self::carve(&[
                 self.tile(br),
@@ -354,14 +354,15 @@ mod tests {
 
     /// The sizes the kernels carve, worked by hand. f32, D = 128: tiles of 32 × 136 f32
     /// (17,408 B), P 32 × 40 f32 (5,120 B), S 32 × 36 f32 (4,608 B), the accumulator 32 × 132
-    /// f32 (16,896 B). bf16, D = 128 (tensor cores): tiles 64 × 136 bf16 (17,408 B), S
-    /// 64 × 68 f32 (17,408 B), P 64 × 72 bf16 (9,216 B). Every region is a multiple of 128 B.
+    /// f32 (16,896 B). bf16, D = 128 (tensor cores): tiles 64 × 136 bf16 (17,408 B), P
+    /// 64 × 72 bf16 (9,216 B). Every region is a multiple of 128 B.
     #[test]
     fn shared_memory_fits_a_hopper_block() {
         let f = Smem::new(DType::F32, 128);
         assert_eq!(f.forward(), 3 * 17_408 + 5_120 + 4_608 + 16_896 + 128 + 128);
         let h = Smem::new(DType::BF16, 128);
-        assert_eq!(h.forward(), 3 * 17_408 + 17_408 + 9_216 + 256 + 1_024);
+        // The forward keeps S, P and O in registers: Q, K and V tiles only.
+        assert_eq!(h.forward(), 3 * 17_408);
         // The backward keeps S and dP in registers: no f32 score tiles, two 16 × 16 index
         // matrices instead.
         assert_eq!(h.backward_q(), 4 * 17_408 + 9_216 + 1_024 + 1_024);
