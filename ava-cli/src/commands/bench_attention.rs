@@ -884,10 +884,13 @@ mod gpu {
     }
 
     /// Forward, then backward through candle's autograd: out and the gradients of q, k, v
-    /// of Σ out·dout (summed in f32), so the kernel's backward receives dout.
+    /// of Σ out·dout, so the kernel's backward receives dout. The product is the root itself
+    /// (autograd seeds a root with ones, and 1·dout is dout exactly): no whole-tensor sum, whose
+    /// one-block reduction and casts would be timed with the kernel's backward (PyTorch's
+    /// reference calls `out.backward(dout)`).
     fn forward_backward(bench: &Bench, x: &Inputs, threads: usize) -> candle_core::Result<(Tensor, [Tensor; 3])> {
         let out = forward(bench, x, threads)?; // (B, H, T, D)
-        let grads = out.mul(&x.dout)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        let grads = out.mul(&x.dout)?.backward()?; // (B, H, T, D) root, seeded with ones
         let grad = |v: &Var| {
             grads
                 .get(v.as_tensor())
@@ -989,8 +992,8 @@ mod gpu {
         };
         let workspace = [declared(Pass::Forward)?, if bench.backward { declared(Pass::Backward)? } else { 0 }];
         let (qn, kvn, elt) = (shape.q_numel() as u64, shape.kv_numel() as u64, dtype.size_in_bytes() as u64);
-        // out, saved, the larger workspace; dq, dk, dv and the loss's f32 product and its gradient.
-        let grads = if bench.backward { (qn + 2 * kvn) * elt + 2 * qn * 4 } else { 0 };
+        // out, saved, the larger workspace; dq, dk, dv and the product out·dout and its seed.
+        let grads = if bench.backward { (qn + 2 * kvn) * elt + 2 * qn * elt } else { 0 };
         let needed = (saved_len + workspace[0].max(workspace[1])).saturating_mul(4) + qn * elt + grads;
         if let Some(total) = card_total(device)
             && needed > total
@@ -1143,6 +1146,24 @@ mod gpu {
         let values = [&out, &dq, &dk, &dv].map(host_values);
         let [out, dq, dk, dv] = values;
         Ok([out.map_err(failed)?, dq.map_err(failed)?, dk.map_err(failed)?, dv.map_err(failed)?])
+    }
+
+    /// The backward seeded with dout gives the gradients of Σ out·dout, as the summed loss
+    /// it replaced did, on the CPU engine's f32 (where both are exact to rounding).
+    #[cfg(test)]
+    #[test]
+    fn a_backward_seeded_with_dout_equals_the_summed_loss() {
+        let registry = ava_plugins::Registry::builtins();
+        let bench = build(&registry, "standard", Map::new()).unwrap();
+        let shape = AttnShape::self_attention(2, 4, 2, 9, 8, true);
+        let x = Inputs::new(&shape, DType::F32, &Device::Cpu).unwrap();
+        let (out, grads) = forward_backward(&bench, &x, 1).unwrap();
+        let summed = forward(&bench, &x, 1).unwrap().mul(&x.dout).unwrap().sum_all().unwrap().backward().unwrap();
+        assert_eq!(host_values(&out).unwrap(), host_values(&forward(&bench, &x, 1).unwrap()).unwrap());
+        for (got, v) in grads.iter().zip([&x.q, &x.k, &x.v]) {
+            let want = summed.get(v.as_tensor()).unwrap();
+            assert_eq!(host_values(got).unwrap(), host_values(want).unwrap());
+        }
     }
 
     /// candle's type for `--dtype`.
