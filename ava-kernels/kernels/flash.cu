@@ -15,18 +15,18 @@
 // summed by one block in a fixed order, so a step gives the same bits every run (exact resume)
 // at the price of computing S and dP twice.
 //
-// Tiles live in shared memory. For bf16/f16 the tile products run on the tensor cores (f32
-// accumulation: raw mma.sync m16n8k16 in the forward, WMMA 16×16×16 in the backward); for f32
-// on the CUDA cores with f32 products, so f32 matches the CPU to rounding. Inputs are read in their stored type, everything is computed in f32, P and
-// dS are rounded to the input type only as the tensor cores' operands (as FA2 does).
+// Tiles live in shared memory. For bf16/f16 the tile products run on the tensor cores (raw
+// mma.sync m16n8k16, f32 accumulation; score tiles never leave the registers); for f32 on the
+// CUDA cores with f32 products, so f32 matches the CPU to rounding. Inputs are read in their
+// stored type, everything is computed in f32, P and dS are rounded to the input type only as
+// the tensor cores' operands (as FA2 does).
 //
 // Head dimensions up to MAX_D; D is padded in shared memory (zeros) to a multiple of 16 for
 // f32 and to the kernel's bucket, a multiple of 32, for bf16/f16.
-// Every block has THREADS threads; the shared memory a launch needs is `*_smem` below, and
-// src/attention/cuda.rs computes the same sizes (its `Smem`).
+// Every block has THREADS threads; the dynamic shared memory a launch needs is the regions each
+// kernel carves (named beside its launch shape), which src/attention/cuda.rs's `Smem` adds up.
 
 #include <ava/common.cuh>
-#include <mma.h>
 
 #define MAX_D 128
 #define WARPS 4
@@ -51,8 +51,8 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Leading dimensions in shared memory: D padded to 16, plus a skew against bank conflicts that
-// keeps every 16-row fragment 32-byte aligned (WMMA's rule).
+// The f32 kernels' tiles: D padded to 16 (their leading dimensions add a skew against bank
+// conflicts).
 __device__ __forceinline__ int padded(int D) { return (D + 15) & ~15; }
 
 // Shared-memory carving: consecutive regions, each 128-byte aligned.
@@ -71,10 +71,6 @@ struct Carver {
 // C (M × N f32, row-major, ldc) = (or += with ACC) A (M × K) · B (K × N), where
 // A(i, k) = A_COL ? a[i + k·lda] : a[i·lda + k] and B(k, j) = B_COL ? b[k + j·ldb] : b[k·ldb + j].
 // M, N, K multiples of 16. Called by the whole block; no barrier inside.
-
-template <bool COL> struct Layout;
-template <> struct Layout<false> { typedef nvcuda::wmma::row_major type; };
-template <> struct Layout<true> { typedef nvcuda::wmma::col_major type; };
 
 template <typename T, bool A_COL, bool B_COL, bool ACC> struct Mm;
 
@@ -111,7 +107,7 @@ __device__ void load_rows(float *dst, const float *src, int r0, int n, int rows)
 }
 
 // ---- Forward --------------------------------------------------------------------------------
-// Launch: grid (ceil(Tq / BR), B·H), block THREADS, dynamic shared memory fwd_smem.
+// Launch: grid (ceil(Tq / BR), B·H), block THREADS, dynamic shared memory: Smem::forward.
 // q, out (B, H, Tq, D); k, v (B, Hkv, Tk, D); lse (B, H, Tq) f32; segments (B, Tk) or NULL.
 template <typename T, int BR, int BC>
 __device__ void fwd(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
@@ -230,7 +226,7 @@ __device__ void probabilities(const float *sS, const float *sdP, int LS, const f
     }
 }
 
-// dQ. Launch: grid (ceil(Tq / BR), B·H), block THREADS, dynamic shared memory bwd_q_smem.
+// dQ. Launch: grid (ceil(Tq / BR), B·H), block THREADS, dynamic shared memory: Smem::backward_q.
 template <typename T, int BR, int BC>
 __device__ void bwd_q(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                       const unsigned int *__restrict__ segments, const T *__restrict__ dout,
@@ -292,7 +288,7 @@ __device__ void bwd_q(const T *__restrict__ q, const T *__restrict__ k, const T 
 // grid (ceil(Tk / BC), B·H): a block per key tile and query head, writing that head's share
 // to dk_part, dv_part (B, H, Tk, D) f32, which bwd_kv_sum adds over the group in order (a
 // block per key/value head would leave most of the GPU idle: B·Hkv·Tk/BC blocks).
-// Block THREADS, dynamic shared memory bwd_kv_smem.
+// Block THREADS, dynamic shared memory: Smem::backward_kv.
 template <typename T, int BR, int BC>
 __device__ void bwd_kv(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                        const unsigned int *__restrict__ segments, const T *__restrict__ dout,
@@ -390,24 +386,14 @@ __device__ void bwd_kv_sum(const float *__restrict__ dk_part, const float *__res
 // The same three passes for half-precision inputs, organized as FlashAttention-2 does: each of
 // a block's four warps owns 16 rows (queries in forward and dQ, keys in dK/dV) and keeps its
 // accumulators (O, dQ or dK and dV) in registers across the key (or query) tiles. Only the K/V
-// (or Q/dO) tiles the warps share are loaded between barriers. The forward (below, on raw
-// mma.sync) keeps S and P in registers too. The backward uses WMMA, whose accumulator layout
-// is opaque: each warp learns which row and column each of its fragment elements holds by
-// loading 16 × 16 matrices of row and column numbers into fragments (`row_of`, `col_of`). It
-// needs no reductions over a row, so S and dP never leave the accumulator fragments: each lane
-// computes P and dS on its own elements and writes them, in the input type, into the warp's
-// operand tile for the next product. The head dimension is a template parameter (ND
-// 16-column blocks, D padded to a multiple of 32), so the accumulator arrays stay in registers.
+// (or Q/dO) tiles the warps share are loaded between barriers; the score tiles (S, P, dP, dS)
+// stay in registers too (below). The head dimension is a template parameter (ND 16-column
+// blocks, D padded to a multiple of 32), so the accumulator arrays stay in registers.
 
 #define TQ 64 // rows a block: 4 warps × 16
 #define TK 64 // the shared tile's rows (keys in forward and dQ, queries in dK/dV)
 
 namespace tc {
-using namespace nvcuda;
-typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> Acc;
-template <typename T, typename L> using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, L>;
-template <typename T, typename L> using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, L>;
-
 // Rows r0.. of src (n rows × D) into dst (rows × DP, ld), zeros past n and D; 16-byte copies
 // when D and src allow.
 template <typename T>
@@ -426,46 +412,12 @@ __device__ void load_tile(T *dst, int ld, const T *src, int D, int r0, int n, in
     }
 }
 
-// acc (16 × 16, the tile at column block n) = Σ_k a(16 × K) · b(K × 16).
-// a row-major at `a` (ld lda); b: B_COL ? element (k, j) at b[k + j·ldb] : b[k·ldb + j].
-template <typename T, bool B_COL>
-__device__ __forceinline__ void mma_row(Acc &acc, const T *a, int lda, const T *b, int ldb, int K) {
-    for (int k = 0; k < K; k += 16) {
-        FragA<T, wmma::row_major> fa;
-        FragB<T, typename Layout<B_COL>::type> fb;
-        wmma::load_matrix_sync(fa, a + k, lda);
-        wmma::load_matrix_sync(fb, B_COL ? b + k : b + (size_t)k * ldb, ldb);
-        wmma::mma_sync(acc, fa, fb, acc);
-    }
-}
-
-// The 16 × 16 matrix of row numbers, for `row_of`.
-__device__ void fill_rows(float *m) {
-    for (int e = threadIdx.x; e < 256; e += THREADS) m[e] = (float)(e / 16);
-}
-
-// The 16 × 16 matrix of column numbers, for `col_of`.
-__device__ void fill_cols(float *m) {
-    for (int e = threadIdx.x; e < 256; e += THREADS) m[e] = (float)(e % 16);
-}
-
-// out (row-major U matrix, ld ld_out) at rows r < rows_left, columns col0 + c < D = scale ·
-// acc, written from the registers: element e of the fragment is (row_of.x[e], col_of.x[e]).
-template <typename U>
-__device__ __forceinline__ void store_elems(const Acc &acc, const Acc &row_of, const Acc &col_of, U *out,
-                                            size_t ld_out, int rows_left, int col0, int D, float scale) {
-#pragma unroll
-    for (int e = 0; e < acc.num_elements; e++) {
-        const int r = (int)row_of.x[e], c = col0 + (int)col_of.x[e];
-        if (r < rows_left && c < D) out[(size_t)r * ld_out + c] = store<U>(scale * acc.x[e]);
-    }
-}
 } // namespace tc
 
 // log2(e): the backward kernels compute exp(x) as exp2(x · log2 e).
 #define LOG2E 1.4426950408889634f
 
-// ---- The forward on raw mma.sync: S, P and O never leave the registers ----------------------
+// ---- Raw mma.sync: the score tiles never leave the registers ---------------------------------
 // WMMA's fragments are opaque, so a row's maximum and sum would need S in shared memory. The
 // PTX ISA documents mma.sync.m16n8k16's register layouts instead (lane = 4·g + t): C/D holds
 // (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1); A holds (g, 2t..2t+1), (g+8, 2t..2t+1),
@@ -525,7 +477,7 @@ template <bool TRANS> __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], 
 }
 } // namespace mma
 
-// Forward. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory fwd_tc_smem
+// Forward. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory Smem::forward
 // (sQ, sK, sV). Each warp owns 16 query rows: its Q as A fragments (loaded once), S (16 × TK)
 // and O (16 × DP) as accumulators, and per lane the maximum m and the partial sum l of its two
 // rows (g and g + 8), the sum over the quad taken at the end. Tiles wholly inside the causal
@@ -664,55 +616,100 @@ __device__ void fwd_tc(const T *__restrict__ q, const T *__restrict__ k, const T
     }
 }
 
-// dQ. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory bwd_q_tc_smem.
-// The backward needs no row reductions (P comes from the saved lse, dS from Δ), so S and dP
-// stay in the accumulator fragments: each lane computes P and dS on its own elements, whose
-// (row, column) it knows from `row_of`/`col_of`, and writes dS in the input type straight into
-// the warp's operand tile. Tiles wholly inside the causal triangle, the sequence and one
-// document skip the mask.
+// The backward on mma.sync too. It needs no reductions over a row (P comes from the saved lse,
+// dS from Δ), so each lane computes P and dS on its own accumulator elements, and dS (or Pᵀ and
+// dSᵀ), packed as the forward packs P, is the A operand of the next product: nothing of a score
+// tile leaves the registers. The A fragments of the warp's own rows (Q and dO here, K and V in
+// dK/dV) are loaded from shared memory per 16 columns as a product needs them; B fragments by
+// ldmatrix from the shared tile, plain where the tile's rows are the product's n (Kᵀ, Vᵀ, Qᵀ,
+// dOᵀ) and .trans where they are its k (K, Q, dO).
+
+// A fragments of 16 rows from `tile` (ld LT), columns kk·16 .. kk·16 + 15, rows r0 .. r0 + 15.
+template <int LT, typename T>
+__device__ __forceinline__ void a_frag(uint32_t (&a)[4], const T *tile, int r0, int kk) {
+    const int lane = threadIdx.x & 31;
+    mma::ldsm_x4<false>(a, tile + (r0 + (lane & 15)) * LT + kk * 16 + (lane >> 4) * 8);
+}
+
+// B fragments of Mᵀ for two 8-row blocks of `tile` (its rows n0 .. n0 + 15 are the product's n,
+// its columns kk·16 .. kk·16 + 15 the k): b[0..1] for rows n0.., b[2..3] for rows n0 + 8...
+template <int LT, typename T>
+__device__ __forceinline__ void bt_frag(uint32_t (&b)[4], const T *tile, int n0, int kk) {
+    const int lane = threadIdx.x & 31;
+    mma::ldsm_x4<false>(b, tile + (n0 + (lane & 7) + ((lane >> 4) << 3)) * LT + kk * 16 + ((lane >> 3) & 1) * 8);
+}
+
+// B fragments of M for two 8-column blocks (its rows k0 .. k0 + 15 are the product's k, its
+// columns c0 .. c0 + 15 the n): b[0..1] for columns c0.., b[2..3] for columns c0 + 8...
+template <int LT, typename T>
+__device__ __forceinline__ void b_frag(uint32_t (&b)[4], const T *tile, int k0, int c0) {
+    const int lane = threadIdx.x & 31;
+    mma::ldsm_x4<true>(b, tile + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LT + c0 + (lane >> 4) * 8);
+}
+
+// The A fragment of 16 columns kk·16 .. kk·16 + 15 of a (16 × TK) accumulator tile x, packed.
+template <typename T, int NB>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&x)[NB][4], int kk) {
+    a[0] = mma::pack<T>(x[2 * kk][0], x[2 * kk][1]);
+    a[1] = mma::pack<T>(x[2 * kk][2], x[2 * kk][3]);
+    a[2] = mma::pack<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+    a[3] = mma::pack<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+}
+
+// Stores a (16 × DP) accumulator's rows r0 + g, r0 + g + 8 (those below `rows`), columns below
+// D, times `scale`, into a row-major U matrix of ld D.
+template <typename U, int OB>
+__device__ __forceinline__ void store_acc(const float (&acc)[OB][4], U *out, int r0, int rows, int D, float scale) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int ob = 0; ob < OB; ob++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int r = r0 + g + (e >> 1) * 8, d = ob * 8 + 2 * t + (e & 1);
+            if (r < rows && d < D) out[(size_t)r * D + d] = store<U>(scale * acc[ob][e]);
+        }
+    }
+}
+
+// dQ. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory Smem::backward_q
+// (sQ, sdO, sK, sV). A warp owns 16 queries: per key tile S = Q Kᵀ and dP = dO Vᵀ as
+// accumulators, P and dS on them in place, then dQ += dS K from the packed dS. Tiles wholly
+// inside the causal triangle, the sequence and one document skip the mask.
 template <typename T, int ND>
 __device__ void bwd_q_tc(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                          const unsigned int *__restrict__ segments, const T *__restrict__ dout,
                          const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq, int H,
                          int Hkv, int Tq, int Tk, int D, int causal, float scale) {
-    using namespace tc;
+    using mma::mma16816;
     extern __shared__ __align__(128) unsigned char smem[];
-    constexpr int DP = ND * 16, LT = DP + 8, LP = TK + 8;
-    const int warp = threadIdx.x >> 5;
+    constexpr int DP = ND * 16, LT = DP + 8, NB = TK / 8, OB = DP / 8;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     Carver cv{smem, 0};
-    T *sQ = cv.take<T>(TQ * LT);                           // (TQ, DP)
-    T *sdO = cv.take<T>(TQ * LT);                          // (TQ, DP)
-    T *sK = cv.take<T>(TK * LT);                           // (TK, DP)
-    T *sV = cv.take<T>(TK * LT);                           // (TK, DP)
-    T *sdS = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP; // this warp's (16, TK) dS
-    float *sRows = cv.take<float>(256);                    // (16, 16) row numbers
-    float *sCols = cv.take<float>(256);                    // (16, 16) column numbers
+    T *sQ = cv.take<T>(TQ * LT);  // (TQ, DP)
+    T *sdO = cv.take<T>(TQ * LT); // (TQ, DP)
+    T *sK = cv.take<T>(TK * LT);  // (TK, DP)
+    T *sV = cv.take<T>(TK * LT);  // (TK, DP)
 
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int bh = blockIdx.y, b = bh / H, h = bh % H, hk = h / (H / Hkv);
     const int i0 = qt * TQ, w0 = i0 + warp * 16;
+    const int rows[2] = {w0 + g, w0 + g + 8}; // this lane's two queries
     const T *kb = k + ((size_t)b * Hkv + hk) * Tk * D;
     const T *vb = v + ((size_t)b * Hkv + hk) * Tk * D;
     const unsigned int *seg = segments ? segments + (size_t)b * Tk : nullptr;
     tc::load_tile(sQ, LT, q + (size_t)bh * Tq * D, D, i0, Tq, TQ, DP);
     tc::load_tile(sdO, LT, dout + (size_t)bh * Tq * D, D, i0, Tq, TQ, DP);
-    fill_rows(sRows);
-    fill_cols(sCols);
-    __syncthreads();
-    Acc row_of, col_of;
-    wmma::load_matrix_sync(row_of, sRows, 16, wmma::mem_row_major);
-    wmma::load_matrix_sync(col_of, sCols, 16, wmma::mem_row_major);
     // This lane's rows' lse (in log2 units) and Δ, fixed for the kernel.
-    float lse2[Acc::num_elements], dlt[Acc::num_elements];
+    float lse2[2], dlt[2];
 #pragma unroll
-    for (int e = 0; e < Acc::num_elements; e++) {
-        const int i = w0 + (int)row_of.x[e];
-        lse2[e] = i < Tq ? lse[(size_t)bh * Tq + i] * LOG2E : 0.0f;
-        dlt[e] = i < Tq ? delta[(size_t)bh * Tq + i] : 0.0f;
+    for (int r = 0; r < 2; r++) {
+        lse2[r] = rows[r] < Tq ? lse[(size_t)bh * Tq + rows[r]] * LOG2E : 0.0f;
+        dlt[r] = rows[r] < Tq ? delta[(size_t)bh * Tq + rows[r]] : 0.0f;
     }
     const float scale2 = scale * LOG2E;
-    Acc acc[ND]; // this warp's (16, DP) dQ / scale
-    _Pragma("unroll") for (int n = 0; n < ND; n++) wmma::fill_fragment(acc[n], 0.0f);
+    float acc[OB][4]; // this warp's (16, DP) dQ / scale
+#pragma unroll
+    for (int ob = 0; ob < OB; ob++) acc[ob][0] = acc[ob][1] = acc[ob][2] = acc[ob][3] = 0.0f;
 
     const int last_row = min(i0 + TQ, Tq) - 1;
     const int key_tiles = (Tk + TK - 1) / TK;
@@ -723,56 +720,79 @@ __device__ void bwd_q_tc(const T *__restrict__ q, const T *__restrict__ k, const
         tc::load_tile(sK, LT, kb, D, j0, Tk, TK, DP);
         tc::load_tile(sV, LT, vb, D, j0, Tk, TK, DP);
         __syncthreads();
-        // Every (row, key) of this warp's tile visible: no documents, whole rows and keys,
-        // and the tile's last key at or before the warp's first row's last visible key.
-        const bool whole = !seg && w0 + 16 <= Tq && j0 + TK <= Tk && (!causal || j0 + TK - 1 <= w0 + Tk - Tq);
-        for (int n = 0; n < TK / 16; n++) { // S = Q_w Kᵀ, dP = dO_w Vᵀ, then P and dS in registers
-            Acc s, dp;
-            wmma::fill_fragment(s, 0.0f);
-            wmma::fill_fragment(dp, 0.0f);
-            mma_row<T, true>(s, sQ + warp * 16 * LT, LT, sK + n * 16 * LT, LT, DP);
-            mma_row<T, true>(dp, sdO + warp * 16 * LT, LT, sV + n * 16 * LT, LT, DP);
+        float s[NB][4], dp[NB][4]; // S = Q_w Kᵀ, dP = dO_w Vᵀ (16, TK)
 #pragma unroll
-            for (int e = 0; e < Acc::num_elements; e++) {
-                const int r = (int)row_of.x[e], c = n * 16 + (int)col_of.x[e];
-                float p = 0.0f;
-                if (whole || visible(w0 + r, j0 + c, Tq, Tk, causal, seg)) p = exp2f(s.x[e] * scale2 - lse2[e]);
-                sdS[r * LP + c] = store<T>(p * (dp.x[e] - dlt[e]));
+        for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) s[nb][e] = dp[nb][e] = 0.0f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < ND; kk++) {
+            uint32_t qa[4], da[4];
+            a_frag<LT>(qa, sQ, warp * 16, kk);
+            a_frag<LT>(da, sdO, warp * 16, kk);
+#pragma unroll
+            for (int nb = 0; nb < NB; nb += 2) {
+                uint32_t kf[4], vf[4];
+                bt_frag<LT>(kf, sK, nb * 8, kk);
+                bt_frag<LT>(vf, sV, nb * 8, kk);
+                mma16816<T>(s[nb], qa, kf[0], kf[1]);
+                mma16816<T>(s[nb + 1], qa, kf[2], kf[3]);
+                mma16816<T>(dp[nb], da, vf[0], vf[1]);
+                mma16816<T>(dp[nb + 1], da, vf[2], vf[3]);
             }
         }
-        __syncwarp();
-        _Pragma("unroll") for (int n = 0; n < ND; n++) mma_row<T, false>(acc[n], sdS, LP, sK + n * 16, LT, TK); // dQ += dS K
-        __syncwarp();
+        // P = exp2(S·scale·log2e − lse·log2e) where visible, dS = P ∘ (dP − Δ), into s.
+        const bool whole = !seg && w0 + 16 <= Tq && j0 + TK <= Tk && (!causal || j0 + TK - 1 <= w0 + Tk - Tq);
+#pragma unroll
+        for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int r = e >> 1, j = j0 + nb * 8 + 2 * t + (e & 1);
+                float p = 0.0f;
+                if (whole || visible(rows[r], j, Tq, Tk, causal, seg)) p = exp2f(s[nb][e] * scale2 - lse2[r]);
+                s[nb][e] = p * (dp[nb][e] - dlt[r]);
+            }
+        }
+        // dQ += dS K, 16 keys at a time.
+#pragma unroll
+        for (int kk = 0; kk < TK / 16; kk++) {
+            uint32_t da[4];
+            pack_a<T>(da, s, kk);
+#pragma unroll
+            for (int ob = 0; ob < OB; ob += 2) {
+                uint32_t kf[4];
+                b_frag<LT>(kf, sK, kk * 16, ob * 8);
+                mma16816<T>(acc[ob], da, kf[0], kf[1]);
+                mma16816<T>(acc[ob + 1], da, kf[2], kf[3]);
+            }
+        }
     }
-    T *dqb = dq + ((size_t)bh * Tq + w0) * D;
-    _Pragma("unroll") for (int n = 0; n < ND; n++) store_elems(acc[n], row_of, col_of, dqb, D, Tq - w0, n * 16, D, scale);
+    store_acc<T>(acc, dq + (size_t)bh * Tq * D, w0, Tq, D, scale);
 }
 
-// dK and dV: a warp owns 16 keys; the shared tiles are the query tiles (Q, dO). Grids and the
-// partial sums as bwd_kv's. As in bwd_q_tc, Sᵀ and dPᵀ stay in the accumulator fragments and
-// each lane writes Pᵀ and dSᵀ for its own elements (here a fragment's columns are queries,
-// whose lse and Δ come from the tile's shared rows). Dynamic shared memory bwd_kv_tc_smem.
+// dK and dV: a warp owns 16 keys; the shared tiles are the query tiles (Q, dO) with their lse
+// and Δ. Grids and the partial sums as bwd_kv's. Per query tile Sᵀ = K_w Qᵀ and dPᵀ = V_w dOᵀ
+// as accumulators (a fragment's columns are queries), Pᵀ and dSᵀ on them, then dV += Pᵀ dO and
+// dK += dSᵀ Q from them packed. Dynamic shared memory Smem::backward_kv (sK, sV, sQ, sdO, sLse,
+// sDelta).
 template <typename T, int ND>
 __device__ void bwd_kv_tc(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                           const unsigned int *__restrict__ segments, const T *__restrict__ dout,
                           const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dk,
                           T *__restrict__ dv, float *__restrict__ dk_part, float *__restrict__ dv_part, int H,
                           int Hkv, int Tq, int Tk, int D, int causal, float scale) {
-    using namespace tc;
+    using mma::mma16816;
     extern __shared__ __align__(128) unsigned char smem[];
-    constexpr int DP = ND * 16, LT = DP + 8, LP = TK + 8;
-    const int warp = threadIdx.x >> 5;
+    constexpr int DP = ND * 16, LT = DP + 8, NB = TK / 8, OB = DP / 8;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     Carver cv{smem, 0};
-    T *sK = cv.take<T>(TQ * LT);                           // (TQ keys, DP)
-    T *sV = cv.take<T>(TQ * LT);                           // (TQ keys, DP)
-    T *sQ = cv.take<T>(TK * LT);                           // (TK queries, DP)
-    T *sdO = cv.take<T>(TK * LT);                          // (TK queries, DP)
-    float *sLse = cv.take<float>(TK);                      // (TK,)
-    float *sDelta = cv.take<float>(TK);                    // (TK,)
-    T *sP = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP;  // this warp's (16 keys, TK) Pᵀ
-    T *sdS = cv.take<T>(WARPS * 16 * LP) + warp * 16 * LP; // this warp's (16 keys, TK) dSᵀ
-    float *sRows = cv.take<float>(256);                    // (16, 16) row numbers
-    float *sCols = cv.take<float>(256);                    // (16, 16) column numbers
+    T *sK = cv.take<T>(TQ * LT);           // (TQ keys, DP)
+    T *sV = cv.take<T>(TQ * LT);           // (TQ keys, DP)
+    T *sQ = cv.take<T>(TK * LT);           // (TK queries, DP)
+    T *sdO = cv.take<T>(TK * LT);          // (TK queries, DP)
+    float *sLse = cv.take<float>(TK);      // (TK,) in log2 units
+    float *sDelta = cv.take<float>(TK);    // (TK,)
 
     const int kt = blockIdx.x, group = H / Hkv;
     const bool split = dk_part != nullptr;
@@ -781,76 +801,96 @@ __device__ void bwd_kv_tc(const T *__restrict__ q, const T *__restrict__ k, cons
     const int hk = h_first / group, heads = split ? 1 : group;
     const size_t bk = (size_t)b * Hkv + hk;
     const int j0 = kt * TQ, w0 = j0 + warp * 16; // the block's and this warp's first key
+    const int key0 = w0 + g;                     // this lane's two keys: key0, key0 + 8
     const unsigned int *seg = segments ? segments + (size_t)b * Tk : nullptr;
     tc::load_tile(sK, LT, k + bk * Tk * D, D, j0, Tk, TQ, DP);
     tc::load_tile(sV, LT, v + bk * Tk * D, D, j0, Tk, TQ, DP);
-    fill_rows(sRows);
-    fill_cols(sCols);
-    __syncthreads();
-    Acc row_of, col_of;
-    wmma::load_matrix_sync(row_of, sRows, 16, wmma::mem_row_major);
-    wmma::load_matrix_sync(col_of, sCols, 16, wmma::mem_row_major);
     const float scale2 = scale * LOG2E;
-    Acc gk[ND], gv[ND]; // this warp's (16 keys, DP) dK / scale and dV
-    _Pragma("unroll") for (int n = 0; n < ND; n++) {
-        wmma::fill_fragment(gk[n], 0.0f);
-        wmma::fill_fragment(gv[n], 0.0f);
+    float gk[OB][4], gv[OB][4]; // this warp's (16 keys, DP) dK / scale and dV
+#pragma unroll
+    for (int ob = 0; ob < OB; ob++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++) gk[ob][e] = gv[ob][e] = 0.0f;
     }
     const int first = causal ? max(0, j0 - (Tk - Tq)) / TK : 0;
     const int query_tiles = (Tq + TK - 1) / TK;
-    for (int g = 0; g < heads; g++) {
-        const size_t bh = (size_t)b * H + h_first + g;
+    for (int hg = 0; hg < heads; hg++) {
+        const size_t bh = (size_t)b * H + h_first + hg;
         for (int qt = first; qt < query_tiles; qt++) {
             const int i0 = qt * TK;
             __syncthreads();
             tc::load_tile(sQ, LT, q + bh * Tq * D, D, i0, Tq, TK, DP);
             tc::load_tile(sdO, LT, dout + bh * Tq * D, D, i0, Tq, TK, DP);
-            load_rows(sLse, lse + bh * Tq, i0, Tq, TK);
-            load_rows(sDelta, delta + bh * Tq, i0, Tq, TK);
+            for (int r = threadIdx.x; r < TK; r += THREADS) {
+                const bool in = i0 + r < Tq;
+                sLse[r] = in ? lse[bh * Tq + i0 + r] * LOG2E : 0.0f;
+                sDelta[r] = in ? delta[bh * Tq + i0 + r] : 0.0f;
+            }
             __syncthreads();
+            float s[NB][4], dp[NB][4]; // Sᵀ = K_w Qᵀ, dPᵀ = V_w dOᵀ (16 keys, TK queries)
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[nb][e] = dp[nb][e] = 0.0f;
+            }
+#pragma unroll
+            for (int kk = 0; kk < ND; kk++) {
+                uint32_t ka[4], va[4];
+                a_frag<LT>(ka, sK, warp * 16, kk);
+                a_frag<LT>(va, sV, warp * 16, kk);
+#pragma unroll
+                for (int nb = 0; nb < NB; nb += 2) {
+                    uint32_t qf[4], df[4];
+                    bt_frag<LT>(qf, sQ, nb * 8, kk);
+                    bt_frag<LT>(df, sdO, nb * 8, kk);
+                    mma16816<T>(s[nb], ka, qf[0], qf[1]);
+                    mma16816<T>(s[nb + 1], ka, qf[2], qf[3]);
+                    mma16816<T>(dp[nb], va, df[0], df[1]);
+                    mma16816<T>(dp[nb + 1], va, df[2], df[3]);
+                }
+            }
             // Every (key, query) of this warp's tile visible: no documents, whole keys and
             // queries, and the warp's last key at or before the tile's first query's last
             // visible key.
-            const bool whole =
-                !seg && w0 + 16 <= Tk && i0 + TK <= Tq && (!causal || w0 + 15 <= i0 + Tk - Tq);
-            for (int n = 0; n < TK / 16; n++) { // Sᵀ = K_w Qᵀ, dPᵀ = V_w dOᵀ, then Pᵀ and dSᵀ
-                Acc s, dp;
-                wmma::fill_fragment(s, 0.0f);
-                wmma::fill_fragment(dp, 0.0f);
-                mma_row<T, true>(s, sK + warp * 16 * LT, LT, sQ + n * 16 * LT, LT, DP);
-                mma_row<T, true>(dp, sV + warp * 16 * LT, LT, sdO + n * 16 * LT, LT, DP);
+            const bool whole = !seg && w0 + 16 <= Tk && i0 + TK <= Tq && (!causal || w0 + 15 <= i0 + Tk - Tq);
+            // Pᵀ into s, dSᵀ = Pᵀ ∘ (dPᵀ − Δ) into dp.
 #pragma unroll
-                for (int e = 0; e < Acc::num_elements; e++) {
-                    const int c = (int)row_of.x[e], rr = n * 16 + (int)col_of.x[e]; // key, query in the tile
+            for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int c = nb * 8 + 2 * t + (e & 1); // the query in the tile
                     float p = 0.0f;
-                    if (whole || visible(i0 + rr, w0 + c, Tq, Tk, causal, seg))
-                        p = exp2f(s.x[e] * scale2 - sLse[rr] * LOG2E);
-                    sP[c * LP + rr] = store<T>(p);
-                    sdS[c * LP + rr] = store<T>(p * (dp.x[e] - sDelta[rr]));
+                    if (whole || visible(i0 + c, key0 + (e >> 1) * 8, Tq, Tk, causal, seg))
+                        p = exp2f(s[nb][e] * scale2 - sLse[c]);
+                    s[nb][e] = p;
+                    dp[nb][e] = p * (dp[nb][e] - sDelta[c]);
                 }
             }
-            __syncwarp();
-            _Pragma("unroll") for (int n = 0; n < ND; n++) {
-                mma_row<T, false>(gv[n], sP, LP, sdO + n * 16, LT, TK);  // dV += Pᵀ dO
-                mma_row<T, false>(gk[n], sdS, LP, sQ + n * 16, LT, TK); // dK += dSᵀ Q
+            // dV += Pᵀ dO, dK += dSᵀ Q, 16 queries at a time.
+#pragma unroll
+            for (int kk = 0; kk < TK / 16; kk++) {
+                uint32_t pa[4], da[4];
+                pack_a<T>(pa, s, kk);
+                pack_a<T>(da, dp, kk);
+#pragma unroll
+                for (int ob = 0; ob < OB; ob += 2) {
+                    uint32_t of[4], qf[4];
+                    b_frag<LT>(of, sdO, kk * 16, ob * 8);
+                    b_frag<LT>(qf, sQ, kk * 16, ob * 8);
+                    mma16816<T>(gv[ob], pa, of[0], of[1]);
+                    mma16816<T>(gv[ob + 1], pa, of[2], of[3]);
+                    mma16816<T>(gk[ob], da, qf[0], qf[1]);
+                    mma16816<T>(gk[ob + 1], da, qf[2], qf[3]);
+                }
             }
-            __syncwarp();
         }
     }
     if (split) {
-        float *pk = dk_part + ((size_t)blockIdx.y * Tk + w0) * D;
-        float *pv = dv_part + ((size_t)blockIdx.y * Tk + w0) * D;
-        _Pragma("unroll") for (int n = 0; n < ND; n++) {
-            store_elems(gk[n], row_of, col_of, pk, D, Tk - w0, n * 16, D, 1.0f);
-            store_elems(gv[n], row_of, col_of, pv, D, Tk - w0, n * 16, D, 1.0f);
-        }
+        store_acc<float>(gk, dk_part + (size_t)blockIdx.y * Tk * D, w0, Tk, D, 1.0f);
+        store_acc<float>(gv, dv_part + (size_t)blockIdx.y * Tk * D, w0, Tk, D, 1.0f);
     } else {
-        T *dkb = dk + (bk * Tk + w0) * D;
-        T *dvb = dv + (bk * Tk + w0) * D;
-        _Pragma("unroll") for (int n = 0; n < ND; n++) {
-            store_elems(gk[n], row_of, col_of, dkb, D, Tk - w0, n * 16, D, scale);
-            store_elems(gv[n], row_of, col_of, dvb, D, Tk - w0, n * 16, D, 1.0f);
-        }
+        store_acc<T>(gk, dk + bk * Tk * D, w0, Tk, D, scale);
+        store_acc<T>(gv, dv + bk * Tk * D, w0, Tk, D, 1.0f);
     }
 }
 

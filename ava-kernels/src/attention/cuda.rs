@@ -107,12 +107,12 @@ impl Smem {
         }
     }
 
-    /// bwd_q: sQ, sdO, sK, sV, sdS, sS, sdP, sdQ, sLse, sDelta; bwd_q_tc: sQ, sdO, sK, sV,
-    /// sdS, sRows, sCols (S and dP stay in registers).
+    /// bwd_q: sQ, sdO, sK, sV, sdS, sS, sdP, sdQ, sLse, sDelta; bwd_q_tc: sQ, sdO, sK, sV (S,
+    /// dP, dS and dQ in registers).
     fn backward_q(&self) -> u32 {
         let (br, bc) = (self.br, self.bc);
         if self.tc {
-            Self::carve(&[self.tile(br), self.tile(br), self.tile(bc), self.tile(bc), self.probs(), (256, 4), (256, 4)])
+            Self::carve(&[self.tile(br), self.tile(br), self.tile(bc), self.tile(bc)])
         } else {
             Self::carve(&[
                 self.tile(br),
@@ -130,22 +130,11 @@ impl Smem {
     }
 
     /// bwd_kv: sK, sV, sQ, sdO, sP, sdS, sS, sdP, sdK, sdV, sLse, sDelta; bwd_kv_tc: sK, sV,
-    /// sQ, sdO, sLse, sDelta, sP, sdS, sRows, sCols (Sᵀ and dPᵀ stay in registers).
+    /// sQ, sdO, sLse, sDelta (Sᵀ, dPᵀ, Pᵀ, dSᵀ, dK and dV in registers).
     fn backward_kv(&self) -> u32 {
         let (br, bc) = (self.br, self.bc);
         if self.tc {
-            Self::carve(&[
-                self.tile(br),
-                self.tile(br),
-                self.tile(bc),
-                self.tile(bc),
-                (bc, 4),
-                (bc, 4),
-                self.probs(),
-                self.probs(),
-                (256, 4),
-                (256, 4),
-            ])
+            Self::carve(&[self.tile(br), self.tile(br), self.tile(bc), self.tile(bc), (bc, 4), (bc, 4)])
         } else {
             Self::carve(&[
                 self.tile(bc),
@@ -354,8 +343,8 @@ mod tests {
 
     /// The sizes the kernels carve, worked by hand. f32, D = 128: tiles of 32 × 136 f32
     /// (17,408 B), P 32 × 40 f32 (5,120 B), S 32 × 36 f32 (4,608 B), the accumulator 32 × 132
-    /// f32 (16,896 B). bf16, D = 128 (tensor cores): tiles 64 × 136 bf16 (17,408 B), P
-    /// 64 × 72 bf16 (9,216 B). Every region is a multiple of 128 B.
+    /// f32 (16,896 B). bf16, D = 128 (tensor cores): tiles 64 × 136 bf16 (17,408 B). Every
+    /// region is a multiple of 128 B.
     #[test]
     fn shared_memory_fits_a_hopper_block() {
         let f = Smem::new(DType::F32, 128);
@@ -363,10 +352,9 @@ mod tests {
         let h = Smem::new(DType::BF16, 128);
         // The forward keeps S, P and O in registers: Q, K and V tiles only.
         assert_eq!(h.forward(), 3 * 17_408);
-        // The backward keeps S and dP in registers: no f32 score tiles, two 16 × 16 index
-        // matrices instead.
-        assert_eq!(h.backward_q(), 4 * 17_408 + 9_216 + 1_024 + 1_024);
-        assert_eq!(h.backward_kv(), 4 * 17_408 + 256 + 256 + 2 * 9_216 + 1_024 + 1_024);
+        // So does the backward its score tiles: the four input tiles, and dK/dV's lse and Δ rows.
+        assert_eq!(h.backward_q(), 4 * 17_408);
+        assert_eq!(h.backward_kv(), 4 * 17_408 + 256 + 256);
         // D = 80 runs in the 96-column bucket; its name says so.
         assert_eq!(Smem::new(DType::F16, 80).dp, 96);
         assert_eq!(kernel_name("flash_fwd", DType::F16, 80).unwrap().to_str().unwrap(), "flash_fwd_f16_d96");
