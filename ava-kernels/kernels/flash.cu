@@ -656,6 +656,34 @@ __device__ __forceinline__ void pack_a(uint32_t (&a)[4], const float (&x)[NB][4]
     a[3] = mma::pack<T>(x[2 * kk + 1][2], x[2 * kk + 1][3]);
 }
 
+// The backward's two score products of a tile: x = A Bᵀ and y = C Eᵀ (16 × TK each), A and C
+// the warp's 16 rows from r0 of their tiles, B and E tiles of TK rows, over DP columns.
+template <typename T, int ND, int LT, int NB>
+__device__ __forceinline__ void products_t(float (&x)[NB][4], float (&y)[NB][4], const T *a, const T *b, const T *c,
+                                           const T *e, int r0) {
+#pragma unroll
+    for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) x[nb][i] = y[nb][i] = 0.0f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < ND; kk++) {
+        uint32_t af[4], cf[4];
+        a_frag<LT>(af, a, r0, kk);
+        a_frag<LT>(cf, c, r0, kk);
+#pragma unroll
+        for (int nb = 0; nb < NB; nb += 2) {
+            uint32_t bf[4], ef[4];
+            bt_frag<LT>(bf, b, nb * 8, kk);
+            bt_frag<LT>(ef, e, nb * 8, kk);
+            mma::mma16816<T>(x[nb], af, bf[0], bf[1]);
+            mma::mma16816<T>(x[nb + 1], af, bf[2], bf[3]);
+            mma::mma16816<T>(y[nb], cf, ef[0], ef[1]);
+            mma::mma16816<T>(y[nb + 1], cf, ef[2], ef[3]);
+        }
+    }
+}
+
 // Stores a (16 × DP) accumulator's rows r0 + g, r0 + g + 8 (those below `rows`), columns below
 // D, times `scale`, into a row-major U matrix of ld D.
 template <typename U, int OB>
@@ -721,27 +749,7 @@ __device__ void bwd_q_tc(const T *__restrict__ q, const T *__restrict__ k, const
         tc::load_tile(sV, LT, vb, D, j0, Tk, TK, DP);
         __syncthreads();
         float s[NB][4], dp[NB][4]; // S = Q_w Kᵀ, dP = dO_w Vᵀ (16, TK)
-#pragma unroll
-        for (int nb = 0; nb < NB; nb++) {
-#pragma unroll
-            for (int e = 0; e < 4; e++) s[nb][e] = dp[nb][e] = 0.0f;
-        }
-#pragma unroll
-        for (int kk = 0; kk < ND; kk++) {
-            uint32_t qa[4], da[4];
-            a_frag<LT>(qa, sQ, warp * 16, kk);
-            a_frag<LT>(da, sdO, warp * 16, kk);
-#pragma unroll
-            for (int nb = 0; nb < NB; nb += 2) {
-                uint32_t kf[4], vf[4];
-                bt_frag<LT>(kf, sK, nb * 8, kk);
-                bt_frag<LT>(vf, sV, nb * 8, kk);
-                mma16816<T>(s[nb], qa, kf[0], kf[1]);
-                mma16816<T>(s[nb + 1], qa, kf[2], kf[3]);
-                mma16816<T>(dp[nb], da, vf[0], vf[1]);
-                mma16816<T>(dp[nb + 1], da, vf[2], vf[3]);
-            }
-        }
+        products_t<T, ND, LT>(s, dp, sQ, sK, sdO, sV, warp * 16);
         // P = exp2(S·scale·log2e − lse·log2e) where visible, dS = P ∘ (dP − Δ), into s.
         const bool whole = !seg && w0 + 16 <= Tq && j0 + TK <= Tk && (!causal || j0 + TK - 1 <= w0 + Tk - Tq);
 #pragma unroll
@@ -828,27 +836,7 @@ __device__ void bwd_kv_tc(const T *__restrict__ q, const T *__restrict__ k, cons
             }
             __syncthreads();
             float s[NB][4], dp[NB][4]; // Sᵀ = K_w Qᵀ, dPᵀ = V_w dOᵀ (16 keys, TK queries)
-#pragma unroll
-            for (int nb = 0; nb < NB; nb++) {
-#pragma unroll
-                for (int e = 0; e < 4; e++) s[nb][e] = dp[nb][e] = 0.0f;
-            }
-#pragma unroll
-            for (int kk = 0; kk < ND; kk++) {
-                uint32_t ka[4], va[4];
-                a_frag<LT>(ka, sK, warp * 16, kk);
-                a_frag<LT>(va, sV, warp * 16, kk);
-#pragma unroll
-                for (int nb = 0; nb < NB; nb += 2) {
-                    uint32_t qf[4], df[4];
-                    bt_frag<LT>(qf, sQ, nb * 8, kk);
-                    bt_frag<LT>(df, sdO, nb * 8, kk);
-                    mma16816<T>(s[nb], ka, qf[0], qf[1]);
-                    mma16816<T>(s[nb + 1], ka, qf[2], qf[3]);
-                    mma16816<T>(dp[nb], va, df[0], df[1]);
-                    mma16816<T>(dp[nb + 1], va, df[2], df[3]);
-                }
-            }
+            products_t<T, ND, LT>(s, dp, sK, sQ, sV, sdO, warp * 16);
             // Every (key, query) of this warp's tile visible: no documents, whole keys and
             // queries, and the warp's last key at or before the tile's first query's last
             // visible key.
