@@ -36,6 +36,14 @@ impl<E: Into<anyhow::Error>> From<E> for Failure {
     }
 }
 
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Usage(e) | Failure::Runtime(e) | Failure::Signal(_, e) => write!(f, "{e:#}"),
+        }
+    }
+}
+
 impl Failure {
     /// The exit code it maps to.
     pub fn code(&self) -> u8 {

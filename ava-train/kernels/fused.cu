@@ -298,32 +298,32 @@ extern "C" __global__ void round_stochastic_f16(const float *__restrict__ x, f16
     out[j] = pick == nf ? near : other;
 }
 
-// x (an f32 master) rounded to the nearest half value, ties to even (the CPU's
+// x (an f32 master) rounded to the nearest half value, ties to even (`store`, the CPU's
 // `rounding::round_nearest`): the resident copy of `master_weights: tier`.
 // Launch: grid (ceil(n / 256)), block (256). x (n,) f32; out (n,).
-extern "C" __global__ void round_nearest_bf16(const float *__restrict__ x, bf16 *__restrict__ out, size_t n) {
+template <typename T> __device__ void round_nearest(const float *__restrict__ x, T *__restrict__ out, size_t n) {
     const size_t j = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < n) out[j] = __float2bfloat16_rn(x[j]);
-}
-
-// Launch: as round_nearest_bf16.
-extern "C" __global__ void round_nearest_f16(const float *__restrict__ x, f16 *__restrict__ out, size_t n) {
-    const size_t j = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < n) out[j] = __float2half_rn(x[j]);
+    if (j < n) out[j] = store<T>(x[j]);
 }
 
 // x widened to f32 (a half parameter's values, for the optimizer's f32 step).
 // Launch: grid (ceil(n / 256)), block (256). x, out (n,).
-extern "C" __global__ void widen_bf16(const bf16 *__restrict__ x, float *__restrict__ out, size_t n) {
+template <typename T> __device__ void widen(const T *__restrict__ x, float *__restrict__ out, size_t n) {
     const size_t j = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < n) out[j] = __bfloat162float(x[j]);
+    if (j < n) out[j] = load(x[j]);
 }
 
-// Launch: as widen_bf16.
-extern "C" __global__ void widen_f16(const f16 *__restrict__ x, float *__restrict__ out, size_t n) {
-    const size_t j = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (j < n) out[j] = __half2float(x[j]);
-}
+// Launch: as round_nearest. x (n,) f32; out (n,) bf16.
+extern "C" __global__ void round_nearest_bf16(const float *x, bf16 *out, size_t n) { round_nearest<bf16>(x, out, n); }
+
+// Launch: as round_nearest. x (n,) f32; out (n,) f16.
+extern "C" __global__ void round_nearest_f16(const float *x, f16 *out, size_t n) { round_nearest<f16>(x, out, n); }
+
+// Launch: as widen. x (n,) bf16; out (n,) f32.
+extern "C" __global__ void widen_bf16(const bf16 *x, float *out, size_t n) { widen<bf16>(x, out, n); }
+
+// Launch: as widen. x (n,) f16; out (n,) f32.
+extern "C" __global__ void widen_f16(const f16 *x, float *out, size_t n) { widen<f16>(x, out, n); }
 
 // ---- Kahan-compensated weights (`master_weights: kahan`), as train/rounding.rs on the CPU ----
 //

@@ -329,9 +329,7 @@ fn predicted_step(
     let card = Card::recognize(name, card_total.unwrap_or(0))
         .ok_or_else(|| format!("{name} is none of the cards the model knows (`ava plan --help`, --card)"))?;
     let spec = ava_train::train::model_spec(config).map_err(|e| e.to_string())?;
-    let selected = super::estimate::Selected::new(registry, config, &spec).map_err(|e| match e {
-        Failure::Usage(e) | Failure::Runtime(e) | Failure::Signal(_, e) => e.to_string(),
-    })?;
+    let selected = super::estimate::Selected::new(registry, config, &spec).map_err(|e| e.to_string())?;
     let est = ava_train::estimate::estimate(&spec, config, &selected.plugins()).map_err(|e| e.to_string())?;
     Ok(step_time::predict(&spec, config, &est, card))
 }

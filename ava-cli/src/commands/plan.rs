@@ -33,10 +33,11 @@ use std::path::PathBuf;
 use ava_core::{PluginKind, format_size, parse_size};
 use ava_train::config::{Config, MasterWeights, PluginSelection, Precision, TierShare, Tiers};
 use ava_train::estimate::step_time::{self, Card, StepTime};
-use ava_train::estimate::{Estimate, Plugins, estimate_on};
+use ava_train::estimate::{Estimate, estimate_on};
 use ava_train::model::ModelSpec;
 use serde_json::json;
 
+use super::estimate::Selected;
 use super::offload_arg::OffloadArg;
 use crate::{CmdResult, Failure, UsageExt, cli::PlanArgs, context, output::Printer};
 
@@ -1135,19 +1136,11 @@ fn plan_one(
     if usable > 0 {
         config.memory.budget = ava_train::config::ByteSize(usable);
     }
-    let Ok(options) = ava_train::train::optimizer_options(registry, &c.optimizer, spec) else { return Ok(None) };
-    let (Ok(optimizer), Ok(attention), Ok(checkpoint)) = (
-        registry.optimizer(&c.optimizer.name, &options),
-        registry.attention(&c.attention.name, &c.attention.options_json()),
-        registry.checkpoint(&c.checkpoint.name, &c.checkpoint.options_json()),
-    ) else {
-        return Ok(None);
-    };
-    if !attention.supports_backward() {
+    let Ok(selected) = Selected::new(registry, &config, spec) else { return Ok(None) };
+    let plugins = selected.plugins();
+    if !plugins.attention.supports_backward() {
         return Ok(None);
     }
-    let plugins =
-        Plugins { optimizer: optimizer.as_ref(), attention: attention.as_ref(), checkpoint: checkpoint.as_ref() };
     let Ok(est) = estimate_on(spec, &config, &plugins, world) else { return Ok(None) };
     let time = card.map(|card| step_time::predict(spec, &config, &est, card));
     let cost = time.as_ref().map_or_else(|| cost(spec, c, &est, world), |t| t.seconds);
