@@ -13,12 +13,16 @@
 # scripts when ../shared/gpu has them. Everything is built for a portable CPU
 # (x86-64-v3) in target/gpu, so repeated builds reuse their work.
 #
-# `run` runs each test binary (their output in OUT/<name>.log), the tiny config on the GPU
-# (standard and flash) beside the CPU, `ava bench train` on TinyLlama-1.1B's shape plain and
-# checkpointed beside PyTorch's reference recipes, and `ava bench attention` beside PyTorch's
-# SDPA; with AVA_GPU_PARTS naming `big` and `long`, issue 37's targets (Llama-2-7B's shape in
-# 16 GiB, TinyLlama-1.1B's at 32K and 64K tokens) beside PyTorch's 8-bit recipes. It stops at
-# nothing, so one call gathers everything (AVA_GPU_PARTS picks parts).
+# `run` runs the parts AVA_GPU_PARTS names, in its order (default: ops bench attention tests
+# tiny): `ops` the fused ops' and flash's tests (gpu_ops), `bench` `ava bench train` on
+# TinyLlama-1.1B's shape plain and checkpointed (with the estimator's peak beside each),
+# `attention` `ava bench attention` beside PyTorch's SDPA and flash's kernels timed one by one,
+# `tests` the other test binaries (their output in OUT/<name>.log), `tiny` the tiny config on
+# the GPU (standard and flash) beside the CPU, `torch` PyTorch's reference recipes for the
+# bench's shape, `big` and `long` issue 37's targets (Llama-2-7B's shape in 16 GiB,
+# TinyLlama-1.1B's at 32K and 64K tokens) beside PyTorch's 8-bit recipes. It stops at nothing
+# but AVA_GPU_DEADLINE (seconds, default 540): past it, what is left is skipped, so one call
+# returns every log it wrote.
 set -uo pipefail
 
 # The GPU test binaries: the engine's ops, the built-in optimizers, end-to-end training, the
@@ -66,106 +70,194 @@ for line in sys.stdin:
     # The binaries travel compressed (a call carries 64 MiB); `run` unpacks them.
     (cd "$dir" && tar -cf - ava gpu_* libava_plugin_*.so | xz -T2 -6 >bundle.tar.xz && rm -f ava gpu_* libava_plugin_*.so)
     if [ -d ../shared/gpu ]; then cp ../shared/gpu/*_ref.py "$dir/" 2>/dev/null || true; fi
+    # What was built: `run` shows it first, so a session can tell a stale DIR from a fresh one.
+    echo "built from $(git rev-parse --short HEAD), $(git status --porcelain | wc -l) paths changed since, $(date -u +%FT%TZ)" |
+        tee "$dir/BUILT_AT"
     du -sh "$dir"
+}
+
+# Seconds left before AVA_GPU_DEADLINE (seconds after `run` started; default 540, under the
+# device tool's 600-second call): each step's own limit is cut to what is left, and a step
+# with under 20 seconds left is skipped, saying so, so that a call returns its logs before the
+# tool stops it.
+left() {
+    echo $((DEADLINE - SECONDS))
+}
+
+# `within N CMD...`: CMD under `timeout` with N seconds or what is left, whichever is less; a
+# line in the log says when it was skipped or cut off.
+within() {
+    local n=$1 l
+    shift
+    l=$(left)
+    [ "$l" -lt "$n" ] && n=$l
+    if [ "$n" -lt 20 ]; then
+        echo "skipped (${l}s left before AVA_GPU_DEADLINE): $*"
+        return 124
+    fi
+    timeout -k 10 "$n" "$@"
+    local rc=$?
+    [ $rc -eq 124 ] && echo "stopped after ${n}s: $*"
+    return $rc
+}
+
+# One test binary, its log in OUT/<name>.log and its verdicts on the screen.
+test_binary() {
+    local dir=$1 out=$2 t=$3
+    echo "== $t"
+    ( time within 420 "$dir/$t" --test-threads 1 ) >"$out/$t.log" 2>&1
+    grep -E "^test |test result|panicked|skipped|stopped after" "$out/$t.log" | tail -30
 }
 
 run() {
     local dir=$1 out=$2
+    DEADLINE=${AVA_GPU_DEADLINE:-540}
+    SECONDS=0
     mkdir -p "$out"
     if [ -f "$dir/bundle.tar.xz" ]; then xz -dc "$dir/bundle.tar.xz" | tar -xf - -C "$dir"; fi
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
     export AVA_TEST_BIN=$(realpath "$dir/ava")
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-    # Each step has its own time limit, so one hang cannot eat the session's device time.
-    # AVA_GPU_PARTS picks parts (default: tests tiny bench attention; also big and long, issue
-    # 37's 7B-in-16-GiB and long-context targets).
-    local parts=${AVA_GPU_PARTS:-tests tiny bench attention}
-    if [[ $parts == *tests* ]]; then
-        for t in $TESTS; do
-            echo "== $t"
-            ( time timeout 420 "$dir/$t" --test-threads 1 ) >"$out/$t.log" 2>&1
-            grep -E "^test |test result|panicked" "$out/$t.log" | tail -30
+    [ -f "$dir/BUILT_AT" ] && tee "$out/built_at.txt" <"$dir/BUILT_AT"
+    # The parts run in the order AVA_GPU_PARTS names them (default: ops bench attention tests
+    # tiny). `ops` is the fused ops' and flash's test binary alone (gpu_ops: it decides whether
+    # the kernels are right), `tests` the other test binaries (and gpu_ops if `ops` did not run
+    # it), `torch` PyTorch's reference recipes for the `bench` shape, `big` and `long` issue
+    # 37's 7B-in-16-GiB and long-context targets.
+    local parts=${AVA_GPU_PARTS:-ops bench attention tests tiny} part t ran_ops=
+    for part in $parts; do
+        echo "== part $part ($(left)s left)"
+        case $part in
+            ops) test_binary "$dir" "$out" gpu_ops; ran_ops=1 ;;
+            tests)
+                for t in $TESTS; do
+                    [ "$t" = gpu_ops ] && [ -n "$ran_ops" ] && continue
+                    test_binary "$dir" "$out" "$t"
+                done
+                ;;
+            tiny) part_tiny "$dir" "$out" ;;
+            bench) part_bench "$dir" "$out" ;;
+            torch) part_torch "$dir" "$out" ;;
+            big) part_big "$dir" "$out" ;;
+            long) part_long "$dir" "$out" ;;
+            attention) part_attention "$dir" "$out" ;;
+            *) echo "unknown part '$part' in AVA_GPU_PARTS: ops, tests, tiny, bench, torch, big, long, attention" ;;
+        esac
+    done
+    echo "== done after ${SECONDS}s"
+}
+
+part_tiny() {
+    local dir=$1 out=$2 run
+    echo "== tiny: the GPU (standard, flash) and the CPU"
+    for run in ${AVA_TINY_RUNS:-cuda:standard cuda:flash cpu:standard}; do
+        local dev=${run%%:*} attn=${run##*:}
+        ( time within 90 "$dir/ava" train --set train.device=$dev --set plugins.attention=$attn \
+            --set train.out_dir="$out/tiny-$dev-$attn" --set train.log_every=50 ) >"$out/tiny-$dev-$attn.log" 2>&1
+        tail -n 4 "$out/tiny-$dev-$attn.log" | head -n 2
+    done
+}
+
+part_bench() {
+    local dir=$1 out=$2 ckpt
+    echo "== TinyLlama-1.1B's shape, T 2048 x 4: plain and checkpointed (PyTorch's recipes: part torch)"
+    for ckpt in none full; do
+        within 150 "$dir/ava" bench train -c configs/gpu-tinyllama-1b.yaml --steps 8 --warmup 3 \
+            --set plugins.checkpoint=$ckpt >"$out/bench-1b-$ckpt.txt" 2>&1
+        cat "$out/bench-1b-$ckpt.txt"
+        # What the estimator predicted for the peak just measured (its last line).
+        within 60 "$dir/ava" estimate -c configs/gpu-tinyllama-1b.yaml --device cuda --set plugins.checkpoint=$ckpt \
+            -q 2>&1 | tail -n 1 | tee "$out/estimate-1b-$ckpt.txt"
+    done
+}
+
+part_torch() {
+    local dir=$1 out=$2 flag
+    [ -f "$dir/torch_ref.py" ] || { echo "no torch_ref.py in $dir"; return; }
+    echo "== PyTorch (eager amp), TinyLlama-1.1B's shape, T 2048 x 4, plain and checkpointed"
+    for flag in "" --ckpt; do
+        within 120 python3 "$dir/torch_ref.py" --shape 1b --mode amp --seq 2048 --batch 4 --steps 6 \
+            --warmup 2 $flag 2>&1 | tail -n 1 | tee "$out/torch-1b$flag.json"
+    done
+}
+
+# PyTorch's 8-bit recipes need bitsandbytes: a wheel in DIR (bitsandbytes-*.whl,
+# ../shared/gpu/README.md says how to download it; 43 MB, so it travels in a call of its own)
+# is installed into DIR/py. Prints the wheel's path when there is one.
+bitsandbytes() {
+    local dir=$1 out=$2 wheel
+    wheel=$(ls "$dir"/bitsandbytes-*.whl 2>/dev/null | head -n 1)
+    [ -n "$wheel" ] || return 0
+    if [ ! -d "$dir/py/bitsandbytes" ]; then
+        python3 -m pip install -q --no-deps -t "$dir/py" "$wheel" >"$out/bnb-install.log" 2>&1 || return 0
+    fi
+    echo "$wheel"
+}
+
+part_big() {
+    local dir=$1 out=$2 wheel mode
+    wheel=$(bitsandbytes "$dir" "$out")
+    [ -n "$wheel" ] && export PYTHONPATH="$dir/py:${PYTHONPATH:-}"
+    echo "== Llama-2-7B's shape in 16 GiB: 8-bit Adam in backward, its state in host memory; then PyTorch's recipes"
+    within 420 "$dir/ava" bench train -c configs/gpu-llama2-7b-16gib.yaml --steps 5 --warmup 2 \
+        >"$out/bench-7b-16gib.txt" 2>&1
+    cat "$out/bench-7b-16gib.txt"
+    within 60 "$dir/ava" estimate -c configs/gpu-llama2-7b-16gib.yaml --device cuda -q 2>&1 | tail -n 1 |
+        tee "$out/estimate-7b-16gib.txt"
+    if [ -f "$dir/torch_ref.py" ] && [ -n "$wheel" ]; then
+        for mode in bnb8-inbwd bnb8; do
+            within 240 python3 "$dir/torch_ref.py" --shape 7b --mode $mode --ckpt --seq 2048 --batch 1 --steps 5 \
+                --warmup 2 2>&1 | tail -n 1 | tee "$out/torch-7b-$mode.json"
         done
     fi
-    if [[ $parts == *tiny* ]]; then
-        echo "== tiny: the GPU (standard, flash) and the CPU"
-        for run in ${AVA_TINY_RUNS:-cuda:standard cuda:flash cpu:standard}; do
-            local dev=${run%%:*} attn=${run##*:}
-            ( time timeout 90 "$dir/ava" train --set train.device=$dev --set plugins.attention=$attn \
-                --set train.out_dir="$out/tiny-$dev-$attn" --set train.log_every=50 ) >"$out/tiny-$dev-$attn.log" 2>&1
-            tail -n 4 "$out/tiny-$dev-$attn.log" | head -n 2
-        done
-    fi
-    if [[ $parts == *bench* ]]; then
-        echo "== TinyLlama-1.1B's shape, T 2048 x 4: Ava, then PyTorch (eager amp), each plain and checkpointed"
-        for ckpt in none full; do
-            timeout 150 "$dir/ava" bench train -c configs/gpu-tinyllama-1b.yaml --steps 8 --warmup 3 \
-                --set plugins.checkpoint=$ckpt >"$out/bench-1b-$ckpt.txt" 2>&1
-            cat "$out/bench-1b-$ckpt.txt"
-            # What the estimator predicted for the peak just measured (its last line).
-            timeout 60 "$dir/ava" estimate -c configs/gpu-tinyllama-1b.yaml --device cuda --set plugins.checkpoint=$ckpt \
-                -q 2>&1 | tail -n 1 | tee "$out/estimate-1b-$ckpt.txt"
-        done
-        if [ -f "$dir/torch_ref.py" ]; then
-            for flag in "" --ckpt; do
-                timeout 120 python3 "$dir/torch_ref.py" --shape 1b --mode amp --seq 2048 --batch 4 --steps 6 \
-                    --warmup 2 $flag 2>&1 | tail -n 1 | tee "$out/torch-1b$flag.json"
-            done
+}
+
+part_long() {
+    local dir=$1 out=$2 wheel seq
+    wheel=$(bitsandbytes "$dir" "$out")
+    [ -n "$wheel" ] && export PYTHONPATH="$dir/py:${PYTHONPATH:-}"
+    echo "== TinyLlama-1.1B's shape at 32K and 64K tokens: Ava, then PyTorch (bf16, 8-bit AdamW, checkpointing)"
+    for seq in 32768 65536; do
+        within 300 "$dir/ava" bench train -c configs/gpu-tinyllama-1b-64k.yaml --set data.seq_len=$seq \
+            --steps 3 --warmup 1 >"$out/bench-1b-$seq.txt" 2>&1
+        cat "$out/bench-1b-$seq.txt"
+        within 60 "$dir/ava" estimate -c configs/gpu-tinyllama-1b-64k.yaml --device cuda --set data.seq_len=$seq \
+            -q 2>&1 | tail -n 1 | tee "$out/estimate-1b-$seq.txt"
+        if [ -f "$dir/torch_ref.py" ] && [ -n "$wheel" ]; then
+            within 240 python3 "$dir/torch_ref.py" --shape 1b --mode bnb8 --ckpt --seq $seq --batch 1 --steps 3 \
+                --warmup 1 2>&1 | tail -n 1 | tee "$out/torch-1b-$seq.json"
         fi
+    done
+    echo "== the same at 64K with the block inputs parked in host memory"
+    within 300 "$dir/ava" bench train -c configs/gpu-tinyllama-1b-64k.yaml --steps 3 --warmup 1 \
+        --set 'plugins.checkpoint={name: selective, every: 1, offload: true}' >"$out/bench-1b-65536-parked.txt" 2>&1
+    cat "$out/bench-1b-65536-parked.txt"
+}
+
+part_attention() {
+    local dir=$1 out=$2
+    local shape=(--heads 32 --kv-heads 4 --head-dim 64)
+    echo "== attention alone: flash on the GPU, then PyTorch SDPA (flash backend)"
+    within 150 "$dir/ava" bench attention --device cuda --kernels flash --seq 2048,4096,8192,16384,32768 \
+        "${shape[@]}" >"$out/attn-ava.txt" 2>&1
+    cat "$out/attn-ava.txt"
+    if [ -f "$dir/attn_ref.py" ]; then
+        within 120 python3 "$dir/attn_ref.py" --seq 2048,4096,8192,16384,32768 "${shape[@]}" 2>&1 |
+            tee "$out/attn-torch.txt"
     fi
-    # Issue 37's targets (not in the default parts: minutes each). PyTorch's 8-bit recipes
-    # need bitsandbytes: a wheel in DIR (bitsandbytes-*.whl, ../shared/gpu/README.md says how
-    # to download it; 43 MB, so it travels in a call of its own) is installed into DIR/py.
-    if [[ $parts == *big* || $parts == *long* ]]; then
-        local wheel
-        wheel=$(ls "$dir"/bitsandbytes-*.whl 2>/dev/null | head -n 1)
-        if [ -n "$wheel" ]; then
-            python3 -m pip install -q --no-deps -t "$dir/py" "$wheel" >"$out/bnb-install.log" 2>&1 &&
-                export PYTHONPATH="$dir/py:${PYTHONPATH:-}"
-        fi
-    fi
-    if [[ $parts == *big* ]]; then
-        echo "== Llama-2-7B's shape in 16 GiB: 8-bit Adam in backward, its state in host memory; then PyTorch's recipes"
-        timeout 420 "$dir/ava" bench train -c configs/gpu-llama2-7b-16gib.yaml --steps 5 --warmup 2 \
-            >"$out/bench-7b-16gib.txt" 2>&1
-        cat "$out/bench-7b-16gib.txt"
-        timeout 60 "$dir/ava" estimate -c configs/gpu-llama2-7b-16gib.yaml --device cuda -q 2>&1 | tail -n 1 |
-            tee "$out/estimate-7b-16gib.txt"
-        if [ -f "$dir/torch_ref.py" ] && [ -n "${wheel:-}" ]; then
-            for mode in bnb8-inbwd bnb8; do
-                timeout 240 python3 "$dir/torch_ref.py" --shape 7b --mode $mode --ckpt --seq 2048 --batch 1 --steps 5 \
-                    --warmup 2 2>&1 | tail -n 1 | tee "$out/torch-7b-$mode.json"
-            done
-        fi
-    fi
-    if [[ $parts == *long* ]]; then
-        echo "== TinyLlama-1.1B's shape at 32K and 64K tokens: Ava, then PyTorch (bf16, 8-bit AdamW, checkpointing)"
-        for seq in 32768 65536; do
-            timeout 300 "$dir/ava" bench train -c configs/gpu-tinyllama-1b-64k.yaml --set data.seq_len=$seq \
-                --steps 3 --warmup 1 >"$out/bench-1b-$seq.txt" 2>&1
-            cat "$out/bench-1b-$seq.txt"
-            timeout 60 "$dir/ava" estimate -c configs/gpu-tinyllama-1b-64k.yaml --device cuda --set data.seq_len=$seq \
-                -q 2>&1 | tail -n 1 | tee "$out/estimate-1b-$seq.txt"
-            if [ -f "$dir/torch_ref.py" ] && [ -n "${wheel:-}" ]; then
-                timeout 240 python3 "$dir/torch_ref.py" --shape 1b --mode bnb8 --ckpt --seq $seq --batch 1 --steps 3 \
-                    --warmup 1 2>&1 | tail -n 1 | tee "$out/torch-1b-$seq.json"
-            fi
-        done
-        echo "== the same at 64K with the block inputs parked in host memory"
-        timeout 300 "$dir/ava" bench train -c configs/gpu-tinyllama-1b-64k.yaml --steps 3 --warmup 1 \
-            --set 'plugins.checkpoint={name: selective, every: 1, offload: true}' >"$out/bench-1b-65536-parked.txt" 2>&1
-        cat "$out/bench-1b-65536-parked.txt"
-    fi
-    if [[ $parts == *attention* ]]; then
-        echo "== attention alone: flash on the GPU, then PyTorch SDPA (flash backend)"
-        timeout 150 "$dir/ava" bench attention --device cuda --kernels flash --seq 2048,4096,8192,16384,32768 \
-            --heads 32 --kv-heads 4 --head-dim 64 >"$out/attn-ava.txt" 2>&1
-        cat "$out/attn-ava.txt"
-        if [ -f "$dir/attn_ref.py" ]; then
-            timeout 120 python3 "$dir/attn_ref.py" --seq 2048,4096,8192,16384,32768 --heads 32 --kv-heads 4 \
-                --head-dim 64 2>&1 | tee "$out/attn-torch.txt"
-        fi
-    fi
+    # Each kernel's own time (AVA_CUDA_KERNEL_TIMES: two events around every launch, the host
+    # waiting for each), summed per kernel and T: which of flash's kernels the time goes to.
+    echo "== flash's kernels one by one (ms a launch, mean of every launch of the bench: warm-up and repeats)"
+    local seq
+    for seq in 2048 8192; do
+        rm -f "$out/kernels-attn-$seq.tsv"
+        AVA_CUDA_KERNEL_TIMES="$out/kernels-attn-$seq.tsv" within 60 "$dir/ava" bench attention --device cuda \
+            --kernels flash --seq $seq "${shape[@]}" --repeats 3 >/dev/null 2>&1
+        echo "T $seq:"
+        [ -f "$out/kernels-attn-$seq.tsv" ] && awk -F'\t' '{ n[$2]++; ms[$2] += $5; grid[$2] = $3 }
+            END { for (k in n) printf "  %-28s grid %-12s %4d launches  %9.4f ms a launch\n", k, grid[k], n[k], ms[k] / n[k] }' \
+            "$out/kernels-attn-$seq.tsv" | sort
+    done
 }
 
 case "${1:-}" in

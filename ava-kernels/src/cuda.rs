@@ -5,7 +5,8 @@
 //! outside a CUDA build of the workspace: cudarc loads the driver at run time.
 //!
 //! Also a step's stream-ordered scratch memory ([`Scratch`]), and the checks every attention
-//! kernel's device call makes on its buffers ([`check_attention`]).
+//! kernel's device call makes on its buffers ([`check_attention`]). With
+//! `AVA_CUDA_KERNEL_TIMES` naming a file, each launch's own time is appended to it (`times`).
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_void};
@@ -16,6 +17,8 @@ use ava_core::PluginError;
 use ava_core::attention::AttnShape;
 use ava_core::device::{CudaBuf, CudaStream};
 use cudarc::driver::{result, sys};
+
+mod times;
 
 /// One PTX module: a name for messages and its NUL-terminated image (`include_str!` of
 /// nvcc's output with a `"\0"` appended).
@@ -145,10 +148,12 @@ pub unsafe fn launch_with(
             driver(&format!("{} asking for {} KiB of shared memory", name.to_string_lossy(), shape.shared >> 10), e)
         })?;
     }
-    let (grid, block) = (shape.grid, (shape.threads, 1, 1));
-    // SAFETY: the caller's promise about params; the stream is the host's (0: the default).
-    unsafe { result::launch_kernel(f, grid, block, shape.shared, stream.handle as sys::CUstream, params) }
-        .map_err(|e| driver(&format!("launch of {}", name.to_string_lossy()), e))
+    let (grid, block, stream) = (shape.grid, (shape.threads, 1, 1), stream.handle as sys::CUstream);
+    times::timed(ptx.name, name, grid, shape.threads, stream, || {
+        // SAFETY: the caller's promise about params; the stream is the host's (0: the default).
+        unsafe { result::launch_kernel(f, grid, block, shape.shared, stream, params) }
+            .map_err(|e| driver(&format!("launch of {}", name.to_string_lossy()), e))
+    })
 }
 
 /// Blocks of [`THREADS`] covering `n` elements.

@@ -44,28 +44,90 @@ fn tolerance(dtype: DType) -> (f32, f32) {
     }
 }
 
-/// Fails naming `what` and the worst element unless `gpu` and `cpu` agree within the
-/// tolerance of `dtype`.
-fn close(what: &str, gpu: &Tensor, cpu: &Tensor, dtype: DType) {
-    assert_eq!(gpu.dims(), cpu.dims(), "{what}: shapes differ");
-    assert_eq!(gpu.dtype(), cpu.dtype(), "{what}: types differ");
+/// Where `gpu` and `cpu` disagree beyond the tolerance of `dtype`, if they do: the worst
+/// element, and for a (B, H, T, D) tensor which of its rows and columns are wrong (a kernel's
+/// tiling shows in them: rows by their place in a 64-row tile, columns by head dimension).
+fn mismatch(what: &str, gpu: &Tensor, cpu: &Tensor, dtype: DType) -> Option<String> {
+    if gpu.dims() != cpu.dims() || gpu.dtype() != cpu.dtype() {
+        let (a, b) = ((gpu.dims(), gpu.dtype()), (cpu.dims(), cpu.dtype()));
+        return Some(format!("{what}: {a:?} on the GPU, {b:?} on the CPU"));
+    }
     let a = gpu.to_device(&Device::Cpu).and_then(|t| t.to_dtype(DType::F32)).and_then(|t| t.flatten_all()).unwrap();
     let b = cpu.to_dtype(DType::F32).and_then(|t| t.flatten_all()).unwrap();
     let (a, b) = (a.to_vec1::<f32>().unwrap(), b.to_vec1::<f32>().unwrap());
     let (atol, rtol) = tolerance(dtype);
     let mut worst: Option<(usize, f32)> = None;
+    let mut bad = Vec::new();
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         let excess = (x - y).abs() - (atol + rtol * y.abs());
-        if (excess > 0.0 || x.is_nan() != y.is_nan()) && worst.is_none_or(|(_, e)| excess > e) {
-            worst = Some((i, excess));
+        if excess > 0.0 || x.is_nan() != y.is_nan() {
+            bad.push(i);
+            if worst.is_none_or(|(_, e)| excess > e) {
+                worst = Some((i, excess));
+            }
         }
     }
-    if let Some((i, _)) = worst {
-        panic!(
-            "{what} ({dtype:?}): element {i} is {} on the GPU, {} on the CPU (atol {atol}, rtol {rtol})",
-            a[i], b[i]
+    let (i, _) = worst?;
+    let mut e = format!(
+        "{what} ({dtype:?}): element {i} is {} on the GPU, {} on the CPU (atol {atol}, rtol {rtol}); {} of {} elements \
+         differ",
+        a[i],
+        b[i],
+        bad.len(),
+        a.len()
+    );
+    if let &[_, _, t, d] = gpu.dims() {
+        let rows: std::collections::BTreeSet<usize> = bad.iter().map(|i| i / d % t).collect();
+        let in_tile: std::collections::BTreeSet<usize> = rows.iter().map(|r| r % 64).collect();
+        let cols: std::collections::BTreeSet<usize> = bad.iter().map(|i| i % d).collect();
+        e += &format!(
+            "; rows {} (in a 64-row tile: {}); columns {} of {d}",
+            ranges(&rows),
+            ranges(&in_tile),
+            ranges(&cols)
         );
     }
+    Some(e)
+}
+
+/// A set of indices as ranges, "0-15, 32, 40-47" (the first 12 ranges).
+fn ranges(set: &std::collections::BTreeSet<usize>) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &i in set {
+        match runs.last_mut() {
+            Some((_, end)) if *end + 1 == i => *end = i,
+            _ => runs.push((i, i)),
+        }
+    }
+    let shown: Vec<String> =
+        runs.iter().take(12).map(|&(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }).collect();
+    let more = if runs.len() > 12 { format!(", … ({} ranges)", runs.len()) } else { String::new() };
+    format!("{}{more}", shown.join(", "))
+}
+
+/// The failure report itself (no GPU needed): the worst element, how many differ, and which
+/// rows (also by their place in a 64-row tile) and columns of a (B, H, T, D) tensor.
+#[test]
+fn a_mismatch_names_the_rows_and_columns_that_differ() {
+    let (t, d) = (130, 8);
+    let cpu = Tensor::zeros((1, 2, t, d), DType::F32, &Device::Cpu).unwrap();
+    let mut wrong = vec![0f32; 2 * t * d];
+    for head in 0..2 {
+        for row in [3, 4, 5, 67, 129] {
+            wrong[(head * t + row) * d + 6] = 0.5;
+        }
+    }
+    wrong[(t + 4) * d + 6] = 2.0;
+    let gpu = Tensor::from_slice(&wrong, (1, 2, t, d), &Device::Cpu).unwrap();
+    let e = mismatch("dq", &gpu, &cpu, DType::F32).unwrap();
+    assert_eq!(
+        e,
+        "dq (F32): element 1078 is 2 on the GPU, 0 on the CPU (atol 0.0001, rtol 0.001); 10 of 2080 elements differ; \
+         rows 3-5, 67, 129 (in a 64-row tile: 1, 3-5); columns 6 of 8"
+    );
+    assert_eq!(mismatch("dq", &cpu, &cpu, DType::F32), None);
+    let many: std::collections::BTreeSet<usize> = (0..40).map(|i| 2 * i).collect();
+    assert!(ranges(&many).ends_with("20, 22, … (40 ranges)"), "{}", ranges(&many));
 }
 
 /// A tensor of `dtype` from f32 values, on `dev`.
@@ -79,22 +141,40 @@ fn tensor(values: &[f32], shape: &[usize], dtype: DType, dev: &Device) -> Tensor
 /// Runs `op` on the inputs (as Vars) on each device, back-propagates `Σ out ∘ up` for the
 /// same random `up`, and compares the output and every input's gradient.
 fn compare(name: &str, inputs: &[(Vec<f32>, Vec<usize>)], dtype: DType, op: impl Fn(&[Tensor]) -> Result<Tensor>) {
-    let run = |dev: &Device| -> (Tensor, Vec<Tensor>) {
-        let vars: Vec<Var> = inputs.iter().map(|(v, s)| Var::from_tensor(&tensor(v, s, dtype, dev)).unwrap()).collect();
+    let failed = check(name, inputs, dtype, op);
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
+/// [`compare`], returning what failed (an error, or each tensor that differs) instead of
+/// stopping at the first: the flash tests run every case and report them all.
+fn check(
+    name: &str,
+    inputs: &[(Vec<f32>, Vec<usize>)],
+    dtype: DType,
+    op: impl Fn(&[Tensor]) -> Result<Tensor>,
+) -> Vec<String> {
+    let run = |dev: &Device| -> Result<(Tensor, Vec<Tensor>)> {
+        let vars =
+            inputs.iter().map(|(v, s)| Var::from_tensor(&tensor(v, s, dtype, dev))).collect::<Result<Vec<_>>>()?;
         let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let out = op(&tensors).unwrap_or_else(|e| panic!("{name} on {dev:?}: {e}"));
+        let out = op(&tensors)?;
         let up = tensor(&data(out.elem_count(), 99, 1.0), out.dims(), out.dtype(), dev);
-        let loss = out.mul(&up).and_then(|t| t.to_dtype(DType::F32)).and_then(|t| t.sum_all()).unwrap();
-        let grads = loss.backward().unwrap();
+        let grads = out.mul(&up)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
         let g = vars.iter().map(|v| grads.get(v.as_tensor()).expect("a gradient for every input").clone()).collect();
-        (out, g)
+        Ok((out, g))
     };
-    let (out_gpu, g_gpu) = run(&gpu());
-    let (out_cpu, g_cpu) = run(&Device::Cpu);
-    close(&format!("{name}: output"), &out_gpu, &out_cpu, dtype);
-    for (i, (a, b)) in g_gpu.iter().zip(&g_cpu).enumerate() {
-        close(&format!("{name}: gradient of input {i}"), a, b, dtype);
+    let (gpu, cpu) = match (run(&gpu()), run(&Device::Cpu)) {
+        (Ok(g), Ok(c)) => (g, c),
+        (g, c) => {
+            let errors = [("GPU", g.err()), ("CPU", c.err())];
+            return errors.into_iter().filter_map(|(at, e)| Some(format!("{name} on the {at}: {}", e?))).collect();
+        }
+    };
+    let mut failed: Vec<String> = mismatch(&format!("{name}: output"), &gpu.0, &cpu.0, dtype).into_iter().collect();
+    for (i, (a, b)) in gpu.1.iter().zip(&cpu.1).enumerate() {
+        failed.extend(mismatch(&format!("{name}: gradient of input {i}"), a, b, dtype));
     }
+    failed
 }
 
 const TYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
@@ -267,12 +347,15 @@ fn standard_attention_matches_the_cpu() {
 /// `flash` (FlashAttention-2, kernels/flash.cu in ava-kernels) through the engine's attention
 /// op against the same kernel on the CPU: causal, grouped-query, with and without packed
 /// documents; head dims 64, 80 (padded to 96 in the tiles) and 128; lengths that end inside a
-/// tile and span several (the f32 tiles are 32, the bf16/f16 ones 64).
+/// tile and span several (the f32 tiles are 32, the bf16/f16 ones 64). Every case runs and
+/// every failure is reported, each with the rows and columns that differ: which of out, dq, dk
+/// and dv is wrong, and where in the tiles, says which kernel and which fragment to look at.
 #[test]
 fn flash_attention_matches_the_cpu() {
     use ava_kernels::attention::{Kernel, Masking};
     let kernel: Arc<dyn ava_core::AttentionKernel> = Arc::new(Kernel::flash(Masking::Plain));
     assert!(Kernel::flash(Masking::Plain).runs_on_cuda());
+    let (mut failed, mut cases) = (Vec::new(), 0);
     for (b, h, hkv, t, d) in [(2, 8, 2, 37, 64), (1, 4, 4, 200, 128), (1, 2, 1, 70, 80)] {
         let segments: Arc<[u32]> = (0..b * t).map(|i| ((i % t) / 23) as u32).collect();
         for dtype in TYPES {
@@ -283,12 +366,14 @@ fn flash_attention_matches_the_cpu() {
             ];
             for segs in [None, Some(&segments)] {
                 let what = format!("flash attention (B {b}, H {h}/{hkv}, T {t}, D {d}), documents {}", segs.is_some());
-                compare(&what, &inputs, dtype, |x| {
+                cases += 1;
+                failed.extend(check(&what, &inputs, dtype, |x| {
                     ava_train::model::attention(&kernel, "flash", &x[0], &x[1], &x[2], segs, 2)
-                });
+                }));
             }
         }
     }
+    assert!(failed.is_empty(), "{} failures in {cases} cases:\n{}", failed.len(), failed.join("\n"));
 }
 
 /// `flash` at the lengths training at long context runs, against the CPU: 4K and 8K tokens
@@ -300,6 +385,7 @@ fn flash_attention_matches_the_cpu() {
 fn flash_attention_matches_the_cpu_at_long_sequences() {
     use ava_kernels::attention::{Kernel, Masking};
     let kernel: Arc<dyn ava_core::AttentionKernel> = Arc::new(Kernel::flash(Masking::Plain));
+    let (mut failed, mut cases) = (Vec::new(), 0);
     for (h, hkv, t, d) in [(4, 1, 4096, 64), (2, 2, 8192, 128)] {
         let segments: Arc<[u32]> = (0..t).map(|i| u32::from(i >= t / 3)).collect();
         for dtype in TYPES {
@@ -310,12 +396,14 @@ fn flash_attention_matches_the_cpu_at_long_sequences() {
             ];
             for segs in [None, Some(&segments)] {
                 let what = format!("flash attention (H {h}/{hkv}, T {t}, D {d}), documents {}", segs.is_some());
-                compare(&what, &inputs, dtype, |x| {
+                cases += 1;
+                failed.extend(check(&what, &inputs, dtype, |x| {
                     ava_train::model::attention(&kernel, "flash", &x[0], &x[1], &x[2], segs, 16)
-                });
+                }));
             }
         }
     }
+    assert!(failed.is_empty(), "{} failures in {cases} cases:\n{}", failed.len(), failed.join("\n"));
 }
 
 /// Flash on the GPU gives the same bits on every run (its sums run in a fixed order: no
