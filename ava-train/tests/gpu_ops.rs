@@ -298,6 +298,26 @@ fn cast_and_add_match_the_cpu() {
     }
 }
 
+/// The root a recomputed stretch's backward starts from (`fused::seed`): its forward on the
+/// GPU is one f32 zero, and backward from it hands the given gradient to the stretch's end
+/// bit for bit, through the op before it.
+#[test]
+fn backward_from_the_seed_hands_back_the_given_gradient_on_the_gpu() {
+    let dev = gpu();
+    let (b, t, d) = (2, 37, 64);
+    for dtype in TYPES {
+        let x = Var::from_tensor(&tensor(&data(b * t * d, 14, 1.0), &[b, t, d], dtype, &dev)).unwrap();
+        let out = fused::add(x.as_tensor(), x.as_tensor()).unwrap(); // d out / d x = 2: exact
+        let g = tensor(&data(b * t * d, 15, 1.0), &[b, t, d], dtype, &dev);
+        let root = fused::seed(&out, &g).unwrap();
+        assert_eq!(root.to_dtype(DType::F32).unwrap().to_vec0::<f32>().unwrap(), 0.0);
+        let dx = root.backward().unwrap().get(x.as_tensor()).unwrap().to_device(&Device::Cpu).unwrap();
+        let want = g.affine(2.0, 0.0).unwrap().to_device(&Device::Cpu).unwrap();
+        let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(bits(&dx), bits(&want), "{dtype:?}");
+    }
+}
+
 #[test]
 fn stochastic_rounding_is_bit_for_bit_the_cpus() {
     use ava_train::train::rounding::round_stochastic;

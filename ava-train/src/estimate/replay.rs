@@ -616,7 +616,7 @@ impl<'a> Replay<'a> {
 
     /// `recompute::surrogate`.
     fn surrogate(out: &T, grad_out: &T, aux: Option<&T>) -> T {
-        let mut s = out.mul(&grad_out.detach().to_dtype(out.dtype())).sum_all().to_dtype(Dt::F32);
+        let mut s = T::seed(out, grad_out);
         if let Some(aux) = aux {
             s = s.add(&aux.to_dtype(Dt::F32).affine(1.0));
         }

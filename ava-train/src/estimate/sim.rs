@@ -250,6 +250,8 @@ enum Op {
     /// and W (V, d): it holds a copy of the targets (host memory), the forward's value (a
     /// scalar), and the rows per block.
     HeadLoss(T, T, #[allow(dead_code)] Rc<Buf>, #[allow(dead_code)] T, usize), // held only to be counted
+    /// `fused::seed` on a stretch's end: it holds the gradient handed back, in the end's type.
+    Seed(T, T),
 }
 
 /// The engine's fused ops (`model::fused`).
@@ -304,6 +306,7 @@ impl Op {
             Op::Fused(Fused::MergeHeads, _) => "merge-heads",
             Op::Fused(Fused::SwiGlu, _) => "swiglu",
             Op::HeadLoss(..) => "lm head + cross-entropy (logits recomputed)",
+            Op::Seed(..) => "seed",
         }
     }
 
@@ -325,7 +328,8 @@ impl Op {
             | Op::Sqr(a)
             | Op::Affine(a, _)
             | Op::Sum(a, _)
-            | Op::CrossEntropy(a, _) => vec![a],
+            | Op::CrossEntropy(a, _)
+            | Op::Seed(a, _) => vec![a],
         }
     }
 }
@@ -705,6 +709,14 @@ impl T {
         h.out(vec![], Dt::F32, op)
     }
 
+    /// `fused::seed(out, grad)`: an f32 scalar whose op holds `grad` (detached, in `out`'s
+    /// type).
+    pub(crate) fn seed(out: &T, grad: &T) -> T {
+        let grad = grad.detach().to_dtype(out.0.dtype);
+        let op = T::op_if(&[out], || Op::Seed(out.clone(), grad.clone()));
+        out.out(vec![], Dt::F32, op)
+    }
+
     /// The attention op on contiguous q, k, v of one type: the output (q's shape and type)
     /// and the kernel's saved buffer of `saved_len` f32s (counted under [`Cat::AttnSaved`]),
     /// held by the op, in the half type when the inputs are half and `saved_half` (the
@@ -985,6 +997,12 @@ pub(crate) fn backward(root: &T) -> GradStore {
                     T::new(&meter, &arg.0.dims, arg.0.dtype)
                 };
                 grads.accumulate(arg, |s| s.add(&arg_grad));
+            }
+            Op::Seed(out, held) => {
+                // `bwd`: the held gradient times the upstream scalar (in its type), a fresh
+                // (B, T, d).
+                let arg_grad = held.broadcast_mul(&grad.to_dtype(held.0.dtype));
+                grads.accumulate(out, |s| s.add(&arg_grad));
             }
             Op::HeadLoss(h, w, _, _, chunk_rows) => {
                 let (dh, dw) = head_loss_backward(&meter, h, w, *chunk_rows);

@@ -149,7 +149,9 @@ pub const ELEMENTWISE_BYTES: (f64, f64) = (78.4, 588.5);
 /// Effective bytes per token, recomputed block and channel that recomputation cost beyond
 /// the forward it repeats: with full checkpointing the H200 step took 823.8 ms, 332.5 ms more
 /// than the kept step plus one forward of every block (session 41). Where that time went was
-/// not profiled; the model carries it as measured.
+/// not profiled; the model carries it as measured. Part of it was each stretch's surrogate
+/// root, a whole-tensor sum candle runs in one block (3–6 ms a stretch, 22 stretches), which
+/// `fused::seed` has replaced since: refit from the next measurement.
 pub const RECOMPUTE_BYTES: f64 = 1153.0;
 
 /// The share of the bandwidth the optimizer step and the gradients' norm reach: AdamW with

@@ -365,11 +365,10 @@ pub fn forward_logits(
     Ok(logits)
 }
 
-/// `(out · grad_out).sum() + aux_scale · aux`: its gradient with respect to `out` is exactly
-/// `grad_out` (the sum's gradient is 1, and x·1 is exact), which continues back-propagation
-/// from a stretch's end.
+/// `seed(out, grad_out) + aux_scale · aux`: its gradient with respect to `out` is exactly
+/// `grad_out` (`fused::seed`), which continues back-propagation from a stretch's end.
 fn surrogate(out: &Tensor, grad_out: &Tensor, aux: Option<&Tensor>, aux_scale: f64) -> Result<Tensor> {
-    let mut s = (out * grad_out.detach().to_dtype(out.dtype())?)?.sum_all()?.to_dtype(DType::F32)?;
+    let mut s = crate::model::fused::seed(out, grad_out)?;
     if let Some(aux) = aux {
         s = (s + aux.to_dtype(DType::F32)?.affine(aux_scale, 0.0)?)?;
     }

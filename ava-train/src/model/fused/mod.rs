@@ -1,7 +1,7 @@
 //! The model's ops written as single candle custom ops with their own backward: the linear
 //! layer, RMSNorm, the head split with the rotary embedding (and its inverse, the head
 //! merge), the SwiGLU gate, and for half types the residual addition and the cast of the
-//! weights (`convert`).
+//! weights (`convert`); and the root backward continues from at a stretch's end (`seed`).
 //!
 //! Why: each is a chain of 5–10 candle primitives, and candle's backward gives every node of
 //! a chain a zero-filled gradient plus an addition, computes gradients for untracked inputs
@@ -30,6 +30,7 @@ mod cuda;
 mod linear;
 mod norm;
 mod rope;
+mod seed;
 mod stored;
 mod swiglu;
 
@@ -47,6 +48,7 @@ pub use linear::linear;
 pub(crate) use linear::{WeightGrad, half_scratch_len, linear_backward};
 pub use norm::rms_norm;
 pub use rope::{RopeTables, merge_heads, split_heads};
+pub use seed::seed;
 pub(crate) use stored::{Stored, with_stored};
 pub use swiglu::swiglu_gate;
 
