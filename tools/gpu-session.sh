@@ -19,7 +19,8 @@
 # `attention` `ava bench attention` beside PyTorch's SDPA and flash's kernels timed one by one,
 # `tests` the other test binaries (their output in OUT/<name>.log), `tiny` the tiny config on
 # the GPU (standard and flash) beside the CPU, `torch` PyTorch's reference recipes for the
-# bench's shape, `big` and `long` issue 37's targets (Llama-2-7B's shape in 16 GiB,
+# bench's shape, `trim` the bench's plain step with the pool trimmed at every synchronization
+# (the driver's default), `big` and `long` issue 37's targets (Llama-2-7B's shape in 16 GiB,
 # TinyLlama-1.1B's at 32K and 64K tokens) beside PyTorch's 8-bit recipes. It stops at nothing
 # but AVA_GPU_DEADLINE (seconds, default 540): past it, what is left is skipped, so one call
 # returns every log it wrote.
@@ -138,10 +139,11 @@ run() {
             tiny) part_tiny "$dir" "$out" ;;
             bench) part_bench "$dir" "$out" ;;
             torch) part_torch "$dir" "$out" ;;
+            trim) part_trim "$dir" "$out" ;;
             big) part_big "$dir" "$out" ;;
             long) part_long "$dir" "$out" ;;
             attention) part_attention "$dir" "$out" ;;
-            *) echo "unknown part '$part' in AVA_GPU_PARTS: ops, tests, tiny, bench, torch, big, long, attention" ;;
+            *) echo "unknown part '$part' in AVA_GPU_PARTS: ops, tests, tiny, bench, torch, trim, big, long, attention" ;;
         esac
     done
     echo "== done after ${SECONDS}s"
@@ -169,6 +171,16 @@ part_bench() {
         within 60 "$dir/ava" estimate -c configs/gpu-tinyllama-1b.yaml --device cuda --set plugins.checkpoint=$ckpt \
             -q 2>&1 | tail -n 1 | tee "$out/estimate-1b-$ckpt.txt"
     done
+}
+
+# The bench's plain step again with the device pool giving its unused memory back at every
+# synchronization (the driver's default; AVA_CUDA_POOL_TRIM=1): what keeping the reserve is worth.
+part_trim() {
+    local dir=$1 out=$2
+    echo "== TinyLlama-1.1B's shape, T 2048 x 4, the pool trimmed at every synchronization"
+    AVA_CUDA_POOL_TRIM=1 within 150 "$dir/ava" bench train -c configs/gpu-tinyllama-1b.yaml --steps 8 --warmup 3 \
+        --set plugins.checkpoint=none >"$out/bench-1b-none-trimmed.txt" 2>&1
+    cat "$out/bench-1b-none-trimmed.txt"
 }
 
 part_torch() {

@@ -300,7 +300,14 @@ fn open_cuda(spec: DeviceSpec, ordinal: usize) -> Result<candle_core::Device, De
     // cudarc panics (rather than erring) when it cannot load the driver library at all.
     let opened = std::panic::catch_unwind(|| candle_core::Device::new_cuda(ordinal));
     match opened {
-        Ok(Ok(device)) => Ok(device),
+        Ok(Ok(device)) => {
+            // The pool keeps what a step freed for the next one (memory::device::keep_reserve).
+            if let candle_core::Device::Cuda(gpu) = &device {
+                crate::memory::device::keep_reserve(gpu)
+                    .map_err(|e| DeviceError::Open { spec, reason: e.to_string() })?;
+            }
+            Ok(device)
+        }
         Ok(Err(e)) => Err(DeviceError::Open { spec, reason: e.to_string() }),
         Err(panic) => {
             let reason = ava_core::ffi::panic_message(panic.as_ref())

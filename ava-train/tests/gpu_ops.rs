@@ -318,6 +318,34 @@ fn backward_from_the_seed_hands_back_the_given_gradient_on_the_gpu() {
     }
 }
 
+/// The engine's device keeps what its pool reserved across a synchronization (the driver's
+/// default gives it back at each one, and a step synchronizes twice), and an out-of-memory
+/// back-off's release gives it back: the card's used memory (`cuMemGetInfo`) after freeing
+/// 1 GiB and synchronizing, then after `release_unused`.
+#[test]
+fn the_pool_keeps_its_reserve_until_released() {
+    use ava_train::memory::device::{read, release_unused};
+    let Device::Cuda(dev) = ava_train::device::open(ava_train::device::DeviceSpec::Cuda(0)).unwrap() else {
+        panic!("cuda:0 opens a GPU")
+    };
+    let gib = 1u64 << 30;
+    let big = Tensor::zeros((gib / 4) as usize, DType::F32, &Device::Cuda(dev.clone())).unwrap();
+    let with = read(&dev).unwrap().card_used;
+    drop(big);
+    candle_core::backend::BackendDevice::synchronize(&dev).unwrap();
+    let kept = read(&dev).unwrap().card_used;
+    assert!(
+        kept + (64 << 20) >= with,
+        "the pool gave its reserve back: {with} bytes in use before the free, {kept} after"
+    );
+    release_unused(&dev).unwrap();
+    let released = read(&dev).unwrap().card_used;
+    assert!(
+        released + gib / 2 <= kept,
+        "release_unused kept the reserve: {kept} bytes in use before, {released} after"
+    );
+}
+
 #[test]
 fn stochastic_rounding_is_bit_for_bit_the_cpus() {
     use ava_train::train::rounding::round_stochastic;

@@ -9,6 +9,14 @@
 //! `cuMemGetInfo` is the card's own view: the pool's reserve, the CUDA context, cuBLAS's
 //! workspace and other processes, shown beside it rather than mixed in.
 //!
+//! The pool keeps what it reserved ([`keep_reserve`]): by default the driver gives a pool's
+//! unused memory back to the OS at every synchronization (the loss read back, the gradients'
+//! norm), so each step would map its activations' memory afresh; the CUDA programming guide's
+//! advice for a pool an application reuses is a release threshold of `u64::MAX`, and the
+//! caching allocators of PyTorch and RAPIDS keep their reserve the same way. What is freed
+//! stays in the pool for the next step's buffers; [`release_unused`] gives it back before an
+//! out-of-memory back-off retries, so the retry does not fail on a fragmented reserve.
+//!
 //! A [`CappedPool`] is a pool created with `maxSize` (CUDA 12.2 and later) and made the
 //! device's current pool: an allocation that would take its reserve past the cap fails with
 //! `CUDA_ERROR_OUT_OF_MEMORY`, as on a card of that size. What lives outside the pool (the
@@ -42,6 +50,40 @@ fn attribute(pool: sys::CUmemoryPool, attr: sys::CUmemPool_attribute) -> Result<
     // SAFETY: the used/reserved attributes are cuuint64_t, written into `value`.
     unsafe { result::mem_pool::get_attribute(pool, attr, (&mut value as *mut u64).cast()) }.map_err(driver)?;
     Ok(value)
+}
+
+/// The variable that keeps the driver's default release threshold (0: the pool's unused
+/// memory goes back at every synchronization), to measure what keeping it is worth.
+pub const TRIM_VAR: &str = "AVA_CUDA_POOL_TRIM";
+
+/// Makes the device's current pool keep the memory it has reserved (its release threshold
+/// `u64::MAX`), unless [`TRIM_VAR`] is `1`.
+pub fn keep_reserve(dev: &CudaDevice) -> Result<()> {
+    if std::env::var_os(TRIM_VAR).is_some_and(|v| v == "1") {
+        return Ok(());
+    }
+    set_release_threshold(pool(dev)?, u64::MAX).map_err(driver)
+}
+
+fn set_release_threshold(pool: sys::CUmemoryPool, mut bytes: u64) -> std::result::Result<(), result::DriverError> {
+    // SAFETY: RELEASE_THRESHOLD takes a cuuint64_t; `bytes` lives through the call.
+    unsafe {
+        result::mem_pool::set_attribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut bytes as *mut u64).cast(),
+        )
+    }
+}
+
+/// Gives the current pool's unused memory back to the driver once the work queued so far has
+/// run (it waits for the device): what an out-of-memory back-off does before its retry.
+pub fn release_unused(dev: &CudaDevice) -> Result<()> {
+    use candle_core::backend::BackendDevice;
+    dev.synchronize()?;
+    let pool = pool(dev)?;
+    // SAFETY: the device's current pool, valid while the device is.
+    unsafe { result::mem_pool::trim_to(pool, 0) }.map_err(driver)
 }
 
 /// Reads the device's memory now.
@@ -105,6 +147,10 @@ impl CappedPool {
             .map_err(|e| format!("cuMemPoolCreate: {e:?}"))?;
         // SAFETY: written by the successful call above.
         let capped = Self { pool: unsafe { pool.assume_init() }, max };
+        // It keeps what it reserves up to the cap, as the default pool does ([`keep_reserve`]).
+        if std::env::var_os(TRIM_VAR).is_none_or(|v| v != "1") {
+            set_release_threshold(capped.pool, u64::MAX).map_err(|e| format!("cuMemPoolSetAttribute: {e:?}"))?;
+        }
         // SAFETY: the pool was made for this device, and lives until `capped` is dropped
         // (which, on this error, destroys it).
         unsafe { sys::cuDeviceSetMemPool(ctx.cu_device(), capped.pool).result() }

@@ -349,6 +349,18 @@ fn reset_step_peak(device: &Device) -> Result<(), TrainError> {
     Ok(())
 }
 
+/// After an out-of-memory on a GPU, once the failed attempt's tensors are dropped: the
+/// device pool's unused memory back to the driver (it keeps what it reserves otherwise), so
+/// the retry at a smaller micro-batch starts from a compact pool, not a fragmented reserve.
+fn release_unused(device: &Device) -> Result<(), TrainError> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(gpu) = device {
+        memory::device::release_unused(gpu).map_err(TrainError::candle)?;
+    }
+    let _ = device;
+    Ok(())
+}
+
 /// What the micro-steps of a step run with.
 struct MicroBatches<'a> {
     model: &'a Model,
@@ -1692,6 +1704,9 @@ impl Trainer {
                     }
                     MicroSteps::OutOfMemory { at, device: oom } => {
                         drop(grads);
+                        if oom.is_some() {
+                            release_unused(&device)?;
+                        }
                         let micro_batch = t.micro_batch_size / self.split;
                         let limit = if inject { held_before + 1 } else { self.hard_limit.unwrap_or(0) };
                         if !self.shrink_micro_batch() {
