@@ -13,10 +13,11 @@
 # scripts when ../shared/gpu has them. Everything is built for a portable CPU
 # (x86-64-v3) in target/gpu, so repeated builds reuse their work.
 #
-# `run` runs the parts AVA_GPU_PARTS names, in its order (default: ops bench attention tests
-# tiny): `ops` the fused ops' and flash's tests (gpu_ops), `bench` `ava bench train` on
+# `run` runs the parts AVA_GPU_PARTS names, in its order (default: ops bench attention kernels
+# tests tiny): `ops` the fused ops' and flash's tests (gpu_ops), `bench` `ava bench train` on
 # TinyLlama-1.1B's shape plain and checkpointed (with the estimator's peak beside each),
 # `attention` `ava bench attention` beside PyTorch's SDPA and flash's kernels timed one by one,
+# `kernels` the plugins' kernels (flash's, the optimizer's) of the bench's step timed one by one,
 # `tests` the other test binaries (their output in OUT/<name>.log), `tiny` the tiny config on
 # the GPU (standard and flash) beside the CPU, `torch` PyTorch's reference recipes for the
 # bench's shape, `trim` the bench's plain step with the pool trimmed at every synchronization
@@ -120,12 +121,12 @@ run() {
     export AVA_TEST_BIN=$(realpath "$dir/ava")
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
     [ -f "$dir/BUILT_AT" ] && tee "$out/built_at.txt" <"$dir/BUILT_AT"
-    # The parts run in the order AVA_GPU_PARTS names them (default: ops bench attention tests
-    # tiny). `ops` is the fused ops' and flash's test binary alone (gpu_ops: it decides whether
+    # The parts run in the order AVA_GPU_PARTS names them (default: ops bench attention kernels
+    # tests tiny). `ops` is the fused ops' and flash's test binary alone (gpu_ops: it decides whether
     # the kernels are right), `tests` the other test binaries (and gpu_ops if `ops` did not run
     # it), `torch` PyTorch's reference recipes for the `bench` shape, `big` and `long` issue
     # 37's 7B-in-16-GiB and long-context targets.
-    local parts=${AVA_GPU_PARTS:-ops bench attention tests tiny} part t ran_ops=
+    local parts=${AVA_GPU_PARTS:-ops bench attention kernels tests tiny} part t ran_ops=
     for part in $parts; do
         echo "== part $part ($(left)s left)"
         case $part in
@@ -140,10 +141,11 @@ run() {
             bench) part_bench "$dir" "$out" ;;
             torch) part_torch "$dir" "$out" ;;
             trim) part_trim "$dir" "$out" ;;
+            kernels) part_kernels "$dir" "$out" ;;
             big) part_big "$dir" "$out" ;;
             long) part_long "$dir" "$out" ;;
             attention) part_attention "$dir" "$out" ;;
-            *) echo "unknown part '$part' in AVA_GPU_PARTS: ops, tests, tiny, bench, torch, trim, big, long, attention" ;;
+            *) echo "unknown part '$part' in AVA_GPU_PARTS: ops, tests, tiny, bench, torch, trim, kernels, big, long, attention" ;;
         esac
     done
     echo "== done after ${SECONDS}s"
@@ -266,10 +268,28 @@ part_attention() {
         AVA_CUDA_KERNEL_TIMES="$out/kernels-attn-$seq.tsv" within 60 "$dir/ava" bench attention --device cuda \
             --kernels flash --seq $seq "${shape[@]}" --repeats 3 >/dev/null 2>&1
         echo "T $seq:"
-        [ -f "$out/kernels-attn-$seq.tsv" ] && awk -F'\t' '{ n[$2]++; ms[$2] += $5; grid[$2] = $3 }
-            END { for (k in n) printf "  %-28s grid %-12s %4d launches  %9.4f ms a launch\n", k, grid[k], n[k], ms[k] / n[k] }' \
-            "$out/kernels-attn-$seq.tsv" | sort
+        kernel_sums "$out/kernels-attn-$seq.tsv"
     done
+}
+
+# An AVA_CUDA_KERNEL_TIMES file summed per kernel: launches, ms a launch, ms in all.
+kernel_sums() {
+    [ -f "$1" ] || { echo "  (no $1: nothing launched through ava_kernels::cuda)"; return; }
+    awk -F'\t' '{ n[$2]++; ms[$2] += $5; grid[$2] = $3 }
+        END { for (k in n) printf "  %-30s grid %-12s %5d launches %9.4f ms a launch %10.3f ms in all\n", k, grid[k], n[k], ms[k] / n[k], ms[k] }' \
+        "$1" | sort
+}
+
+# Each kernel launched through ava_kernels::cuda (flash's, the optimizer's) in the bench's
+# plain step, timed one by one: 1 warm-up, 2 measured and 2 profiled steps, so "ms in all" is
+# about 5 steps' worth.
+part_kernels() {
+    local dir=$1 out=$2
+    echo "== TinyLlama-1.1B's shape: the plugins' kernels one by one (5 steps: 1 warm-up, 2 measured, 2 profiled)"
+    rm -f "$out/kernels-1b.tsv"
+    AVA_CUDA_KERNEL_TIMES="$out/kernels-1b.tsv" within 120 "$dir/ava" bench train -c configs/gpu-tinyllama-1b.yaml \
+        --steps 2 --warmup 1 --set plugins.checkpoint=none >"$out/bench-1b-kernels.txt" 2>&1
+    kernel_sums "$out/kernels-1b.tsv"
 }
 
 case "${1:-}" in
