@@ -14,7 +14,7 @@
 # (x86-64-v3) in target/gpu, so repeated builds reuse their work.
 #
 # `run` runs the parts AVA_GPU_PARTS names, in its order (default: ops bench attention kernels
-# tests tiny): `ops` the fused ops' and flash's tests (gpu_ops), `bench` `ava bench train` on
+# torch tests tiny): `ops` the fused ops' and flash's tests (gpu_ops), `bench` `ava bench train` on
 # TinyLlama-1.1B's shape plain and checkpointed (with the estimator's peak beside each),
 # `attention` `ava bench attention` beside PyTorch's SDPA and flash's kernels timed one by one,
 # `kernels` the plugins' kernels (flash's, the optimizer's) of the bench's step timed one by one,
@@ -121,12 +121,9 @@ run() {
     export AVA_TEST_BIN=$(realpath "$dir/ava")
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
     [ -f "$dir/BUILT_AT" ] && tee "$out/built_at.txt" <"$dir/BUILT_AT"
-    # The parts run in the order AVA_GPU_PARTS names them (default: ops bench attention kernels
-    # tests tiny). `ops` is the fused ops' and flash's test binary alone (gpu_ops: it decides whether
-    # the kernels are right), `tests` the other test binaries (and gpu_ops if `ops` did not run
-    # it), `torch` PyTorch's reference recipes for the `bench` shape, `big` and `long` issue
-    # 37's 7B-in-16-GiB and long-context targets.
-    local parts=${AVA_GPU_PARTS:-ops bench attention kernels tests tiny} part t ran_ops=
+    # The parts run in the order AVA_GPU_PARTS names them (the header says what each does);
+    # `tests` skips gpu_ops when `ops` ran it.
+    local parts=${AVA_GPU_PARTS:-ops bench attention kernels torch tests tiny} part t ran_ops=
     for part in $parts; do
         echo "== part $part ($(left)s left)"
         case $part in
