@@ -99,7 +99,8 @@ within() {
     fi
     timeout -k 10 "$n" "$@"
     local rc=$?
-    [ $rc -eq 124 ] && echo "stopped after ${n}s: $*"
+    # 124: stopped by SIGTERM; 137: killed 10 s later, having ignored it.
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then echo "stopped after ${n}s: $*"; fi
     return $rc
 }
 
@@ -263,17 +264,19 @@ part_attention() {
     for seq in 2048 8192; do
         rm -f "$out/kernels-attn-$seq.tsv"
         AVA_CUDA_KERNEL_TIMES="$out/kernels-attn-$seq.tsv" within 60 "$dir/ava" bench attention --device cuda \
-            --kernels flash --seq $seq "${shape[@]}" --repeats 3 >/dev/null 2>&1
+            --kernels flash --seq $seq "${shape[@]}" --repeats 3 >"$out/kernels-attn-$seq.log" 2>&1 ||
+            tail -n 5 "$out/kernels-attn-$seq.log"
         echo "T $seq:"
         kernel_sums "$out/kernels-attn-$seq.tsv"
     done
 }
 
-# An AVA_CUDA_KERNEL_TIMES file summed per kernel: launches, ms a launch, ms in all.
+# An AVA_CUDA_KERNEL_TIMES file summed per kernel and grid (an optimizer's kernels run on a
+# grid per parameter size): launches, ms a launch, ms in all.
 kernel_sums() {
-    [ -f "$1" ] || { echo "  (no $1: nothing launched through ava_kernels::cuda)"; return; }
-    awk -F'\t' '{ n[$2]++; ms[$2] += $5; grid[$2] = $3 }
-        END { for (k in n) printf "  %-30s grid %-12s %5d launches %9.4f ms a launch %10.3f ms in all\n", k, grid[k], n[k], ms[k] / n[k], ms[k] }' \
+    [ -f "$1" ] || { echo "  (no $1: nothing launched through ava_kernels::cuda, or the run failed)"; return; }
+    awk -F'\t' '{ k = $2 "\t" $3; n[k]++; ms[k] += $5 }
+        END { for (k in n) { split(k, p, "\t"); printf "  %-30s grid %-14s %5d launches %9.4f ms a launch %10.3f ms in all\n", p[1], p[2], n[k], ms[k] / n[k], ms[k] } }' \
         "$1" | sort
 }
 
@@ -285,7 +288,8 @@ part_kernels() {
     echo "== TinyLlama-1.1B's shape: the plugins' kernels one by one (5 steps: 1 warm-up, 2 measured, 2 profiled)"
     rm -f "$out/kernels-1b.tsv"
     AVA_CUDA_KERNEL_TIMES="$out/kernels-1b.tsv" within 120 "$dir/ava" bench train -c configs/gpu-tinyllama-1b.yaml \
-        --steps 2 --warmup 1 --set plugins.checkpoint=none >"$out/bench-1b-kernels.txt" 2>&1
+        --steps 2 --warmup 1 --set plugins.checkpoint=none >"$out/bench-1b-kernels.txt" 2>&1 ||
+        tail -n 5 "$out/bench-1b-kernels.txt"
     kernel_sums "$out/kernels-1b.tsv"
 }
 

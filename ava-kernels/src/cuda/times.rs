@@ -5,12 +5,14 @@
 //! appended to that file as one line:
 //!
 //! ```text
-//! module <TAB> kernel <TAB> grid x×y×z <TAB> threads <TAB> milliseconds
+//! module <TAB> kernel <TAB> grid XxYxZ <TAB> threads <TAB> milliseconds
 //! ```
 //!
 //! The host waits for every kernel so timed, so a run with it set is slower than one without:
 //! it says where a step's kernel time goes (flash's `bwd_q` against its `bwd_kv`, say), not how
-//! fast the step is. The file is opened once, for appending; several processes or libraries
+//! fast the step is. Since the stream is idle when the start event is recorded, a time
+//! includes the launch's own latency (microseconds): negligible for flash's kernels, most of
+//! it for a one-block kernel. The file is opened once, for appending; several processes or libraries
 //! may share it (each line is one write). `tools/gpu-session.sh` sums it per kernel.
 
 use std::ffi::CStr;

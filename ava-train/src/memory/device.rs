@@ -52,8 +52,9 @@ fn attribute(pool: sys::CUmemoryPool, attr: sys::CUmemPool_attribute) -> Result<
     Ok(value)
 }
 
-/// The variable that keeps the driver's default release threshold (0: the pool's unused
-/// memory goes back at every synchronization), to measure what keeping it is worth.
+/// The variable that, set to `1`, keeps the driver's default release threshold (0: the
+/// pool's unused memory goes back at every synchronization), to measure what keeping it is
+/// worth; any other value is the same as unset.
 pub const TRIM_VAR: &str = "AVA_CUDA_POOL_TRIM";
 
 /// Makes the device's current pool keep the memory it has reserved (its release threshold
@@ -62,7 +63,12 @@ pub fn keep_reserve(dev: &CudaDevice) -> Result<()> {
     if std::env::var_os(TRIM_VAR).is_some_and(|v| v == "1") {
         return Ok(());
     }
-    set_release_threshold(pool(dev)?, u64::MAX).map_err(driver)
+    set_release_threshold(pool(dev)?, u64::MAX).map_err(|e| {
+        candle_core::Error::Msg(format!(
+            "setting the device memory pool's release threshold (so it keeps its reserve between steps): {e}; \
+             {TRIM_VAR}=1 leaves the driver's default"
+        ))
+    })
 }
 
 fn set_release_threshold(pool: sys::CUmemoryPool, mut bytes: u64) -> std::result::Result<(), result::DriverError> {
@@ -77,13 +83,15 @@ fn set_release_threshold(pool: sys::CUmemoryPool, mut bytes: u64) -> std::result
 }
 
 /// Gives the current pool's unused memory back to the driver once the work queued so far has
-/// run (it waits for the device): what an out-of-memory back-off does before its retry.
+/// run (it waits for candle's stream, which every free the engine makes is queued on): what
+/// an out-of-memory back-off does before its retry.
 pub fn release_unused(dev: &CudaDevice) -> Result<()> {
     use candle_core::backend::BackendDevice;
     dev.synchronize()?;
     let pool = pool(dev)?;
     // SAFETY: the device's current pool, valid while the device is.
-    unsafe { result::mem_pool::trim_to(pool, 0) }.map_err(driver)
+    unsafe { result::mem_pool::trim_to(pool, 0) }
+        .map_err(|e| candle_core::Error::Msg(format!("giving the device memory pool's unused memory back: {e}")))
 }
 
 /// Reads the device's memory now.

@@ -221,7 +221,7 @@ fn recomputed_blocks_give_identical_gradients() {
             assert_eq!(loss.ce, plain_loss.ce, "{plan:?}");
             assert!((loss.aux - plain_loss.aux).abs() < 1e-6, "{plan:?}");
             // Exactly equal: the recompute runs the same ops on the same values, and the
-            // surrogate (out · g).sum() hands back g unchanged.
+            // seed at each stretch's end (fused::seed) hands back g unchanged.
             assert_eq!(max_diff(&grads, &plain), 0.0, "{plan:?}, moe {moe:?}, tied {tie}");
         }
     }
