@@ -193,12 +193,15 @@ part_torch() {
     done
 }
 
-# PyTorch's 8-bit recipes need bitsandbytes: a wheel in DIR (bitsandbytes-*.whl,
-# ../shared/gpu/README.md says how to download it; 43 MB, so it travels in a call of its own)
-# is installed into DIR/py. Prints the wheel's path when there is one.
+# PyTorch's 8-bit recipes need bitsandbytes: a wheel in DIR or in gpu-wheels/ at the root
+# (bitsandbytes-*.whl; ../shared/gpu/README.md says how to download it: `python3 -m pip
+# download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux_2_24_x86_64 -d gpu-wheels bitsandbytes==0.50.2`, 43 MB, so it travels, carried as
+# gpu-wheels, in the call of `big` and `long` only) is installed into DIR/py. Prints the
+# wheel's path when there is one.
 bitsandbytes() {
     local dir=$1 out=$2 wheel
-    wheel=$(ls "$dir"/bitsandbytes-*.whl 2>/dev/null | head -n 1)
+    wheel=$(ls "$dir"/bitsandbytes-*.whl gpu-wheels/bitsandbytes-*.whl 2>/dev/null | head -n 1)
     [ -n "$wheel" ] || return 0
     if [ ! -d "$dir/py/bitsandbytes" ]; then
         python3 -m pip install -q --no-deps -t "$dir/py" "$wheel" >"$out/bnb-install.log" 2>&1 || return 0
