@@ -829,28 +829,6 @@ impl Trainer {
         &self.zero
     }
 
-    /// The checkpoint a run stopped in a wait ends with. Stopped waiting for the data loader,
-    /// alone, nothing of the step was applied: the last completed step is saved (unless it
-    /// is already). Stopped waiting for other ranks, the step may be half applied (and a save
-    /// would wait for them again): nothing is written, the latest checkpoint stays the one.
-    fn checkpoint_after_stopped_wait(
-        &mut self,
-        e: &TrainError,
-        reporter: &mut dyn Reporter,
-    ) -> Result<Option<String>, TrainError> {
-        let consistent = matches!(e, TrainError::Data(_)) && self.zero.size() == 1;
-        let existing = self.store.root().join(crate::save::step_dir_name(self.step));
-        if consistent && self.step > 0 && !existing.is_dir() {
-            let dir = self.save_checkpoint()?;
-            reporter.checkpoint(self.step, &dir);
-            return Ok(Some(dir.display().to_string()));
-        }
-        if !self.zero.is_root() {
-            return Ok(None);
-        }
-        Ok(self.store.latest()?.map(|p| p.display().to_string()))
-    }
-
     fn metrics_path(&self) -> PathBuf {
         self.out_dir.join(super::metrics::METRICS_FILE)
     }

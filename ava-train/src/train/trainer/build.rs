@@ -42,8 +42,8 @@ impl Trainer {
         // the preflight sizes the step with it before anything model-sized is allocated.
         let opt_sel = config.selection(PluginKind::Optimizer);
         let optimizer = registry.optimizer(&opt_sel.name, &optimizer_options(registry, opt_sel, &spec)?)?;
-        let memory = config.selection(PluginKind::Memory);
-        let new_policy = || registry.memory(&memory.name, &memory.options_json()).map_err(TrainError::from);
+        let mem_sel = config.selection(PluginKind::Memory);
+        let new_policy = || registry.memory(&mem_sel.name, &mem_sel.options_json()).map_err(TrainError::from);
         let preflight =
             super::super::fit_budget(&spec, &config, &run_plugins.estimate(optimizer.as_ref()), world, &new_policy)?;
 
@@ -55,8 +55,11 @@ impl Trainer {
         };
         let model = load_model(&config, spec, resume.as_ref(), &run_plugins.kernel, threads, &device)?;
         check_offload_selection(&config)?;
+        // f32 masters of a fresh model start from its f32 initial values; of loaded weights
+        // (a checkpoint, `model.from`), from those widened.
+        let fresh = resume.is_none() && config.model.from.is_none();
         let (zero, mut state) =
-            allocate_state(&config, optimizer.as_ref(), &model, group, &run_plugins.offload, resume.is_none())?;
+            allocate_state(&config, optimizer.as_ref(), &model, group, &run_plugins.offload, fresh)?;
         let plan = plan_checkpoints(
             &config,
             &model,
@@ -196,8 +199,8 @@ impl RunPlugins {
             Some((failing, _)) => failing.clone(),
             None => offload,
         };
-        let memory = config.selection(PluginKind::Memory);
-        let memory_policy = registry.memory(&memory.name, &memory.options_json())?;
+        let mem_sel = config.selection(PluginKind::Memory);
+        let memory_policy = registry.memory(&mem_sel.name, &mem_sel.options_json())?;
         Ok(Self { kernel, policy, offload, tier_fault, memory_policy })
     }
 
@@ -269,11 +272,13 @@ fn check_offload_selection(config: &Config) -> Result<(), TrainError> {
 }
 
 /// The ranks' split of the state (ZeRO: by whole parameters, sized by the layout before
-/// anything is allocated) and this rank's share of the optimizer state (and f32 masters),
-/// allocated where `offload.tiers` puts it: the share that is not `ram` streams through the
-/// tier, placed as it is allocated (a 7B model's state never exists in memory whole). The
-/// f32 masters of a fresh model (`fresh`: not resumed) start from its f32 initial values
-/// (the resident bf16 copy is their rounding); of loaded weights, from those widened.
+/// anything is allocated; from stage 1 each rank allocates, and places, only its own share)
+/// and this rank's share of the optimizer state (and f32 masters), allocated where
+/// `offload.tiers` puts it: the share that is not `ram` streams through the tier, placed as it
+/// is allocated (a 7B model's state never exists in memory whole). The f32 masters of a
+/// `fresh` model (built here, neither resumed nor loaded by `model.from`) start from its f32
+/// initial values (the resident bf16 copy is their rounding); of loaded weights, from those
+/// widened.
 fn allocate_state(
     config: &Config,
     optimizer: &dyn Optimizer,
@@ -291,7 +296,6 @@ fn allocate_state(
         prefetch: config.offload.prefetch,
     });
     let host = host_state(config);
-    let fresh = fresh && config.model.from.is_none();
     let (spec, seed) = (model.spec().clone(), config.train.seed);
     let master = move |p: &model::Param| {
         if fresh { Model::initial_values(&spec, seed, &p.def) } else { super::super::optim::widened(p) }

@@ -25,6 +25,11 @@ impl Pace {
         }
     }
 
+    /// No step has completed yet in this run.
+    fn before_first_step(&self) -> bool {
+        self.first.is_none()
+    }
+
     fn tokens_per_sec(&self) -> f64 {
         let (seconds, tokens) = if self.timed.0 == 0.0 { self.first.unwrap_or_default() } else { self.timed };
         if seconds > 0.0 { tokens as f64 / seconds } else { 0.0 }
@@ -77,7 +82,7 @@ impl Trainer {
         let mut saved_at = None;
         let mut prev_micro_batch = None;
         while self.step < last {
-            if pace.first.is_none() && self.agreed_flags([stop_requested() as u64])?[0] > 0 {
+            if pace.before_first_step() && self.agreed_flags([stop_requested() as u64])?[0] > 0 {
                 // Asked before this step started (e.g. while the run was being built): the
                 // last completed step is saved already, or nothing ran.
                 summary.interrupted = true;
@@ -105,7 +110,7 @@ impl Trainer {
                 Err(e) => return Err(e),
             };
             report_events(&mut record, reporter);
-            let after = self.agree_after_step(&mut record, reporter, &stop_requested, last)?;
+            let after = self.apply_policy_and_agree(&mut record, reporter, &stop_requested, last)?;
             add_step(&mut summary, &record);
             pace.add(record.step_seconds, self.global_batch() * self.config.data.seq_len);
             // Off the log_every grid too: a step where the memory policy or the back-off acted,
@@ -184,11 +189,33 @@ impl Trainer {
         Ok(Some(dir.display().to_string()))
     }
 
+    /// The checkpoint a run stopped in a wait ends with. Stopped waiting for the data loader,
+    /// alone, nothing of the step was applied: the last completed step is saved (unless it
+    /// is already). Stopped waiting for other ranks, the step may be half applied (and a save
+    /// would wait for them again): nothing is written, the latest checkpoint stays the one.
+    fn checkpoint_after_stopped_wait(
+        &mut self,
+        e: &TrainError,
+        reporter: &mut dyn Reporter,
+    ) -> Result<Option<String>, TrainError> {
+        let consistent = matches!(e, TrainError::Data(_)) && self.zero.size() == 1;
+        let existing = self.store.root().join(crate::save::step_dir_name(self.step));
+        if consistent && self.step > 0 && !existing.is_dir() {
+            let dir = self.save_checkpoint()?;
+            reporter.checkpoint(self.step, &dir);
+            return Ok(Some(dir.display().to_string()));
+        }
+        if !self.zero.is_root() {
+            return Ok(None);
+        }
+        Ok(self.store.latest()?.map(|p| p.display().to_string()))
+    }
+
     /// The memory policy's decision on the step, then what the ranks agree on: one asked to
     /// stop (a signal, its memory policy) stops them all, and from here the waits for the
     /// other ranks (the agreement, the save) complete. The step under way always completes
     /// and is saved.
-    fn agree_after_step(
+    fn apply_policy_and_agree(
         &mut self,
         record: &mut StepRecord,
         reporter: &mut dyn Reporter,

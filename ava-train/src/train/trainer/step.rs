@@ -410,6 +410,9 @@ impl Trainer {
                 }
                 MicroSteps::OutOfMemory { at, device: oom } => {
                     drop(grads);
+                    if oom.is_some() {
+                        release_unused(&device)?;
+                    }
                     let micro_batch = micro_batch_size / self.split;
                     let limit = if inject { held_before + 1 } else { self.hard_limit.unwrap_or(0) };
                     if !self.shrink_micro_batch() {
@@ -422,11 +425,6 @@ impl Trainer {
                             },
                             None => TrainError::OutOfMemory { step, micro_batch, limit, at },
                         });
-                    }
-                    if oom.is_some() {
-                        // Best effort: the retry starts from a compact pool; should trimming
-                        // fail, it runs on the reserve as it is and may back off again.
-                        let _ = release_unused(&device);
                     }
                     backoffs.push(Backoff {
                         micro_batch,
@@ -443,7 +441,7 @@ impl Trainer {
         }
     }
 
-    /// Σ g² over the gradients this rank holds (over every rank's at stage 2), and the first
+    /// Σ g² over the gradients this rank holds (over every rank's from stage 2 on), and the first
     /// parameter whose gradient is not finite, to name in the error: the global norm's square
     /// of the scaled gradients (a non-finite one is an f16 overflow, or garbage:
     /// `train.nan_policy`).
