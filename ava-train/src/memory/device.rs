@@ -60,7 +60,7 @@ pub const TRIM_VAR: &str = "AVA_CUDA_POOL_TRIM";
 /// Makes the device's current pool keep the memory it has reserved (its release threshold
 /// `u64::MAX`), unless [`TRIM_VAR`] is `1`.
 pub fn keep_reserve(dev: &CudaDevice) -> Result<()> {
-    if std::env::var_os(TRIM_VAR).is_some_and(|v| v == "1") {
+    if !keeps_reserve() {
         return Ok(());
     }
     set_release_threshold(pool(dev)?, u64::MAX).map_err(|e| {
@@ -69,6 +69,11 @@ pub fn keep_reserve(dev: &CudaDevice) -> Result<()> {
              {TRIM_VAR}=1 leaves the driver's default"
         ))
     })
+}
+
+/// Whether pools keep their reserve: unless [`TRIM_VAR`] is `1`.
+fn keeps_reserve() -> bool {
+    std::env::var_os(TRIM_VAR).is_none_or(|v| v != "1")
 }
 
 fn set_release_threshold(pool: sys::CUmemoryPool, mut bytes: u64) -> std::result::Result<(), result::DriverError> {
@@ -158,7 +163,7 @@ impl CappedPool {
         // SAFETY: written by the successful call above.
         let capped = Self { pool: unsafe { pool.assume_init() }, max };
         // It keeps what it reserves up to the cap, as the default pool does ([`keep_reserve`]).
-        if std::env::var_os(TRIM_VAR).is_none_or(|v| v != "1") {
+        if keeps_reserve() {
             set_release_threshold(capped.pool, u64::MAX).map_err(|e| format!("cuMemPoolSetAttribute: {e:?}"))?;
         }
         // SAFETY: the pool was made for this device, and lives until `capped` is dropped
