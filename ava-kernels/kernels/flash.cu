@@ -113,7 +113,7 @@ template <typename T, int BR, int BC>
 __device__ void fwd(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                     const unsigned int *__restrict__ segments, T *__restrict__ out, float *__restrict__ lse, int H,
                     int Hkv, int Tq, int Tk, int D, int causal, float scale) {
-    extern __shared__ __align__(128) unsigned char smem[];
+    AVA_DYNAMIC_SHARED(smem);
     const int DP = padded(D), LT = DP + 8, LP = BC + 8, LS = BC + 4, LF = DP + 4;
     Carver cv{smem, 0};
     T *sQ = cv.take<T>(BR * LT);      // (BR, DP) queries of this tile
@@ -232,7 +232,7 @@ __device__ void bwd_q(const T *__restrict__ q, const T *__restrict__ k, const T 
                       const unsigned int *__restrict__ segments, const T *__restrict__ dout,
                       const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq, int H,
                       int Hkv, int Tq, int Tk, int D, int causal, float scale) {
-    extern __shared__ __align__(128) unsigned char smem[];
+    AVA_DYNAMIC_SHARED(smem);
     const int DP = padded(D), LT = DP + 8, LP = BC + 8, LS = BC + 4, LF = DP + 4;
     Carver cv{smem, 0};
     T *sQ = cv.take<T>(BR * LT);          // (BR, DP)
@@ -295,7 +295,7 @@ __device__ void bwd_kv(const T *__restrict__ q, const T *__restrict__ k, const T
                        const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dk,
                        T *__restrict__ dv, float *__restrict__ dk_part, float *__restrict__ dv_part, int H, int Hkv,
                        int Tq, int Tk, int D, int causal, float scale) {
-    extern __shared__ __align__(128) unsigned char smem[];
+    AVA_DYNAMIC_SHARED(smem);
     const int DP = padded(D), LT = DP + 8, LP = BC + 8, LS = BC + 4, LF = DP + 4;
     Carver cv{smem, 0};
     T *sK = cv.take<T>(BC * LT);          // (BC, DP)
@@ -443,6 +443,19 @@ template <> __device__ __forceinline__ uint32_t pack<f16>(float lo, float hi) {
 // d (16 × 8 f32) += a (16 × 16) · b (16 × 8), inputs bf16 or f16, f32 accumulation.
 template <typename T>
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+#ifdef AVA_EMULATE // the CPU emulator's warp-level mma (ava-cuda-emu), for tests without a GPU
+template <>
+__device__ __forceinline__ void mma16816<bf16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    ava_emu::mma16816<bf16>(d, a, b0, b1);
+}
+template <>
+__device__ __forceinline__ void mma16816<f16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    ava_emu::mma16816<f16>(d, a, b0, b1);
+}
+template <bool TRANS> __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *row) {
+    ava_emu::ldmatrix_x4<TRANS>(r, row);
+}
+#else
 template <>
 __device__ __forceinline__ void mma16816<bf16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -475,6 +488,7 @@ template <bool TRANS> __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], 
                      : "memory");
     }
 }
+#endif
 } // namespace mma
 
 // Forward. Launch: grid (ceil(Tq / TQ), B·H), block THREADS, dynamic shared memory Smem::forward
@@ -488,7 +502,7 @@ __device__ void fwd_tc(const T *__restrict__ q, const T *__restrict__ k, const T
                        int Hkv, int Tq, int Tk, int D, int causal, float scale) {
     using mma::ldsm_x4;
     using mma::mma16816;
-    extern __shared__ __align__(128) unsigned char smem[];
+    AVA_DYNAMIC_SHARED(smem);
     constexpr int DP = ND * 16, LT = DP + 8;
     constexpr int NB = TK / 8; // S's 8-key column blocks
     constexpr int OB = DP / 8; // O's 8-column blocks
@@ -709,7 +723,7 @@ __device__ void bwd_q_tc(const T *__restrict__ q, const T *__restrict__ k, const
                          const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq, int H,
                          int Hkv, int Tq, int Tk, int D, int causal, float scale) {
     using mma::mma16816;
-    extern __shared__ __align__(128) unsigned char smem[];
+    AVA_DYNAMIC_SHARED(smem);
     constexpr int DP = ND * 16, LT = DP + 8, NB = TK / 8, OB = DP / 8;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     Carver cv{smem, 0};
@@ -791,7 +805,7 @@ __device__ void bwd_kv_tc(const T *__restrict__ q, const T *__restrict__ k, cons
                           T *__restrict__ dv, float *__restrict__ dk_part, float *__restrict__ dv_part, int H,
                           int Hkv, int Tq, int Tk, int D, int causal, float scale) {
     using mma::mma16816;
-    extern __shared__ __align__(128) unsigned char smem[];
+    AVA_DYNAMIC_SHARED(smem);
     constexpr int DP = ND * 16, LT = DP + 8, NB = TK / 8, OB = DP / 8;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     Carver cv{smem, 0};

@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_void};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, RwLock};
 
 use ava_core::DType;
 use ava_core::PluginError;
@@ -123,6 +123,21 @@ pub struct Launch {
     pub shared: u32,
 }
 
+/// Where launches go instead of the driver: (module name, kernel name, shape, the arguments
+/// as `cuLaunchKernel` takes them).
+pub type LaunchHook = dyn Fn(&str, &CStr, Launch, &mut [*mut c_void]) -> Result<(), PluginError> + Send + Sync;
+
+static HOOK: RwLock<Option<Arc<LaunchHook>>> = RwLock::new(None);
+
+/// From now on every launch through this module goes to `hook` (`None`: to the GPU again),
+/// process-wide. For tests that run the kernels on the CPU emulator (ava-cuda-emu), with host
+/// addresses as the "device" pointers: the launchers above (grids, shared memory, argument
+/// order, workspace carving) then run unchanged.
+#[doc(hidden)]
+pub fn set_launch_hook(hook: Option<Arc<LaunchHook>>) {
+    *HOOK.write().unwrap_or_else(|p| p.into_inner()) = hook;
+}
+
 /// [`launch`] with a full launch shape.
 ///
 /// # Safety
@@ -134,6 +149,10 @@ pub unsafe fn launch_with(
     stream: &CudaStream,
     params: &mut [*mut c_void],
 ) -> Result<(), PluginError> {
+    let hook = HOOK.read().unwrap_or_else(|p| p.into_inner()).clone();
+    if let Some(hook) = hook {
+        return hook(ptx.name, name, shape, params);
+    }
     let f = kernel(ptx, name)?;
     if shape.shared > 48 << 10 {
         // SAFETY: f is a live function of the current context.

@@ -11,6 +11,12 @@
 typedef __nv_bfloat16 bf16;
 typedef __half f16;
 
+#ifndef AVA_EMULATE
+// A kernel's dynamic shared memory, 128-byte aligned. The CPU emulator (ava-cuda-emu, which
+// defines AVA_EMULATE) gives its own arena under the same name.
+#define AVA_DYNAMIC_SHARED(name) extern __shared__ __align__(128) unsigned char name[]
+#endif
+
 __device__ __forceinline__ float load(float v) { return v; }
 __device__ __forceinline__ float load(bf16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float load(f16 v) { return __half2float(v); }

@@ -116,5 +116,7 @@ fn count(shape: &AttnShape, factors: &[u32], what: &str) -> Result<u64, PluginEr
         .ok_or_else(|| PluginError::invalid_input(format!("attention {what} for {shape:?} do not fit in memory")))
 }
 
+#[cfg(all(test, feature = "cuda"))]
+mod emulated;
 #[cfg(test)]
 mod tests;

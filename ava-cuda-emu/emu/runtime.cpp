@@ -1,0 +1,301 @@
+// The CPU emulator's scheduler (see ava_emu.h): a launch runs its blocks one after another;
+// a block's threads are fibers (ucontext) run one at a time, each until it reaches a barrier
+// (`__syncthreads`), a warp-level operation or its end. A warp's waiting lanes go on when all
+// its lanes wait; the block's when all its threads do. Threads that disagree (a warp split
+// between two barriers, a shuffle with a lane gone) fail the launch with what happened, as
+// does a dynamic shared memory request above a Hopper block's 227 KiB. A block runs in one
+// of two orders (`ava_emu_launch`'s `reverse`): lockstep (threads in index order, warps
+// advancing together from one warp operation to the next) or serial (the last warp first,
+// each run up to its next __syncthreads before the next starts, lanes last first); a kernel
+// whose output differs between them reads what another thread writes without a barrier
+// between. Dynamic shared memory is 0xff bytes at each block's start; `__shared__` statics
+// keep what the previous block left (they cannot be reached to be filled).
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <mutex>
+#include <stdarg.h>
+#include <stdio.h>
+#include <vector>
+
+#include "ava_emu.h"
+
+namespace {
+
+constexpr size_t STACK = 512 << 10;         // bytes a fiber (mapped lazily)
+constexpr size_t MAX_SHARED = 227u << 10;   // a Hopper block's dynamic shared memory
+constexpr unsigned MAX_THREADS = 1024;
+
+enum class State { Run, Warp, Block, Done };
+
+struct Fiber {
+    ucontext_t ctx;
+    void *stack = nullptr;
+    State state = State::Run;
+    uint3 idx{};
+    const void *post = nullptr; // the value posted for a warp exchange
+};
+
+struct Launch {
+    void (*body)(void *) = nullptr;
+    void *ctx = nullptr;
+    std::vector<Fiber> fibers;
+    unsigned current = 0;
+    ucontext_t scheduler;
+    bool failed = false;
+    char why[512] = {0};
+    alignas(128) unsigned char shared[MAX_SHARED];
+    size_t shared_bytes = 0;
+    const void *slots[32];
+};
+
+std::mutex launches; // one launch at a time per library (the statics are shared)
+Launch *now = nullptr;
+
+void fail_with(const char *fmt, ...) {
+    if (now->failed) return;
+    now->failed = true;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(now->why, sizeof now->why, fmt, ap);
+    va_end(ap);
+}
+
+void entry() {
+    now->body(now->ctx);
+    now->fibers[now->current].state = State::Done;
+    swapcontext(&now->fibers[now->current].ctx, &now->scheduler);
+}
+
+// The running fiber stops in `state`; the scheduler resumes it when its barrier opens.
+void wait_in(State state) {
+    Fiber &f = now->fibers[now->current];
+    f.state = state;
+    swapcontext(&f.ctx, &now->scheduler);
+}
+
+unsigned flat(const uint3 &t, const dim3 &b) { return t.x + b.x * (t.y + b.y * t.z); }
+
+const char *name(State s) {
+    switch (s) {
+    case State::Run: return "running";
+    case State::Warp: return "at a warp-level operation";
+    case State::Block: return "at __syncthreads";
+    default: return "finished";
+    }
+}
+
+// Opens the barriers whose threads have all arrived; false when none could open.
+bool release() {
+    auto &fs = now->fibers;
+    const unsigned n = fs.size();
+    bool opened = false;
+    for (unsigned w = 0; w * 32 < n; ++w) {
+        const unsigned lo = w * 32, hi = n < lo + 32 ? n : lo + 32;
+        unsigned warp = 0, done = 0;
+        for (unsigned i = lo; i < hi; ++i) warp += fs[i].state == State::Warp, done += fs[i].state == State::Done;
+        if (warp == 0) continue;
+        if (warp + done < hi - lo) continue; // others still on their way (or at __syncthreads)
+        if (done > 0) {
+            fail_with("warp %u of block (%u, %u, %u): %u lanes wait at a warp-level operation after %u of its lanes "
+                      "returned (the full mask names them)",
+                      w, ava_emu_block_idx.x, ava_emu_block_idx.y, ava_emu_block_idx.z, warp, done);
+            return false;
+        }
+        for (unsigned i = lo; i < hi; ++i) fs[i].state = State::Run;
+        opened = true;
+    }
+    if (opened) return true;
+    unsigned block = 0, done = 0;
+    for (auto &f : fs) block += f.state == State::Block, done += f.state == State::Done;
+    if (block > 0 && block + done == n) {
+        for (auto &f : fs)
+            if (f.state == State::Block) f.state = State::Run;
+        return true;
+    }
+    return false;
+}
+
+void describe_deadlock() {
+    auto &fs = now->fibers;
+    char states[256] = {0};
+    size_t at = 0;
+    for (unsigned w = 0; w * 32 < fs.size() && at + 64 < sizeof states; ++w) {
+        unsigned lane_in[4] = {0, 0, 0, 0};
+        for (unsigned i = w * 32; i < fs.size() && i < w * 32 + 32; ++i) lane_in[(int)fs[i].state]++;
+        at += snprintf(states + at, sizeof states - at, " warp %u: %u at a warp op, %u at __syncthreads, %u done;", w,
+                       lane_in[1], lane_in[2], lane_in[3]);
+    }
+    fail_with("block (%u, %u, %u) cannot go on: its threads wait at different barriers:%s", ava_emu_block_idx.x,
+              ava_emu_block_idx.y, ava_emu_block_idx.z, states);
+}
+
+// Resumes fiber i until it waits or ends.
+void resume(unsigned i) {
+    now->current = i;
+    ava_emu_thread_idx = now->fibers[i].idx;
+    swapcontext(&now->scheduler, &now->fibers[i].ctx);
+}
+
+bool all_done() {
+    for (auto &f : now->fibers)
+        if (f.state != State::Done) return false;
+    return true;
+}
+
+// Lockstep: every runnable thread in index order, then the barriers that can open, until the
+// block ends. Warps advance together from one warp-level operation to the next.
+void run_lockstep() {
+    auto &fs = now->fibers;
+    const unsigned n = fs.size();
+    while (!now->failed) {
+        bool ran = false;
+        for (unsigned i = 0; i < n && !now->failed; ++i)
+            if (fs[i].state == State::Run) resume(i), ran = true;
+        if (now->failed || all_done()) return;
+        if (!release() && !ran) {
+            if (!now->failed) describe_deadlock();
+            return;
+        }
+    }
+}
+
+// Warp after warp, the last first, each run (its lanes also last first) through all its
+// warp-level operations up to the next __syncthreads before the next warp starts: a warp
+// that reads shared memory another warp writes, without a barrier between, then reads it
+// before that warp has written it (the lockstep order would hide that).
+void run_serial() {
+    auto &fs = now->fibers;
+    const unsigned n = fs.size(), warps = (n + 31) / 32;
+    while (!now->failed) {
+        for (unsigned wr = 0; wr < warps && !now->failed; ++wr) {
+            const unsigned w = warps - 1 - wr, lo = w * 32, hi = n < lo + 32 ? n : lo + 32;
+            while (!now->failed) {
+                for (unsigned i = hi; i-- > lo && !now->failed;)
+                    if (fs[i].state == State::Run) resume(i);
+                unsigned warp = 0, done = 0;
+                for (unsigned i = lo; i < hi; ++i) warp += fs[i].state == State::Warp, done += fs[i].state == State::Done;
+                if (warp == 0) break; // every lane at __syncthreads or finished
+                if (warp + done < hi - lo) {
+                    describe_deadlock();
+                    return;
+                }
+                if (done > 0) {
+                    fail_with("warp %u of block (%u, %u, %u): %u lanes wait at a warp-level operation after %u of its "
+                              "lanes returned (the full mask names them)",
+                              w, ava_emu_block_idx.x, ava_emu_block_idx.y, ava_emu_block_idx.z, warp, done);
+                    return;
+                }
+                for (unsigned i = lo; i < hi; ++i) fs[i].state = State::Run;
+            }
+        }
+        if (now->failed || all_done()) return;
+        for (auto &f : fs)
+            if (f.state == State::Block) f.state = State::Run;
+    }
+}
+
+void run_block(bool reverse) {
+    auto &fs = now->fibers;
+    memset(now->shared, 0xff, now->shared_bytes);
+    for (auto &f : fs) {
+        f.state = State::Run;
+        f.post = nullptr;
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack;
+        f.ctx.uc_stack.ss_size = STACK;
+        f.ctx.uc_link = nullptr;
+        makecontext(&f.ctx, entry, 0);
+    }
+    if (reverse) run_serial();
+    else run_lockstep();
+}
+
+} // namespace
+
+extern "C" {
+
+uint3 ava_emu_thread_idx, ava_emu_block_idx;
+dim3 ava_emu_block_dim, ava_emu_grid_dim;
+
+unsigned char *ava_emu_dynamic_shared() { return now->shared; }
+
+int ava_emu_in_shared(const void *p, size_t n) {
+    const unsigned char *c = static_cast<const unsigned char *>(p);
+    return c >= now->shared && c + n <= now->shared + now->shared_bytes;
+}
+
+void ava_emu_sync_block() { wait_in(State::Block); }
+
+void ava_emu_sync_warp() { wait_in(State::Warp); }
+
+const void *const *ava_emu_warp_post(const void *mine) {
+    auto &fs = now->fibers;
+    fs[now->current].post = mine;
+    wait_in(State::Warp);
+    // Every lane has posted: copy the warp's addresses for this lane to read.
+    const unsigned w = now->current / 32, n = fs.size();
+    // One array for the whole launch: a lane reads it before its next switch, and every lane
+    // fills it again when it resumes here.
+    for (unsigned j = 0; j < 32; ++j) now->slots[j] = w * 32 + j < n ? fs[w * 32 + j].post : nullptr;
+    return now->slots;
+}
+
+[[noreturn]] void ava_emu_fail(const char *why) {
+    fail_with("thread (%u, %u, %u) of block (%u, %u, %u): %s", ava_emu_thread_idx.x, ava_emu_thread_idx.y,
+              ava_emu_thread_idx.z, ava_emu_block_idx.x, ava_emu_block_idx.y, ava_emu_block_idx.z, why);
+    Fiber &f = now->fibers[now->current];
+    f.state = State::Done;
+    swapcontext(&f.ctx, &now->scheduler);
+    __builtin_unreachable();
+}
+
+// Runs `body(ctx)` as every thread of a grid × block launch with `shared` bytes of dynamic
+// shared memory. 0 when it ran; otherwise 1 and the reason in why (NUL-terminated).
+int ava_emu_launch(const unsigned grid[3], const unsigned block[3], size_t shared, int reverse,
+                   void (*body)(void *), void *ctx, char *why, size_t why_len) {
+    std::lock_guard<std::mutex> guard(launches);
+    static Launch *launch = new Launch();
+    static std::vector<void *> stacks;
+    const unsigned threads = block[0] * block[1] * block[2];
+    auto refuse = [&](const char *msg) {
+        snprintf(why, why_len, "%s", msg);
+        return 1;
+    };
+    if (threads == 0 || threads > MAX_THREADS) return refuse("a block has 1 to 1024 threads");
+    if (grid[0] == 0 || grid[1] == 0 || grid[2] == 0) return refuse("a grid has at least one block each way");
+    if (grid[1] > 65535 || grid[2] > 65535) return refuse("a grid's y and z are at most 65535");
+    if (shared > MAX_SHARED) {
+        snprintf(why, why_len, "%zu bytes of dynamic shared memory asked, a Hopper block has %zu", shared, MAX_SHARED);
+        return 1;
+    }
+    while (stacks.size() < threads) {
+        void *s = mmap(nullptr, STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (s == MAP_FAILED) return refuse("could not map a fiber's stack");
+        stacks.push_back(s);
+    }
+    now = launch;
+    now->failed = false;
+    now->why[0] = 0;
+    now->body = body;
+    now->ctx = ctx;
+    now->shared_bytes = shared;
+    now->fibers.assign(threads, Fiber{});
+    ava_emu_block_dim = dim3{block[0], block[1], block[2]};
+    ava_emu_grid_dim = dim3{grid[0], grid[1], grid[2]};
+    for (unsigned i = 0; i < threads; ++i) {
+        now->fibers[i].stack = stacks[i];
+        now->fibers[i].idx = uint3{i % block[0], (i / block[0]) % block[1], i / (block[0] * block[1])};
+    }
+    for (unsigned z = 0; z < grid[2] && !now->failed; ++z)
+        for (unsigned y = 0; y < grid[1] && !now->failed; ++y)
+            for (unsigned x = 0; x < grid[0] && !now->failed; ++x) {
+                ava_emu_block_idx = uint3{x, y, z};
+                run_block(reverse != 0);
+            }
+    const int failed = now->failed;
+    if (failed) snprintf(why, why_len, "%s", now->why);
+    now = nullptr;
+    return failed;
+}
+}
