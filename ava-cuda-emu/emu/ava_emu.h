@@ -143,6 +143,24 @@ inline unsigned __float_as_uint(float f) { return ava_emu::bits(f); }
 inline float __uint_as_float(unsigned u) { return ava_emu::from_bits(u); }
 inline int __float_as_int(float f) { return (int)ava_emu::bits(f); }
 inline float __int_as_float(int i) { return ava_emu::from_bits((uint32_t)i); }
+inline long long __double_as_longlong(double d) {
+    long long r;
+    memcpy(&r, &d, 8);
+    return r;
+}
+inline double __longlong_as_double(long long v) {
+    double r;
+    memcpy(&r, &v, 8);
+    return r;
+}
+inline int __double2hiint(double d) { return (int)(__double_as_longlong(d) >> 32); }
+inline int __double2loint(double d) { return (int)(__double_as_longlong(d) & 0xffffffffll); }
+inline double __hiloint2double(int hi, int lo) {
+    return __longlong_as_double((long long)(((unsigned long long)(unsigned)hi << 32) | (unsigned)lo));
+}
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
 
 namespace ava_emu {
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32 on a warp: D (16 × 8) +=

@@ -1,5 +1,5 @@
 // The CPU emulator's scheduler (see ava_emu.h): a launch runs its blocks one after another;
-// a block's threads are fibers (ucontext) run one at a time, each until it reaches a barrier
+// a block's threads are fibers run one at a time, each until it reaches a barrier
 // (`__syncthreads`), a warp-level operation or its end. A warp's waiting lanes go on when all
 // its lanes wait; the block's when all its threads do. Threads that disagree (a warp split
 // between two barriers, a shuffle with a lane gone) fail the launch with what happened, as
@@ -22,6 +22,73 @@
 
 namespace {
 
+// Switching between fibers. On x86-64 a switch saves the callee-saved registers and the
+// floating-point control words on the stack it leaves and restores the other's: no system
+// call (ucontext's swapcontext saves the signal mask with one, each switch, which made the
+// optimizers' tests take minutes). Elsewhere, ucontext.
+#if defined(__x86_64__)
+struct Context {
+    void *sp = nullptr;
+};
+extern "C" void ava_emu_switch(void **from, void *to);
+asm(R"(
+    .text
+    .p2align 4
+    .globl ava_emu_switch
+    .hidden ava_emu_switch
+    .type ava_emu_switch, @function
+ava_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size ava_emu_switch, .-ava_emu_switch
+)");
+void switch_to(Context &from, Context &to) { ava_emu_switch(&from.sp, to.sp); }
+// A fresh context that starts `entry` (which never returns) on [stack, stack + size).
+void start(Context &c, void *stack, size_t size, void (*entry)()) {
+    uint64_t *sp = reinterpret_cast<uint64_t *>((reinterpret_cast<uintptr_t>(stack) + size) & ~(uintptr_t)15);
+    *--sp = 0;                                     // entry's return address: it never returns
+    *--sp = reinterpret_cast<uint64_t>(entry);     // where the first switch's `ret` goes
+    for (int i = 0; i < 6; ++i) *--sp = 0;         // rbp, rbx, r12-r15
+    uint32_t mxcsr;
+    uint16_t fpucw;
+    asm volatile("stmxcsr %0" : "=m"(mxcsr));
+    asm volatile("fnstcw %0" : "=m"(fpucw));
+    *--sp = (uint64_t)mxcsr | ((uint64_t)fpucw << 32); // this thread's control words
+    c.sp = sp;
+}
+#else
+struct Context {
+    ucontext_t uc;
+};
+void switch_to(Context &from, Context &to) { swapcontext(&from.uc, &to.uc); }
+void start(Context &c, void *stack, size_t size, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = size;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
+
 constexpr size_t STACK = 512 << 10;         // bytes a fiber (mapped lazily)
 constexpr size_t MAX_SHARED = 227u << 10;   // a Hopper block's dynamic shared memory
 constexpr unsigned MAX_THREADS = 1024;
@@ -29,7 +96,7 @@ constexpr unsigned MAX_THREADS = 1024;
 enum class State { Run, Warp, Block, Done };
 
 struct Fiber {
-    ucontext_t ctx;
+    Context ctx;
     void *stack = nullptr;
     State state = State::Run;
     uint3 idx{};
@@ -41,7 +108,7 @@ struct Launch {
     void *ctx = nullptr;
     std::vector<Fiber> fibers;
     unsigned current = 0;
-    ucontext_t scheduler;
+    Context scheduler;
     bool failed = false;
     char why[512] = {0};
     alignas(128) unsigned char shared[MAX_SHARED];
@@ -61,17 +128,19 @@ void fail_with(const char *fmt, ...) {
     va_end(ap);
 }
 
+// A fiber's first frame: the thread's body, then back to the scheduler for good.
 void entry() {
     now->body(now->ctx);
     now->fibers[now->current].state = State::Done;
-    swapcontext(&now->fibers[now->current].ctx, &now->scheduler);
+    switch_to(now->fibers[now->current].ctx, now->scheduler);
+    __builtin_trap(); // a finished fiber is never resumed
 }
 
 // The running fiber stops in `state`; the scheduler resumes it when its barrier opens.
 void wait_in(State state) {
     Fiber &f = now->fibers[now->current];
     f.state = state;
-    swapcontext(&f.ctx, &now->scheduler);
+    switch_to(f.ctx, now->scheduler);
 }
 
 unsigned flat(const uint3 &t, const dim3 &b) { return t.x + b.x * (t.y + b.y * t.z); }
@@ -134,7 +203,7 @@ void describe_deadlock() {
 void resume(unsigned i) {
     now->current = i;
     ava_emu_thread_idx = now->fibers[i].idx;
-    swapcontext(&now->scheduler, &now->fibers[i].ctx);
+    switch_to(now->scheduler, now->fibers[i].ctx);
 }
 
 bool all_done() {
@@ -201,11 +270,7 @@ void run_block(bool reverse) {
     for (auto &f : fs) {
         f.state = State::Run;
         f.post = nullptr;
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = f.stack;
-        f.ctx.uc_stack.ss_size = STACK;
-        f.ctx.uc_link = nullptr;
-        makecontext(&f.ctx, entry, 0);
+        start(f.ctx, f.stack, STACK, entry);
     }
     if (reverse) run_serial();
     else run_lockstep();
@@ -246,7 +311,7 @@ const void *const *ava_emu_warp_post(const void *mine) {
               ava_emu_thread_idx.z, ava_emu_block_idx.x, ava_emu_block_idx.y, ava_emu_block_idx.z, why);
     Fiber &f = now->fibers[now->current];
     f.state = State::Done;
-    swapcontext(&f.ctx, &now->scheduler);
+    switch_to(f.ctx, now->scheduler);
     __builtin_unreachable();
 }
 

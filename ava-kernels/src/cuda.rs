@@ -201,11 +201,17 @@ pub fn arg<T>(v: &T) -> *mut c_void {
 ///
 /// Errors name the owner: `"{plugin}: CUDA allocation for {what}: …"`, `"{plugin}: CUDA free
 /// of {what}: …"`.
+///
+/// With a launch hook installed ([`set_launch_hook`]: the kernel emulator's tests) the buffer
+/// is host memory, filled with 0xff bytes (NaN floats) so a kernel that reads it before
+/// writing it shows.
 pub struct Scratch {
     ptr: sys::CUdeviceptr,
     stream: sys::CUstream,
     plugin: &'static str,
     what: &'static str,
+    /// The host memory behind `ptr` under a launch hook.
+    host: Option<Box<[u64]>>,
 }
 
 impl Scratch {
@@ -217,14 +223,18 @@ impl Scratch {
         plugin: &'static str,
         what: &'static str,
     ) -> Result<Self, PluginError> {
+        let stream = stream.handle as sys::CUstream;
+        if HOOK.read().unwrap_or_else(|p| p.into_inner()).is_some() {
+            let host = vec![u64::MAX; bytes.div_ceil(8).max(1)].into_boxed_slice();
+            return Ok(Self { ptr: host.as_ptr() as u64, stream, plugin, what, host: Some(host) });
+        }
         let driver = |step: &str, e: result::DriverError| {
             PluginError::internal(format!("{plugin}: CUDA {step} for {what}: {e}"))
         };
         result::init().map_err(|e| driver("driver init", e))?;
-        let stream = stream.handle as sys::CUstream;
         // SAFETY: the host's stream on the device whose context is current (the contract).
         let ptr = unsafe { result::malloc_async(stream, bytes) }.map_err(|e| driver("allocation", e))?;
-        Ok(Self { ptr, stream, plugin, what })
+        Ok(Self { ptr, stream, plugin, what, host: None })
     }
 
     /// The device address `offset` bytes in.
@@ -236,6 +246,9 @@ impl Scratch {
     /// reported).
     pub fn free(mut self) -> Result<(), PluginError> {
         let ptr = std::mem::take(&mut self.ptr);
+        if self.host.take().is_some() {
+            return Ok(());
+        }
         // SAFETY: ptr came from malloc_async on this stream and is freed once.
         unsafe { result::free_async(ptr, self.stream) }
             .map_err(|e| PluginError::internal(format!("{}: CUDA free of {}: {e}", self.plugin, self.what)))
@@ -245,7 +258,7 @@ impl Scratch {
 impl Drop for Scratch {
     /// On an early return (a launch failed): free anyway, in stream order.
     fn drop(&mut self) {
-        if self.ptr != 0 {
+        if self.ptr != 0 && self.host.is_none() {
             // SAFETY: as in `free`; the pointer is freed once (free() zeroes it).
             let _ = unsafe { result::free_async(self.ptr, self.stream) };
         }

@@ -59,6 +59,8 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     return __nv_bfloat16{(uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
 inline float __bfloat162float(__nv_bfloat16 b) { return ava_emu::from_bits((uint32_t)b.x << 16); }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { return __nv_bfloat16{u}; }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
 inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
     return __nv_bfloat162{__float2bfloat16_rn(lo), __float2bfloat16_rn(hi)};
 }
@@ -81,4 +83,6 @@ inline float __half2float(__half h) {
     memcpy(&v, &h.x, 2);
     return (float)v;
 }
+inline __half __ushort_as_half(unsigned short u) { return __half{u}; }
+inline unsigned short __half_as_ushort(__half h) { return h.x; }
 inline __half2 __floats2half2_rn(float lo, float hi) { return __half2{__float2half_rn(lo), __float2half_rn(hi)}; }

@@ -3,30 +3,166 @@
 //! [`Optimizer::step_cuda`] on the same inputs, and a bit-for-bit comparison of the weights
 //! and of every state byte after each step.
 //!
-//! The GPU side's buffers are allocated by the test with cudarc and handed over as the host
-//! would: device pointers, the stream as a `CUstream`, state zero-filled before the first
-//! step. The CPU side's state is handed over in 8-byte-aligned host buffers, as the host
-//! allocates it.
+//! The GPU side's buffers are allocated by the test and handed over as the host would:
+//! device pointers, the stream as a `CUstream`, state zero-filled before the first step. The
+//! CPU side's state is handed over in 8-byte-aligned host buffers, as the host allocates it.
 //!
 //! Used by ava-plugins' `gpu_optim` and the optimizer plugins' GPU tests (lion, adam-8bit,
-//! adafactor, adam-mini), which run on a machine with an NVIDIA GPU and fail, saying so,
-//! where none can be opened.
+//! adafactor, adam-mini). They run on a machine with an NVIDIA GPU, or, with
+//! `AVA_CUDA_EMULATE=lockstep` (or `serial`), on the CPU: the test package's `kernels/*.cu`
+//! compiled by the kernel emulator (ava-cuda-emu), every launch through [`crate::cuda`] sent
+//! there ([`crate::cuda::set_launch_hook`]) and the buffers in host memory, so the plugin's
+//! own `step_cuda` runs unchanged (see ava-cuda-emu for what the emulator checks and what it
+//! does not model). Where neither a GPU nor the variable is there, they fail saying so.
 
 use std::ops::RangeInclusive;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
 use ava_core::prelude::*;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream as Stream, DevicePtr};
+use ava_cuda_emu::{Build, Emulator, Order, Shape};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream as Stream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
-/// The GPU's context (current on this thread) and its stream, or a panic saying the test
-/// needs one.
-pub fn gpu() -> (Arc<CudaContext>, Arc<Stream>) {
+/// The variable that runs the GPU tests on the kernel emulator: `lockstep` (or `1`) or
+/// `serial`, the order a block's threads run in (ava-cuda-emu's [`Order`]).
+pub const EMULATE: &str = "AVA_CUDA_EMULATE";
+
+/// Where a GPU test's buffers live and its kernels run: the GPU (its context current on this
+/// thread, and its stream), or the CPU emulator.
+pub enum Gpu {
+    /// An NVIDIA GPU.
+    Device {
+        /// Held so the context lives as long as the test's buffers.
+        _ctx: Arc<CudaContext>,
+        /// The stream the steps launch on.
+        stream: Arc<Stream>,
+    },
+    /// The kernel emulator, buffers in host memory.
+    Emulated,
+}
+
+/// A GPU test's buffer: device memory, or host memory when emulated.
+pub enum Buffer<T> {
+    /// On the GPU.
+    Device(CudaSlice<T>),
+    /// In host memory, for the emulator.
+    Host(Vec<T>),
+}
+
+impl<T> Buffer<T> {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Buffer::Device(s) => s.len(),
+            Buffer::Host(v) => v.len(),
+        }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The GPU (its context current on this thread), or the emulator when [`EMULATE`] is set; a
+/// panic saying the test needs one when neither is there.
+pub fn gpu() -> Gpu {
+    if let Some(order) = emulated_order() {
+        install_emulator(order);
+        return Gpu::Emulated;
+    }
     let ctx = CudaContext::new(0).unwrap_or_else(|e| {
-        panic!("this test runs on an NVIDIA GPU, and none could be opened ({e}); CI only compiles it")
+        panic!(
+            "this test runs on an NVIDIA GPU, and none could be opened ({e}); set {EMULATE}=lockstep to run it on              the CPU's kernel emulator"
+        )
     });
     ctx.bind_to_thread().unwrap();
     let stream = ctx.default_stream();
-    (ctx, stream)
+    Gpu::Device { _ctx: ctx, stream }
+}
+
+/// The order [`EMULATE`] asks for, if set.
+fn emulated_order() -> Option<Order> {
+    let v = std::env::var(EMULATE).ok().filter(|v| !v.is_empty())?;
+    match v.as_str() {
+        "1" | "lockstep" => Some(Order::Lockstep),
+        "serial" => Some(Order::Serial),
+        other => panic!("{EMULATE}={other}: expected lockstep (or 1) or serial"),
+    }
+}
+
+/// Compiles the test package's `kernels/*.cu` for the emulator (once) and sends every
+/// launch there.
+fn install_emulator(order: Order) {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let package = std::env::var_os("CARGO_MANIFEST_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| panic!("{EMULATE} needs CARGO_MANIFEST_DIR (run the test with cargo test)"));
+        let dir = package.join("kernels");
+        let mut sources: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .unwrap_or_else(|e| panic!("{EMULATE}: the package's kernels in {}: {e}", dir.display()))
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+            .collect();
+        sources.sort();
+        let build = Build {
+            sources,
+            includes: vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("../ava-cuda-build/include")],
+            out_dir: std::env::temp_dir().join("ava-cuda-emu"),
+        };
+        let emu = Arc::new(Emulator::build(&build).unwrap_or_else(|e| panic!("{e}")));
+        crate::cuda::set_launch_hook(Some(Arc::new(move |_module, name, launch, params| {
+            let shape = Shape { grid: launch.grid, block: (launch.threads, 1, 1), shared: launch.shared as usize };
+            // SAFETY: the plugin's launcher passes its kernel's parameters one for one (the
+            // emulator checks their number); its buffers are this harness's host memory.
+            unsafe { emu.call(&name.to_string_lossy(), shape, order, params) }
+                .map_err(|e| PluginError::internal(e.to_string()))
+        })));
+    });
+}
+
+impl Gpu {
+    /// `v` copied into a new buffer (one element at least: allocations of nothing are not a
+    /// buffer to point at).
+    pub fn upload<T: DeviceRepr + Copy + Default>(&self, v: &[T]) -> Buffer<T> {
+        let v = padded(v);
+        match self {
+            Gpu::Device { stream, .. } => Buffer::Device(stream.clone_htod(&v).unwrap()),
+            Gpu::Emulated => Buffer::Host(v),
+        }
+    }
+
+    /// The buffer's contents.
+    pub fn download<T: DeviceRepr + Copy + ValidAsZeroBits>(&self, b: &Buffer<T>) -> Vec<T> {
+        match (self, b) {
+            (Gpu::Device { stream, .. }, Buffer::Device(s)) => stream.clone_dtoh(s).unwrap(),
+            (_, Buffer::Host(v)) => v.clone(),
+            (Gpu::Emulated, Buffer::Device(_)) => unreachable!("the emulator holds no device buffers"),
+        }
+    }
+
+    /// The buffer's address as a kernel takes it.
+    pub fn ptr<T>(&self, b: &Buffer<T>) -> u64 {
+        match (self, b) {
+            (Gpu::Device { stream, .. }, Buffer::Device(s)) => s.device_ptr(stream).0,
+            (_, Buffer::Host(v)) => v.as_ptr() as u64,
+            (Gpu::Emulated, Buffer::Device(_)) => unreachable!("the emulator holds no device buffers"),
+        }
+    }
+
+    /// The stream as the host hands it to a plugin (0, the default stream, when emulated).
+    pub fn stream(&self) -> CudaStream {
+        match self {
+            Gpu::Device { stream, .. } => CudaStream { handle: stream.cu_stream() as u64, ordinal: 0 },
+            Gpu::Emulated => CudaStream { handle: 0, ordinal: 0 },
+        }
+    }
+
+    /// The first `len` elements of `b` as the host hands a buffer over.
+    pub fn buf<T>(&self, b: &Buffer<T>, len: usize, dtype: DType) -> CudaBuf {
+        CudaBuf { ptr: self.ptr(b), len: len as u64, dtype, ordinal: 0 }
+    }
 }
 
 /// `n` values in [-scale, scale), a pure function of `seed` ([`Rng`](super::Rng)), with
@@ -86,27 +222,26 @@ pub struct Sides {
     /// The CPU's state buffers, in the layout's order.
     pub cpu_state: Vec<Vec<u8>>,
     /// The GPU's weights.
-    pub gpu_w: CudaSlice<f32>,
+    pub gpu_w: Buffer<f32>,
     /// The GPU's state buffers, in the layout's order (a zero-length one holds one byte).
-    pub gpu_state: Vec<CudaSlice<u8>>,
+    pub gpu_state: Vec<Buffer<u8>>,
 }
 
 impl Sides {
     /// Weights `w` and zero-filled state (as the host allocates it) on both sides.
-    pub fn new(opt: &dyn Optimizer, info: &ParamInfo<'_>, w: &[f32], stream: &Arc<Stream>) -> Self {
+    pub fn new(opt: &dyn Optimizer, info: &ParamInfo<'_>, w: &[f32], gpu: &Gpu) -> Self {
         let layout = opt.state_layout(info).unwrap();
         let cpu_state: Vec<Vec<u8>> = layout.iter().map(|s| vec![0u8; s.bytes() as usize]).collect();
-        let mut sides =
-            Self { layout, cpu_w: w.to_vec(), cpu_state, gpu_w: stream.clone_htod(w).unwrap(), gpu_state: Vec::new() };
-        sides.upload(stream);
+        let mut sides = Self { layout, cpu_w: w.to_vec(), cpu_state, gpu_w: gpu.upload(w), gpu_state: Vec::new() };
+        sides.upload(gpu);
         sides
     }
 
     /// The CPU's weights and state copied to the GPU (a checkpoint loaded there).
-    pub fn upload(&mut self, stream: &Arc<Stream>) {
-        self.gpu_w = stream.clone_htod(&self.cpu_w).unwrap();
+    pub fn upload(&mut self, gpu: &Gpu) {
+        self.gpu_w = gpu.upload(&self.cpu_w);
         // A zero-length buffer still gets one byte (what the host allocates); the call sees len 0.
-        self.gpu_state = self.cpu_state.iter().map(|b| stream.clone_htod(&padded(b)).unwrap()).collect();
+        self.gpu_state = self.cpu_state.iter().map(|b| gpu.upload(b)).collect();
     }
 
     /// One step on the CPU only.
@@ -131,37 +266,19 @@ impl Sides {
     }
 
     /// One step on the GPU only, through device pointers on `stream`.
-    pub fn gpu_step(
-        &mut self,
-        opt: &mut dyn Optimizer,
-        info: &ParamInfo<'_>,
-        g: &[f32],
-        ctx: &StepContext,
-        stream: &Arc<Stream>,
-    ) {
-        let gg = stream.clone_htod(&padded(g)).unwrap();
-        let dev = |ptr: u64, len: usize, dtype: DType| CudaBuf { ptr, len: len as u64, dtype, ordinal: 0 };
-        let (wp, _w_sync) = self.gpu_w.device_ptr(stream);
-        let (gp, _g_sync) = gg.device_ptr(stream);
-        let ptrs: Vec<_> = self.gpu_state.iter().map(|s| s.device_ptr(stream)).collect();
+    pub fn gpu_step(&mut self, opt: &mut dyn Optimizer, info: &ParamInfo<'_>, g: &[f32], ctx: &StepContext, gpu: &Gpu) {
+        let gg = gpu.upload(g);
         let state: Vec<CudaBuf> =
-            ptrs.iter().zip(&self.layout).map(|((p, _), s)| dev(*p, s.len as usize, s.dtype)).collect();
-        let cuda_stream = CudaStream { handle: stream.cu_stream() as u64, ordinal: 0 };
+            self.gpu_state.iter().zip(&self.layout).map(|(b, s)| gpu.buf(b, s.len as usize, s.dtype)).collect();
         let n = g.len();
-        opt.step_cuda(info, &dev(wp, n, DType::F32), &dev(gp, n, DType::F32), &state, ctx, &cuda_stream).unwrap();
+        let (w, g) = (gpu.buf(&self.gpu_w, n, DType::F32), gpu.buf(&gg, n, DType::F32));
+        opt.step_cuda(info, &w, &g, &state, ctx, &gpu.stream()).unwrap();
     }
 
     /// One step on each side (the CPU's first) with gradient `g`.
-    pub fn step(
-        &mut self,
-        opt: &mut dyn Optimizer,
-        info: &ParamInfo<'_>,
-        g: &[f32],
-        ctx: &StepContext,
-        stream: &Arc<Stream>,
-    ) {
+    pub fn step(&mut self, opt: &mut dyn Optimizer, info: &ParamInfo<'_>, g: &[f32], ctx: &StepContext, gpu: &Gpu) {
         self.cpu_step(opt, info, g, ctx);
-        self.gpu_step(opt, info, g, ctx, stream);
+        self.gpu_step(opt, info, g, ctx, gpu);
     }
 
     /// The steps `steps` on each side, [`same`](Self::same) after every one: `input(step)`
@@ -174,12 +291,12 @@ impl Sides {
         steps: RangeInclusive<u64>,
         mut input: impl FnMut(u64) -> (Vec<f32>, StepContext),
         what: &str,
-        stream: &Arc<Stream>,
+        gpu: &Gpu,
     ) {
         for step in steps {
             let (g, ctx) = input(step);
-            self.step(opt, info, &g, &ctx, stream);
-            self.same(&format!("{what}, step {step}"), stream);
+            self.step(opt, info, &g, &ctx, gpu);
+            self.same(&format!("{what}, step {step}"), gpu);
         }
     }
 
@@ -195,27 +312,27 @@ impl Sides {
         then: RangeInclusive<u64>,
         mut input: impl FnMut(u64) -> (Vec<f32>, StepContext),
         what: &str,
-        stream: &Arc<Stream>,
+        gpu: &Gpu,
     ) {
         for step in cpu {
             let (g, ctx) = input(step);
             self.cpu_step(opt, info, &g, &ctx);
         }
-        self.upload(stream);
-        self.steps(opt, info, then, input, what, stream);
+        self.upload(gpu);
+        self.steps(opt, info, then, input, what, gpu);
     }
 
     /// Fails unless both sides hold the same bits, naming the first difference: the weight's
     /// index and both values, or the state buffer, the element (and its byte) and both
     /// elements' bits.
-    pub fn same(&self, what: &str, stream: &Arc<Stream>) {
-        let w = stream.clone_dtoh(&self.gpu_w).unwrap();
+    pub fn same(&self, what: &str, gpu: &Gpu) {
+        let w = gpu.download(&self.gpu_w);
         let differ = w.iter().zip(&self.cpu_w).position(|(a, b)| a.to_bits() != b.to_bits());
         if let Some(i) = differ {
             panic!("{what}: values differ first at {i}: GPU {:e}, CPU {:e}", w[i], self.cpu_w[i]);
         }
         for ((g, c), s) in self.gpu_state.iter().zip(&self.cpu_state).zip(&self.layout) {
-            let g = stream.clone_dtoh(g).unwrap();
+            let g = gpu.download(g);
             let differ = c.iter().zip(&g).position(|(a, b)| a != b);
             if let Some(i) = differ {
                 let size = s.dtype.size();
@@ -241,19 +358,15 @@ impl Sides {
         &self,
         opt: &mut dyn Optimizer,
         info: &ParamInfo<'_>,
-        stream: &Arc<Stream>,
+        gpu: &Gpu,
         edit: impl FnOnce(&mut [CudaBuf]),
     ) -> String {
-        let (wp, _w) = self.gpu_w.device_ptr(stream);
-        let ptrs: Vec<_> = self.gpu_state.iter().map(|s| s.device_ptr(stream)).collect();
-        let dev = |ptr: u64, len: u64, dtype: DType| CudaBuf { ptr, len, dtype, ordinal: 0 };
         let mut state: Vec<CudaBuf> =
-            ptrs.iter().zip(&self.layout).map(|((p, _), s)| dev(*p, s.len, s.dtype)).collect();
+            self.gpu_state.iter().zip(&self.layout).map(|(b, s)| gpu.buf(b, s.len as usize, s.dtype)).collect();
         edit(&mut state);
-        let w = dev(wp, self.cpu_w.len() as u64, DType::F32);
+        let w = gpu.buf(&self.gpu_w, self.cpu_w.len(), DType::F32);
         let ctx = StepContext { step: 1, lr: 1e-3, weight_decay: 0.0, threads: 1 };
-        let s = CudaStream { handle: stream.cu_stream() as u64, ordinal: 0 };
-        opt.step_cuda(info, &w, &w, &state, &ctx, &s).unwrap_err().to_string()
+        opt.step_cuda(info, &w, &w, &state, &ctx, &gpu.stream()).unwrap_err().to_string()
     }
 }
 

@@ -1,8 +1,9 @@
 //! Adafactor's GPU step against its CPU step, bit for bit: the same parameter, gradients and
-//! hyper-parameters through several steps, on buffers the test allocates with cudarc and
-//! hands over as the host would (device pointers, a CUstream). After every step the weights
-//! and every state buffer (the first moment, the row and column averages or the per-element
-//! one, the count) must be the same bytes on both sides.
+//! hyper-parameters through several steps, on buffers the test allocates (device memory, or
+//! host memory when emulated) and hands over as the host would (device pointers, a
+//! CUstream). After every step the weights and every state buffer (the first moment, the row
+//! and column averages or the per-element one, the count) must be the same bytes on both
+//! sides.
 //!
 //! Covered: vectors of 1, 5, 1023, 3001 and 70 001 elements (partial chunks of 1024, a tree of
 //! three levels) and a scalar; matrices [1, 5], [130, 77] (a partial block of 64 rows, a
@@ -12,8 +13,9 @@
 //! and weight decay, warmup_init, the clip engaging, another decay rate and eps; and state
 //! written by the CPU continued on the GPU (a checkpoint moving devices).
 //!
-//! Run on a machine with an NVIDIA GPU (CI only compiles this target; like ava-plugins'
-//! gpu_optim it fails, saying so, where no GPU can be opened):
+//! Run on a machine with an NVIDIA GPU, or on the CPU's kernel emulator with
+//! `AVA_CUDA_EMULATE=serial` (or `lockstep`; CI runs it so, ava-cuda-emu); with neither it
+//! fails, saying so:
 //!   source tools/cuda-build-env.sh   # where no CUDA toolkit is installed
 //!   cargo test -p ava-plugin-adafactor --features cuda --test gpu_adafactor
 
@@ -28,11 +30,11 @@ fn build(json: &str) -> Adafactor {
 /// `steps` steps of `opt` on a parameter of `shape`, compared after every step. The
 /// gradient's scale changes each step, the learning rate too, and weight decay starts at step 2.
 fn run(opt: &mut Adafactor, shape: &[u64], steps: u64, what: &str) {
-    let (_ctx, stream) = gpu();
+    let gpu = gpu();
     let info = ParamInfo::new("model.layers.0.mlp.up_proj.weight", shape);
     let n = info.numel();
-    let mut sides = Sides::new(opt, &info, &data(n, 1, 1.0), &stream);
-    sides.steps(opt, &info, 1..=steps, |step| uneven_step(n, step), &format!("{what}: shape {shape:?}"), &stream);
+    let mut sides = Sides::new(opt, &info, &data(n, 1, 1.0), &gpu);
+    sides.steps(opt, &info, 1..=steps, |step| uneven_step(n, step), &format!("{what}: shape {shape:?}"), &gpu);
 }
 
 const VECTORS: [&[u64]; 6] = [&[1], &[5], &[1023], &[3001], &[70_001], &[]];
@@ -74,26 +76,26 @@ fn other_options_are_the_cpus_bit_for_bit() {
 /// (a checkpoint moving between devices).
 #[test]
 fn cpu_state_continues_on_the_gpu() {
-    let (_ctx, stream) = gpu();
+    let gpu = gpu();
     for shape in [&[3001u64][..], &[130, 77]] {
         let info = ParamInfo::new("model.layers.0.mlp.up_proj.weight", shape);
         let n = info.numel();
         let mut opt = build(r#"{"beta1": 0.9}"#);
-        let mut sides = Sides::new(&opt, &info, &data(n, 2, 1.0), &stream);
+        let mut sides = Sides::new(&opt, &info, &data(n, 2, 1.0), &gpu);
         let input = |step| (data(n, step, 1.0), StepContext { step, lr: 1e-3, weight_decay: 0.01, threads: 1 });
-        sides.continued(&mut opt, &info, 1..=3, 4..=6, input, &format!("{shape:?} continued"), &stream);
+        sides.continued(&mut opt, &info, 1..=3, 4..=6, input, &format!("{shape:?} continued"), &gpu);
     }
 }
 
 #[test]
 fn a_buffer_of_the_wrong_size_is_refused_before_any_launch() {
-    let (_ctx, stream) = gpu();
+    let gpu = gpu();
     let shape = [4u64, 6];
     let info = ParamInfo::new("model.layers.0.mlp.up_proj.weight", &shape);
     let mut opt = Adafactor::default();
-    let sides = Sides::new(&opt, &info, &[1f32; 24], &stream);
-    let err = sides.refused(&mut opt, &info, &stream, |state| state[1].len -= 1); // exp_avg_sq_col one short
+    let sides = Sides::new(&opt, &info, &[1f32; 24], &gpu);
+    let err = sides.refused(&mut opt, &info, &gpu, |state| state[1].len -= 1); // exp_avg_sq_col one short
     assert!(err.contains("exp_avg_sq_col"), "{err}");
     // The GPU side must still hold the weights it started with, the state all zeros.
-    sides.same("refused step", &stream);
+    sides.same("refused step", &gpu);
 }

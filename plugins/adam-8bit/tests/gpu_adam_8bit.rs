@@ -1,8 +1,8 @@
 //! 8-bit AdamW's GPU step against its CPU step, bit for bit: the same parameter, gradients and
-//! hyper-parameters through several steps, on buffers the test allocates with cudarc and
-//! hands over as the host would (device pointers, a CUstream). After every step the weights
-//! and every state buffer (the u8 codes, the absmaxes, the count, the norm history) must be
-//! the same bytes on both sides.
+//! hyper-parameters through several steps, on buffers the test allocates (device memory, or
+//! host memory when emulated) and hands over as the host would (device pointers, a
+//! CUstream). After every step the weights and every state buffer (the u8 codes, the
+//! absmaxes, the count, the norm history) must be the same bytes on both sides.
 //!
 //! Covered: block sizes 64, 256, 2048 and 4096; lengths that are not a multiple of the block
 //! (and n = 1, 5, 63); an all-zero block and one whose moments are subnormal (both stored as
@@ -11,8 +11,9 @@
 //! steps (the history wraps); the fp32 path (small tensors, `fp32_state`); the CPU split over
 //! threads; and state written by the CPU continued on the GPU (a checkpoint moving devices).
 //!
-//! Run on a machine with an NVIDIA GPU (CI only compiles this target; like ava-plugins'
-//! gpu_optim it fails, saying so, where no GPU can be opened):
+//! Run on a machine with an NVIDIA GPU, or on the CPU's kernel emulator with
+//! `AVA_CUDA_EMULATE=serial` (or `lockstep`; CI runs it so, ava-cuda-emu); with neither it
+//! fails, saying so:
 //!   source tools/cuda-build-env.sh   # where no CUDA toolkit is installed
 //!   cargo test -p ava-plugin-adam-8bit --features cuda --test gpu_adam_8bit
 
@@ -47,11 +48,11 @@ fn grad(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 /// the learning rate changes each step and weight decay starts at step 2; the CPU step runs
 /// on `threads` threads.
 fn run(opt: &mut Adam8bit, name: &str, n: usize, steps: u64, scales: &[f32], threads: u32, what: &str) {
-    let (_ctx, stream) = gpu();
+    let gpu = gpu();
     let shape = [n as u64];
     let info = ParamInfo::new(name, &shape);
     let w0: Vec<f32> = ava_kernels::testing::Rng(1).vec(n);
-    let mut sides = Sides::new(opt, &info, &w0, &stream);
+    let mut sides = Sides::new(opt, &info, &w0, &gpu);
     let input = |step: u64| {
         let scale = scales[(step as usize - 1) % scales.len()];
         let g = grad(n, 100 + step, scale);
@@ -63,7 +64,7 @@ fn run(opt: &mut Adam8bit, name: &str, n: usize, steps: u64, scales: &[f32], thr
         };
         (g, ctx)
     };
-    sides.steps(opt, &info, 1..=steps, input, &format!("{what}: n {n}"), &stream);
+    sides.steps(opt, &info, 1..=steps, input, &format!("{what}: n {n}"), &gpu);
 }
 
 const LAYER: &str = "model.layers.0.mlp.up_proj.weight";
@@ -108,26 +109,26 @@ fn fp32_path_steps_are_the_cpus_bit_for_bit() {
 /// (a checkpoint moving between devices).
 #[test]
 fn cpu_state_continues_on_the_gpu() {
-    let (_ctx, stream) = gpu();
+    let gpu = gpu();
     let n = 20_000;
     let shape = [n as u64];
     let info = ParamInfo::new(LAYER, &shape);
     let mut opt = build(r#"{"percentile_clipping": 80}"#);
-    let mut sides = Sides::new(&opt, &info, &ava_kernels::testing::Rng(2).vec(n), &stream);
+    let mut sides = Sides::new(&opt, &info, &ava_kernels::testing::Rng(2).vec(n), &gpu);
     let input = |step| (grad(n, step, 1.0), StepContext { step, lr: 1e-3, weight_decay: 0.01, threads: 1 });
-    sides.continued(&mut opt, &info, 1..=3, 4..=6, input, "continued", &stream);
+    sides.continued(&mut opt, &info, 1..=3, 4..=6, input, "continued", &gpu);
 }
 
 #[test]
 fn a_buffer_of_the_wrong_size_is_refused_before_any_launch() {
-    let (_ctx, stream) = gpu();
+    let gpu = gpu();
     let n = 4096;
     let shape = [n as u64];
     let info = ParamInfo::new(LAYER, &shape);
     let mut opt = Adam8bit::default();
-    let sides = Sides::new(&opt, &info, &vec![1f32; n], &stream);
-    let err = sides.refused(&mut opt, &info, &stream, |state| state[2].len -= 1); // absmax_exp_avg one short
+    let sides = Sides::new(&opt, &info, &vec![1f32; n], &gpu);
+    let err = sides.refused(&mut opt, &info, &gpu, |state| state[2].len -= 1); // absmax_exp_avg one short
     assert!(err.contains("absmax_exp_avg"), "{err}");
     // The GPU side must still hold the weights it started with, the state all zeros.
-    sides.same("refused step", &stream);
+    sides.same("refused step", &gpu);
 }

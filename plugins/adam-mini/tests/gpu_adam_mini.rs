@@ -1,8 +1,8 @@
 //! Adam-mini's GPU step against its CPU step, bit for bit: the same parameter, gradients and
-//! hyper-parameters through several steps, on buffers the test allocates with cudarc and
-//! hands over as the host would (device pointers, a CUstream). After every step the weights
-//! and every state buffer (the first moment, the blocks' second moments, the count) must be
-//! the same bytes on both sides.
+//! hyper-parameters through several steps, on buffers the test allocates (device memory, or
+//! host memory when emulated) and hands over as the host would (device pointers, a
+//! CUstream). After every step the weights and every state buffer (the first moment, the
+//! blocks' second moments, the count) must be the same bytes on both sides.
 //!
 //! Covered: rows of 4173 (five chunks of 1024, the last partial) and of 1000 (less than one),
 //! query heads of 7500 elements, whole vectors of 1, 5 and 70 001 elements and one of
@@ -11,8 +11,9 @@
 //! betas and eps; weight decay and a changing learning rate; and state written by the CPU
 //! continued on the GPU (a checkpoint moving devices).
 //!
-//! Run on a machine with an NVIDIA GPU (CI only compiles this target; like ava-plugins'
-//! gpu_optim it fails, saying so, where no GPU can be opened):
+//! Run on a machine with an NVIDIA GPU, or on the CPU's kernel emulator with
+//! `AVA_CUDA_EMULATE=serial` (or `lockstep`; CI runs it so, ava-cuda-emu); with neither it
+//! fails, saying so:
 //!   source tools/cuda-build-env.sh   # where no CUDA toolkit is installed
 //!   cargo test -p ava-plugin-adam-mini --features cuda --test gpu_adam_mini
 
@@ -27,11 +28,11 @@ fn build(json: &str) -> AdamMini {
 /// `steps` steps of `opt` on the parameter `name` of `shape`, compared after every step. The
 /// gradient's scale changes each step, the learning rate too, and weight decay starts at step 2.
 fn run(opt: &mut AdamMini, name: &str, shape: &[u64], steps: u64, what: &str) {
-    let (_ctx, stream) = gpu();
+    let gpu = gpu();
     let info = ParamInfo::new(name, shape);
     let n = info.numel();
-    let mut sides = Sides::new(opt, &info, &data(n, 1, 1.0), &stream);
-    sides.steps(opt, &info, 1..=steps, |step| uneven_step(n, step), &format!("{what}: {name} {shape:?}"), &stream);
+    let mut sides = Sides::new(opt, &info, &data(n, 1, 1.0), &gpu);
+    sides.steps(opt, &info, 1..=steps, |step| uneven_step(n, step), &format!("{what}: {name} {shape:?}"), &gpu);
 }
 
 /// Every kind of block: (name, shape).
@@ -69,26 +70,26 @@ fn a_block_of_many_chunks_is_the_cpus_bit_for_bit() {
 /// (a checkpoint moving between devices).
 #[test]
 fn cpu_state_continues_on_the_gpu() {
-    let (_ctx, stream) = gpu();
+    let gpu = gpu();
     for (name, shape) in [PARAMS[0], PARAMS[7]] {
         let info = ParamInfo::new(name, shape);
         let n = info.numel();
         let mut opt = build(r#"{"adam_names": ["lm_head"]}"#);
-        let mut sides = Sides::new(&opt, &info, &data(n, 2, 1.0), &stream);
+        let mut sides = Sides::new(&opt, &info, &data(n, 2, 1.0), &gpu);
         let input = |step| (data(n, step, 1.0), StepContext { step, lr: 1e-3, weight_decay: 0.01, threads: 1 });
-        sides.continued(&mut opt, &info, 1..=3, 4..=6, input, &format!("{name} continued"), &stream);
+        sides.continued(&mut opt, &info, 1..=3, 4..=6, input, &format!("{name} continued"), &gpu);
     }
 }
 
 #[test]
 fn a_buffer_of_the_wrong_size_is_refused_before_any_launch() {
-    let (_ctx, stream) = gpu();
+    let gpu = gpu();
     let shape = [4u64, 6];
     let info = ParamInfo::new("model.layers.0.mlp.up_proj.weight", &shape);
     let mut opt = AdamMini::default();
-    let sides = Sides::new(&opt, &info, &[1f32; 24], &stream);
-    let err = sides.refused(&mut opt, &info, &stream, |state| state[1].len -= 1); // exp_avg_sq one short
+    let sides = Sides::new(&opt, &info, &[1f32; 24], &gpu);
+    let err = sides.refused(&mut opt, &info, &gpu, |state| state[1].len -= 1); // exp_avg_sq one short
     assert!(err.contains("exp_avg_sq"), "{err}");
     // The GPU side must still hold the weights it started with, the state all zeros.
-    sides.same("refused step", &stream);
+    sides.same("refused step", &gpu);
 }
