@@ -9,7 +9,8 @@
 // each run up to its next __syncthreads before the next starts, lanes last first); a kernel
 // whose output differs between them reads what another thread writes without a barrier
 // between. Dynamic shared memory is 0xff bytes at each block's start; `__shared__` statics
-// keep what the previous block left (they cannot be reached to be filled).
+// keep what the previous block left (they cannot be reached to be filled), and the serial
+// order runs the blocks last first, so that previous block is another one.
 #include <sys/mman.h>
 #include <ucontext.h>
 
@@ -352,12 +353,15 @@ int ava_emu_launch(const unsigned grid[3], const unsigned block[3], size_t share
         now->fibers[i].stack = stacks[i];
         now->fibers[i].idx = uint3{i % block[0], (i / block[0]) % block[1], i / (block[0] * block[1])};
     }
-    for (unsigned z = 0; z < grid[2] && !now->failed; ++z)
-        for (unsigned y = 0; y < grid[1] && !now->failed; ++y)
-            for (unsigned x = 0; x < grid[0] && !now->failed; ++x) {
-                ava_emu_block_idx = uint3{x, y, z};
-                run_block(reverse != 0);
-            }
+    // The serial order also runs the blocks last first, so a block that reads a __shared__
+    // static before writing it sees another neighbour's leftovers than in the lockstep order.
+    const unsigned long long blocks = (unsigned long long)grid[0] * grid[1] * grid[2];
+    for (unsigned long long k = 0; k < blocks && !now->failed; ++k) {
+        const unsigned long long b = reverse ? blocks - 1 - k : k;
+        ava_emu_block_idx = uint3{(unsigned)(b % grid[0]), (unsigned)(b / grid[0] % grid[1]),
+                                  (unsigned)(b / ((unsigned long long)grid[0] * grid[1]))};
+        run_block(reverse != 0);
+    }
     const int failed = now->failed;
     if (failed) snprintf(why, why_len, "%s", now->why);
     now = nullptr;

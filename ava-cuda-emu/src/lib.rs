@@ -22,7 +22,8 @@
 //! which block and warp), `ldmatrix` rows outside shared memory or misaligned, and, run a
 //! second time with [`Order::Serial`], a thread reading what another wrote without a barrier
 //! between (the outputs differ). Dynamic shared memory starts as 0xff bytes (NaN floats), so
-//! a read before any write shows; `__shared__` variables keep what the previous block left. What it does not model: timing, the memory model beyond
+//! a read before any write shows; `__shared__` variables keep what the previous block left,
+//! which differs between the two orders (the serial one runs the blocks last first). What it does not model: timing, the memory model beyond
 //! barriers, partial-warp masks (refused), atomics' contention, the device's approximate math
 //! (`__expf` is `expf`). A kernel that passes here can still fail on a GPU; one that fails
 //! here is wrong.
@@ -88,9 +89,10 @@ pub enum Order {
     /// the next.
     Lockstep,
     /// The last warp first, each run through its warp-level operations up to the next
-    /// `__syncthreads` before the next warp starts, its lanes last first. A kernel whose
-    /// output differs from [`Lockstep`](Self::Lockstep)'s reads what another thread (or
-    /// warp) writes without a barrier between.
+    /// `__syncthreads` before the next warp starts, its lanes last first; the blocks last
+    /// first too. A kernel whose output differs from [`Lockstep`](Self::Lockstep)'s reads
+    /// what another thread (or warp) writes without a barrier between, or a `__shared__`
+    /// variable before writing it.
     Serial,
 }
 

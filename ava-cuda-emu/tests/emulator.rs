@@ -196,3 +196,22 @@ fn a_warp_reading_another_warps_writes_without_a_barrier_shows_in_the_serial_ord
     assert_eq!(cross_warp("cross_warp_fenced", Order::Serial), want);
     assert_eq!(cross_warp("cross_warp_fenced", Order::Lockstep), want);
 }
+
+#[test]
+fn a_shared_static_read_before_it_is_written_differs_between_the_orders() {
+    let emu = emulator();
+    type F = unsafe extern "C" fn(*mut i32);
+    // SAFETY: stale_static's signature.
+    let k: F = unsafe { emu.kernel("stale_static") }.unwrap();
+    let run = |order| {
+        let mut out = vec![0i32; 3 * 64];
+        let po = P(out.as_mut_ptr());
+        // SAFETY: out holds one int per thread of the three blocks.
+        emu.launch("stale_static", Shape::linear(3, 64), order, || unsafe { k(po.0) }).unwrap();
+        out
+    };
+    let (lockstep, serial) = (run(Order::Lockstep), run(Order::Serial));
+    assert_eq!(&lockstep[64..], [[1; 64], [2; 64]].concat(), "block b reads block b − 1's leftovers");
+    assert_eq!(&serial[..128], [[2; 64], [3; 64]].concat(), "serial: block b reads block b + 1's");
+    assert_ne!(lockstep, serial);
+}

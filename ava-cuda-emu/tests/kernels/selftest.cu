@@ -108,3 +108,11 @@ extern "C" __global__ void cross_warp_fenced(int *out) {
     __syncthreads();
     out[blockIdx.x * 64 + threadIdx.x] = cell[(threadIdx.x + 32) % 64];
 }
+
+// Reads a __shared__ static before writing it: what it sees is another block's leftovers.
+extern "C" __global__ void stale_static(int *out) {
+    __shared__ int cell[64];
+    out[blockIdx.x * 64 + threadIdx.x] = cell[threadIdx.x];
+    __syncthreads();
+    cell[threadIdx.x] = blockIdx.x + 1;
+}
