@@ -91,6 +91,7 @@ void start(Context &c, void *stack, size_t size, void (*entry)()) {
 #endif
 
 constexpr size_t STACK = 512 << 10;         // bytes a fiber (mapped lazily)
+constexpr size_t GUARD = 64 << 10;          // inaccessible bytes below each stack
 constexpr size_t MAX_SHARED = 227u << 10;   // a Hopper block's dynamic shared memory
 constexpr unsigned MAX_THREADS = 1024;
 
@@ -336,9 +337,13 @@ int ava_emu_launch(const unsigned grid[3], const unsigned block[3], size_t share
         return 1;
     }
     while (stacks.size() < threads) {
-        void *s = mmap(nullptr, STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        // A page below each stack that faults: a fiber that overflows its stack stops the
+        // process there instead of writing over its neighbour's.
+        void *s = mmap(nullptr, STACK + GUARD, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                       -1, 0);
         if (s == MAP_FAILED) return refuse("could not map a fiber's stack");
-        stacks.push_back(s);
+        mprotect(s, GUARD, PROT_NONE);
+        stacks.push_back(static_cast<unsigned char *>(s) + GUARD);
     }
     now = launch;
     now->failed = false;
