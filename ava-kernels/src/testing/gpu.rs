@@ -45,8 +45,62 @@ pub enum Gpu {
 pub enum Buffer<T> {
     /// On the GPU.
     Device(CudaSlice<T>),
-    /// In host memory, for the emulator.
-    Host(Vec<T>),
+    /// In host memory, for the emulator: the values between two guards of [`GUARD`] bytes
+    /// of [`CANARY`], which [`Gpu::download`] checks (a kernel that writes past either end
+    /// of its buffer fails the test there).
+    Host(Guarded),
+}
+
+/// Bytes of canary on each side of an emulated buffer.
+pub const GUARD: usize = 256;
+
+/// The byte a guard is filled with.
+pub const CANARY: u8 = 0xa5;
+
+/// Host memory with a guard on each side; 16-byte aligned, as device allocations are (at
+/// least).
+pub struct Guarded {
+    words: Vec<u128>,
+    len: usize,
+    bytes: usize,
+}
+
+impl Guarded {
+    fn new<T: Copy>(v: &[T]) -> Self {
+        let bytes = std::mem::size_of_val(v);
+        let mut words = vec![0u128; (2 * GUARD + bytes).div_ceil(16)];
+        let all = as_bytes_mut(&mut words);
+        all.fill(CANARY);
+        // SAFETY: T is a plain device type (Copy, no padding that matters for a byte copy).
+        let src = unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), bytes) };
+        all[GUARD..GUARD + bytes].copy_from_slice(src);
+        Self { words, len: v.len(), bytes }
+    }
+
+    fn data_ptr(&self) -> *const u8 {
+        // SAFETY: GUARD bytes in is inside the allocation.
+        unsafe { self.words.as_ptr().cast::<u8>().add(GUARD) }
+    }
+
+    /// The values, after checking both guards.
+    fn values<T: Copy>(&self) -> Vec<T> {
+        // SAFETY: the words hold 2·GUARD + bytes initialized bytes.
+        let all = unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), 2 * GUARD + self.bytes) };
+        let (before, after) = (&all[..GUARD], &all[GUARD + self.bytes..]);
+        if let Some(i) = before.iter().rposition(|&b| b != CANARY) {
+            panic!("a kernel wrote {} bytes before the start of a {}-byte buffer", GUARD - i, self.bytes);
+        }
+        if let Some(i) = after.iter().position(|&b| b != CANARY) {
+            panic!("a kernel wrote past the end of a {}-byte buffer (at byte {} after it)", self.bytes, i);
+        }
+        let mut out = Vec::<T>::with_capacity(self.len);
+        // SAFETY: the data bytes were written from T values (and by kernels writing T).
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data_ptr(), out.as_mut_ptr().cast::<u8>(), self.bytes);
+            out.set_len(self.len);
+        }
+        out
+    }
 }
 
 impl<T> Buffer<T> {
@@ -54,7 +108,7 @@ impl<T> Buffer<T> {
     pub fn len(&self) -> usize {
         match self {
             Buffer::Device(s) => s.len(),
-            Buffer::Host(v) => v.len(),
+            Buffer::Host(g) => g.len,
         }
     }
 
@@ -129,7 +183,7 @@ impl Gpu {
         let v = padded(v);
         match self {
             Gpu::Device { stream, .. } => Buffer::Device(stream.clone_htod(&v).unwrap()),
-            Gpu::Emulated => Buffer::Host(v),
+            Gpu::Emulated => Buffer::Host(Guarded::new(&v)),
         }
     }
 
@@ -137,7 +191,7 @@ impl Gpu {
     pub fn download<T: DeviceRepr + Copy + ValidAsZeroBits>(&self, b: &Buffer<T>) -> Vec<T> {
         match (self, b) {
             (Gpu::Device { stream, .. }, Buffer::Device(s)) => stream.clone_dtoh(s).unwrap(),
-            (_, Buffer::Host(v)) => v.clone(),
+            (_, Buffer::Host(g)) => g.values(),
             (Gpu::Emulated, Buffer::Device(_)) => unreachable!("the emulator holds no device buffers"),
         }
     }
@@ -146,7 +200,7 @@ impl Gpu {
     pub fn ptr<T>(&self, b: &Buffer<T>) -> u64 {
         match (self, b) {
             (Gpu::Device { stream, .. }, Buffer::Device(s)) => s.device_ptr(stream).0,
-            (_, Buffer::Host(v)) => v.as_ptr() as u64,
+            (_, Buffer::Host(g)) => g.data_ptr() as u64,
             (Gpu::Emulated, Buffer::Device(_)) => unreachable!("the emulator holds no device buffers"),
         }
     }
@@ -375,7 +429,12 @@ fn padded<T: Copy + Default>(v: &[T]) -> Vec<T> {
     if v.is_empty() { vec![T::default()] } else { v.to_vec() }
 }
 
-fn as_bytes_mut(words: &mut [u64]) -> &mut [u8] {
-    // SAFETY: u64 has no padding and every byte pattern is a valid u8; the length is exact.
+/// Unsigned integers: no padding, every byte pattern a value.
+trait Word: Copy {}
+impl Word for u64 {}
+impl Word for u128 {}
+
+fn as_bytes_mut<W: Word>(words: &mut [W]) -> &mut [u8] {
+    // SAFETY: W is u64 or u128 (no padding, every byte pattern valid); the length is exact.
     unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(words)) }
 }
