@@ -18,12 +18,13 @@ use std::ffi::c_void;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
-use ava_core::device::{CudaBuf, CudaStream};
+use ava_core::device::CudaBuf;
 use ava_core::{AttnShape, DType, PluginError};
 use ava_cuda_emu::{Build, Emulator, Order, Shape};
 use half::{bf16, f16};
 
 use super::{Kernel, Masking, cuda};
+use crate::testing::gpu::{Buffer, Gpu};
 use crate::testing::{Rng, run_segmented, shape};
 
 thread_local! {
@@ -57,11 +58,6 @@ fn emulator() -> &'static Arc<Emulator> {
 /// `<ava/common.cuh>`'s directory (ava-cuda-build's, as the build script gives nvcc).
 fn ava_cuda_build_include() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../ava-cuda-build/include")
-}
-
-/// A host vector handed to the launcher as a device buffer.
-fn buf<T>(v: &[T], dtype: DType) -> CudaBuf {
-    CudaBuf { ptr: v.as_ptr() as u64, len: v.len() as u64, dtype, ordinal: 0 }
 }
 
 /// The element type of a run, and its values' storage.
@@ -107,46 +103,44 @@ impl Ty {
     }
 }
 
-/// Bytes aligned for any element type (the kernels make 16-byte loads).
-fn bytes(n: usize, fill: u8) -> Vec<u8> {
-    let mut v = Vec::with_capacity(n + 16);
-    v.resize(n, fill);
-    v
-}
-
 /// out, lse, dq, dk, dv of the emulated GPU kernels, widened to f32.
 type Outputs = [Vec<f32>; 5];
 
-/// The GPU launcher's forward and backward on `inputs` (already rounded to `ty`).
+/// The GPU launcher's forward and backward on `inputs` (already rounded to `ty`). Buffers are
+/// the GPU tests' emulated ones: 16-byte aligned, between canary guards checked when read
+/// back (a write past either end fails).
 fn gpu(s: &AttnShape, ty: Ty, segments: &[u32], inputs: &[Vec<f32>; 4], order: Order) -> Result<Outputs, String> {
     emulator();
     ORDER.set(order);
+    let mem = Gpu::Emulated;
     let dt = ty.dtype();
     let size = dt.size();
-    let [q, k, v, dout] = inputs.each_ref().map(|x| ty.store(x));
+    let [q, k, v, dout] = inputs.each_ref().map(|x| mem.upload(&ty.store(x)));
     let (nq, nk) = (s.q_numel(), s.kv_numel());
     // Outputs start as 0xff bytes (NaN in every type): an element left unwritten fails.
-    let (out, dq) = (bytes(nq * size, 0xff), bytes(nq * size, 0xff));
-    let (dk, dv) = (bytes(nk * size, 0xff), bytes(nk * size, 0xff));
+    let nan = |n: usize| mem.upload(&vec![0xffu8; n * size]);
+    let (out, dq, dk, dv) = (nan(nq), nan(nq), nan(nk), nan(nk)); // (B, H, Tq, D) ×2, (B, Hkv, Tk, D) ×2
     let rows = (s.batch * s.q_heads * s.q_len) as usize;
-    let lse = vec![f32::NAN; rows];
-    let ws = vec![f32::NAN; super::flash::device_backward_workspace_len(s) as usize];
-    let stream = CudaStream { handle: 0, ordinal: 0 };
-    let qb = |x: &[u8], n: usize| CudaBuf { ptr: x.as_ptr() as u64, len: n as u64, dtype: dt, ordinal: 0 };
-    let segs = buf(segments, DType::U32);
-    let (bq, bk, bv) = (qb(&q, nq), qb(&k, nk), qb(&v, nk));
-    let fwd = cuda::forward(s, &bq, &bk, &bv, &segs, &qb(&out, nq), &buf(&lse, DType::F32), &stream);
-    fwd.map_err(|e| format!("forward: {e}"))?;
+    let lse = mem.upload(&vec![f32::NAN; rows]); // (B, H, Tq)
+    let ws = mem.upload(&vec![f32::NAN; super::flash::device_backward_workspace_len(s) as usize]);
+    let segs = if segments.is_empty() { None } else { Some(mem.upload(segments)) }; // (B, Tk)
+    let segs = segs.as_ref().map_or(CudaBuf::empty(DType::U32, 0), |b| mem.buf(b, segments.len(), DType::U32));
+    let stream = mem.stream();
+    let x = |b: &Buffer<u8>, n: usize| mem.buf(b, n, dt);
+    let (bq, bk, bv) = (x(&q, nq), x(&k, nk), x(&v, nk));
+    let (lse_buf, ws_buf) = (mem.buf(&lse, lse.len(), DType::F32), mem.buf(&ws, ws.len(), DType::F32));
+    cuda::forward(s, &bq, &bk, &bv, &segs, &x(&out, nq), &lse_buf, &stream).map_err(|e| format!("forward: {e}"))?;
     cuda::backward(
         s,
         (&bq, &bk, &bv, &segs),
-        (&qb(&out, nq), &qb(&dout, nq), &buf(&lse, DType::F32)),
-        (&qb(&dq, nq), &qb(&dk, nk), &qb(&dv, nk)),
-        &buf(&ws, DType::F32),
+        (&x(&out, nq), &x(&dout, nq), &lse_buf),
+        (&x(&dq, nq), &x(&dk, nk), &x(&dv, nk)),
+        &ws_buf,
         &stream,
     )
     .map_err(|e| format!("backward: {e}"))?;
-    Ok([ty.load(&out), lse, ty.load(&dq), ty.load(&dk), ty.load(&dv)])
+    let load = |b: &Buffer<u8>| ty.load(&mem.download(b));
+    Ok([load(&out), mem.download(&lse), load(&dq), load(&dk), load(&dv)])
 }
 
 /// The CPU's flash kernel on the same values (widened to f32): out, lse, dq, dk, dv.
