@@ -125,9 +125,16 @@ pub fn gpu() -> Gpu {
         install_emulator(order);
         return Gpu::Emulated;
     }
-    let ctx = CudaContext::new(0).unwrap_or_else(|e| {
+    // cudarc panics where the driver library cannot be loaded at all; both ways say the same.
+    let opened = std::panic::catch_unwind(|| CudaContext::new(0).map_err(|e| e.to_string()));
+    let opened = opened.unwrap_or_else(|p| {
+        let why = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+        Err(why.unwrap_or_else(|| "the CUDA driver library could not be loaded".into()))
+    });
+    let ctx = opened.unwrap_or_else(|e| {
         panic!(
-            "this test runs on an NVIDIA GPU, and none could be opened ({e}); set {EMULATE}=lockstep to run it on              the CPU's kernel emulator"
+            "this test runs on an NVIDIA GPU, and none could be opened ({e}); set {EMULATE}=lockstep to run it on \
+             the CPU's kernel emulator"
         )
     });
     ctx.bind_to_thread().unwrap();
