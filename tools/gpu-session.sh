@@ -7,7 +7,7 @@
 # `build` puts into DIR (ignore it in git: echo DIR >> .git/info/exclude) the stripped `ava`
 # binary, the `lion` plugin beside it (the refusal test loads it), `flash` (FlashAttention-2
 # on the GPU), `nvme` (state streamed through a disk tier), `adam-8bit` (with its GPU step) and
-# `selective` (the targets' configs use them), the GPU test binaries ($TESTS: ava-train gpu_ops, ava-plugins gpu_optim, ava-cli
+# `selective` (the targets' configs use them), the GPU test binaries ($TESTS: ava-train gpu_ops, ava-plugins gpu_optim and gpu_attention, ava-cli
 # gpu_train, the lion, adam-8bit, adafactor and adam-mini plugins' gpu_lion, gpu_adam_8bit,
 # gpu_adafactor, gpu_adam_mini) and PyTorch's reference
 # scripts when ../shared/gpu has them. Everything is built for a portable CPU
@@ -29,7 +29,7 @@ set -uo pipefail
 
 # The GPU test binaries: the engine's ops, the built-in optimizers, end-to-end training, the
 # lion, adam-8bit, adafactor and adam-mini plugins' steps (each bit for bit the CPU's).
-TESTS="gpu_ops gpu_optim gpu_train gpu_lion gpu_adam_8bit gpu_adafactor gpu_adam_mini"
+TESTS="gpu_ops gpu_optim gpu_attention gpu_train gpu_lion gpu_adam_8bit gpu_adafactor gpu_adam_mini"
 
 usage() {
     echo "usage: $0 build DIR | run DIR OUT" >&2
@@ -55,7 +55,7 @@ build() {
     local json
     json=$(cargo test --release --target-dir "$target" --no-run --message-format=json \
         --features ava-cli/cuda,ava-plugin-lion/cuda,ava-plugin-adam-8bit/cuda,ava-plugin-adafactor/cuda,ava-plugin-adam-mini/cuda \
-        -p ava-train --test gpu_ops -p ava-plugins --test gpu_optim -p ava-cli --test gpu_train \
+        -p ava-train --test gpu_ops -p ava-plugins --test gpu_optim --test gpu_attention -p ava-cli --test gpu_train \
         -p ava-plugin-lion --test gpu_lion -p ava-plugin-adam-8bit --test gpu_adam_8bit \
         -p ava-plugin-adafactor --test gpu_adafactor -p ava-plugin-adam-mini --test gpu_adam_mini)
     for t in $TESTS; do
