@@ -6,7 +6,8 @@
 //! device branch of its backward. The math is the CPU op's (the kernel file says which);
 //! inputs arrive contiguous (the public functions make them so) and outputs are fresh
 //! buffers of the op's output shape. A type other than f32, bf16 and f16 (the gradient
-//! checks' f64) is refused by name: those checks run on the CPU.
+//! checks' f64) is refused by name: those checks run on the CPU. Each launch's grid comes
+//! from `launch`, which the kernels' emulated tests (`emulated`) launch them with too.
 
 use std::sync::{Arc, Mutex};
 
@@ -18,6 +19,7 @@ use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, DeviceId, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Result, Shape, Storage, Tensor, bail};
 
+use super::launch::{self, Grid, NORM_BWD_ROWS};
 use super::rope::RopeTables;
 
 /// kernels/fused.cu as PTX.
@@ -25,34 +27,6 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 
 /// The name candle caches the loaded module under.
 const MODULE: &str = "ava-fused";
-
-/// Threads per block of the row kernels (RMSNorm, cross-entropy): one block per row.
-const ROW_THREADS: u32 = 256;
-
-/// Threads per block of the element-wise kernels.
-const ELEMENT_THREADS: u32 = 256;
-
-/// Rows one block of RMSNorm's backward walks, adding their share of dw: the partial sums are
-/// (blocks, d) f32, added in block order by `column_sums`. 16 gives B·T = 8192 rows 512
-/// blocks, several per SM, so one block's reduction waits while another's loads run.
-const NORM_BWD_ROWS: usize = 16;
-
-/// Columns one thread of RMSNorm's backward holds in registers (`NORM_BWD_COLS` in fused.cu).
-const NORM_BWD_COLS: usize = 8;
-
-/// The block width of RMSNorm's backward for rows of `d`: whole warps, at least 256 and
-/// enough that each thread holds at most [`NORM_BWD_COLS`] columns; rows past 1024 threads'
-/// worth are refused.
-fn norm_bwd_threads(d: usize) -> Result<u32> {
-    let needed = d.div_ceil(NORM_BWD_COLS).next_multiple_of(32).max(ROW_THREADS as usize);
-    if needed > 1024 {
-        bail!(
-            "rms-norm: rows of {d} elements are beyond the GPU backward's {} (1024 threads of {NORM_BWD_COLS} columns)",
-            1024 * NORM_BWD_COLS
-        );
-    }
-    Ok(needed as u32)
-}
 
 /// Runs `$body` with `$t` the Rust element type of `$dtype` and `$s` its kernel suffix.
 macro_rules! by_type {
@@ -78,21 +52,9 @@ macro_rules! by_type {
     };
 }
 
-/// A launch of `n` threads, `threads` a block.
-fn spread(n: usize, threads: u32) -> Result<LaunchConfig> {
-    let blocks = n.div_ceil(threads as usize);
-    if blocks > i32::MAX as usize {
-        bail!("a kernel launch of {n} threads exceeds the grid");
-    }
-    Ok(LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 })
-}
-
-/// One block of `threads` per row.
-fn per_row(rows: usize, threads: u32) -> Result<LaunchConfig> {
-    if rows > i32::MAX as usize {
-        bail!("a kernel launch of {rows} rows exceeds the grid");
-    }
-    Ok(LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 })
+/// cudarc's launch configuration for a grid of fused.cu's (see `launch`).
+fn config(g: Grid) -> LaunchConfig {
+    LaunchConfig { grid_dim: (g.blocks, 1, 1), block_dim: (g.threads, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// An `i32` kernel argument.
@@ -148,7 +110,7 @@ pub(super) fn rms_norm_fwd(
             let mut b = f.builder();
             b.arg(&xv).arg(&wv).arg(&mut y).arg(&di).arg(&eps);
             // SAFETY: the arguments match rms_norm_fwd's signature; x and y hold rows·d.
-            unsafe { b.launch(per_row(rows, ROW_THREADS)?) }.w()?;
+            unsafe { b.launch(config(launch::rms_norm_fwd(rows)?)) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
     })
@@ -158,7 +120,7 @@ pub(super) fn rms_norm_fwd(
 pub(super) fn rms_norm_bwd(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     let d = w.elem_count();
     let rows = x.elem_count() / d.max(1);
-    let blocks = rows.div_ceil(NORM_BWD_ROWS).max(1);
+    let blocks = launch::norm_bwd_blocks(rows);
     with_cuda(x, "rms-norm", |xs, lx| {
         with_cuda(w, "rms-norm", |ws, lw| {
             with_cuda(g, "rms-norm", |gs, lg| {
@@ -170,7 +132,7 @@ pub(super) fn rms_norm_bwd(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> Resu
                         view::<T>(gs, lg, "rms-norm")?,
                     );
                     let mut dx = uninit::<T>(dev, rows * d)?; // (N, d)
-                    let mut partial = uninit::<f32>(dev, blocks * d)?; // (blocks, d) f32
+                    let mut partial = uninit::<f32>(dev, blocks * d)?; // (blocks, d) f32, none without rows
                     let mut dw = uninit::<T>(dev, d)?; // (d,)
                     let (ri, di, eps, per) = (int(rows, "rows")?, int(d, "a row")?, eps as f32, NORM_BWD_ROWS as i32);
                     if rows > 0 {
@@ -187,14 +149,14 @@ pub(super) fn rms_norm_bwd(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> Resu
                             .arg(&per);
                         // SAFETY: rms_norm_bwd's signature; partial holds blocks·d f32; the block
                         // is wide enough that each thread holds at most NORM_BWD_COLS columns.
-                        unsafe { b.launch(per_row(blocks, norm_bwd_threads(d)?)?) }.w()?;
+                        unsafe { b.launch(config(launch::rms_norm_bwd(rows, d)?)) }.w()?;
                     }
-                    let bi = int(if rows > 0 { blocks } else { 0 }, "blocks")?;
+                    let bi = int(blocks, "blocks")?; // 0 without rows: dw is zeros
                     let f = dev.get_or_load_custom_func(&format!("column_sums_{s}"), MODULE, PTX)?;
                     let mut b = f.builder();
                     b.arg(&partial).arg(&mut dw).arg(&bi).arg(&di);
                     // SAFETY: column_sums' signature; one thread per column of d.
-                    unsafe { b.launch(spread(d, ELEMENT_THREADS)?) }.w()?;
+                    unsafe { b.launch(config(launch::column_sums(d)?)) }.w()?;
                     Ok((tensor(dx, dev, x.shape().clone()), tensor(dw, dev, w.shape().clone())))
                 })
             })
@@ -216,7 +178,7 @@ pub(super) fn swiglu_fwd(g: &CudaStorage, lg: &Layout, u: &CudaStorage, lu: &Lay
             let mut b = f.builder();
             b.arg(&gv).arg(&uv).arg(&mut h).arg(&n);
             // SAFETY: swiglu_fwd's signature; all three hold n elements.
-            unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
+            unsafe { b.launch(config(launch::elementwise(n)?)) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(h, dev.clone()))
     })
@@ -239,7 +201,7 @@ pub(super) fn swiglu_bwd(g: &Tensor, u: &Tensor, dh: &Tensor) -> Result<(Tensor,
                         let mut b = f.builder();
                         b.arg(&gv).arg(&uv).arg(&hv).arg(&mut dg).arg(&mut du).arg(&n);
                         // SAFETY: swiglu_bwd's signature; all five hold n elements.
-                        unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
+                        unsafe { b.launch(config(launch::elementwise(n)?)) }.w()?;
                     }
                     Ok((tensor(dg, dev, g.shape().clone()), tensor(du, dev, u.shape().clone())))
                 })
@@ -299,7 +261,6 @@ pub(super) fn heads(src: &CudaStorage, l: &Layout, m: &HeadsMove<'_>) -> Result<
     let n = m.b * m.c * m.t * m.d;
     let tables = m.rope.map(|r| device_tables(r, dev)).transpose()?;
     let positions = m.positions.map(|p| dev.clone_htod(p)).transpose()?; // (B·T,) u32
-    let threads = if tables.is_some() { n / 2 } else { n };
     by_type!(src.dtype(), "heads", |T, s| {
         let sv = view::<T>(src, l, "heads")?;
         let mut dst = uninit::<T>(dev, n)?;
@@ -321,7 +282,7 @@ pub(super) fn heads(src: &CudaStorage, l: &Layout, m: &HeadsMove<'_>) -> Result<
             b.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&dims[3]).arg(&merge).arg(&transposed);
             // SAFETY: heads' signature (pointers are 64-bit, so the null stands for one); the
             // tables hold every position below their length, which split_heads checked.
-            unsafe { b.launch(spread(threads, ELEMENT_THREADS)?) }.w()?;
+            unsafe { b.launch(config(launch::heads(n, tables.is_some())?)) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
     })
@@ -360,7 +321,7 @@ pub(crate) fn cross_entropy_fwd(logits: &CudaStorage, l: &Layout, targets: &[u32
             let mut b = f.builder();
             b.arg(&lv).arg(&tv).arg(&mut loss).arg(&vi);
             // SAFETY: cross_entropy_fwd's signature; targets are below V (checked).
-            unsafe { b.launch(per_row(n, ROW_THREADS)?) }.w()?;
+            unsafe { b.launch(config(launch::cross_entropy(n)?)) }.w()?;
         }
         Ok(CudaStorage::wrap_cuda_slice(loss, dev.clone()))
     })
@@ -384,7 +345,7 @@ pub(crate) fn cross_entropy_bwd(logits: &Tensor, targets: &[u32], grad_rows: &Te
                     let mut b = f.builder();
                     b.arg(&lv).arg(&tv).arg(&gv).arg(&mut grad).arg(&vi);
                     // SAFETY: cross_entropy_bwd's signature; targets are below V (checked).
-                    unsafe { b.launch(per_row(n, ROW_THREADS)?) }.w()?;
+                    unsafe { b.launch(config(launch::cross_entropy(n)?)) }.w()?;
                 }
                 Ok(tensor(grad, dev, (n, v)))
             })
@@ -509,7 +470,7 @@ fn round_into<H: CudaDType + DeviceRepr>(
         let mut b = f.builder();
         b.arg(x).arg(&mut out).arg(&n).arg(&seed);
         // SAFETY: round_stochastic_*'s signature; in and out hold n elements.
-        unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
+        unsafe { b.launch(config(launch::elementwise(n)?)) }.w()?;
     }
     Ok(out)
 }
@@ -614,7 +575,7 @@ fn widen_with<C: DeviceRepr>(s: &CudaStorage, l: &Layout, comp: Option<&CudaView
             b.arg(&mut out).arg(&n);
             // SAFETY: widen_*'s signature, and widen_compensated_*'s with the compensation;
             // in, the compensation and out hold n elements.
-            unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
+            unsafe { b.launch(config(launch::elementwise(n)?)) }.w()?;
         }
         Ok(out)
     }
@@ -731,7 +692,7 @@ fn round_in_place<X: DeviceRepr, C: DeviceRepr>(
         // SAFETY: round_stochastic_*, round_nearest_* and round_compensated_*'s signatures
         // (the seed only for the first, the compensation only for the last); x holds n f32
         // values, and the parameter and the compensation n elements.
-        unsafe { b.launch(spread(n, ELEMENT_THREADS)?) }.w()?;
+        unsafe { b.launch(config(launch::elementwise(n)?)) }.w()?;
         Ok(())
     }
     let (names, what) = how.kernels();
@@ -744,9 +705,6 @@ fn round_in_place<X: DeviceRepr, C: DeviceRepr>(
 
 // ---- Σ x² ----
 
-/// Blocks of the first pass of [`sumsq`]: enough to fill a large GPU several times over.
-const SUMSQ_BLOCKS: usize = 1024;
-
 /// Σ x² of a whole tensor on the GPU, as a one-element f32 tensor on the same device (no
 /// synchronization): per-block partial sums over a strided grid, then one block adds them in
 /// block order, so the same tensor gives the same bits every time. (candle's `sum_all`
@@ -755,20 +713,16 @@ pub fn sumsq(t: &Tensor) -> Result<Tensor> {
     with_cuda(t, "sum of squares", |s, l| {
         let dev = s.device();
         let n = l.shape().elem_count();
-        let blocks = n.div_ceil(ELEMENT_THREADS as usize).clamp(1, SUMSQ_BLOCKS);
+        let grid = launch::sumsq_partial(n);
+        let blocks = grid.blocks as usize;
         let mut partial = uninit::<f32>(dev, blocks)?; // (blocks,) f32
         by_type!(s.dtype(), "sum of squares", |T, sfx| {
             let x = view::<T>(s, l, "sum of squares")?;
             let f = dev.get_or_load_custom_func(&format!("sumsq_partial_{sfx}"), MODULE, PTX)?;
             let mut b = f.builder();
             b.arg(&x).arg(&mut partial).arg(&n);
-            let cfg = LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
-                block_dim: (ELEMENT_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            };
             // SAFETY: sumsq_partial_*'s signature; x holds n elements, partial one per block.
-            unsafe { b.launch(cfg) }.w()?;
+            unsafe { b.launch(config(grid)) }.w()?;
         });
         let mut out = uninit::<f32>(dev, 1)?; // (1,) f32
         let f = dev.get_or_load_custom_func("sumsq_final", MODULE, PTX)?;
@@ -776,7 +730,7 @@ pub fn sumsq(t: &Tensor) -> Result<Tensor> {
         let count = blocks as i32;
         b.arg(&partial).arg(&mut out).arg(&count);
         // SAFETY: sumsq_final's signature; partial holds `blocks` floats, out one.
-        unsafe { b.launch(per_row(1, ELEMENT_THREADS)?) }.w()?;
+        unsafe { b.launch(config(launch::sumsq_final())) }.w()?;
         Ok(tensor(out, dev, 1))
     })
 }

@@ -23,10 +23,17 @@
 //! branch of its backward launch the kernels of `kernels/fused.cu` (module `cuda`), the same
 //! math in the same types; the linear layer goes to cuBLAS through candle's matmul (f32
 //! accumulation for bf16/f16), and the cast and the residual addition to candle's own kernels.
+//! Those kernels also run without a GPU or the feature, in tests: compiled for the CPU by the
+//! kernel emulator (ava-cuda-emu), launched with the `cuda` module's grids (module `launch`)
+//! and compared with the CPU ops here (module `emulated`).
 
 mod convert;
 #[cfg(feature = "cuda")]
 mod cuda;
+// The kernels' launch shapes: the `cuda` module's launches, and the emulated tests' (which
+// run without the feature).
+#[cfg(any(feature = "cuda", test))]
+mod launch;
 mod linear;
 mod norm;
 mod rope;
@@ -34,6 +41,8 @@ mod seed;
 mod stored;
 mod swiglu;
 
+#[cfg(test)]
+mod emulated;
 #[cfg(test)]
 mod tests;
 
