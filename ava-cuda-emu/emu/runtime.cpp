@@ -4,12 +4,13 @@
 // its lanes wait; the block's when all its threads do. Threads that disagree (a warp split
 // between two barriers, a shuffle with a lane gone) fail the launch with what happened, as
 // does a dynamic shared memory request above a Hopper block's 227 KiB. A block runs in one
-// of two orders (`ava_emu_launch`'s `reverse`): lockstep (threads in index order, warps
-// advancing together from one warp operation to the next) or serial (the last warp first,
-// each run up to its next __syncthreads before the next starts, lanes last first); a kernel
+// of three orders (`ava_emu_launch`'s `order`): 0 lockstep (threads in index order, warps
+// advancing together from one warp operation to the next), 1 serial (warp after warp, the
+// first first, each run up to its next __syncthreads before the next starts) or 2 serial
+// reversed (the last warp first, its lanes last first, and the blocks last first); a kernel
 // whose output differs between them reads what another thread writes without a barrier
 // between. Dynamic shared memory is 0xff bytes at each block's start; `__shared__` statics
-// keep what the previous block left (they cannot be reached to be filled), and the serial
+// keep what the previous block left (they cannot be reached to be filled), and the reversed
 // order runs the blocks last first, so that previous block is another one.
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -231,19 +232,22 @@ void run_lockstep() {
     }
 }
 
-// Warp after warp, the last first, each run (its lanes also last first) through all its
-// warp-level operations up to the next __syncthreads before the next warp starts: a warp
-// that reads shared memory another warp writes, without a barrier between, then reads it
-// before that warp has written it (the lockstep order would hide that).
-void run_serial() {
+// Warp after warp (the first first, or with `reversed` the last first and its lanes last
+// first), each run through all its warp-level operations up to the next __syncthreads before
+// the next warp starts: a warp that reads shared memory another warp writes, without a
+// barrier between, reads it before that warp has written it in one direction, or after that
+// warp has moved on and written it again in the other (the lockstep order hides both).
+void run_serial(bool reversed) {
     auto &fs = now->fibers;
     const unsigned n = fs.size(), warps = (n + 31) / 32;
     while (!now->failed) {
         for (unsigned wr = 0; wr < warps && !now->failed; ++wr) {
-            const unsigned w = warps - 1 - wr, lo = w * 32, hi = n < lo + 32 ? n : lo + 32;
+            const unsigned w = reversed ? warps - 1 - wr : wr, lo = w * 32, hi = n < lo + 32 ? n : lo + 32;
             while (!now->failed) {
-                for (unsigned i = hi; i-- > lo && !now->failed;)
+                for (unsigned k = 0; k < hi - lo && !now->failed; ++k) {
+                    const unsigned i = reversed ? hi - 1 - k : lo + k;
                     if (fs[i].state == State::Run) resume(i);
+                }
                 unsigned warp = 0, done = 0;
                 for (unsigned i = lo; i < hi; ++i) warp += fs[i].state == State::Warp, done += fs[i].state == State::Done;
                 if (warp == 0) break; // every lane at __syncthreads or finished
@@ -266,7 +270,7 @@ void run_serial() {
     }
 }
 
-void run_block(bool reverse) {
+void run_block(int order) {
     auto &fs = now->fibers;
     memset(now->shared, 0xff, now->shared_bytes);
     for (auto &f : fs) {
@@ -274,8 +278,8 @@ void run_block(bool reverse) {
         f.post = nullptr;
         start(f.ctx, f.stack, STACK, entry);
     }
-    if (reverse) run_serial();
-    else run_lockstep();
+    if (order == 0) run_lockstep();
+    else run_serial(order == 2);
 }
 
 } // namespace
@@ -319,7 +323,7 @@ const void *const *ava_emu_warp_post(const void *mine) {
 
 // Runs `body(ctx)` as every thread of a grid × block launch with `shared` bytes of dynamic
 // shared memory. 0 when it ran; otherwise 1 and the reason in why (NUL-terminated).
-int ava_emu_launch(const unsigned grid[3], const unsigned block[3], size_t shared, int reverse,
+int ava_emu_launch(const unsigned grid[3], const unsigned block[3], size_t shared, int order,
                    void (*body)(void *), void *ctx, char *why, size_t why_len) {
     std::lock_guard<std::mutex> guard(launches);
     static Launch *launch = new Launch();
@@ -358,14 +362,15 @@ int ava_emu_launch(const unsigned grid[3], const unsigned block[3], size_t share
         now->fibers[i].stack = stacks[i];
         now->fibers[i].idx = uint3{i % block[0], (i / block[0]) % block[1], i / (block[0] * block[1])};
     }
-    // The serial order also runs the blocks last first, so a block that reads a __shared__
-    // static before writing it sees another neighbour's leftovers than in the lockstep order.
+    if (order < 0 || order > 2) return refuse("the order is 0 (lockstep), 1 (serial) or 2 (serial reversed)");
+    // The reversed order also runs the blocks last first, so a block that reads a __shared__
+    // static before writing it sees another neighbour's leftovers than in the other orders.
     const unsigned long long blocks = (unsigned long long)grid[0] * grid[1] * grid[2];
     for (unsigned long long k = 0; k < blocks && !now->failed; ++k) {
-        const unsigned long long b = reverse ? blocks - 1 - k : k;
+        const unsigned long long b = order == 2 ? blocks - 1 - k : k;
         ava_emu_block_idx = uint3{(unsigned)(b % grid[0]), (unsigned)(b / grid[0] % grid[1]),
                                   (unsigned)(b / ((unsigned long long)grid[0] * grid[1]))};
-        run_block(reverse != 0);
+        run_block(order);
     }
     const int failed = now->failed;
     if (failed) snprintf(why, why_len, "%s", now->why);

@@ -19,14 +19,14 @@
 //!
 //! What it finds that a reading does not: a kernel's results against the CPU engine's, warps
 //! split between barriers or shuffling with lanes that returned (the launch fails saying
-//! which block and warp), `ldmatrix` rows outside shared memory or misaligned, and, run a
-//! second time with [`Order::Serial`], a thread reading what another wrote without a barrier
-//! between (the outputs differ). Dynamic shared memory starts as 0xff bytes (NaN floats), so
-//! a read before any write shows; `__shared__` variables keep what the previous block left,
-//! which differs between the two orders (the serial one runs the blocks last first). What it does not model: timing, the memory model beyond
-//! barriers, partial-warp masks (refused), atomics' contention, the device's approximate math
-//! (`__expf` is `expf`). A kernel that passes here can still fail on a GPU; one that fails
-//! here is wrong.
+//! which block and warp), `ldmatrix` rows outside shared memory or misaligned, and, run again
+//! in the other [`Order`]s, a thread reading what another wrote without a barrier between
+//! (the outputs differ). Dynamic shared memory starts as 0xff bytes (NaN floats), so a read
+//! before any write shows; `__shared__` variables keep what the previous block left, which
+//! differs between the orders (the reversed one runs the blocks last first). What it does not
+//! model: timing, the memory model beyond barriers, partial-warp masks (refused), atomics'
+//! contention, the device's approximate math (`__expf` is `expf`). A kernel that passes here
+//! can still fail on a GPU; one that fails here is wrong.
 //!
 //! Launches are serialized (a process-wide lock in the library): `__shared__` variables are
 //! statics, one per kernel.
@@ -82,18 +82,37 @@ pub enum EmuError {
     },
 }
 
-/// The order in which a block's threads run between two `__syncthreads`.
+/// The order in which a block's threads run between two `__syncthreads`. A kernel whose
+/// output differs between the orders reads what another thread (or warp) writes without a
+/// barrier between, or a `__shared__` variable before writing it: a test of a kernel runs it
+/// in each of [`Order::ALL`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Order {
     /// Threads in index order, the warps advancing together from one warp-level operation to
     /// the next.
     Lockstep,
-    /// The last warp first, each run through its warp-level operations up to the next
-    /// `__syncthreads` before the next warp starts, its lanes last first; the blocks last
-    /// first too. A kernel whose output differs from [`Lockstep`](Self::Lockstep)'s reads
-    /// what another thread (or warp) writes without a barrier between, or a `__shared__`
-    /// variable before writing it.
+    /// Warp after warp, the first first, each run through its warp-level operations up to the
+    /// next `__syncthreads` before the next warp starts: a warp reads what a later warp has
+    /// not written yet, and an earlier warp has already moved on and overwritten what a later
+    /// one still has to read.
     Serial,
+    /// As [`Serial`](Self::Serial) with the last warp first, its lanes last first, and the
+    /// blocks last first (so a `__shared__` static read before it is written holds another
+    /// block's leftovers).
+    SerialReversed,
+}
+
+impl Order {
+    /// Every order, lockstep first.
+    pub const ALL: [Order; 3] = [Order::Lockstep, Order::Serial, Order::SerialReversed];
+
+    fn code(self) -> c_int {
+        match self {
+            Order::Lockstep => 0,
+            Order::Serial => 1,
+            Order::SerialReversed => 2,
+        }
+    }
 }
 
 /// A launch's shape: grid and block (x, y, z) and dynamic shared memory in bytes.
@@ -129,7 +148,7 @@ type LaunchFn = unsafe extern "C" fn(
     grid: *const c_uint,
     block: *const c_uint,
     shared: usize,
-    reverse: c_int,
+    order: c_int,
     body: unsafe extern "C" fn(*mut c_void),
     ctx: *mut c_void,
     why: *mut c_char,
@@ -247,7 +266,7 @@ impl Emulator {
                 grid.as_ptr(),
                 block.as_ptr(),
                 shape.shared,
-                c_int::from(order == Order::Serial),
+                order.code(),
                 trampoline,
                 (&ctx as *const Ctx<'_>).cast_mut().cast(),
                 why.as_mut_ptr(),

@@ -84,11 +84,12 @@ fn run_order(name: &str, order: Order) -> Result<Vec<i32>, EmuError> {
 
 #[test]
 fn a_race_shows_as_a_difference_between_the_orders_and_a_barrier_removes_it() {
-    let racy = (run_order("racy", Order::Lockstep).unwrap(), run_order("racy", Order::Serial).unwrap());
+    let racy = (run_order("racy", Order::Lockstep).unwrap(), run_order("racy", Order::SerialReversed).unwrap());
     assert_ne!(racy.0, racy.1, "a read of another thread's write without a barrier depends on the order");
-    let fenced = (run_order("fenced", Order::Lockstep).unwrap(), run_order("fenced", Order::Serial).unwrap());
-    assert_eq!(fenced.0, fenced.1);
-    assert_eq!(fenced.0, (0..64).map(|t| (t + 1) % 64).collect::<Vec<_>>());
+    let want: Vec<i32> = (0..64).map(|t| (t + 1) % 64).collect();
+    for order in Order::ALL {
+        assert_eq!(run_order("fenced", order).unwrap(), want, "{order:?}");
+    }
 }
 
 #[test]
@@ -187,14 +188,46 @@ fn cross_warp(name: &str, order: Order) -> Vec<i32> {
 }
 
 #[test]
-fn a_warp_reading_another_warps_writes_without_a_barrier_shows_in_the_serial_order() {
+fn a_warp_reading_another_warps_writes_without_a_barrier_shows_in_the_serial_orders() {
     let want: Vec<i32> = (0..128).map(|t| (t % 64 + 32) % 64 + 1000 * (t / 64)).collect();
     assert_eq!(cross_warp("cross_warp", Order::Lockstep), want, "lockstep: both warps wrote before either reads");
     let serial = cross_warp("cross_warp", Order::Serial);
-    assert_ne!(serial, want, "serial: the first warp reads cells not yet written");
-    assert!(serial[32..64].iter().all(|&v| v == -1), "unwritten shared memory reads as 0xff bytes: {serial:?}");
-    assert_eq!(cross_warp("cross_warp_fenced", Order::Serial), want);
-    assert_eq!(cross_warp("cross_warp_fenced", Order::Lockstep), want);
+    assert!(serial[..32].iter().all(|&v| v == -1), "warp 0 first reads cells not yet written (0xff bytes): {serial:?}");
+    let reversed = cross_warp("cross_warp", Order::SerialReversed);
+    assert!(reversed[32..64].iter().all(|&v| v == -1), "warp 1 first reads cells not yet written: {reversed:?}");
+    for order in Order::ALL {
+        assert_eq!(cross_warp("cross_warp_fenced", order), want, "{order:?}");
+    }
+}
+
+/// Two block sums through one scratch, `unfenced` without the barrier that keeps the first
+/// call's readers ahead of the second call's writers.
+fn two_sums(name: &str, order: Order) -> Vec<f32> {
+    let emu = emulator();
+    type F = unsafe extern "C" fn(*const f32, *mut f32);
+    // SAFETY: two_sums' and two_sums_unfenced's signature.
+    let k: F = unsafe { emu.kernel(name) }.unwrap();
+    let x: Vec<f32> = (0..256).map(|i| (i % 13) as f32).collect(); // two rows of 128
+    let mut out = vec![0f32; 256];
+    let (px, po) = (P(x.as_ptr().cast_mut()), P(out.as_mut_ptr()));
+    // SAFETY: x holds the two rows, out two sums per thread of the block of 128.
+    emu.launch(name, Shape::linear(1, 128), order, || unsafe { k(px.0, po.0) }).unwrap();
+    out
+}
+
+#[test]
+fn a_warp_overwriting_what_a_later_warp_still_reads_shows_in_the_serial_order() {
+    let sums = [(0..128).map(|i| (i % 13) as f32).sum::<f32>(), (128..256).map(|i| (i % 13) as f32).sum()];
+    let want: Vec<f32> = (0..256).map(|i| sums[i % 2]).collect();
+    for order in Order::ALL {
+        assert_eq!(two_sums("two_sums", order), want, "{order:?}");
+    }
+    // Without the first barrier, warp 0 starts the second sum (its lane 0 writes scratch[0])
+    // while the later warps have still to read the first sum from scratch[0]: only the
+    // serial order (warp 0 first) runs it so.
+    assert_eq!(two_sums("two_sums_unfenced", Order::Lockstep), want);
+    assert_eq!(two_sums("two_sums_unfenced", Order::SerialReversed), want);
+    assert_ne!(two_sums("two_sums_unfenced", Order::Serial), want);
 }
 
 #[test]
@@ -210,8 +243,8 @@ fn a_shared_static_read_before_it_is_written_differs_between_the_orders() {
         emu.launch("stale_static", Shape::linear(3, 64), order, || unsafe { k(po.0) }).unwrap();
         out
     };
-    let (lockstep, serial) = (run(Order::Lockstep), run(Order::Serial));
+    let (lockstep, reversed) = (run(Order::Lockstep), run(Order::SerialReversed));
     assert_eq!(&lockstep[64..], [[1; 64], [2; 64]].concat(), "block b reads block b − 1's leftovers");
-    assert_eq!(&serial[..128], [[2; 64], [3; 64]].concat(), "serial: block b reads block b + 1's");
-    assert_ne!(lockstep, serial);
+    assert_eq!(&reversed[..128], [[2; 64], [3; 64]].concat(), "reversed: block b reads block b + 1's");
+    assert_ne!(lockstep, reversed);
 }

@@ -25,7 +25,8 @@
 //!   index, mask or barrier gives differences of the values' own size.
 //!
 //! Run on a machine with an NVIDIA GPU, or on the CPU's kernel emulator with
-//! `AVA_CUDA_EMULATE=serial` (or `lockstep`; ava-cuda-emu); with neither it fails, saying so:
+//! `AVA_CUDA_EMULATE=serial` (or `serial-reversed`, `lockstep`; ava-cuda-emu); with neither it
+//! fails, saying so:
 //!   source tools/cuda-build-env.sh   # where no CUDA toolkit is installed
 //!   cargo test -p ava-plugins --features cuda --test gpu_attention
 //!   AVA_CUDA_EMULATE=serial cargo test -p ava-plugins --features cuda --test gpu_attention

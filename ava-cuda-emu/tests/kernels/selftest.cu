@@ -116,3 +116,32 @@ extern "C" __global__ void stale_static(int *out) {
     __syncthreads();
     cell[threadIdx.x] = blockIdx.x + 1;
 }
+
+// A block sum through `scratch` (32 floats), as common.cuh's block_sum, with or without the
+// barrier before lane 0 writes: a second call must not overwrite scratch[0] before every warp
+// has read the first call's result from it.
+template <bool FENCED> __device__ float sum_of(float v, float *scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (FENCED) __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < warps ? scratch[lane] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) scratch[0] = s;
+    }
+    __syncthreads();
+    return scratch[0];
+}
+
+// Two rows of blockDim.x values summed one after the other; each thread writes both sums.
+template <bool FENCED> __device__ void two_sums_of(const float *x, float *out) {
+    __shared__ float scratch[32];
+    const float a = sum_of<FENCED>(x[threadIdx.x], scratch);
+    const float b = sum_of<FENCED>(x[blockDim.x + threadIdx.x], scratch);
+    out[2 * threadIdx.x] = a;
+    out[2 * threadIdx.x + 1] = b;
+}
+extern "C" __global__ void two_sums(const float *x, float *out) { two_sums_of<true>(x, out); }
+extern "C" __global__ void two_sums_unfenced(const float *x, float *out) { two_sums_of<false>(x, out); }

@@ -2,9 +2,10 @@
 //! (ava-cuda-emu) and launched by this crate's own GPU launcher (`attention::cuda`, its grids,
 //! shared memory, argument order and workspace carving unchanged, through
 //! `cuda::set_launch_hook`), with host memory for the device's. Every result is compared
-//! with the CPU's flash kernel on the same (rounded) inputs; a second run in the emulator's
-//! serial order (warp after warp, each up to its next `__syncthreads`) must give the same bits
-//! (no thread or warp reads another's write without a barrier). This runs wherever `cargo test --features cuda` does, GPU or not; `gpu_ops` on
+//! with the CPU's flash kernel on the same (rounded) inputs; runs in the emulator's two serial
+//! orders (warp after warp, each up to its next `__syncthreads`, the first or the last warp
+//! first) must give the lockstep run's bits (no thread or warp reads another's write without
+//! a barrier). This runs wherever `cargo test --features cuda` does, GPU or not; `gpu_ops` on
 //! a GPU (ava-train) stays the test of the device itself.
 //!
 //! Tolerances, as a share of each tensor's largest magnitude: bf16 1e-2, f16 1.5e-3 (the
@@ -212,18 +213,17 @@ fn check(cases: &[(AttnShape, Vec<u32>)], types: &[Ty], serial_too: bool) {
             if let Err(e) = compare(&what, ty, &got, &want) {
                 failures.push(e);
             }
-            if serial_too {
-                match gpu(s, ty, segments, &x, Order::Serial) {
+            for order in if serial_too { &[Order::Serial, Order::SerialReversed][..] } else { &[] } {
+                match gpu(s, ty, segments, &x, *order) {
                     Ok(again)
                         if again
                             .iter()
                             .flatten()
                             .map(|v| v.to_bits())
                             .eq(got.iter().flatten().map(|v| v.to_bits())) => {}
-                    Ok(_) => failures.push(format!(
-                        "{what}: the serial order (warp after warp) gave other bits than the lockstep order: a race"
-                    )),
-                    Err(e) => failures.push(format!("{what} (serial order): {e}")),
+                    Ok(_) => failures
+                        .push(format!("{what}: the {order:?} order gave other bits than the lockstep order: a race")),
+                    Err(e) => failures.push(format!("{what} ({order:?} order): {e}")),
                 }
             }
         }

@@ -9,7 +9,7 @@
 //!
 //! Used by ava-plugins' `gpu_optim` and the optimizer plugins' GPU tests (lion, adam-8bit,
 //! adafactor, adam-mini). They run on a machine with an NVIDIA GPU, or, with
-//! `AVA_CUDA_EMULATE=lockstep` (or `serial`), on the CPU: the test package's `kernels/*.cu`
+//! `AVA_CUDA_EMULATE=lockstep` (or `serial`, `serial-reversed`), on the CPU: the test package's `kernels/*.cu`
 //! compiled by the kernel emulator (ava-cuda-emu), every launch through [`crate::cuda`] sent
 //! there ([`crate::cuda::set_launch_hook`]) and the buffers in host memory, so the plugin's
 //! own `step_cuda` runs unchanged (see ava-cuda-emu for what the emulator checks and what it
@@ -23,8 +23,9 @@ use ava_core::prelude::*;
 use ava_cuda_emu::{Build, Emulator, Order, Shape};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream as Stream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
-/// The variable that runs the GPU tests on the kernel emulator: `lockstep` (or `1`) or
-/// `serial`, the order a block's threads run in (ava-cuda-emu's [`Order`]).
+/// The variable that runs the GPU tests on the kernel emulator: `lockstep` (or `1`),
+/// `serial` or `serial-reversed`, the order a block's threads run in (ava-cuda-emu's
+/// [`Order`]).
 pub const EMULATE: &str = "AVA_CUDA_EMULATE";
 
 /// Where a GPU test's buffers live and its kernels run: the GPU (its context current on this
@@ -148,7 +149,8 @@ fn emulated_order() -> Option<Order> {
     match v.as_str() {
         "1" | "lockstep" => Some(Order::Lockstep),
         "serial" => Some(Order::Serial),
-        other => panic!("{EMULATE}={other}: expected lockstep (or 1) or serial"),
+        "serial-reversed" => Some(Order::SerialReversed),
+        other => panic!("{EMULATE}={other}: expected lockstep (or 1), serial or serial-reversed"),
     }
 }
 

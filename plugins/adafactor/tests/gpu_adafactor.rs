@@ -14,8 +14,8 @@
 //! written by the CPU continued on the GPU (a checkpoint moving devices).
 //!
 //! Run on a machine with an NVIDIA GPU, or on the CPU's kernel emulator with
-//! `AVA_CUDA_EMULATE=serial` (or `lockstep`; CI runs it so, ava-cuda-emu); with neither it
-//! fails, saying so:
+//! `AVA_CUDA_EMULATE=serial` (or `serial-reversed`, `lockstep`; CI runs the two serial ones,
+//! ava-cuda-emu); with neither it fails, saying so:
 //!   source tools/cuda-build-env.sh   # where no CUDA toolkit is installed
 //!   cargo test -p ava-plugin-adafactor --features cuda --test gpu_adafactor
 

@@ -7,13 +7,13 @@
 //! were written without a GPU at hand (RMSNorm's backward, the Kahan pair, the rounding to
 //! nearest), and `tests/gpu_ops.rs` on a GPU stays the test of the device itself.
 //!
-//! Each case runs the op's launches twice: in the emulator's lockstep order and in its serial
-//! one (warp after warp, each up to its next `__syncthreads`, the blocks last first), and the
-//! outputs must be the same bits: a thread reading what another writes without a barrier
-//! between gives other values in one of the orders. Outputs start as 0xff bytes, NaN in every
-//! float type, so an element no thread writes fails the comparison. Inputs come from a
-//! fixed-seed generator, rounded to the stored type (f32, bf16, f16) so both sides read the
-//! same values, at sizes that end inside a block and take each kernel's wide paths.
+//! Each case runs the op's launches in the emulator's three orders (lockstep; serial, warp
+//! after warp, each up to its next `__syncthreads`; and serial reversed, the last warp and
+//! block first), and the outputs must be the same bits: a thread reading what another writes
+//! without a barrier between gives other values in one of them. Outputs start as 0xff bytes,
+//! NaN in every float type, so an element no thread writes fails the comparison. Inputs come
+//! from a fixed-seed generator, rounded to the stored type (f32, bf16, f16) so both sides
+//! read the same values, at sizes that end inside a block and take each kernel's wide paths.
 //!
 //! The comparisons are `gpu_ops`': the roundings (stochastic with the same seed, to nearest,
 //! Kahan's pair) and the widenings are the CPU's bits; the other kernels agree within
@@ -212,7 +212,7 @@ fn launch(kernel: &str, grid: Grid, order: Order, args: Vec<Arg<'_>>) -> Outcome
 }
 
 /// Runs `launches` (an op's launches as the `cuda` module makes them, into fresh outputs) in
-/// the emulator's lockstep order and again in its serial order, and returns the lockstep
+/// the emulator's lockstep order and again in its two serial orders, and returns the lockstep
 /// run's outputs (`names` name them); `None` once `failures` says why there are none (a launch
 /// refused or failed). Outputs whose bits differ between the orders are a race: a failure,
 /// and still returned for the comparison with the CPU.
@@ -229,20 +229,22 @@ fn run_both<const N: usize>(
             return None;
         }
     };
-    match launches(Order::Serial) {
-        Ok(serial) => {
-            for ((name, a), b) in names.iter().zip(&lockstep).zip(&serial) {
-                let bytes = a.iter().zip(b).filter(|(x, y)| x != y).count();
-                if bytes > 0 {
-                    failures.push(format!(
-                        "{what}: {name}: the serial order (warp after warp) gave other bits than the lockstep order \
-                         ({bytes} of {} bytes): a race",
-                        a.len()
-                    ));
+    for order in [Order::Serial, Order::SerialReversed] {
+        match launches(order) {
+            Ok(other) => {
+                for ((name, a), b) in names.iter().zip(&lockstep).zip(&other) {
+                    let bytes = a.iter().zip(b).filter(|(x, y)| x != y).count();
+                    if bytes > 0 {
+                        failures.push(format!(
+                            "{what}: {name}: the {order:?} order gave other bits than the lockstep order ({bytes} of \
+                             {} bytes): a race",
+                            a.len()
+                        ));
+                    }
                 }
             }
+            Err(e) => failures.push(format!("{what} ({order:?} order): {e}")),
         }
-        Err(e) => failures.push(format!("{what} (serial order): {e}")),
     }
     Some(lockstep)
 }
