@@ -37,12 +37,14 @@ extern dim3 ava_emu_block_dim, ava_emu_grid_dim;
 unsigned char *ava_emu_dynamic_shared();
 // `__syncthreads()`: the fiber waits until every thread of the block arrives.
 void ava_emu_sync_block();
-// `__syncwarp()`: the fiber waits until every lane of its warp arrives.
-void ava_emu_sync_warp();
-// Posts `mine` (an address on the caller's stack) for the warp and waits for every lane;
-// returns the 32 lanes' addresses. The caller reads what it needs, then calls
-// ava_emu_sync_warp() before its value may go out of scope.
-const void *const *ava_emu_warp_post(const void *mine);
+// The fiber waits until every lane of its warp arrives at a warp operation; `op` names it
+// (`__syncwarp`, a shuffle, ...), and lanes waiting at different operations fail the launch.
+void ava_emu_sync_warp(const char *op);
+// Posts `mine` (an address on the caller's stack) for the warp's operation `op` and waits
+// for every lane; returns the 32 lanes' addresses (null for a lane the block does not have).
+// The caller reads what it needs, then calls ava_emu_sync_warp(AVA_EMU_EXCHANGED) before its
+// value may go out of scope.
+const void *const *ava_emu_warp_post(const void *mine, const char *op);
 // Fails the launch with `why` (the fiber does not return).
 [[noreturn]] void ava_emu_fail(const char *why);
 // Whether [p, p + n) lies in the launch's dynamic shared memory.
@@ -57,53 +59,58 @@ int ava_emu_in_shared(const void *p, size_t n);
 
 inline void __syncthreads() { ava_emu_sync_block(); }
 
+// The warp operation every lane ends an exchange with, once it has read the others' values.
+#define AVA_EMU_EXCHANGED "the end of a warp exchange"
+
 namespace ava_emu {
 inline unsigned lane() { return (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 31u; }
 inline void full(unsigned mask, const char *op) {
     if (mask != 0xffffffffu) ava_emu_fail(op); // the message names the operation
 }
-// Lane `src`'s value of `v` (every lane calls it).
-template <typename T> T from_lane(const T &v, unsigned src) {
-    const void *const *slots = ava_emu_warp_post(&v);
+// Lane `src`'s value of `v` in the warp operation `op` (every lane calls it).
+template <typename T> T from_lane(const T &v, unsigned src, const char *op) {
+    const void *const *slots = ava_emu_warp_post(&v, op);
+    if (!slots[src & 31u]) ava_emu_fail("a shuffle reads a lane the block does not have");
     const T r = *static_cast<const T *>(slots[src & 31u]);
-    ava_emu_sync_warp();
+    ava_emu_sync_warp(AVA_EMU_EXCHANGED);
     return r;
 }
 } // namespace ava_emu
 
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
     ava_emu::full(mask, "__syncwarp with a partial mask is not emulated");
-    ava_emu_sync_warp();
+    ava_emu_sync_warp("__syncwarp");
 }
 template <typename T> T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
     ava_emu::full(mask, "__shfl_sync with a partial mask is not emulated");
     const unsigned l = ava_emu::lane(), base = l & ~(unsigned)(width - 1);
-    return ava_emu::from_lane(v, base + ((unsigned)src & (unsigned)(width - 1)));
+    return ava_emu::from_lane(v, base + ((unsigned)src & (unsigned)(width - 1)), "__shfl_sync");
 }
 template <typename T> T __shfl_xor_sync(unsigned mask, T v, int m, int width = 32) {
     ava_emu::full(mask, "__shfl_xor_sync with a partial mask is not emulated");
     const unsigned l = ava_emu::lane(), t = l ^ (unsigned)m;
     // A source outside the lane's group of `width` gives the lane's own value.
-    return ava_emu::from_lane(v, (t & ~(unsigned)(width - 1)) == (l & ~(unsigned)(width - 1)) ? t : l);
+    return ava_emu::from_lane(v, (t & ~(unsigned)(width - 1)) == (l & ~(unsigned)(width - 1)) ? t : l,
+                              "__shfl_xor_sync");
 }
 template <typename T> T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) {
     ava_emu::full(mask, "__shfl_down_sync with a partial mask is not emulated");
     const unsigned l = ava_emu::lane();
-    return ava_emu::from_lane(v, (l % width) + d < (unsigned)width ? l + d : l);
+    return ava_emu::from_lane(v, (l % width) + d < (unsigned)width ? l + d : l, "__shfl_down_sync");
 }
 template <typename T> T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) {
     ava_emu::full(mask, "__shfl_up_sync with a partial mask is not emulated");
     const unsigned l = ava_emu::lane();
-    return ava_emu::from_lane(v, (l % width) >= d ? l - d : l);
+    return ava_emu::from_lane(v, (l % width) >= d ? l - d : l, "__shfl_up_sync");
 }
 inline unsigned __ballot_sync(unsigned mask, int pred) {
     ava_emu::full(mask, "__ballot_sync with a partial mask is not emulated");
     const int mine = pred != 0;
-    const void *const *slots = ava_emu_warp_post(&mine);
+    const void *const *slots = ava_emu_warp_post(&mine, "__ballot_sync");
     unsigned r = 0;
     for (unsigned j = 0; j < 32; ++j)
         if (slots[j] && *static_cast<const int *>(slots[j])) r |= 1u << j;
-    ava_emu_sync_warp();
+    ava_emu_sync_warp(AVA_EMU_EXCHANGED);
     return r;
 }
 inline int __any_sync(unsigned mask, int pred) { return __ballot_sync(mask, pred) != 0; }
@@ -183,7 +190,7 @@ template <typename T> float half_at(uint32_t reg, unsigned hi) {
 }
 template <typename T> void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     const MmaFrag mine{{a[0], a[1], a[2], a[3]}, {b0, b1}};
-    const void *const *slots = ava_emu_warp_post(&mine);
+    const void *const *slots = ava_emu_warp_post(&mine, "mma.sync");
     for (unsigned j = 0; j < 32; ++j)
         if (!slots[j]) ava_emu_fail("mma.sync on a warp with missing lanes");
     auto frag = [&](unsigned l) -> const MmaFrag & { return *static_cast<const MmaFrag *>(slots[l]); };
@@ -198,7 +205,7 @@ template <typename T> void mma16816(float (&d)[4], const uint32_t (&a)[4], uint3
         }
         d[i] = acc;
     }
-    ava_emu_sync_warp();
+    ava_emu_sync_warp(AVA_EMU_EXCHANGED);
 }
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l gives the address of row l % 8 of
 // matrix l / 8 (16 bytes, 16-byte aligned, in shared memory); lane l receives in r[j] matrix
@@ -206,7 +213,7 @@ template <typename T> void mma16816(float (&d)[4], const uint32_t (&a)[4], uint3
 template <bool TRANS> void ldmatrix_x4(uint32_t (&r)[4], const void *row) {
     if (((uintptr_t)row & 15u) != 0) ava_emu_fail("ldmatrix: a row address is not 16-byte aligned");
     if (!ava_emu_in_shared(row, 16)) ava_emu_fail("ldmatrix: a row lies outside the block's shared memory");
-    const void *const *slots = ava_emu_warp_post(&row);
+    const void *const *slots = ava_emu_warp_post(&row, TRANS ? "ldmatrix.trans" : "ldmatrix");
     for (unsigned j = 0; j < 32; ++j)
         if (!slots[j]) ava_emu_fail("ldmatrix on a warp with missing lanes");
     auto elem = [&](unsigned m, unsigned rr, unsigned c) -> uint32_t {
@@ -219,6 +226,6 @@ template <bool TRANS> void ldmatrix_x4(uint32_t (&r)[4], const void *row) {
         const uint32_t hi = TRANS ? elem(m, 2 * (l % 4) + 1, l / 4) : elem(m, l / 4, 2 * (l % 4) + 1);
         r[m] = lo | (hi << 16);
     }
-    ava_emu_sync_warp();
+    ava_emu_sync_warp(AVA_EMU_EXCHANGED);
 }
 } // namespace ava_emu

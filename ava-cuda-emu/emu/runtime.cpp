@@ -104,6 +104,7 @@ struct Fiber {
     State state = State::Run;
     uint3 idx{};
     const void *post = nullptr; // the value posted for a warp exchange
+    const char *op = nullptr;   // the warp operation it waits at
 };
 
 struct Launch {
@@ -139,22 +140,47 @@ void entry() {
     __builtin_trap(); // a finished fiber is never resumed
 }
 
-// The running fiber stops in `state`; the scheduler resumes it when its barrier opens.
-void wait_in(State state) {
+// The running fiber stops in `state` (at warp operation `op`); the scheduler resumes it when
+// its barrier opens.
+void wait_in(State state, const char *op = nullptr) {
     Fiber &f = now->fibers[now->current];
     f.state = state;
+    f.op = op;
     switch_to(f.ctx, now->scheduler);
 }
 
-unsigned flat(const uint3 &t, const dim3 &b) { return t.x + b.x * (t.y + b.y * t.z); }
-
-const char *name(State s) {
-    switch (s) {
-    case State::Run: return "running";
-    case State::Warp: return "at a warp-level operation";
-    case State::Block: return "at __syncthreads";
-    default: return "finished";
+// Warp w's lanes [lo, hi) when none is running: 1 when all that have not returned wait at one
+// warp operation (they go on), 0 when some have yet to arrive (or wait at __syncthreads), -1
+// when the launch fails: lanes at different warp operations, or some returned before it.
+int open_warp(unsigned w, unsigned lo, unsigned hi) {
+    auto &fs = now->fibers;
+    unsigned warp = 0, done = 0, first = hi;
+    for (unsigned i = lo; i < hi; ++i) {
+        warp += fs[i].state == State::Warp, done += fs[i].state == State::Done;
+        if (fs[i].state == State::Warp && first == hi) first = i;
     }
+    if (warp == 0 || warp + done < hi - lo) return 0;
+    if (done > 0) {
+        fail_with("warp %u of block (%u, %u, %u): %u lanes wait at %s after %u of its lanes returned (the full mask "
+                  "names them)",
+                  w, ava_emu_block_idx.x, ava_emu_block_idx.y, ava_emu_block_idx.z, warp, fs[first].op, done);
+        return -1;
+    }
+    for (unsigned i = lo; i < hi; ++i)
+        if (strcmp(fs[i].op, fs[first].op) != 0) {
+            fail_with("warp %u of block (%u, %u, %u): lane %u waits at %s, lane %u at %s (a warp's lanes must meet at "
+                      "one warp operation)",
+                      w, ava_emu_block_idx.x, ava_emu_block_idx.y, ava_emu_block_idx.z, first - lo, fs[first].op,
+                      i - lo, fs[i].op);
+            return -1;
+        }
+    // After an exchange's end no lane reads the values posted for it any more.
+    const bool exchanged = strcmp(fs[first].op, AVA_EMU_EXCHANGED) == 0;
+    for (unsigned i = lo; i < hi; ++i) {
+        fs[i].state = State::Run;
+        if (exchanged) fs[i].post = nullptr;
+    }
+    return 1;
 }
 
 // Opens the barriers whose threads have all arrived; false when none could open.
@@ -164,18 +190,9 @@ bool release() {
     bool opened = false;
     for (unsigned w = 0; w * 32 < n; ++w) {
         const unsigned lo = w * 32, hi = n < lo + 32 ? n : lo + 32;
-        unsigned warp = 0, done = 0;
-        for (unsigned i = lo; i < hi; ++i) warp += fs[i].state == State::Warp, done += fs[i].state == State::Done;
-        if (warp == 0) continue;
-        if (warp + done < hi - lo) continue; // others still on their way (or at __syncthreads)
-        if (done > 0) {
-            fail_with("warp %u of block (%u, %u, %u): %u lanes wait at a warp-level operation after %u of its lanes "
-                      "returned (the full mask names them)",
-                      w, ava_emu_block_idx.x, ava_emu_block_idx.y, ava_emu_block_idx.z, warp, done);
-            return false;
-        }
-        for (unsigned i = lo; i < hi; ++i) fs[i].state = State::Run;
-        opened = true;
+        const int r = open_warp(w, lo, hi);
+        if (r < 0) return false;
+        opened |= r > 0;
     }
     if (opened) return true;
     unsigned block = 0, done = 0;
@@ -248,20 +265,15 @@ void run_serial(bool reversed) {
                     const unsigned i = reversed ? hi - 1 - k : lo + k;
                     if (fs[i].state == State::Run) resume(i);
                 }
-                unsigned warp = 0, done = 0;
-                for (unsigned i = lo; i < hi; ++i) warp += fs[i].state == State::Warp, done += fs[i].state == State::Done;
+                unsigned warp = 0;
+                for (unsigned i = lo; i < hi; ++i) warp += fs[i].state == State::Warp;
                 if (warp == 0) break; // every lane at __syncthreads or finished
-                if (warp + done < hi - lo) {
+                const int r = open_warp(w, lo, hi);
+                if (r < 0) return;
+                if (r == 0) { // lanes at a warp operation while others wait at __syncthreads
                     describe_deadlock();
                     return;
                 }
-                if (done > 0) {
-                    fail_with("warp %u of block (%u, %u, %u): %u lanes wait at a warp-level operation after %u of its "
-                              "lanes returned (the full mask names them)",
-                              w, ava_emu_block_idx.x, ava_emu_block_idx.y, ava_emu_block_idx.z, warp, done);
-                    return;
-                }
-                for (unsigned i = lo; i < hi; ++i) fs[i].state = State::Run;
             }
         }
         if (now->failed || all_done()) return;
@@ -298,12 +310,12 @@ int ava_emu_in_shared(const void *p, size_t n) {
 
 void ava_emu_sync_block() { wait_in(State::Block); }
 
-void ava_emu_sync_warp() { wait_in(State::Warp); }
+void ava_emu_sync_warp(const char *op) { wait_in(State::Warp, op); }
 
-const void *const *ava_emu_warp_post(const void *mine) {
+const void *const *ava_emu_warp_post(const void *mine, const char *op) {
     auto &fs = now->fibers;
     fs[now->current].post = mine;
-    wait_in(State::Warp);
+    wait_in(State::Warp, op);
     // Every lane has posted: copy the warp's addresses for this lane to read.
     const unsigned w = now->current / 32, n = fs.size();
     // One array for the whole launch: a lane reads it before its next switch, and every lane

@@ -24,12 +24,17 @@
 //! (the outputs differ). Dynamic shared memory starts as 0xff bytes (NaN floats), so a read
 //! before any write shows; `__shared__` variables keep what the previous block left, which
 //! differs between the orders (the reversed one runs the blocks last first). What it does not
-//! model: timing, the memory model beyond barriers, partial-warp masks (refused), atomics'
-//! contention, the device's approximate math (`__expf` is `expf`). A kernel that passes here
-//! can still fail on a GPU; one that fails here is wrong.
+//! model: timing, the memory model beyond barriers, atomics' contention, the device's
+//! approximate math (`__expf` is `expf`; NaNs keep their payload). It is stricter than CUDA
+//! in places, and says so when refusing: partial-warp masks, a warp operation after some of
+//! the warp's lanes returned, `ldmatrix` on a `__shared__` static (only dynamic shared memory
+//! is checked as shared). A kernel that passes here can still fail on a GPU; one that fails
+//! here has a bug or uses one of those patterns.
 //!
-//! Launches are serialized (a process-wide lock in the library): `__shared__` variables are
-//! statics, one per kernel.
+//! Launches of one loaded library are serialized (a lock in it): `__shared__` variables are
+//! statics, one per kernel. The fibers switch by x86-64 assembly; other targets use ucontext
+//! (slower, and not exercised by CI). Needs a C++17 compiler with `_Float16` (GCC 12 or
+//! Clang 15 and newer on x86-64).
 
 use std::ffi::{CStr, CString, c_char, c_int, c_uint, c_void};
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -140,7 +145,8 @@ pub struct Build {
     pub sources: Vec<PathBuf>,
     /// Include directories (after the emulator's own, which stand in for CUDA's headers).
     pub includes: Vec<PathBuf>,
-    /// Where the library goes (a test's `CARGO_TARGET_TMPDIR`); rebuilt when an input changes.
+    /// Where the library goes ([`cache_dir`], or a test's `CARGO_TARGET_TMPDIR`); rebuilt
+    /// when an input changes. Created if absent.
     pub out_dir: PathBuf,
 }
 
@@ -168,6 +174,31 @@ unsafe impl Send for Emulator {}
 // SAFETY: as above.
 unsafe impl Sync for Emulator {}
 
+/// A directory of this user's own for the compiled libraries, `$TMPDIR/ava-cuda-emu-$UID`:
+/// created readable by this user only, and refused if another user owns it or can write to
+/// it (a library found there is loaded into the test).
+pub fn cache_dir() -> Result<PathBuf, EmuError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    // SAFETY: getuid has no preconditions.
+    let uid = unsafe { libc::getuid() };
+    let dir = std::env::temp_dir().join(format!("ava-cuda-emu-{uid}"));
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(source) => return Err(EmuError::Io { what: "creating", path: dir, source }),
+    }
+    let meta = std::fs::metadata(&dir).map_err(|source| EmuError::Io { what: "reading", path: dir.clone(), source })?;
+    if meta.uid() != uid || meta.mode() & 0o022 != 0 {
+        return Err(EmuError::Load(format!(
+            "{} is not this user's own (owner {}, mode {:o}): remove it, or name another TMPDIR",
+            dir.display(),
+            meta.uid(),
+            meta.mode() & 0o777
+        )));
+    }
+    Ok(dir)
+}
+
 /// The emulator's own files.
 fn emu_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("emu")
@@ -178,8 +209,20 @@ fn read(path: &Path) -> Result<Vec<u8>, EmuError> {
 }
 
 /// The compiler's flags: C++17, optimized enough to run, no contraction of a·b + c into one
-/// rounding (nvcc's --fmad=false, which the bit-exact kernels are built with).
-const FLAGS: &[&str] = &["-std=c++17", "-O1", "-g0", "-fPIC", "-shared", "-ffp-contract=off", "-fno-strict-aliasing"];
+/// rounding (nvcc's --fmad=false, which the bit-exact kernels are built with); on x86-64 no
+/// control-flow protection (a fiber's first switch returns into its entry function, which a
+/// shadow stack would refuse).
+const FLAGS: &[&str] = &[
+    "-std=c++17",
+    "-O1",
+    "-g0",
+    "-fPIC",
+    "-shared",
+    "-ffp-contract=off",
+    "-fno-strict-aliasing",
+    #[cfg(target_arch = "x86_64")]
+    "-fcf-protection=none",
+];
 
 impl Emulator {
     /// Compiles `build`'s kernels with the emulator (or reuses the library an identical build
@@ -188,9 +231,13 @@ impl Emulator {
         let emu = emu_dir();
         let runtime = emu.join("runtime.cpp");
         let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_string());
-        // The library's name: a hash of everything that goes into it.
+        // The library's name: a hash of everything that goes into it, the compiler's version too.
+        let version = Command::new(&compiler)
+            .arg("--version")
+            .output()
+            .map_err(|source| EmuError::NoCompiler { compiler: compiler.clone(), source })?;
         let mut h = DefaultHasher::new();
-        (FLAGS, &compiler, &build.includes).hash(&mut h);
+        (FLAGS, &compiler, &version.stdout, &build.includes).hash(&mut h);
         for file in ["ava_emu.h", "ava_emu_call.h", "runtime.cpp", "include/ava_emu_types.h"].map(|f| emu.join(f)) {
             read(&file)?.hash(&mut h);
         }
@@ -201,9 +248,15 @@ impl Emulator {
             hash_headers(dir, &mut h)?;
         }
         let stem = build.sources.first().and_then(|s| s.file_stem()).map_or("kernels".into(), |s| s.to_string_lossy());
-        let path = build.out_dir.join(format!("ava-emu-{stem}-{:016x}.so", h.finish()));
+        let hash = h.finish();
+        std::fs::create_dir_all(&build.out_dir).map_err(|source| EmuError::Io {
+            what: "creating",
+            path: build.out_dir.clone(),
+            source,
+        })?;
+        let path = build.out_dir.join(format!("ava-emu-{stem}-{hash:016x}.so"));
         if !path.exists() {
-            compile(&compiler, build, &emu, &runtime, &path)?;
+            compile(&compiler, build, &emu, &runtime, &path, hash)?;
         }
         Self::load(path)
     }
@@ -317,17 +370,11 @@ impl Emulator {
                 why: format!("the kernel takes {takes} parameters, the launch gives {}", params.len()),
             });
         }
-        let p = Params(params.as_mut_ptr());
+        let p = params.as_mut_ptr();
         // SAFETY: the caller's promise about params; the array outlives the launch.
-        self.launch(kernel, shape, order, || unsafe { call(p.0) })
+        self.launch(kernel, shape, order, || unsafe { call(p) })
     }
 }
-
-/// The argument array, read by every thread of a launch on the launching thread.
-#[derive(Clone, Copy)]
-struct Params(*mut *mut c_void);
-// SAFETY: the emulator runs every thread on the thread that launched.
-unsafe impl Sync for Params {}
 
 impl Drop for Emulator {
     fn drop(&mut self) {
@@ -372,12 +419,7 @@ fn hash_headers(dir: &Path, h: &mut DefaultHasher) -> Result<(), EmuError> {
     Ok(())
 }
 
-fn compile(compiler: &str, build: &Build, emu: &Path, runtime: &Path, out: &Path) -> Result<(), EmuError> {
-    std::fs::create_dir_all(&build.out_dir).map_err(|source| EmuError::Io {
-        what: "creating",
-        path: build.out_dir.clone(),
-        source,
-    })?;
+fn compile(compiler: &str, build: &Build, emu: &Path, runtime: &Path, out: &Path, hash: u64) -> Result<(), EmuError> {
     let command = |cmd: &mut Command| {
         cmd.args(FLAGS).arg("-I").arg(emu.join("include")).arg("-I").arg(emu);
         for dir in &build.includes {
@@ -410,7 +452,7 @@ fn compile(compiler: &str, build: &Build, emu: &Path, runtime: &Path, out: &Path
         for k in &kernels {
             unit.push_str(&format!("AVA_EMU_KERNEL({k})\n"));
         }
-        let path = build.out_dir.join(format!("ava-emu-unit-{pid}-{i}.cpp"));
+        let path = build.out_dir.join(format!("ava-emu-unit-{hash:016x}-{pid}-{i}.cpp"));
         std::fs::write(&path, unit).map_err(|e| EmuError::Io { what: "writing", path: path.clone(), source: e })?;
         units.push(path);
     }

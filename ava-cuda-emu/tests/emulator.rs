@@ -23,11 +23,9 @@ fn emulator() -> &'static Emulator {
     })
 }
 
-/// A raw pointer that may cross into the launch's body (the emulator runs it on this thread).
+/// A raw pointer the launch's body copies (the emulator runs it on the launching thread).
 #[derive(Clone, Copy)]
 struct P<T>(*mut T);
-// SAFETY: the body runs on the launching thread while the buffer lives.
-unsafe impl<T> Sync for P<T> {}
 
 #[test]
 fn block_sums_add_each_blocks_slice() {
@@ -71,15 +69,34 @@ fn shuffles_and_ballots_read_the_lanes_cuda_says() {
 }
 
 fn run_order(name: &str, order: Order) -> Result<Vec<i32>, EmuError> {
+    run_threads(name, 64, order)
+}
+
+/// One block of `threads` of an `(int *out)` kernel.
+fn run_threads(name: &str, threads: u32, order: Order) -> Result<Vec<i32>, EmuError> {
     let emu = emulator();
     type F = unsafe extern "C" fn(*mut i32);
-    // SAFETY: racy's, fenced's, divergent's and early_return's signature.
+    // SAFETY: the (int *out) kernels' signature.
     let k: F = unsafe { emu.kernel(name) }.unwrap();
-    let mut out = vec![-1i32; 64];
-    let po = P(out.as_mut_ptr());
+    let mut out = vec![-1i32; threads as usize];
+    let po = out.as_mut_ptr();
     // SAFETY: out holds one int per thread.
-    emu.launch(name, Shape::linear(1, 64), order, || unsafe { k(po.0) })?;
+    emu.launch(name, Shape::linear(1, threads), order, || unsafe { k(po) })?;
     Ok(out)
+}
+
+#[test]
+fn lanes_at_different_warp_operations_fail_the_launch() {
+    for order in Order::ALL {
+        let e = run_threads("mixed_warp_ops", 32, order).unwrap_err().to_string();
+        assert!(e.contains("lane 0 waits at __syncwarp, lane 16 at __shfl_xor_sync"), "{order:?}: {e}");
+    }
+}
+
+#[test]
+fn a_shuffle_from_a_lane_the_block_lacks_fails_the_launch() {
+    let e = run_threads("partial_warp_shuffle", 48, Order::Lockstep).unwrap_err().to_string();
+    assert!(e.contains("a shuffle reads a lane the block does not have"), "{e}");
 }
 
 #[test]

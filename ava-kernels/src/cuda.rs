@@ -211,8 +211,13 @@ pub struct Scratch {
     plugin: &'static str,
     what: &'static str,
     /// The host memory behind `ptr` under a launch hook.
-    host: Option<Box<[u64]>>,
+    host: Option<Box<[HostChunk]>>,
 }
+
+/// 256 bytes aligned as the driver aligns an allocation, for [`Scratch`]'s host memory.
+#[derive(Clone, Copy)]
+#[repr(C, align(256))]
+struct HostChunk([u8; 256]);
 
 impl Scratch {
     /// `bytes` bytes on `stream` (the host's, on the device whose context is current) for
@@ -225,8 +230,9 @@ impl Scratch {
     ) -> Result<Self, PluginError> {
         let stream = stream.handle as sys::CUstream;
         if HOOK.read().unwrap_or_else(|p| p.into_inner()).is_some() {
-            let host = vec![u64::MAX; bytes.div_ceil(8).max(1)].into_boxed_slice();
-            return Ok(Self { ptr: host.as_ptr() as u64, stream, plugin, what, host: Some(host) });
+            let mut host = vec![HostChunk([0xff; 256]); bytes.div_ceil(256).max(1)].into_boxed_slice();
+            let ptr = host.as_mut_ptr() as u64;
+            return Ok(Self { ptr, stream, plugin, what, host: Some(host) });
         }
         let driver = |step: &str, e: result::DriverError| {
             PluginError::internal(format!("{plugin}: CUDA {step} for {what}: {e}"))

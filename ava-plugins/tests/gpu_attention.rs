@@ -277,7 +277,8 @@ fn the_gpu_matches_the_cpu() {
 }
 
 /// attention.cu sums dK and dV over the rows in a fixed order (no atomics): two runs on the
-/// same inputs give the same bits.
+/// same inputs give the same bits. Meaningful on a GPU, where blocks race; the emulator is
+/// deterministic in any one order.
 #[test]
 fn two_runs_give_the_same_bits() {
     let gpu = gpu();

@@ -145,3 +145,21 @@ template <bool FENCED> __device__ void two_sums_of(const float *x, float *out) {
 }
 extern "C" __global__ void two_sums(const float *x, float *out) { two_sums_of<true>(x, out); }
 extern "C" __global__ void two_sums_unfenced(const float *x, float *out) { two_sums_of<false>(x, out); }
+
+// Half of a warp at __syncwarp while the other half shuffles: no warp operation they share.
+extern "C" __global__ void mixed_warp_ops(int *out) {
+    int v = threadIdx.x;
+    if ((threadIdx.x & 31) < 16) {
+        __syncwarp();
+        v = __shfl_xor_sync(0xffffffffu, v, 1);
+    } else {
+        v = __shfl_xor_sync(0xffffffffu, v, 1);
+        __syncwarp();
+    }
+    out[threadIdx.x] = v;
+}
+
+// A shuffle from lane + 16 in a block of 48 threads: warp 1's lanes 16.. do not exist.
+extern "C" __global__ void partial_warp_shuffle(int *out) {
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 16);
+}

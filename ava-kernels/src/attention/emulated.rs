@@ -41,7 +41,7 @@ fn emulator() -> &'static Arc<Emulator> {
         let build = Build {
             sources: vec![root.join("kernels/flash.cu")],
             includes: vec![ava_cuda_build_include()],
-            out_dir: std::env::temp_dir().join("ava-cuda-emu"),
+            out_dir: ava_cuda_emu::cache_dir().unwrap_or_else(|e| panic!("{e}")),
         };
         let emu = Arc::new(Emulator::build(&build).unwrap_or_else(|e| panic!("{e}")));
         let hooked = emu.clone();

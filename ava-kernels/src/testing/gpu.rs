@@ -59,9 +59,12 @@ pub const GUARD: usize = 256;
 pub const CANARY: u8 = 0xa5;
 
 /// Host memory with a guard on each side; 16-byte aligned, as device allocations are (at
-/// least).
+/// least). The guards are checked when the values are read back and when it is dropped.
 pub struct Guarded {
     words: Vec<u128>,
+    /// The first value's address, taken once from the vector's mutable pointer: kernels
+    /// write through it.
+    data: *mut u8,
     len: usize,
     bytes: usize,
 }
@@ -75,17 +78,15 @@ impl Guarded {
         // SAFETY: T is a plain device type (Copy, no padding that matters for a byte copy).
         let src = unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), bytes) };
         all[GUARD..GUARD + bytes].copy_from_slice(src);
-        Self { words, len: v.len(), bytes }
+        // SAFETY: GUARD bytes in is inside the allocation, which never moves (the vector is
+        // not resized).
+        let data = unsafe { words.as_mut_ptr().cast::<u8>().add(GUARD) };
+        Self { words, data, len: v.len(), bytes }
     }
 
-    fn data_ptr(&self) -> *const u8 {
-        // SAFETY: GUARD bytes in is inside the allocation.
-        unsafe { self.words.as_ptr().cast::<u8>().add(GUARD) }
-    }
-
-    /// The values, after checking both guards.
-    fn values<T: Copy>(&self) -> Vec<T> {
-        // SAFETY: the words hold 2·GUARD + bytes initialized bytes.
+    /// Panics naming the side a kernel wrote past, if it did.
+    fn check(&self) {
+        // SAFETY: the words hold 2·GUARD + bytes initialized bytes; no kernel runs now.
         let all = unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), 2 * GUARD + self.bytes) };
         let (before, after) = (&all[..GUARD], &all[GUARD + self.bytes..]);
         if let Some(i) = before.iter().rposition(|&b| b != CANARY) {
@@ -94,13 +95,27 @@ impl Guarded {
         if let Some(i) = after.iter().position(|&b| b != CANARY) {
             panic!("a kernel wrote past the end of a {}-byte buffer (at byte {} after it)", self.bytes, i);
         }
+    }
+
+    /// The values, after checking both guards.
+    fn values<T: Copy>(&self) -> Vec<T> {
+        self.check();
         let mut out = Vec::<T>::with_capacity(self.len);
         // SAFETY: the data bytes were written from T values (and by kernels writing T).
         unsafe {
-            std::ptr::copy_nonoverlapping(self.data_ptr(), out.as_mut_ptr().cast::<u8>(), self.bytes);
+            std::ptr::copy_nonoverlapping(self.data, out.as_mut_ptr().cast::<u8>(), self.bytes);
             out.set_len(self.len);
         }
         out
+    }
+}
+
+impl Drop for Guarded {
+    /// A buffer never read back (a workspace, a gradient) is checked here.
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.check();
+        }
     }
 }
 
@@ -172,7 +187,7 @@ fn install_emulator(order: Order) {
         let build = Build {
             sources,
             includes: vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("../ava-cuda-build/include")],
-            out_dir: std::env::temp_dir().join("ava-cuda-emu"),
+            out_dir: ava_cuda_emu::cache_dir().unwrap_or_else(|e| panic!("{e}")),
         };
         let emu = Arc::new(Emulator::build(&build).unwrap_or_else(|e| panic!("{e}")));
         crate::cuda::set_launch_hook(Some(Arc::new(move |_module, name, launch, params| {
@@ -209,7 +224,7 @@ impl Gpu {
     pub fn ptr<T>(&self, b: &Buffer<T>) -> u64 {
         match (self, b) {
             (Gpu::Device { stream, .. }, Buffer::Device(s)) => s.device_ptr(stream).0,
-            (_, Buffer::Host(g)) => g.data_ptr() as u64,
+            (_, Buffer::Host(g)) => g.data as u64,
             (Gpu::Emulated, Buffer::Device(_)) => unreachable!("the emulator holds no device buffers"),
         }
     }

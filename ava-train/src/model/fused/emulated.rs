@@ -52,7 +52,7 @@ fn emulator() -> &'static Emulator {
         let build = Build {
             sources: vec![root.join("kernels/fused.cu")],
             includes: vec![root.join("../ava-cuda-build/include")],
-            out_dir: std::env::temp_dir().join("ava-cuda-emu"),
+            out_dir: ava_cuda_emu::cache_dir().unwrap_or_else(|e| panic!("{e}")),
         };
         Emulator::build(&build).unwrap_or_else(|e| panic!("{e}"))
     })
