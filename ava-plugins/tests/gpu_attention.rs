@@ -32,7 +32,7 @@
 //!   AVA_CUDA_EMULATE=serial cargo test -p ava-plugins --features cuda --test gpu_attention
 
 use ava_core::prelude::*;
-use ava_kernels::testing::gpu::{Buffer, Gpu, gpu};
+use ava_kernels::testing::gpu::{Buffer, Gpu, gpu, stored, widened};
 use ava_kernels::testing::{Rng, run_segmented, segments, shape};
 use ava_plugins::builtin::standard::Standard;
 
@@ -54,25 +54,14 @@ impl Ty {
         }
     }
 
-    /// `x` as stored bits in 4 bytes or 2; every value must be exact in the type (the test's
-    /// inputs are, see [`inputs`]).
+    /// `x` as stored bits in 4 bytes or 2 (rounded to nearest; the test's inputs are exact in
+    /// every type, see [`inputs`]).
     fn store(self, x: &[f32]) -> Vec<u8> {
-        match self {
-            Ty::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Ty::Bf16 => x.iter().flat_map(|&v| bf16_bits(v).to_le_bytes()).collect(),
-            Ty::F16 => x.iter().flat_map(|&v| f16_bits(v).to_le_bytes()).collect(),
-        }
+        stored(self.dtype(), x)
     }
 
-    /// Stored bits widened to f32.
     fn load(self, b: &[u8]) -> Vec<f32> {
-        match self {
-            Ty::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Ty::Bf16 => {
-                b.chunks_exact(2).map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)).collect()
-            }
-            Ty::F16 => b.chunks_exact(2).map(|c| f16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
-        }
+        widened(self.dtype(), b)
     }
 
     /// The tolerance of `tensor` (see the header): (whether atol is a share of the tensor's
@@ -83,37 +72,6 @@ impl Ty {
             (Ty::Bf16, _) => (true, 5e-3, 1e-3 + 1.0 / 256.0),
             (Ty::F16, _) => (true, 1e-3, 1e-3 + 1.0 / 2048.0),
         }
-    }
-}
-
-/// `x`'s bf16 bits; `x` must be exact in bf16.
-fn bf16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    assert_eq!(b & 0xffff, 0, "{x} is not exact in bf16");
-    (b >> 16) as u16
-}
-
-/// `x`'s f16 bits; `x` must be zero or a normal f16 value.
-fn f16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    let sign = ((b >> 16) & 0x8000) as u16;
-    if x == 0.0 {
-        return sign;
-    }
-    let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
-    assert!((1..31).contains(&exp) && b & 0x1fff == 0, "{x} is not a normal f16 value");
-    sign | ((exp as u16) << 10) | ((b >> 13) & 0x3ff) as u16
-}
-
-/// The f16 value of `h` (subnormals, infinities and NaN included).
-fn f16_value(h: u16) -> f32 {
-    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
-    let (exp, frac) = (i32::from((h >> 10) & 0x1f), f32::from(h & 0x3ff));
-    sign * match exp {
-        0 => frac * 2f32.powi(-24),
-        31 if frac == 0.0 => f32::INFINITY,
-        31 => f32::NAN,
-        _ => (1.0 + frac / 1024.0) * 2f32.powi(exp - 15),
     }
 }
 

@@ -22,10 +22,9 @@ use std::sync::{Arc, OnceLock};
 use ava_core::device::CudaBuf;
 use ava_core::{AttnShape, DType, PluginError};
 use ava_cuda_emu::{Build, Emulator, Order, Shape};
-use half::{bf16, f16};
 
 use super::{Kernel, Masking, cuda};
-use crate::testing::gpu::{Buffer, Gpu};
+use crate::testing::gpu::{Buffer, Gpu, stored, widened};
 use crate::testing::{Rng, run_segmented, shape};
 
 thread_local! {
@@ -79,18 +78,10 @@ impl Ty {
     }
     /// `x` rounded to the type (nearest, ties to even), as stored bits in 4 bytes or 2.
     fn store(self, x: &[f32]) -> Vec<u8> {
-        match self {
-            Ty::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            Ty::Bf16 => x.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
-            Ty::F16 => x.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect(),
-        }
+        stored(self.dtype(), x)
     }
     fn load(self, b: &[u8]) -> Vec<f32> {
-        match self {
-            Ty::F32 => b.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Ty::Bf16 => b.chunks(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            Ty::F16 => b.chunks(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        }
+        widened(self.dtype(), b)
     }
     /// The largest difference allowed, as a share of the tensor's largest magnitude: the
     /// outputs' rounding to the type and, for bf16/f16, P and dS rounded before the

@@ -200,6 +200,27 @@ fn install_emulator(order: Order) {
     });
 }
 
+/// `x` rounded to `dtype` (f32, bf16 or f16; to nearest, ties to even) as the little-endian
+/// bytes a kernel reads.
+pub fn stored(dtype: DType, x: &[f32]) -> Vec<u8> {
+    match dtype {
+        DType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::BF16 => x.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect(),
+        DType::F16 => x.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect(),
+        other => panic!("stored: {} is not a float type of the kernels", other.as_str()),
+    }
+}
+
+/// The values of little-endian `dtype` bytes (f32, bf16 or f16), widened to f32.
+pub fn widened(dtype: DType, b: &[u8]) -> Vec<f32> {
+    match dtype {
+        DType::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        DType::BF16 => b.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        DType::F16 => b.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        other => panic!("widened: {} is not a float type of the kernels", other.as_str()),
+    }
+}
+
 impl Gpu {
     /// `v` copied into a new buffer (one element at least: allocations of nothing are not a
     /// buffer to point at).
