@@ -161,7 +161,8 @@ type LaunchFn = unsafe extern "C" fn(
     why_len: usize,
 ) -> c_int;
 
-/// A loaded library of emulated kernels.
+/// A loaded library of emulated kernels. Never unloaded: a test may hold kernel pointers
+/// until it exits.
 #[derive(Debug)]
 pub struct Emulator {
     handle: *mut c_void,
@@ -268,10 +269,9 @@ impl Emulator {
         if handle.is_null() {
             return Err(EmuError::Load(format!("loading {}: {}", path.display(), dl_error())));
         }
-        let mut this = Self { handle, launch: missing_launch, path };
         // SAFETY: runtime.cpp defines ava_emu_launch with exactly LaunchFn's signature.
-        this.launch = unsafe { this.kernel::<LaunchFn>("ava_emu_launch")? };
-        Ok(this)
+        let launch = unsafe { symbol::<LaunchFn>(handle, &path, "ava_emu_launch")? };
+        Ok(Self { handle, launch, path })
     }
 
     /// The kernel (or any exported function) `name` as a function pointer of type `F`.
@@ -280,15 +280,8 @@ impl Emulator {
     /// `F` must be an `unsafe extern "C" fn` type with the kernel's exact parameters, and the
     /// function may only be called from inside [`launch`](Self::launch)'s body.
     pub unsafe fn kernel<F: Copy>(&self, name: &str) -> Result<F, EmuError> {
-        assert_eq!(size_of::<F>(), size_of::<*mut c_void>(), "F is a function pointer");
-        let c = CString::new(name).map_err(|e| EmuError::Load(e.to_string()))?;
-        // SAFETY: handle is a live library; dlsym only looks the name up.
-        let f = unsafe { libc::dlsym(self.handle, c.as_ptr()) };
-        if f.is_null() {
-            return Err(EmuError::Load(format!("{} has no kernel `{name}`", self.path.display())));
-        }
-        // SAFETY: F is a function pointer type (checked above); the caller promises its signature.
-        Ok(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&f) })
+        // SAFETY: the caller's promise about F, passed on.
+        unsafe { symbol(self.handle, &self.path, name) }
     }
 
     /// Runs `body` as every thread of a `shape` launch, the threads of a block in `order`.
@@ -376,25 +369,21 @@ impl Emulator {
     }
 }
 
-impl Drop for Emulator {
-    fn drop(&mut self) {
-        // Left loaded: a test binary may hold kernel pointers until it exits, and unloading a
-        // C++ library with thread-local state is not worth its risks here.
-        let _ = self.handle;
+/// The function `name` of the loaded library `handle` (from `path`) as a function pointer of
+/// type `F`.
+///
+/// # Safety
+/// As [`Emulator::kernel`].
+unsafe fn symbol<F: Copy>(handle: *mut c_void, path: &Path, name: &str) -> Result<F, EmuError> {
+    assert_eq!(size_of::<F>(), size_of::<*mut c_void>(), "F is a function pointer");
+    let c = CString::new(name).map_err(|e| EmuError::Load(e.to_string()))?;
+    // SAFETY: handle is a live library; dlsym only looks the name up.
+    let f = unsafe { libc::dlsym(handle, c.as_ptr()) };
+    if f.is_null() {
+        return Err(EmuError::Load(format!("{} has no kernel `{name}`", path.display())));
     }
-}
-
-unsafe extern "C" fn missing_launch(
-    _: *const c_uint,
-    _: *const c_uint,
-    _: usize,
-    _: c_int,
-    _: unsafe extern "C" fn(*mut c_void),
-    _: *mut c_void,
-    _: *mut c_char,
-    _: usize,
-) -> c_int {
-    1
+    // SAFETY: F is a function pointer type (checked above); the caller promises its signature.
+    Ok(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&f) })
 }
 
 fn dl_error() -> String {
