@@ -246,9 +246,11 @@ impl<'a> Mask<'a> {
     /// can still be [`Tile::Skip`]).
     pub fn row_span(&self, j0: usize, j1: usize) -> (usize, usize) {
         let off = self.offset;
-        // Rows whose position p lies in p_lo..p_hi (and in the segments of keys j0..j1),
-        // clipped to 0..Tq.
-        let (first, last) = (self.segment_of(j0).0, self.segment_of(j1 - 1).1);
+        // Rows whose position p lies in p_lo..p_hi (and in the segments of keys j0..j1, when
+        // there are segments), clipped to 0..Tq. Without segments the keys bound no position:
+        // the full pattern takes Tq > Tk, and its last rows' positions lie past the last key.
+        let (first, last) =
+            if self.segments.is_empty() { (0, usize::MAX) } else { (self.segment_of(j0).0, self.segment_of(j1 - 1).1) };
         let rows = |p_lo: usize, p_hi: usize| {
             let clip = |p: usize| p.saturating_sub(off).min(self.tq);
             let (lo, hi) = (clip(p_lo.max(first)), clip(p_hi.min(last)));

@@ -98,6 +98,24 @@ fn flash_matches_dense_everywhere() {
     }
 }
 
+/// More queries than keys, which only the full pattern takes (the last queries' positions
+/// lie past the last key): the tiled kernel matches dense, query tiles past Tk included (its
+/// backward once skipped them: `Mask::row_span` bounded the rows by the keys' end).
+#[test]
+fn flash_matches_dense_with_more_queries_than_keys() {
+    let tiles = TILES.into_iter().map(Some).chain([None]);
+    for tiles in tiles {
+        let kernel = Kernel { masking: Masking::Plain, algorithm: Algorithm::Flash(tiles) };
+        for (n, s) in [shape(1, 4, 2, 45, 20, 16, false), shape(2, 2, 1, 200, 10, 64, false)].iter().enumerate() {
+            let mask = Masking::Plain.mask(s).unwrap();
+            for threads in [1, 3] {
+                testing::against_dense(&kernel, s, &mask, threads, n as u64)
+                    .unwrap_or_else(|e| panic!("{tiles:?}: {e}"));
+            }
+        }
+    }
+}
+
 /// Flash forward against the f64 definition directly, logsumexp included.
 #[test]
 fn flash_forward_and_logsumexp_match_the_definition() {
