@@ -59,7 +59,7 @@ fn estimated_peak(dir: &Path, micro: usize, extra: &[&str]) -> u64 {
 
 /// A budget the configured micro-batch (4) does not fit but a smaller one does: the run
 /// starts at the smaller one, says so in one line, keeps the global batch, and its measured
-/// peak stays under the budget from step 1.
+/// peak stays under the budget from step 1, so the memory policy never shrinks it again.
 #[test]
 fn a_step_over_the_budget_starts_at_a_micro_batch_that_fits() {
     let dir = tempfile::tempdir().unwrap();
@@ -78,10 +78,14 @@ fn a_step_over_the_budget_starts_at_a_micro_batch_that_fits() {
     assert!(line.contains("the same 8 sequences a step"), "{line}");
     let records = steps(&dir.path().join("run"));
     assert_eq!(records.len(), 3);
+    let first = records[0]["micro_batch"].as_u64().unwrap();
     for r in &records {
-        assert!(r["micro_batch"].as_u64().unwrap() < 4, "{r}");
+        assert_eq!(r["micro_batch"].as_u64().unwrap(), first, "the micro-batch was shrunk again: {r}");
+        assert!(first < 4, "{r}");
         assert!(r["memory"]["peak"].as_u64().unwrap() <= budget, "step {}: over the budget {budget}: {r}", r["step"]);
-        assert!(r["memory_events"].is_null(), "the policy had nothing to do: {r}");
+        // The policy may warn (the peak can pass its 92% level below the budget), never act.
+        let events = r["memory_events"].as_array().map(Vec::as_slice).unwrap_or_default();
+        assert!(events.iter().all(|e| e.as_str().is_some_and(|e| e.contains("(warning"))), "the policy acted: {r}");
     }
 }
 

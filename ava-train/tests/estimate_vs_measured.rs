@@ -144,10 +144,14 @@ fn estimated_micro_batch_peak_is_within_15_percent_of_the_measured_one() {
         case("d128 L2 biases D48", &biased, 4, 64, bf16, plan(2, Keep), false),
         case("d128 L2 biases D48", &biased, 4, 64, f16, vec![Keep, Recompute], false),
         // The loss with the logits whole (train.loss_chunk_rows: 0), and in blocks of rows.
+        // With the logits whole the peak is in the head's backward product dx = g·W, where
+        // gemm packs g, (N, V), into a buffer of its own; the replay counts the linear layer's
+        // g whole there (an upper bound: at 512 rows exact, at 2048 rows of V 4096 gemm took
+        // half, and the estimate was 1.135× the measured peak). Before the backward moved
+        // each first gradient in, the zeros it was added to hid that buffer.
         // Not here: a half run's blocks over the 4096-token vocabulary. Their peak is inside
-        // the head's backward product (dx = g·W, summed over V), where gemm packs its operands
-        // into buffers of its own for the call (kc·nc f32s, about 7 MiB on the 2-core machine
-        // here), which the replay does not count: 0.76 and 0.86 of the measured peak for
+        // the chunked head's backward product, where gemm's buffers (kc·nc f32s, about 7 MiB
+        // on the 2-core machine here) are not counted: 0.76 and 0.86 of the measured peak for
         // blocks of 512 and 1024 rows. They are the same few MiB per thread at any size, so
         // they matter only where the whole micro-batch is tens of MiB; an f32 run's peak is
         // at the block's logits and their gradient instead (below).

@@ -275,7 +275,7 @@ fn head(x: &Dims, widened: bool, chunk_rows: u64, peak: &MicroBatchPeak) -> Term
 /// candle's backward: gradients not yet consumed and what they keep alive, op temporaries.
 fn backward(peak: &MicroBatchPeak) -> Term {
     let formula = "candle's backward replayed: gradients not yet consumed, the expressions tracked gradients keep \
-                   alive, zeros from or_insert, op temporaries"
+                   alive, op temporaries (each first gradient moved in, not added to zeros)"
         .to_string();
     activation(peak, Cat::Backward, "backward: intermediate gradients and what they hold", formula)
 }

@@ -2,10 +2,10 @@
 //! tensor has a shape, strides, a type, a reference-counted buffer and, like a candle tensor,
 //! the op that made it (holding its inputs alive). The ops the model uses allocate exactly where
 //! candle allocates (views share their buffer, `contiguous` and `to_dtype` are no-ops when
-//! nothing changes), and [`backward`] transcribes candle's `Tensor::backward`: the same
-//! topological order, the same `or_insert` of zeros, and the same gradient expressions, so a
-//! gradient computed from a tracked tensor keeps its whole expression alive, as it does in
-//! candle. Dropping a shadow tensor frees its bytes when the last reference goes.
+//! nothing changes), and [`backward`] transcribes candle's `Tensor::backward` as Ava carries
+//! it (vendor/candle-core: a node's first gradient is moved in, not added to zeros): the same
+//! topological order, the same accumulation and the same gradient expressions, so a gradient
+//! computed from a tracked tensor keeps its whole expression alive, as it does in candle. Dropping a shadow tensor frees its bytes when the last reference goes.
 //!
 //! The estimator runs the model's forward and `forward_backward` on these shadows (see
 //! `replay`) and reads the peak off the [`Meter`]. Buffers carry a [`Cat`] so the peak can be
@@ -348,6 +348,8 @@ struct Inner {
     op: Option<Op>,
     var: bool,
     param: bool,
+    /// Whether it starts at its buffer's start (no narrowing past its first element).
+    at_start: bool,
 }
 
 fn contiguous_strides(dims: &[usize]) -> Vec<usize> {
@@ -367,11 +369,16 @@ impl T {
     fn fresh(meter: &Rc<Meter>, dims: Vec<usize>, dtype: Dt, op: Option<Op>, var: bool, cat: Option<Cat>) -> T {
         let buf = meter.alloc(numel(&dims) * dtype.size(), cat);
         let strides = contiguous_strides(&dims);
-        T(Rc::new(Inner { id: meter.id(), dims, strides, dtype, buf, op, var, param: false }))
+        T(Rc::new(Inner { id: meter.id(), dims, strides, dtype, buf, op, var, param: false, at_start: true }))
     }
 
-    /// A view on this tensor's buffer.
+    /// A view on this tensor's buffer, from the same start.
     fn view(&self, dims: Vec<usize>, strides: Vec<usize>, op: Option<Op>) -> T {
+        self.view_from(dims, strides, op, self.0.at_start)
+    }
+
+    /// A view on this tensor's buffer, `at_start` or further in.
+    fn view_from(&self, dims: Vec<usize>, strides: Vec<usize>, op: Option<Op>, at_start: bool) -> T {
         let m = &self.0.buf.meter;
         T(Rc::new(Inner {
             id: m.id(),
@@ -382,6 +389,7 @@ impl T {
             op,
             var: false,
             param: false,
+            at_start,
         }))
     }
 
@@ -397,6 +405,7 @@ impl T {
             op: None,
             var: false,
             param: false,
+            at_start: true,
         }))
     }
 
@@ -510,7 +519,7 @@ impl T {
         let mut dims = self.0.dims.clone();
         dims[dim] = len;
         let op = T::op_if(&[self], || Op::Narrow(self.clone(), dim, start, len));
-        self.view(dims, self.0.strides.clone(), op)
+        self.view_from(dims, self.0.strides.clone(), op, self.0.at_start && start == 0)
     }
 
     pub(crate) fn broadcast_as(&self, dims: &[usize]) -> T {
@@ -538,6 +547,11 @@ impl T {
         if self.is_contiguous() {
             return self.clone();
         }
+        self.force_contiguous()
+    }
+
+    /// `force_contiguous`: always a copy.
+    fn force_contiguous(&self) -> T {
         let op = T::op_if(&[self], || Op::Copy(self.clone()));
         self.out(self.0.dims.clone(), self.0.dtype, op)
     }
@@ -766,6 +780,7 @@ impl T {
             op,
             var: false,
             param: false,
+            at_start: true,
         }))
     }
 }
@@ -792,6 +807,7 @@ impl T {
             op,
             var: false,
             param: false,
+            at_start: true,
         }))
     }
 }
@@ -824,19 +840,55 @@ impl GradStore {
         self.0.remove(&t.0.id)
     }
 
-    /// `*or_insert(arg) = f(old)`: zeros first when absent (as candle's `or_insert`), then the
-    /// new sum replaces the old. A parameter's gradient is counted under [`Cat::ParamGrads`].
-    fn accumulate(&mut self, arg: &T, f: impl FnOnce(&T) -> T) {
+    /// The patched candle's `accumulate`: the first gradient of `arg` is `g` itself (a copy
+    /// when it is not contiguous from its buffer's start), a later one the sum of the two. A
+    /// parameter's gradient is counted under [`Cat::ParamGrads`].
+    fn accumulate(&mut self, arg: &T, g: T) {
+        self.combine(arg, g, T::add);
+    }
+
+    /// `accumulate_neg`: the first is `-g` (a fresh tensor), a later one the difference.
+    fn accumulate_neg(&mut self, arg: &T, g: T) {
+        match self.0.contains_key(&arg.0.id) {
+            true => self.combine(arg, g, T::sub),
+            false => self.combine(arg, g.affine(-1.0), T::sub),
+        }
+    }
+
+    /// `accumulate_copy` (a piece of a concatenation's gradient): the first always copied.
+    fn accumulate_copy(&mut self, arg: &T, g: T) {
+        match self.0.contains_key(&arg.0.id) {
+            true => self.combine(arg, g, T::add),
+            false => self.combine(arg, g.force_contiguous(), T::add),
+        }
+    }
+
+    fn combine(&mut self, arg: &T, g: T, sum: fn(&T, &T) -> T) {
+        let new = match self.0.remove(&arg.0.id) {
+            Some(old) => sum(&old, &g),
+            None if g.is_contiguous() && g.0.at_start => g,
+            None => g.force_contiguous(),
+        };
+        self.store(arg, new);
+    }
+
+    /// `*or_insert(arg) = f(old)`, zeros first when absent: the ops whose gradient scatters
+    /// into a base (`index_add`, `scatter_add`), which the patch leaves as they were.
+    fn accumulate_into(&mut self, arg: &T, f: impl FnOnce(&T) -> T) {
         let old = match self.0.remove(&arg.0.id) {
             Some(g) => g,
             None => arg.zeros_like(),
         };
         let new = f(&old);
-        if arg.0.param {
-            new.0.buf.retag(Cat::ParamGrads);
-        }
-        self.0.insert(arg.0.id, new);
         drop(old);
+        self.store(arg, new);
+    }
+
+    fn store(&mut self, arg: &T, grad: T) {
+        if arg.0.param {
+            grad.0.buf.retag(Cat::ParamGrads);
+        }
+        self.0.insert(arg.0.id, grad);
     }
 }
 
@@ -897,37 +949,37 @@ pub(crate) fn backward(root: &T) -> GradStore {
         meter.op.set(op.name());
         match op {
             Op::Add(lhs, rhs) => {
-                grads.accumulate(lhs, |s| s.add(&grad));
-                grads.accumulate(rhs, |s| s.add(&grad));
+                grads.accumulate(lhs, grad.clone());
+                grads.accumulate(rhs, grad.clone());
             }
             Op::Sub(lhs, rhs) => {
-                grads.accumulate(lhs, |s| s.add(&grad));
-                grads.accumulate(rhs, |s| s.sub(&grad));
+                grads.accumulate(lhs, grad.clone());
+                grads.accumulate_neg(rhs, grad.clone());
             }
             Op::Mul(lhs, rhs) => {
                 let lhs_grad = grad.mul(rhs);
-                grads.accumulate(lhs, |s| s.add(&lhs_grad));
+                grads.accumulate(lhs, lhs_grad);
                 let rhs_grad = grad.mul(lhs);
-                grads.accumulate(rhs, |s| s.add(&rhs_grad));
+                grads.accumulate(rhs, rhs_grad);
             }
             Op::Div(lhs, rhs) => {
                 let lhs_grad = grad.div(rhs);
-                grads.accumulate(lhs, |s| s.add(&lhs_grad));
+                grads.accumulate(lhs, lhs_grad);
                 let rhs_grad = grad.mul(lhs).div(&rhs.sqr());
-                grads.accumulate(rhs, |s| s.sub(&rhs_grad));
+                grads.accumulate_neg(rhs, rhs_grad);
             }
             Op::Matmul(lhs, rhs) => {
                 let lhs_grad = grad.matmul(&rhs.t());
-                grads.accumulate(lhs, |s| s.add(&lhs_grad));
+                grads.accumulate(lhs, lhs_grad);
                 let rhs_grad = lhs.t().matmul(&grad);
-                grads.accumulate(rhs, |s| s.add(&rhs_grad));
+                grads.accumulate(rhs, rhs_grad);
             }
             Op::Cat(args, dim) => {
                 let mut start = 0;
                 for arg in args {
                     let len = arg.0.dims[*dim];
                     let arg_grad = grad.narrow(*dim, start, len);
-                    grads.accumulate(arg, |s| s.add(&arg_grad));
+                    grads.accumulate_copy(arg, arg_grad);
                     start += len;
                 }
             }
@@ -940,7 +992,7 @@ pub(crate) fn backward(root: &T) -> GradStore {
                 for _ in 0..left {
                     arg_grad = arg_grad.reshape(&arg_grad.0.dims[1..]);
                 }
-                grads.accumulate(arg, |s| s.add(&arg_grad.broadcast_as(&s.0.dims)));
+                grads.accumulate(arg, arg_grad.broadcast_as(&arg.0.dims));
             }
             Op::Sum(arg, reduced) => {
                 let g = if arg.0.dims.len() == node.0.dims.len() {
@@ -948,15 +1000,15 @@ pub(crate) fn backward(root: &T) -> GradStore {
                 } else {
                     grad.reshape(reduced).broadcast_as(&arg.0.dims)
                 };
-                grads.accumulate(arg, |s| s.add(&g));
+                grads.accumulate(arg, g);
             }
-            Op::ToDType(arg) => grads.accumulate(arg, |s| s.add(&grad.to_dtype(arg.0.dtype))),
-            Op::Copy(arg) => grads.accumulate(arg, |s| s.add(&grad)),
+            Op::ToDType(arg) => grads.accumulate(arg, grad.to_dtype(arg.0.dtype)),
+            Op::Copy(arg) => grads.accumulate(arg, grad.clone()),
             Op::Affine(arg, mul) => {
                 let arg_grad = grad.affine(*mul);
-                grads.accumulate(arg, |s| s.add(&arg_grad));
+                grads.accumulate(arg, arg_grad);
             }
-            Op::Exp(arg) => grads.accumulate(arg, |s| s.add(&grad.mul(node))),
+            Op::Exp(arg) => grads.accumulate(arg, grad.mul(node)),
             Op::Narrow(arg, dim, start, len) => {
                 let arg_grad = {
                     let mut parts: Vec<T> = Vec::new();
@@ -974,19 +1026,19 @@ pub(crate) fn backward(root: &T) -> GradStore {
                     let refs: Vec<&T> = parts.iter().collect();
                     cat(&refs, *dim)
                 };
-                grads.accumulate(arg, |s| s.add(&arg_grad));
+                grads.accumulate(arg, arg_grad);
             }
             Op::Reshape(arg) => {
                 let arg_grad = grad.reshape(&arg.0.dims);
-                grads.accumulate(arg, |s| s.add(&arg_grad));
+                grads.accumulate(arg, arg_grad);
             }
             Op::Transpose(arg, a, b) => {
                 let arg_grad = grad.transpose(*a, *b);
-                grads.accumulate(arg, |s| s.add(&arg_grad));
+                grads.accumulate(arg, arg_grad);
             }
             Op::Sqr(arg) => {
                 let arg_grad = arg.mul(&grad).affine(2.0);
-                grads.accumulate(arg, |s| s.add(&arg_grad));
+                grads.accumulate(arg, arg_grad);
             }
             Op::CrossEntropy(arg, _) => {
                 // `ops::cross_entropy_grad`: the (N, V) gradient in the logits' type, while
@@ -996,19 +1048,18 @@ pub(crate) fn backward(root: &T) -> GradStore {
                     let _rows_or_targets = raw(&meter, arg.0.dims[0] as u64 * 4);
                     T::new(&meter, &arg.0.dims, arg.0.dtype)
                 };
-                grads.accumulate(arg, |s| s.add(&arg_grad));
+                grads.accumulate(arg, arg_grad);
             }
             Op::Seed(out, held) => {
                 // `bwd`: the held gradient times the upstream scalar (in its type), a fresh
                 // (B, T, d).
                 let arg_grad = held.broadcast_mul(&grad.to_dtype(held.0.dtype));
-                grads.accumulate(out, |s| s.add(&arg_grad));
+                grads.accumulate(out, arg_grad);
             }
             Op::HeadLoss(h, w, _, _, chunk_rows) => {
                 let (dh, dw) = head_loss_backward(&meter, h, w, *chunk_rows);
-                grads.accumulate(h, |s| s.add(&dh));
-                drop(dh);
-                grads.accumulate(w, |s| s.add(&dw));
+                grads.accumulate(h, dh);
+                grads.accumulate(w, dw);
             }
             Op::Attention(q, k, v, saved, workspace, _) if meter.on_gpu() => {
                 // `cuda_bwd`: zeroed gradients in the inputs' types, then the workspace for
@@ -1019,9 +1070,9 @@ pub(crate) fn backward(root: &T) -> GradStore {
                     drop((meter.alloc(*workspace, Some(Cat::AttnWorkspace)), saved));
                     (dq, dk, dv)
                 };
-                grads.accumulate(q, |s| s.add(&dq));
-                grads.accumulate(k, |s| s.add(&dk));
-                grads.accumulate(v, |s| s.add(&dv));
+                grads.accumulate(q, dq);
+                grads.accumulate(k, dk);
+                grads.accumulate(v, dv);
             }
             Op::Attention(q, k, v, saved, workspace, widen) => {
                 let (dq, dk, dv) = {
@@ -1054,17 +1105,17 @@ pub(crate) fn backward(root: &T) -> GradStore {
                     };
                     (grad_of(q, dq), grad_of(k, dk), grad_of(v, dv))
                 };
-                grads.accumulate(q, |s| s.add(&dq));
-                grads.accumulate(k, |s| s.add(&dk));
-                grads.accumulate(v, |s| s.add(&dv));
+                grads.accumulate(q, dq);
+                grads.accumulate(k, dk);
+                grads.accumulate(v, dv);
             }
-            Op::IndexSelect(arg, ids, dim) => grads.accumulate(arg, |s| s.index_add(ids, &grad, *dim)),
+            Op::IndexSelect(arg, ids, dim) => grads.accumulate_into(arg, |s| s.index_add(ids, &grad, *dim)),
             Op::IndexAdd(init, ids, src, dim) => {
-                grads.accumulate(init, |s| s.add(&grad));
+                grads.accumulate(init, grad.clone());
                 let src_grad = grad.index_select(ids, *dim);
-                grads.accumulate(src, |s| s.add(&src_grad));
+                grads.accumulate(src, src_grad);
             }
-            Op::Gather(arg, ids, dim) => grads.accumulate(arg, |s| s.scatter_add(ids, &grad, *dim)),
+            Op::Gather(arg, ids, dim) => grads.accumulate_into(arg, |s| s.scatter_add(ids, &grad, *dim)),
             Op::Fused(kind, args) => {
                 // bwd returns a fresh gradient per input, in the input's type; RMSNorm also
                 // fills one f32 partial dw per task of 64 rows (with its Vec header) while dx
@@ -1077,13 +1128,28 @@ pub(crate) fn backward(root: &T) -> GradStore {
                         let (x, w) = (&args[0], &args[1]);
                         let scratch = raw(&meter, scratch * 4);
                         let wf = raw(&meter, w.elem_count() * 4);
+                        // gemm's packed copy of each thread's share of a step of g (below).
+                        let step_of_g = crate::model::fused::half_scratch_len(x.0.dims[0], 0, w.0.dims[0]) as u64;
+                        let packed = raw(&meter, step_of_g * 4);
                         let dx = T::new(&meter, &x.0.dims, x.0.dtype);
-                        drop(wf);
+                        drop((packed, wf));
                         let dw32 = raw(&meter, w.elem_count() * 4);
                         drop(scratch);
                         let dw = T::new(&meter, &w.0.dims, w.0.dtype);
                         drop(dw32);
                         vec![dx, dw]
+                    }
+                    Fused::Linear if !meter.on_gpu() => {
+                        // gemm packs the product's left operand, g, into a buffer of its own
+                        // while it computes dx = g·W: all of it when it has few rows (under
+                        // twice gemm's cache-sized block), a block of columns of it when more.
+                        // Counted whole: an upper bound (seen: exact at 512 rows of 4096
+                        // columns, twice what gemm took at 2048).
+                        let (x, w) = (&args[0], &args[1]);
+                        let packed = raw(&meter, grad.elem_count() * grad.0.dtype.size());
+                        let dx = T::new(&meter, &x.0.dims, x.0.dtype);
+                        drop(packed);
+                        vec![dx, T::new(&meter, &w.0.dims, w.0.dtype)]
                     }
                     Fused::RmsNorm => {
                         let (x, w) = (&args[0], &args[1]);
@@ -1104,7 +1170,7 @@ pub(crate) fn backward(root: &T) -> GradStore {
                 let mut rest = arg_grads.into_iter();
                 for arg in args {
                     let g = rest.next().expect("a gradient per input");
-                    grads.accumulate(arg, |s| s.add(&g));
+                    grads.accumulate(arg, g);
                 }
             }
         }
@@ -1225,14 +1291,13 @@ mod tests {
         let base = m.current();
         m.reset_peak();
         let grads = backward(&loss);
-        // Left: the two parameter gradients, and what x's gradient holds: it is
-        // zeros + grad·w, and grad·w is tracked through w, so the zeros, the product and the
-        // matmul's output gradient stay alive with it (3 more (3, 2) buffers).
-        assert_eq!(m.current() - base, 2 * 2 * 4 + 3 * 2 * 4 + 3 * 24);
-        // At the exp node, the matmul's gradient becomes zeros + grad·exp(x), tracked through
-        // exp's output: the incoming gradient, the zeros, the product and the sum, four (3, 2)
-        // buffers, are alive together.
-        assert!(m.peak().bytes - base >= 4 * 24);
+        // Left: the two parameter gradients, and what x's gradient holds: grad·w is tracked
+        // through w, so the matmul's output gradient it was computed from stays alive with it
+        // (one more (3, 2) buffer; with candle's zeros, that and the zeros and the product).
+        assert_eq!(m.current() - base, 2 * 2 * 4 + 3 * 2 * 4 + 24);
+        // At the matmul node: its incoming gradient, which holds the exp node's (its product
+        // is tracked through exp's output), and the two gradients it makes, moved in.
+        assert_eq!(m.peak().bytes - base, 3 * 24 + 2 * 2 * 4);
         drop(grads);
         assert_eq!(m.current(), base);
     }

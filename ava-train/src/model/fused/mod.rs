@@ -3,8 +3,9 @@
 //! merge), the SwiGLU gate, and for half types the residual addition and the cast of the
 //! weights (`convert`); and the root backward continues from at a stretch's end (`seed`).
 //!
-//! Why: each is a chain of 5–10 candle primitives, and candle's backward gives every node of
-//! a chain a zero-filled gradient plus an addition, computes gradients for untracked inputs
+//! Why: each is a chain of 5–10 candle primitives, and candle's backward gave every node of
+//! a chain a zero-filled gradient plus an addition (the candle Ava carries now moves the
+//! first gradient in: vendor/candle-core), computes gradients for untracked inputs
 //! (the rotary tables) and keeps tracked gradient expressions alive. On the benchmark model
 //! those passes were most of the step. Each op here reads its inputs once and writes its
 //! output once, keeps nothing but its inputs, and returns detached gradients.
