@@ -236,6 +236,27 @@ __device__ void cross_entropy_bwd(const T *__restrict__ logits, const unsigned i
     }
 }
 
+// ---- the token embedding's backward: each table row the sum of its tokens' gradient rows ----
+
+// dw[t] = Σ g[p] over the positions p of token t, in ascending p, summed in f32 and rounded
+// once; zero for a token that does not occur. The host sorted the positions by token:
+// token t's are order[offsets[t] .. offsets[t + 1]]. Each block owns one table row and each
+// thread its columns, so no two threads write one element (no atomics: the bits are the CPU
+// op's, which adds in the same order).
+// Launch: grid (V), block (EMBED_THREADS = 256, fewer for narrow rows). g (N, d);
+// offsets (V + 1,), order (N,) u32; dw (V, d).
+template <typename T>
+__device__ void embedding_bwd(const T *__restrict__ g, const unsigned int *__restrict__ offsets,
+                              const unsigned int *__restrict__ order, T *__restrict__ dw, int d) {
+    const size_t t = blockIdx.x;
+    const unsigned int first = offsets[t], last = offsets[t + 1];
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float s = 0.0f;
+        for (unsigned int k = first; k < last; k++) s += load(g[(size_t)order[k] * d + j]);
+        dw[t * d + j] = store<T>(s);
+    }
+}
+
 // ---- stochastic rounding of f32 into bf16/f16, bits from (seed, index) as on the CPU ----
 
 __device__ __forceinline__ unsigned long long mix(unsigned long long z) {
@@ -430,6 +451,10 @@ extern "C" __global__ void sumsq_final(const float *__restrict__ partial, float 
     }                                                                                                             \
     extern "C" __global__ void sumsq_partial_##S(const T *x, float *partial, size_t n) {                          \
         sumsq_partial<T>(x, partial, n);                                                                          \
+    }                                                                                                             \
+    extern "C" __global__ void embedding_bwd_##S(const T *g, const unsigned int *offsets,                         \
+                                                 const unsigned int *order, T *dw, int d) {                       \
+        embedding_bwd<T>(g, offsets, order, dw, d);                                                               \
     }
 
 FUSED_OPS(float, f32)

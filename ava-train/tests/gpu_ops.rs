@@ -250,6 +250,33 @@ fn cross_entropy_matches_the_cpu() {
     }
 }
 
+/// The token embedding (`fused::embedding`): the rows looked up and the table's gradient are
+/// the CPU's bits (both add a row's tokens in position order in f32 and round once), for a
+/// vocabulary of Llama's size, a token at every third position, most of the table absent.
+#[test]
+fn embedding_matches_the_cpu_bit_for_bit() {
+    let (v, d, n) = (32_000, 64, 4096);
+    let ids: Vec<u32> = (0..n as u32).map(|i| if i % 3 == 0 { 7 } else { (i * 7919) % v as u32 }).collect();
+    for dtype in TYPES {
+        let run = |dev: &Device| -> Result<[Vec<u32>; 2]> {
+            let table = Var::from_tensor(&tensor(&data(v * d, 31, 1.0), &[v, d], dtype, dev))?;
+            let tokens = Tensor::from_slice(&ids, (2, n / 2), dev)?;
+            let out = fused::embedding(table.as_tensor(), &tokens)?;
+            let up = tensor(&data(n * d, 32, 1.0), &[n, d], dtype, dev);
+            let grads = out.mul(&up)?.to_dtype(DType::F32)?.sum_all()?.backward()?;
+            let bits = |t: &Tensor| -> Result<Vec<u32>> {
+                Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.iter().map(|x| x.to_bits()).collect())
+            };
+            Ok([bits(&out)?, bits(grads.get(table.as_tensor()).expect("the table's gradient"))?])
+        };
+        let (on_gpu, on_cpu) = (run(&gpu()).unwrap(), run(&Device::Cpu).unwrap());
+        for (what, g, c) in [("rows", &on_gpu[0], &on_cpu[0]), ("table gradient", &on_gpu[1], &on_cpu[1])] {
+            let differ = g.iter().zip(c).filter(|(a, b)| a != b).count();
+            assert_eq!(differ, 0, "embedding {dtype:?}: {differ} of {} elements of the {what} differ", g.len());
+        }
+    }
+}
+
 #[test]
 fn a_target_outside_the_vocabulary_is_an_error_on_the_gpu_too() {
     let logits = tensor(&data(2 * 10, 8, 1.0), &[2, 10], DType::F32, &gpu());

@@ -531,7 +531,8 @@ impl<'a> Replay<'a> {
     /// `Model::embed`: (B, T) ids → (B, T, d).
     fn embed(&self, tokens: &T) -> T {
         let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
-        self.weights.borrow()[0].index_select(&tokens.reshape(&[b * t]), 0).reshape(&[b, t, self.spec.hidden])
+        let table = self.weights.borrow()[0].contiguous(); // (V, d)
+        T::fused(Fused::Embedding, &[&table], &[b * t, self.spec.hidden]).reshape(&[b, t, self.spec.hidden])
     }
 
     /// `Model::block`.

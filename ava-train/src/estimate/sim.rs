@@ -274,6 +274,8 @@ pub(crate) enum Fused {
     MergeHeads,
     /// silu(g) · u.
     SwiGlu,
+    /// The token embedding's rows (table): `fused::embedding`.
+    Embedding,
 }
 
 impl Op {
@@ -305,6 +307,7 @@ impl Op {
             Op::Fused(Fused::SplitHeads, _) => "split-heads",
             Op::Fused(Fused::MergeHeads, _) => "merge-heads",
             Op::Fused(Fused::SwiGlu, _) => "swiglu",
+            Op::Fused(Fused::Embedding, _) => "embedding",
             Op::HeadLoss(..) => "lm head + cross-entropy (logits recomputed)",
             Op::Seed(..) => "seed",
         }
@@ -1150,6 +1153,22 @@ pub(crate) fn backward(root: &T) -> GradStore {
                         let dx = T::new(&meter, &x.0.dims, x.0.dtype);
                         drop(packed);
                         vec![dx, T::new(&meter, &w.0.dims, w.0.dtype)]
+                    }
+                    Fused::Embedding => {
+                        // The positions sorted by token: offsets (V + 1) and order (N), u32 (on
+                        // the host, with the sort's cursor (V + 1) while it sorts; on a GPU
+                        // both copied to the device), held while dW (V, d), fresh in the
+                        // table's type, is summed. (The N ids the op keeps on the host from
+                        // forward are not counted: 4 bytes a token.)
+                        let table = &args[0];
+                        let (v, n) = (table.0.dims[0] as u64, node.0.dims[0] as u64);
+                        let sorted = raw(&meter, (v + 1 + n) * 4);
+                        if !meter.on_gpu() {
+                            drop(raw(&meter, (v + 1) * 4));
+                        }
+                        let dw = T::new(&meter, &table.0.dims, table.0.dtype);
+                        drop(sorted);
+                        vec![dw]
                     }
                     Fused::RmsNorm => {
                         let (x, w) = (&args[0], &args[1]);

@@ -11,7 +11,7 @@ use ava_core::AttentionKernel;
 use candle_core::{D, DType, Device, Result as CResult, Tensor, Var};
 
 use super::attention::attention;
-use super::fused::{RopeTables, add, cast, linear, merge_heads, rms_norm, split_heads, swiglu_gate};
+use super::fused::{RopeTables, add, cast, embedding, linear, merge_heads, rms_norm, split_heads, swiglu_gate};
 use super::head_loss::head_loss;
 use super::ops::{cross_entropy, softmax_last};
 use super::spec::{BlockIndex, MlpIndex, ModelSpec, ParamDef, ParamIndex, ParamRole};
@@ -325,10 +325,12 @@ impl Model {
         self.params.first().map_or(DType::F32, |p| p.var.dtype())
     }
 
-    /// Token embedding: `tokens` (B, T) u32 → (B, T, d).
+    /// Token embedding: `tokens` (B, T) u32 → (B, T, d) (`fused::embedding`: its backward
+    /// sums each token's rows in f32, in order, without atomics or zeros).
     pub fn embed(&self, w: &[Tensor], tokens: &Tensor) -> CResult<Tensor> {
         let (b, t) = tokens.dims2()?;
-        w[0].index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, self.spec.hidden))
+        let _span = crate::profile::scope("forward: embedding");
+        embedding(&w[0], tokens)?.reshape((b, t, self.spec.hidden))
     }
 
     /// Block `i`: x + attn(norm(x)), then + mlp(norm(·)). x is (B, T, d). With packed

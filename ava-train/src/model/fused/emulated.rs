@@ -701,6 +701,56 @@ fn cross_entropy_kernels_match_the_cpu() {
     assert_none(&failures, shapes.len() * TYPES.len());
 }
 
+// ---- the token embedding's backward: the CPU's bits ----
+
+/// `embedding_bwd_*` as `cuda::embedding_bwd` launches it (the host's sort of the positions
+/// by token, then a block per table row), against the CPU op's gradient of the table for the
+/// same ids and upstream rows: the same bits, as both add a row's tokens in position order in
+/// f32 and round once.
+fn embedding_case(ty: Ty, v: usize, d: usize, ids: &[u32], failures: &mut Vec<String>) {
+    let (s, n) = (ty.suffix(), ids.len());
+    let what = format!("embedding_bwd_{s} (V {v}, d {d}, {n} tokens)");
+    let up = ty.round(&data(n * d, 21, 1.0)); // (N, d)
+    let (offsets, order) = super::positions_by_token(ids, v);
+    let (bg, bo, bp) =
+        (Buf::new(&ty.store(&up)), Buf::new(bytemuck::cast_slice(&offsets)), Buf::new(bytemuck::cast_slice(&order)));
+    let Some([dw]) = run_both(&what, ["dw"], failures, |threads| {
+        use Arg::*;
+        let mut dw = Buf::output(v * d * ty.size()); // (V, d)
+        let args = vec![In(&bg), In(&bo), In(&bp), Out(&mut dw), I32(d as i32)];
+        launch(&format!("embedding_bwd_{s}"), launch::embedding_bwd(v, d)?, threads, args)?;
+        Ok([dw.bytes()])
+    }) else {
+        return;
+    };
+    let tokens = match Tensor::from_slice(ids, n, &Device::Cpu) {
+        Ok(t) => t,
+        Err(e) => return failures.push(format!("{what}: {e}")),
+    };
+    let table = vec![0.0; v * d];
+    match cpu_value_and_grads(ty, &[(&table, &[v, d])], &up, |t| super::embedding(&t[0], &tokens)) {
+        Ok((_, grads)) => failures.extend(same_bits(&format!("{what}: dw"), ty, &dw, &ty.store(&grads[0]))),
+        Err(e) => failures.push(format!("{what}: the CPU op: {e}")),
+    }
+}
+
+/// The embedding's backward against the CPU in every type: a token many times over, tokens
+/// once, the vocabulary's first and last, rows no token has (zero), rows narrower than a
+/// warp and wider than the block.
+#[test]
+fn embedding_backward_kernels_match_the_cpu() {
+    let mut failures = Vec::new();
+    let many: Vec<u32> = (0..300).map(|i| ([7, 7, 3, 49, 0, 7, 12][i % 7] + (i / 97) as u32) % 50).collect();
+    let wide: Vec<u32> = (0..120).map(|i| (i * i % 19) as u32).collect();
+    let cases: [(usize, usize, &[u32]); 2] = [(50, 24, &many), (20, 300, &wide)];
+    for (v, d, ids) in cases {
+        for ty in TYPES {
+            embedding_case(ty, v, d, ids, &mut failures);
+        }
+    }
+    assert_none(&failures, cases.len() * TYPES.len());
+}
+
 // ---- rounding and widening: the CPU's bits ----
 
 /// Values for the roundings: between neighbours, ties to even of both parities at bf16's and

@@ -107,6 +107,12 @@ pub(super) fn cross_entropy(rows: usize) -> Result<Grid> {
     per_row(rows, ROW_THREADS)
 }
 
+/// `embedding_bwd_*` for a table of `v` rows of `d`: a block per row, its threads the row's
+/// columns (whole warps, at most [`ROW_THREADS`]: narrow rows leave no warp idle).
+pub(super) fn embedding_bwd(v: usize, d: usize) -> Result<Grid> {
+    per_row(v, (d.next_multiple_of(32) as u32).clamp(32, ROW_THREADS))
+}
+
 /// `sumsq_partial_*` on `n` elements: a block per [`ELEMENT_THREADS`] elements, at least one
 /// (it writes the partial sum 0 of an empty tensor) and at most [`SUMSQ_BLOCKS`] (the threads
 /// then stride over the rest). Its `blocks` is the length of the partial sums.

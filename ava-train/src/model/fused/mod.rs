@@ -1,6 +1,6 @@
-//! The model's ops written as single candle custom ops with their own backward: the linear
-//! layer, RMSNorm, the head split with the rotary embedding (and its inverse, the head
-//! merge), the SwiGLU gate, and for half types the residual addition and the cast of the
+//! The model's ops written as single candle custom ops with their own backward: the token
+//! embedding, the linear layer, RMSNorm, the head split with the rotary embedding (and its
+//! inverse, the head merge), the SwiGLU gate, and for half types the residual addition and the cast of the
 //! weights (`convert`); and the root backward continues from at a stretch's end (`seed`).
 //!
 //! Why: each is a chain of 5–10 candle primitives, and candle's backward gave every node of
@@ -31,6 +31,7 @@
 mod convert;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod embedding;
 // The kernels' launch shapes: the `cuda` module's launches, and the emulated tests' (which
 // run without the feature).
 #[cfg(any(feature = "cuda", test))]
@@ -54,6 +55,9 @@ use candle_core::{CpuStorage, Layout, Result, Storage, Tensor, WithDType, bail};
 
 pub use convert::{add, cast};
 pub(crate) use convert::{rounded, widened};
+pub use embedding::embedding;
+#[cfg(test)]
+pub(crate) use embedding::positions_by_token;
 pub use linear::linear;
 pub(crate) use linear::{WeightGrad, half_scratch_len, linear_backward};
 pub use norm::rms_norm;
