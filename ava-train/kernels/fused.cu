@@ -395,28 +395,58 @@ extern "C" __global__ void round_compensated_f16(const float *x, f16 *h, f16 *c,
     round_compensated<f16>(x, h, c, n);
 }
 
-// ---- Σ x² of a whole tensor (gradient norms): many blocks, then one, in a fixed order ----
+// ---- Σ x² of each of many tensors (a step's gradient norm): blocks a tensor, then one, in a fixed order ----
 
-// Each block's share of Σ x² (f32 partial sums, elements strided over the grid).
-// Launch: grid (SUMSQ_BLOCKS or fewer), block (256). x (n,); partial (gridDim.x,) f32.
-template <typename T> __device__ void sumsq_partial(const T *__restrict__ x, float *__restrict__ partial, size_t n) {
-    __shared__ float scratch[32];
+// Block `b` of `blocks`' share of Σ x² over x (n,) (elements strided over the blocks), in
+// every thread of the block.
+template <typename T>
+__device__ float sumsq_share(const T *__restrict__ x, size_t n, unsigned int b, unsigned int blocks, float *scratch) {
     float s = 0.0f;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    for (size_t i = (size_t)b * blockDim.x + threadIdx.x; i < n; i += (size_t)blocks * blockDim.x) {
         const float v = load(x[i]);
         s += v * v;
     }
-    s = block_sum(s, scratch);
-    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+    return block_sum(s, scratch);
 }
 
-// out[0] = Σ partial[b] in block order. Launch: grid (1), block (256).
-extern "C" __global__ void sumsq_final(const float *__restrict__ partial, float *__restrict__ out, int blocks) {
+// Each block's share of Σ x² for many tensors in one launch (a step's gradients): tensor i
+// (at ptrs[i], lens[i] elements) owns the blocks first[i] .. first[i + 1] (one per 256
+// elements, at most SUMSQ_BLOCKS, at least one) and strides its elements over them, so a
+// tensor's partial sums do not depend on the others in the launch. Each block finds its
+// tensor by a binary search of `first`.
+// Launch: grid (first[tensors]), block (256). ptrs, lens (tensors,) u64; first (tensors + 1,)
+// u32; partial (first[tensors],) f32.
+template <typename T>
+__device__ void sumsq_many_partial(const unsigned long long *__restrict__ ptrs, const unsigned long long *__restrict__ lens,
+                                   const unsigned int *__restrict__ first, int tensors, float *__restrict__ partial) {
     __shared__ float scratch[32];
+    const unsigned int b = blockIdx.x;
+    int lo = 0, hi = tensors; // first[lo] <= b < first[hi]
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (first[mid] <= b) lo = mid;
+        else hi = mid;
+    }
+    const float s = sumsq_share((const T *)ptrs[lo], lens[lo], b - first[lo], first[lo + 1] - first[lo], scratch);
+    if (threadIdx.x == 0) partial[b] = s;
+}
+
+// Σ partial[b] over `blocks` partial sums, in block order, in every thread of the block.
+__device__ float sumsq_total(const float *__restrict__ partial, int blocks, float *scratch) {
     float s = 0.0f;
     for (int b = threadIdx.x; b < blocks; b += blockDim.x) s += partial[b];
-    s = block_sum(s, scratch);
-    if (threadIdx.x == 0) out[0] = s;
+    return block_sum(s, scratch);
+}
+
+// out[i] = Σ of tensor i's partial sums in block order, a block per tensor.
+// Launch: grid (tensors), block (256). partial (first[tensors],) f32; first (tensors + 1,)
+// u32; out (tensors,) f32.
+extern "C" __global__ void sumsq_many_final(const float *__restrict__ partial, const unsigned int *__restrict__ first,
+                                            float *__restrict__ out) {
+    __shared__ float scratch[32];
+    const unsigned int i = blockIdx.x;
+    const float s = sumsq_total(partial + first[i], (int)(first[i + 1] - first[i]), scratch);
+    if (threadIdx.x == 0) out[i] = s;
 }
 
 // ---- the entry points, one per element type ----
@@ -449,8 +479,9 @@ extern "C" __global__ void sumsq_final(const float *__restrict__ partial, float 
                                                      const float *grad_loss, T *grad, int V) {                    \
         cross_entropy_bwd<T>(logits, targets, grad_loss, grad, V);                                                \
     }                                                                                                             \
-    extern "C" __global__ void sumsq_partial_##S(const T *x, float *partial, size_t n) {                          \
-        sumsq_partial<T>(x, partial, n);                                                                          \
+    extern "C" __global__ void sumsq_many_partial_##S(const unsigned long long *ptrs, const unsigned long long *lens, \
+                                                      const unsigned int *first, int tensors, float *partial) {   \
+        sumsq_many_partial<T>(ptrs, lens, first, tensors, partial);                                               \
     }                                                                                                             \
     extern "C" __global__ void embedding_bwd_##S(const T *g, const unsigned int *offsets,                         \
                                                  const unsigned int *order, T *dw, int d) {                       \

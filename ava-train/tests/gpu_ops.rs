@@ -518,6 +518,17 @@ fn sums_of_squares_match_the_cpu() {
             assert_eq!(on_gpu[0].to_bits(), on_gpu[1].to_bits(), "n {n} {dtype:?}: two runs differ");
         }
     }
+    // Tensors of several sizes in one call (two launches for all): each sum the bits of its
+    // own call.
+    let sizes = [257, 0, 3_000_001, 1, 1000];
+    for dtype in TYPES {
+        let ts: Vec<Tensor> = sizes.iter().map(|&n| tensor(&data(n, n as u64, 1.0), &[n], dtype, &dev)).collect();
+        let all = ava_train::model::fused::sums_of_squares(&ts.iter().collect::<Vec<_>>()).unwrap();
+        for ((t, n), s) in ts.iter().zip(sizes).zip(&all) {
+            let alone = ava_train::model::fused::sums_of_squares(&[t]).unwrap()[0];
+            assert_eq!(s.to_bits(), alone.to_bits(), "n {n} {dtype:?}: {s} among others, {alone} alone");
+        }
+    }
 }
 
 /// Fails naming `what` and the first differing element unless the half values `gpu` and

@@ -113,17 +113,34 @@ pub(super) fn embedding_bwd(v: usize, d: usize) -> Result<Grid> {
     per_row(v, (d.next_multiple_of(32) as u32).clamp(32, ROW_THREADS))
 }
 
-/// `sumsq_partial_*` on `n` elements: a block per [`ELEMENT_THREADS`] elements, at least one
-/// (it writes the partial sum 0 of an empty tensor) and at most [`SUMSQ_BLOCKS`] (the threads
-/// then stride over the rest). Its `blocks` is the length of the partial sums.
-pub(super) fn sumsq_partial(n: usize) -> Grid {
-    let blocks = n.div_ceil(ELEMENT_THREADS as usize).clamp(1, SUMSQ_BLOCKS);
-    Grid { blocks: blocks as u32, threads: ELEMENT_THREADS }
+/// The blocks of the sum of squares' first pass over a tensor of `n` elements: one per
+/// [`ELEMENT_THREADS`] elements, at least one (it writes the partial sum 0 of an empty
+/// tensor) and at most [`SUMSQ_BLOCKS`] (the threads then stride over the rest).
+pub(super) fn sumsq_blocks(n: usize) -> usize {
+    n.div_ceil(ELEMENT_THREADS as usize).clamp(1, SUMSQ_BLOCKS)
 }
 
-/// `sumsq_final`: one block, adding the partial sums in block order.
-pub(super) fn sumsq_final() -> Grid {
-    Grid { blocks: 1, threads: ELEMENT_THREADS }
+/// The blocks each tensor owns in `sumsq_many_partial_*`, as a running count (tensors + 1,):
+/// tensor i's [`sumsq_blocks`] are `first[i]..first[i + 1]`.
+pub(super) fn sumsq_many_first(lens: &[usize]) -> Result<Vec<u32>> {
+    let mut first = Vec::with_capacity(lens.len() + 1);
+    let mut at = 0usize;
+    first.push(0);
+    for &n in lens {
+        at += sumsq_blocks(n);
+        first.push(u32::try_from(at).map_err(|_| candle_core::Error::Msg(format!("{at} blocks exceed the grid")))?);
+    }
+    Ok(first)
+}
+
+/// `sumsq_many_partial_*` over `blocks` blocks in all (the last of [`sumsq_many_first`]).
+pub(super) fn sumsq_many_partial(blocks: usize) -> Result<Grid> {
+    per_row(blocks, ELEMENT_THREADS)
+}
+
+/// `sumsq_many_final`: a block per tensor.
+pub(super) fn sumsq_many_final(tensors: usize) -> Result<Grid> {
+    per_row(tensors, ELEMENT_THREADS)
 }
 
 #[cfg(test)]
@@ -155,8 +172,8 @@ mod tests {
         assert_eq!(heads(1024, true).unwrap(), Grid { blocks: 2, threads: 256 });
         assert_eq!(heads(1024, false).unwrap(), Grid { blocks: 4, threads: 256 });
         assert_eq!(cross_entropy(5).unwrap(), Grid { blocks: 5, threads: 256 });
-        assert_eq!(sumsq_partial(0), Grid { blocks: 1, threads: 256 });
-        assert_eq!(sumsq_partial(300_001), Grid { blocks: 1024, threads: 256 });
+        assert_eq!((sumsq_blocks(0), sumsq_blocks(256), sumsq_blocks(257), sumsq_blocks(300_001)), (1, 1, 2, 1024));
+        assert_eq!(sumsq_many_first(&[0, 300_001, 257]).unwrap(), [0, 1, 1025, 1027]);
         let e = elementwise(usize::MAX).unwrap_err().to_string();
         assert!(e.starts_with(&format!("a kernel launch of {} threads exceeds the grid", usize::MAX)), "{e}");
         let e = rms_norm_fwd(1 << 31).unwrap_err().to_string();

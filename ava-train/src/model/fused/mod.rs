@@ -69,14 +69,13 @@ pub use swiglu::swiglu_gate;
 #[cfg(feature = "cuda")]
 pub use cuda::{round_compensated, round_stochastic, widen_compensated};
 
-/// Σ x² of each tensor, read back in one transfer: on the GPU each sum is the engine's
-/// two-pass kernel (no synchronization until the one read); on the CPU candle's ops, one
-/// tensor at a time, as before. The sums are f32.
+/// Σ x² of each tensor, read back in one transfer: on the GPU the engine's two-pass kernel
+/// over all of them in two launches (no synchronization until the one read); on the CPU
+/// candle's ops, one tensor at a time, as before. The sums are f32.
 pub fn sums_of_squares(tensors: &[&Tensor]) -> Result<Vec<f32>> {
     #[cfg(feature = "cuda")]
     if tensors.first().is_some_and(|t| t.device().is_cuda()) {
-        let sums = tensors.iter().map(|t| cuda::sumsq(t)).collect::<Result<Vec<_>>>()?;
-        return Tensor::cat(&sums, 0)?.to_vec1::<f32>();
+        return cuda::sums_of_squares(tensors);
     }
     tensors.iter().map(|t| t.sqr()?.sum_all()?.to_scalar::<f32>()).collect()
 }
