@@ -131,12 +131,16 @@ verdict() {
     name=$(basename "$log" .log)
     real=$(sed -n 's/^real[[:space:]]*//p' "$log" | tail -n 1)
     if ! grep -q '^test result:' "$log"; then
-        # The skip or the cut-off, else the last line the binary printed and its exit status.
-        local why
+        # The skip or the cut-off, else the last line the binary printed and its exit status;
+        # and the tests that finished before it stopped.
+        local why so_far
         why=$(grep -E -m 1 '^(skipped|stopped after)' "$log" ||
             echo "$(grep -v -E '^(real|user|sys)[[:space:]]|^exit status|^$' "$log" | tail -n 1 | cut -c 1-160);" \
                 "$(grep '^exit status' "$log")")
-        echo "$name: NO VERDICT ($why)${real:+ after $real}"
+        passed=$(grep -c '^test .* \.\.\. ok$' "$log")
+        failing=$(sed -n 's/^test \(.*\) \.\.\. FAILED$/\1/p' "$log" | paste -sd ' ' - | cut -c 1-300)
+        so_far="; before it: $passed passed${failing:+, FAILED: $failing}"
+        echo "$name: NO VERDICT ($why)${real:+ after $real}$so_far"
         return
     fi
     passed=$(grep '^test result:' "$log" | grep -o '[0-9]* passed' | awk '{ s += $1 } END { print s + 0 }')

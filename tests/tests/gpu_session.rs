@@ -137,7 +137,10 @@ echo 'adamw differs from the CPU at element 3: 0.25 against 0.5'
 echo 'test result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.50s'
 exit 101",
         );
-        script(&dir.join("gpu_adam_mini"), "echo 'running 4 tests'\necho 'Segmentation fault (core dumped)'\nexit 139");
+        script(
+            &dir.join("gpu_adam_mini"),
+            "echo 'running 4 tests'\necho 'test a_case ... ok'\necho 'Segmentation fault (core dumped)'\nexit 139",
+        );
         FakeMachine { _root: root, dir, bin, out, work }
     }
 
@@ -212,6 +215,7 @@ fn a_run_gives_back_one_summary_printed_last_and_one_archive() {
         "gpu_optim: FAILED, 2 passed, 1 failed: adamw_step_matches_the_cpu",
         "adamw differs from the CPU at element 3",
         "gpu_adam_mini: NO VERDICT (Segmentation fault (core dumped); exit status 139)",
+        "; before it: 1 passed",
         "gpu_attention: ok, 3 passed, 0 failed",
         "gpu_adafactor: ok, 3 passed, 0 failed",
         "Ava      19474 tokens/s, step 420.7 ms, peak 32.21 GiB, measured/predicted ×1.05",
