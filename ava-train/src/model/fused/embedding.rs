@@ -10,8 +10,8 @@
 //! most of its bits), and candle's GPU kernel gives each of a few blocks' threads a column
 //! and walks every token in sequence (for TinyLlama's 8,192 tokens, a latency-bound loop on
 //! a couple of SMs). Here the positions of each token are sorted out on the host first (a
-//! counting sort of the ids, which the op holds: `order`), and a GPU block or a CPU task
-//! per table row walks only its own.
+//! counting sort of the ids the op holds, [`positions_by_token`]), and a GPU block per table
+//! row, or a CPU task per 64 rows, walks only its own tokens' positions.
 //!
 //! An f32 table's gradient is the bits candle's gave (both add a row's tokens in position
 //! order, starting from zero); a half table's is more exact than candle's.
