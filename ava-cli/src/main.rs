@@ -28,6 +28,9 @@ pub enum Failure {
     Runtime(anyhow::Error),
     /// Stopped by a signal after saving what it could: exit code 128 + the signal's number.
     Signal(i32, anyhow::Error),
+    /// Printed already, where it happened (each MPI rank prints its own refusal before the
+    /// ranks stop together): exit with this code, print nothing more.
+    Reported(u8),
 }
 
 impl<E: Into<anyhow::Error>> From<E> for Failure {
@@ -40,6 +43,7 @@ impl std::fmt::Display for Failure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Failure::Usage(e) | Failure::Runtime(e) | Failure::Signal(_, e) => write!(f, "{e:#}"),
+            Failure::Reported(code) => write!(f, "reported where it happened (exit code {code})"),
         }
     }
 }
@@ -51,6 +55,7 @@ impl Failure {
             Failure::Usage(_) => 2,
             Failure::Runtime(_) => 1,
             Failure::Signal(signal, _) => (128 + signal) as u8,
+            Failure::Reported(code) => *code,
         }
     }
 }
@@ -97,7 +102,10 @@ fn main() -> ExitCode {
 /// Prints a command's failure (JSON or text) and returns its exit code.
 pub fn print_failure(printer: &Printer, f: Failure) -> u8 {
     let code = f.code();
-    let (Failure::Usage(err) | Failure::Runtime(err) | Failure::Signal(_, err)) = f;
+    let err = match f {
+        Failure::Usage(err) | Failure::Runtime(err) | Failure::Signal(_, err) => err,
+        Failure::Reported(_) => return code,
+    };
     match printer.format {
         output::Format::Json => {
             let chain: Vec<String> = err.chain().skip(1).map(|c| c.to_string()).collect();

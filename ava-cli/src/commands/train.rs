@@ -134,12 +134,19 @@ pub fn run(p: &Printer, args: &TrainArgs) -> CmdResult {
         group.abort(1)
     }
     let started = match started {
-        Err(f) => return Err(in_rank(f, rank, world)),
-        Ok(_) if code[0] > 0 => {
-            let e = anyhow::anyhow!("another rank could not start the run (its error is printed with its rank)");
-            return Err(in_rank(if code[0] == 2 { Failure::Usage(e) } else { Failure::Runtime(e) }, rank, world));
+        Ok(started) if code[0] == 0 => started,
+        refused => {
+            let f = refused.err().unwrap_or_else(|| {
+                let e = anyhow::anyhow!("another rank could not start the run (its error is printed with its rank)");
+                if code[0] == 2 { Failure::Usage(e) } else { Failure::Runtime(e) }
+            });
+            // Each rank prints its own refusal, then they wait for each other before any exits:
+            // mpirun stops the job when a rank exits non-zero, which could cut off a slower
+            // rank's message. (Best effort: a failed barrier still exits with the code.)
+            let code = crate::print_failure(p, in_rank(f, rank, world));
+            let _ = collectives.barrier();
+            return Err(Failure::Reported(code));
         }
-        Ok(started) => started,
     };
     // Once training runs, the others may be waiting for this rank in a collective: an
     // error ends every rank (MPI aborts the job, and mpirun says which rank), after it is
@@ -170,6 +177,7 @@ fn in_rank(f: Failure, rank: usize, world: usize) -> Failure {
         Failure::Usage(e) => Failure::Usage(tag(e)),
         Failure::Runtime(e) => Failure::Runtime(tag(e)),
         Failure::Signal(s, e) => Failure::Signal(s, tag(e)),
+        Failure::Reported(code) => Failure::Reported(code),
     }
 }
 
