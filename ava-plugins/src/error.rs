@@ -90,6 +90,24 @@ pub enum HostError {
         reason: String,
     },
 
+    /// The private copy the loader was to open was not the bytes read and vetted (see
+    /// [`private_copy`](crate::private_copy)): nothing was loaded.
+    #[error(
+        "{}: not loaded: its private copy {} changed before it could be loaded ({reason}); another process may \
+         be writing where Ava copies plugins: set TMPDIR to a directory only you can write, and tell whoever \
+         manages this machine",
+        path.display(),
+        copy.display()
+    )]
+    CopyChanged {
+        /// The library.
+        path: PathBuf,
+        /// The copy.
+        copy: PathBuf,
+        /// What was found.
+        reason: String,
+    },
+
     /// The vetting policy refused the file before opening it.
     #[error("{}: refused: {reason}", path.display())]
     Refused {

@@ -16,6 +16,7 @@ mod instance;
 pub mod load;
 pub mod lock;
 pub mod policy;
+pub mod private_copy;
 pub mod registry;
 pub mod sign;
 pub mod trust;

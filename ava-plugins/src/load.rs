@@ -1,13 +1,14 @@
 //! Opening one plugin library and checking that it speaks our contract.
 //!
 //! Each file is opened on its own: the candidate's bytes (already hashed) are written into a
-//! fresh private directory (mode 0700) and that copy is `dlopen`ed, so the bytes that were
-//! vetted are exactly the bytes that run, and no two files share a loader cache entry.
+//! private copy that no one else can change ([`crate::private_copy`]: a sealed memory file on
+//! Linux), checked against their hash and `dlopen`ed, so the bytes that were vetted are
+//! exactly the bytes that run, and no two files share a loader cache entry.
 //! We deliberately do not use `RootModule::load_from_file`: it caches one library per root
 //! module type in a static, so every later file would silently return the first plugin, and
 //! a failed layout check would stick for the whole process.
 
-use std::{fs, path::PathBuf};
+use std::path::PathBuf;
 
 use abi_stable::{
     library::{LibHeader, LibraryError, RootModule, lib_header_from_path},
@@ -18,7 +19,11 @@ use ava_core::{
     ffi::{PluginRootRef, ROOT_MODULE_NAME},
 };
 
-use crate::{HostError, discover::Candidate};
+use crate::{
+    HostError,
+    discover::Candidate,
+    private_copy::{CopyWay, PrivateCopy},
+};
 
 /// An opened, compatible plugin library.
 #[derive(Clone)]
@@ -41,9 +46,14 @@ impl std::fmt::Debug for Library {
 
 /// Opens `candidate` and checks header, contract version, layout and manifest.
 pub fn open(candidate: &Candidate) -> Result<Library, HostError> {
+    open_copied(candidate, CopyWay::Best)
+}
+
+/// [`open`], with the private copy made `way` (the tests of each way use this).
+pub fn open_copied(candidate: &Candidate, way: CopyWay) -> Result<Library, HostError> {
     let path = candidate.path.clone();
     candidate.exports_plugin_header().map_err(|reason| HostError::NotAPlugin { path: path.clone(), reason })?;
-    let header = dlopen_private_copy(candidate)?;
+    let header = dlopen_private_copy(candidate, way)?;
 
     let consts = header.root_mod_consts();
     if consts.name().as_str() != ROOT_MODULE_NAME {
@@ -76,13 +86,10 @@ pub fn open(candidate: &Candidate) -> Result<Library, HostError> {
     Ok(Library { path: candidate.path.clone(), sha256: candidate.sha256.clone(), root, manifest })
 }
 
-fn dlopen_private_copy(candidate: &Candidate) -> Result<&'static LibHeader, HostError> {
+fn dlopen_private_copy(candidate: &Candidate, way: CopyWay) -> Result<&'static LibHeader, HostError> {
     let path = &candidate.path;
-    let dir =
-        tempfile::Builder::new().prefix("ava-plugin-").tempdir().map_err(|e| HostError::io(std::env::temp_dir(), e))?;
-    let copy = dir.path().join(candidate.file_name());
-    fs::write(&copy, &candidate.bytes).map_err(|e| HostError::io(&copy, e))?;
-    let header = lib_header_from_path(&copy).map_err(|e| match e {
+    let copy = PrivateCopy::new(candidate, way)?;
+    let header = lib_header_from_path(copy.path()).map_err(|e| match e {
         LibraryError::OpenError { err, .. } => {
             HostError::Open { path: path.clone(), reason: first_line(&err.to_string()) }
         }
@@ -90,10 +97,10 @@ fn dlopen_private_copy(candidate: &Candidate) -> Result<&'static LibHeader, Host
             HostError::NotAPlugin { path: path.clone(), reason: "it has no abi_stable library header".into() }
         }
         other => HostError::Open { path: path.clone(), reason: first_line(&other.to_string()) },
-    });
-    // The mapping outlives the file: remove the copy and its directory now.
-    drop(dir);
-    header
+    })?;
+    // The mapping outlives the file: a directory's copy is removed now.
+    copy.loaded();
+    Ok(header)
 }
 
 /// The library's ava-core version against ours, with abi_stable's rule for 0.x versions
