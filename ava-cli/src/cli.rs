@@ -326,7 +326,7 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// Compute threads (0: all cores).
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    #[arg(long, default_value_t = 0, value_name = "N", value_parser = threads_arg)]
     pub threads: usize,
 }
 
@@ -342,7 +342,8 @@ pub struct EvalArgs {
     /// Which split: validation or train.
     #[arg(long, default_value = "validation", value_parser = ["validation", "train"])]
     pub split: String,
-    /// Tokens per sequence. Default: the run's data.seq_len (256 for a folder alone).
+    /// Tokens per sequence, at most the model's context. Default: the run's data.seq_len (for
+    /// a folder alone 256, or its context when shorter).
     #[arg(long, value_name = "T")]
     pub seq_len: Option<usize>,
     /// Sequences per batch (with --batches: how many sequences are read). Default: the
@@ -358,7 +359,7 @@ pub struct EvalArgs {
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// Compute threads (0: all cores).
-    #[arg(long, default_value_t = 0, value_name = "N")]
+    #[arg(long, default_value_t = 0, value_name = "N", value_parser = threads_arg)]
     pub threads: usize,
 }
 
@@ -652,7 +653,7 @@ pub struct BenchOptimizerArgs {
     #[arg(long, default_value_t = 5, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub steps: u32,
     /// Threads each optimizer may use. Default (or 0): one per core, as training uses.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = threads_arg)]
     pub threads: Option<usize>,
     /// An optimizer option, OPTIMIZER.OPTION=VALUE (repeatable), checked by the optimizer;
     /// e.g. --set adam-8bit.block_size=2048 --set adafactor.beta1=0.9.
@@ -707,7 +708,7 @@ pub struct BenchAttentionArgs {
     pub causal: bool,
     /// Threads each kernel may use (on a GPU: the CPU reference). Default (or 0): one per
     /// core, as training uses.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = threads_arg)]
     pub threads: Option<usize>,
     /// Forward + backward runs per kernel and T, taking turns across kernels; times are
     /// their median. Default: 3 on the CPU, 10 on a GPU.
@@ -864,9 +865,15 @@ pub struct TrainTokenizerArgs {
     /// The tokenizer.json to write.
     #[arg(long, value_name = "FILE")]
     pub out: PathBuf,
-    /// Ids in the vocabulary: the end-of-text token, 256 bytes, and learned merges.
+    /// Ids in the vocabulary: the end-of-text token, 256 bytes, and learned merges (at most
+    /// 2097152, the most ids a tokenizer may have).
     #[arg(long, value_name = "N", default_value_t = 8192)]
     pub vocab_size: usize,
+    /// Text to learn from at most: the inputs are read in order up to this many bytes (held in
+    /// memory while the merges are learned), so a large corpus or an endless stream trains on
+    /// its beginning; the summary says when the inputs went further.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size_arg)]
+    pub max_bytes: u64,
     /// How the inputs become documents.
     #[command(flatten)]
     pub reading: ReadingArgs,
@@ -1018,4 +1025,15 @@ pub enum ConfigCommand {
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
     },
+}
+
+/// Most threads a `--threads` takes: training's own bound (`train.threads`).
+pub const MAX_THREADS: usize = 1024;
+
+/// A `--threads` value: 0 (one per core) up to [`MAX_THREADS`].
+fn threads_arg(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(n) if n <= MAX_THREADS => Ok(n),
+        _ => Err(format!("must be a number from 0 (one per core) to {MAX_THREADS}")),
+    }
 }

@@ -236,3 +236,53 @@ fn packed_documents_resume_bit_exactly_and_kernels_without_them_are_refused_by_n
     let err = usage_error(train_small(dir.path(), "bad", &["--set", "data.packing=documents"]));
     assert!(err.contains("data.packing") && err.contains("concat") && err.contains("document"), "{err}");
 }
+
+/// `ava data train-tokenizer` on an endless stream learns from its first `--max-bytes` and
+/// stops reading, in bounded memory, saying that the input went on.
+#[test]
+fn a_tokenizer_learns_from_the_beginning_of_an_endless_stream() {
+    use std::io::Write as _;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = common::ava_command(
+        dir.path(),
+        &[
+            "--format",
+            "json",
+            "data",
+            "train-tokenizer",
+            "/dev/stdin",
+            "--separator",
+            "\n",
+            "--max-bytes",
+            "1MiB",
+            "--vocab-size",
+            "300",
+            "--out",
+            "tok.json",
+        ],
+    )
+    .stdin(std::process::Stdio::piped())
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    // Writes until ava closes the pipe (the write then fails: SIGPIPE is ignored here).
+    let writer = std::thread::spawn(move || {
+        let line = b"the endless stream goes on and on\n".repeat(1000);
+        let mut written = 0u64;
+        while stdin.write_all(&line).is_ok() {
+            written += line.len() as u64;
+        }
+        written
+    });
+    let out = child.wait_with_output().unwrap();
+    let written = writer.join().unwrap();
+    let out = ok(out);
+    let v = json_of(&out);
+    assert_eq!(v["truncated"], true, "{v}");
+    let bytes = v["bytes"].as_u64().unwrap();
+    assert!(bytes <= 1 << 20 && bytes > (1 << 20) - 64, "{bytes} bytes learned from");
+    assert!(written > bytes, "{written} bytes written");
+    assert!(dir.path().join("tok.json").is_file());
+}

@@ -117,3 +117,39 @@ fn what_is_not_a_model_or_a_sampling_is_refused() {
     let err = usage_error(ava(dir.path(), &["eval", m]));
     assert!(err.contains("pass the data to evaluate on, --data DIR"), "{err}");
 }
+
+/// Sizes are checked against what the model and the machine allow before anything is
+/// allocated: the tokens asked for and the prompt against the model's context (128 positions
+/// here), `--max-tokens` at the top of its range without a panic, a long prompt refused
+/// rather than run whole, `--threads` within training's bound, and eval's `--seq-len` alike.
+#[test]
+fn sizes_past_the_model_or_the_machine_are_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = golden_dir().join("tiny-llama");
+    let m = model.to_str().unwrap();
+    for n in ["4294967296", "18446744073709551615", "128"] {
+        let err = usage_error(ava(dir.path(), &["generate", m, "--prompt", "a", "--max-tokens", n]));
+        assert!(err.contains(&format!("{n} tokens after a prompt of 1 need")), "{err}");
+        assert!(err.contains("the model's context is 128 positions"), "{err}");
+        assert!(err.contains("generate at most 127 tokens (--max-tokens)"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // The context's last position is still given.
+    let out = json_of(&ok(ava(
+        dir.path(),
+        &["--format", "json", "generate", m, "--prompt", "a", "--max-tokens", "127", "--ignore-eos"],
+    )));
+    assert_eq!(ids(&out["ids"]).len(), 127);
+    let long = "word ".repeat(4000);
+    let err = usage_error(ava(dir.path(), &["generate", m, "--prompt", &long]));
+    assert!(err.contains("shorten the prompt to fewer than 128 tokens"), "{err}");
+    for cmd in [&["generate", m][..], &["eval", m]] {
+        let mut args = cmd.to_vec();
+        args.extend(["--threads", "100000"]);
+        let err = usage_error(ava(dir.path(), &args));
+        assert!(err.contains("must be a number from 0 (one per core) to 1024"), "{err}");
+    }
+    let err = usage_error(ava(dir.path(), &["eval", m, "--seq-len", "18446744073709551615"]));
+    assert!(err.contains("--seq-len 18446744073709551615 is longer than the model runs"), "{err}");
+    assert!(err.contains("use --seq-len 128 or less"), "{err}");
+}

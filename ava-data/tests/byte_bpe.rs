@@ -94,7 +94,7 @@ fn trained(dir: &Path, vocab_size: usize) -> PathBuf {
     }
     let out = dir.join(format!("bpe-{vocab_size}.json"));
     let reading = Reading { separator: None, field: "text".into(), invalid: Invalid::Error };
-    bpe::train(&[input], &reading, vocab_size, &out).unwrap();
+    bpe::train(&[input], &reading, vocab_size, u64::MAX, &out).unwrap();
     out
 }
 

@@ -423,7 +423,7 @@ fn a_trained_bpe_prepares_a_corpus_that_training_checks_against_data_tokenizer()
     write_files(&tmp.path().join("in"), &docs);
     let inputs = vec![tmp.path().join("in")];
     let tok = tmp.path().join("bpe.json");
-    let trained = ava_data::bpe::train(&inputs, &reading(), 400, &tok).unwrap();
+    let trained = ava_data::bpe::train(&inputs, &reading(), 400, u64::MAX, &tok).unwrap();
     assert_eq!((trained.vocab_size, trained.documents), (400, 40));
 
     let out = tmp.path().join("corpus");
@@ -450,11 +450,26 @@ fn a_trained_bpe_prepares_a_corpus_that_training_checks_against_data_tokenizer()
 
     // Another tokenizer than the corpus's is refused naming both.
     let other = tmp.path().join("other.json");
-    ava_data::bpe::train(&[tmp.path().join("in")], &reading(), 300, &other).unwrap();
+    ava_data::bpe::train(&[tmp.path().join("in")], &reading(), 300, u64::MAX, &other).unwrap();
     let e = ShardedDataset::open(&out, Some(&other), 16, 3).unwrap_err().to_string();
     assert!(e.contains("was prepared with tokenizer") && e.contains("bpe.json") && e.contains("other.json"), "{e}");
-    let e = ava_data::bpe::train(&[tmp.path().join("in")], &reading(), 200, &other).unwrap_err().to_string();
+    let e = ava_data::bpe::train(&[tmp.path().join("in")], &reading(), 200, u64::MAX, &other).unwrap_err().to_string();
     assert!(e.contains("--vocab-size 200: must be above 257"), "{e}");
+    let e = ava_data::bpe::train(&[tmp.path().join("in")], &reading(), 4294967296, u64::MAX, &other)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--vocab-size 4294967296") && e.contains("at most 2097152"), "{e}");
+
+    // At most `max_bytes` of text is learned from: the inputs' beginning, cut where a
+    // character starts; the inputs going further is said.
+    let all = ava_data::bpe::train(&[tmp.path().join("in")], &reading(), 300, u64::MAX, &other).unwrap();
+    assert!(!all.truncated);
+    let cap = all.bytes / 3;
+    let part = ava_data::bpe::train(&[tmp.path().join("in")], &reading(), 300, cap, &other).unwrap();
+    assert!(part.truncated && part.bytes <= cap && part.bytes + 4 > cap, "{} bytes of {cap}", part.bytes);
+    assert!(part.documents < all.documents);
+    let exact = ava_data::bpe::train(&[tmp.path().join("in")], &reading(), 300, all.bytes, &other).unwrap();
+    assert!(!exact.truncated && exact.bytes == all.bytes);
 }
 
 #[test]
@@ -465,7 +480,7 @@ fn a_mixture_needs_one_tokenizer_and_shares_it_can_keep() {
     let bytes = tmp.path().join("bytes");
     prepare::prepare(&options(inputs.clone(), &bytes), &mut Silent).unwrap();
     let tok = tmp.path().join("bpe.json");
-    ava_data::bpe::train(&inputs, &reading(), 300, &tok).unwrap();
+    ava_data::bpe::train(&inputs, &reading(), 300, u64::MAX, &tok).unwrap();
     let bpe = tmp.path().join("bpe");
     let mut o = options(inputs, &bpe);
     o.tokenizer = Some(tok);

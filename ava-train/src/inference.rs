@@ -120,6 +120,16 @@ pub struct Trained {
     pub config: Option<Config>,
 }
 
+impl Trained {
+    /// The positions the model is run on at most: its own context
+    /// ([`ModelSpec::context`](crate::model::ModelSpec::context)), or the sequence length its
+    /// run trained at when that is longer (Ava's exports leave `max_position_embeddings` to
+    /// transformers' default).
+    pub fn context(&self) -> usize {
+        self.model.spec().context().max(self.config.as_ref().map_or(0, |c| c.data.seq_len))
+    }
+}
+
 /// How a model is loaded: the attention kernel its forward pass uses (for `ava eval`), the
 /// longest sequence it is run on, its threads, and a tokenizer file that overrides the one
 /// found.

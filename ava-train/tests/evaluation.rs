@@ -38,3 +38,33 @@ fn the_same_sequences_in_other_batch_sizes_give_the_same_val_loss() {
     let first_two = val_loss(&["train.eval_batches=1", "train.eval_batch_size=2"]);
     assert!((first_two - eight).abs() > 1e-4, "{first_two} vs {eight}");
 }
+
+/// A sample (`train.sample_every`) longer than the model's context is refused when the run
+/// is built, not at its first sample; one that fits is taken.
+#[test]
+fn a_sample_past_the_models_context_is_refused_before_training() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |tokens: &str| {
+        let sets = [
+            "model.hidden_size=32".to_string(),
+            "model.intermediate_size=64".into(),
+            "model.num_heads=2".into(),
+            "model.num_kv_heads=1".into(),
+            "model.num_layers=2".into(),
+            "data.seq_len=32".into(),
+            "train.sample_every=1".into(),
+            format!("train.sample_tokens={tokens}"),
+            format!("train.out_dir={}", dir.path().join(tokens).display()),
+        ];
+        ConfigLoader::new().sets(sets.iter().map(String::as_str)).load().unwrap().into_config()
+    };
+    let err = match Trainer::new(&config("5000"), &Registry::builtins(), &TrainOptions::default()) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a 5000-token sample of a 2048-position model was accepted"),
+    };
+    assert!(err.contains("train.sample_tokens is 5000 but the model's context is 2048 positions"), "{err}");
+    assert!(err.contains("set train.sample_tokens to at most 2047"), "{err}");
+    let trainer = Trainer::new(&config("2047"), &Registry::builtins(), &TrainOptions::default()).unwrap();
+    let (text, _) = trainer.sample().unwrap();
+    assert!(!text.is_empty());
+}

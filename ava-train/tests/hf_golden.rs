@@ -219,6 +219,22 @@ fn folders_written_back_keep_their_math_in_both_forms() {
     }
 }
 
+/// Every golden folder's name, its model (for sequences of its length), the first row of its
+/// ids and transformers' logits for them (that row's first, then the other rows').
+fn golden_rows() -> Vec<(String, Model, Vec<u32>, Vec<f32>)> {
+    all_folders()
+        .into_iter()
+        .map(|dir| {
+            let name = dir.file_name().unwrap().to_string_lossy().to_string();
+            let (spec, tensors) = load_hf_folder(&dir).unwrap();
+            let (ids, want) = expected(&dir);
+            let t = ids.dims()[1];
+            let model = Model::from_tensors(spec.clone(), tensors, &dir, t, kernel(&spec).0, "k", 1).unwrap();
+            (name, model, ids.get(0).unwrap().to_vec1().unwrap(), want)
+        })
+        .collect()
+}
+
 /// Generation's KV cache (ava_train::model::Generator): for every golden folder, the logits
 /// it gives at each position, fed a prompt of three tokens and then one token at a time, are
 /// transformers' logits for the same sequence (its first row), within the same tolerance. The
@@ -226,13 +242,8 @@ fn folders_written_back_keep_their_math_in_both_forms() {
 /// and every RoPE scaling (each position rotated by its own angle from the cache's tables).
 #[test]
 fn kv_cache_generation_gives_transformers_logits_at_every_position() {
-    for dir in all_folders() {
-        let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let (spec, tensors) = load_hf_folder(&dir).unwrap();
-        let (ids, want) = expected(&dir);
-        let t = ids.dims()[1];
-        let model = Model::from_tensors(spec.clone(), tensors, &dir, t, kernel(&spec).0, "k", 1).unwrap();
-        let row: Vec<u32> = ids.get(0).unwrap().to_vec1().unwrap();
+    for (name, model, row, want) in golden_rows() {
+        let t = row.len();
         let mut generator = Generator::new(&model, t).unwrap();
         let mut got = generator.feed_all(&row[..3]).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         for &id in &row[3..] {
@@ -242,6 +253,29 @@ fn kv_cache_generation_gives_transformers_logits_at_every_position() {
         let (worst, ok) = compare(&got, &want[..got.len()]);
         println!("{name}: KV-cache logits, max |Ava − transformers| = {worst:.2e}");
         assert!(ok, "{name}: the KV cache's logits differ from transformers' by up to {worst}");
+    }
+}
+
+/// A stretch fed in chunks of rows (as a long prompt is, so its attention never grows with the
+/// square of its length) gives transformers' logits at every position too: chunks of 2 and 3
+/// rows, whose edges fall inside every folder's sliding window and between its positions.
+#[test]
+fn a_stretch_fed_in_chunks_gives_transformers_logits() {
+    for (name, model, row, want) in golden_rows() {
+        let (t, vocab) = (row.len(), model.spec().vocab);
+        for rows in [2, 3] {
+            let mut generator = Generator::new(&model, t).unwrap().with_max_chunk(rows);
+            let got = generator.feed_all(&row).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(generator.len(), t);
+            let (worst, ok) = compare(&got, &want[..got.len()]);
+            assert!(ok, "{name}, chunks of {rows}: the logits differ from transformers' by up to {worst}");
+            // The last position's logits alone, as generation asks for them after a prompt.
+            let mut generator = Generator::new(&model, t).unwrap().with_max_chunk(rows);
+            let last = generator.feed(&row).unwrap();
+            assert_eq!(last.len(), vocab);
+            let (worst, ok) = compare(&last, &want[(t - 1) * vocab..t * vocab]);
+            assert!(ok, "{name}, chunks of {rows}: the last logits differ from transformers' by up to {worst}");
+        }
     }
 }
 

@@ -286,14 +286,6 @@ fn reference(p: &Printer, shape: &AttnShape, masking: Masking, x: Inputs, ctx: &
     Ok([out, dq, dk, dv])
 }
 
-/// Bytes the system can still give us (Linux `MemAvailable`), if known.
-fn available_bytes() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
-}
-
 /// The error a kernel's failure becomes.
 fn failed(bench: &Bench, shape: &AttnShape, what: &str, e: PluginError) -> Failure {
     Failure::Runtime(anyhow::anyhow!(
@@ -316,7 +308,7 @@ fn prepare(bench: &Bench, shape: &AttnShape, repeats: u32) -> Result<Result<Samp
     };
     let (qn, kvn) = (shape.q_numel() as u64, shape.kv_numel() as u64);
     let needed = (saved_len + qn + if bench.backward { qn + 2 * kvn } else { 0 }).saturating_mul(4);
-    if let Some(available) = available_bytes()
+    if let Some(available) = ava_train::memory::available_bytes()
         && needed > available
     {
         return Ok(Err(format!(

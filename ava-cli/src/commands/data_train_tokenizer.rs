@@ -21,26 +21,27 @@ pub fn run(p: &Printer, args: &TrainTokenizerArgs) -> CmdResult {
     let reading = args.reading.reading();
     p.note(&format!("learning {} ids of byte-level BPE ...", args.vocab_size));
     let start = Instant::now();
-    let trained = bpe::train(&args.inputs, &reading, args.vocab_size, &args.out)
+    let trained = bpe::train(&args.inputs, &reading, args.vocab_size, args.max_bytes, &args.out)
         .map_err(|e| Failure::Usage(anyhow::anyhow!(e)))?;
     let seconds = start.elapsed().as_secs_f64();
     p.result(
         || {
             format!(
-                "wrote {}: byte-level BPE of {} ids (end of text: {}), learned from {} documents ({:.1} MB) in {:.1} s\n\
-                 prepare a corpus with it: ava data prepare INPUT... --tokenizer {} --out DIR",
+                "wrote {}: byte-level BPE of {} ids (end of text: {}), learned from {} documents ({:.1} MB{}) in \
+                 {:.1} s\nprepare a corpus with it: ava data prepare INPUT... --tokenizer {} --out DIR",
                 args.out.display(),
                 trained.vocab_size,
                 bpe::END_OF_TEXT,
                 trained.documents,
                 trained.bytes as f64 / 1e6,
+                if trained.truncated { ", the first --max-bytes of the inputs, which go on" } else { "" },
                 seconds,
                 args.out.display()
             )
         },
         || {
             json!({"out": args.out, "vocab_size": trained.vocab_size, "documents": trained.documents,
-                   "bytes": trained.bytes, "seconds": seconds})
+                   "bytes": trained.bytes, "truncated": trained.truncated, "seconds": seconds})
         },
     );
     Ok(())

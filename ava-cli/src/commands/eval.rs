@@ -24,7 +24,8 @@ pub fn run(p: &Printer, args: &EvalArgs) -> CmdResult {
     }
     set_threads(args.threads);
     let trained = super::generate::load(&args.model, args.tokenizer.as_deref(), args.threads)?;
-    let seq = args.seq_len.or(trained.config.as_ref().map(|c| c.data.seq_len)).unwrap_or(256);
+    let seq = args.seq_len.or(trained.config.as_ref().map(|c| c.data.seq_len)).unwrap_or(256.min(trained.context()));
+    check_room(&trained, seq)?;
     let split = if args.split == "train" { Split::Train } else { Split::Validation };
     let (dataset, what) = open_data(args, &trained, seq)?;
     if split == Split::Validation
@@ -100,6 +101,32 @@ pub fn run(p: &Printer, args: &EvalArgs) -> CmdResult {
             })
         },
     );
+    Ok(())
+}
+
+/// Checks that sequences of `seq` tokens fit the model's context and the machine's memory:
+/// the generator's cache and tables ([`generator_bytes`](ava_train::model::generator_bytes))
+/// and a sequence's logits with the cross-entropy's copy of them.
+fn check_room(trained: &Trained, seq: usize) -> Result<(), Failure> {
+    let (spec, context) = (trained.model.spec(), trained.context());
+    if seq > context {
+        return Err(usage(&format!(
+            "--seq-len {seq} is longer than the model runs: {}; use --seq-len {context} or less",
+            ava_train::model::context_note(spec, context)
+        )));
+    }
+    let logits = 2 * seq as u64 * spec.vocab as u64 * 4; // (T, V) f32, twice
+    let need = ava_train::model::generator_bytes(spec, seq).saturating_add(logits);
+    if let Some(available) = ava_train::memory::available_bytes()
+        && need > available
+    {
+        return Err(usage(&format!(
+            "sequences of {seq} tokens need {:.2} GiB beside the weights (the key/value cache, a chunk's attention, \
+             the logits), but the machine has {:.2} GiB available: use a shorter --seq-len",
+            ava_train::memory::gib(need),
+            ava_train::memory::gib(available)
+        )));
+    }
     Ok(())
 }
 

@@ -34,6 +34,10 @@ pub fn run(p: &Printer, args: &GenerateArgs) -> CmdResult {
         prompt.push(start);
     }
     let stop_at = if args.ignore_eos { None } else { *eos };
+    // Before the prompt is echoed: a size the model or the machine cannot take prints nothing.
+    let context = trained.context();
+    ava_train::model::check_positions(model.spec(), context, prompt.len(), args.max_tokens)
+        .map_err(|e| Failure::Usage(e.into()))?;
 
     // The text so far, printed as it grows; a token that ends inside a UTF-8 character is
     // held back until the character is whole.
@@ -41,18 +45,19 @@ pub fn run(p: &Printer, args: &GenerateArgs) -> CmdResult {
     let mut ids: Vec<u32> = Vec::new();
     let mut shown = 0;
     let started = Instant::now();
-    let (out, stop) = ava_train::model::generate(model, &prompt, args.max_tokens, sampling, stop_at, &mut |id| {
-        ids.push(id);
-        if let Ok(text) = tokenizer.decode(&ids)
-            && !text.ends_with('\u{fffd}')
-            && text.len() > shown
-            && text.is_char_boundary(shown)
-        {
-            p.stream(&text[shown..]);
-            shown = text.len();
-        }
-    })
-    .map_err(|e| Failure::Usage(e.into()))?;
+    let (out, stop) =
+        ava_train::model::generate(model, &prompt, args.max_tokens, context, sampling, stop_at, &mut |id| {
+            ids.push(id);
+            if let Ok(text) = tokenizer.decode(&ids)
+                && !text.ends_with('\u{fffd}')
+                && text.len() > shown
+                && text.is_char_boundary(shown)
+            {
+                p.stream(&text[shown..]);
+                shown = text.len();
+            }
+        })
+        .map_err(|e| Failure::Usage(e.into()))?;
     let seconds = started.elapsed().as_secs_f64();
     let text = tokenizer.decode(&out).map_err(|e| Failure::Runtime(anyhow::anyhow!("cannot decode: {e}")))?;
     if text.len() > shown && text.is_char_boundary(shown) {

@@ -9,9 +9,10 @@
 //! atomically, so a killed run leaves a manifest listing only complete shards, and the next
 //! run into the same directory skips the documents they hold and continues.
 //!
-//! Memory: two shards' ids (`shard_tokens` × id bytes each, plus one document's: one filling,
-//! one being written on its own thread), plus up to four batches of text (two queued, one
-//! being sent, one being tokenized).
+//! Memory: two shards' ids (`shard_tokens` × id bytes each, plus 8 bytes per document for
+//! where it starts, plus one document's: one filling, one being written on its own thread),
+//! plus up to four batches of text (two queued, one being sent, one being tokenized). A
+//! stream that never ends is read in that memory for as long as it goes on.
 
 mod fault;
 pub mod input;
@@ -234,8 +235,8 @@ pub enum PrepareError {
         #[source]
         source: io::Error,
     },
-    /// The reader stopped because the writer failed first (the writer's error is the one
-    /// reported; this one never reaches a caller).
+    /// The reader was told to stop: the writer failed first (the writer's error is the one
+    /// reported), or a tokenizer's training text is full. Never reaches a caller.
     #[error("stopped: writing the corpus failed")]
     Stopped,
     /// Writing the corpus failed.

@@ -145,6 +145,14 @@ pub fn installed() -> bool {
     CURRENT.0.load(Relaxed) > 0 || PEAK.load(Relaxed) > 0
 }
 
+/// Bytes the system can still give this process (Linux `MemAvailable`), if known.
+pub fn available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// The process's resident set size in bytes (Linux `/proc/self/statm`), if readable: what
 /// the OS has reserved for us, against which the allocated bytes give the fragmentation.
 pub fn resident_bytes() -> Option<u64> {

@@ -11,6 +11,7 @@ pub mod device;
 pub mod pinned;
 
 pub use alloc::{
-    CountingAlloc, current, installed, limit, peak, reset_peak, resident_bytes, set_limit, stop_counting, take_crossed,
+    CountingAlloc, available_bytes, current, installed, limit, peak, reset_peak, resident_bytes, set_limit,
+    stop_counting, take_crossed,
 };
 pub use breakdown::{Breakdown, DeviceMemory, gib, size};

@@ -5,6 +5,13 @@
 //! again. [`Sampler`] picks the next token: greedy, or with temperature, top-k and top-p from
 //! a seeded generator (the same seed gives the same text).
 //!
+//! A stretch of many tokens (a long prompt, a sequence `ava eval` scores) goes through the
+//! blocks in chunks of rows ([`prompt_chunk`]), so its attention scores stay near 64 MiB
+//! where the whole stretch's would grow with the square of its length; every size is checked
+//! before anything is allocated: the positions asked for against the model's context
+//! ([`ModelSpec::context`](super::ModelSpec::context)), and what they hold
+//! ([`generator_bytes`]) against the memory the machine has.
+//!
 //! The blocks reuse the training forward's fused ops (RMSNorm, the projections, the head split
 //! with RoPE at each token's position, SwiGLU, the MoE routing) in f32, and attend with
 //! candle's own ops: one query row against the cached keys, causal, inside the model's
@@ -20,7 +27,34 @@ use super::fused::{RopeTables, add, linear, merge_heads, rms_norm, split_heads, 
 use super::llama::{moe, projection};
 use super::ops::softmax_last;
 use super::spec::{MlpIndex, ParamIndex};
-use super::{Model, ModelError, cerr};
+use super::{Model, ModelError, ModelSpec, cerr};
+
+/// What the attention scores of a chunk of prompt rows may take, with their mask and the
+/// softmax's copy beside them.
+const CHUNK_SCORES_BYTES: usize = 64 << 20;
+
+/// Rows of a stretch fed through the blocks at once when the sequence will be `len`
+/// positions long: a chunk's scores, mask and probabilities ((2H + 1)·c·L f32) stay within
+/// [`CHUNK_SCORES_BYTES`], at most 512 rows and at least one.
+pub fn prompt_chunk(heads: usize, len: usize) -> usize {
+    (CHUNK_SCORES_BYTES / ((2 * heads + 1) * len.max(1) * 4)).clamp(1, 512)
+}
+
+/// Bytes a generator made for `positions` holds at its most, besides the model's weights:
+/// its rotary tables, every block's cached keys and values (one block's twice while a stretch
+/// is appended), the keys and values widened to every query head for one block, a chunk's
+/// scores and its logits.
+pub fn generator_bytes(spec: &ModelSpec, positions: usize) -> u64 {
+    let (l, d) = (positions as u64, spec.head_dim() as u64);
+    let (h, hkv, layers) = (spec.heads as u64, spec.kv_heads as u64, spec.layers as u64);
+    let chunk = prompt_chunk(spec.heads, positions) as u64;
+    let rope = 2 * l * d * 4; // cos and sin, (L, D/2) each, f32 — rounded up
+    let block_cache = 2 * hkv * l * d * 4; // (1, Hkv, L, D) keys and values
+    let widened = 2 * h * l * d * 4; // (1, H, L, D) keys and values
+    let scores = (2 * h + 1) * chunk * l * 4;
+    let logits = chunk * spec.vocab as u64 * 4;
+    rope.saturating_add((layers + 1).saturating_mul(block_cache)).saturating_add(widened + scores + logits)
+}
 
 /// Keys and values a block has cached: (1, Hkv, P, D) each.
 struct Cached {
@@ -40,6 +74,8 @@ pub struct Generator<'m> {
     cache: Vec<Option<Cached>>,
     /// Positions fed so far.
     len: usize,
+    /// Rows fed through the blocks at once at most ([`prompt_chunk`] may take fewer).
+    max_chunk: usize,
 }
 
 impl<'m> Generator<'m> {
@@ -56,7 +92,15 @@ impl<'m> Generator<'m> {
             max_len,
             cache: (0..spec.layers).map(|_| None).collect(),
             len: 0,
+            max_chunk: usize::MAX,
         })
+    }
+
+    /// Feeds at most `rows` tokens through the blocks at once (at least 1): fewer rows hold
+    /// less attention at a time; the logits are the same up to the products' rounding.
+    pub fn with_max_chunk(mut self, rows: usize) -> Self {
+        self.max_chunk = rows.max(1);
+        self
     }
 
     /// Forgets every position fed, to start another sequence (the weights and tables stay).
@@ -78,15 +122,31 @@ impl<'m> Generator<'m> {
     /// Feeds `tokens` at the next positions and returns the logits (V values, f32) that
     /// predict the token after the last of them.
     pub fn feed(&mut self, tokens: &[u32]) -> CResult<Vec<f32>> {
-        let hidden = self.blocks(tokens)?; // (1, t, d)
-        let last = hidden.narrow(1, tokens.len() - 1, 1)?; // (1, 1, d): only its logits are asked for
+        let mut hidden = None;
+        for chunk in tokens.chunks(self.chunk(tokens.len())) {
+            hidden = Some(self.blocks(chunk)?); // (1, c, d)
+        }
+        let Some(hidden) = hidden else { candle_core::bail!("generate: nothing to feed") };
+        let last = hidden.narrow(1, hidden.dim(1)? - 1, 1)?; // (1, 1, d): only its logits are asked for
         self.logits(&last)?.get(0)?.to_vec1::<f32>()
     }
 
     /// [`feed`](Self::feed), returning the logits after every token fed: (t, V).
     pub fn feed_all(&mut self, tokens: &[u32]) -> CResult<Tensor> {
-        let hidden = self.blocks(tokens)?; // (1, t, d)
-        self.logits(&hidden)
+        let mut logits = Vec::new();
+        for chunk in tokens.chunks(self.chunk(tokens.len())) {
+            let hidden = self.blocks(chunk)?; // (1, c, d)
+            logits.push(self.logits(&hidden)?); // (c, V)
+        }
+        if logits.is_empty() {
+            candle_core::bail!("generate: nothing to feed");
+        }
+        Tensor::cat(&logits, 0) // (t, V)
+    }
+
+    /// Rows fed at once when `t` more tokens come ([`prompt_chunk`]).
+    fn chunk(&self, t: usize) -> usize {
+        prompt_chunk(self.model.spec().heads, self.len + t).min(self.max_chunk)
     }
 
     /// Embeds `tokens` at the next positions and runs every block on them: (1, t, d).
@@ -290,11 +350,13 @@ pub enum Stop {
 
 /// Generates up to `max_tokens` tokens after `prompt` (at least one token), stopping early
 /// at `eos` when given; `on_token` sees each one as it is picked (to print it). Returns the
-/// new tokens (without the end-of-text) and why it stopped.
+/// new tokens (without the end-of-text) and why it stopped. The prompt and the tokens asked
+/// for must fit in `context` positions and the machine's memory ([`check_positions`]).
 pub fn generate(
     model: &Model,
     prompt: &[u32],
     max_tokens: usize,
+    context: usize,
     sampling: Sampling,
     eos: Option<u32>,
     on_token: &mut dyn FnMut(u32),
@@ -308,9 +370,10 @@ pub fn generate(
             model.spec().vocab
         )));
     }
-    let mut generator = Generator::new(model, prompt.len() + max_tokens)?;
+    let positions = check_positions(model.spec(), context, prompt.len(), max_tokens)?;
+    let mut generator = Generator::new(model, positions)?;
     let mut sampler = Sampler::new(sampling);
-    let mut out = Vec::with_capacity(max_tokens);
+    let mut out = Vec::new();
     let mut logits = generator.feed(prompt).map_err(cerr)?;
     while out.len() < max_tokens {
         let next = sampler.pick(&logits);
@@ -325,4 +388,57 @@ pub fn generate(
         logits = generator.feed(&[next]).map_err(cerr)?;
     }
     Ok((out, Stop::Length))
+}
+
+/// How an error says what the model's context is.
+pub fn context_note(spec: &ModelSpec, context: usize) -> String {
+    format!(
+        "the model's context is {context} positions (its max_position_embeddings, transformers' default for {} where \
+         config.json has none, or the sequence length it was trained at when longer)",
+        spec.arch.model_type()
+    )
+}
+
+/// The positions a prompt of `prompt` tokens and `more` tokens after it take, checked against
+/// `context` and, where the system says, the memory the machine has left
+/// ([`generator_bytes`]); an error says which check failed and what to ask for instead.
+pub fn check_positions(spec: &ModelSpec, context: usize, prompt: usize, more: usize) -> Result<usize, ModelError> {
+    if prompt >= context {
+        return Err(ModelError::Generate(format!(
+            "the prompt is {prompt} tokens and {}: shorten the prompt to fewer than {context} tokens",
+            context_note(spec, context)
+        )));
+    }
+    let positions = match prompt.checked_add(more) {
+        Some(n) if n <= context => n,
+        _ => {
+            return Err(ModelError::Generate(format!(
+                "{more} tokens after a prompt of {prompt} need {} positions, but {}: generate at most {} tokens \
+                 (--max-tokens)",
+                prompt as u128 + more as u128,
+                context_note(spec, context),
+                context - prompt
+            )));
+        }
+    };
+    let need = generator_bytes(spec, positions);
+    if let Some(available) = crate::memory::available_bytes()
+        && need > available
+    {
+        // The most positions that fit, by halving what comes after the prompt.
+        let mut fits = positions;
+        while fits > prompt + 1 && generator_bytes(spec, fits) > available {
+            fits = prompt + (fits - prompt) / 2;
+        }
+        return Err(ModelError::Generate(format!(
+            "{positions} positions need {:.2} GiB beside the weights (the key/value cache of {} blocks, the rotary \
+             tables, a chunk's attention), but the machine has {:.2} GiB available: generate fewer tokens (about {} \
+             fit), or free memory",
+            crate::memory::gib(need),
+            spec.layers,
+            crate::memory::gib(available),
+            fits.saturating_sub(prompt)
+        )));
+    }
+    Ok(positions)
 }

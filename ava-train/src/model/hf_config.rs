@@ -245,6 +245,11 @@ fn defaults(arch: Arch) -> Defaults {
     }
 }
 
+/// transformers' `max_position_embeddings` for `arch` when config.json leaves it out.
+pub(crate) fn default_max_position(arch: Arch) -> usize {
+    defaults(arch).max_position
+}
+
 /// The RoPE settings from `rope_scaling` / `rope_parameters` / `rope_theta`, with transformers
 /// 5's precedence: a non-null `rope_scaling` replaces `rope_parameters`, and a `rope_theta`
 /// inside them wins over the top-level one.

@@ -23,7 +23,9 @@ use std::path::PathBuf;
 
 pub use attention::{attention, unsupported_packing};
 pub use documents::Documents;
-pub use generate::{Generator, Sampler, Sampling, Stop, argmax, generate};
+pub use generate::{
+    Generator, Sampler, Sampling, Stop, argmax, check_positions, context_note, generate, generator_bytes, prompt_chunk,
+};
 pub(crate) use head_loss::blocks as loss_blocks;
 pub use head_loss::{DEFAULT_LOSS_CHUNK_ROWS, head_loss};
 pub(crate) use hf::{dir_error, read_bounded};

@@ -359,6 +359,18 @@ impl ModelSpec {
         self.head_dim
     }
 
+    /// The longest sequence the model is made for, in positions: `max_position_embeddings`,
+    /// or transformers' default for the architecture where config.json leaves it out (as
+    /// Ava's own exports do, so transformers reads them alike), times the factor of a dynamic
+    /// RoPE scaling, which is there to go past it.
+    pub fn context(&self) -> usize {
+        let max = self.max_position.unwrap_or_else(|| super::hf_config::default_max_position(self.arch));
+        match self.rope.scaling {
+            super::rope::RopeScaling::Dynamic { factor, .. } => (max as f64 * factor).floor() as usize,
+            _ => max,
+        }
+    }
+
     /// Every parameter, in a fixed order (embedding, blocks, final norm, head).
     pub fn params(&self) -> Vec<ParamDef> {
         let (d, f, hd) = (self.hidden, self.ffn, self.head_dim());

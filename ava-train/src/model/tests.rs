@@ -604,3 +604,49 @@ fn packed_documents_give_each_document_its_own_logits() {
         }
     }
 }
+
+/// Generation's sizes are checked before anything is allocated: the model's context (its
+/// max_position_embeddings, transformers' default for the architecture, a dynamic scaling's
+/// reach), the positions asked for against it (an overflowing count included), and what they
+/// need against the memory the system says it has; a long stretch is fed in chunks whose
+/// attention stays within 64 MiB.
+#[test]
+fn generation_sizes_are_checked_against_the_context_and_the_memory() {
+    let s = spec(None, false);
+    assert_eq!(s.context(), 2048, "transformers' default for llama");
+    assert_eq!(ModelSpec { max_position: Some(100), ..s.clone() }.context(), 100);
+    let dynamic = RopeSpec { theta: 1e4, scaling: RopeScaling::Dynamic { factor: 4.0, max_position: 32 } };
+    assert_eq!(ModelSpec { max_position: Some(32), rope: dynamic, ..s.clone() }.context(), 128);
+
+    assert_eq!(check_positions(&s, 100, 3, 97).unwrap(), 100);
+    let err = check_positions(&s, 100, 3, 98).unwrap_err().to_string();
+    assert!(err.contains("98 tokens after a prompt of 3 need 101 positions"), "{err}");
+    assert!(
+        err.contains("the model's context is 100 positions") && err.contains("generate at most 97 tokens"),
+        "{err}"
+    );
+    let err = check_positions(&s, 100, 100, 1).unwrap_err().to_string();
+    assert!(err.contains("the prompt is 100 tokens") && err.contains("fewer than 100 tokens"), "{err}");
+    let err = check_positions(&s, usize::MAX, 5, usize::MAX).unwrap_err().to_string();
+    assert!(err.contains(&format!("need {} positions", usize::MAX as u128 + 5)), "{err}");
+
+    // A 7B's shape at a billion positions: petabytes of keys and values.
+    let big = ModelSpec::llama(32000, 4096, 32, 32, 32, 11008);
+    let positions = 1 << 30;
+    assert!(generator_bytes(&big, positions) > 1 << 50);
+    let asked = check_positions(&big, positions, 1, positions - 1);
+    if crate::memory::available_bytes().is_some() {
+        let err = asked.unwrap_err().to_string();
+        assert!(err.contains("GiB available: generate fewer tokens (about"), "{err}");
+        assert!(err.contains("the key/value cache of 32 blocks"), "{err}");
+    }
+
+    assert_eq!(prompt_chunk(4, 10), 512);
+    assert_eq!(prompt_chunk(32, 20_000), 12);
+    assert_eq!(prompt_chunk(32, 1 << 17), 1);
+    // A chunk's scores, mask and probabilities stay within 64 MiB wherever one row fits.
+    for (heads, len) in [(4, 10), (32, 20_000), (8, 100_000), (64, 4096)] {
+        let c = prompt_chunk(heads, len);
+        assert!((2 * heads + 1) * c * len * 4 <= 64 << 20, "{heads} heads, {len} positions: {c} rows");
+    }
+}

@@ -440,6 +440,23 @@ pub fn check_attention(spec: &ModelSpec, sel: &PluginSelection, seq: usize) -> R
     }
 }
 
+/// Checks that a sample (`train.sample_every`: the token it starts from and
+/// `train.sample_tokens` after it) fits in the model's context, so a run does not stop at its
+/// first sample.
+pub fn check_samples(spec: &ModelSpec, config: &Config) -> Result<(), TrainError> {
+    let t = &config.train;
+    let context = spec.context().max(config.data.seq_len);
+    if t.sample_every == 0 || t.sample_tokens < context {
+        return Ok(());
+    }
+    Err(TrainError::Invalid(format!(
+        "train.sample_tokens is {} but {}: set train.sample_tokens to at most {} (a sample starts from one token)",
+        t.sample_tokens,
+        model::context_note(spec, context),
+        context - 1
+    )))
+}
+
 /// Checks that `train.master_weights` and `train.step_in_backward` work with the rest of
 /// the config; every problem is reported at once, each naming the keys and what to change.
 ///
@@ -1044,8 +1061,16 @@ impl Trainer {
             return Err(TrainError::Invalid("train.sample_every is 0: this run takes no samples".into()));
         };
         let sampling = model::Sampling { temperature: 1.0, top_k: 0, top_p: 1.0, seed: self.config.train.seed };
-        let (ids, stop) =
-            model::generate(&self.model, &[*start], self.config.train.sample_tokens, sampling, *eos, &mut |_| {})?;
+        let context = self.model.spec().context().max(self.config.data.seq_len);
+        let (ids, stop) = model::generate(
+            &self.model,
+            &[*start],
+            self.config.train.sample_tokens,
+            context,
+            sampling,
+            *eos,
+            &mut |_| {},
+        )?;
         let text = tokenizer.decode(&ids).map_err(|e| TrainError::Invalid(format!("cannot decode a sample: {e}")))?;
         Ok((text, stop == model::Stop::EndOfText))
     }

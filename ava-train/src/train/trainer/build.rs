@@ -183,6 +183,7 @@ impl RunPlugins {
     ) -> Result<Self, TrainError> {
         let attention = config.selection(PluginKind::Attention);
         check_attention(spec, attention, config.data.seq_len)?;
+        check_samples(spec, config)?;
         let kernel = registry.attention(&attention.name, &attention.options_json())?;
         if !kernel.supports_backward() {
             return Err(TrainError::Invalid(format!(
