@@ -286,3 +286,19 @@ fn a_tokenizer_learns_from_the_beginning_of_an_endless_stream() {
     assert!(written > bytes, "{written} bytes written");
     assert!(dir.path().join("tok.json").is_file());
 }
+
+/// A run trained on a corpus prepared with the byte tokenizer evaluates on that corpus: its
+/// exported model reads text with the byte tokenizer written as a tokenizer.json, which is
+/// the same tokenizer. A corpus prepared with another tokenizer is still refused.
+#[test]
+fn a_run_trained_on_bytes_evaluates_on_its_own_corpus() {
+    let dir = tempfile::tempdir().unwrap();
+    prepared(dir.path());
+    ok(train_small(dir.path(), "run", &[SHARDS, &["--max-steps", "2"]].concat()));
+    let eval = json_of(&ok(ava(dir.path(), &["--format", "json", "eval", "run", "--data", "corpus"])));
+    assert!(eval["loss"].as_f64().unwrap().is_finite(), "{eval}");
+    ok(ava(dir.path(), &["data", "train-tokenizer", "text", "--vocab-size", "300", "--out", "bpe.json"]));
+    ok(ava(dir.path(), &["data", "prepare", "text", "--tokenizer", "bpe.json", "--out", "bpe-corpus"]));
+    let err = usage_error(ava(dir.path(), &["eval", "run", "--data", "bpe-corpus"]));
+    assert!(err.contains("but the model reads text with tokenizer"), "{err}");
+}

@@ -105,6 +105,12 @@ fn a_budget_nothing_fits_is_refused_with_a_command_that_fits() {
     assert!(!dir.path().join("run").join("metrics.jsonl").exists(), "nothing ran");
     assert!(err.contains("the fastest settings that fit, as `ava plan --budget"), "{err}");
     let suggested = err.lines().skip_while(|l| !l.ends_with("train with them:")).nth(1).expect(&err).to_string();
+    // The plan command is for this run's settings, and runs as printed.
+    let plan = err.lines().skip_while(|l| !l.ends_with("or see every plan that fits:")).nth(1).expect(&err).to_string();
+    assert!(plan.contains(&format!(" plan --budget {budget} --set ")), "{plan}");
+    assert!(plan.contains("--set data.seq_len=256") && plan.contains(&format!("--set {budget_set}")), "{plan}");
+    let planned = run_printed(dir.path(), &format!("go: {plan}"), "go: ");
+    assert!(planned.status.success(), "{}", stderr(&planned));
     let ran = run_printed(dir.path(), &format!("go: {suggested}"), "go: ");
     let ran_err = stderr(&ran);
     assert!(ran.status.success(), "{ran_err}");

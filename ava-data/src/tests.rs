@@ -577,4 +577,17 @@ fn the_byte_tokenizer_json_encodes_text_to_its_bytes() {
     let bytes = crate::Tokenizer::Bytes;
     assert_eq!(bytes.encode(head).unwrap(), head.bytes().map(u32::from).collect::<Vec<_>>());
     assert_eq!(bytes.decode(&ids).unwrap(), text);
+
+    // It reads as the byte tokenizer does (the corpus a run trained on bytes evaluates on);
+    // asked for its end of text elsewhere, or with a vocabulary that merges bytes, it does not.
+    let file = crate::Tokenizer::File(Box::new(t));
+    assert!(file.reads_as_bytes(256) && bytes.reads_as_bytes(256));
+    assert!(!file.reads_as_bytes(257));
+    let merged = dir.path().join("merged.json");
+    let mut json: serde_json::Value = serde_json::from_str(&crate::byte_tokenizer_json(Some(256))).unwrap();
+    json["model"]["vocab"]["th"] = 257.into();
+    json["model"]["merges"] = serde_json::json!(["t h"]);
+    std::fs::write(&merged, json.to_string()).unwrap();
+    let merged = crate::Tokenizer::File(Box::new(crate::TextTokenizer::from_file(&merged).unwrap()));
+    assert!(!merged.reads_as_bytes(256), "a merge of 't' and 'h' is not the byte tokenizer");
 }

@@ -245,6 +245,23 @@ impl Tokenizer {
         }
     }
 
+    /// Whether this reads text as the byte tokenizer does, with `end_of_text` after the bytes:
+    /// the byte tokenizer itself, or a tokenizer.json of at most 257 ids that encodes text to
+    /// its UTF-8 bytes and has `<|endoftext|>` at `end_of_text` (what a run trained on bytes
+    /// exports, [`byte_tokenizer_json`]).
+    pub fn reads_as_bytes(&self, end_of_text: u32) -> bool {
+        match self {
+            Tokenizer::Bytes => true,
+            Tokenizer::File(t) => {
+                // Every ASCII character, the separators, and characters of 2, 3 and 4 bytes.
+                let probe: String = (1u8..128).map(char::from).chain("é ß€ 中文 😀\n\t".chars()).collect();
+                t.vocab_size() <= 257
+                    && t.token_id(crate::bpe::END_OF_TEXT) == Some(end_of_text)
+                    && t.encode_piece(&probe).is_ok_and(|ids| ids.iter().copied().eq(probe.bytes().map(u32::from)))
+            }
+        }
+    }
+
     /// `the byte tokenizer` or `tokenizer PATH`.
     pub fn describe(&self) -> String {
         match self {

@@ -30,3 +30,15 @@ pub mod profile;
 pub mod run_dir;
 pub mod save;
 pub mod train;
+
+/// A byte count as a `--budget` or `memory.budget` value a person reads and `parse_size`
+/// reads back exactly: `60.00MiB` where that is the count, else the bytes.
+///
+/// ```
+/// assert_eq!(ava_train::budget_arg(60 << 20), "60.00MiB");
+/// assert_eq!(ava_train::budget_arg((60 << 20) + 1), "62914561");
+/// ```
+pub fn budget_arg(bytes: u64) -> String {
+    let short = ava_core::format_size(bytes).replace(' ', "");
+    if ava_core::parse_size(&short) == Ok(bytes) { short } else { bytes.to_string() }
+}

@@ -173,7 +173,8 @@ fn check_tokenizer(dir: &Path, tokenizer: &Tokenizer) -> Result<(), Failure> {
     use ava_data::manifest::{Manifest, TokenizerId};
     let manifest = Manifest::load(dir).map_err(|e| Failure::Usage(e.into()))?;
     let same = match (&manifest.tokenizer, tokenizer) {
-        (TokenizerId::Byte, Tokenizer::Bytes) => true,
+        // A run trained on bytes exports the byte tokenizer as a tokenizer.json.
+        (TokenizerId::Byte, t) => t.reads_as_bytes(manifest.eos_id),
         (TokenizerId::Huggingface { sha256, .. }, Tokenizer::File(t)) => {
             ava_data::shard::sha256_file(t.path()).is_ok_and(|ours| &ours == sha256)
         }

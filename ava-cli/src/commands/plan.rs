@@ -820,7 +820,8 @@ pub fn suggestion(registry: &ava_plugins::Registry, base: &Config, budget: u64) 
         _ => String::new(),
     };
     let text = format!(
-        "the fastest settings that fit, as `ava plan --budget {budget}` ranks them: {}, estimated peak {}{swapped}",
+        "the fastest settings that fit, as `ava plan --budget {}` ranks them: {}, estimated peak {}{swapped}",
+        ava_train::budget_arg(budget),
         describe(&best.candidate, &best.estimate),
         format_size(best.estimate.breakdown.peak),
     );

@@ -83,7 +83,11 @@ fn start_failure(e: TrainError, args: &TrainArgs, config: &Config, registry: &av
             let hint = match super::plan::suggestion(registry, config, budget) {
                 Some((text, sets)) => {
                     let words: Vec<&str> = sets.iter().flat_map(|s| ["--set", s.as_str()]).collect();
-                    format!("\n{text}; train with them:\n  {}", follow_up(&[], &words, args.resume.is_some()))
+                    format!(
+                        "\n{text}; train with them:\n  {}\nor see every plan that fits:\n  {}",
+                        follow_up(&[], &words, args.resume.is_some()),
+                        plan_command(&args.config, budget)
+                    )
                 }
                 None => format!(
                     "\nnothing `ava plan` searches fits {}: raise memory.budget, shorten data.seq_len or use a smaller \
@@ -455,6 +459,20 @@ fn resume_command() -> String {
 /// and every `--set`, are kept), without `--overwrite`, the options in `drop` (each with its
 /// value) and any `--resume` (put back as `--resume latest` when `resume`), with `extra`
 /// appended; quoted for a POSIX shell.
+/// `ava plan --budget SIZE` on this run's config (its `-c` file and `--set` values), so the
+/// plans it lists are for the run that was refused.
+fn plan_command(config: &crate::cli::ConfigArgs, budget: u64) -> String {
+    let ava = std::env::args().next().unwrap_or_else(|| "ava".to_string());
+    let mut words = vec![ava, "plan".into(), "--budget".into(), ava_train::budget_arg(budget)];
+    if let Some(file) = &config.config {
+        words.extend(["-c".to_string(), file.display().to_string()]);
+    }
+    for set in &config.set {
+        words.extend(["--set".to_string(), set.clone()]);
+    }
+    words.iter().map(|w| shell_quote(w)).collect::<Vec<_>>().join(" ")
+}
+
 pub(crate) fn follow_up(drop: &[&str], extra: &[&str], resume: bool) -> String {
     command_line(std::env::args().collect(), drop, extra, resume)
 }

@@ -66,12 +66,12 @@ pub enum TrainError {
     /// micro-batch the run can use (see [`fit_budget`]).
     #[error(
         "memory.budget is {}, but this step needs {} even at micro-batch {micro_batch} (estimated; `ava estimate` \
-         shows where it goes){}: raise memory.budget, or change what the step holds (`ava plan --budget {}` \
-         searches the settings that fit)",
+         shows where it goes){}: raise memory.budget, or change what the step holds (`ava plan --budget {}` with \
+         this config searches the settings that fit)",
         ava_core::format_size(*budget),
         ava_core::format_size(*needed),
         if *in_backward { " — with train.step_in_backward the micro-batch cannot be split" } else { "" },
-        budget
+        crate::budget_arg(*budget)
     )]
     BudgetTooSmall {
         /// `memory.budget`.
