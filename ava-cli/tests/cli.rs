@@ -815,6 +815,19 @@ plugins:
     assert_golden(&s.read("ava.yaml"), &format!("{CREATED_HEADER}plugins:\n  optimizer: lion\n"));
 }
 
+/// Options a plugin refuses name the problem and how to give options on this command; nothing
+/// is written.
+#[test]
+fn enable_with_refused_options_says_how_to_give_them() {
+    let s = Sandbox::new();
+    let out = s.ava(&["plugins", "enable", "optimizer", "sgd", "--set", "nosuch=1"]);
+    let err = out.usage_error();
+    assert!(err.contains("nosuch"), "{err}");
+    assert!(err.contains("give the options here as --set OPTION=VALUE, one --set each"), "{err}");
+    assert!(err.contains("`ava plugins info sgd` lists them"), "{err}");
+    assert!(!s.path("ava.yaml").exists());
+}
+
 #[test]
 fn enable_disable_json() {
     let s = Sandbox::new();

@@ -102,7 +102,7 @@ fn a_budget_nothing_fits_is_refused_with_a_command_that_fits() {
     let out = train_small(dir.path(), "run", &["--max-steps", "2", "--set", long[0], "--set", &budget_set]);
     let err = usage_error(out);
     assert!(err.contains("even at micro-batch 1 (estimated"), "{err}");
-    assert!(!dir.path().join("run").join("metrics.jsonl").exists(), "nothing ran");
+    assert!(!dir.path().join("run").exists(), "a refused run leaves no directory (not even its lock)");
     assert!(err.contains("the fastest settings that fit, as `ava plan --budget"), "{err}");
     let suggested = err.lines().skip_while(|l| !l.ends_with("train with them:")).nth(1).expect(&err).to_string();
     // The plan command is for this run's settings, and runs as printed.
@@ -155,6 +155,12 @@ fn resume_errors_say_what_to_do() {
     assert!(err.contains("nowhere is not a checkpoint: it does not exist"), "{err}");
     ok(train_small(dir.path(), "run", &["--max-steps", "4", "--steps", "2"]));
     let sgd = ["--max-steps", "4", "--resume", "latest", "--set", "plugins.optimizer={name: sgd, momentum: 0.9}"];
+    // The changed optimizer alone: the first refusal names the flag that resumes.
+    let err = usage_error(train_small(dir.path(), "run", &sgd));
+    assert!(err.contains("pass --fresh-optimizer to train on with the new optimizer"), "{err}");
+    assert!(!err.contains("--force"), "{err}");
+    let err = usage_error(train_small(dir.path(), "run", &[&sgd[..], &["--set", "train.seed=9"]].concat()));
+    assert!(err.contains("pass --force --fresh-optimizer to resume anyway"), "{err}");
     let err = usage_error(train_small(dir.path(), "run", &[&sgd[..], &["--force"]].concat()));
     assert!(err.contains("does not match the optimizer (it was trained with adamw)"), "{err}");
     assert!(err.lines().count() < 10, "a summary, not a line per tensor:\n{err}");

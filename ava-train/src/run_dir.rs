@@ -60,6 +60,8 @@ impl RunDirError {
 #[derive(Debug)]
 pub struct RunLock {
     lock: DirLock,
+    /// The directory did not exist before this lock made it.
+    created: bool,
 }
 
 impl RunLock {
@@ -67,8 +69,9 @@ impl RunLock {
     /// names the holder when another process has it. The lock file is opened relative to
     /// the directory: a link, FIFO or device planted there is refused at once.
     pub fn acquire(dir: &Path) -> Result<Self, RunDirError> {
+        let created = fs::symlink_metadata(dir).is_err();
         match DirLock::acquire(dir, LOCK_FILE).map_err(RunDirError::from_dir)? {
-            Acquired::Held(lock) => Ok(Self { lock }),
+            Acquired::Held(lock) => Ok(Self { lock, created }),
             Acquired::Busy { pid, holder } => Err(RunDirError::Busy { dir: dir.to_path_buf(), pid, holder }),
         }
     }
@@ -76,6 +79,20 @@ impl RunLock {
     /// The locked directory.
     pub fn dir(&self) -> &Path {
         self.lock.dir()
+    }
+
+    /// Gives the directory up after a run that was refused before it wrote anything: the
+    /// lock file is removed, and the directory too when this lock made it and nothing else is
+    /// in it, so a refused run leaves nothing behind. (A process refused as busy in the
+    /// meantime holds the old file; one that comes later makes a new one.)
+    pub fn release_unused(self) {
+        let dir = self.dir().to_path_buf();
+        let _ = fs::remove_file(dir.join(LOCK_FILE));
+        if self.created {
+            // Fails, and keeps it, if anything else is in it.
+            let _ = fs::remove_dir(&dir);
+        }
+        drop(self);
     }
 
     /// Removes the previous run's [`RUN_FILES`] (`--overwrite`); only with the lock held, so
@@ -115,6 +132,23 @@ pub fn previous_run(dir: &Path) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_run_leaves_no_lock_and_no_directory_it_made() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("new");
+        RunLock::acquire(&run).unwrap().release_unused();
+        assert!(!run.exists());
+        // A directory that was there stays, without the lock file; one holding more stays whole.
+        let there = dir.path().join("there");
+        fs::create_dir(&there).unwrap();
+        RunLock::acquire(&there).unwrap().release_unused();
+        assert!(there.is_dir() && !there.join(LOCK_FILE).exists());
+        let lock = RunLock::acquire(&run).unwrap();
+        fs::write(run.join("metrics.jsonl"), b"").unwrap();
+        lock.release_unused();
+        assert!(run.join("metrics.jsonl").is_file() && !run.join(LOCK_FILE).exists());
+    }
 
     #[test]
     fn a_second_lock_is_refused_naming_the_holder_and_freed_on_drop() {

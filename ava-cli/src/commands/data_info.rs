@@ -32,10 +32,10 @@ pub fn run(p: &Printer, dir: &Path) -> CmdResult {
                 ),
                 format!("tokens      {} train / {} validation", m.train.tokens, m.validation.tokens),
                 format!(
-                    "shards      {} ({:.1} MiB on disk; {:.1} MB of text read)",
+                    "shards      {} ({} on disk; {} of text read)",
                     m.shards.len(),
-                    bytes as f64 / (1 << 20) as f64,
-                    m.text_bytes as f64 / 1e6
+                    ava_core::format_size(bytes),
+                    ava_core::format_size(m.text_bytes)
                 ),
                 format!("inputs      {} files; {}", m.inputs.len(), m.reading),
             ];

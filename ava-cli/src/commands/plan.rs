@@ -926,13 +926,18 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
                 });
             }
             out.push_str(&format!(
-                "searched {total} configurations ({refused} refused by a plugin{}), {} fit{}\n",
+                "searched {total} configurations ({refused} refused by a plugin{}), {} fit{}{}\n",
                 if gpu { " or by the GPU engine" } else { "" },
                 fitting.len(),
                 if over_host.is_empty() {
                     String::new()
                 } else {
                     format!(" ({} more fit the device but not the host's RAM)", over_host.len())
+                },
+                if top.len() < fitting.len() {
+                    format!("; the {} fastest below (--top N shows more)", top.len())
+                } else {
+                    String::new()
                 }
             ));
             if let Some(r) = &reference {

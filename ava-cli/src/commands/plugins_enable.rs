@@ -32,7 +32,20 @@ pub fn run(p: &Printer, kind: &str, name: &str, config: Option<std::path::PathBu
         selection = selection.with_option(key.trim(), value);
     }
     // Unknown plugin, wrong kind, refused options: all before anything is written.
-    ctx.registry.create(kind, name, &selection.options_json()).usage()?;
+    if let Err(e) = ctx.registry.create(kind, name, &selection.options_json()) {
+        let options = matches!(&e, ava_plugins::HostError::Plugin { error, .. }
+            if error.kind == ava_core::ErrorKind::InvalidOptions);
+        let hint = if options {
+            format!(
+                "\ngive the options here as --set OPTION=VALUE, one --set each (ava plugins enable {} {name} --set \
+                 OPTION=VALUE); `ava plugins info {name}` lists them",
+                kind.as_str()
+            )
+        } else {
+            String::new()
+        };
+        return Err(anyhow!("{e}{hint}")).usage();
+    }
     // An offload tier holds nothing until offload.tiers gives it a share of the optimizer
     // state: an exact tier gets all of it, unless the file already names it there.
     let tiers = match kind {

@@ -266,8 +266,18 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
         stall_loader_at_batch: stall_hook()?,
         ..Default::default()
     };
-    let trainer =
-        Trainer::new(&config, &ctx.registry, &options).map_err(|e| start_failure(e, args, &config, &ctx.registry))?;
+    let trainer = match Trainer::new(&config, &ctx.registry, &options) {
+        Ok(trainer) => trainer,
+        Err(e) => {
+            // Refused before it wrote anything of its own: nothing left behind for it.
+            if let Some(lock) = lock
+                && previous_run(&config.train.out_dir).is_empty()
+            {
+                lock.release_unused();
+            }
+            return Err(start_failure(e, args, &config, &ctx.registry));
+        }
+    };
     Ok(Started { trainer, options, log_every: config.train.log_every, root, _lock: lock })
 }
 
@@ -474,10 +484,20 @@ fn plan_command(config: &crate::cli::ConfigArgs, budget: u64) -> String {
 }
 
 pub(crate) fn follow_up(drop: &[&str], extra: &[&str], resume: bool) -> String {
-    command_line(std::env::args().collect(), drop, extra, resume)
+    let env: Vec<(String, String)> = std::env::vars().filter(|(k, _)| config_env(k)).collect();
+    command_line(&env, std::env::args().collect(), drop, extra, resume)
 }
 
-fn command_line(argv: Vec<String>, drop: &[&str], extra: &[&str], resume: bool) -> String {
+/// Whether an environment variable sets the config (`AVA__SECTION__KEY`, `AVA_CONFIG`): a
+/// follow-up command carries it, or it would run another config (another `train.out_dir`).
+fn config_env(key: &str) -> bool {
+    key.starts_with("AVA__") || key == "AVA_CONFIG"
+}
+
+fn command_line(env: &[(String, String)], argv: Vec<String>, drop: &[&str], extra: &[&str], resume: bool) -> String {
+    // Assignments before the command, the value quoted alone (a quoted `K=V` is no assignment).
+    let mut env: Vec<String> = env.iter().map(|(k, v)| format!("{k}={} ", shell_quote(v))).collect();
+    env.sort();
     let mut args = argv.into_iter();
     let mut out = vec![args.next().unwrap_or_else(|| "ava".to_string())];
     let flag = |a: &str, name: &str| a == name || a.starts_with(&format!("{name}="));
@@ -497,7 +517,7 @@ fn command_line(argv: Vec<String>, drop: &[&str], extra: &[&str], resume: bool) 
     if resume {
         out.extend(["--resume".to_string(), "latest".to_string()]);
     }
-    out.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" ")
+    env.concat() + &out.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" ")
 }
 
 /// `arg` as one word of a POSIX shell command.
@@ -522,17 +542,23 @@ mod tests {
     fn follow_up_commands_keep_what_names_the_run() {
         let run = argv("ava train --steps 20 --set train.out_dir=runs/hint -c my.yaml --overwrite");
         assert_eq!(
-            command_line(run.clone(), &[], &[], true),
+            command_line(&[], run.clone(), &[], &[], true),
             "ava train --steps 20 --set train.out_dir=runs/hint -c my.yaml --resume latest"
         );
         let resumed = argv("ava train --resume runs/x/checkpoints/step-1 --max-steps 10 --set a=b");
         assert_eq!(
-            command_line(resumed, &["--max-steps"], &["--set", "train.max_steps=20"], true),
+            command_line(&[], resumed, &["--max-steps"], &["--set", "train.max_steps=20"], true),
             "ava train --set a=b --set train.max_steps=20 --resume latest"
         );
         assert_eq!(
-            command_line(argv("ava train --resume=latest --fresh-optimizer"), &[], &["--force"], true),
+            command_line(&[], argv("ava train --resume=latest --fresh-optimizer"), &[], &["--force"], true),
             "ava train --force --resume latest"
+        );
+        // The environment that set the config goes along, quoted as a word.
+        let env = [("AVA__TRAIN__OUT_DIR".to_string(), "runs/env run".to_string())];
+        assert_eq!(
+            command_line(&env, argv("ava train --steps 2"), &[], &[], true),
+            "AVA__TRAIN__OUT_DIR='runs/env run' ava train --steps 2 --resume latest"
         );
     }
 

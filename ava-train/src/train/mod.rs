@@ -199,9 +199,10 @@ pub enum TrainError {
     /// Resuming with a config that changes the model or the plugins.
     #[error(
         "refusing to resume from {}: the config differs from the one it was trained with:\n  - {}\n\
-         resume with the checkpoint's settings (its ava-config.json), or pass --force to resume anyway",
+         resume with the checkpoint's settings (its ava-config.json), or {}",
         checkpoint.display(),
-        differences.join("\n  - ")
+        differences.join("\n  - "),
+        resume_anyway(differences)
     )]
     ConfigChanged {
         /// The checkpoint.
@@ -325,6 +326,23 @@ impl TrainError {
     }
     pub(crate) fn io(path: impl Into<PathBuf>, e: impl std::fmt::Display) -> Self {
         Self::Io { path: path.into(), message: e.to_string() }
+    }
+}
+
+/// How to resume past [`TrainError::ConfigChanged`]'s differences: `--force`, and
+/// `--fresh-optimizer` when the optimizer changed (its state cannot carry over), alone when
+/// that is all that changed.
+fn resume_anyway(differences: &[String]) -> String {
+    let optimizer = differences.iter().any(|d| d.starts_with("plugins.optimizer"));
+    let others = differences.iter().any(|d| !d.starts_with("plugins.optimizer"));
+    match (optimizer, others) {
+        (true, false) => "pass --fresh-optimizer to train on with the new optimizer (the weights are kept, its \
+                          state starts afresh)"
+            .into(),
+        (true, true) => "pass --force --fresh-optimizer to resume anyway (the optimizer changed too: the weights are \
+                         kept, its state starts afresh)"
+            .into(),
+        _ => "pass --force to resume anyway".into(),
     }
 }
 
