@@ -153,3 +153,52 @@ fn sizes_past_the_model_or_the_machine_are_refused_by_name() {
     assert!(err.contains("--seq-len 18446744073709551615 is longer than the model runs"), "{err}");
     assert!(err.contains("use --seq-len 128 or less"), "{err}");
 }
+
+/// Sets every value of tensor `name` (f32) in a safetensors file to `value`.
+fn set_tensor(file: &Path, name: &str, value: f32) {
+    let mut bytes = std::fs::read(file).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    let entry = &header[name];
+    assert_eq!(entry["dtype"], "F32", "{name}: {entry}");
+    let [start, end] = [0, 1].map(|i| entry["data_offsets"][i].as_u64().unwrap() as usize + 8 + header_len);
+    for chunk in bytes[start..end].chunks_exact_mut(4) {
+        chunk.copy_from_slice(&value.to_le_bytes());
+    }
+    std::fs::write(file, bytes).unwrap();
+}
+
+/// A model whose numbers overflow (finite weights of 3e38) has no loss to give: eval says so
+/// and fails, rather than printing a NaN loss with success.
+#[test]
+fn a_model_that_overflows_fails_its_evaluation() {
+    let dir = tempfile::tempdir().unwrap();
+    ok(train_small(dir.path(), "run", &["--max-steps", "2"]));
+    set_tensor(&dir.path().join("run/model/model.safetensors"), "model.norm.weight", 3e38);
+    let out = ava(dir.path(), &["eval", "run"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("of the validation split is NaN") || err.contains("of the validation split is inf"), "{err}");
+    assert!(err.contains("the model's numbers overflow"), "{err}");
+}
+
+/// A model folder whose config.json holds absurd values is the user's input to fix: exit 2,
+/// as `ava train` gives for the same file.
+#[test]
+fn a_model_folder_with_an_absurd_config_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = dir.path().join("m");
+    std::fs::create_dir(&folder).unwrap();
+    for entry in std::fs::read_dir(golden_dir().join("tiny-llama")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), folder.join(entry.file_name())).unwrap();
+    }
+    let config = folder.join("config.json");
+    let mut v: Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    v["num_attention_heads"] = Value::from(3);
+    std::fs::write(&config, serde_json::to_vec(&v).unwrap()).unwrap();
+    for cmd in ["generate", "eval"] {
+        let err = usage_error(ava(dir.path(), &[cmd, folder.to_str().unwrap()]));
+        assert!(err.contains("num_attention_heads") || err.contains("heads"), "{cmd}: {err}");
+    }
+}

@@ -91,3 +91,22 @@ fn a_trainer_json_position_past_the_data_is_refused_at_resume() {
     craft(&ckpt, "trainer.json", |v| v["data_position"] = Value::from(4));
     ok(common::train_small(dir.path(), "out", &["--max-steps", "4", "--resume", "latest"]));
 }
+
+/// A checkpoint whose step was edited in both its trainer.json and its manifest (checksums
+/// made to match) is refused: its directory is still named for the step it was written at.
+#[test]
+fn a_checkpoint_step_edited_in_both_files_is_refused_at_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    ok(common::train_small(dir.path(), "out", &["--max-steps", "2"]));
+    let ckpt = common::checkpoint(&dir.path().join("out"), 2);
+    craft(&ckpt, "trainer.json", |v| v["step"] = Value::from(9));
+    let manifest = ckpt.join("manifest.json");
+    let mut m: Value = serde_json::from_slice(&fs::read(&manifest).unwrap()).unwrap();
+    m["step"] = Value::from(9);
+    fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
+    let err = usage_error(common::train_small(dir.path(), "out", &["--max-steps", "12", "--resume", "latest"]));
+    assert!(
+        err.contains("its directory is named for step 2, but its manifest and step say 9: edited after it was written"),
+        "{err}"
+    );
+}

@@ -70,6 +70,14 @@ pub fn run(p: &Printer, args: &EvalArgs) -> CmdResult {
             .and_then(|l| l.to_dtype(DType::F64))
             .and_then(|l: Tensor| l.to_scalar::<f64>())
             .map_err(runtime)?;
+        if !loss.is_finite() {
+            return Err(Failure::Runtime(anyhow::anyhow!(
+                "the loss of sequence {i} of the {split_name} split is {loss}: the model's numbers overflow (a weight \
+                 near f32's limit, or activations that grow past it), so no loss or perplexity can be given; check \
+                 the weights of {} (a run that diverged: resume from an earlier checkpoint)",
+                trained.source
+            )));
+        }
         total += loss;
         if last_note.elapsed().as_secs_f64() >= 10.0 {
             p.note(&format!("{}/{sequences} sequences, loss so far {:.4}", i + 1, total / (i + 1) as f64));

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use ava_train::inference::{self, InferenceError, LoadOptions, Trained};
-use ava_train::model::{Sampling, Stop};
+use ava_train::model::{ModelError, Sampling, Stop};
 use serde_json::json;
 
 use crate::{CmdResult, Failure, cli::GenerateArgs, output::Printer};
@@ -123,8 +123,12 @@ pub(crate) fn load(
         threads: ava_train::train::resolve_threads(threads),
         tokenizer,
     };
+    // What the folder holds is the user's input (exit 2, as `ava train` says of it); failing
+    // to read it or to compute is not.
     inference::load(path, &options).map_err(|e| match e {
-        InferenceError::Save(_) | InferenceError::Model(_) => Failure::Runtime(e.into()),
+        InferenceError::Save(_) | InferenceError::Model(ModelError::Io { .. } | ModelError::Candle(_)) => {
+            Failure::Runtime(e.into())
+        }
         e => Failure::Usage(e.into()),
     })
 }

@@ -109,9 +109,11 @@ pub enum SaveError {
         /// Size on disk.
         found: u64,
     },
-    /// A file's content does not match its recorded sha256.
+    /// A file's content does not match its recorded sha256. The digest found is kept out of
+    /// the message: it is a digest of a file that is not the one expected.
     #[error(
-        "checkpoint file {} is corrupted (sha256 mismatch: expected {expected}, found {found}); the checkpoint cannot be used — {}",
+        "checkpoint file {} is corrupted (sha256 mismatch: expected {expected}, its bytes differ); the checkpoint \
+         cannot be used — {}",
         path.display(),
         earlier_hint(path.parent().unwrap_or(path))
     )]
@@ -122,6 +124,21 @@ pub enum SaveError {
         expected: String,
         /// The sha256 of the bytes on disk (hex).
         found: String,
+    },
+    /// A file of the checkpoint is a symbolic link another user made: not followed, as it
+    /// could lead to any file this process may read (resumed as root, to another user's
+    /// secrets).
+    #[error(
+        "checkpoint file {} is a symbolic link owned by uid {owner}, another user: a checkpoint's files are followed \
+         only through links this user or root made; ask its owner to put the file itself there, or copy the \
+         checkpoint (cp -rL) after checking where its links lead",
+        path.display()
+    )]
+    ForeignLink {
+        /// The link.
+        path: PathBuf,
+        /// Its owner.
+        owner: u32,
     },
     /// `resolve("latest")` found nothing to resume from.
     #[error("no checkpoint found in {}{detail}; train first, or pass --resume PATH", root.display())]

@@ -151,6 +151,13 @@ pub(crate) fn check_file_name(name: &str) -> Result<(), String> {
 /// otherwise hang `File::open` itself.
 pub(crate) fn open(path: &Path) -> Result<File, SaveError> {
     use ava_plugins::bounded::{ReadError, open_regular};
+    use std::os::unix::fs::MetadataExt as _;
+    if let Ok(meta) = std::fs::symlink_metadata(path)
+        && meta.file_type().is_symlink()
+        && !ava_plugins::dirfd::own_link(meta.mode(), meta.uid())
+    {
+        return Err(SaveError::ForeignLink { path: path.to_path_buf(), owner: meta.uid() });
+    }
     match open_regular(path, u64::MAX) {
         Ok((file, _)) => Ok(file),
         Err(ReadError::Missing(_)) => Err(SaveError::FileMissing { path: path.to_path_buf() }),

@@ -47,7 +47,7 @@ pub use error::SaveError;
 pub use faults::FaultInjector;
 pub use manifest::{FileEntry, MANIFEST_FILE, MANIFEST_FORMAT, Manifest, sha256_hex, verify};
 pub use room::{check_room, free_space};
-pub use store::{CheckpointStore, FileBody, FileData, LATEST_FILE, LoadedCheckpoint, step_dir_name};
+pub use store::{CheckpointStore, FileBody, FileData, LATEST_FILE, LoadedCheckpoint, parse_step, step_dir_name};
 pub use tensors::{
     BufDType, BufferView, NamedBuffer, TensorMetadata, TensorSpec, from_safetensors, safetensors_views, to_safetensors,
     write_safetensors,

@@ -23,7 +23,7 @@ pub fn step_dir_name(step: u64) -> String {
 }
 
 /// The step of a checkpoint directory name (`step-00001000` → 1000).
-fn parse_step(name: &str) -> Option<u64> {
+pub fn parse_step(name: &str) -> Option<u64> {
     let digits = name.strip_prefix("step-")?;
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;

@@ -161,6 +161,15 @@ fn check_trainer_state(
     if state.step != ckpt.step {
         problems.push(format!("step is {}, but the manifest says the checkpoint is of step {}", state.step, ckpt.step));
     }
+    // The store names each checkpoint by its step when it writes it: a step edited in both
+    // files afterwards still disagrees with the name.
+    let named = ckpt.dir.file_name().and_then(|n| n.to_str()).and_then(crate::save::parse_step);
+    if let Some(named) = named.filter(|&n| n != ckpt.step) {
+        problems.push(format!(
+            "its directory is named for step {named}, but its manifest and step say {}: edited after it was written",
+            ckpt.step
+        ));
+    }
     let micro = config.train.micro_batch_size;
     let split = state.micro_batch_split;
     if split == 0 || !split.is_power_of_two() || micro % split != 0 {

@@ -172,11 +172,43 @@ fn flipping_any_byte_of_any_file_is_detected_naming_the_file() {
                 assert!(matches!(err, SaveError::Corrupted { .. }), "{text}");
                 let expected = format!("checkpoint file {} is corrupted (sha256 mismatch: expected ", path.display());
                 assert!(text.starts_with(&expected), "{text}");
+                // The digest of bytes that are not the checkpoint's is not printed.
+                let SaveError::Corrupted { found, .. } = &err else { unreachable!() };
+                assert!(!text.contains(found.as_str()), "{text}");
                 assert!(text.ends_with(&format!("resume from an earlier one: ls {}", root.path().display())), "{text}");
             }
         }
         fs::write(&path, &bytes).unwrap();
         CheckpointStore::load(&dir).unwrap();
+    }
+}
+
+/// A checkpoint file that is another user's symbolic link is refused by name, whatever it
+/// leads to (resumed as root, it could be any file: a secret's size and digest would be
+/// printed); this user's own link is followed.
+#[test]
+fn another_users_link_in_a_checkpoint_is_not_followed() {
+    let root = tempfile::tempdir().unwrap();
+    let store = CheckpointStore::new(root.path(), 0);
+    let dir = store.save(7, &files(7)).unwrap();
+    let (name, bytes) = files(7).into_iter().find(|(_, b)| !b.is_empty()).unwrap();
+    let elsewhere = root.path().join("elsewhere.bin");
+    fs::write(&elsewhere, &bytes).unwrap();
+    let path = dir.join(&name);
+    fs::remove_file(&path).unwrap();
+    std::os::unix::fs::symlink(&elsewhere, &path).unwrap();
+    CheckpointStore::load(&dir).unwrap();
+    verify(&dir).unwrap();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("not root: another user's link cannot be made here; only this user's link was checked");
+        return;
+    }
+    std::os::unix::fs::lchown(&path, Some(65534), Some(65534)).unwrap();
+    for err in [CheckpointStore::load(&dir).unwrap_err(), verify(&dir).unwrap_err()] {
+        let text = err.to_string();
+        assert!(matches!(err, SaveError::ForeignLink { owner: 65534, .. }), "{text}");
+        assert!(text.contains("is a symbolic link owned by uid 65534, another user"), "{text}");
     }
 }
 
