@@ -182,17 +182,44 @@ fn a_model_that_overflows_fails_its_evaluation() {
     assert!(err.contains("the model's numbers overflow"), "{err}");
 }
 
-/// A model folder whose config.json holds absurd values is the user's input to fix: exit 2,
-/// as `ava train` gives for the same file.
-#[test]
-fn a_model_folder_with_an_absurd_config_is_a_usage_error() {
-    let dir = tempfile::tempdir().unwrap();
-    let folder = dir.path().join("m");
+/// A copy of the golden tiny Llama's folder at `dir/name`.
+fn golden_copy(dir: &Path, name: &str) -> std::path::PathBuf {
+    let folder = dir.join(name);
     std::fs::create_dir(&folder).unwrap();
     for entry in std::fs::read_dir(golden_dir().join("tiny-llama")).unwrap() {
         let entry = entry.unwrap();
         std::fs::copy(entry.path(), folder.join(entry.file_name())).unwrap();
     }
+    folder
+}
+
+/// A model folder whose tokenizer.json is a FIFO, a link to a device or a dangling link is
+/// refused naming it (quickly, without reading the device), never read with bytes instead.
+#[test]
+fn a_tokenizer_json_that_is_no_file_is_refused_not_replaced_by_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = golden_copy(dir.path(), "m");
+    let tokenizer = folder.join("tokenizer.json");
+    let fifo = std::ffi::CString::new(tokenizer.to_str().unwrap()).unwrap();
+    for plant in ["fifo", "/dev/zero", "/nowhere"] {
+        std::fs::remove_file(&tokenizer).unwrap();
+        if plant == "fifo" {
+            // SAFETY: a NUL-terminated path.
+            assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+        } else {
+            std::os::unix::fs::symlink(plant, &tokenizer).unwrap();
+        }
+        let err = usage_error(ava(dir.path(), &["generate", folder.to_str().unwrap(), "--max-tokens", "2"]));
+        assert!(err.contains("tokenizer.json"), "{plant}: {err}");
+    }
+}
+
+/// A model folder whose config.json holds absurd values is the user's input to fix: exit 2,
+/// as `ava train` gives for the same file.
+#[test]
+fn a_model_folder_with_an_absurd_config_is_a_usage_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let folder = golden_copy(dir.path(), "m");
     let config = folder.join("config.json");
     let mut v: Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
     v["num_attention_heads"] = Value::from(3);

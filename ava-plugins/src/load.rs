@@ -62,7 +62,7 @@ pub fn open_copied(candidate: &Candidate, way: CopyWay) -> Result<Library, HostE
             reason: format!("it is an abi_stable library of another application (root module '{}')", consts.name()),
         });
     }
-    check_version(header, &path)?;
+    let built_against = check_version(header, &path)?;
     let root = header.check_layout::<PluginRootRef>().map_err(|e| match e {
         LibraryError::AbiInstability(report) => {
             HostError::LayoutMismatch { path: path.clone(), summary: summarize_layout_error(&report.to_string()) }
@@ -83,6 +83,24 @@ pub fn open_copied(candidate: &Candidate, way: CopyWay) -> Result<Library, HostE
     manifest
         .check_contract(ava_core::CONTRACT_VERSION)
         .map_err(|reason| HostError::ManifestContract { path: path.clone(), reason })?;
+    // The manifest's word against the library's own: a contract the library was not built
+    // against (a newer minor this host would accept, say 999) is a wrong manifest.
+    if manifest.contract_version != built_against.0 {
+        return Err(HostError::ManifestContract {
+            path: path.clone(),
+            reason: format!(
+                "{} '{}' {} declares plugin contract {} in its manifest, but it was built against ava-core {} \
+                 (contract {}): its manifest is wrong; build it with ava-core's Manifest::new, which fills in the \
+                 contract",
+                manifest.kind,
+                manifest.name,
+                manifest.version,
+                manifest.contract_version,
+                built_against.1,
+                built_against.0
+            ),
+        });
+    }
     Ok(Library { path: candidate.path.clone(), sha256: candidate.sha256.clone(), root, manifest })
 }
 
@@ -106,7 +124,8 @@ fn dlopen_private_copy(candidate: &Candidate, way: CopyWay) -> Result<&'static L
 /// The library's ava-core version against ours, with abi_stable's rule for 0.x versions
 /// (same minor, or a newer library whose prefix-extended root module an older host can
 /// read) but our own message.
-fn check_version(header: &LibHeader, path: &std::path::Path) -> Result<(), HostError> {
+/// Returns the library's contract and its ava-core version.
+fn check_version(header: &LibHeader, path: &std::path::Path) -> Result<(u32, String), HostError> {
     let ours = VersionNumber::new(<PluginRootRef as RootModule>::VERSION_STRINGS).expect("own version parses");
     let theirs = VersionNumber::new(header.version_strings()).map_err(|e| HostError::NotAPlugin {
         path: path.to_path_buf(),
@@ -130,7 +149,7 @@ fn check_version(header: &LibHeader, path: &std::path::Path) -> Result<(), HostE
             },
         });
     }
-    Ok(())
+    Ok((contract(&theirs), theirs.to_string()))
 }
 
 /// One or two informative lines from abi_stable's (very long) layout report.

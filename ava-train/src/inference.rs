@@ -195,9 +195,11 @@ fn load_folder(dir: &Path, options: &LoadOptions<'_>, config: Option<Config>) ->
     };
     let found = |key: &str| ids("generation_config.json", key).or_else(|| ids("config.json", key));
     let (bos, eos) = (found("bos_token_id"), found("eos_token_id"));
+    // Whatever is at tokenizer.json is the tokenizer: a FIFO, a device or a dangling link
+    // there is refused when it is read, never silently replaced by the byte tokenizer.
     let file = options.tokenizer.map(Path::to_path_buf).or_else(|| {
         let beside = dir.join("tokenizer.json");
-        beside.is_file().then_some(beside)
+        std::fs::symlink_metadata(&beside).is_ok().then_some(beside)
     });
     let source = match (file, &config) {
         (Some(file), _) => TokenizerSource { file: Some(file), bos, eos },

@@ -61,10 +61,35 @@ fn a_manifest_declaring_another_contract_is_incompatible_everywhere() {
         assert!(!lock.exists(), "a refused library was pinned");
     }
 
+    // A contract the host would take (a newer minor) that the library was not built against:
+    // the manifest is wrong, and refused as such everywhere.
+    set_contract(Some(999));
+    let want = format!(
+        "{}: optimizer 'canary' {version} declares plugin contract 999 in its manifest, but it was built against \
+         ava-core {} (contract {host_contract}): its manifest is wrong",
+        lib.display(),
+        ava_core_version()
+    );
+    let reg = load(&host(&[tmp.path()], VettingPolicy::Open));
+    let row = file_row(&reg, &lib);
+    assert_eq!(row.status, Status::Incompatible);
+    assert!(reason(row).starts_with(&want), "{}", reason(row));
+    let err = vet_file(&lib, &lock).unwrap_err();
+    assert!(matches!(err, HostError::ManifestContract { .. }) && err.to_string().starts_with(&want), "{err}");
+    assert!(!lock.exists(), "a refused library was pinned");
+
     // Control: the host's contract loads and vets.
     set_contract(Some(host_contract));
     let reg = load(&host(&[tmp.path()], VettingPolicy::Open));
     assert_eq!(file_row(&reg, &lib).status, Status::Loaded);
     vet_file(&lib, &lock).unwrap();
     set_contract(None);
+}
+
+/// The ava-core version the fixtures build against (the workspace's).
+fn ava_core_version() -> String {
+    let manifest = ava_tests::repo_root().join("ava-core/Cargo.toml");
+    let text = std::fs::read_to_string(manifest).unwrap();
+    let line = text.lines().find(|l| l.starts_with("version")).unwrap();
+    line.split('"').nth(1).unwrap().to_string()
 }
