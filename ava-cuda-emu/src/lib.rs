@@ -177,19 +177,34 @@ unsafe impl Sync for Emulator {}
 
 /// A directory of this user's own for the compiled libraries, `$TMPDIR/ava-cuda-emu-$UID`:
 /// created readable by this user only, and refused if another user owns it or can write to
-/// it (a library found there is loaded into the test).
+/// it, or if it is a symbolic link another user made (wherever it leads: a library found
+/// there is loaded into the test).
 pub fn cache_dir() -> Result<PathBuf, EmuError> {
+    cache_dir_in(&std::env::temp_dir())
+}
+
+/// [`cache_dir`] in `tmp`.
+fn cache_dir_in(tmp: &Path) -> Result<PathBuf, EmuError> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     // SAFETY: getuid has no preconditions.
     let uid = unsafe { libc::getuid() };
-    let dir = std::env::temp_dir().join(format!("ava-cuda-emu-{uid}"));
+    let dir = tmp.join(format!("ava-cuda-emu-{uid}"));
     match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(source) => return Err(EmuError::Io { what: "creating", path: dir, source }),
     }
-    let meta = std::fs::metadata(&dir).map_err(|source| EmuError::Io { what: "reading", path: dir.clone(), source })?;
-    if meta.uid() != uid || meta.mode() & 0o022 != 0 {
+    let reading = |source| EmuError::Io { what: "reading", path: dir.clone(), source };
+    let link = std::fs::symlink_metadata(&dir).map_err(reading)?;
+    if link.file_type().is_symlink() && link.uid() != uid && link.uid() != 0 {
+        return Err(EmuError::Load(format!(
+            "{} is a symbolic link owned by uid {}, another user: not followed; remove it, or name another TMPDIR",
+            dir.display(),
+            link.uid()
+        )));
+    }
+    let meta = std::fs::metadata(&dir).map_err(reading)?;
+    if !meta.is_dir() || meta.uid() != uid || meta.mode() & 0o022 != 0 {
         return Err(EmuError::Load(format!(
             "{} is not this user's own (owner {}, mode {:o}): remove it, or name another TMPDIR",
             dir.display(),
@@ -490,4 +505,43 @@ fn kernels_in(preprocessed: &str, source: &Path) -> Vec<String> {
         }
     }
     names
+}
+
+#[cfg(test)]
+mod cache_tests {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    use super::cache_dir_in;
+
+    /// This user's directory is made private and taken; one open to others, another user's,
+    /// or another user's link to a directory (a third user's, or this user's own) is refused.
+    #[test]
+    fn the_cache_is_this_users_own_or_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        // SAFETY: getuid has no preconditions.
+        let uid = unsafe { libc::getuid() };
+        let dir = cache_dir_in(tmp.path()).unwrap();
+        assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777, 0o700);
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = cache_dir_in(tmp.path()).unwrap_err().to_string();
+        assert!(e.contains("is not this user's own") && e.contains("mode 777"), "{e}");
+        std::fs::remove_dir(&dir).unwrap();
+        if uid != 0 {
+            eprintln!("not root: another user's files cannot be made here; only this user's own were checked");
+            return;
+        }
+        let (third, own) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        std::os::unix::fs::chown(third.path(), Some(65533), Some(65533)).unwrap();
+        for target in [third.path(), own.path()] {
+            std::os::unix::fs::symlink(target, &dir).unwrap();
+            std::os::unix::fs::lchown(&dir, Some(65534), Some(65534)).unwrap();
+            let e = cache_dir_in(tmp.path()).unwrap_err().to_string();
+            assert!(e.contains("is a symbolic link owned by uid 65534, another user: not followed"), "{e}");
+            std::fs::remove_file(&dir).unwrap();
+        }
+        std::fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+        let e = cache_dir_in(tmp.path()).unwrap_err().to_string();
+        assert!(e.contains("is not this user's own (owner 65534"), "{e}");
+    }
 }

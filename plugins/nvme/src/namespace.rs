@@ -7,8 +7,10 @@
 //!
 //! The path may be shared by several users (`/mnt/nvme`, `/tmp`), so nothing in it is taken
 //! on trust: each user's runs live in a per-user directory `ava-<uid>` of mode 0700, created
-//! by this user and refused if it exists but is a link, not a directory, someone else's, or
-//! open to group or others. Other users' directories are never read or touched. Inside it,
+//! by this user and refused if it is this user's but a link, not a directory, or open to group
+//! or others. One that another user made first under this user's name is passed over for
+//! `ava-<uid>-1` (up to `-15`), said in the tier's note. Other users' directories are never
+//! read or touched. Inside it,
 //! entries are created and opened relative to the opened directory (`mkdirat`, `openat`)
 //! without following links, and a lock file is opened without blocking and must be a regular
 //! file: a FIFO or a link there is refused at once, naming it.
@@ -39,6 +41,9 @@ pub struct RunDir {
     pub removed_leftovers: usize,
     /// `path` did not exist and was made (with its missing parents).
     pub created_path: bool,
+    /// Directories under this user's names that other users made first (path, owner),
+    /// passed over for the next name.
+    pub squatted: Vec<Squatted>,
     _lock: File,
 }
 
@@ -170,23 +175,49 @@ fn open_named_dir(path: &Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Creates (mode 0700) or opens this user's directory `ava-<uid>` in `base`, refusing one
-/// that is a link, not a directory, another user's, or open to group or others.
-fn user_dir(base: &OwnedFd, base_path: &Path) -> io::Result<(OwnedFd, PathBuf)> {
+/// A directory another user made under one of this user's names: its path and owner.
+pub type Squatted = (PathBuf, u32);
+
+/// Names a user's directory may take: `ava-<uid>`, then `ava-<uid>-1` to `ava-<uid>-15`
+/// when another user holds the name before it.
+const USER_DIR_NAMES: usize = 16;
+
+/// This user's directory in `base`: the first of `ava-<uid>`, `ava-<uid>-1`, ... that is not
+/// another user's (one made in advance under this user's name, a squat, is passed over and
+/// returned in the list, never touched), created (mode 0700) or opened, and refused if it is
+/// this user's link, not a directory, or open to group or others.
+fn user_dir(base: &OwnedFd, base_path: &Path) -> io::Result<(OwnedFd, PathBuf, Vec<Squatted>)> {
     let uid = euid();
-    let name = format!("ava-{uid}");
-    let path = base_path.join(&name);
-    let c = c_name(name.as_bytes())?;
-    // SAFETY: a valid descriptor and C string.
-    if unsafe { libc::mkdirat(base.as_raw_fd(), c.as_ptr(), 0o700) } != 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::AlreadyExists {
-            return Err(io::Error::new(e.kind(), format!("cannot create {}: {e}", path.display())));
+    let mut squatted = Vec::new();
+    for n in 0..USER_DIR_NAMES {
+        let name = if n == 0 { format!("ava-{uid}") } else { format!("ava-{uid}-{n}") };
+        let path = base_path.join(&name);
+        let c = c_name(name.as_bytes())?;
+        // SAFETY: a valid descriptor and C string.
+        if unsafe { libc::mkdirat(base.as_raw_fd(), c.as_ptr(), 0o700) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::AlreadyExists {
+                return Err(io::Error::new(e.kind(), format!("cannot create {}: {e}", path.display())));
+            }
         }
+        let owner = lstat_at(base, name.as_bytes())
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?
+            .st_uid;
+        if owner != uid {
+            squatted.push((path, owner));
+            continue;
+        }
+        let fd = open_dir_at(base, name.as_bytes(), &path)?;
+        check_private(&fstat(&fd)?, &path, uid)?;
+        return Ok((fd, path, squatted));
     }
-    let fd = open_dir_at(base, name.as_bytes(), &path)?;
-    check_private(&fstat(&fd)?, &path, uid)?;
-    Ok((fd, path))
+    Err(io::Error::other(format!(
+        "{}: ava-{uid} and the {} names after it are other users' (uid {}): this user's offload records cannot go \
+         there; set plugins.offload.path to a directory of your own",
+        base_path.display(),
+        USER_DIR_NAMES - 1,
+        squatted.first().map_or(0, |s| s.1)
+    )))
 }
 
 /// Refuses a per-user directory that is not `uid`'s alone.
@@ -242,12 +273,12 @@ impl RunDir {
         let base = open_named_dir(path)?;
         let mut tries = 0;
         loop {
-            let (users, users_path) = user_dir(&base, path)?;
+            let (users, users_path, squatted) = user_dir(&base, path)?;
             let made = remove_dead_runs(&users, &users_path)
                 .and_then(|removed| make_run_dir(&users, &users_path).map(|made| (removed, made)));
             match made {
                 Ok((removed_leftovers, Made { dir, id, lock })) => {
-                    return Ok(Self { dir, id, removed_leftovers, created_path, _lock: lock });
+                    return Ok(Self { dir, id, removed_leftovers, created_path, squatted, _lock: lock });
                 }
                 // The user directory was removed by a run of this user that just ended
                 // (its last), while this one listed or used it: make it again.

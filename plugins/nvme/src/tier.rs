@@ -320,6 +320,13 @@ impl Started {
         if run.created_path {
             note.push_str(&format!("; created {} (it did not exist)", settings.path.display()));
         }
+        for (path, owner) in &run.squatted {
+            note.push_str(&format!(
+                "; {} belongs to uid {owner}, another user, so this user's records went to the next name (it is \
+                 left alone; whoever manages the disk may remove it)",
+                path.display()
+            ));
+        }
         if run.removed_leftovers > 0 {
             note.push_str(&format!(
                 "; removed {} directories left by runs that ended without cleaning up",

@@ -153,18 +153,40 @@ fn another_users_directories_in_a_shared_path_are_left_alone() {
     assert_eq!(std::fs::metadata(&theirs).unwrap().uid(), NOBODY);
 }
 
-/// A per-user directory made in advance by another user, under this user's name, is refused
-/// naming its owner (it would let them read or swap this user's records).
+/// A per-user directory made in advance by another user under this user's name (a squat:
+/// it would let them read or swap this user's records) is passed over, untouched, for the
+/// next name, and said; a link of theirs there too. When every name is taken, the error says
+/// to use a path of one's own.
 #[test]
-fn a_per_user_directory_made_by_another_user_is_refused() {
-    if !root_or_skip("a_per_user_directory_made_by_another_user_is_refused") {
+fn a_per_user_directory_made_by_another_user_is_passed_over() {
+    if !root_or_skip("a_per_user_directory_made_by_another_user_is_passed_over") {
         return;
     }
     let root = tempfile::tempdir().unwrap();
-    let mine = root.path().join(format!("ava-{}", euid()));
+    std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let uid = euid();
+    let mine = root.path().join(format!("ava-{uid}"));
     std::fs::create_dir(&mine).unwrap();
-    std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o777)).unwrap();
     std::os::unix::fs::lchown(&mine, Some(NOBODY), Some(NOBODY)).unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let next = root.path().join(format!("ava-{uid}-1"));
+    std::os::unix::fs::symlink(elsewhere.path(), &next).unwrap();
+    std::os::unix::fs::lchown(&next, Some(NOBODY), Some(NOBODY)).unwrap();
+
+    let run = create_within(root.path(), 20).unwrap();
+    assert_eq!(run.dir.parent().unwrap(), root.path().join(format!("ava-{uid}-2")));
+    assert_eq!(run.squatted, vec![(mine.clone(), NOBODY), (next.clone(), NOBODY)]);
+    assert_eq!(std::fs::metadata(&mine).unwrap().uid(), NOBODY, "theirs is left alone");
+    assert_eq!(std::fs::read_dir(elsewhere.path()).unwrap().count(), 0, "nothing was made through their link");
+    drop(run);
+
+    for n in 2..16 {
+        let d = root.path().join(format!("ava-{uid}-{n}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::os::unix::fs::lchown(&d, Some(NOBODY), Some(NOBODY)).unwrap();
+    }
     let e = create_within(root.path(), 20).unwrap_err().to_string();
-    assert!(e.contains(&format!("{} belongs to uid {NOBODY}, not to this user", mine.display())), "{e}");
+    assert!(e.contains(&format!("ava-{uid} and the 15 names after it are other users' (uid {NOBODY})")), "{e}");
+    assert!(e.contains("set plugins.offload.path to a directory of your own"), "{e}");
 }
