@@ -125,6 +125,7 @@ pub fn print_failure(printer: &Printer, f: Failure) -> u8 {
             }
             // One write: eprintln! writes a message in pieces, and the ranks of an MPI job
             // share one stderr, where their pieces interleaved mid-line.
+            let text = output::printable(&text);
             let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), text.as_bytes());
         }
     }

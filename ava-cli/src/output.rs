@@ -1,7 +1,13 @@
 //! The one printer every command writes through: results to stdout as text or JSON,
 //! messages (warnings, notes) to stderr, honouring `-q` / `-v`.
+//!
+//! Text from outside (a tokenizer's tokens, a key or value in a config file, a file name)
+//! reaches a terminal through here, so its control characters are shown rather than obeyed
+//! ([`printable`]): on stderr always, on stdout when it is a terminal (a pipe or a file gets
+//! a result's bytes as they are). JSON escapes them itself.
 
-use std::io::Write;
+use std::borrow::Cow;
+use std::io::{IsTerminal, Write};
 
 use clap::ValueEnum;
 use serde_json::Value;
@@ -30,7 +36,7 @@ impl Printer {
         let _ = match self.format {
             Format::Text => {
                 let t = text();
-                if t.is_empty() { Ok(()) } else { writeln!(out, "{}", t.trim_end_matches('\n')) }
+                if t.is_empty() { Ok(()) } else { writeln!(out, "{}", for_stdout(t.trim_end_matches('\n'))) }
             }
             Format::Json => writeln!(out, "{}", serde_json::to_string_pretty(&json()).unwrap_or_default()),
         };
@@ -41,30 +47,47 @@ impl Printer {
     pub fn stream(&self, text: &str) {
         if self.format == Format::Text {
             let mut out = std::io::stdout().lock();
-            let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+            let _ = out.write_all(for_stdout(text).as_bytes()).and_then(|_| out.flush());
         }
     }
 
     /// A warning on stderr (shown unless `-q`).
     pub fn warn(&self, msg: &str) {
         if self.verbosity >= 1 {
-            eprintln!("warning: {msg}");
+            eprintln!("warning: {}", printable(msg));
         }
     }
 
     /// A note on stderr (shown unless `-q`; in JSON mode too, since stdout stays clean).
     pub fn note(&self, msg: &str) {
         if self.verbosity >= 1 {
-            eprintln!("{msg}");
+            eprintln!("{}", printable(msg));
         }
     }
 
     /// A detail shown only with `-v`.
     pub fn verbose(&self, msg: &str) {
         if self.verbosity >= 2 {
-            eprintln!("{msg}");
+            eprintln!("{}", printable(msg));
         }
     }
+}
+
+/// `text` with the control characters a terminal would obey written out instead: every C0
+/// control but line feed and tab (carriage return, backspace and ESC included), DEL, and the
+/// C1 controls become `\u{..}` escapes, so text from outside cannot move the cursor, clear
+/// the screen, retitle the window or hide what follows it.
+pub fn printable(text: &str) -> Cow<'_, str> {
+    let obeyed = |c: char| (c.is_control() && c != '\n' && c != '\t') || ('\u{80}'..='\u{9f}').contains(&c);
+    if !text.chars().any(obeyed) {
+        return Cow::Borrowed(text);
+    }
+    Cow::Owned(text.chars().map(|c| if obeyed(c) { c.escape_unicode().to_string() } else { c.to_string() }).collect())
+}
+
+/// `text` for stdout: [`printable`] when stdout is a terminal, as it is otherwise.
+fn for_stdout(text: &str) -> Cow<'_, str> {
+    if std::io::stdout().is_terminal() { printable(text) } else { Cow::Borrowed(text) }
 }
 
 /// Renders rows as an aligned table with a header line.
@@ -92,4 +115,16 @@ pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
         out.push_str(&line(row.iter().map(String::as_str).collect()));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::printable;
+
+    #[test]
+    fn control_characters_are_shown_not_obeyed() {
+        assert_eq!(printable("plain text\n\tindented é 中"), "plain text\n\tindented é 中");
+        assert_eq!(printable("key \u{1b}[2Jx"), "key \\u{1b}[2Jx");
+        assert_eq!(printable("a\rb\u{8}c\u{7f}d\u{9b}e\u{0}"), "a\\u{d}b\\u{8}c\\u{7f}d\\u{9b}e\\u{0}");
+    }
 }

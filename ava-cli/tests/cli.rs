@@ -815,6 +815,18 @@ plugins:
     assert_golden(&s.read("ava.yaml"), &format!("{CREATED_HEADER}plugins:\n  optimizer: lion\n"));
 }
 
+/// A config file's key holding terminal escapes (clear the screen, retitle the window) is
+/// shown escaped in the error, never sent to the terminal as it is.
+#[test]
+fn escape_sequences_from_a_config_file_are_shown_not_obeyed() {
+    let s = Sandbox::new();
+    s.write("evil.yaml", "train:\n  \"x\\e[2J\\e]0;owned\\a\": 1\n");
+    let out = s.ava(&["config", "validate", "evil.yaml"]);
+    let err = out.usage_error();
+    assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+    assert!(err.contains("x\\u{1b}[2J\\u{1b}]0;owned\\u{7}"), "{err}");
+}
+
 /// Options a plugin refuses name the problem and how to give options on this command; nothing
 /// is written.
 #[test]

@@ -302,3 +302,22 @@ fn a_run_trained_on_bytes_evaluates_on_its_own_corpus() {
     let err = usage_error(ava(dir.path(), &["eval", "run", "--data", "bpe-corpus"]));
     assert!(err.contains("but the model reads text with tokenizer"), "{err}");
 }
+
+/// A tokenizer the `tokenizers` crate panics on (a character map whose trie points outside
+/// itself) is blamed, not the text it was run on, and the panic is an error, not a crash
+/// report on the terminal.
+#[test]
+fn a_tokenizer_the_crate_panics_on_is_blamed_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    fs::write(dir.path().join("text.txt"), "abc def\n").unwrap();
+    ok(ava(dir.path(), &["data", "train-tokenizer", "text.txt", "--vocab-size", "260", "--out", "tok.json"]));
+    let mut json: serde_json::Value = serde_json::from_slice(&fs::read(dir.path().join("tok.json")).unwrap()).unwrap();
+    json["normalizer"] = serde_json::json!({"type": "Precompiled", "precompiled_charsmap": "BAAAAP////9hAA=="});
+    fs::write(dir.path().join("bad.json"), json.to_string()).unwrap();
+    let out = ava(dir.path(), &["data", "prepare", "text.txt", "--tokenizer", "bad.json", "--out", "c"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("tokenizer bad.json failed on a document of text.txt"), "{err}");
+    assert!(err.contains("the tokenizer file is damaged") && err.contains("the text is not at fault"), "{err}");
+    assert!(!err.contains("panicked at"), "the crate's panic was printed as a crash:\n{err}");
+}

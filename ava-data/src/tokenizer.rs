@@ -167,13 +167,35 @@ fn chunk_end(text: &str, start: usize) -> usize {
     text.as_bytes()[min_end..].iter().position(|&b| b == b'\n').map_or(text.len(), |i| min_end + i + 1)
 }
 
+thread_local! {
+    /// Set while this thread runs a [`guarded`] call: its panic is reported as an error, so
+    /// the panic hook stays quiet about it.
+    static GUARDED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// Runs `f`, a call into the `tokenizers` crate, which panics on some tokenizers a file can
 /// describe (a damaged `precompiled_charsmap`, a decoder it cannot read): a panic becomes an
-/// error saying so.
+/// error that blames the tokenizer file, and the process's panic hook (which would print it
+/// as a crash) is skipped for it; every other panic is printed as before.
 fn guarded<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+    static QUIET_HOOK: std::sync::Once = std::sync::Once::new();
+    QUIET_HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !GUARDED.with(std::cell::Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+    let was = GUARDED.with(|g| g.replace(true));
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    GUARDED.with(|g| g.set(was));
+    result.unwrap_or_else(|panic| {
         let why = ava_core::ffi::panic_message(panic.as_ref()).unwrap_or_else(|| "no message".into());
-        Err(format!("the tokenizers crate failed on it ({why}); the file is damaged or not one it reads"))
+        Err(format!(
+            "the tokenizers crate panicked running this tokenizer ({why}): the tokenizer file is damaged or describes \
+             what the crate cannot run; the text is not at fault"
+        ))
     })
 }
 

@@ -423,7 +423,7 @@ fn io_progress(p: &Printer) -> IoProgressFn {
     let verbosity = p.verbosity;
     IoProgressFn(Arc::new(move |io: &IoProgress| {
         if verbosity >= 1 {
-            eprintln!(
+            let line = format!(
                 "{} checkpoint {}: {} of {} ({:.0}%)",
                 io.what,
                 io.dir.display(),
@@ -431,6 +431,7 @@ fn io_progress(p: &Printer) -> IoProgressFn {
                 ava_train::memory::size(io.total),
                 100.0 * io.done as f64 / io.total.max(1) as f64
             );
+            eprintln!("{}", crate::output::printable(&line));
         }
     }))
 }

@@ -170,10 +170,12 @@ pub enum PrepareError {
     #[error("{0}")]
     Tokenizer(String),
     /// A tokenizer failed on some text.
-    #[error("the tokenizer failed on a document of {}: {message}", path.display())]
+    #[error("tokenizer {} failed on a document of {}: {message}", tokenizer.display(), path.display())]
     Encode {
         /// The input it came from.
         path: PathBuf,
+        /// The tokenizer file.
+        tokenizer: PathBuf,
         /// The tokenizer's error.
         message: String,
     },
@@ -543,7 +545,11 @@ fn run(
                 let mut ids = Vec::new();
                 ids.extend(bos_id);
                 for piece in pieces.by_ref().take(count) {
-                    ids.extend(piece.map_err(|message| PrepareError::Encode { path: path.to_path_buf(), message })?);
+                    ids.extend(piece.map_err(|message| PrepareError::Encode {
+                        path: path.to_path_buf(),
+                        tokenizer: options.tokenizer.clone().unwrap_or_default(),
+                        message,
+                    })?);
                 }
                 progress.tokens += ids.len() as u64 + 1;
                 progress.text_bytes += text_bytes;
