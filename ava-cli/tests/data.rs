@@ -297,6 +297,10 @@ fn a_run_trained_on_bytes_evaluates_on_its_own_corpus() {
     ok(train_small(dir.path(), "run", &[SHARDS, &["--max-steps", "2"]].concat()));
     let eval = json_of(&ok(ava(dir.path(), &["--format", "json", "eval", "run", "--data", "corpus"])));
     assert!(eval["loss"].as_f64().unwrap().is_finite(), "{eval}");
+    // The whole split is more than the run's evaluation reads, and eval says the two differ.
+    let text = String::from_utf8_lossy(&ok(ava(dir.path(), &["eval", "run"])).stdout).into_owned();
+    assert!(eval["sequences"].as_u64().unwrap() > 4, "{eval}");
+    assert!(text.contains("the run's validation loss reads the first 4 of these sequences"), "{text}");
     ok(ava(dir.path(), &["data", "train-tokenizer", "text", "--vocab-size", "300", "--out", "bpe.json"]));
     ok(ava(dir.path(), &["data", "prepare", "text", "--tokenizer", "bpe.json", "--out", "bpe-corpus"]));
     let err = usage_error(ava(dir.path(), &["eval", "run", "--data", "bpe-corpus"]));

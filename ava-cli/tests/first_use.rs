@@ -220,8 +220,19 @@ fn a_small_corpus_trains_with_the_command_prepare_prints() {
     let ran = run_printed(dir.path(), &printed, "go: ");
     let err = stderr(&ran);
     assert!(ran.status.success(), "{err}");
-    assert!(err.contains("training runs without validation"), "{err}");
+    assert!(err.contains("Training runs without validation"), "{err}");
+    assert!(err.contains("prepare it with a larger --val-fraction, or shorten data.seq_len"), "{err}");
     assert_eq!(steps(&dir.path().join("runs/corpus")).last().unwrap()["step"], 2);
+
+    // One document: no share of it can be held out, and the warning says what would.
+    std::fs::write(dir.path().join("one.txt"), "one long document of words. ".repeat(200)).unwrap();
+    ok(ava(dir.path(), &["data", "prepare", "one.txt", "--out", "one"]));
+    let sets = ["--set", "data.source=shards", "--set", "data.path=one", "--set", "model.vocab_size=257"];
+    let ran =
+        ok(ava(dir.path(), &[&["train", "--max-steps", "1", "--set", "train.out_dir=runs/one"][..], &sets].concat()));
+    let err = stderr(&ran);
+    assert!(err.contains("the corpus is one document: cut its text into documents"), "{err}");
+    assert!(!err.contains("--val-fraction"), "{err}");
 }
 
 /// The numbers say their units: the memory line in MiB for a small run, `ava report` of a
@@ -242,6 +253,11 @@ fn numbers_come_with_their_units() {
     let out = ok(train_small(dir.path(), "run", &["--max-steps", "3"]));
     let err = stderr(&out);
     assert!(err.contains("[step 1/3] loss") && err.contains("[step 2/3, eta "), "{err}");
+    // What the RSS is, said once: on the first memory line, not on every one.
+    let memory: Vec<&str> = err.lines().filter(|l| l.contains("] memory ")).collect();
+    assert_eq!(memory.len(), 3, "{err}");
+    assert!(memory[0].contains("(pages the OS counts resident"), "{err}");
+    assert!(memory[1..].iter().all(|l| l.contains("RSS ") && !l.contains("pages the OS")), "{err}");
     let report = ok(ava(dir.path(), &["report", "run", "--metric", "memory.peak"]));
     let table = String::from_utf8_lossy(&report.stdout).into_owned();
     assert!(table.contains("memory.peak by step (bytes;") && table.contains(" MiB"), "{table}");

@@ -210,12 +210,23 @@ impl Dataset for ShardedDataset {
     fn missing_validation(&self) -> Option<String> {
         let (tokens, needed) = (self.split_tokens(Split::Validation), self.seq_len as u64 + 1);
         (tokens < needed).then(|| {
+            let m = &self.manifest;
+            // What would give it one: more documents, a larger share held out, or shorter
+            // sequences.
+            let remedy = if m.documents < 2 {
+                "the corpus is one document: cut its text into documents (ava data prepare --separator) so some can \
+                 be held out"
+            } else if m.validation.documents == 0 {
+                "prepare it with a larger --val-fraction"
+            } else {
+                "prepare it with a larger --val-fraction, or shorten data.seq_len"
+            };
             format!(
                 "the validation split of the corpus in {} has {tokens} tokens ({} document{}), less than one \
-                 sequence (data.seq_len + 1 = {needed})",
+                 sequence (data.seq_len + 1 = {needed}); {remedy}",
                 self.dir.display(),
-                self.manifest.validation.documents,
-                if self.manifest.validation.documents == 1 { "" } else { "s" }
+                m.validation.documents,
+                if m.validation.documents == 1 { "" } else { "s" }
             )
         })
     }

@@ -31,7 +31,7 @@ pub fn run(p: &Printer, args: &EvalArgs) -> CmdResult {
     if split == Split::Validation
         && let Some(why) = dataset.missing_validation()
     {
-        return Err(usage(&format!("{why}: nothing to evaluate on; use --split train, or another --data")));
+        return Err(usage(&format!("{why}. Nothing to evaluate on: use --split train, or another --data")));
     }
     let vocab = trained.model.spec().vocab;
     if dataset.vocab_size() > vocab {
@@ -87,11 +87,21 @@ pub fn run(p: &Printer, args: &EvalArgs) -> CmdResult {
     let loss = total / sequences.max(1) as f64;
     let tokens = sequences * seq as u64;
     let seconds = started.elapsed().as_secs_f64();
+    // The run's "validation loss" reads its first train.eval_batches × eval_batch_size
+    // sequences: where this read others, the two numbers differ, and that is said.
+    let run_reads = config.map(|c| c.train.eval_batches as u64 * c.train.eval_batch() as u64);
+    let other_than_the_run = match run_reads {
+        Some(n) if split == Split::Validation && args.data.is_none() && n != sequences => format!(
+            "\nthe run's validation loss reads the first {n} of these sequences (train.eval_batches × \
+             train.eval_batch_size), so it differs from this one"
+        ),
+        _ => String::new(),
+    };
     p.result(
         || {
             format!(
                 "{split_name} loss {loss:.4} nats/token, perplexity {:.3} — {tokens} tokens ({sequences} sequences of \
-                 {seq}) of {what}, in {seconds:.1} s",
+                 {seq}) of {what}, in {seconds:.1} s{other_than_the_run}",
                 loss.exp()
             )
         },

@@ -20,12 +20,22 @@ pub struct CliReporter<'a> {
     max_steps: u64,
     last_step: u64,
     started: Option<(Instant, u64)>,
+    /// The first memory line said what its RSS is.
+    rss_said: bool,
 }
 
 impl<'a> CliReporter<'a> {
     /// A reporter printing a dashboard line every `log_every` steps.
     pub fn new(printer: &'a Printer, log_every: u64) -> Self {
-        Self { printer, bar: None, log_every: log_every.max(1), max_steps: 0, last_step: 0, started: None }
+        Self {
+            printer,
+            bar: None,
+            log_every: log_every.max(1),
+            max_steps: 0,
+            last_step: 0,
+            started: None,
+            rss_said: false,
+        }
     }
 
     /// `3/300, eta 1m 12s`: where the run is, and when this invocation should end at the mean
@@ -116,6 +126,11 @@ impl Reporter for CliReporter<'_> {
             } else {
                 String::new()
             };
+            // What the RSS is, said on the first memory line only.
+            let mut memory = r.memory.line(&r.memory_status);
+            if std::mem::replace(&mut self.rss_said, true) {
+                memory = memory.replace(ava_train::memory::RSS_NOTE, "");
+            }
             self.line(&format!(
                 "[step {}] loss {:.4} lr {:.2e} grad-norm {:.3} {} tok/s{skipped}\n[step {}] {}{}",
                 self.position(r.step),
@@ -124,7 +139,7 @@ impl Reporter for CliReporter<'_> {
                 r.grad_norm,
                 rate(r.tokens_per_sec),
                 r.step,
-                r.memory.line(&r.memory_status),
+                memory,
                 r.device_memory.map(|d| d.line()).unwrap_or_default()
             ));
         }

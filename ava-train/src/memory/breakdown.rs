@@ -103,11 +103,15 @@ impl Breakdown {
             size(self.activations),
         );
         if let Some(r) = self.resident {
-            s.push_str(&format!("; RSS {} (pages the OS counts resident: code, heap, freed pages kept)", size(r)));
+            s.push_str(&format!("; RSS {}{RSS_NOTE}", size(r)));
         }
         s
     }
 }
+
+/// What the RSS in [`Breakdown::line`] is, said after it (a log says it once: `replace` it
+/// with nothing in the lines after the first).
+pub const RSS_NOTE: &str = " (pages the OS counts resident: code, heap, freed pages kept)";
 
 /// Bytes in the unit that suits them, three significant digits: `512 B`, `64.0 KiB`,
 /// `210.5 MiB`, `1.85 GiB`.

@@ -449,10 +449,7 @@ fn parked_note(
 fn run_warnings(config: &Config, preflight: Option<String>, dataset: &dyn Dataset, parked: usize) -> Vec<String> {
     let mut warnings: Vec<String> = preflight.into_iter().collect();
     if let Some(why) = dataset.missing_validation() {
-        warnings.push(format!(
-            "{why}: training runs without validation (no validation loss); prepare the corpus with a larger \
-             --val-fraction to evaluate"
-        ));
+        warnings.push(format!("{why}. Training runs without validation (no validation loss)"));
     }
     let tier = &config.selection(PluginKind::Offload).name;
     if tier != "ram" && config.offload.tiers.offloaded().is_none() && parked == 0 {
