@@ -7,6 +7,8 @@ mod cli;
 mod commands;
 mod context;
 mod output;
+#[cfg(test)]
+mod readme_commands;
 mod signals;
 
 use std::process::ExitCode;
