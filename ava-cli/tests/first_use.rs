@@ -322,3 +322,21 @@ fn config_shows_what_the_run_will_use() {
     let err = stderr(&err);
     assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
 }
+
+/// A long step or evaluation says how far it is while it runs (after 10 s of it, then every
+/// 10 s; here at every micro-batch, through the test hook), so a minutes-long step is not
+/// silent.
+#[test]
+fn long_steps_and_evaluations_say_how_far_they_are() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = common::train_small_command(dir.path(), "run", &["--max-steps", "1", "--set", "train.eval_batches=3"])
+        .env("AVA_TEST_WORK_PROGRESS_SECS", "0")
+        .output()
+        .unwrap();
+    let err = stderr(&ok(out));
+    assert!(err.contains("[step 1] 1/2 micro-batches done, "), "{err}");
+    assert!(err.contains("[step 1] evaluating: 1/3 batches done, ") && err.contains("evaluating: 2/3"), "{err}");
+    // At the default pace a short run says nothing of the kind.
+    let quiet = stderr(&ok(train_small(dir.path(), "quiet", &["--max-steps", "1"])));
+    assert!(!quiet.contains("micro-batches done"), "{quiet}");
+}

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use ava_train::config::Config;
 use ava_train::dist::{self, Collectives};
 use ava_train::save::SaveError;
-use ava_train::train::{IoProgress, IoProgressFn, TrainError, TrainOptions, Trainer};
+use ava_train::train::{
+    IoProgress, IoProgressFn, TrainError, TrainOptions, Trainer, Work, WorkProgress, WorkProgressFn,
+};
 use serde_json::json;
 
 use std::path::Path;
@@ -263,6 +265,7 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
         steps: args.steps,
         group,
         io_progress: root.then(|| io_progress(p)),
+        work_progress: if root { Some(work_progress(p)?) } else { None },
         stall_loader_at_batch: stall_hook()?,
         ..Default::default()
     };
@@ -415,6 +418,46 @@ fn train(p: &Printer, started: Started) -> CmdResult {
         return Err(Failure::Runtime(anyhow::anyhow!("training stopped early: {reason}; {then}")));
     }
     Ok(())
+}
+
+/// The variable of the test hook that sets how often a long step or evaluation says how
+/// far it is, in seconds (0: at every micro-batch).
+const WORK_PROGRESS_VAR: &str = "AVA_TEST_WORK_PROGRESS_SECS";
+
+/// A line on stderr while a step or an evaluation takes long (a 7B step is minutes): after
+/// 10 s of it, then every 10 s, with how many of its micro-batches (batches) are done.
+fn work_progress(p: &Printer) -> Result<WorkProgressFn, Failure> {
+    let every = match std::env::var_os(WORK_PROGRESS_VAR) {
+        None => 10.0,
+        Some(v) => v.to_string_lossy().trim().parse::<f64>().map_err(|_| {
+            Failure::Usage(anyhow::anyhow!(
+                "{WORK_PROGRESS_VAR}={v:?}: not a number of seconds (a test hook); unset it"
+            ))
+        })?,
+    };
+    let verbosity = p.verbosity;
+    // The work under way: what, when it started, when it was last said.
+    let state = std::sync::Mutex::new(None::<(Work, std::time::Instant, std::time::Instant)>);
+    Ok(WorkProgressFn(Arc::new(move |w: &WorkProgress| {
+        let now = std::time::Instant::now();
+        let mut state = state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (started, last) = match *state {
+            Some((what, started, last)) if what == w.what => (started, last),
+            _ => (now, now),
+        };
+        let due = verbosity >= 1 && w.done > 0 && now.duration_since(last).as_secs_f64() >= every;
+        *state = Some((w.what, started, if due { now } else { last }));
+        if due {
+            let seconds = now.duration_since(started).as_secs_f64();
+            let line = match w.what {
+                Work::Step(n) => format!("[step {n}] {}/{} micro-batches done, {seconds:.0} s so far", w.done, w.total),
+                Work::Evaluation(n) => {
+                    format!("[step {n}] evaluating: {}/{} batches done, {seconds:.0} s so far", w.done, w.total)
+                }
+            };
+            eprintln!("{line}");
+        }
+    })))
 }
 
 /// A line on stderr for every GiB of a checkpoint saved or loaded (a 7B run's checkpoint is

@@ -27,8 +27,8 @@ pub(crate) use reporter::is_zero;
 pub use reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Silent, SourceTokens, StepRecord};
 pub use schedule::{LossScaler, learning_rate};
 pub use trainer::{
-    IO_PROGRESS_BYTES, IoProgress, IoProgressFn, TrainOptions, Trainer, check_training_modes, data_options, model_spec,
-    resolve_threads,
+    IO_PROGRESS_BYTES, IoProgress, IoProgressFn, TrainOptions, Trainer, Work, WorkProgress, WorkProgressFn,
+    check_training_modes, data_options, model_spec, resolve_threads,
 };
 
 /// What can stop a training run.

@@ -70,6 +70,48 @@ pub struct TrainOptions {
     pub group: Option<Arc<dyn Collectives>>,
     /// Told how far a checkpoint's save or load is, about every [`IO_PROGRESS_BYTES`].
     pub io_progress: Option<IoProgressFn>,
+    /// Told after each micro-batch of a step and each batch of an evaluation, so a long one
+    /// can show it is under way.
+    pub work_progress: Option<WorkProgressFn>,
+}
+
+/// How far a step or an evaluation is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkProgress {
+    /// A step's micro-batches, or an evaluation's batches.
+    pub what: Work,
+    /// Done so far.
+    pub done: u64,
+    /// In all.
+    pub total: u64,
+}
+
+/// What [`WorkProgress`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Work {
+    /// The micro-batches of this step (its forward and backward passes).
+    Step(u64),
+    /// The validation batches of the evaluation after this step.
+    Evaluation(u64),
+}
+
+/// Receives [`WorkProgress`].
+#[derive(Clone)]
+pub struct WorkProgressFn(pub Arc<dyn Fn(&WorkProgress) + Send + Sync>);
+
+impl std::fmt::Debug for WorkProgressFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WorkProgressFn")
+    }
+}
+
+impl WorkProgressFn {
+    /// Tells it, if there is one.
+    pub(crate) fn tell(this: Option<&Self>, what: Work, done: u64, total: u64) {
+        if let Some(f) = this {
+            (f.0)(&WorkProgress { what, done, total });
+        }
+    }
 }
 
 /// How far writing or reading a checkpoint is.
@@ -286,6 +328,8 @@ pub struct Trainer {
     fitted_split: usize,
     /// Told how far a checkpoint's save is.
     io_progress: Option<IoProgressFn>,
+    /// Told how far a step or an evaluation is.
+    work_progress: Option<WorkProgressFn>,
     /// With `train.sample_every`: the run's tokenizer, the token samples start from, and the
     /// end-of-text id they stop at.
     sampling: Option<(ava_data::Tokenizer, u32, Option<u32>)>,
@@ -1044,7 +1088,8 @@ impl Trainer {
         let mut weights = self.step_weights(true)?;
         let n = self.config.train.eval_batches;
         let mut total = 0.0;
-        for _ in 0..n {
+        for i in 0..n {
+            WorkProgressFn::tell(self.work_progress.as_ref(), Work::Evaluation(self.step), i as u64, n as u64);
             let b = loader.next()?;
             let micro = tensors(&b, &self.model.device())?;
             let logits = model::forward_logits(&self.model, weights.as_mut(), &micro.tokens, micro.documents.as_ref())

@@ -154,6 +154,7 @@ impl Trainer {
             warnings,
             sampling,
             io_progress: options.io_progress.clone(),
+            work_progress: options.work_progress.clone(),
             compute: compute_dtype(config.train.precision),
             threads,
             resumed_from,

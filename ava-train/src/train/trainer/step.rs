@@ -66,6 +66,8 @@ struct MicroBatches<'a> {
     /// The f16 loss scale (1 otherwise).
     scale: f64,
     offload: Option<&'a Parking>,
+    /// The step, and who is told how far it is.
+    progress: (u64, Option<&'a WorkProgressFn>),
 }
 
 impl MicroBatches<'_> {
@@ -85,8 +87,11 @@ impl MicroBatches<'_> {
         let (mut ce, mut aux, mut tier_peak) = (0.0, 0.0, 0);
         memory::take_crossed(); // a crossing before the micro-steps is not theirs
         let device = self.model.device();
+        let mut done = 0;
         for batch in batches {
             for micro in split_batch(batch, split, &device)? {
+                WorkProgressFn::tell(self.progress.1, Work::Step(self.progress.0), done, pieces as u64);
+                done += 1;
                 let loss = match forward_backward(
                     self.model,
                     weights,
@@ -252,7 +257,13 @@ impl Trainer {
         let poison = self.poisoned(step);
         let settings = step_settings(self.optimizer.as_mut(), &opt_name, &self.model, &t, step, start.lr, self.threads);
         let mut sink = StepInBackward::new(settings, &mut self.state, poison);
-        let run = MicroBatches { model: &self.model, plan: &self.plan, scale: 1.0, offload: Some(&self.parking) };
+        let run = MicroBatches {
+            model: &self.model,
+            plan: &self.plan,
+            scale: 1.0,
+            offload: Some(&self.parking),
+            progress: (step, self.work_progress.as_ref()),
+        };
         let outcome = run.run(weights, batches, self.split, &mut sink);
         if inject {
             memory::set_limit(self.hard_limit);
@@ -376,6 +387,7 @@ impl Trainer {
                 plan: &self.plan,
                 scale: self.scaler.scale,
                 offload: Some(&self.parking),
+                progress: (step, self.work_progress.as_ref()),
             };
             // Stage 2 reduces during backward, stretch by stretch; stages 0 and 1 after it.
             let outcome = if self.zero.stage() >= 2 && self.zero.size() > 1 {
