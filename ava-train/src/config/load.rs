@@ -197,11 +197,26 @@ impl<'a> ConfigLoader<'a> {
 /// read: every problem, each as a problem of `model` from where its values came. Skipped when
 /// the section has problems of its own already (a value of the wrong type).
 fn model_problems(tree: &Node, problems: &mut Vec<ConfigProblem>) {
-    if problems.iter().any(|p| p.path == "model" || p.path.starts_with("model.")) {
+    // The shape is checked on the keys the section knows: an unknown key (a typo) is left out
+    // of it, not a reason to say nothing of the shape; a known key's bad value is.
+    let in_model: Vec<&ConfigProblem> =
+        problems.iter().filter(|p| p.path == "model" || p.path.starts_with("model.")).collect();
+    let unknown = |p: &&ConfigProblem| p.message.starts_with("unknown key") && p.path.starts_with("model.");
+    if !in_model.iter().all(unknown) {
         return;
     }
     let Some(model) = tree.get(&["model"]) else { return };
-    let Ok(config) = serde_json::from_value::<super::sections::ModelConfig>(model.to_value()) else { return };
+    let mut value = model.to_value();
+    for p in in_model {
+        let keys: Vec<&str> = p.path.split('.').skip(1).collect();
+        if let Some((last, parents)) = keys.split_last() {
+            let parent = parents.iter().try_fold(&mut value, |v, k| v.get_mut(*k));
+            if let Some(serde_json::Value::Object(map)) = parent {
+                map.remove(*last);
+            }
+        }
+    }
+    let Ok(config) = serde_json::from_value::<super::sections::ModelConfig>(value) else { return };
     // The origin of the section's values: the latest layer that set one of them.
     let origin = tree
         .leaves()

@@ -187,6 +187,25 @@ fn the_models_shape_is_checked_with_every_problem() {
     );
 }
 
+/// An unknown key under `model:` (a typo) does not hide the shape's problems: both are said,
+/// the shape checked on the keys the section knows; a known key's bad value still stops the
+/// shape check (its number is not known).
+#[test]
+fn an_unknown_model_key_does_not_hide_the_shapes_problems() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(&dir, "bad.yaml", "model:\n  hiden_size: 100\n  num_heads: 3\n");
+    let catalog = |_: &PluginsConfig| Ok::<_, ()>(FakeCatalog);
+    let got = ConfigLoader::new().file(&path).load_checked(catalog).unwrap().map(|(loaded, _)| loaded);
+    let text = error_text(got, dir.path());
+    assert!(text.contains("3 problems in the configuration"), "{text}");
+    assert!(text.contains("model.hiden_size: unknown key (did you mean 'model.hidden_size'?)"), "{text}");
+    assert!(text.contains("hidden_size (128) must be a multiple of num_heads (3)"), "{text}");
+    let path = write(&dir, "typed.yaml", "model:\n  hiden_size: 100\n  num_heads: three\n");
+    let got = ConfigLoader::new().file(&path).load_checked(catalog).unwrap().map(|(loaded, _)| loaded);
+    let text = error_text(got, dir.path());
+    assert!(text.contains("2 problems in the configuration") && text.contains("model.num_heads"), "{text}");
+}
+
 #[test]
 fn golden_wrong_type() {
     assert_eq!(
