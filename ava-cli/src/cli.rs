@@ -869,9 +869,11 @@ pub struct TrainTokenizerArgs {
     /// 2097152, the most ids a tokenizer may have).
     #[arg(long, value_name = "N", default_value_t = 8192)]
     pub vocab_size: usize,
-    /// Text to learn from at most: the inputs are read in order up to this many bytes (held in
-    /// memory while the merges are learned), so a large corpus or an endless stream trains on
-    /// its beginning; the summary says when the inputs went further.
+    /// Text to learn from at most: the inputs' documents are read in order until this many
+    /// bytes are held (in memory while the merges are learned; a document is read whole before
+    /// it is cut, and a text file without --separator is one document of at most 1 GiB), so a
+    /// large corpus, or an endless stream cut at --separator, trains on its beginning; the
+    /// summary says when the inputs went further.
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size_arg)]
     pub max_bytes: u64,
     /// How the inputs become documents.

@@ -5,9 +5,11 @@
 //!
 //! The kernel releases a `flock` when the process ends however it ends, so a lock file left
 //! by a killed process blocks nothing; the pid, host, start time and command (its
-//! subcommand, no options) written into it are only for the message a refused process prints. The file itself is never removed:
-//! removing it while another process waits to lock it would let two processes hold "the" lock
-//! on two files.
+//! subcommand, no options) written into it are only for the message a refused process prints.
+//! Only its holder may remove the file (a run refused before it wrote anything leaves nothing
+//! behind): a process that opened the file before it was removed and locks it after finds it
+//! unlinked (no links left) and takes the lock again on the name's new file, so two processes
+//! never each hold "the" lock on a file of their own.
 //!
 //! The directory may be shared: the lock file is opened through [`Dir`] (no link followed, no
 //! FIFO waited on, regular files only), and what a holder wrote is read bounded and shown
@@ -16,6 +18,7 @@
 use std::fs::File;
 use std::io::{Read, Seek, Write};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt as _;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -51,16 +54,25 @@ impl DirLock {
     pub fn acquire(dir: &Path, name: &str) -> Result<Acquired, DirError> {
         let path = dir.join(name);
         let io = |action: &str, source| DirError::Io { action: action.into(), path: path.clone(), source };
-        let mut file = Dir::create_all(dir)?.open_file(name, Access::ReadWriteCreate, 0o644)?;
-        // SAFETY: flock on a descriptor this function owns; no memory is passed.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-                return Err(io("lock", e));
+        let mut tries = 0;
+        let mut file = loop {
+            let mut file = Dir::create_all(dir)?.open_file(name, Access::ReadWriteCreate, 0o644)?;
+            // SAFETY: flock on a descriptor this function owns; no memory is passed.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                    return Err(io("lock", e));
+                }
+                let (pid, holder) = describe_holder(&read_whole_holder(&mut file));
+                return Ok(Acquired::Busy { pid, holder });
             }
-            let (pid, holder) = describe_holder(&read_whole_holder(&mut file));
-            return Ok(Acquired::Busy { pid, holder });
-        }
+            // Removed by its holder between our open and our lock: not the lock any more.
+            let linked = file.metadata().map_err(|e| io("stat", e))?.nlink() > 0;
+            if linked || tries >= 10 {
+                break file;
+            }
+            tries += 1;
+        };
         // Ours now: say who holds it (for a refused process's message only).
         let started = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let text =

@@ -107,7 +107,10 @@ pub fn open_copied(candidate: &Candidate, way: CopyWay) -> Result<Library, HostE
 fn dlopen_private_copy(candidate: &Candidate, way: CopyWay) -> Result<&'static LibHeader, HostError> {
     let path = &candidate.path;
     let copy = PrivateCopy::new(candidate, way)?;
-    let header = lib_header_from_path(copy.path()).map_err(|e| match e {
+    let header = lib_header_from_path(copy.path());
+    // Whatever came of it: the name must never lead to another library (`PrivateCopy::loaded`).
+    copy.loaded();
+    header.map_err(|e| match e {
         LibraryError::OpenError { err, .. } => {
             HostError::Open { path: path.clone(), reason: first_line(&err.to_string()) }
         }
@@ -115,10 +118,7 @@ fn dlopen_private_copy(candidate: &Candidate, way: CopyWay) -> Result<&'static L
             HostError::NotAPlugin { path: path.clone(), reason: "it has no abi_stable library header".into() }
         }
         other => HostError::Open { path: path.clone(), reason: first_line(&other.to_string()) },
-    })?;
-    // The mapping outlives the file: a directory's copy is removed now.
-    copy.loaded();
-    Ok(header)
+    })
 }
 
 /// The library's ava-core version against ours, with abi_stable's rule for 0.x versions

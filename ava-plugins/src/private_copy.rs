@@ -19,7 +19,8 @@
 //!   library.
 //! - [`CopyWay::Directory`]: a new directory `ava-plugin-<pid>-<n>` in the temporary directory,
 //!   mode 0700 set explicitly and checked (owner, not a link), holding the file created
-//!   exclusively with mode 0600; both are removed once the library is loaded. Directories that
+//!   exclusively with mode 0600, in a temporary directory of this user or root that no one else
+//!   may rename entries of; both are removed once the library is loaded. Directories that
 //!   a killed process left behind are removed by the next copy made this way (those of
 //!   processes no longer running, owned by this user). Used where memory files are not
 //!   available (not Linux, a sandbox that refuses `memfd_create`, no `/proc`).
@@ -100,8 +101,10 @@ impl PrivateCopy {
         matches!(self.held, Held::Sealed(_))
     }
 
-    /// Called once the loader opened the copy: a memory file's descriptor is kept for the
-    /// process's life (module docs); a directory is removed, as on drop.
+    /// Called once the loader tried the copy, whether it loaded or not (a library the loader
+    /// mapped and then gave up on may stay resident under the name): a memory file's
+    /// descriptor is kept for the process's life (module docs); a directory is removed, as on
+    /// drop.
     pub fn loaded(mut self) {
         match std::mem::replace(&mut self.held, Held::Done) {
             Held::Sealed(fd) => LOADED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(fd),
@@ -270,13 +273,22 @@ fn memfd(name: &str) -> io::Result<OwnedFd> {
 
 /// Creates `tmp/ava-plugin-<pid>-<n>` with mode 0700 (set whole, not through the umask),
 /// and checks that what is there is that directory, owned by this user. A temporary
-/// directory anyone may write that lacks the sticky bit is refused: there anyone could
-/// rename the private directory away and put theirs in its place.
+/// directory another user (not root) owns, or that others may write without the sticky bit,
+/// is refused: there they could rename the private directory away and put theirs in its place.
 fn make_private_dir(tmp: &Path) -> Result<PathBuf, HostError> {
     let t = fs::metadata(tmp).map_err(|e| HostError::io(tmp, e))?;
-    if t.mode() & 0o002 != 0 && t.mode() & 0o1000 == 0 {
-        let why = "anyone may write it and it lacks the sticky bit: a plugin cannot be loaded from a copy \
-                   there; set TMPDIR to a directory only you can write (or chmod +t it)";
+    // Who could rename the private directory away and put theirs in its place: the temporary
+    // directory's owner (even with the sticky bit), and whoever may write it without one.
+    let why = if t.uid() != euid() && t.uid() != 0 {
+        Some(format!("it belongs to uid {}, who could replace the copy", t.uid()))
+    } else if t.mode() & 0o022 != 0 && t.mode() & 0o1000 == 0 {
+        Some("others may write it and it lacks the sticky bit".to_string())
+    } else {
+        None
+    };
+    if let Some(why) = why {
+        let why =
+            format!("{why}: a plugin cannot be loaded from a copy there; set TMPDIR to a directory only you can write");
         return Err(HostError::io(tmp, io::Error::new(io::ErrorKind::PermissionDenied, why)));
     }
     let pid = std::process::id();
@@ -415,6 +427,12 @@ mod tests {
         fs::set_permissions(tmp.path(), fs::Permissions::from_mode(0o1777)).unwrap();
         let made = make_private_dir(tmp.path()).unwrap();
         assert_eq!(mode(&made), 0o700);
+        // Another user's directory, even closed and sticky: its owner may rename what is in it.
+        if euid() == 0 {
+            std::os::unix::fs::chown(tmp.path(), Some(65534), Some(65534)).unwrap();
+            let e = make_private_dir(tmp.path()).unwrap_err().to_string();
+            assert!(e.contains("it belongs to uid 65534, who could replace the copy"), "{e}");
+        }
     }
 
     #[test]

@@ -83,8 +83,9 @@ impl RunLock {
 
     /// Gives the directory up after a run that was refused before it wrote anything: the
     /// lock file is removed, and the directory too when this lock made it and nothing else is
-    /// in it, so a refused run leaves nothing behind. (A process refused as busy in the
-    /// meantime holds the old file; one that comes later makes a new one.)
+    /// in it, so a refused run leaves nothing behind. (A process that opened the old file
+    /// meanwhile finds it unlinked once it locks it, and locks the name's new file instead:
+    /// `DirLock::acquire`.)
     pub fn release_unused(self) {
         let dir = self.dir().to_path_buf();
         let _ = fs::remove_file(dir.join(LOCK_FILE));

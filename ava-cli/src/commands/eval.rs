@@ -90,11 +90,15 @@ pub fn run(p: &Printer, args: &EvalArgs) -> CmdResult {
     // The run's "validation loss" reads its first train.eval_batches × eval_batch_size
     // sequences: where this read others, the two numbers differ, and that is said.
     let run_reads = config.map(|c| c.train.eval_batches as u64 * c.train.eval_batch() as u64);
+    let run_seq = config.map(|c| c.data.seq_len);
     let other_than_the_run = match run_reads {
-        Some(n) if split == Split::Validation && args.data.is_none() && n != sequences => format!(
-            "\nthe run's validation loss reads the first {n} of these sequences (train.eval_batches × \
-             train.eval_batch_size), so it differs from this one"
-        ),
+        Some(n) if split == Split::Validation && args.data.is_none() && (n != sequences || run_seq != Some(seq)) => {
+            format!(
+                "\nthe run's validation loss reads {n} sequences of {} tokens (train.eval_batches × \
+                 train.eval_batch_size, data.seq_len), not these {sequences} of {seq}, so it differs from this one",
+                run_seq.unwrap_or(seq)
+            )
+        }
         _ => String::new(),
     };
     p.result(
@@ -133,7 +137,7 @@ fn check_room(trained: &Trained, seq: usize) -> Result<(), Failure> {
             ava_train::model::context_note(spec, context)
         )));
     }
-    let logits = 2 * seq as u64 * spec.vocab as u64 * 4; // (T, V) f32, twice
+    let logits = (seq as u64).saturating_mul(spec.vocab as u64).saturating_mul(8); // (T, V) f32, twice
     let need = ava_train::model::generator_bytes(spec, seq).saturating_add(logits);
     if let Some(available) = ava_train::memory::available_bytes()
         && need > available

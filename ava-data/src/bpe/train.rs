@@ -33,8 +33,10 @@ pub struct Trained {
 }
 
 /// Learns a byte-level BPE of `vocab_size` ids from the documents of `inputs` (read as
-/// `prepare` reads them, in order, up to `max_bytes` of text held in memory: a large corpus
-/// or an endless stream trains on its beginning) and writes it to `out`.
+/// `prepare` reads them, in order, until `max_bytes` of text are held in memory, the last
+/// document cut there: a large corpus or an endless stream of documents trains on its
+/// beginning; each document is read whole first, as `prepare` bounds it) and writes it to
+/// `out`.
 pub fn train(
     inputs: &[PathBuf],
     reading: &Reading,

@@ -37,7 +37,8 @@ const CHUNK_SCORES_BYTES: usize = 64 << 20;
 /// positions long: a chunk's scores, mask and probabilities ((2H + 1)·c·L f32) stay within
 /// [`CHUNK_SCORES_BYTES`], at most 512 rows and at least one.
 pub fn prompt_chunk(heads: usize, len: usize) -> usize {
-    (CHUNK_SCORES_BYTES / ((2 * heads + 1) * len.max(1) * 4)).clamp(1, 512)
+    let per_row = (2 * heads + 1).saturating_mul(len.max(1)).saturating_mul(4);
+    (CHUNK_SCORES_BYTES / per_row).clamp(1, 512)
 }
 
 /// Bytes a generator made for `positions` holds at its most, besides the model's weights:
@@ -48,12 +49,14 @@ pub fn generator_bytes(spec: &ModelSpec, positions: usize) -> u64 {
     let (l, d) = (positions as u64, spec.head_dim() as u64);
     let (h, hkv, layers) = (spec.heads as u64, spec.kv_heads as u64, spec.layers as u64);
     let chunk = prompt_chunk(spec.heads, positions) as u64;
-    let rope = 2 * l * d * 4; // cos and sin, (L, D/2) each, f32 — rounded up
-    let block_cache = 2 * hkv * l * d * 4; // (1, Hkv, L, D) keys and values
-    let widened = 2 * h * l * d * 4; // (1, H, L, D) keys and values
-    let scores = (2 * h + 1) * chunk * l * 4;
-    let logits = chunk * spec.vocab as u64 * 4;
-    rope.saturating_add((layers + 1).saturating_mul(block_cache)).saturating_add(widened + scores + logits)
+    // Saturating: a size past u64 is more than any machine has, and says so.
+    let times = |parts: &[u64]| parts.iter().fold(1u64, |a, &b| a.saturating_mul(b));
+    let rope = times(&[2, l, d, 4]); // cos and sin, (L, D/2) each, f32 — rounded up
+    let block_cache = times(&[2, hkv, l, d, 4]); // (1, Hkv, L, D) keys and values
+    let widened = times(&[2, h, l, d, 4]); // (1, H, L, D) keys and values
+    let scores = times(&[2 * h + 1, chunk, l, 4]);
+    let logits = times(&[chunk, spec.vocab as u64, 4]);
+    [rope, times(&[layers + 1, block_cache]), widened, scores, logits].iter().fold(0u64, |a, &b| a.saturating_add(b))
 }
 
 /// Keys and values a block has cached: (1, Hkv, P, D) each.

@@ -363,12 +363,16 @@ impl ModelSpec {
     /// or transformers' default for the architecture where config.json leaves it out (as
     /// Ava's own exports do, so transformers reads them alike), times the factor of a dynamic
     /// RoPE scaling, which is there to go past it.
+    /// At most 2^30 positions (the most `max_position_embeddings` may say), whatever a
+    /// scaling factor multiplies it by.
     pub fn context(&self) -> usize {
+        const MOST: usize = 1 << 30;
         let max = self.max_position.unwrap_or_else(|| super::hf_config::default_max_position(self.arch));
-        match self.rope.scaling {
-            super::rope::RopeScaling::Dynamic { factor, .. } => (max as f64 * factor).floor() as usize,
+        let scaled = match self.rope.scaling {
+            super::rope::RopeScaling::Dynamic { factor, .. } => (max as f64 * factor).floor().min(MOST as f64) as usize,
             _ => max,
-        }
+        };
+        scaled.min(MOST)
     }
 
     /// Every parameter, in a fixed order (embedding, blocks, final norm, head).

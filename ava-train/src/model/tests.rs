@@ -617,6 +617,12 @@ fn generation_sizes_are_checked_against_the_context_and_the_memory() {
     assert_eq!(ModelSpec { max_position: Some(100), ..s.clone() }.context(), 100);
     let dynamic = RopeSpec { theta: 1e4, scaling: RopeScaling::Dynamic { factor: 4.0, max_position: 32 } };
     assert_eq!(ModelSpec { max_position: Some(32), rope: dynamic, ..s.clone() }.context(), 128);
+    // A config's huge factor is held to 2^30 positions; sizes past u64 saturate, no overflow.
+    let huge = RopeSpec { theta: 1e4, scaling: RopeScaling::Dynamic { factor: 1e30, max_position: 32 } };
+    let huge = ModelSpec { max_position: Some(32), rope: huge, ..s.clone() };
+    assert_eq!(huge.context(), 1 << 30);
+    assert!(check_positions(&huge, huge.context(), 1, usize::MAX - 5).is_err());
+    assert_eq!(generator_bytes(&ModelSpec::llama(1 << 20, 1 << 16, 1 << 10, 1 << 8, 1 << 8, 1), usize::MAX), u64::MAX);
 
     assert_eq!(check_positions(&s, 100, 3, 97).unwrap(), 100);
     let err = check_positions(&s, 100, 3, 98).unwrap_err().to_string();

@@ -149,17 +149,22 @@ pub(crate) fn check_file_name(name: &str) -> Result<(), String> {
 /// Opens a file the manifest lists; absent is [`SaveError::FileMissing`].
 /// Opened without blocking and checked to be a regular file: a FIFO in a checkpoint would
 /// otherwise hang `File::open` itself.
+/// Links are followed only through this user's or root's, link after link, and the file
+/// opened must be the one that walk ended at: another user's link anywhere on the way, or a
+/// file swapped in between, is refused.
 pub(crate) fn open(path: &Path) -> Result<File, SaveError> {
     use ava_plugins::bounded::{ReadError, open_regular};
     use std::os::unix::fs::MetadataExt as _;
-    if let Ok(meta) = std::fs::symlink_metadata(path)
-        && meta.file_type().is_symlink()
-        && !ava_plugins::dirfd::own_link(meta.mode(), meta.uid())
-    {
-        return Err(SaveError::ForeignLink { path: path.to_path_buf(), owner: meta.uid() });
-    }
+    let walked = walk_links(path)?;
     match open_regular(path, u64::MAX) {
-        Ok((file, _)) => Ok(file),
+        Ok((file, _)) => {
+            let meta = file.metadata().map_err(|source| read_error(path, source))?;
+            if walked.is_some_and(|id| id != (meta.dev(), meta.ino())) {
+                let why = "it was replaced while it was opened: another process is changing the checkpoint's files";
+                return Err(read_error(path, io::Error::other(why)));
+            }
+            Ok(file)
+        }
         Err(ReadError::Missing(_)) => Err(SaveError::FileMissing { path: path.to_path_buf() }),
         Err(ReadError::Io { source, .. }) => Err(read_error(path, source)),
         Err(e) => {
@@ -171,6 +176,26 @@ pub(crate) fn open(path: &Path) -> Result<File, SaveError> {
             })
         }
     }
+}
+
+/// Follows `path`'s links (at most 40) while this user or root owns each, and returns the
+/// (device, inode) they end at; None when something on the way is missing (the open says
+/// what). Another user's link is [`SaveError::ForeignLink`].
+fn walk_links(path: &Path) -> Result<Option<(u64, u64)>, SaveError> {
+    use std::os::unix::fs::MetadataExt as _;
+    let mut at = path.to_path_buf();
+    for _ in 0..40 {
+        let Ok(meta) = std::fs::symlink_metadata(&at) else { return Ok(None) };
+        if !meta.file_type().is_symlink() {
+            return Ok(Some((meta.dev(), meta.ino())));
+        }
+        if !ava_plugins::dirfd::own_link(meta.mode(), meta.uid()) {
+            return Err(SaveError::ForeignLink { path: at, owner: meta.uid() });
+        }
+        let next = std::fs::read_link(&at).map_err(|source| read_error(&at, source))?;
+        at = at.parent().unwrap_or(Path::new("/")).join(next);
+    }
+    Ok(None)
 }
 
 fn read_error(path: &Path, source: io::Error) -> SaveError {

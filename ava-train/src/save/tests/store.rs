@@ -210,6 +210,12 @@ fn another_users_link_in_a_checkpoint_is_not_followed() {
         assert!(matches!(err, SaveError::ForeignLink { owner: 65534, .. }), "{text}");
         assert!(text.contains("is a symbolic link owned by uid 65534, another user"), "{text}");
     }
+    // Copied with `cp -r`, her link becomes this user's, pointing at hers: refused at hers.
+    let hers = root.path().join("hers");
+    fs::rename(&path, &hers).unwrap();
+    std::os::unix::fs::symlink(&hers, &path).unwrap();
+    let err = CheckpointStore::load(&dir).unwrap_err();
+    assert!(matches!(&err, SaveError::ForeignLink { path: p, owner: 65534 } if p == &hers), "{err}");
 }
 
 #[test]
