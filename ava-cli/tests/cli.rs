@@ -827,17 +827,20 @@ fn escape_sequences_from_a_config_file_are_shown_not_obeyed() {
     assert!(err.contains("x\\u{1b}[2J\\u{1b}]0;owned\\u{7}"), "{err}");
 }
 
-/// Options a plugin refuses name the problem and how to give options on this command; nothing
-/// is written.
+/// A plugin enabled without an option it needs names the option and how to give it on this
+/// command; nothing is written.
 #[test]
-fn enable_with_refused_options_says_how_to_give_them() {
+fn enable_without_a_needed_option_says_how_to_give_it() {
     let s = Sandbox::new();
-    let out = s.ava(&["plugins", "enable", "optimizer", "sgd", "--set", "nosuch=1"]);
+    let search = s.copy_library(&ava_tests::workspace_plugin("nvme"), "search");
+    let config = format!("plugins:\n  search_paths: [{}]\n", search.parent().unwrap().display());
+    s.write("ava.yaml", &config);
+    let out = s.ava(&["plugins", "enable", "offload", "nvme"]);
     let err = out.usage_error();
-    assert!(err.contains("nosuch"), "{err}");
+    assert!(err.contains("option 'path' is required"), "{err}");
     assert!(err.contains("give the options here as --set OPTION=VALUE, one --set each"), "{err}");
-    assert!(err.contains("`ava plugins info sgd` lists them"), "{err}");
-    assert!(!s.path("ava.yaml").exists());
+    assert!(err.contains("`ava plugins info nvme` lists them"), "{err}");
+    assert_eq!(s.read("ava.yaml"), config, "nothing written");
 }
 
 #[test]

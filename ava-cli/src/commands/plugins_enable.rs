@@ -35,7 +35,8 @@ pub fn run(p: &Printer, kind: &str, name: &str, config: Option<std::path::PathBu
     if let Err(e) = ctx.registry.create(kind, name, &selection.options_json()) {
         let options = matches!(&e, ava_plugins::HostError::Plugin { error, .. }
             if error.kind == ava_core::ErrorKind::InvalidOptions);
-        let hint = if options {
+        // Said when no option was given here: one given shows the user knows how.
+        let hint = if options && set.is_empty() {
             format!(
                 "\ngive the options here as --set OPTION=VALUE, one --set each (ava plugins enable {} {name} --set \
                  OPTION=VALUE); `ava plugins info {name}` lists them",
