@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest, Sha256};
 
-use crate::{HostError, discover::Candidate};
+use crate::{HostError, dirfd::euid, discover::Candidate};
 
 /// How the private copy is made (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -241,12 +241,6 @@ impl Drop for PrivateCopy {
 /// copy made that way removes it, see [`remove_stale`]).
 fn remove(dir: &Path) {
     let _ = fs::remove_dir_all(dir);
-}
-
-/// This process's effective uid.
-fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() }
 }
 
 /// A new memory file that allows sealing and, where the kernel asks, executable mappings.
