@@ -76,9 +76,13 @@ impl Printer {
 /// `text` with the control characters a terminal would obey written out instead: every C0
 /// control but line feed and tab (carriage return, backspace and ESC included), DEL, and the
 /// C1 controls become `\u{..}` escapes, so text from outside cannot move the cursor, clear
-/// the screen, retitle the window or hide what follows it.
+/// the screen, retitle the window or hide what follows it; so do the Unicode bidirectional
+/// controls (embeddings, overrides, isolates and marks), which reorder what a terminal shows
+/// so that a line reads other than it is.
 pub fn printable(text: &str) -> Cow<'_, str> {
-    let obeyed = |c: char| (c.is_control() && c != '\n' && c != '\t') || ('\u{80}'..='\u{9f}').contains(&c);
+    let bidi =
+        |c: char| matches!(c, '\u{200e}' | '\u{200f}' | '\u{061c}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+    let obeyed = |c: char| (c.is_control() && c != '\n' && c != '\t') || bidi(c);
     if !text.chars().any(obeyed) {
         return Cow::Borrowed(text);
     }
@@ -126,5 +130,10 @@ mod tests {
         assert_eq!(printable("plain text\n\tindented é 中"), "plain text\n\tindented é 中");
         assert_eq!(printable("key \u{1b}[2Jx"), "key \\u{1b}[2Jx");
         assert_eq!(printable("a\rb\u{8}c\u{7f}d\u{9b}e\u{0}"), "a\\u{d}b\\u{8}c\\u{7f}d\\u{9b}e\\u{0}");
+        // Bidirectional overrides and isolates would show `abc` where the text is `cba`.
+        assert_eq!(
+            printable("x\u{202e}cba\u{202c}\u{2067}y\u{2069}\u{200f}"),
+            "x\\u{202e}cba\\u{202c}\\u{2067}y\\u{2069}\\u{200f}"
+        );
     }
 }

@@ -294,8 +294,16 @@ fn a_tokenizer_learns_from_the_beginning_of_an_endless_stream() {
 fn a_run_trained_on_bytes_evaluates_on_its_own_corpus() {
     let dir = tempfile::tempdir().unwrap();
     prepared(dir.path());
-    ok(train_small(dir.path(), "run", &[SHARDS, &["--max-steps", "2"]].concat()));
+    let trained = ok(train_small(dir.path(), "run", &[SHARDS, &["--max-steps", "2"]].concat()));
     let eval = json_of(&ok(ava(dir.path(), &["--format", "json", "eval", "run", "--data", "corpus"])));
+    // Training says before its first step that its validation loss reads a part of the split.
+    let header = String::from_utf8_lossy(&trained.stderr).into_owned();
+    let said = format!(
+        "validation loss: the first 4 of the validation split's {} sequences (train.eval_batches × \
+         train.eval_batch_size); `ava eval run` reads each once",
+        eval["sequences"]
+    );
+    assert!(header.contains(&said), "{header}");
     assert!(eval["loss"].as_f64().unwrap().is_finite(), "{eval}");
     // The whole split is more than the run's evaluation reads, and eval says the two differ.
     let text = String::from_utf8_lossy(&ok(ava(dir.path(), &["eval", "run"])).stdout).into_owned();

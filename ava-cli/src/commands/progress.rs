@@ -84,6 +84,17 @@ impl Reporter for CliReporter<'_> {
         if let Some(floor) = h.entropy_floor {
             lines.push(format!("entropy floor of the data: {floor:.4} nats/token (the best possible loss)"));
         }
+        if let Some(v) = h.validation {
+            let what = if v.reads < v.split {
+                format!("the first {} of the validation split's {} sequences", v.reads, v.split)
+            } else {
+                format!("{} sequences, going round the validation split's {} more than once", v.reads, v.split)
+            };
+            lines.push(format!(
+                "validation loss: {what} (train.eval_batches × train.eval_batch_size); `ava eval {}` reads each once",
+                super::train::shell_quote(&h.out_dir)
+            ));
+        }
         if let Some(from) = &h.resumed_from {
             lines.push(format!("resumed from {from}: continuing at step {}", h.first_step));
         }

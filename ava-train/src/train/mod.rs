@@ -24,7 +24,9 @@ pub use optim::{
 };
 pub use preflight::{Preflight, fit_budget};
 pub(crate) use reporter::is_zero;
-pub use reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Silent, SourceTokens, StepRecord};
+pub use reporter::{
+    Backoff, EvalRecord, Reporter, RunHeader, RunSummary, Silent, SourceTokens, StepRecord, ValidationReads,
+};
 pub use schedule::{LossScaler, learning_rate};
 pub use trainer::{
     IO_PROGRESS_BYTES, IoProgress, IoProgressFn, TrainOptions, Trainer, Work, WorkProgress, WorkProgressFn,

@@ -146,6 +146,10 @@ pub struct RunHeader {
     /// The entropy floor of the data (nats/token), when known.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub entropy_floor: Option<f64>,
+    /// What the run's validation loss reads when that is not the whole validation split
+    /// (`train.eval_batches × eval_batch_size` sequences of a corpus with more or fewer).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub validation: Option<ValidationReads>,
     /// Compute threads.
     pub threads: usize,
     /// Data-parallel ranks, ZeRO stage and this rank's share of the state (several ranks).
@@ -155,6 +159,15 @@ pub struct RunHeader {
     /// preflight's smaller micro-batch, no validation data): one line each, shown as warnings.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub warnings: Vec<String>,
+}
+
+/// An evaluation's share of a validation split with an end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ValidationReads {
+    /// Sequences each evaluation reads (`train.eval_batches × eval_batch_size`).
+    pub reads: u64,
+    /// Sequences one pass over the split holds.
+    pub split: u64,
 }
 
 /// For `skip_serializing_if`: a number that is zero.

@@ -21,7 +21,9 @@ use super::TrainError;
 use super::fault::FailingTier;
 use super::in_backward::{StepInBackward, StepSettings};
 use super::optim::{HostState, OptimizerState, Placement, StreamStats, optimizer_options};
-use super::reporter::{Backoff, EvalRecord, Reporter, RunHeader, RunSummary, SourceTokens, StepRecord};
+use super::reporter::{
+    Backoff, EvalRecord, Reporter, RunHeader, RunSummary, SourceTokens, StepRecord, ValidationReads,
+};
 use super::schedule::{LossScaler, learning_rate};
 use crate::config::{Config, DataSource, MasterWeights, NanPolicy, PluginSelection, Precision};
 use crate::data::{self, Batch, DataOptions, Dataset, Loader, MarkovSpec, Packing, Share, Source, Split};
@@ -858,6 +860,7 @@ impl Trainer {
             offload: self.offload_note.clone(),
             model_notes: self.model_notes.clone(),
             entropy_floor: self.dataset.entropy_floor_nats(),
+            validation: self.validation_reads(),
             threads: self.threads,
             warnings: self.warnings.clone(),
             ranks: (self.zero.size() > 1).then(|| {
@@ -1070,6 +1073,18 @@ impl Trainer {
             record.memory_events.push(event);
         }
         outcome
+    }
+
+    /// How many sequences an evaluation reads of how many the validation split holds, where
+    /// that is not the whole split of a corpus with an end: `ava eval` reads the whole split,
+    /// and the two losses then differ.
+    fn validation_reads(&self) -> Option<ValidationReads> {
+        if self.dataset.missing_validation().is_some() {
+            return None;
+        }
+        let split = self.dataset.sequences_per_pass(Split::Validation, self.config.data.seq_len)?;
+        let reads = (self.config.train.eval_batches * self.config.train.eval_batch()) as u64;
+        (reads != split).then_some(ValidationReads { reads, split })
     }
 
     /// Mean validation loss over `train.eval_batches` batches of `train.eval_batch_size`
