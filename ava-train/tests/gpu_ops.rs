@@ -639,3 +639,42 @@ fn kahan_steps_on_the_gpu_are_the_cpus_bit_for_bit() {
         kahan_steps_match(DType::F16, ava_core::DType::F16, home);
     }
 }
+
+/// The step inside backward on the GPU queues each gradient's Σ g² on the device and reads
+/// them all once backward ends (no synchronization per parameter): a NaN gradient still
+/// fails the step naming the parameter, and nothing of the step is saved.
+#[test]
+fn step_in_backward_names_a_nan_gradient_from_the_sums_read_after_backward() {
+    use ava_train::train::{Silent, TrainError, TrainOptions, Trainer};
+    let _ = gpu();
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = format!("train.out_dir={}", dir.path().display());
+    let sets = [
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "model.num_heads=2",
+        "model.num_kv_heads=1",
+        "model.num_layers=2",
+        "data.seq_len=32",
+        "data.num_workers=0",
+        "train.device=cuda",
+        "train.precision=fp32",
+        "train.micro_batch_size=4",
+        "train.max_steps=6",
+        "train.eval_every=0",
+        "train.log_every=1",
+        "train.step_in_backward=true",
+        "train.grad_clip=0",
+        "checkpoints.every=2",
+        out_dir.as_str(),
+    ];
+    let config = ava_train::config::ConfigLoader::new().sets(sets).load().unwrap().into_config();
+    let options = TrainOptions { nan_grad_at_steps: Some(3..4), ..Default::default() };
+    let mut t = Trainer::new(&config, &ava_plugins::Registry::builtins(), &options).unwrap();
+    let err = t.run(&options, &mut Silent).unwrap_err();
+    let text = err.to_string();
+    let TrainError::FailedInBackward { step: 3, saved: 2, source } = &err else { panic!("{text}") };
+    assert!(matches!(**source, TrainError::NonFiniteInBackward { step: 3, .. }), "{text}");
+    assert!(text.contains("the gradient of model.") && text.contains("is NaN at step 3"), "{text}");
+    assert!(!dir.path().join("checkpoints/step-00000003").exists());
+}

@@ -2,8 +2,8 @@
 //! gradient NaN at chosen steps: `skip` leaves the weights and the optimizer state as they
 //! were, logs the step and stops after a bounded number of skips in a row; `stop` ends the
 //! run naming the step, the parameter and the last checkpoint, saving nothing of the step;
-//! with `step_in_backward` a NaN gradient is caught before it is stepped, and `skip` is
-//! refused there by name.
+//! with `step_in_backward` a NaN gradient is caught as it is stepped (the step fails by the
+//! parameter's name and nothing of it is saved), and `skip` is refused there by name.
 
 use ava_plugins::Registry;
 use ava_train::config::{Config, ConfigLoader, NanPolicy};
@@ -129,7 +129,7 @@ fn stop_names_the_step_the_parameter_and_the_last_checkpoint_and_saves_nothing()
 }
 
 #[test]
-fn step_in_backward_checks_each_gradient_before_stepping_it() {
+fn step_in_backward_checks_each_gradient_it_steps_and_saves_nothing_of_a_bad_step() {
     let dir = tempfile::tempdir().unwrap();
     let sets = ["train.step_in_backward=true", "train.grad_clip=0"];
     let mut t = trainer(&config(dir.path(), &sets), 3..4);
@@ -138,7 +138,7 @@ fn step_in_backward_checks_each_gradient_before_stepping_it() {
     let TrainError::FailedInBackward { step: 3, saved: 2, source } = &err else { panic!("{text}") };
     assert!(matches!(**source, TrainError::NonFiniteInBackward { step: 3, .. }), "{text}");
     assert!(text.contains("step 3 failed inside backward: the gradient of model."), "{text}");
-    assert!(text.contains("is NaN at step 3, before its optimizer step"), "{text}");
+    assert!(text.contains("is NaN at step 3: lower train.lr"), "{text}");
     assert!(text.contains("the last checkpoint (step 2, if one was saved) is intact"), "{text}");
     assert!(!dir.path().join("checkpoints/step-00000003").exists());
 

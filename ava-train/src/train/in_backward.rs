@@ -12,6 +12,7 @@ use candle_core::Tensor;
 use super::TrainError;
 use super::optim::{OptimizerState, StepSession, step_param};
 use super::rounding;
+use crate::model::fused::DeferredSums;
 use crate::model::{GradSink, Param, ParamRole};
 
 /// The weight decay a parameter of `role` gets: matrices only.
@@ -65,8 +66,11 @@ pub(crate) struct StepInBackward<'a> {
     session: Option<StepSession<'a>>,
     /// A tied embedding's head gradient, waiting for its embedding use.
     pending: Vec<Option<Tensor>>,
-    /// Σ g² over the final gradients (the norm is logged; it cannot clip: see the config).
-    pub sumsq: f64,
+    /// Σ g² over the final gradients stepped on the CPU (the norm is logged; it cannot clip:
+    /// see the config).
+    sumsq: f64,
+    /// The GPU's gradients' Σ g², queued as they are stepped.
+    on_device: DeferredSums,
     /// The first error, kept whole (the sink's own error type is candle's).
     pub failure: Option<TrainError>,
     /// Test hook: the second gradient to arrive is made NaN.
@@ -84,21 +88,29 @@ impl<'a> StepInBackward<'a> {
             session: None,
             pending: vec![None; n],
             sumsq: 0.0,
+            on_device: DeferredSums::new(n),
             failure: None,
             poison,
             stepped: 0,
         }
     }
 
-    /// Ends the step: waits for the tier's writes (an I/O error is this step's).
-    pub(crate) fn finish(self) -> Result<super::StreamStats, TrainError> {
+    /// Ends the step: waits for the tier's writes (an I/O error is this step's), reads the
+    /// GPU's sums of squares (one read) and checks them. Returns the tier's numbers and Σ g²
+    /// over every gradient stepped.
+    pub(crate) fn finish(self) -> Result<(super::StreamStats, f64), TrainError> {
         if let Some(e) = self.failure {
             return Err(e);
         }
-        match self.session {
-            Some(s) => s.finish(),
-            None => Ok(super::StreamStats::default()),
+        let stream = match self.session {
+            Some(s) => s.finish()?,
+            None => super::StreamStats::default(),
+        };
+        let mut sumsq = self.sumsq;
+        for (i, s) in self.on_device.read().map_err(TrainError::candle)? {
+            sumsq += check_finite(&self.settings, i, f64::from(s))?;
         }
+        Ok((stream, sumsq))
     }
 
     fn fail(&mut self, e: TrainError) -> candle_core::Error {
@@ -107,6 +119,11 @@ impl<'a> StepInBackward<'a> {
         candle_core::Error::Msg(format!("optimizer step inside backward: {message}"))
     }
 
+    /// Steps parameter `i`. Its Σ g² is checked after the step: on the CPU the step's own sum
+    /// (it reads each gradient once), on a GPU a sum queued on the device and read with all
+    /// the others when backward ends, so no parameter waits for the device. A gradient that is
+    /// not finite has then been stepped into its parameter (and on a GPU, every later one as
+    /// well): the step fails and nothing of it is saved, as for any failure inside backward.
     fn step(&mut self, i: usize, grad: Tensor) -> Result<(), TrainError> {
         let grad = if self.poison && self.stepped == 1 {
             grad.affine(f64::NAN, 0.0).map_err(TrainError::candle)?
@@ -114,25 +131,32 @@ impl<'a> StepInBackward<'a> {
             grad
         };
         self.stepped += 1;
-        // Checked before the step: a NaN stepped into a parameter cannot be taken back, and
-        // the parameters stepped before it are already updated, so the run stops here.
-        let sumsq = crate::model::fused::sums_of_squares(&[&grad]).map_err(TrainError::candle)?[0];
-        if !sumsq.is_finite() {
-            let name = &self.settings.params[i].def.name;
-            let word = if sumsq.is_nan() { "NaN" } else { "infinite" };
-            let what = format!("the gradient of {name} is {word}");
-            return Err(TrainError::NonFiniteInBackward { step: self.settings.step, what });
-        }
+        let queued = self.on_device.push(i, &grad).map_err(TrainError::candle)?;
         let session = self.session.as_mut().ok_or_else(|| {
             TrainError::Invalid("step in backward: a gradient arrived before backward announced its order".into())
         })?;
-        let (settings, total, checked) = (&mut self.settings, &mut self.sumsq, f64::from(sumsq));
+        let settings = &mut self.settings;
+        let mut summed = None;
         session.step(i, &mut |i, buffers| {
-            // The step's own f64 sum where it has one (the CPU), else the check's.
-            *total += settings.apply(i, &grad, buffers)?.unwrap_or(checked);
+            summed = settings.apply(i, &grad, buffers)?;
             Ok(())
-        })
+        })?;
+        if !queued {
+            let s = summed.ok_or_else(|| TrainError::Invalid("step in backward: a CPU step gave no Σ g²".into()))?;
+            self.sumsq += check_finite(&self.settings, i, s)?;
+        }
+        Ok(())
     }
+}
+
+/// `sumsq`, parameter `i`'s Σ g², if it is finite; else the error naming the parameter.
+fn check_finite(settings: &StepSettings<'_>, i: usize, sumsq: f64) -> Result<f64, TrainError> {
+    if sumsq.is_finite() {
+        return Ok(sumsq);
+    }
+    let name = &settings.params[i].def.name;
+    let word = if sumsq.is_nan() { "NaN" } else { "infinite" };
+    Err(TrainError::NonFiniteInBackward { step: settings.step, what: format!("the gradient of {name} is {word}") })
 }
 
 impl GradSink for StepInBackward<'_> {

@@ -157,7 +157,7 @@ pub enum TrainError {
     /// A non-finite gradient inside a step whose parameters are stepped in backward; always
     /// the source of a [`TrainError::FailedInBackward`], which says what was saved.
     #[error(
-        "{what} at step {step}, before its optimizer step: lower train.lr (or set train.grad_clip with \
+        "{what} at step {step}: lower train.lr (or set train.grad_clip with \
          train.step_in_backward: false), and check the data and the initial weights"
     )]
     NonFiniteInBackward {

@@ -731,19 +731,27 @@ fn round_in_place<X: DeviceRepr, C: DeviceRepr>(
 
 // ---- Σ x² ----
 
-/// Σ x² of each tensor (all on one GPU, of one type), read back in one transfer: two launches
-/// whatever their number (`sumsq_many_partial_*` over every tensor's blocks, then
-/// `sumsq_many_final`, a block per tensor): per-block partial sums over a strided grid, then
-/// one block a tensor adds them in block order, so a tensor's sum is the same bits every time
-/// and whatever else is summed beside it. (candle's `sum_all` reduces a whole tensor in a
-/// single block, which takes milliseconds per million elements.) For a step's 201 gradients
-/// of TinyLlama's shape that is 2 launches and 3 small uploads where a pair of launches per
-/// tensor and a 201-piece concatenation were.
+/// Σ x² of each tensor, read back in one transfer (two launches over all of them).
 pub(crate) fn sums_of_squares(tensors: &[&Tensor]) -> Result<Vec<f32>> {
     let Some(t0) = tensors.first() else { return Ok(Vec::new()) };
     let candle_core::Device::Cuda(dev) = t0.device() else { bail!("sum of squares: a tensor is not on the GPU") };
+    let mut out = uninit::<f32>(dev, tensors.len())?; // (tensors,) f32
+    sums_into(dev, tensors, &mut out.slice_mut(..))?;
+    tensor(out, dev, tensors.len()).to_vec1::<f32>()
+}
+
+/// Queues Σ x² of each tensor (all on one GPU, of one type) into `out[i]` (`out` has one
+/// element per tensor): every tensor's blocks in one grid (`sumsq_many_partial_*`, partial
+/// sums over a strided grid), then a block per tensor adding its partial sums in block order
+/// (`sumsq_many_final`), so a tensor's sum is the same bits every time, whatever is summed
+/// beside it. Nothing waits for them.
+fn sums_into(dev: &CudaDevice, tensors: &[&Tensor], out: &mut CudaViewMut<'_, f32>) -> Result<()> {
+    let Some(t0) = tensors.first() else { return Ok(()) };
     if let Some(t) = tensors.iter().find(|t| t.dtype() != t0.dtype() || !t.device().same_device(t0.device())) {
         bail!("sum of squares: tensors of {:?} and {:?} (one type, one GPU)", t0.dtype(), t.dtype());
+    }
+    if out.len() != tensors.len() {
+        bail!("sum of squares: {} tensors into {} sums", tensors.len(), out.len());
     }
     let contiguous = tensors.iter().map(|t| t.contiguous()).collect::<Result<Vec<_>>>()?;
     let held: Vec<_> = contiguous.iter().map(|t| t.storage_and_layout()).collect();
@@ -760,7 +768,6 @@ pub(crate) fn sums_of_squares(tensors: &[&Tensor]) -> Result<Vec<f32>> {
     let lens: Vec<u64> = lens.iter().map(|&n| n as u64).collect(); // (tensors,)
     let (pv, lv, fv) = (dev.clone_htod(&ptrs)?, dev.clone_htod(&lens)?, dev.clone_htod(&first)?);
     let mut partial = uninit::<f32>(dev, blocks)?; // (blocks,) f32
-    let mut out = uninit::<f32>(dev, tensors.len())?; // (tensors,) f32
     let count = int(tensors.len(), "the tensors")?;
     let sfx = match t0.dtype() {
         DType::F32 => "f32",
@@ -776,11 +783,48 @@ pub(crate) fn sums_of_squares(tensors: &[&Tensor]) -> Result<Vec<f32>> {
     unsafe { b.launch(config(launch::sumsq_many_partial(blocks)?)) }.w()?;
     let f = dev.get_or_load_custom_func("sumsq_many_final", MODULE, PTX)?;
     let mut b = f.builder();
-    b.arg(&partial).arg(&fv).arg(&mut out);
+    b.arg(&partial).arg(&fv).arg(out);
     // SAFETY: sumsq_many_final's signature; partial holds first[count] floats, out count.
     unsafe { b.launch(config(launch::sumsq_many_final(tensors.len())?)) }.w()?;
     drop(bufs);
-    tensor(out, dev, tensors.len()).to_vec1::<f32>()
+    Ok(())
+}
+
+/// Σ x² of tensors handed over one at a time, each queued on the device into its own slot
+/// of one buffer as it comes, and read back together: no synchronization until [`read`].
+///
+/// [`read`]: DeviceSums::read
+pub(crate) struct DeviceSums {
+    dev: CudaDevice,
+    out: CudaSlice<f32>, // (capacity,) f32
+    queued: usize,
+}
+
+impl DeviceSums {
+    /// Room for `capacity` sums on `dev`.
+    pub(crate) fn new(dev: &CudaDevice, capacity: usize) -> Result<Self> {
+        Ok(Self { dev: dev.clone(), out: uninit::<f32>(dev, capacity)?, queued: 0 })
+    }
+
+    /// Queues Σ t² into the next slot.
+    pub(crate) fn push(&mut self, t: &Tensor) -> Result<()> {
+        if self.queued >= self.out.len() {
+            bail!("sum of squares: more than the {} sums room was made for", self.out.len());
+        }
+        let mut slot = self.out.slice_mut(self.queued..self.queued + 1);
+        sums_into(&self.dev, &[t], &mut slot)?;
+        self.queued += 1;
+        Ok(())
+    }
+
+    /// The sums queued, in order, in one read (which waits for them).
+    pub(crate) fn read(self) -> Result<Vec<f32>> {
+        if self.queued == 0 {
+            return Ok(Vec::new());
+        }
+        let (queued, room) = (self.queued, self.out.len());
+        tensor(self.out, &self.dev, room).narrow(0, 0, queued)?.to_vec1::<f32>()
+    }
 }
 
 // ---- buffers handed to plugins (the contract's device calls) ----

@@ -79,6 +79,60 @@ pub fn sums_of_squares(tensors: &[&Tensor]) -> Result<Vec<f32>> {
     }
     tensors.iter().map(|t| t.sqr()?.sum_all()?.to_scalar::<f32>()).collect()
 }
+
+/// Σ x² of tensors handed over one at a time and read back together. On a GPU each is summed
+/// on the device as it comes, into its own slot of one buffer, so nothing waits until
+/// [`read`](Self::read) (the step inside backward had a host synchronization per parameter
+/// here); a CPU tensor is not taken (the optimizer step sums a CPU gradient as it reads it).
+pub(crate) struct DeferredSums {
+    /// Room for this many sums.
+    capacity: usize,
+    #[cfg(feature = "cuda")]
+    device: Option<cuda::DeviceSums>,
+    /// The caller's id of each sum queued, in order.
+    #[cfg(feature = "cuda")]
+    ids: Vec<usize>,
+}
+
+impl DeferredSums {
+    /// Room for `capacity` sums (a step's parameters).
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self {
+            capacity,
+            #[cfg(feature = "cuda")]
+            device: None,
+            #[cfg(feature = "cuda")]
+            ids: Vec::new(),
+        }
+    }
+
+    /// Queues Σ t² under `id` when `t` is on a GPU; returns whether it did (a CPU tensor is
+    /// left to its caller).
+    pub(crate) fn push(&mut self, id: usize, t: &Tensor) -> Result<bool> {
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(dev) = t.device() {
+            let sums = match &mut self.device {
+                Some(sums) => sums,
+                empty => empty.insert(cuda::DeviceSums::new(dev, self.capacity)?),
+            };
+            sums.push(t)?;
+            self.ids.push(id);
+            return Ok(true);
+        }
+        let _ = (id, t, self.capacity);
+        Ok(false)
+    }
+
+    /// Each queued sum with its id, in the order they were queued (one read from the device).
+    pub(crate) fn read(self) -> Result<Vec<(usize, f32)>> {
+        #[cfg(feature = "cuda")]
+        if let Some(sums) = self.device {
+            return Ok(self.ids.into_iter().zip(sums.read()?).collect());
+        }
+        Ok(Vec::new())
+    }
+}
+
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::{
     TableCache, cross_entropy_bwd, cross_entropy_fwd, plugin_buf, plugin_stream, round_compensated_storage,

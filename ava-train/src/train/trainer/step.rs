@@ -268,7 +268,6 @@ impl Trainer {
         if inject {
             memory::set_limit(self.hard_limit);
         }
-        let sumsq = sink.sumsq;
         // Some parameters may be stepped already: the step can be neither retried nor
         // saved, and the error says the last checkpoint is what to resume from.
         let failed =
@@ -278,7 +277,7 @@ impl Trainer {
             Err(e) => return Err(failed(sink.failure.take().unwrap_or(e))),
             Ok(done) => done,
         };
-        let stream = sink.finish().map_err(failed)?;
+        let (stream, sumsq) = sink.finish().map_err(failed)?;
         match done {
             // Every gradient was finite (each is checked before its step), but the loss
             // may not be: the step is applied, and the run stops before it is saved.
