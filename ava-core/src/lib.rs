@@ -112,7 +112,11 @@ pub use options::{Options, format_size, parse_size};
 /// Contract 2 (ava-core 0.2): device buffers ([`CudaBuf`], [`CudaStream`]), the `*_cuda`
 /// methods of [`Optimizer`] and [`AttentionKernel`], and [`Manifest::devices`] meaning the
 /// devices whose buffers the plugin takes directly.
-pub const CONTRACT_VERSION: u32 = 2;
+///
+/// Contract 3 (ava-core 0.3): [`StepContext::grad_scale`] and
+/// [`Optimizer::scales_gradients`], so an optimizer may apply the clipping factor inside its
+/// step instead of the host scaling every gradient first.
+pub const CONTRACT_VERSION: u32 = 3;
 
 /// Context every constructor receives from the host.
 #[repr(C)]

@@ -166,6 +166,20 @@ pub struct StepContext {
     pub weight_decay: f64,
     /// Threads the optimizer may use.
     pub threads: u32,
+    /// The factor every element of the gradient is to be multiplied by before it is used
+    /// (the global-norm clipping over the loss scale), as `g · (grad_scale as f32)`. An
+    /// optimizer that says so ([`Optimizer::scales_gradients`]) applies it inside its step,
+    /// which spares the host a pass over every gradient; any other receives gradients the
+    /// host has scaled already and `grad_scale` 1. (Contract 3; torch's fused AdamW takes
+    /// its `grad_scale` the same way.)
+    pub grad_scale: f64,
+}
+
+impl StepContext {
+    /// The per-step values with no gradient scaling (`grad_scale` 1).
+    pub fn new(step: u64, lr: f64, weight_decay: f64, threads: u32) -> Self {
+        Self { step, lr, weight_decay, threads, grad_scale: 1.0 }
+    }
 }
 
 /// A per-parameter optimizer. State lives in host-allocated buffers described by
@@ -180,6 +194,13 @@ pub trait Optimizer: Send {
     /// State buffers for `param`, in the order `step` receives them. Called once per
     /// parameter before the first step.
     fn state_layout(&self, param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError>;
+
+    /// Whether [`step`](Self::step) and [`step_cuda`](Self::step_cuda) multiply the gradient
+    /// by [`StepContext::grad_scale`] themselves. The default, `false`, has the host scale
+    /// each gradient first (a pass over it, and on a GPU a launch per parameter) and pass 1.
+    fn scales_gradients(&self) -> bool {
+        false
+    }
 
     /// Updates `values` in place from `grad`, reading and writing `state`.
     fn step(
@@ -223,6 +244,9 @@ impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
     fn state_layout(&self, param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
         (**self).state_layout(param)
     }
+    fn scales_gradients(&self) -> bool {
+        (**self).scales_gradients()
+    }
     fn step(
         &mut self,
         param: &ParamInfo<'_>,
@@ -251,6 +275,8 @@ impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
 pub trait FfiOptimizer: Send {
     /// See [`Optimizer::state_layout`].
     fn state_layout(&self, param: ParamInfo<'_>) -> RResult<RVec<StateSpec>, PluginError>;
+    /// See [`Optimizer::scales_gradients`].
+    fn scales_gradients(&self) -> bool;
     /// See [`Optimizer::step`].
     fn step<'a>(
         &mut self,
@@ -281,6 +307,11 @@ pub(crate) struct Guarded<T>(pub T);
 impl<T: Optimizer> FfiOptimizer for Guarded<T> {
     fn state_layout(&self, param: ParamInfo<'_>) -> RResult<RVec<StateSpec>, PluginError> {
         guard("Optimizer::state_layout", || self.0.state_layout(&param).map(RVec::from))
+    }
+    fn scales_gradients(&self) -> bool {
+        // A panic here would abort; one in a bool getter means no (the host scales the
+        // gradient first, which is always right).
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.0.scales_gradients())).unwrap_or(false)
     }
     fn step<'a>(
         &mut self,
@@ -313,6 +344,9 @@ pub struct ForeignOptimizer(pub OptimizerBox);
 impl Optimizer for ForeignOptimizer {
     fn state_layout(&self, param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
         self.0.state_layout(*param).into_result().map(RVec::into_vec)
+    }
+    fn scales_gradients(&self) -> bool {
+        self.0.scales_gradients()
     }
     fn step(
         &mut self,
@@ -419,7 +453,7 @@ mod tests {
             CudaBuf { ptr: 0x3000, len: 6, dtype: DType::U8, ordinal: 1 },
             CudaBuf { ptr: 0x4000, len: 1, dtype: DType::F32, ordinal: 1 },
         ];
-        let ctx = StepContext { step: 7, lr: 1e-3, weight_decay: 0.1, threads: 2 };
+        let ctx = StepContext { step: 7, lr: 1e-3, weight_decay: 0.1, threads: 2, grad_scale: 0.25 };
         let stream = CudaStream { handle: 0xdead_beef, ordinal: 1 };
 
         let e = foreign(CpuOnly).step_cuda(&param, &values, &grad, &state, &ctx, &stream).unwrap_err();
@@ -448,5 +482,49 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.kind, ErrorKind::Panicked);
         assert_eq!(e.message.as_str(), "panicked in Optimizer::step_cuda: kernel launch failed");
+    }
+
+    /// An optimizer that applies the gradient scale itself, and one whose flag panics.
+    struct Scaling {
+        panic: bool,
+    }
+
+    impl Optimizer for Scaling {
+        fn scales_gradients(&self) -> bool {
+            assert!(!self.panic, "no flag");
+            true
+        }
+        fn state_layout(&self, _: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
+            Ok(Vec::new())
+        }
+        fn step(
+            &mut self,
+            _: &ParamInfo<'_>,
+            values: &mut [f32],
+            grad: &[f32],
+            _: &mut [StateBuf<'_>],
+            ctx: &StepContext,
+        ) -> Result<(), PluginError> {
+            values.iter_mut().zip(grad).for_each(|(w, g)| *w -= g * ctx.grad_scale as f32);
+            Ok(())
+        }
+    }
+
+    /// `scales_gradients` and `grad_scale` cross the boundary (contract 3); the default is
+    /// no, and a panic in the flag reads as no, so the host scales the gradient itself.
+    #[test]
+    fn the_gradient_scale_and_who_applies_it_cross_the_boundary() {
+        assert!(!foreign(CpuOnly).scales_gradients());
+        assert!(!(Box::new(CpuOnly) as Box<dyn Optimizer>).scales_gradients());
+        let mut f = foreign(Scaling { panic: false });
+        assert!(f.scales_gradients());
+        assert!((Box::new(Scaling { panic: false }) as Box<dyn Optimizer>).scales_gradients());
+        assert!(!foreign(Scaling { panic: true }).scales_gradients());
+        let shape = [2u64];
+        let mut values = [1.0f32, 2.0];
+        let ctx = StepContext { grad_scale: 0.5, ..StepContext::new(1, 0.1, 0.0, 1) };
+        f.step(&ParamInfo::new("w", &shape), &mut values, &[4.0, -2.0], &mut [], &ctx).unwrap();
+        assert_eq!(values, [-1.0, 3.0]);
+        assert_eq!(StepContext::new(3, 0.1, 0.2, 4).grad_scale, 1.0);
     }
 }

@@ -59,7 +59,7 @@ fn step_bench(b: divan::Bencher, n: usize, mut opt: Box<dyn Optimizer>) {
     let mut w = vec![0.5f32; n];
     let g = vec![0.1f32; n];
     let mut m = vec![0u8; 4 * n];
-    let ctx = StepContext { step: 1, lr: 1e-4, weight_decay: 0.0, threads: 1 };
+    let ctx = StepContext { step: 1, lr: 1e-4, weight_decay: 0.0, threads: 1, grad_scale: 1.0 };
     b.counter(divan::counter::ItemsCount::new(n)).bench_local(|| {
         let info = ParamInfo::new("w", &shape);
         let mut state = [StateBuf::new(DType::F32, &mut m)];

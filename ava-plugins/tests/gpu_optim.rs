@@ -22,7 +22,8 @@ fn data(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 }
 
 /// Five steps of `opt` on a parameter of 70 001 elements (a partial last block), with weight
-/// decay from the second step, compared after every step.
+/// decay from the second step and a gradient scale (the clipping factor, which both steps
+/// apply themselves) from the third, compared after every step.
 fn five_steps(mut opt: Box<dyn Optimizer>, what: &str) {
     let gpu = gpu();
     let shape = [70_001u64];
@@ -30,8 +31,11 @@ fn five_steps(mut opt: Box<dyn Optimizer>, what: &str) {
     let mut sides = Sides::new(opt.as_ref(), &info, &data(70_001, 1, 1.0), &gpu);
     let input = |step: u64| {
         let g = data(70_001, 10 + step, 0.5);
-        let ctx =
-            StepContext { step, lr: 1e-3 * step as f64, weight_decay: if step > 1 { 0.1 } else { 0.0 }, threads: 1 };
+        let grad_scale = [1.0, 1.0, 0.5, 0.013_7, 3.25][(step as usize - 1) % 5];
+        let ctx = StepContext {
+            grad_scale,
+            ..StepContext::new(step, 1e-3 * step as f64, if step > 1 { 0.1 } else { 0.0 }, 1)
+        };
         (g, ctx)
     };
     sides.steps(opt.as_mut(), &info, 1..=5, input, what, &gpu);
@@ -60,7 +64,7 @@ fn a_buffer_of_the_wrong_size_is_refused_before_any_launch() {
     let wp = gpu.ptr(&w);
     let short = CudaBuf { ptr: wp, len: 7, dtype: DType::F32, ordinal: 0 };
     let whole = CudaBuf { len: 8, ..short };
-    let ctx = StepContext { step: 1, lr: 1e-3, weight_decay: 0.0, threads: 1 };
+    let ctx = StepContext { step: 1, lr: 1e-3, weight_decay: 0.0, threads: 1, grad_scale: 1.0 };
     let s = gpu.stream();
     let err = opt.step_cuda(&info, &whole, &short, &[], &ctx, &s).unwrap_err().to_string();
     assert!(err.contains("grad"), "{err}");

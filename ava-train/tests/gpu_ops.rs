@@ -610,8 +610,13 @@ fn kahan_steps_match(dtype: DType, compensation: ava_core::DType, home: Option<P
     gpu_state.place_on(cuda, home, &|_| def.name.clone()).unwrap();
     let what = format!("{dtype:?}, state {}", if home.is_some() { "in host memory" } else { "on the device" });
     for step in 1..=5u64 {
-        let ctx =
-            StepContext { step, lr: 1e-3 * step as f64, weight_decay: if step > 1 { 0.1 } else { 0.0 }, threads: 1 };
+        let ctx = StepContext {
+            step,
+            lr: 1e-3 * step as f64,
+            weight_decay: if step > 1 { 0.1 } else { 0.0 },
+            threads: 1,
+            grad_scale: 1.0,
+        };
         let g = Tensor::from_slice(&data(n, 30 + step, 0.5), n, &Device::Cpu).unwrap(); // (n,) f32
         let g_gpu = g.to_device(on_gpu.var.device()).unwrap();
         cpu_state

@@ -86,13 +86,13 @@ fn assert_shown(path: &str, shown: &str, fixture: &str, note: &str) {
 }
 
 /// The doc's example is the fixture crate. The one allowed difference: the doc's
-/// Cargo.toml depends on the published crates (`ava-core = "0.2"`, ...) where the fixture,
+/// Cargo.toml depends on the published crates (`ava-core = "0.3"`, ...) where the fixture,
 /// built inside this repository, adds a `path` to the repository's own copies.
 #[test]
 fn plugin_author_guide_shows_the_sign_sgd_fixture() {
     /// (the fixture's line, the doc's line).
     const DEPS: [(&str, &str); 3] = [
-        ("ava-core = { version = \"0.2\", path = \"../../../ava-core\" }\n", "ava-core = \"0.2\"\n"),
+        ("ava-core = { version = \"0.3\", path = \"../../../ava-core\" }\n", "ava-core = \"0.3\"\n"),
         (
             "ava-kernels = { version = \"0.1\", path = \"../../../ava-kernels\", optional = true }\n",
             "ava-kernels = { version = \"0.1\", optional = true }\n",

@@ -132,7 +132,7 @@ fn old_contract_is_incompatible() {
     assert_eq!(row.status, Status::Incompatible);
     assert!(row.manifest.is_none());
     let expected = format!(
-        "{}: built against Ava plugin contract 0 (ava-core 0.0.9), but this ava speaks contract 2 (ava-core 0.2.0); \
+        "{}: built against Ava plugin contract 0 (ava-core 0.0.9), but this ava speaks contract 3 (ava-core 0.3.0); \
          the plugin is older than this ava: rebuild it against the current ava-core",
         lib.display()
     );
@@ -143,7 +143,7 @@ fn old_contract_is_incompatible() {
         HostError::ContractVersion { path, found, found_crate, expected, expected_crate, .. } => {
             assert_eq!(path, &lib);
             assert_eq!((*found, found_crate.as_str()), (0, "0.0.9"));
-            assert_eq!((*expected, expected_crate.as_str()), (ava_core::CONTRACT_VERSION, "0.2.0"));
+            assert_eq!((*expected, expected_crate.as_str()), (ava_core::CONTRACT_VERSION, "0.3.0"));
         }
         other => panic!("not ContractVersion: {other:?}"),
     }

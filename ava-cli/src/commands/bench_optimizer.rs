@@ -108,7 +108,13 @@ pub fn run(p: &Printer, args: &BenchOptimizerArgs) -> CmdResult {
                     ParamRole::Matrix | ParamRole::ResidualOut => WEIGHT_DECAY,
                     ParamRole::Embedding | ParamRole::Norm | ParamRole::Bias => 0.0,
                 };
-                let ctx = StepContext { step: u64::from(step) + 1, lr: LR, weight_decay, threads: threads as u32 };
+                let ctx = StepContext {
+                    step: u64::from(step) + 1,
+                    lr: LR,
+                    weight_decay,
+                    threads: threads as u32,
+                    grad_scale: 1.0,
+                };
                 step_param(b.optimizer.as_mut(), &b.name, param, grad, &mut b.state.buffers[i], ctx, 0)
                     .map_err(failure)?;
             }

@@ -291,6 +291,7 @@ pub fn uneven_step(n: usize, step: u64) -> (Vec<f32>, StepContext) {
         lr: 1e-3 * (1.0 + (step % 3) as f64),
         weight_decay: if step > 1 { 0.1 } else { 0.0 },
         threads: 1,
+        grad_scale: 1.0,
     };
     (g, ctx)
 }
@@ -464,7 +465,7 @@ impl Sides {
             self.gpu_state.iter().zip(&self.layout).map(|(b, s)| gpu.buf(b, s.len as usize, s.dtype)).collect();
         edit(&mut state);
         let w = gpu.buf(&self.gpu_w, self.cpu_w.len(), DType::F32);
-        let ctx = StepContext { step: 1, lr: 1e-3, weight_decay: 0.0, threads: 1 };
+        let ctx = StepContext { step: 1, lr: 1e-3, weight_decay: 0.0, threads: 1, grad_scale: 1.0 };
         opt.step_cuda(info, &w, &w, &state, &ctx, &gpu.stream()).unwrap_err().to_string()
     }
 }

@@ -73,6 +73,12 @@ impl Plugin for AdamW {
 }
 
 impl Optimizer for AdamW {
+    /// The clipping factor is applied as each gradient element is read (`g · grad_scale`,
+    /// the product the host would have written), on both devices.
+    fn scales_gradients(&self) -> bool {
+        true
+    }
+
     fn state_layout(&self, param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
         let n = param.numel();
         let mut layout = vec![StateSpec::new("exp_avg", DType::F32, n), StateSpec::new("exp_avg_sq", DType::F32, n)];
@@ -122,12 +128,14 @@ impl Optimizer for AdamW {
         let bc2_sqrt = (1.0 - self.beta2.powi(t)).sqrt() as f32;
         let decay = (1.0 - ctx.lr * ctx.weight_decay) as f32;
         let (b1, b2, eps) = (self.beta1 as f32, self.beta2 as f32, self.eps as f32);
+        let scale = ctx.grad_scale as f32;
 
         // θ ← θ·(1 − lr·λ) − lr/bc1 · m / (√v / √bc2 + ε), torch's arrangement of m̂/(√v̂ + ε).
         let apply = |w: &mut f32, m: f32, v: f32| *w = *w * decay - step_size * m / (v.sqrt() / bc2_sqrt + eps);
         match v_max {
             None => {
                 for (((w, &g), m), v) in values.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
+                    let g = g * scale;
                     *m = b1 * *m + (1.0 - b1) * g;
                     *v = b2 * *v + (1.0 - b2) * g * g;
                     apply(w, *m, *v);
@@ -137,6 +145,7 @@ impl Optimizer for AdamW {
                 for ((((w, &g), m), v), vm) in
                     values.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()).zip(v_max.iter_mut())
                 {
+                    let g = g * scale;
                     *m = b1 * *m + (1.0 - b1) * g;
                     *v = b2 * *v + (1.0 - b2) * g * g;
                     *vm = vm.max(*v);
@@ -187,7 +196,7 @@ impl Optimizer for AdamW {
             return Ok(());
         }
         let v_max = v_max.map_or(0u64, |b| b.ptr); // NULL without amsgrad
-        let (lr, wd) = (ctx.lr, ctx.weight_decay);
+        let (lr, wd, scale) = (ctx.lr, ctx.weight_decay, ctx.grad_scale as f32);
         let mut params = [
             arg(&values.ptr),
             arg(&grad.ptr),
@@ -201,6 +210,7 @@ impl Optimizer for AdamW {
             arg(&self.beta1),
             arg(&self.beta2),
             arg(&self.eps),
+            arg(&scale),
         ];
         // SAFETY: adamw_step's parameters one for one; every buffer was checked to hold n
         // f32s (the count one u32) above.
@@ -237,7 +247,7 @@ mod tests {
         let mut state: Vec<StateBuf<'_>> =
             st.bufs.iter_mut().map(|b| StateBuf::new(DType::F32, bytemuck::cast_slice_mut(b))).collect();
         state.push(StateBuf::new(DType::U32, bytemuck::cast_slice_mut(&mut st.step)));
-        let ctx = StepContext { step, lr, weight_decay: wd, threads: 1 };
+        let ctx = StepContext { step, lr, weight_decay: wd, threads: 1, grad_scale: 1.0 };
         opt.step(&info, w, g, &mut state, &ctx).unwrap();
     }
 
@@ -361,7 +371,7 @@ mod tests {
         let (mut w, g) = ([1.0f32, 2.0], [0.1f32, 0.2]);
         let mut a = [0.0f32; 2];
         let mut state = [StateBuf::new(DType::F32, bytemuck::cast_slice_mut(&mut a))];
-        let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1 };
+        let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1, grad_scale: 1.0 };
         let err = opt.step(&info, &mut w, &g, &mut state, &ctx).unwrap_err();
         assert_eq!(err.message.as_str(), "adamw expects 3 state buffers, got 1");
         // A count of the wrong type (f32 where u32 is declared) is refused before anything moves.

@@ -75,6 +75,12 @@ impl Plugin for Sgd {
 }
 
 impl Optimizer for Sgd {
+    /// The clipping factor is applied as each gradient element is read (`g · grad_scale`,
+    /// the product the host would have written), on both devices.
+    fn scales_gradients(&self) -> bool {
+        true
+    }
+
     fn state_layout(&self, param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
         if self.momentum > 0.0 {
             Ok(vec![
@@ -100,11 +106,11 @@ impl Optimizer for Sgd {
         if ctx.step == 0 {
             return Err(PluginError::invalid_input("sgd: step numbers are 1-based, got step 0"));
         }
-        let (lr, wd) = (ctx.lr as f32, ctx.weight_decay as f32);
+        let (lr, wd, scale) = (ctx.lr as f32, ctx.weight_decay as f32, ctx.grad_scale as f32);
         match state {
             [] if self.momentum == 0.0 => {
                 for (w, &g) in values.iter_mut().zip(grad) {
-                    let g = g + wd * *w;
+                    let g = g * scale + wd * *w;
                     *w -= lr * g;
                 }
             }
@@ -117,7 +123,7 @@ impl Optimizer for Sgd {
                 count[0] = count[0].saturating_add(1);
                 let (mu, keep) = (self.momentum as f32, (1.0 - self.dampening) as f32);
                 for ((w, &g), b) in values.iter_mut().zip(grad).zip(buf.iter_mut()) {
-                    let g = g + wd * *w;
+                    let g = g * scale + wd * *w;
                     *b = if first { g } else { mu * *b + keep * g };
                     let d = if self.nesterov { g + mu * *b } else { *b };
                     *w -= lr * d;
@@ -152,13 +158,13 @@ impl Optimizer for Sgd {
             return Err(PluginError::invalid_input("sgd: step numbers are 1-based, got step 0"));
         }
         let grid = blocks(n)?;
-        let (lr, wd) = (ctx.lr as f32, ctx.weight_decay as f32);
+        let (lr, wd, scale) = (ctx.lr as f32, ctx.weight_decay as f32, ctx.grad_scale as f32);
         match state {
             [] if self.momentum == 0.0 => {
                 if n == 0 {
                     return Ok(());
                 }
-                let mut params = [arg(&values.ptr), arg(&grad.ptr), arg(&n), arg(&lr), arg(&wd)];
+                let mut params = [arg(&values.ptr), arg(&grad.ptr), arg(&n), arg(&lr), arg(&wd), arg(&scale)];
                 // SAFETY: sgd_step's parameters one for one; both buffers hold n f32s (checked).
                 unsafe { launch(&OPTIM, c"sgd_step", grid, THREADS, stream, &mut params) }
             }
@@ -179,6 +185,7 @@ impl Optimizer for Sgd {
                         arg(&mu),
                         arg(&keep),
                         arg(&nesterov),
+                        arg(&scale),
                     ];
                     // SAFETY: sgd_momentum_step's parameters one for one; sizes checked above.
                     unsafe { launch(&OPTIM, c"sgd_momentum_step", grid, THREADS, stream, &mut params)? };
@@ -230,7 +237,7 @@ mod tests {
                 StateBuf::new(DType::U32, bytemuck::cast_slice_mut(&mut st.step)),
             ]
         };
-        let ctx = StepContext { step, lr: 0.1, weight_decay: wd, threads: 1 };
+        let ctx = StepContext { step, lr: 0.1, weight_decay: wd, threads: 1, grad_scale: 1.0 };
         opt.step(&info, w, g, &mut state, &ctx).unwrap();
     }
 
@@ -335,7 +342,7 @@ mod tests {
         assert_eq!(layout, [StateSpec::new("momentum_buffer", DType::F32, 8), StateSpec::new("step", DType::U32, 1)]);
         // A momentum optimizer handed no buffer is refused, not silently run without momentum.
         let mut opt = build(r#"{"momentum": 0.5}"#).unwrap();
-        let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1 };
+        let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1, grad_scale: 1.0 };
         let err = opt.step(&info, &mut [0.0; 8], &[0.0; 8], &mut [], &ctx).unwrap_err();
         assert_eq!(err.message.as_str(), "sgd expects 2 state buffers (momentum_buffer, step), got 0");
     }

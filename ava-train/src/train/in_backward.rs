@@ -35,11 +35,14 @@ pub(crate) struct StepSettings<'a> {
     pub threads: u32,
     /// The run's seed (stochastic rounding).
     pub seed: u64,
+    /// The factor the gradients handed to [`apply`](Self::apply) still need (clipping over
+    /// the loss scale), for an optimizer that applies it itself; 1 otherwise.
+    pub grad_scale: f64,
 }
 
 impl StepSettings<'_> {
-    /// Steps parameter `i` from `grad` (f32, already scaled); returns the gradient's Σ g² on
-    /// the CPU (see [`step_param`]).
+    /// Steps parameter `i` from `grad` (f32, times `grad_scale`, which the optimizer
+    /// applies); returns the gradient's Σ g² on the CPU (see [`step_param`]).
     pub(crate) fn apply(
         &mut self,
         i: usize,
@@ -52,6 +55,7 @@ impl StepSettings<'_> {
             lr: self.lr,
             weight_decay: decay_for(param.def.role, self.weight_decay),
             threads: self.threads,
+            grad_scale: self.grad_scale,
         };
         let seed = rounding::seed_for(self.seed, self.step, i);
         step_param(self.optimizer, self.plugin, param, grad, buffers, ctx, seed)

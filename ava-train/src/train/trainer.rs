@@ -1378,6 +1378,7 @@ fn step_settings<'a>(
         weight_decay: t.weight_decay,
         threads: threads as u32,
         seed: t.seed,
+        grad_scale: 1.0,
     }
 }
 

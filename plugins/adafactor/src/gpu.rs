@@ -356,7 +356,7 @@ mod tests {
     fn step_cuda_checks_the_buffers_first() {
         let shape = [3u64, 5];
         let info = ParamInfo::new("model.layers.0.mlp.up_proj.weight", &shape);
-        let ctx = StepContext { step: 1, lr: 1e-3, weight_decay: 0.0, threads: 1 };
+        let ctx = StepContext { step: 1, lr: 1e-3, weight_decay: 0.0, threads: 1, grad_scale: 1.0 };
         let stream = CudaStream { handle: 0, ordinal: 0 };
         let buf = |len: usize, dtype| CudaBuf { ptr: 0x1000, len: len as u64, dtype, ordinal: 0 };
         let w = buf(15, DType::F32);

@@ -129,7 +129,7 @@ impl Param {
             .zip(self.bufs.iter_mut())
             .map(|(s, b)| StateBuf::new(s.dtype, &mut bytemuck::cast_slice_mut::<u64, u8>(b)[..s.bytes() as usize]))
             .collect();
-        let ctx = StepContext { step: 1, lr, weight_decay: wd, threads: 1 };
+        let ctx = StepContext { step: 1, lr, weight_decay: wd, threads: 1, grad_scale: 1.0 };
         opt.step(&info, w, g, &mut state, &ctx)
     }
 
@@ -558,7 +558,7 @@ fn counts_its_own_steps() {
             StateBuf::new(DType::U32, bytemuck::cast_slice_mut(&mut t)),
         ];
         let mut w = V;
-        let ctx = StepContext { step: global, lr: 1.0, weight_decay: 0.0, threads: 1 };
+        let ctx = StepContext { step: global, lr: 1.0, weight_decay: 0.0, threads: 1, grad_scale: 1.0 };
         opt.step(&info, &mut w, &VG1, &mut state, &ctx).unwrap();
         (w, t[0])
     };
@@ -646,7 +646,7 @@ fn state_layout_names_dtypes_and_lengths() {
 fn wrong_state_is_refused_and_the_parameter_left_alone() {
     let mut opt = Adafactor::default();
     let info = ParamInfo::new("model.norm.weight", &[2]);
-    let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1 };
+    let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1, grad_scale: 1.0 };
     let (mut w, g) = ([1.0f32, 2.0], [0.1f32, 0.2]);
 
     let mut v = [0.0f32; 2];

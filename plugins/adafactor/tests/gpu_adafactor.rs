@@ -82,7 +82,9 @@ fn cpu_state_continues_on_the_gpu() {
         let n = info.numel();
         let mut opt = build(r#"{"beta1": 0.9}"#);
         let mut sides = Sides::new(&opt, &info, &data(n, 2, 1.0), &gpu);
-        let input = |step| (data(n, step, 1.0), StepContext { step, lr: 1e-3, weight_decay: 0.01, threads: 1 });
+        let input = |step| {
+            (data(n, step, 1.0), StepContext { step, lr: 1e-3, weight_decay: 0.01, threads: 1, grad_scale: 1.0 })
+        };
         sides.continued(&mut opt, &info, 1..=3, 4..=6, input, &format!("{shape:?} continued"), &gpu);
     }
 }

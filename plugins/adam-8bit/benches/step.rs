@@ -53,7 +53,7 @@ impl Setup {
             .zip(&mut self.words)
             .map(|(s, w)| StateBuf::new(s.dtype, &mut bytemuck::cast_slice_mut(w)[..s.bytes() as usize]))
             .collect();
-        let ctx = StepContext { step, lr: 1e-3, weight_decay: 0.01, threads };
+        let ctx = StepContext { step, lr: 1e-3, weight_decay: 0.01, threads, grad_scale: 1.0 };
         opt.step(&info, &mut self.w, &self.g, &mut bufs, &ctx).unwrap();
     }
 }

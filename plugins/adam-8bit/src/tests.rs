@@ -38,7 +38,7 @@ impl State {
 }
 
 fn ctx(step: u64, lr: f64, weight_decay: f64) -> StepContext {
-    StepContext { step, lr, weight_decay, threads: 1 }
+    StepContext { step, lr, weight_decay, threads: 1, grad_scale: 1.0 }
 }
 
 /// A deterministic uniform [0, 1) stream (xorshift).

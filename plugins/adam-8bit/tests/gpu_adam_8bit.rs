@@ -61,6 +61,7 @@ fn run(opt: &mut Adam8bit, name: &str, n: usize, steps: u64, scales: &[f32], thr
             lr: 1e-3 * (1.0 + (step % 7) as f64),
             weight_decay: if step > 1 { 0.1 } else { 0.0 },
             threads,
+            grad_scale: 1.0,
         };
         (g, ctx)
     };
@@ -115,7 +116,8 @@ fn cpu_state_continues_on_the_gpu() {
     let info = ParamInfo::new(LAYER, &shape);
     let mut opt = build(r#"{"percentile_clipping": 80}"#);
     let mut sides = Sides::new(&opt, &info, &ava_kernels::testing::Rng(2).vec(n), &gpu);
-    let input = |step| (grad(n, step, 1.0), StepContext { step, lr: 1e-3, weight_decay: 0.01, threads: 1 });
+    let input =
+        |step| (grad(n, step, 1.0), StepContext { step, lr: 1e-3, weight_decay: 0.01, threads: 1, grad_scale: 1.0 });
     sides.continued(&mut opt, &info, 1..=3, 4..=6, input, "continued", &gpu);
 }
 

@@ -38,7 +38,7 @@ fn run(
         StateBuf::new(DType::F32, bytemuck::cast_slice_mut(&mut s.v)),
         StateBuf::new(DType::U32, bytemuck::cast_slice_mut(&mut s.t)),
     ];
-    let ctx = StepContext { step: global, lr, weight_decay: wd, threads: 1 };
+    let ctx = StepContext { step: global, lr, weight_decay: wd, threads: 1, grad_scale: 1.0 };
     opt.step(&info, w, g, &mut state, &ctx)
 }
 
@@ -262,7 +262,7 @@ fn wrong_state_is_refused_and_parameter_untouched() {
     let mut opt = AdamMini::default();
     let (name, shape) = ("model.layers.0.mlp.up_proj.weight", [2u64, 2]);
     let info = ParamInfo::new(name, &shape);
-    let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.1, threads: 1 };
+    let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.1, threads: 1, grad_scale: 1.0 };
     let (mut w, g) = ([1.0f32, 2.0, 3.0, 4.0], [0.1f32; 4]);
 
     // Two buffers instead of three.

@@ -184,7 +184,7 @@ mod tests {
     #[test]
     fn matches_hand_computed_steps() {
         let mut opt = Lion::default();
-        let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.5, threads: 1 };
+        let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.5, threads: 1, grad_scale: 1.0 };
         let mut w = [1.0f32, -2.0, 0.5, 3.0];
         let mut m = [0.0f32; 4];
         run(&mut opt, &mut w, &[0.3, -0.2, 0.0, -4.0], &mut m, ctx);
@@ -230,7 +230,7 @@ mod tests {
     fn step_cuda_checks_the_buffers_first() {
         let shape = [4u64];
         let info = ParamInfo::new("w", &shape);
-        let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1 };
+        let ctx = StepContext { step: 1, lr: 0.1, weight_decay: 0.0, threads: 1, grad_scale: 1.0 };
         let stream = CudaStream { handle: 0, ordinal: 0 };
         let buf = |len, dtype| CudaBuf { ptr: 0x1000, len, dtype, ordinal: 0 };
         let f32s = buf(4, DType::F32);

@@ -37,6 +37,7 @@ fn six_steps(mut opt: Lion, what: &str) {
                 lr: 3e-4 * step as f64,
                 weight_decay: if step > 1 { 0.1 } else { 0.0 },
                 threads: 1,
+                grad_scale: 1.0,
             };
             (g, ctx)
         };
@@ -59,7 +60,7 @@ fn a_buffer_of_the_wrong_size_is_refused_before_any_launch() {
     let wp = gpu.ptr(&w);
     let whole = CudaBuf { ptr: wp, len: 8, dtype: DType::F32, ordinal: 0 };
     let short = CudaBuf { len: 7, ..whole };
-    let ctx = StepContext { step: 1, lr: 1e-3, weight_decay: 0.0, threads: 1 };
+    let ctx = StepContext { step: 1, lr: 1e-3, weight_decay: 0.0, threads: 1, grad_scale: 1.0 };
     let s = gpu.stream();
     let err = Lion::default().step_cuda(&info, &whole, &whole, &[short], &ctx, &s).unwrap_err().to_string();
     assert!(err.contains("exp_avg"), "{err}");

@@ -132,7 +132,7 @@ pub fn step(
 ) -> Result<(), ava_core::PluginError> {
     let shape = [w.len() as u64];
     let info = ParamInfo::new("w", &shape);
-    let ctx = StepContext { step: 1, lr, weight_decay: wd, threads: 1 };
+    let ctx = StepContext { step: 1, lr, weight_decay: wd, threads: 1, grad_scale: 1.0 };
     let mut bufs: Vec<StateBuf<'_>> =
         state.bufs.iter_mut().map(|b| StateBuf::new(DType::F32, bytemuck::cast_slice_mut(b))).collect();
     opt.step(&info, w, g, &mut bufs, &ctx)

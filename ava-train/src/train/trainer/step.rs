@@ -502,11 +502,17 @@ impl Trainer {
         let active: Vec<usize> = (0..grads.len()).filter(|&i| grads[i].is_some()).collect();
         let t = self.config.train.clone();
         let opt_name = self.config.plugins.optimizer.name.clone();
+        // An optimizer that says so multiplies by the factor as it reads each gradient;
+        // for any other the gradient is scaled first (a pass and an allocation apiece).
+        let scales = self.optimizer.scales_gradients();
         let mut settings =
             step_settings(self.optimizer.as_mut(), &opt_name, &self.model, &t, start.step, start.lr, self.threads);
+        if scales {
+            settings.grad_scale = factor;
+        }
         let stream = self.state.for_each(&active, |i, buffers| {
             let g = grads[i].take().expect("active parameters have a gradient");
-            let g = if factor != 1.0 { g.affine(factor, 0.0).map_err(TrainError::candle)? } else { g };
+            let g = if factor != 1.0 && !scales { g.affine(factor, 0.0).map_err(TrainError::candle)? } else { g };
             settings.apply(i, &g, buffers).map(drop)
         })?;
         // Every rank gets the parameters the others stepped.
