@@ -879,11 +879,8 @@ impl<'a> Replay<'a> {
             }
             m.set_phase("optimizer step".into());
             m.set_cat(Cat::Step);
-            // On a GPU `fused::sums_of_squares` reduces each gradient in place into a few
-            // partial sums: no g².
-            for g in accumulators.iter().flatten().filter(|_| !m.on_gpu()) {
-                drop(T::new(m, g.dims(), Dt::F32)); // g²
-            }
+            // `fused::sums_of_squares` reads each gradient into a few partial sums on
+            // either device: no g².
             // A rank steps only its own parameters; the others' gradients go first.
             if let Some(z) = zero.filter(|z| z.stage >= 1) {
                 m.set_cat(Cat::ParamGrads);

@@ -71,13 +71,49 @@ pub use cuda::{round_compensated, round_stochastic, widen_compensated};
 
 /// Σ x² of each tensor, read back in one transfer: on the GPU the engine's two-pass kernel
 /// over all of them in two launches (no synchronization until the one read); on the CPU
-/// candle's ops, one tensor at a time, as before. The sums are f32.
+/// [`sum_of_squares_cpu`], one tensor at a time. The sums are f32.
 pub fn sums_of_squares(tensors: &[&Tensor]) -> Result<Vec<f32>> {
     #[cfg(feature = "cuda")]
     if tensors.first().is_some_and(|t| t.device().is_cuda()) {
         return cuda::sums_of_squares(tensors);
     }
-    tensors.iter().map(|t| t.sqr()?.sum_all()?.to_scalar::<f32>()).collect()
+    tensors.iter().map(|t| sum_of_squares_cpu(t)).collect()
+}
+
+/// Elements a task of [`sum_of_squares_cpu`] sums.
+const SUMSQ_CHUNK: usize = 1 << 16;
+
+/// Σ x² of a CPU tensor without a squared copy of it (the gradient norm read a whole
+/// gradient-sized g² per tensor, which sat on top of every gradient at the step's end): fixed
+/// chunks of [`SUMSQ_CHUNK`] elements on candle's rayon pool, each summed in f64 over eight
+/// lanes (x² of an f32 is exact in f64), the lanes and then the chunks added in order, so the
+/// sum does not depend on the thread count; rounded to f32 once.
+pub(crate) fn sum_of_squares_cpu(t: &Tensor) -> Result<f32> {
+    use rayon::prelude::*;
+    fn chunk<T: WithDType>(c: &[T]) -> f64 {
+        let mut lanes = [0f64; 8];
+        let mut groups = c.chunks_exact(8);
+        for g in &mut groups {
+            for (lane, x) in lanes.iter_mut().zip(g) {
+                let x = x.to_f64();
+                *lane += x * x;
+            }
+        }
+        let rest = groups.remainder().iter().fold(0f64, |s, x| s + x.to_f64() * x.to_f64());
+        lanes.iter().fold(rest, |s, l| s + l)
+    }
+    fn sum<T: WithDType>(v: &[T]) -> f32 {
+        let chunks: Vec<f64> = v.par_chunks(SUMSQ_CHUNK).map(chunk).collect();
+        chunks.iter().sum::<f64>() as f32
+    }
+    let op = "sum of squares";
+    match t.dtype() {
+        candle_core::DType::F32 => with_values::<f32, _>(t, op, |v| Ok(sum(v))),
+        candle_core::DType::F64 => with_values::<f64, _>(t, op, |v| Ok(sum(v))),
+        candle_core::DType::BF16 => with_values::<half::bf16, _>(t, op, |v| Ok(sum(v))),
+        candle_core::DType::F16 => with_values::<half::f16, _>(t, op, |v| Ok(sum(v))),
+        other => bail!("{op}: {other:?} is not a float type"),
+    }
 }
 
 /// Σ x² of tensors handed over one at a time and read back together. On a GPU each is summed

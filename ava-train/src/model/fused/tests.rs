@@ -444,3 +444,32 @@ fn cast_and_add_match_candle_bit_for_bit() {
     let err = add(&tensor(&[2, 3], 1, DType::BF16), &tensor(&[3, 2], 2, DType::BF16)).unwrap_err().to_string();
     assert!(err.contains("shapes [2, 3] and [3, 2] differ"), "{err}");
 }
+
+/// The CPU's sum of squares (the gradient norm) reads each tensor without a squared copy:
+/// within an f32 rounding of the f64 sum of the same values for every float type, past a
+/// chunk and with a remainder, the same bits on one thread and on three, and on a transposed
+/// (non-contiguous) view.
+#[test]
+fn sum_of_squares_on_the_cpu_is_the_f64_sum_rounded_whatever_the_threads() {
+    for n in [0usize, 1, 7, 8, 1000, 3 * SUMSQ_CHUNK + 5] {
+        for dtype in [DType::F32, DType::BF16, DType::F16, DType::F64] {
+            let t = tensor(&[n], 7 + n as u64, dtype);
+            let want: f64 = flat(&t).iter().map(|x| x * x).sum();
+            let bits: Vec<u32> = [1, 3]
+                .iter()
+                .map(|&threads| {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    pool.install(|| sum_of_squares_cpu(&t).unwrap()).to_bits()
+                })
+                .collect();
+            assert_eq!(bits[0], bits[1], "n {n} {dtype:?}: one thread and three differ");
+            let got = f64::from(f32::from_bits(bits[0]));
+            assert!((got - want).abs() <= want * 1e-7 + 1e-30, "n {n} {dtype:?}: {got} vs {want}");
+        }
+    }
+    let m = tensor(&[37, 53], 3, DType::F32);
+    let want: f64 = flat(&m).iter().map(|x| x * x).sum();
+    let got = f64::from(sum_of_squares_cpu(&m.t().unwrap()).unwrap());
+    assert!((got - want).abs() <= want * 1e-7, "transposed: {got} vs {want}");
+    assert_eq!(sums_of_squares(&[&m, &m.t().unwrap()]).unwrap().len(), 2);
+}
