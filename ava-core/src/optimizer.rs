@@ -167,11 +167,11 @@ pub struct StepContext {
     /// Threads the optimizer may use.
     pub threads: u32,
     /// The factor every element of the gradient is to be multiplied by before it is used
-    /// (the global-norm clipping over the loss scale), as `g · (grad_scale as f32)`. An
-    /// optimizer that says so ([`Optimizer::scales_gradients`]) applies it inside its step,
-    /// which spares the host a pass over every gradient; any other receives gradients the
-    /// host has scaled already and `grad_scale` 1. (Contract 3; torch's fused AdamW takes
-    /// its `grad_scale` the same way.)
+    /// (the global-norm clipping over the loss scale). An optimizer that says so
+    /// ([`Optimizer::scales_gradients`]) applies it inside its step, as
+    /// [`grad_affine`](Self::grad_affine) says, which spares the host a pass over every
+    /// gradient; any other receives gradients the host has scaled already and `grad_scale`
+    /// 1. (Contract 3; torch's fused AdamW takes its `grad_scale` the same way.)
     pub grad_scale: f64,
 }
 
@@ -179,6 +179,15 @@ impl StepContext {
     /// The per-step values with no gradient scaling (`grad_scale` 1).
     pub fn new(step: u64, lr: f64, weight_decay: f64, threads: u32) -> Self {
         Self { step, lr, weight_decay, threads, grad_scale: 1.0 }
+    }
+
+    /// `(mul, add)` such that `g * mul + add` (two f32 operations, not fused) is the
+    /// gradient element the host would have handed over scaled: `g · s + 0` for a scale s ≠ 1
+    /// (the host's affine, which also makes −0 into +0), and `g` itself for s = 1 (`+ −0` changes
+    /// no value). An optimizer that applies it this way gives the same bits as on the host's
+    /// scaled copy.
+    pub fn grad_affine(&self) -> (f32, f32) {
+        if self.grad_scale == 1.0 { (1.0, -0.0) } else { (self.grad_scale as f32, 0.0) }
     }
 }
 
@@ -275,8 +284,6 @@ impl<T: Optimizer + ?Sized> Optimizer for Box<T> {
 pub trait FfiOptimizer: Send {
     /// See [`Optimizer::state_layout`].
     fn state_layout(&self, param: ParamInfo<'_>) -> RResult<RVec<StateSpec>, PluginError>;
-    /// See [`Optimizer::scales_gradients`].
-    fn scales_gradients(&self) -> bool;
     /// See [`Optimizer::step`].
     fn step<'a>(
         &mut self,
@@ -296,6 +303,8 @@ pub trait FfiOptimizer: Send {
         ctx: StepContext,
         stream: CudaStream,
     ) -> RResult<(), PluginError>;
+    /// See [`Optimizer::scales_gradients`] (contract 3, after the methods of contract 2).
+    fn scales_gradients(&self) -> bool;
 }
 
 /// A boxed optimizer from a plugin library.
@@ -505,7 +514,8 @@ mod tests {
             _: &mut [StateBuf<'_>],
             ctx: &StepContext,
         ) -> Result<(), PluginError> {
-            values.iter_mut().zip(grad).for_each(|(w, g)| *w -= g * ctx.grad_scale as f32);
+            let (mul, add) = ctx.grad_affine();
+            values.iter_mut().zip(grad).for_each(|(w, g)| *w -= g * mul + add);
             Ok(())
         }
     }
@@ -526,5 +536,13 @@ mod tests {
         f.step(&ParamInfo::new("w", &shape), &mut values, &[4.0, -2.0], &mut [], &ctx).unwrap();
         assert_eq!(values, [-1.0, 3.0]);
         assert_eq!(StepContext::new(3, 0.1, 0.2, 4).grad_scale, 1.0);
+        // The host's product: −0 stays −0 unscaled, and becomes +0 when scaled (candle's
+        // affine adds 0).
+        let unscaled = StepContext::new(1, 0.1, 0.0, 1).grad_affine();
+        assert_eq!(((-0.0f32) * unscaled.0 + unscaled.1).to_bits(), (-0.0f32).to_bits());
+        assert_eq!((3.5f32 * unscaled.0 + unscaled.1).to_bits(), 3.5f32.to_bits());
+        let scaled = StepContext { grad_scale: 0.25, ..StepContext::new(1, 0.1, 0.0, 1) }.grad_affine();
+        assert_eq!(((-0.0f32) * scaled.0 + scaled.1).to_bits(), 0.0f32.to_bits());
+        assert_eq!(3.5f32 * scaled.0 + scaled.1, 0.875);
     }
 }

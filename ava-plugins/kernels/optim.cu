@@ -18,14 +18,15 @@ extern "C" __global__ void count_update(unsigned int *count) {
     if (count[0] != 0xffffffffu) count[0] += 1;
 }
 
-// AdamW (torch.optim.AdamW), after count_update, on g · grad_scale (the clipping factor):
+// AdamW (torch.optim.AdamW), after count_update, on g·mul + add (the clipping factor as the
+// host's scaled copy computed it: StepContext::grad_affine):
 //   θ ← θ·(1 − lr·λ) − lr/bc1 · m / (√v / √bc2 + ε),  m, v the updated moments,
 //   v replaced by max(v_max, v) with amsgrad (v_max == NULL without).
 // Launch: grid (ceil(n / 256)), block (256). w, g, m, v, v_max (n,) f32; count (1,) u32.
 extern "C" __global__ void adamw_step(float *__restrict__ w, const float *__restrict__ g, float *__restrict__ m,
                                       float *__restrict__ v, float *__restrict__ v_max,
                                       const unsigned int *__restrict__ count, size_t n, double lr, double weight_decay,
-                                      double beta1, double beta2, double eps, float grad_scale) {
+                                      double beta1, double beta2, double eps, float mul, float add) {
     __shared__ float scalars[3]; // step_size, √bc2, decay
     if (threadIdx.x == 0) {
         // The parameter's update number in i32, as the CPU's powi takes it.
@@ -40,7 +41,7 @@ extern "C" __global__ void adamw_step(float *__restrict__ w, const float *__rest
     if (i >= n) return;
     const float step_size = scalars[0], bc2_sqrt = scalars[1], decay = scalars[2];
     const float b1 = (float)beta1, b2 = (float)beta2, e = (float)eps;
-    const float gi = g[i] * grad_scale;
+    const float gi = g[i] * mul + add;
     const float mi = b1 * m[i] + (1.0f - b1) * gi;
     const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
     m[i] = mi;
@@ -53,27 +54,28 @@ extern "C" __global__ void adamw_step(float *__restrict__ w, const float *__rest
     w[i] = w[i] * decay - step_size * mi / (sqrtf(denom) / bc2_sqrt + e);
 }
 
-// SGD without momentum (torch.optim.SGD): θ ← θ − lr·(g·grad_scale + λθ).
+// SGD without momentum (torch.optim.SGD): θ ← θ − lr·((g·mul + add) + λθ).
 // Launch: grid (ceil(n / 256)), block (256). w, g (n,) f32.
 extern "C" __global__ void sgd_step(float *__restrict__ w, const float *__restrict__ g, size_t n, float lr, float wd,
-                                    float grad_scale) {
+                                    float mul, float add) {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const float gi = g[i] * grad_scale + wd * w[i];
+    const float gi = (g[i] * mul + add) + wd * w[i];
     w[i] = w[i] - lr * gi;
 }
 
-// SGD with momentum, before count_update: g ← g·grad_scale + λθ; b ← g at the parameter's first update
-// (count 0), else μ·b + (1 − dampening)·g; θ ← θ − lr·(g + μ·b if nesterov, else b).
+// SGD with momentum, before count_update: g ← (g·mul + add) + λθ; b ← g at the parameter's
+// first update (count 0), else μ·b + (1 − dampening)·g; θ ← θ − lr·(g + μ·b if nesterov,
+// else b).
 // Launch: grid (ceil(n / 256)), block (256). w, g, b (n,) f32; count (1,) u32.
 extern "C" __global__ void sgd_momentum_step(float *__restrict__ w, const float *__restrict__ g,
                                              float *__restrict__ b, const unsigned int *__restrict__ count, size_t n,
                                              float lr, float wd, float mu, float keep, int nesterov,
-                                             float grad_scale) {
+                                             float mul, float add) {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const bool first = count[0] == 0;
-    const float gi = g[i] * grad_scale + wd * w[i];
+    const float gi = (g[i] * mul + add) + wd * w[i];
     const float bi = first ? gi : mu * b[i] + keep * gi;
     b[i] = bi;
     const float d = nesterov ? gi + mu * bi : bi;

@@ -2,7 +2,9 @@
 //! the host no longer writes a scaled copy of every gradient when clipping applies. What
 //! they compute must be what they computed on the copy: for every configuration, a step on
 //! `g` with `grad_scale` s gives the same bits (parameter and every state buffer) as a step on
-//! `g · (s as f32)` with `grad_scale` 1, the product the host used to write.
+//! the host's copy with `grad_scale` 1. The copy is candle's affine, `g · (s as f32) + 0`
+//! (which makes −0 into +0), written only when s ≠ 1; the gradients hold −0s, zeros and
+//! values whose product underflows, where a plain `g · s` would differ in the sign of zero.
 
 use ava_core::prelude::*;
 use ava_plugins::builtin::adamw::AdamW;
@@ -46,7 +48,9 @@ fn gradient(n: usize, seed: u64) -> Vec<f32> {
             let u = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
             match i % 17 {
                 0 => 0.0,
+                3 => -0.0,
                 5 => u * 1e-30,
+                9 => -1e-45, // the smallest subnormal: times a scale < 1 it rounds to −0
                 _ => u * 3.0,
             }
         })
@@ -60,6 +64,7 @@ fn scaled_inside_equals_scaled_first(make: &dyn Fn() -> Box<dyn Optimizer>, what
     let shape = [3u64, 37];
     let info = ParamInfo::new("model.layers.0.mlp.up_proj.weight", &shape);
     let n = info.numel();
+    // Weights of both signs, some zero (so a decay term is ±0 too).
     let w0: Vec<f32> = gradient(n, 99).iter().map(|x| x * 0.3).collect();
     let (mut wa, mut wb) = (w0.clone(), w0);
     let (mut sa, mut sb) = (allocate(inside.as_ref(), &info), allocate(first.as_ref(), &info));
@@ -68,7 +73,9 @@ fn scaled_inside_equals_scaled_first(make: &dyn Fn() -> Box<dyn Optimizer>, what
         let g = gradient(n, t);
         let ctx = StepContext::new(t, 1e-2, if t > 1 { 0.1 } else { 0.0 }, 1);
         step(inside.as_mut(), &info, &mut wa, &g, &mut sa, &StepContext { grad_scale: scale, ..ctx });
-        let scaled: Vec<f32> = g.iter().map(|x| x * scale as f32).collect();
+        // What the host handed over: candle's affine when there is a factor, else g.
+        let scaled: Vec<f32> =
+            if scale == 1.0 { g.clone() } else { g.iter().map(|x| x * scale as f32 + 0.0).collect() };
         step(first.as_mut(), &info, &mut wb, &scaled, &mut sb, &ctx);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&wa), bits(&wb), "{what}, step {t} (scale {scale}): the parameter");

@@ -680,6 +680,8 @@ fn step_in_backward_names_a_nan_gradient_from_the_sums_read_after_backward() {
     let text = err.to_string();
     let TrainError::FailedInBackward { step: 3, saved: 2, source } = &err else { panic!("{text}") };
     assert!(matches!(**source, TrainError::NonFiniteInBackward { step: 3, .. }), "{text}");
-    assert!(text.contains("the gradient of model.") && text.contains("is NaN at step 3"), "{text}");
+    // The second gradient to arrive, named as on the CPU (nan_policy.rs): the sums read after
+    // backward keep each one's parameter.
+    assert!(text.contains("the gradient of model.layers.0.self_attn.q_proj.weight is NaN at step 3"), "{text}");
     assert!(!dir.path().join("checkpoints/step-00000003").exists());
 }

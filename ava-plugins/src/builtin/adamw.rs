@@ -73,8 +73,8 @@ impl Plugin for AdamW {
 }
 
 impl Optimizer for AdamW {
-    /// The clipping factor is applied as each gradient element is read (`g · grad_scale`,
-    /// the product the host would have written), on both devices.
+    /// The clipping factor is applied as each gradient element is read
+    /// ([`StepContext::grad_affine`]: the product the host would have written), on both devices.
     fn scales_gradients(&self) -> bool {
         true
     }
@@ -128,14 +128,14 @@ impl Optimizer for AdamW {
         let bc2_sqrt = (1.0 - self.beta2.powi(t)).sqrt() as f32;
         let decay = (1.0 - ctx.lr * ctx.weight_decay) as f32;
         let (b1, b2, eps) = (self.beta1 as f32, self.beta2 as f32, self.eps as f32);
-        let scale = ctx.grad_scale as f32;
+        let (mul, add) = ctx.grad_affine();
 
         // θ ← θ·(1 − lr·λ) − lr/bc1 · m / (√v / √bc2 + ε), torch's arrangement of m̂/(√v̂ + ε).
         let apply = |w: &mut f32, m: f32, v: f32| *w = *w * decay - step_size * m / (v.sqrt() / bc2_sqrt + eps);
         match v_max {
             None => {
                 for (((w, &g), m), v) in values.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
-                    let g = g * scale;
+                    let g = g * mul + add;
                     *m = b1 * *m + (1.0 - b1) * g;
                     *v = b2 * *v + (1.0 - b2) * g * g;
                     apply(w, *m, *v);
@@ -145,7 +145,7 @@ impl Optimizer for AdamW {
                 for ((((w, &g), m), v), vm) in
                     values.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()).zip(v_max.iter_mut())
                 {
-                    let g = g * scale;
+                    let g = g * mul + add;
                     *m = b1 * *m + (1.0 - b1) * g;
                     *v = b2 * *v + (1.0 - b2) * g * g;
                     *vm = vm.max(*v);
@@ -196,7 +196,8 @@ impl Optimizer for AdamW {
             return Ok(());
         }
         let v_max = v_max.map_or(0u64, |b| b.ptr); // NULL without amsgrad
-        let (lr, wd, scale) = (ctx.lr, ctx.weight_decay, ctx.grad_scale as f32);
+        let (lr, wd) = (ctx.lr, ctx.weight_decay);
+        let (mul, add) = ctx.grad_affine();
         let mut params = [
             arg(&values.ptr),
             arg(&grad.ptr),
@@ -210,7 +211,8 @@ impl Optimizer for AdamW {
             arg(&self.beta1),
             arg(&self.beta2),
             arg(&self.eps),
-            arg(&scale),
+            arg(&mul),
+            arg(&add),
         ];
         // SAFETY: adamw_step's parameters one for one; every buffer was checked to hold n
         // f32s (the count one u32) above.

@@ -75,8 +75,8 @@ impl Plugin for Sgd {
 }
 
 impl Optimizer for Sgd {
-    /// The clipping factor is applied as each gradient element is read (`g · grad_scale`,
-    /// the product the host would have written), on both devices.
+    /// The clipping factor is applied as each gradient element is read
+    /// ([`StepContext::grad_affine`]: the product the host would have written), on both devices.
     fn scales_gradients(&self) -> bool {
         true
     }
@@ -106,11 +106,12 @@ impl Optimizer for Sgd {
         if ctx.step == 0 {
             return Err(PluginError::invalid_input("sgd: step numbers are 1-based, got step 0"));
         }
-        let (lr, wd, scale) = (ctx.lr as f32, ctx.weight_decay as f32, ctx.grad_scale as f32);
+        let (lr, wd) = (ctx.lr as f32, ctx.weight_decay as f32);
+        let (mul, add) = ctx.grad_affine();
         match state {
             [] if self.momentum == 0.0 => {
                 for (w, &g) in values.iter_mut().zip(grad) {
-                    let g = g * scale + wd * *w;
+                    let g = (g * mul + add) + wd * *w;
                     *w -= lr * g;
                 }
             }
@@ -123,7 +124,7 @@ impl Optimizer for Sgd {
                 count[0] = count[0].saturating_add(1);
                 let (mu, keep) = (self.momentum as f32, (1.0 - self.dampening) as f32);
                 for ((w, &g), b) in values.iter_mut().zip(grad).zip(buf.iter_mut()) {
-                    let g = g * scale + wd * *w;
+                    let g = (g * mul + add) + wd * *w;
                     *b = if first { g } else { mu * *b + keep * g };
                     let d = if self.nesterov { g + mu * *b } else { *b };
                     *w -= lr * d;
@@ -158,13 +159,14 @@ impl Optimizer for Sgd {
             return Err(PluginError::invalid_input("sgd: step numbers are 1-based, got step 0"));
         }
         let grid = blocks(n)?;
-        let (lr, wd, scale) = (ctx.lr as f32, ctx.weight_decay as f32, ctx.grad_scale as f32);
+        let (lr, wd) = (ctx.lr as f32, ctx.weight_decay as f32);
+        let (mul, add) = ctx.grad_affine();
         match state {
             [] if self.momentum == 0.0 => {
                 if n == 0 {
                     return Ok(());
                 }
-                let mut params = [arg(&values.ptr), arg(&grad.ptr), arg(&n), arg(&lr), arg(&wd), arg(&scale)];
+                let mut params = [arg(&values.ptr), arg(&grad.ptr), arg(&n), arg(&lr), arg(&wd), arg(&mul), arg(&add)];
                 // SAFETY: sgd_step's parameters one for one; both buffers hold n f32s (checked).
                 unsafe { launch(&OPTIM, c"sgd_step", grid, THREADS, stream, &mut params) }
             }
@@ -185,7 +187,8 @@ impl Optimizer for Sgd {
                         arg(&mu),
                         arg(&keep),
                         arg(&nesterov),
-                        arg(&scale),
+                        arg(&mul),
+                        arg(&add),
                     ];
                     // SAFETY: sgd_momentum_step's parameters one for one; sizes checked above.
                     unsafe { launch(&OPTIM, c"sgd_momentum_step", grid, THREADS, stream, &mut params)? };

@@ -63,20 +63,15 @@ fn gradient_accumulators(s: &Inputs<'_>, shares: &Shares) -> Option<Term> {
     })
 }
 
-/// The optimizer step's transients live at the peak, in bytes: the global norm's g² of one
-/// gradient, a parameter widened to f32, the streamed state of the parameter being stepped.
+/// The optimizer step's transients live at the peak, in bytes: the global norm's partial
+/// sums, a parameter widened to f32, the streamed state of the parameter being stepped.
 fn step_transients(s: &Inputs<'_>, offload: &Offload, peak: &MicroBatchPeak) -> Option<Term> {
     (at(peak, Cat::Step) > 0).then(|| {
         Term::new(
             Component::Optimizer,
             "optimizer step's transients at the peak",
             format!(
-                "{}{}{}",
-                if s.gpu() {
-                    "the global norm's partial sums (a few per gradient)"
-                } else {
-                    "the global norm's g² of one gradient (4 · its elements)"
-                },
+                "the global norm's partial sums (a few per gradient){}{}",
                 if s.scratch() { ", one parameter widened to f32 to be stepped (4 · its elements)" } else { "" },
                 match (offload.is_on(), offload.pinned) {
                     (true, true) => ", the state of the parameter being stepped, uploaded from host memory",

@@ -20,7 +20,7 @@ use crate::model::{BlockIndex, MlpIndex, ModelSpec, ParamDef, ParamIndex};
 pub(crate) struct StepModel {
     /// Each parameter is stepped as soon as its gradient is final and the gradient freed
     /// (`train.step_in_backward`); otherwise all gradients are held until after backward,
-    /// where the step also computes their norm (one g² per gradient, freed at once).
+    /// where the step also computes their norm (partial sums only, no g²).
     pub inside: bool,
     /// The weights are stored in the compute type with no f32 master in memory
     /// (`master_weights: none | kahan | tier`): no cast copy for the forward pass.
@@ -867,8 +867,8 @@ impl<'a> Replay<'a> {
             accumulators = b.finish(self, &mut accumulators);
         }
         if self.step.after && !self.step.inside {
-            // The step after backward: the global norm (g² of each gradient, one at a
-            // time), then each parameter stepped and its gradient freed, in model order.
+            // The step after backward: the global norm (read from the gradients, no g²),
+            // then each parameter stepped and its gradient freed, in model order.
             if let Some(z) = zero.filter(|z| z.stage < 2) {
                 // Stages 0 and 1 all-reduce after backward, a bucket at a time: the bucket's
                 // flat copy beside the gradients (its own are replaced as it lands).

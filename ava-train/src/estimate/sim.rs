@@ -71,7 +71,7 @@ pub(crate) enum Cat {
     ParamGrads,
     /// The attention kernel's workspace, while a forward or backward call runs.
     AttnWorkspace,
-    /// The optimizer step's transients: the norm's g², a parameter's f32 scratch.
+    /// The optimizer step's transients: a parameter's f32 scratch, its state from a tier.
     Step,
 }
 

@@ -99,22 +99,29 @@ impl<'a> StepInBackward<'a> {
         }
     }
 
-    /// Ends the step: waits for the tier's writes (an I/O error is this step's), reads the
-    /// GPU's sums of squares (one read) and checks them. Returns the tier's numbers and Σ g²
-    /// over every gradient stepped.
+    /// Ends the step: waits for the tier's writes, reads the GPU's sums of squares (one
+    /// read) and checks them. Returns the tier's numbers and Σ g² over every gradient
+    /// stepped. Of several failures the first inside backward wins, then a gradient that was
+    /// not finite (the likelier cause of what followed it), then the tier's own error.
     pub(crate) fn finish(self) -> Result<(super::StreamStats, f64), TrainError> {
         if let Some(e) = self.failure {
             return Err(e);
         }
         let stream = match self.session {
-            Some(s) => s.finish()?,
-            None => super::StreamStats::default(),
+            Some(s) => s.finish(),
+            None => Ok(super::StreamStats::default()),
         };
         let mut sumsq = self.sumsq;
-        for (i, s) in self.on_device.read().map_err(TrainError::candle)? {
+        let sums = self.on_device.read().map_err(|e| {
+            TrainError::Candle(format!(
+                "reading the gradients' sums of squares at the end of backward (an earlier kernel of this step, \
+                 an optimizer's step_cuda included, may have failed): {e}"
+            ))
+        })?;
+        for (i, s) in sums {
             sumsq += check_finite(&self.settings, i, f64::from(s))?;
         }
-        Ok((stream, sumsq))
+        Ok((stream?, sumsq))
     }
 
     fn fail(&mut self, e: TrainError) -> candle_core::Error {

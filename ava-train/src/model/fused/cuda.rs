@@ -796,20 +796,21 @@ fn sums_into(dev: &CudaDevice, tensors: &[&Tensor], out: &mut CudaViewMut<'_, f3
 /// [`read`]: DeviceSums::read
 pub(crate) struct DeviceSums {
     dev: CudaDevice,
-    out: CudaSlice<f32>, // (capacity,) f32
+    out: CudaSlice<f32>, // (capacity,) f32, the first `queued` written
+    capacity: usize,
     queued: usize,
 }
 
 impl DeviceSums {
     /// Room for `capacity` sums on `dev`.
     pub(crate) fn new(dev: &CudaDevice, capacity: usize) -> Result<Self> {
-        Ok(Self { dev: dev.clone(), out: uninit::<f32>(dev, capacity)?, queued: 0 })
+        Ok(Self { dev: dev.clone(), out: uninit::<f32>(dev, capacity)?, capacity, queued: 0 })
     }
 
     /// Queues Σ t² into the next slot.
     pub(crate) fn push(&mut self, t: &Tensor) -> Result<()> {
-        if self.queued >= self.out.len() {
-            bail!("sum of squares: more than the {} sums room was made for", self.out.len());
+        if self.queued >= self.capacity {
+            bail!("sum of squares: more than the {} sums room was made for", self.capacity);
         }
         let mut slot = self.out.slice_mut(self.queued..self.queued + 1);
         sums_into(&self.dev, &[t], &mut slot)?;
@@ -817,13 +818,12 @@ impl DeviceSums {
         Ok(())
     }
 
-    /// The sums queued, in order, in one read (which waits for them).
+    /// The sums queued, in order, in one read of just those slots (which waits for them).
     pub(crate) fn read(self) -> Result<Vec<f32>> {
         if self.queued == 0 {
             return Ok(Vec::new());
         }
-        let (queued, room) = (self.queued, self.out.len());
-        tensor(self.out, &self.dev, room).narrow(0, 0, queued)?.to_vec1::<f32>()
+        self.dev.clone_dtoh(&self.out.slice(..self.queued))
     }
 }
 

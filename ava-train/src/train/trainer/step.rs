@@ -279,7 +279,7 @@ impl Trainer {
         };
         let (stream, sumsq) = sink.finish().map_err(failed)?;
         match done {
-            // Every gradient was finite (each is checked before its step), but the loss
+            // Every gradient was finite (each is checked as it is stepped), but the loss
             // may not be: the step is applied, and the run stops before it is saved.
             MicroSteps::Done { ce, .. } if !ce.is_finite() => {
                 let what = format!("the loss is {}", non_finite_word(ce));
