@@ -465,7 +465,7 @@ const LION_INFO: &str = "\
 lion (optimizer) 0.1.0
   Lion: sign of interpolated momentum; one state buffer per parameter (Chen et al. 2023)
 
-  contract:  2
+  contract:  3
   devices:   cpu
   source:    $BIN/libava_plugin_lion.so
   sha256:    $SHA
@@ -497,7 +497,7 @@ fn plugins_info_lion_json() {
     assert_eq!(v["status"], "loaded");
     assert_eq!(v["source"], "$BIN/libava_plugin_lion.so");
     assert_eq!(v["sha256"], "$SHA");
-    assert_eq!(v["contract_version"], 2);
+    assert_eq!(v["contract_version"], 3);
     assert_eq!(v["devices"], serde_json::json!(["cpu"]));
     assert_eq!(
         v["options"],
@@ -529,7 +529,7 @@ fn plugins_info_builtin_and_missing_file() {
 ram (offload) 0.1.0
   offload to host RAM: records in an in-process map, optionally capped
 
-  contract:  2
+  contract:  3
   devices:   cpu
   source:    builtin
   status:    builtin
