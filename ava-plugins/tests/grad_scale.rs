@@ -1,4 +1,4 @@
-//! The built-in optimizers apply `StepContext::grad_scale` inside their step (contract 3), so
+//! The built-in optimizers (and the `lion` plugin) apply `StepContext::grad_scale` inside their step (contract 3), so
 //! the host no longer writes a scaled copy of every gradient when clipping applies. What
 //! they compute must be what they computed on the copy: for every configuration, a step on
 //! `g` with `grad_scale` s gives the same bits (parameter and every state buffer) as a step on
@@ -7,6 +7,7 @@
 //! values whose product underflows, where a plain `g · s` would differ in the sign of zero.
 
 use ava_core::prelude::*;
+use ava_plugin_lion::Lion;
 use ava_plugins::builtin::adamw::AdamW;
 use ava_plugins::builtin::sgd::Sgd;
 
@@ -103,4 +104,9 @@ fn sgd_applies_the_scale_as_the_host_did() {
         &|| Box::new(Sgd { momentum: 0.9, dampening: 0.0, nesterov: true }),
         "sgd nesterov",
     );
+}
+
+#[test]
+fn lion_applies_the_scale_as_the_host_did() {
+    scaled_inside_equals_scaled_first(&|| Box::new(Lion { beta1: 0.9, beta2: 0.99 }), "lion");
 }

@@ -64,6 +64,12 @@ impl Plugin for Lion {
 }
 
 impl Optimizer for Lion {
+    /// The clipping factor is applied as each gradient element is read
+    /// ([`StepContext::grad_affine`]: the product the host would have written), on both devices.
+    fn scales_gradients(&self) -> bool {
+        true
+    }
+
     fn state_layout(&self, param: &ParamInfo<'_>) -> Result<Vec<StateSpec>, PluginError> {
         Ok(vec![StateSpec::new("exp_avg", DType::F32, param.numel())])
     }
@@ -87,7 +93,9 @@ impl Optimizer for Lion {
         let lr = ctx.lr as f32;
         let decay = 1.0 - lr * ctx.weight_decay as f32;
         let (b1, b2) = (self.beta1, self.beta2);
+        let (mul, add) = ctx.grad_affine();
         for ((w, &g), m) in values.iter_mut().zip(grad).zip(m.iter_mut()) {
+            let g = g * mul + add;
             let c = b1 * *m + (1.0 - b1) * g;
             *w = *w * decay - lr * sign(c);
             *m = b2 * *m + (1.0 - b2) * g;
@@ -121,6 +129,7 @@ impl Optimizer for Lion {
         }
         let lr = ctx.lr as f32;
         let decay = 1.0 - lr * ctx.weight_decay as f32;
+        let (mul, add) = ctx.grad_affine();
         let mut params = [
             arg(&values.ptr),
             arg(&grad.ptr),
@@ -130,6 +139,8 @@ impl Optimizer for Lion {
             arg(&decay),
             arg(&self.beta1),
             arg(&self.beta2),
+            arg(&mul),
+            arg(&add),
         ];
         // SAFETY: lion_step's parameters one for one (size_t n is a usize, the floats f32s);
         // values, grad and exp_avg were checked to hold n f32s each.
