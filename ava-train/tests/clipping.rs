@@ -5,8 +5,9 @@
 //! update's norm is `lr · clip` (to 1e-6 of it) whatever the gradient: dropped, it would be
 //! `lr · ‖g‖`; applied twice, `lr · clip · c`.
 
+mod common;
+
 use ava_plugins::Registry;
-use ava_train::config::ConfigLoader;
 use ava_train::train::{Silent, TrainOptions, Trainer};
 
 /// Every weight's values, in order.
@@ -23,16 +24,8 @@ fn weights(t: &Trainer) -> Vec<f64> {
 #[test]
 fn one_clipped_sgd_step_moves_the_weights_by_lr_times_the_clip() {
     let dir = tempfile::tempdir().unwrap();
-    let out_dir = format!("train.out_dir={}", dir.path().display());
     let (lr, clip) = (0.1, 1e-3);
     let sets = [
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "model.num_layers=2",
-        "data.seq_len=32",
-        "data.num_workers=0",
         "train.micro_batch_size=4",
         "train.max_steps=1",
         "train.eval_every=0",
@@ -42,9 +35,8 @@ fn one_clipped_sgd_step_moves_the_weights_by_lr_times_the_clip() {
         "train.warmup_steps=0",
         "train.weight_decay=0",
         "train.grad_clip=0.001",
-        out_dir.as_str(),
     ];
-    let config = ConfigLoader::new().sets(sets).load().unwrap().into_config();
+    let config = common::tiny_config(dir.path(), &sets);
     let options = TrainOptions::default();
     let mut t = Trainer::new(&config, &Registry::builtins(), &options).unwrap();
     let before = weights(&t);

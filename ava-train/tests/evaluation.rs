@@ -1,6 +1,8 @@
 //! `train.eval_batch_size`: an evaluation covers `eval_batches × eval_batch_size` validation
 //! sequences, so the same sequences in other batch sizes give the same validation loss.
 
+mod common;
+
 use ava_plugins::Registry;
 use ava_train::config::ConfigLoader;
 use ava_train::train::{TrainOptions, Trainer};
@@ -8,19 +10,7 @@ use ava_train::train::{TrainOptions, Trainer};
 /// The validation loss of an untrained tiny model with `sets` on top.
 fn val_loss(sets: &[&str]) -> f64 {
     let dir = tempfile::tempdir().unwrap();
-    let out_dir = format!("train.out_dir={}", dir.path().display());
-    let base = [
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "model.num_layers=2",
-        "data.seq_len=32",
-        "data.num_workers=0",
-        "train.micro_batch_size=8",
-        out_dir.as_str(),
-    ];
-    let config = ConfigLoader::new().sets(base.iter().chain(sets).copied()).load().unwrap().into_config();
+    let config = common::tiny_config(dir.path(), &[&["train.micro_batch_size=8"][..], sets].concat());
     let mut trainer = Trainer::new(&config, &Registry::builtins(), &TrainOptions::default()).unwrap();
     trainer.evaluate().unwrap().val_loss
 }

@@ -13,6 +13,8 @@
 //! for bit: both sides draw the same bits from (seed, index). So are Kahan's compensated
 //! rounding and widening, alone and inside the engine's optimizer step.
 
+mod common;
+
 use std::sync::Arc;
 
 use ava_train::model::fused::{self, RopeTables};
@@ -653,15 +655,7 @@ fn step_in_backward_names_a_nan_gradient_from_the_sums_read_after_backward() {
     use ava_train::train::{Silent, TrainError, TrainOptions, Trainer};
     let _ = gpu();
     let dir = tempfile::tempdir().unwrap();
-    let out_dir = format!("train.out_dir={}", dir.path().display());
     let sets = [
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "model.num_layers=2",
-        "data.seq_len=32",
-        "data.num_workers=0",
         "train.device=cuda",
         "train.precision=fp32",
         "train.micro_batch_size=4",
@@ -671,9 +665,8 @@ fn step_in_backward_names_a_nan_gradient_from_the_sums_read_after_backward() {
         "train.step_in_backward=true",
         "train.grad_clip=0",
         "checkpoints.every=2",
-        out_dir.as_str(),
     ];
-    let config = ava_train::config::ConfigLoader::new().sets(sets).load().unwrap().into_config();
+    let config = common::tiny_config(dir.path(), &sets);
     let options = TrainOptions { nan_grad_at_steps: Some(3..4), ..Default::default() };
     let mut t = Trainer::new(&config, &ava_plugins::Registry::builtins(), &options).unwrap();
     let err = t.run(&options, &mut Silent).unwrap_err();

@@ -5,28 +5,21 @@
 //! with `step_in_backward` a NaN gradient is caught as it is stepped (the step fails by the
 //! parameter's name and nothing of it is saved), and `skip` is refused there by name.
 
+mod common;
+
 use ava_plugins::Registry;
-use ava_train::config::{Config, ConfigLoader, NanPolicy};
+use ava_train::config::{Config, NanPolicy};
 use ava_train::train::{Silent, TrainError, TrainOptions, Trainer};
 
 fn config(out: &std::path::Path, sets: &[&str]) -> Config {
-    let out_dir = format!("train.out_dir={}", out.display());
     let base = [
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "model.num_layers=2",
-        "data.seq_len=32",
-        "data.num_workers=0",
         "train.micro_batch_size=4",
         "train.max_steps=6",
         "train.eval_every=0",
         "train.log_every=1",
         "checkpoints.every=2",
-        out_dir.as_str(),
     ];
-    ConfigLoader::new().sets(base.iter().chain(sets).copied()).load().unwrap().into_config()
+    common::tiny_config(out, &[&base[..], sets].concat())
 }
 
 fn trainer(config: &Config, nan_at: std::ops::Range<u64>) -> Trainer {
