@@ -7,32 +7,26 @@
 #[global_allocator]
 static A: ava_train::memory::CountingAlloc = ava_train::memory::CountingAlloc;
 
+mod common;
+
 use ava_plugins::Registry;
-use ava_train::config::{Config, ConfigLoader};
+use ava_train::config::Config;
 use ava_train::train::{Silent, StepRecord, TrainError, TrainOptions, Trainer};
 
 /// The counting allocator and the hard limit are process-wide: one trainer at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// The tiny model (no loader thread allocating beside the measurements) with `sets` on top.
 fn config(out: &std::path::Path, sets: &[&str]) -> Config {
-    let out_dir = format!("train.out_dir={}", out.display());
     let base = [
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "model.num_layers=2",
-        "data.seq_len=32",
-        "data.num_workers=0", // no loader thread allocating beside the measurements
         "train.micro_batch_size=8",
         "train.gradient_accumulation_steps=2",
         "train.max_steps=6",
         "train.eval_every=0",
         "checkpoints.every=0",
         "memory.budget=1GiB",
-        out_dir.as_str(),
     ];
-    ConfigLoader::new().sets(base.iter().chain(sets).copied()).load().unwrap().into_config()
+    common::tiny_config(out, &[&base[..], sets].concat())
 }
 
 fn trainer(config: &Config, options: TrainOptions) -> Trainer {
