@@ -7,9 +7,11 @@
 //!
 //! Tolerance: the ranks' gradients are summed across ranks and then halved, where one
 //! process sums over the whole batch inside its kernels; the order of f32 additions differs,
-//! so per-step losses agree to 1e-5 relative and weights after 4 AdamW steps to 1e-5
+//! so per-step losses agree to 1e-5 relative and weights after 4 AdamW steps to 2e-5
 //! absolute (they differ from the first step in the last bits; Adam's normalized update
-//! keeps that at the level of f32 rounding times the learning rate and the steps).
+//! keeps that at the level of f32 rounding times the learning rate and the steps, and how
+//! large depends on the matmul kernel's order of additions: 1.1e-5 at most with the `gemm`
+//! crate's AVX-512 kernels, under 1e-5 with its AVX2 ones).
 
 use std::sync::Arc;
 
@@ -123,7 +125,7 @@ fn assert_close(a: &Outcome, b: &Outcome, what: &str) {
             worst = worst.max((x - y).abs());
         }
     }
-    assert!(worst <= 1e-5, "{what}: weights differ by up to {worst}");
+    assert!(worst <= 2e-5, "{what}: weights differ by up to {worst}");
 }
 
 fn sets(stage: u8, micro: usize, extra: &[&str]) -> Vec<String> {
