@@ -311,6 +311,26 @@ fn plan_streams_the_state_to_disk_when_nothing_else_fits() {
     assert!(err.contains("--offload \"tape:/tmp\": the tier cannot be made there") && err.contains("tape"), "{err}");
 }
 
+/// `ava bench train` says which matrix kernels ran, in its text and its JSON, beside where
+/// the step's time went (the linear layers' backward among the scopes).
+#[test]
+fn bench_train_names_the_matmul_kernels() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let mut args: Vec<String> =
+        ["bench", "train", "--steps", "1", "--warmup", "0"].iter().map(|s| s.to_string()).collect();
+    args.extend(common::SMALL.iter().flat_map(|s| ["--set".to_string(), s.to_string()]));
+    let text_args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let text = String::from_utf8_lossy(&ok(common::ava(dir.path(), &text_args)).stdout).into_owned();
+    let line = text.lines().find(|l| l.starts_with("matmul kernels")).unwrap_or_else(|| panic!("{text}"));
+    assert!(line.contains("gemm ") && line.contains("attention tiles"), "{line}");
+    let json_args: Vec<&str> = ["--format", "json"].into_iter().chain(text_args.iter().copied()).collect();
+    let out = common::json_of(&ok(common::ava(dir.path(), &json_args)));
+    assert_eq!(out["matmul_path"].as_str(), Some(line.trim_start_matches("matmul kernels").trim()));
+    let scopes: Vec<&str> = out["profile"].as_array().unwrap().iter().map(|p| p["scope"].as_str().unwrap()).collect();
+    assert!(scopes.contains(&"backward: linear"), "{scopes:?}");
+}
+
 /// `ava bench train --modes` runs the config's model in each memory mode and reports them
 /// side by side; with --offload also streaming the state to disk, with the tier's traffic
 /// and the time the step waited on it. bf16-only weights take half the parameter memory of

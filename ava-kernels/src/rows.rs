@@ -86,6 +86,21 @@ pub fn has_avx2() -> bool {
     })
 }
 
+/// Whether this CPU runs AVX-512F code (the attention products' wider tiles), under the same
+/// `AVA_KERNELS_PORTABLE=1` switch as [`has_avx2`] (which it implies).
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512() -> bool {
+    use std::sync::OnceLock;
+    static AVX512: OnceLock<bool> = OnceLock::new();
+    *AVX512.get_or_init(|| has_avx2() && std::is_x86_feature_detected!("avx512f"))
+}
+
+/// Whether this CPU runs AVX-512F code (never, off x86-64).
+#[cfg(not(target_arch = "x86_64"))]
+pub fn has_avx512() -> bool {
+    false
+}
+
 /// Whether this CPU runs the AVX2 copies (never, off x86-64).
 #[cfg(not(target_arch = "x86_64"))]
 pub fn has_avx2() -> bool {

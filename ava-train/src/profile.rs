@@ -141,6 +141,37 @@ pub fn vector_isa() -> VectorIsa {
     VectorIsa { built, cpu }
 }
 
+/// The CPU matrix kernels this machine runs, in words (`ava bench train` prints it): the
+/// `gemm` crate's level (it picks its kernels at run time: AVX-512 where the CPU has
+/// x86-64-v4, else AVX2 + FMA, else portable), how half-precision products are multiplied,
+/// and the attention kernels' tile products.
+pub fn matmul_path() -> String {
+    #[cfg(target_arch = "x86_64")]
+    let (gemm, tiles) = {
+        use std::arch::is_x86_feature_detected as has;
+        let v3 = has!("avx2") && has!("fma") && has!("bmi1") && has!("bmi2") && has!("lzcnt");
+        let v4 = v3 && has!("avx512f") && has!("avx512bw") && has!("avx512cd") && has!("avx512dq") && has!("avx512vl");
+        let gemm = if v4 {
+            "AVX-512 (x86-64-v4)"
+        } else if v3 {
+            "AVX2 + FMA"
+        } else {
+            "portable"
+        };
+        let tiles = if ava_kernels::rows::has_avx512() {
+            "AVX-512"
+        } else if ava_kernels::rows::has_avx2() {
+            "AVX2"
+        } else {
+            "gemm"
+        };
+        (gemm, tiles)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (gemm, tiles) = ("portable", "gemm");
+    format!("gemm {gemm}, f32; bf16/f16 widened to f32 and rounded once; attention tiles {tiles}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

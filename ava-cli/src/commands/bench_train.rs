@@ -160,6 +160,7 @@ fn cpu_bench(p: &Printer, trainer: &mut Trainer, header: &RunHeader, config: &Co
         .collect();
     let m = &last.memory;
     let isa = profile::vector_isa();
+    let matmul_path = profile::matmul_path();
     let text = || {
         let mut lines = vec![
             format!("tokens/s           {tokens_per_sec:.0}"),
@@ -184,6 +185,7 @@ fn cpu_bench(p: &Printer, trainer: &mut Trainer, header: &RunHeader, config: &Co
                 100.0 * model_gflops / peak
             ),
             isa_line(isa),
+            format!("matmul kernels     {matmul_path}"),
             format!(
                 "peak memory        {} — params {}, grads {}, optimizer {}, data {}, activations {}",
                 size(m.peak),
@@ -226,6 +228,7 @@ fn cpu_bench(p: &Printer, trainer: &mut Trainer, header: &RunHeader, config: &Co
             "step_seconds_slowest": slowest,
             "mfu": model_gflops / peak,
             "vector_isa": isa,
+            "matmul_path": matmul_path,
             "memory": m,
             "offload_bytes": last.offload_bytes,
             "profile": ops.iter().map(|(n, s, f)| json!({"scope": n, "seconds_per_step": s, "share": f})).collect::<Vec<_>>(),
