@@ -95,7 +95,7 @@ impl AttnShape {
         if self.batch == 0 || self.q_heads == 0 || self.kv_heads == 0 || self.head_dim == 0 {
             return Err(PluginError::invalid_input(format!("attention shape has a zero dimension: {self:?}")));
         }
-        if self.q_heads % self.kv_heads != 0 {
+        if !self.q_heads.is_multiple_of(self.kv_heads) {
             return Err(PluginError::invalid_input(format!(
                 "q_heads ({}) must be a multiple of kv_heads ({})",
                 self.q_heads, self.kv_heads

@@ -496,12 +496,12 @@ fn kernels_in(preprocessed: &str, source: &Path) -> Vec<String> {
     while let Some(at) = rest.find("extern \"C\"") {
         rest = &rest[at + 10..];
         let words: Vec<&str> = rest.split_whitespace().take(2).collect();
-        if words.first() == Some(&"void") {
-            if let Some(name) = words.get(1).map(|w| w.split('(').next().unwrap_or("")) {
-                if !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                    names.push(name.to_string());
-                }
-            }
+        if words.first() == Some(&"void")
+            && let Some(name) = words.get(1).map(|w| w.split('(').next().unwrap_or(""))
+            && !name.is_empty()
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            names.push(name.to_string());
         }
     }
     names

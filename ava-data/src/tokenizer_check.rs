@@ -591,7 +591,7 @@ mod tests {
                 s.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
             }
         }
-        while s.len() % 4 != 0 {
+        while !s.len().is_multiple_of(4) {
             s.push('=');
         }
         s

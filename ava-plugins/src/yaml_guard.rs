@@ -141,11 +141,11 @@ pub fn check(text: &str, limits: &YamlLimits) -> Result<(), YamlGuardError> {
                 stack.push(Frame { map, index: 0, start: (nodes, bytes), anchor });
             }
             Event::SequenceEnd | Event::MappingEnd => {
-                if let Some(frame) = stack.pop() {
-                    if frame.anchor != 0 {
-                        // +1: the collection itself.
-                        anchors.insert(frame.anchor, (nodes - frame.start.0 + 1, bytes - frame.start.1));
-                    }
+                if let Some(frame) = stack.pop()
+                    && frame.anchor != 0
+                {
+                    // +1: the collection itself.
+                    anchors.insert(frame.anchor, (nodes - frame.start.0 + 1, bytes - frame.start.1));
                 }
                 completed = true;
             }

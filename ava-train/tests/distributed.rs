@@ -86,7 +86,7 @@ fn train_until(world: usize, config: &Config, resume: Option<&str>, until: u64) 
                         let record = t.train_step().unwrap();
                         losses.push(record.loss);
                         norms.push(record.grad_norm);
-                        if t.step() % config.checkpoints.every == 0 {
+                        if t.step().is_multiple_of(config.checkpoints.every) {
                             t.save_checkpoint().unwrap();
                         }
                     }

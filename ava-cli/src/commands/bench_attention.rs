@@ -100,7 +100,7 @@ type Reference = Result<[Vec<f32>; 4], String>;
 pub fn run(p: &Printer, args: &BenchAttentionArgs) -> CmdResult {
     let heads = args.heads;
     let kv_heads = args.kv_heads.unwrap_or(heads);
-    if heads % kv_heads != 0 {
+    if !heads.is_multiple_of(kv_heads) {
         return Err(Failure::Usage(anyhow::anyhow!(
             "--kv-heads {kv_heads} must divide --heads {heads} (each key/value head serves the same number of query heads); try --kv-heads {}",
             divisors(heads).map(|d| d.to_string()).collect::<Vec<_>>().join(", --kv-heads ")
@@ -181,7 +181,7 @@ pub fn run(p: &Printer, args: &BenchAttentionArgs) -> CmdResult {
 
 /// The divisors of `n`, for the --kv-heads hint.
 fn divisors(n: u32) -> impl Iterator<Item = u32> {
-    (1..=n).filter(move |d| n % d == 0)
+    (1..=n).filter(move |d| n.is_multiple_of(*d))
 }
 
 /// Builds one kernel through the registry and works out the mask of its reference.

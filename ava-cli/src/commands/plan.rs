@@ -578,7 +578,7 @@ fn search(
     let micro_batches: Vec<usize> = (0..)
         .map(|k| base.train.micro_batch_size >> k)
         .take_while(|&m| m >= 1)
-        .filter(|m| effective % m == 0)
+        .filter(|m| effective.is_multiple_of(*m))
         .filter(|&m| !pinned("train.micro_batch_size") || m == base.train.micro_batch_size)
         .collect();
 
@@ -698,12 +698,12 @@ fn search(
         match plan_one(registry, spec, base, &c, aim, world, card) {
             Ok(Some(x)) => {
                 // A plan that streams must fit on the tier's disk.
-                if let (Some(tier), true) = (&tier, x.estimate.offloaded > 0) {
-                    if let Err(e) = tier.preflight(&x.estimate.offload_records) {
-                        no_room.get_or_insert(e.to_string());
-                        refused += 1;
-                        continue;
-                    }
+                if let (Some(tier), true) = (&tier, x.estimate.offloaded > 0)
+                    && let Err(e) = tier.preflight(&x.estimate.offload_records)
+                {
+                    no_room.get_or_insert(e.to_string());
+                    refused += 1;
+                    continue;
                 }
                 planned.push(x)
             }

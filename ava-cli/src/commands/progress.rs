@@ -131,7 +131,7 @@ impl Reporter for CliReporter<'_> {
                 size(r.memory.peak)
             ));
         }
-        if r.step % self.log_every == 0 || r.step == 1 {
+        if r.step.is_multiple_of(self.log_every) || r.step == 1 {
             let skipped = if r.skipped {
                 format!(" (skipped: overflow, loss scale now {})", r.loss_scale)
             } else {

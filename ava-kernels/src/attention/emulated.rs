@@ -269,7 +269,7 @@ fn between(rng: &mut Rng, lo: u32, hi: u32) -> u32 {
 /// to 128 (padded to its 32-column bucket; below 8 or not a multiple of 8 the kernels load
 /// tiles element by element).
 fn head_dim(rng: &mut Rng) -> u32 {
-    if rng.next_u64() % 4 == 0 { between(rng, 1, 128) } else { 32 * between(rng, 1, 4) }
+    if rng.next_u64().is_multiple_of(4) { between(rng, 1, 128) } else { 32 * between(rng, 1, 4) }
 }
 
 /// (H, Hkv): one or two key/value heads, each shared by 1 to `most_group` query heads
@@ -345,7 +345,7 @@ fn some_query_sees_two_keys(s: &AttnShape, segments: &[u32]) -> bool {
 
 /// Bf16 or f16, drawn.
 fn half(rng: &mut Rng) -> Ty {
-    if rng.next_u64() % 2 == 0 { Ty::Bf16 } else { Ty::F16 }
+    if rng.next_u64().is_multiple_of(2) { Ty::Bf16 } else { Ty::F16 }
 }
 
 /// Shapes of every kind, drawn ([`any_case`]): up to 150 queries and keys (single, several

@@ -296,7 +296,8 @@ fn query_tiles<'m>(
 /// thread busy, otherwise enough for an even share (each extra run costs a dQ copy).
 fn runs_per_group(groups: usize, threads: usize, k_tiles: usize) -> usize {
     let threads = threads.max(1);
-    let runs = if groups % threads == 0 || groups >= 4 * threads { 1 } else { threads.div_ceil(groups).max(2) };
+    let runs =
+        if groups.is_multiple_of(threads) || groups >= 4 * threads { 1 } else { threads.div_ceil(groups).max(2) };
     runs.min(k_tiles).max(1)
 }
 

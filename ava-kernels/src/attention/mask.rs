@@ -75,7 +75,10 @@ impl BlockPattern {
             return false;
         }
         let dist = qb.abs_diff(kb);
-        dist < self.local || kb < self.global || qb < self.global || (self.stride > 0 && dist % self.stride == 0)
+        dist < self.local
+            || kb < self.global
+            || qb < self.global
+            || (self.stride > 0 && dist.is_multiple_of(self.stride))
     }
 }
 
@@ -142,7 +145,7 @@ impl<'a> Mask<'a> {
                      positions, not documents",
                 ));
             }
-            if self.tk == 0 || segments.len() % self.tk != 0 {
+            if self.tk == 0 || !segments.len().is_multiple_of(self.tk) {
                 return Err(PluginError::invalid_input(format!(
                     "{} segment ids are not a whole number of sequences of {} keys",
                     segments.len(),

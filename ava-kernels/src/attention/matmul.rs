@@ -72,8 +72,8 @@ pub fn matmul(
         && lhs.rs >= 0
         && lhs.cs >= 0
         && rhs.rs >= 0
-        && m % 4 == 0
-        && n % 16 == 0
+        && m.is_multiple_of(4)
+        && n.is_multiple_of(16)
         && k <= 256
         && crate::rows::has_avx2()
     {
@@ -226,7 +226,7 @@ mod micro {
         accumulate: bool,
     ) {
         let (ars, acs, brs) = (lhs.rs as usize, lhs.cs as usize, rhs.rs as usize);
-        let rows = if m % 8 == 0 { 8 } else { 4 };
+        let rows = if m.is_multiple_of(8) { 8 } else { 4 };
         for i in (0..m).step_by(rows) {
             for j in (0..n).step_by(32) {
                 let a = lhs.data.as_ptr().wrapping_add(i * ars);

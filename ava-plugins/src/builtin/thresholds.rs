@@ -287,10 +287,10 @@ impl MemoryPolicy for Thresholds {
         self.watch_for_leak(stats.current);
         let decision = self.pressure(stats);
         // A leak warning waits for an observation with nothing else to do.
-        if decision.action == MemoryAction::Continue {
-            if let Some(message) = self.leak.take() {
-                return Ok(MemoryDecision::new(MemoryAction::Warn, decision.pressure, message));
-            }
+        if decision.action == MemoryAction::Continue
+            && let Some(message) = self.leak.take()
+        {
+            return Ok(MemoryDecision::new(MemoryAction::Warn, decision.pressure, message));
         }
         Ok(decision)
     }

@@ -259,12 +259,12 @@ fn remove_keeping_comments(table: &mut dyn toml_edit::TableLike, key: &str) -> O
         .map(str::to_string);
     table.remove(key);
     let Some(comments) = comments else { return Some(String::new()) };
-    if let Some(next) = keys.get(index + 1) {
-        if let Some(mut next_key) = table.key_mut(next) {
-            let old = next_key.leaf_decor().prefix().and_then(|p| p.as_str()).unwrap_or("").to_string();
-            next_key.leaf_decor_mut().set_prefix(format!("{comments}{old}"));
-            return Some(String::new());
-        }
+    if let Some(next) = keys.get(index + 1)
+        && let Some(mut next_key) = table.key_mut(next)
+    {
+        let old = next_key.leaf_decor().prefix().and_then(|p| p.as_str()).unwrap_or("").to_string();
+        next_key.leaf_decor_mut().set_prefix(format!("{comments}{old}"));
+        return Some(String::new());
     }
     Some(comments)
 }
@@ -308,17 +308,18 @@ enum Step {
 fn place_before_next_table(doc: &mut DocumentMut, position: Option<isize>, comments: &str) {
     fn visit(table: &Table, after: isize, path: &mut Vec<Step>, best: &mut Option<(isize, Vec<Step>)>) {
         let consider = |t: &Table, path: &mut Vec<Step>, best: &mut Option<(isize, Vec<Step>)>| {
-            if let Some(p) = t.position() {
-                if p > after && best.as_ref().is_none_or(|(b, _)| p < *b) {
-                    let copy = path
-                        .iter()
-                        .map(|s| match s {
-                            Step::Key(k) => Step::Key(k.clone()),
-                            Step::Index(i) => Step::Index(*i),
-                        })
-                        .collect();
-                    *best = Some((p, copy));
-                }
+            if let Some(p) = t.position()
+                && p > after
+                && best.as_ref().is_none_or(|(b, _)| p < *b)
+            {
+                let copy = path
+                    .iter()
+                    .map(|s| match s {
+                        Step::Key(k) => Step::Key(k.clone()),
+                        Step::Index(i) => Step::Index(*i),
+                    })
+                    .collect();
+                *best = Some((p, copy));
             }
             visit(t, after, path, best);
         };

@@ -572,7 +572,7 @@ impl fmt::Display for ByteSize {
         for (unit, size) in UNITS {
             if self.0 >= size {
                 let value = self.0 as f64 / size as f64;
-                return if self.0 % size == 0 {
+                return if self.0.is_multiple_of(size) {
                     write!(f, "{}{unit}", self.0 / size)
                 } else {
                     write!(f, "{value:.2}{unit}")

@@ -224,10 +224,8 @@ pub(crate) fn set_key(text: &str, section: &str, key: &str, value: Option<&str>)
             if section_empty && !section_comment {
                 lines.remove(s);
             }
-            if at_eof_without_eol {
-                if let Some(prev) = lines.last_mut() {
-                    prev.eol.clear();
-                }
+            if at_eof_without_eol && let Some(prev) = lines.last_mut() {
+                prev.eol.clear();
             }
         }
         (None, Some(value)) => {

@@ -534,13 +534,13 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
     // transformers: `head_dim` if set, else hidden_size // num_attention_heads.
     let head_dim_given = r.obj.get("head_dim").is_some_and(|v| !v.is_null());
     let head_dim = r.int("head_dim", Some(hidden / heads.max(1)), 1 << 16);
-    if !head_dim_given && heads > 0 && hidden % heads != 0 {
+    if !head_dim_given && heads > 0 && !hidden.is_multiple_of(heads) {
         r.problems.push(format!(
             "hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads}), and there is no head_dim: \
              fix one of them, or set head_dim"
         ));
     }
-    if heads > 0 && kv_heads > 0 && heads % kv_heads != 0 {
+    if heads > 0 && kv_heads > 0 && !heads.is_multiple_of(kv_heads) {
         r.problems.push(format!(
             "num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads}); grouped-query \
              attention shares each key/value head among a whole number of query heads"

@@ -254,7 +254,7 @@ impl ModelSpec {
         };
         // Every problem at once: the head split here, the rest from validate.
         let mut problems = Vec::new();
-        if config.num_heads > 0 && config.hidden_size % config.num_heads != 0 {
+        if config.num_heads > 0 && !config.hidden_size.is_multiple_of(config.num_heads) {
             problems.push(format!(
                 "hidden_size ({}) must be a multiple of num_heads ({}): each head gets hidden_size / num_heads dimensions",
                 config.hidden_size, config.num_heads
@@ -327,7 +327,7 @@ impl ModelSpec {
         if !problems.is_empty() {
             return Err(ModelError::Spec { origin: origin.to_string(), problems });
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             problems.push(format!("the head size ({}) must be even for rotary embeddings", self.head_dim));
         }
         if self.sliding_window == Some(0) {
@@ -340,7 +340,7 @@ impl ModelSpec {
                 self.moe.map_or(0, |m| m.experts)
             ));
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             problems.push(format!(
                 "num_heads ({}) must be a multiple of num_kv_heads ({}) for grouped-query attention",
                 self.heads, self.kv_heads

@@ -147,7 +147,7 @@ impl<T: Clone> Thinned<T> {
         if self.last.as_ref().is_none_or(|l| step >= l.0) {
             self.last = Some((step, value.clone()));
         }
-        if step % self.stride != 0 {
+        if !step.is_multiple_of(self.stride) {
             return;
         }
         self.kept.insert(step, value);

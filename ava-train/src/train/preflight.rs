@@ -94,7 +94,7 @@ pub fn fit_budget(
     let splits: Vec<usize> = if config.train.step_in_backward {
         Vec::new()
     } else {
-        (1..usize::BITS).map(|k| 1usize << k).take_while(|&d| d <= micro && micro % d == 0).collect()
+        (1..usize::BITS).map(|k| 1usize << k).take_while(|&d| d <= micro && micro.is_multiple_of(d)).collect()
     };
     let probes = splits.into_iter().map(probe).collect::<Result<Vec<_>, _>>()?;
     let chosen = probes.iter().find(|p| p.quiet).or_else(|| probes.iter().find(|p| p.fits));

@@ -216,7 +216,7 @@ fn check_trainer_state(
     }
     let micro = config.train.micro_batch_size;
     let split = state.micro_batch_split;
-    if split == 0 || !split.is_power_of_two() || micro % split != 0 {
+    if split == 0 || !split.is_power_of_two() || !micro.is_multiple_of(split) {
         problems.push(format!(
             "micro_batch_split is {split}; it must be a power of two dividing train.micro_batch_size ({micro})"
         ));
@@ -998,7 +998,10 @@ impl Trainer {
     /// and the out-of-memory back-off act through it.
     pub fn shrink_micro_batch(&mut self) -> bool {
         let configured = self.config.train.micro_batch_size;
-        if !self.config.train.step_in_backward && configured / self.split > 1 && configured % (self.split * 2) == 0 {
+        if !self.config.train.step_in_backward
+            && configured / self.split > 1
+            && configured.is_multiple_of(self.split * 2)
+        {
             self.split *= 2;
             true
         } else {

@@ -120,11 +120,11 @@ impl Plugin for Int8Tier {
 fn floats(bytes: &[u8], dtype: DType) -> Option<Vec<f32>> {
     let read = |n: usize, f: &dyn Fn(&[u8]) -> f32| bytes.chunks_exact(n).map(f).collect::<Vec<f32>>();
     match dtype {
-        DType::F32 if bytes.len() % 4 == 0 => Some(read(4, &|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
-        DType::BF16 if bytes.len() % 2 == 0 => {
+        DType::F32 if bytes.len().is_multiple_of(4) => Some(read(4, &|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+        DType::BF16 if bytes.len().is_multiple_of(2) => {
             Some(read(2, &|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()))
         }
-        DType::F16 if bytes.len() % 2 == 0 => {
+        DType::F16 if bytes.len().is_multiple_of(2) => {
             Some(read(2, &|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()))
         }
         _ => None,

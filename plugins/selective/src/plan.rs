@@ -35,10 +35,10 @@ pub fn peak(blocks: &[BlockFacts], plan: &[BlockDecision]) -> (u64, usize) {
     // The open segment: its first block, what was held below it, its blocks' activations.
     let mut segment: Option<(usize, u64, u64)> = None;
     let close = |segment: &mut Option<(usize, u64, u64)>, best: &mut (u64, usize)| {
-        if let Some((first, under, rebuilt)) = segment.take() {
-            if under.saturating_add(rebuilt) > best.0 {
-                *best = (under.saturating_add(rebuilt), first);
-            }
+        if let Some((first, under, rebuilt)) = segment.take()
+            && under.saturating_add(rebuilt) > best.0
+        {
+            *best = (under.saturating_add(rebuilt), first);
         }
     };
     for (i, (b, &d)) in blocks.iter().zip(plan).enumerate() {

@@ -229,10 +229,10 @@ impl std::fmt::Debug for TableCache {
 /// The f32 tables (cos, sin) of `rope` on `dev`, uploaded once.
 fn device_tables(rope: &RopeTables, dev: &CudaDevice) -> Result<DeviceTables> {
     let mut cache = rope.device_cache().0.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((id, t)) = cache.as_ref() {
-        if *id == dev.id() {
-            return Ok(t.clone());
-        }
+    if let Some((id, t)) = cache.as_ref()
+        && *id == dev.id()
+    {
+        return Ok(t.clone());
     }
     let (cos, sin) = rope.f32_tables();
     let t = Arc::new((dev.clone_htod(cos)?, dev.clone_htod(sin)?)); // (P, D) each

@@ -39,7 +39,7 @@ pub struct RopeTables {
 impl RopeTables {
     /// Tables for `seq` positions, head size `head_dim` (even) and the settings `rope`.
     pub fn new(seq: usize, head_dim: usize, rope: &RopeSpec) -> Result<Arc<Self>> {
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             bail!("rotary embedding needs an even head size, got {head_dim}");
         }
         let half = head_dim / 2;
@@ -149,10 +149,10 @@ pub fn split_heads(
         bail!("split_heads: ({n}, {cd}) is not (B·T, C·D) for B {b}, T {t}, C {c}");
     }
     let d = cd / c;
-    if let Some(r) = rope {
-        if t > r.seq || d != r.head_dim {
-            bail!("sequence of {t} tokens is longer than the rotary tables ({}) or head size {d} differs", r.seq);
-        }
+    if let Some(r) = rope
+        && (t > r.seq || d != r.head_dim)
+    {
+        bail!("sequence of {t} tokens is longer than the rotary tables ({}) or head size {d} differs", r.seq);
     }
     if let Some(pos) = positions {
         if pos.len() != b * t {

@@ -248,8 +248,8 @@ impl Trainer {
         summary: &mut RunSummary,
     ) -> Result<(), TrainError> {
         let t = &self.config.train;
-        let due = (t.eval_every > 0 && step % t.eval_every == 0) || step == last;
-        let sample_due = t.sample_every > 0 && step % t.sample_every == 0 && self.zero.is_root();
+        let due = (t.eval_every > 0 && step.is_multiple_of(t.eval_every)) || step == last;
+        let sample_due = t.sample_every > 0 && step.is_multiple_of(t.sample_every) && self.zero.is_root();
         if due && self.dataset.missing_validation().is_none() {
             let limit = self.device_limit.as_ref().map(crate::device::DeviceLimit::bytes);
             let eval = self.evaluate().map_err(|e| TrainError::device_out_of_memory(Some(step), limit, e))?;
