@@ -13,13 +13,15 @@ profile of the last round is printed as well: Ava's profiler scopes (from `ava b
 train`) and PyTorch's own profiler (torch.profiler, self CPU time per op).
 
 PyTorch's reference is what a user of transformers would write: LlamaForCausalLM with
-the config's sizes (SDPA attention, untied embeddings, no biases), torch.optim.AdamW with
+the config's sizes (SDPA attention, the config's embedding tying, no biases), torch.optim.AdamW with
 the config's betas, weight decay and learning rate, gradient clipping by
 clip_grad_norm_ at the config's train.grad_clip, random tokens of the config's
 micro-batch and sequence length, one optimizer step per micro-batch. Its bf16 recipe is
 autocast (f32 weights and optimizer, products in bf16: oneDNN's AVX512-BF16 kernels where
 the CPU has them), as Ava's train.precision: bf16 keeps f32 master weights. Both sides
-count time the same way: the mean step of the measured steps after the warm-up.
+count time the same way: the mean step of the measured steps after the warm-up (Ava's
+with its profiler's scopes on, as `ava bench train` measures; PyTorch's profile, when
+asked for, runs on two more steps after the timed ones).
 
 Prints a human summary; --json FILE writes every measurement. Needs only the standard
 library besides torch and transformers (the worker imports them).
@@ -98,6 +100,8 @@ def worker(args):
     model = LlamaForCausalLM(cfg)
     model.config.use_cache = False
     model.train()
+    if c["train.gradient_accumulation_steps"] != 1:
+        sys.exit("the reference steps once per micro-batch: give --set train.gradient_accumulation_steps=1")
     if c["plugins.optimizer.name"] != "adamw":
         sys.exit(f"the reference steps with AdamW; the config's optimizer is {c['plugins.optimizer.name']}")
     betas = tuple(c.get("plugins.optimizer.betas") or (0.9, 0.999))
