@@ -142,21 +142,17 @@ pub fn vector_isa() -> VectorIsa {
 }
 
 /// The CPU matrix kernels this machine runs, in words (`ava bench train` prints it): the
-/// `gemm` crate's level (it picks its kernels at run time: AVX-512 where the CPU has
-/// x86-64-v4, else AVX2 + FMA, else portable), how half-precision products are multiplied,
+/// `gemm` crate's level (it picks its kernels at run time: on x86-64 AVX-512 where the CPU
+/// has x86-64-v4, else AVX2 + FMA, else portable), how half-precision products are multiplied,
 /// and the attention kernels' tile products.
 pub fn matmul_path() -> String {
     #[cfg(target_arch = "x86_64")]
     let (gemm, tiles) = {
-        use std::arch::is_x86_feature_detected as has;
-        let v3 = has!("avx2") && has!("fma") && has!("bmi1") && has!("bmi2") && has!("lzcnt");
-        let v4 = v3 && has!("avx512f") && has!("avx512bw") && has!("avx512cd") && has!("avx512dq") && has!("avx512vl");
-        let gemm = if v4 {
-            "AVX-512 (x86-64-v4)"
-        } else if v3 {
-            "AVX2 + FMA"
-        } else {
-            "portable"
+        use crate::model::fused::{GemmIsa, gemm_isa};
+        let gemm = match gemm_isa() {
+            GemmIsa::Avx512 => "AVX-512 (x86-64-v4)",
+            GemmIsa::Avx2 => "AVX2 + FMA",
+            GemmIsa::Other => "portable",
         };
         let tiles = if ava_kernels::rows::has_avx512() {
             "AVX-512"
@@ -167,8 +163,9 @@ pub fn matmul_path() -> String {
         };
         (gemm, tiles)
     };
+    // Elsewhere gemm picks the architecture's own kernels (NEON on aarch64).
     #[cfg(not(target_arch = "x86_64"))]
-    let (gemm, tiles) = ("portable", "gemm");
+    let (gemm, tiles) = (std::env::consts::ARCH, "gemm");
     format!("gemm {gemm}, f32; bf16/f16 widened to f32 and rounded once; attention tiles {tiles}")
 }
 

@@ -144,11 +144,13 @@ fn estimated_micro_batch_peak_is_within_15_percent_of_the_measured_one() {
         case("d128 L2 biases D48", &biased, 4, 64, bf16, plan(2, Keep), false),
         case("d128 L2 biases D48", &biased, 4, 64, f16, vec![Keep, Recompute], false),
         // The loss with the logits whole (train.loss_chunk_rows: 0), and in blocks of rows.
-        // With the logits whole the peak is in the head's backward product dx = g·W, where
-        // gemm packs g, (N, V), into a buffer of its own; the replay counts the linear layer's
-        // g whole there (an upper bound: at 512 rows exact, at 2048 rows of V 4096 gemm took
-        // half, and the estimate was 1.135× the measured peak). Before the backward moved
-        // each first gradient in, the zeros it was added to hid that buffer.
+        // With the logits whole the peak is in the head's backward products, where gemm's
+        // AVX2 kernels copy g, (N, V), into a buffer of its own for dW = gᵀ·x (its AVX-512
+        // kernels do not at d 64: `fused::gemm_packs_output_grad`); the replay counts the
+        // linear layer's g whole where gemm copies it (an upper bound: at 512 rows exact, at
+        // 2048 rows of V 4096 gemm took half, and the estimate was 1.135× the measured peak).
+        // Before the backward moved each first gradient in, the zeros it was added to hid
+        // that buffer.
         // Not here: a half run's blocks over the 4096-token vocabulary. Their peak is inside
         // the chunked head's backward product, where gemm's buffers (kc·nc f32s, about 7 MiB
         // on the 2-core machine here) are not counted: 0.76 and 0.86 of the measured peak for

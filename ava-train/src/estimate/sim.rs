@@ -1131,9 +1131,11 @@ pub(crate) fn backward(root: &T) -> GradStore {
                         let (x, w) = (&args[0], &args[1]);
                         let scratch = raw(&meter, scratch * 4);
                         let wf = raw(&meter, w.elem_count() * 4);
-                        // gemm's packed copy of each thread's share of a step of g (below).
+                        // gemm's packed copy of each thread's share of a step of g (below),
+                        // when x is wide enough for it to copy one.
                         let step_of_g = crate::model::fused::half_scratch_len(x.0.dims[0], 0, w.0.dims[0]) as u64;
-                        let packed = raw(&meter, step_of_g * 4);
+                        let packs = crate::model::fused::gemm_packs_output_grad(x.0.dims[1]);
+                        let packed = packs.then(|| raw(&meter, step_of_g * 4));
                         let dx = T::new(&meter, &x.0.dims, x.0.dtype);
                         drop((packed, wf));
                         let dw32 = raw(&meter, w.elem_count() * 4);
@@ -1143,13 +1145,15 @@ pub(crate) fn backward(root: &T) -> GradStore {
                         vec![dx, dw]
                     }
                     Fused::Linear if !meter.on_gpu() => {
-                        // gemm packs the product's left operand, g, into a buffer of its own
-                        // while it computes dx = g·W: all of it when it has few rows (under
-                        // twice gemm's cache-sized block), a block of columns of it when more.
-                        // Counted whole: an upper bound (seen: exact at 512 rows of 4096
-                        // columns, twice what gemm took at 2048).
+                        // gemm copies each thread's share of g into a buffer of its own for
+                        // dW = gᵀ·x when x is wide enough for its kernels
+                        // (`fused::gemm_packs_output_grad`): all of it when it has few rows,
+                        // a block of columns of it when more. Counted whole, around dx: an
+                        // upper bound (seen: exact at 512 rows of 4096 columns, twice what
+                        // gemm took at 2048).
                         let (x, w) = (&args[0], &args[1]);
-                        let packed = raw(&meter, grad.elem_count() * grad.0.dtype.size());
+                        let packs = crate::model::fused::gemm_packs_output_grad(x.0.dims[1]);
+                        let packed = packs.then(|| raw(&meter, grad.elem_count() * grad.0.dtype.size()));
                         let dx = T::new(&meter, &x.0.dims, x.0.dtype);
                         drop(packed);
                         vec![dx, T::new(&meter, &w.0.dims, w.0.dtype)]

@@ -65,6 +65,50 @@ pub fn linear(x: &Tensor, w: &Tensor, threads: usize) -> Result<Tensor> {
 /// of it); large enough that each thread's share packs the weight for many rows at once.
 const STEP_ROWS: usize = 1024;
 
+/// The `gemm` crate's kernels on this CPU (it picks them at run time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmIsa {
+    /// x86-64-v4: its AVX-512 kernels (16 f32 lanes, register tiles of 64 rows).
+    Avx512,
+    /// x86-64-v3: its AVX2 + FMA kernels (8 f32 lanes, register tiles of 24 rows).
+    Avx2,
+    /// Anything else: its portable kernels, or another architecture's.
+    Other,
+}
+
+/// See [`GemmIsa`]: the CPU features gemm's dispatch asks for (pulp's x86-64-v3 and -v4).
+pub fn gemm_isa() -> GemmIsa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        let v3 = has!("avx2") && has!("fma") && has!("bmi1") && has!("bmi2") && has!("lzcnt");
+        let v4 = v3 && has!("avx512f") && has!("avx512bw") && has!("avx512cd") && has!("avx512dq") && has!("avx512vl");
+        if v4 {
+            return GemmIsa::Avx512;
+        }
+        if v3 {
+            return GemmIsa::Avx2;
+        }
+    }
+    GemmIsa::Other
+}
+
+/// Whether `gemm` copies a thread's share of the output gradient g into a buffer of its own
+/// while the op's backward computes dW = gᵀ x, for x of `in_dim` columns. gemm computes a
+/// row-major product transposed, so g becomes its right operand with rows `out` apart, which
+/// it packs when that product's own rows (`in_dim`) exceed twice its register tile's rows:
+/// 64 with its AVX-512 f32 kernels, 24 with AVX2 (gemm-common 0.19's `do_pack_rhs`; seen
+/// with a counting allocator: on AVX-512 a copy at 256 columns and none at 128 or 64, on
+/// AVX2 one at 64). Elsewhere taken to pack (the estimator's replay then counts an upper
+/// bound).
+pub(crate) fn gemm_packs_output_grad(in_dim: usize) -> bool {
+    match gemm_isa() {
+        GemmIsa::Avx512 => in_dim > 2 * 64,
+        GemmIsa::Avx2 => in_dim > 2 * 24,
+        GemmIsa::Other => true,
+    }
+}
+
 /// The f32s of scratch the half-precision path holds through one forward or backward call of
 /// x (N, in) and w (out, in), besides the weight's f32 copy (out·in) and, in backward, dW's
 /// f32 accumulator (out·in): one step of rows of input and of product. The estimator's

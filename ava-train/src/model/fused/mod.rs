@@ -58,8 +58,8 @@ pub(crate) use convert::{rounded, widened};
 pub use embedding::embedding;
 #[cfg(test)]
 pub(crate) use embedding::positions_by_token;
-pub use linear::linear;
-pub(crate) use linear::{WeightGrad, half_scratch_len, linear_backward};
+pub use linear::{GemmIsa, gemm_isa, linear};
+pub(crate) use linear::{WeightGrad, gemm_packs_output_grad, half_scratch_len, linear_backward};
 pub use norm::rms_norm;
 pub use rope::{RopeTables, merge_heads, split_heads};
 pub use seed::seed;
