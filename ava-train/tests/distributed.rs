@@ -16,30 +16,24 @@
 use std::sync::Arc;
 
 use ava_plugins::Registry;
-use ava_train::config::{Config, ConfigLoader};
+use ava_train::config::Config;
 use ava_train::dist::{Collectives, thread_group};
 use ava_train::train::{TrainOptions, Trainer};
 
+mod common;
+
 fn config(out: &std::path::Path, sets: &[String]) -> Config {
-    let out_dir = format!("train.out_dir={}", out.display());
     let base = [
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "model.num_layers=2",
         "data.seq_len=16",
-        "data.num_workers=0",
         "train.max_steps=4",
         "train.warmup_steps=1",
         "train.eval_every=0",
         "train.eval_batches=2",
         "train.threads=1",
         "checkpoints.every=2",
-        out_dir.as_str(),
     ];
-    let sets = base.iter().map(|s| s.to_string()).chain(sets.iter().cloned());
-    ConfigLoader::new().sets(sets).load().unwrap().into_config()
+    let sets: Vec<&str> = base.into_iter().chain(sets.iter().map(String::as_str)).collect();
+    common::tiny_config(out, &sets)
 }
 
 /// What a rank saw: each step's loss, and the final weights.

@@ -9,22 +9,17 @@
 static A: ava_train::memory::CountingAlloc = ava_train::memory::CountingAlloc;
 
 use ava_plugins::Registry;
-use ava_train::config::{Config, ConfigLoader};
+use ava_train::config::Config;
 use ava_train::train::{Silent, StepRecord, TrainError, TrainOptions, Trainer};
 
 /// The counting allocator and the hard limit are process-wide: one trainer at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+mod common;
+
 fn config(out: &std::path::Path, sets: &[&str]) -> Config {
-    let out_dir = format!("train.out_dir={}", out.display());
     let base = [
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
         "model.num_layers=3",
-        "data.seq_len=32",
-        "data.num_workers=0",
         "train.micro_batch_size=4",
         "train.gradient_accumulation_steps=1",
         "train.grad_clip=0",
@@ -33,9 +28,9 @@ fn config(out: &std::path::Path, sets: &[&str]) -> Config {
         "train.max_steps=5",
         "train.eval_every=0",
         "checkpoints.every=0",
-        out_dir.as_str(),
     ];
-    ConfigLoader::new().sets(base.iter().chain(sets).copied()).load().unwrap().into_config()
+    let sets: Vec<&str> = base.into_iter().chain(sets.iter().copied()).collect();
+    common::tiny_config(out, &sets)
 }
 
 fn trainer(config: &Config) -> Trainer {

@@ -11,20 +11,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use ava_plugins::Registry;
-use ava_train::config::{Config, ConfigLoader};
+use ava_train::config::Config;
 use ava_train::dist::{Collectives, thread_group};
 use ava_train::train::{RunSummary, TrainOptions, Trainer};
 
+mod common;
+
 fn config(out: &Path) -> Config {
-    let out_dir = format!("train.out_dir={}", out.display());
     let sets = [
-        "model.hidden_size=32",
-        "model.intermediate_size=64",
-        "model.num_heads=2",
-        "model.num_kv_heads=1",
-        "model.num_layers=2",
         "data.seq_len=16",
-        "data.num_workers=0",
         "train.max_steps=6",
         "train.gradient_accumulation_steps=1",
         "train.warmup_steps=1",
@@ -32,9 +27,8 @@ fn config(out: &Path) -> Config {
         "train.log_every=1",
         "train.threads=1",
         "checkpoints.every=2",
-        out_dir.as_str(),
     ];
-    ConfigLoader::new().sets(sets.iter().map(|s| s.to_string())).load().unwrap().into_config()
+    common::tiny_config(out, &sets)
 }
 
 /// Sets `stop` once step 2's checkpoint is the latest (rank 1 then hangs in step 3's wait
