@@ -12,6 +12,21 @@ pub fn workers(threads: u32, tasks: usize) -> usize {
     (threads.max(1) as usize).min(tasks)
 }
 
+/// Elements below which an elementwise pass stays on one thread: starting a scoped thread
+/// costs tens of microseconds, about what one core needs for this many elements of an
+/// optimizer step.
+pub const MIN_ELEMENTS_PER_THREAD: usize = 1 << 16;
+
+/// Elements per task for an elementwise pass over `n` elements with at most `threads`
+/// threads: `n` itself (one task) below two [`MIN_ELEMENTS_PER_THREAD`] runs, else an equal
+/// share per thread, never under that minimum (at least 1, so `chunks` accepts it). Which
+/// thread computes an element changes nothing in its arithmetic, so such a pass gives the
+/// same bits for every thread count.
+pub fn elementwise_chunk(n: usize, threads: u32) -> usize {
+    let parts = (n / MIN_ELEMENTS_PER_THREAD).clamp(1, threads.max(1) as usize);
+    n.div_ceil(parts).max(1)
+}
+
 /// Runs `work(&mut scratch, task)` on every task with at most `threads` threads, each
 /// taking the next task from a shared queue (tasks of unequal cost balance themselves; put
 /// the expensive ones first). `scratch` is made once per thread by `init`.
@@ -120,5 +135,18 @@ mod tests {
             assert!(workspace.chunks(per).all(|c| c[1..].iter().all(|&x| x == 0.0)));
         }
         assert_eq!((workers(0, 5), workers(8, 5), workers(2, 0)), (1, 5, 0));
+    }
+
+    /// Small passes stay whole; large ones split into equal shares of at least the minimum.
+    #[test]
+    fn elementwise_chunks_keep_small_passes_whole() {
+        let min = MIN_ELEMENTS_PER_THREAD;
+        assert_eq!(elementwise_chunk(0, 4), 1);
+        assert_eq!(elementwise_chunk(100, 4), 100);
+        assert_eq!(elementwise_chunk(2 * min - 1, 4), 2 * min - 1);
+        assert_eq!(elementwise_chunk(2 * min, 4), min);
+        assert_eq!(elementwise_chunk(3 * min + 1, 2), (3 * min + 2) / 2);
+        assert_eq!(elementwise_chunk(10 * min, 4), 10 * min / 4);
+        assert_eq!(elementwise_chunk(10 * min, 0), 10 * min);
     }
 }

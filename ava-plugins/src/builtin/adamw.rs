@@ -17,10 +17,16 @@
 //! State per parameter: `exp_avg` and `exp_avg_sq` (f32, one per element), plus
 //! `max_exp_avg_sq` with amsgrad — 8 bytes per element (12 with amsgrad) — and `step`, one
 //! u32 per tensor (exact up to 4·10⁹ updates; torch keeps a float tensor).
+//!
+//! On the CPU a tensor of at least two [`parallel::MIN_ELEMENTS_PER_THREAD`] runs is stepped
+//! by up to [`StepContext::threads`] threads, one run of elements each; every element's
+//! arithmetic is the same whichever thread does it, so the bits do not depend on the thread
+//! count (tested).
 
 #[cfg(feature = "cuda")]
 use ava_core::device::{CudaBuf, CudaStream};
 use ava_core::{error::expect_len, prelude::*};
+use ava_kernels::parallel;
 
 /// AdamW's hyper-parameters (the state lives in the host's buffers).
 #[derive(Debug, Clone, PartialEq)]
@@ -69,6 +75,56 @@ impl Plugin for AdamW {
         options.check(eps > 0.0, || format!("option 'eps': {eps} must be > 0"));
         options.finish()?;
         Ok(AdamW { beta1, beta2, eps, amsgrad: options.bool("amsgrad") })
+    }
+}
+
+/// One step's scalars, applied element by element (in f32, the scalars computed in f64).
+#[derive(Clone, Copy)]
+struct Update {
+    /// lr / (1 − β1ᵗ).
+    step_size: f32,
+    /// √(1 − β2ᵗ).
+    bc2_sqrt: f32,
+    /// 1 − lr·λ.
+    decay: f32,
+    b1: f32,
+    b2: f32,
+    eps: f32,
+    /// The gradient's affine map `g·mul + add` ([`StepContext::grad_affine`]).
+    mul: f32,
+    add: f32,
+}
+
+impl Update {
+    /// The moments of raw gradient `g`, updated in place.
+    #[inline(always)]
+    fn moments(self, g: f32, m: &mut f32, v: &mut f32) {
+        let g = g * self.mul + self.add;
+        *m = self.b1 * *m + (1.0 - self.b1) * g;
+        *v = self.b2 * *v + (1.0 - self.b2) * g * g;
+    }
+
+    /// θ ← θ·(1 − lr·λ) − lr/bc1 · m / (√v / √bc2 + ε), torch's arrangement of m̂/(√v̂ + ε).
+    #[inline(always)]
+    fn apply(self, w: &mut f32, m: f32, v: f32) {
+        *w = *w * self.decay - self.step_size * m / (v.sqrt() / self.bc2_sqrt + self.eps);
+    }
+
+    /// AdamW over a run of elements.
+    fn adam(self, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        for (((w, &g), m), v) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            self.moments(g, m, v);
+            self.apply(w, *m, *v);
+        }
+    }
+
+    /// AdamW with the running maximum of v (amsgrad) over a run of elements.
+    fn amsgrad(self, w: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], v_max: &mut [f32]) {
+        for ((((w, &g), m), v), vm) in w.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()).zip(v_max.iter_mut()) {
+            self.moments(g, m, v);
+            *vm = vm.max(*v);
+            self.apply(w, *m, *vm);
+        }
     }
 }
 
@@ -124,33 +180,29 @@ impl Optimizer for AdamW {
 
         // Per-step scalars in f64 (torch computes them as Python floats), applied in f32.
         let t = i32::try_from(t).unwrap_or(i32::MAX);
-        let step_size = (ctx.lr / (1.0 - self.beta1.powi(t))) as f32;
-        let bc2_sqrt = (1.0 - self.beta2.powi(t)).sqrt() as f32;
-        let decay = (1.0 - ctx.lr * ctx.weight_decay) as f32;
-        let (b1, b2, eps) = (self.beta1 as f32, self.beta2 as f32, self.eps as f32);
         let (mul, add) = ctx.grad_affine();
-
-        // θ ← θ·(1 − lr·λ) − lr/bc1 · m / (√v / √bc2 + ε), torch's arrangement of m̂/(√v̂ + ε).
-        let apply = |w: &mut f32, m: f32, v: f32| *w = *w * decay - step_size * m / (v.sqrt() / bc2_sqrt + eps);
+        let k = Update {
+            step_size: (ctx.lr / (1.0 - self.beta1.powi(t))) as f32,
+            bc2_sqrt: (1.0 - self.beta2.powi(t)).sqrt() as f32,
+            decay: (1.0 - ctx.lr * ctx.weight_decay) as f32,
+            b1: self.beta1 as f32,
+            b2: self.beta2 as f32,
+            eps: self.eps as f32,
+            mul,
+            add,
+        };
+        // A large tensor's elements in one run per thread: each element's arithmetic is the
+        // same whichever thread does it, so the bits do not depend on the thread count.
+        let chunk = parallel::elementwise_chunk(n, ctx.threads);
+        let runs = values.chunks_mut(chunk).zip(grad.chunks(chunk)).zip(m.chunks_mut(chunk)).zip(v.chunks_mut(chunk));
         match v_max {
             None => {
-                for (((w, &g), m), v) in values.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()) {
-                    let g = g * mul + add;
-                    *m = b1 * *m + (1.0 - b1) * g;
-                    *v = b2 * *v + (1.0 - b2) * g * g;
-                    apply(w, *m, *v);
-                }
+                let runs: Vec<_> = runs.collect();
+                parallel::run(runs, ctx.threads, || (), move |_, (((w, g), m), v)| k.adam(w, g, m, v));
             }
             Some(v_max) => {
-                for ((((w, &g), m), v), vm) in
-                    values.iter_mut().zip(grad).zip(m.iter_mut()).zip(v.iter_mut()).zip(v_max.iter_mut())
-                {
-                    let g = g * mul + add;
-                    *m = b1 * *m + (1.0 - b1) * g;
-                    *v = b2 * *v + (1.0 - b2) * g * g;
-                    *vm = vm.max(*v);
-                    apply(w, *m, *vm);
-                }
+                let runs: Vec<_> = runs.zip(v_max.chunks_mut(chunk)).collect();
+                parallel::run(runs, ctx.threads, || (), move |_, ((((w, g), m), v), vm)| k.amsgrad(w, g, m, v, vm));
             }
         }
         Ok(())
@@ -244,13 +296,45 @@ mod tests {
 
     /// One step on `w` with state `st`; `step` is the trainer's global step.
     fn run(opt: &mut AdamW, w: &mut [f32], g: &[f32], st: &mut State, step: u64, lr: f64, wd: f64) {
+        run_on(opt, w, g, st, StepContext { step, lr, weight_decay: wd, threads: 1, grad_scale: 1.0 });
+    }
+
+    /// One step with the context `ctx`.
+    fn run_on(opt: &mut AdamW, w: &mut [f32], g: &[f32], st: &mut State, ctx: StepContext) {
         let shape = [w.len() as u64];
         let info = ParamInfo::new("w", &shape);
         let mut state: Vec<StateBuf<'_>> =
             st.bufs.iter_mut().map(|b| StateBuf::new(DType::F32, bytemuck::cast_slice_mut(b))).collect();
         state.push(StateBuf::new(DType::U32, bytemuck::cast_slice_mut(&mut st.step)));
-        let ctx = StepContext { step, lr, weight_decay: wd, threads: 1, grad_scale: 1.0 };
         opt.step(&info, w, g, &mut state, &ctx).unwrap();
+    }
+
+    /// A tensor large enough to be split over threads gets the same bits, weights and state,
+    /// from 1, 2 and 3 threads (with a length no thread count divides, and with amsgrad).
+    #[test]
+    fn threads_do_not_change_the_bits() {
+        let n = 5 * ava_kernels::parallel::MIN_ELEMENTS_PER_THREAD + 7;
+        let wave = |i: usize, f: f32| ((i as f32) * f).sin();
+        for amsgrad in [false, true] {
+            let mut runs = Vec::new();
+            for threads in [1, 2, 3] {
+                let mut opt = AdamW { amsgrad, ..AdamW::default() };
+                let mut w: Vec<f32> = (0..n).map(|i| wave(i, 0.37)).collect();
+                let mut st = State::new(n, if amsgrad { 3 } else { 2 });
+                for step in 1..=3u64 {
+                    let g: Vec<f32> = (0..n).map(|i| wave(i, 0.11 * step as f32)).collect();
+                    let ctx = StepContext { step, lr: 1e-2, weight_decay: 0.1, threads, grad_scale: 0.5 };
+                    run_on(&mut opt, &mut w, &g, &mut st, ctx);
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                runs.push((bits(&w), st.bufs.iter().map(|b| bits(b)).collect::<Vec<_>>(), st.step));
+            }
+            let start: Vec<u32> = (0..n).map(|i| wave(i, 0.37).to_bits()).collect();
+            let moved = runs[0].0.iter().zip(&start).filter(|(a, b)| a != b).count();
+            assert!(moved > n / 2 && runs[0].2 == [3], "three steps moved {moved} of {n} weights");
+            assert_eq!(runs[0], runs[1], "amsgrad {amsgrad}: 1 vs 2 threads");
+            assert_eq!(runs[0], runs[2], "amsgrad {amsgrad}: 1 vs 3 threads");
+        }
     }
 
     fn close(got: &[f32], want: &[f64], tol: f64, what: &str) {

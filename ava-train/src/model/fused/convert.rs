@@ -1,6 +1,6 @@
 //! Two ops candle already has, done with the fast conversions of [`Stored`] for half types:
 //! the cast between f32 and bf16/f16 (f32 master weights into the compute type, every step)
-//! and the residual addition of two half tensors; and the parallel widening and rounding of
+//! and the residual addition of two half tensors (and of large f32 ones, in parallel); and the parallel widening and rounding of
 //! whole buffers that the attention op uses around its f32 kernel.
 //!
 //! Why: candle converts and adds half values one element at a time through `half`, whose
@@ -34,14 +34,17 @@ pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
     }
 }
 
-/// `a + b` for tensors of one shape and type (the residual stream). f32 and f64 go through
-/// candle's addition, which is vectorized for them.
+/// `a + b` for tensors of one shape and type (the residual stream). On the CPU, half types
+/// always and f32 from four chunks of elements go through this op, in parallel chunks
+/// (candle adds on one thread); f64 and smaller f32 tensors through candle's addition.
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.dims() != b.dims() {
         bail!("add: shapes {:?} and {:?} differ", a.dims(), b.dims());
     }
+    let cpu = !a.device().is_cuda();
     match a.dtype() {
-        DType::BF16 | DType::F16 if !a.device().is_cuda() => a.contiguous()?.apply_op2(&b.contiguous()?, Add),
+        DType::BF16 | DType::F16 if cpu => a.contiguous()?.apply_op2(&b.contiguous()?, Add),
+        DType::F32 if cpu && a.elem_count() >= 4 * CHUNK => a.contiguous()?.apply_op2(&b.contiguous()?, Add),
         _ => a + b,
     }
 }

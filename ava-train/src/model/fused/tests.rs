@@ -445,6 +445,26 @@ fn cast_and_add_match_candle_bit_for_bit() {
     assert!(err.contains("shapes [2, 3] and [3, 2] differ"), "{err}");
 }
 
+/// f32 tensors of at least four chunks are added in parallel, by `add` (the residual stream)
+/// and by the patched candle's gradient sums (`GradStore::accumulate`, a tensor used twice):
+/// both the bits of one-thread candle, forward and backward.
+#[test]
+fn large_f32_additions_match_candle_bit_for_bit() {
+    let bits =
+        |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let shape = [3, 211, 149]; // 94317 elements: four chunks of 16384 and a remainder
+    let (a, b, probe) =
+        (tensor(&shape, 41, DType::F32), tensor(&shape, 42, DType::F32), tensor(&shape, 43, DType::F32));
+    assert_eq!(bits(&add(&a, &b).unwrap()), bits(&(&a + &b).unwrap()), "add");
+    // a reaches the sum twice, so its gradient is probe + probe · b, summed in the store.
+    let (va, vb) = (Var::from_tensor(&a).unwrap(), Var::from_tensor(&b).unwrap());
+    let out = add(va.as_tensor(), &(va.as_tensor() * vb.as_tensor()).unwrap()).unwrap();
+    let grads = (out * &probe).unwrap().sum_all().unwrap().backward().unwrap();
+    let want = (&probe + (&probe * &b).unwrap()).unwrap(); // one thread, candle's own addition
+    assert_eq!(bits(grads.get(va.as_tensor()).unwrap()), bits(&want), "a's gradient");
+    assert_eq!(bits(grads.get(vb.as_tensor()).unwrap()), bits(&(&probe * &a).unwrap()), "b's gradient");
+}
+
 /// The CPU's sum of squares (the gradient norm) reads each tensor without a squared copy:
 /// within an f32 rounding of the f64 sum of the same values for every float type, past a
 /// chunk and with a remainder, the same bits on one thread and on three, and on a transposed
