@@ -100,7 +100,7 @@ fn loader(args: &ConfigArgs, p: &Printer) -> Result<ConfigLoader<'static>, Failu
 /// A file named with `-c` is the user's choice and is not checked.
 fn check_default_config_owner(file: &Path, p: &Printer) -> Result<(), Failure> {
     let Some((what, uid)) = foreign_owner(file) else { return Ok(()) };
-    let me = ava_plugins::dirfd::euid();
+    let me = ava_fs::dirfd::euid();
     let problem = format!(
         "./{DEFAULT_CONFIG_FILE} is read as this command's config only because it is in the working directory, but \
          {what} belongs to uid {uid}, not to this user (uid {me}) or root, so that user chooses this run's settings \
@@ -125,7 +125,7 @@ fn check_default_config_owner(file: &Path, p: &Printer) -> Result<(), Failure> {
 /// that user's uid.
 fn foreign_owner(file: &Path) -> Option<(String, u32)> {
     use std::os::unix::fs::MetadataExt;
-    let me = ava_plugins::dirfd::euid();
+    let me = ava_fs::dirfd::euid();
     let foreign = |uid: u32| uid != me && uid != 0;
     let dir = match file.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,

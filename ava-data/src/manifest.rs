@@ -188,8 +188,8 @@ impl Manifest {
     pub fn load(dir: &Path) -> Result<Self, DataError> {
         let path = dir.join(FILE);
         let bad = |reason: String| DataError::Manifest { path: path.clone(), reason };
-        let bytes = ava_plugins::bounded::read(&path, ava_plugins::bounded::limits::JSON).map_err(|e| match e {
-            ava_plugins::bounded::ReadError::Missing(_) => DataError::NoManifest { dir: dir.to_path_buf() },
+        let bytes = ava_fs::bounded::read(&path, ava_fs::bounded::limits::JSON).map_err(|e| match e {
+            ava_fs::bounded::ReadError::Missing(_) => DataError::NoManifest { dir: dir.to_path_buf() },
             other => bad(other.to_string()),
         })?;
         // The version is read first so that a newer manifest is named as such, not as a

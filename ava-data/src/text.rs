@@ -67,9 +67,9 @@ impl TextDataset {
         let tokenizer = tokenizer.map(TextTokenizer::from_file).transpose()?;
         // A corpus is legitimately large, so only the file type is bounded: a FIFO or a
         // device (a link to /dev/zero) is refused instead of hanging or filling memory.
-        let bytes = ava_plugins::bounded::read(path, ava_plugins::bounded::limits::LARGE).map_err(|e| match e {
-            ava_plugins::bounded::ReadError::Missing(_) => DataError::NotFound { path: path.to_path_buf() },
-            ava_plugins::bounded::ReadError::Io { source, .. } => DataError::Read { path: path.to_path_buf(), source },
+        let bytes = ava_fs::bounded::read(path, ava_fs::bounded::limits::LARGE).map_err(|e| match e {
+            ava_fs::bounded::ReadError::Missing(_) => DataError::NotFound { path: path.to_path_buf() },
+            ava_fs::bounded::ReadError::Io { source, .. } => DataError::Read { path: path.to_path_buf(), source },
             other => DataError::Read {
                 path: path.to_path_buf(),
                 source: io::Error::new(io::ErrorKind::InvalidInput, {

@@ -55,7 +55,7 @@ impl TextTokenizer {
         }
         let bad = |message: String| DataError::Tokenizer { path: path.to_path_buf(), message };
         // Bounded: a tokenizer.json is at most tens of megabytes.
-        let bytes = ava_plugins::bounded::read(path, ava_plugins::bounded::limits::JSON).map_err(|e| {
+        let bytes = ava_fs::bounded::read(path, ava_fs::bounded::limits::JSON).map_err(|e| {
             let full = e.to_string();
             bad(full.strip_prefix(&format!("{}: ", path.display())).map(str::to_string).unwrap_or(full))
         })?;

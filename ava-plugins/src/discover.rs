@@ -140,9 +140,10 @@ impl Candidate {
         let symlink = meta.file_type().is_symlink();
         // Bounded: a FIFO, a device (a symlink to /dev/zero) or a huge file in a search
         // directory is refused here instead of hanging or exhausting memory.
-        let (file, size) = crate::bounded::open_regular(path, crate::bounded::limits::LIBRARY).map_err(read_refused)?;
+        let (file, size) =
+            ava_fs::bounded::open_regular(path, ava_fs::bounded::limits::LIBRARY).map_err(read_refused)?;
         let bytes =
-            crate::bounded::read_opened(file, path, size, crate::bounded::limits::LIBRARY).map_err(read_refused)?;
+            ava_fs::bounded::read_opened(file, path, size, ava_fs::bounded::limits::LIBRARY).map_err(read_refused)?;
         // The bytes loaded are the bytes hashed, so this is only about a later replacement.
         let untrusted = crate::trust::untrusted_reason(path, "the library");
         let sha256 = hex::encode(Sha256::digest(&bytes));
@@ -163,8 +164,8 @@ impl Candidate {
 
 /// A bounded read's refusal as a host error: a file that is not a regular file or is too
 /// large is refused (a row in `plugins list`), not an I/O failure.
-fn read_refused(e: crate::bounded::ReadError) -> HostError {
-    use crate::bounded::ReadError;
+fn read_refused(e: ava_fs::bounded::ReadError) -> HostError {
+    use ava_fs::bounded::ReadError;
     match e {
         ReadError::Missing(path) => HostError::Missing { path },
         ReadError::Io { path, source } => HostError::io(path, source),

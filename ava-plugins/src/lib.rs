@@ -6,10 +6,7 @@
 //! policy ([`policy`]) sets a floor no user layer can loosen; under it the lock file must be
 //! signed ([`sign`]) and every file trusted must be out of other users' reach ([`trust`]).
 
-pub mod bounded;
 pub mod builtin;
-pub mod dir_lock;
-pub mod dirfd;
 pub mod discover;
 mod error;
 mod instance;

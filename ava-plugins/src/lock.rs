@@ -142,10 +142,10 @@ impl LockFile {
             reason: format!("{reason}; fix it by hand or delete it and re-pin with `ava plugins vet`"),
         };
         // Bounded: a FIFO or a device at the lock path would hang or exhaust memory.
-        let text = match crate::bounded::read_to_string(path, crate::bounded::limits::LOCK) {
+        let text = match ava_fs::bounded::read_to_string(path, ava_fs::bounded::limits::LOCK) {
             Ok(t) => t,
             Err(e) if e.is_missing() => return Ok(LockFile::default()),
-            Err(crate::bounded::ReadError::Io { source, .. }) => return Err(unreadable(path, &source)),
+            Err(ava_fs::bounded::ReadError::Io { source, .. }) => return Err(unreadable(path, &source)),
             Err(e) => {
                 let full = e.to_string();
                 let prefix = format!("{}: ", path.display());

@@ -24,13 +24,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::{
-    HostError,
-    bounded::{self, limits},
-    lock::VettingPolicy,
-    sign::PublicKey,
-    trust,
-};
+use ava_fs::bounded::{self, limits};
+
+use crate::{HostError, lock::VettingPolicy, sign::PublicKey, trust};
 
 /// The machine policy's fixed path.
 pub const MACHINE_POLICY_FILE: &str = "/etc/ava/policy.yaml";

@@ -38,7 +38,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use sha2::{Digest, Sha256};
 
-use crate::{HostError, dirfd::euid, discover::Candidate};
+use crate::{HostError, discover::Candidate};
+use ava_fs::dirfd::euid;
 
 /// How the private copy is made (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

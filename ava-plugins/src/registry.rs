@@ -807,8 +807,8 @@ fn read_lock(config: &HostConfig) -> Result<LockFile, HostError> {
     match config.floor.as_ref().filter(|f| f.requires_signature()) {
         None => LockFile::read(path),
         Some(floor) => {
-            let bytes = crate::bounded::read(path, crate::bounded::limits::LOCK).map_err(|e| match e {
-                crate::bounded::ReadError::Io { source, .. } => crate::lock::unreadable(path, &source),
+            let bytes = ava_fs::bounded::read(path, ava_fs::bounded::limits::LOCK).map_err(|e| match e {
+                ava_fs::bounded::ReadError::Io { source, .. } => crate::lock::unreadable(path, &source),
                 e => {
                     // The error's text starts with the path, which the lock error also shows.
                     let full = e.to_string();

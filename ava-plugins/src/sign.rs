@@ -15,10 +15,9 @@ use std::{
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 use serde::{Deserialize, Serialize};
 
-use crate::{
-    HostError,
-    bounded::{self, limits},
-};
+use ava_fs::bounded::{self, limits};
+
+use crate::HostError;
 
 /// Signed before the lock's bytes, so that no other signed text can pass as a lock.
 const DOMAIN: &[u8] = b"ava-plugins.lock signature v1\n";

@@ -175,7 +175,7 @@ pub fn load(path: &Path, options: &LoadOptions<'_>) -> Result<Trained, Inference
 /// The config of a run's latest checkpoint, if it has one that reads.
 fn latest_config(run: &Path) -> Option<Config> {
     let dir = CheckpointStore::new(run.join("checkpoints"), 0).resolve("latest").ok()?;
-    let bytes = crate::model::read_bounded(&dir.join(AVA_CONFIG_FILE), ava_plugins::bounded::limits::JSON).ok()?;
+    let bytes = crate::model::read_bounded(&dir.join(AVA_CONFIG_FILE), ava_fs::bounded::limits::JSON).ok()?;
     serde_json::from_slice(&bytes).ok()
 }
 
@@ -184,7 +184,7 @@ fn latest_config(run: &Path) -> Option<Config> {
 fn load_folder(dir: &Path, options: &LoadOptions<'_>, config: Option<Config>) -> Result<Trained, InferenceError> {
     let (spec, tensors) = model::load_hf_folder(dir)?;
     let ids = |file: &str, key: &str| -> Option<u32> {
-        let bytes = crate::model::read_bounded(&dir.join(file), ava_plugins::bounded::limits::JSON).ok()?;
+        let bytes = crate::model::read_bounded(&dir.join(file), ava_fs::bounded::limits::JSON).ok()?;
         let v: Value = serde_json::from_slice(&bytes).ok()?;
         match &v[key] {
             Value::Number(n) => n.as_u64().and_then(|n| u32::try_from(n).ok()),
@@ -266,17 +266,17 @@ fn assemble(
 /// end-of-text ids in `config.json` and `generation_config.json`.
 pub fn write_tokenizer_files(dir: &Path, source: &TokenizerSource) -> Result<(), ModelError> {
     // Relative to the opened folder, never through a link planted in it.
-    let folder = ava_plugins::dirfd::Dir::open(dir).map_err(model::dir_error)?;
+    let folder = ava_fs::dirfd::Dir::open(dir).map_err(model::dir_error)?;
     let write = |name: &str, bytes: &[u8]| {
         folder.replace(name, 0o666, |f| std::io::Write::write_all(f, bytes)).map_err(model::dir_error)
     };
     let bytes = match &source.file {
-        Some(file) => crate::model::read_bounded(file, ava_plugins::bounded::limits::JSON)?,
+        Some(file) => crate::model::read_bounded(file, ava_fs::bounded::limits::JSON)?,
         None => ava_data::byte_tokenizer_json(source.eos).into_bytes(),
     };
     write("tokenizer.json", &bytes)?;
     let config_path = dir.join("config.json");
-    let text = folder.read("config.json", ava_plugins::bounded::limits::JSON).map_err(model::dir_error)?;
+    let text = folder.read("config.json", ava_fs::bounded::limits::JSON).map_err(model::dir_error)?;
     let mut config: Value = serde_json::from_slice(&text)
         .map_err(|e| ModelError::Io { path: config_path.clone(), message: e.to_string() })?;
     config["bos_token_id"] = source.bos.map_or(Value::Null, Value::from);

@@ -1,5 +1,5 @@
 //! One run per output directory: [`RunLock`] holds the exclusive lock
-//! ([`ava_plugins::dir_lock`]) on `<train.out_dir>/.ava-run.lock` for the whole run, so a
+//! ([`ava_fs::dir_lock`]) on `<train.out_dir>/.ava-run.lock` for the whole run, so a
 //! second `ava train` on the same directory is refused (rather than the two saves deleting
 //! each other's temporary files); and [`previous_run`] finds the files a finished or stopped
 //! run left there, so a fresh run does not silently mix its checkpoints and metrics with them.
@@ -7,8 +7,8 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use ava_plugins::dir_lock::{Acquired, DirLock};
-use ava_plugins::dirfd::DirError;
+use ava_fs::dir_lock::{Acquired, DirLock};
+use ava_fs::dirfd::DirError;
 
 /// The lock file inside the run directory.
 pub const LOCK_FILE: &str = ".ava-run.lock";

@@ -2,9 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
+use ava_fs::bounded::{self, limits};
 use ava_plugins::{
     LockFile,
-    bounded::{self, limits},
     sign::{self, SecretKey},
 };
 use serde_json::json;

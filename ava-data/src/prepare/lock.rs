@@ -1,5 +1,5 @@
 //! One `ava data prepare` per corpus directory: [`OutLock`] holds the exclusive lock
-//! ([`ava_plugins::dir_lock`], the one `ava train` takes on its `train.out_dir`) on
+//! ([`ava_fs::dir_lock`], the one `ava train` takes on its `train.out_dir`) on
 //! `<--out>/.ava-prepare.lock` for the whole preparation, so a second prepare into the same
 //! directory is refused at once, naming the holder, instead of the two overwriting each
 //! other's manifest and shards. The lock file is not part of the corpus: the manifest lists
@@ -7,8 +7,8 @@
 
 use std::path::Path;
 
-use ava_plugins::dir_lock::{Acquired, DirLock};
-use ava_plugins::dirfd::DirError;
+use ava_fs::dir_lock::{Acquired, DirLock};
+use ava_fs::dirfd::DirError;
 
 use super::PrepareError;
 

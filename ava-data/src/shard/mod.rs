@@ -194,7 +194,7 @@ pub fn sha256_of(mut reader: impl Read) -> io::Result<String> {
 /// leaves no pages mapped into the process). The file is opened without blocking and must
 /// be regular (a FIFO would wait for a writer for ever).
 pub fn sha256_file(path: &Path) -> io::Result<String> {
-    use ava_plugins::bounded::{ReadError, limits, open_regular};
+    use ava_fs::bounded::{ReadError, limits, open_regular};
     let (file, _) = open_regular(path, limits::LARGE).map_err(|e| match e {
         ReadError::Io { source, .. } => source,
         ReadError::Missing(_) => io::Error::from(io::ErrorKind::NotFound),
@@ -249,7 +249,7 @@ fn open_shard(path: &Path) -> Result<(File, u64), DataError> {
     };
     let own_link = || {
         use std::os::unix::fs::MetadataExt;
-        fs::symlink_metadata(path).is_ok_and(|m| ava_plugins::dirfd::own_link(m.mode() as libc::mode_t, m.uid()))
+        fs::symlink_metadata(path).is_ok_and(|m| ava_fs::dirfd::own_link(m.mode() as libc::mode_t, m.uid()))
     };
     let file = match open(false) {
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) && own_link() => open(true),

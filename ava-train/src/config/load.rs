@@ -337,10 +337,10 @@ pub(crate) fn read_file(path: &Path) -> Result<Node, ConfigError> {
 }
 
 /// The text of the config file `path`, `None` when there is none. Bounded: a FIFO, a device
-/// or a file over [`limits::CONFIG`](ava_plugins::bounded::limits::CONFIG) is refused
+/// or a file over [`limits::CONFIG`](ava_fs::bounded::limits::CONFIG) is refused
 /// instead of hanging or filling memory.
 pub(crate) fn read_config_text(path: &Path) -> Result<Option<String>, ConfigError> {
-    use ava_plugins::bounded::{self, ReadError};
+    use ava_fs::bounded::{self, ReadError};
     match bounded::read_to_string(path, bounded::limits::CONFIG) {
         Ok(text) => Ok(Some(text)),
         Err(e) if e.is_missing() => Ok(None),

@@ -100,7 +100,7 @@ pub fn load_hf_folder(dir: &Path) -> Result<(ModelSpec, HashMap<String, Tensor>)
     let index = dir.join("model.safetensors.index.json");
     let files: Vec<PathBuf> = if index.is_file() {
         let bad = |message: String| ModelError::Weights { path: index.clone(), problems: vec![message] };
-        let text = read_bounded(&index, ava_plugins::bounded::limits::JSON)?;
+        let text = read_bounded(&index, ava_fs::bounded::limits::JSON)?;
         let text = String::from_utf8(text).map_err(|_| bad("not UTF-8 text".into()))?;
         let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON: {e}")))?;
         let map = v
@@ -148,7 +148,7 @@ pub fn load_hf_folder(dir: &Path) -> Result<(ModelSpec, HashMap<String, Tensor>)
     }
     let mut tensors = HashMap::new();
     for file in files {
-        let bytes = read_bounded(&file, ava_plugins::bounded::limits::LARGE)?;
+        let bytes = read_bounded(&file, ava_fs::bounded::limits::LARGE)?;
         tensors.extend(tensors_from_safetensors(&bytes, &file)?);
     }
     Ok((spec, tensors))
@@ -157,7 +157,7 @@ pub fn load_hf_folder(dir: &Path) -> Result<(ModelSpec, HashMap<String, Tensor>)
 /// The bytes of `path`, a regular file of at most `limit` bytes (a FIFO or a device named by
 /// a model folder is refused instead of hanging or filling memory).
 pub(crate) fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, ModelError> {
-    ava_plugins::bounded::read(path, limit).map_err(|e| {
+    ava_fs::bounded::read(path, limit).map_err(|e| {
         let full = e.to_string();
         let message = full.strip_prefix(&format!("{}: ", path.display())).map(str::to_string).unwrap_or(full);
         ModelError::Io { path: path.to_path_buf(), message }
@@ -167,7 +167,7 @@ pub(crate) fn read_bounded(path: &Path, limit: u64) -> Result<Vec<u8>, ModelErro
 /// Writes `config.json` and `model.safetensors` into `dir` (created if needed), each
 /// atomically. `dir` is made and written relative to its opened parent, never through a
 /// link: a link (or FIFO, device) planted at `dir` or at a file's name is refused or replaced,
-/// not followed ([`ava_plugins::dirfd`]).
+/// not followed ([`ava_fs::dirfd`]).
 pub fn save_hf_folder(dir: &Path, spec: &ModelSpec, tensors: &[(String, Tensor)]) -> Result<(), ModelError> {
     save_hf_folder_with(dir, spec, &mut |out| write_tensors(out, tensors))
 }
@@ -193,7 +193,7 @@ pub fn save_hf_folder_with(
 
 /// Creates (if needed) and opens the output folder `dir`, relative to its parent (created
 /// as the user named it) and without following a link at `dir`.
-pub(crate) fn open_output_dir(dir: &Path) -> Result<ava_plugins::dirfd::Dir, ModelError> {
+pub(crate) fn open_output_dir(dir: &Path) -> Result<ava_fs::dirfd::Dir, ModelError> {
     let name = dir.file_name().and_then(|n| n.to_str()).ok_or_else(|| ModelError::Io {
         path: dir.to_path_buf(),
         message: "not a folder name to write into; name a folder, e.g. out/model".into(),
@@ -202,12 +202,12 @@ pub(crate) fn open_output_dir(dir: &Path) -> Result<ava_plugins::dirfd::Dir, Mod
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let parent = ava_plugins::dirfd::Dir::create_all(parent).map_err(dir_error)?;
+    let parent = ava_fs::dirfd::Dir::create_all(parent).map_err(dir_error)?;
     parent.create_dir(name, 0o777).map_err(dir_error)
 }
 
-/// A [`DirError`](ava_plugins::dirfd::DirError) as a [`ModelError::Io`] naming its path once.
-pub(crate) fn dir_error(e: ava_plugins::dirfd::DirError) -> ModelError {
+/// A [`DirError`](ava_fs::dirfd::DirError) as a [`ModelError::Io`] naming its path once.
+pub(crate) fn dir_error(e: ava_fs::dirfd::DirError) -> ModelError {
     let full = e.to_string();
     let path = e.path().map(Path::to_path_buf).unwrap_or_default();
     let message = full.strip_prefix(&format!("{}: ", path.display())).map(str::to_string).unwrap_or(full);

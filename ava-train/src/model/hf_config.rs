@@ -675,7 +675,7 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
 
 /// Reads `path` (a config.json).
 pub fn read_hf_config(path: &Path) -> Result<HfConfig, ModelError> {
-    let text = super::hf::read_bounded(path, ava_plugins::bounded::limits::JSON)?;
+    let text = super::hf::read_bounded(path, ava_fs::bounded::limits::JSON)?;
     let v: Value = serde_json::from_slice(&text)
         .map_err(|e| ModelError::HfConfig { path: path.to_path_buf(), message: format!("not JSON: {e}") })?;
     parse_hf_config(&v, path)

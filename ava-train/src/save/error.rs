@@ -24,7 +24,7 @@ pub enum SaveError {
     /// Something other than a directory (a link, a FIFO) where the store keeps its
     /// checkpoints: refused, never followed.
     #[error(transparent)]
-    Planted(#[from] ava_plugins::dirfd::DirError),
+    Planted(#[from] ava_fs::dirfd::DirError),
     /// The disk of the checkpoints has no room for the next one (checked before training).
     #[error(
         "a checkpoint of this run takes {} (weights {}, optimizer state {}, with headers) in {}, but its disk has \

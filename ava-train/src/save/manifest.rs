@@ -60,10 +60,10 @@ impl Manifest {
         let path = dir.join(MANIFEST_FILE);
         let invalid = |reason: String| SaveError::ManifestInvalid { path: path.clone(), reason };
         // Bounded: a manifest is a few kilobytes; a FIFO or a device in its place is refused.
-        let text = match ava_plugins::bounded::read(&path, ava_plugins::bounded::limits::JSON) {
+        let text = match ava_fs::bounded::read(&path, ava_fs::bounded::limits::JSON) {
             Ok(text) => text,
             Err(e) if e.is_missing() => return Err(SaveError::ManifestMissing { dir: dir.to_path_buf() }),
-            Err(ava_plugins::bounded::ReadError::Io { source, .. }) => {
+            Err(ava_fs::bounded::ReadError::Io { source, .. }) => {
                 return Err(SaveError::Io { action: "read".into(), path, source });
             }
             Err(e) => return Err(invalid(unprefixed(&e))),
@@ -96,7 +96,7 @@ impl Manifest {
 pub const MAX_FILE_BYTES: u64 = 1 << 50;
 
 /// A bounded read's error without its leading "path: " (the caller's message names the path).
-pub(crate) fn unprefixed(e: &ava_plugins::bounded::ReadError) -> String {
+pub(crate) fn unprefixed(e: &ava_fs::bounded::ReadError) -> String {
     let full = e.to_string();
     let prefix = format!("{}: ", e.path().display());
     full.strip_prefix(&prefix).map(str::to_string).unwrap_or(full)
@@ -153,7 +153,7 @@ pub(crate) fn check_file_name(name: &str) -> Result<(), String> {
 /// opened must be the one that walk ended at: another user's link anywhere on the way, or a
 /// file swapped in between, is refused.
 pub(crate) fn open(path: &Path) -> Result<File, SaveError> {
-    use ava_plugins::bounded::{ReadError, open_regular};
+    use ava_fs::bounded::{ReadError, open_regular};
     use std::os::unix::fs::MetadataExt as _;
     let walked = walk_links(path)?;
     match open_regular(path, u64::MAX) {
@@ -189,7 +189,7 @@ fn walk_links(path: &Path) -> Result<Option<(u64, u64)>, SaveError> {
         if !meta.file_type().is_symlink() {
             return Ok(Some((meta.dev(), meta.ino())));
         }
-        if !ava_plugins::dirfd::own_link(meta.mode(), meta.uid()) {
+        if !ava_fs::dirfd::own_link(meta.mode(), meta.uid()) {
             return Err(SaveError::ForeignLink { path: at, owner: meta.uid() });
         }
         let next = std::fs::read_link(&at).map_err(|source| read_error(&at, source))?;

@@ -182,7 +182,7 @@ impl CheckpointStore {
         }
         // A link planted as the root (e.g. `checkpoints` in a directory another user can
         // write) is refused: saving through it would write, and prune, where it points.
-        ava_plugins::dirfd::Dir::open(&self.root)?;
+        ava_fs::dirfd::Dir::open(&self.root)?;
         if fs::symlink_metadata(tmp).is_ok() {
             // Left by a crashed save of this step by a process that had our pid.
             fs::remove_dir_all(tmp).map_err(|source| io_error("remove stale directory", tmp, source))?;
@@ -286,10 +286,10 @@ impl CheckpointStore {
     pub fn latest(&self) -> Result<Option<PathBuf>, SaveError> {
         let path = self.root.join(LATEST_FILE);
         // Bounded: the pointer is one directory name.
-        let text = match ava_plugins::bounded::read_to_string(&path, 4096) {
+        let text = match ava_fs::bounded::read_to_string(&path, 4096) {
             Ok(text) => text,
             Err(e) if e.is_missing() => return Ok(None),
-            Err(ava_plugins::bounded::ReadError::Io { source, .. }) => return Err(io_error("read", &path, source)),
+            Err(ava_fs::bounded::ReadError::Io { source, .. }) => return Err(io_error("read", &path, source)),
             Err(e) => {
                 let detail = format!(" ({}: {})", path.display(), super::manifest::unprefixed(&e));
                 return Err(SaveError::NoCheckpoint { root: self.root.clone(), detail });

@@ -184,8 +184,8 @@ struct Lines {
 impl Lines {
     fn open(file: &Path) -> Result<Self, MetricsError> {
         // Bounded: only the file type matters (a FIFO would hang the read); metrics can be long.
-        let (handle, _) = ava_plugins::bounded::open_regular(file, ava_plugins::bounded::limits::LARGE)
-            .map_err(|e| io_error(file, e))?;
+        let (handle, _) =
+            ava_fs::bounded::open_regular(file, ava_fs::bounded::limits::LARGE).map_err(|e| io_error(file, e))?;
         Ok(Self {
             path: file.to_path_buf(),
             reader: BufReader::with_capacity(1 << 16, handle),
@@ -421,7 +421,7 @@ impl RunMetrics {
     }
 }
 
-fn io_error(file: &Path, e: ava_plugins::bounded::ReadError) -> MetricsError {
+fn io_error(file: &Path, e: ava_fs::bounded::ReadError) -> MetricsError {
     MetricsError::Io {
         path: file.to_path_buf(),
         message: if e.is_missing() {

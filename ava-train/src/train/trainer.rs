@@ -912,7 +912,7 @@ impl Trainer {
     /// Through the run directory's handle: a link, FIFO or device planted as `metrics.jsonl`
     /// is refused, never followed or cut.
     fn open_metrics(&self) -> Result<std::fs::File, TrainError> {
-        use ava_plugins::dirfd::{Access, Dir};
+        use ava_fs::dirfd::{Access, Dir};
         use std::io::{Seek, SeekFrom};
         let path = self.metrics_path();
         let mut file = Dir::open(&self.out_dir)

@@ -235,7 +235,9 @@ mod fuzz {
 
     proptest! {
         #![proptest_config(PropConfig {
-            cases: ava_kernels::testing::proptest_cases(64),
+            // `$PROPTEST_CASES` to fuzz longer, as the other crates' property tests take it
+            // (ava_kernels::testing::proptest_cases, a crate above this one).
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64),
             failure_persistence: None,
             ..PropConfig::default()
         })]
