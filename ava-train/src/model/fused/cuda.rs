@@ -3,30 +3,30 @@
 //! launched on candle's stream, so they order with candle's own work without a sync.
 //!
 //! Each function here is one op's device half: the `cuda_fwd` of its custom op, or the
-//! device branch of its backward. The math is the CPU op's (the kernel file says which);
+//! device branch of its backward; the heads move with the rotary embedding keeps its own
+//! beside its op (`rope/cuda.rs`), on the shared helpers here. The math is the CPU op's (the kernel file says which);
 //! inputs arrive contiguous (the public functions make them so) and outputs are fresh
 //! buffers of the op's output shape. A type other than f32, bf16 and f16 (the gradient
 //! checks' f64) is refused by name: those checks run on the CPU. Each launch's grid comes
 //! from `launch`, which the kernels' emulated tests (`emulated`) launch them with too.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda::cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
-use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, DeviceId, WrapErr};
+use candle_core::cuda::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Result, Shape, Storage, Tensor, bail};
 
-use super::launch::{self, Grid, NORM_BWD_ROWS};
-use super::rope::RopeTables;
+use super::launch::{self, Grid};
 
 /// kernels/fused.cu as PTX.
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 
 /// The name candle caches the loaded module under.
-const MODULE: &str = "ava-fused";
+pub(super) const MODULE: &str = "ava-fused";
 
 /// Runs `$body` with `$t` the Rust element type of `$dtype` and `$s` its kernel suffix.
 macro_rules! by_type {
@@ -51,246 +51,41 @@ macro_rules! by_type {
         }
     };
 }
+pub(super) use by_type;
 
 /// cudarc's launch configuration for a grid of fused.cu's (see `launch`).
-fn config(g: Grid) -> LaunchConfig {
+pub(super) fn config(g: Grid) -> LaunchConfig {
     LaunchConfig { grid_dim: (g.blocks, 1, 1), block_dim: (g.threads, 1, 1), shared_mem_bytes: 0 }
 }
 
 /// An `i32` kernel argument.
-fn int(n: usize, what: &str) -> Result<i32> {
+pub(super) fn int(n: usize, what: &str) -> Result<i32> {
     i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("{what} of {n} is beyond the kernels' 32-bit sizes")))
 }
 
 /// The contiguous elements of `s` that `l` describes.
-fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, op: &str) -> Result<CudaView<'a, T>> {
+pub(super) fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, op: &str) -> Result<CudaView<'a, T>> {
     let Some((start, end)) = l.contiguous_offsets() else { bail!("{op}: input is not contiguous") };
     Ok(s.as_cuda_slice::<T>()?.slice(start..end))
 }
 
 /// A fresh device buffer of `len` elements; the kernel that follows writes all of them.
-fn uninit<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+pub(super) fn uninit<T: DeviceRepr>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
     // SAFETY: every caller launches a kernel that writes each element before anything reads it.
     unsafe { dev.alloc::<T>(len.max(1)) }
 }
 
 /// A tensor (no graph) over a device buffer.
-fn tensor<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
+pub(super) fn tensor<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: impl Into<Shape>) -> Tensor {
     storage_tensor(CudaStorage::wrap_cuda_slice(slice, dev.clone()), shape)
 }
 
 /// Runs `f` on a tensor's device storage and layout (made contiguous first).
-fn with_cuda<R>(t: &Tensor, op: &str, f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>) -> Result<R> {
+pub(super) fn with_cuda<R>(t: &Tensor, op: &str, f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>) -> Result<R> {
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cuda(s) = &*storage else { bail!("{op}: a tensor is not on the GPU") };
     f(s, layout)
-}
-
-// ---- RMSNorm ----
-
-/// `y = x · r · w` row by row: x (N, d), w (d,).
-pub(super) fn rms_norm_fwd(
-    x: &CudaStorage,
-    lx: &Layout,
-    w: &CudaStorage,
-    lw: &Layout,
-    eps: f64,
-) -> Result<CudaStorage> {
-    let dev = x.device();
-    let d = lw.shape().elem_count();
-    let n = lx.shape().elem_count();
-    let rows = n / d.max(1);
-    by_type!(x.dtype(), "rms-norm", |T, s| {
-        let (xv, wv) = (view::<T>(x, lx, "rms-norm")?, view::<T>(w, lw, "rms-norm")?);
-        let mut y = uninit::<T>(dev, n)?; // (N, d)
-        if rows > 0 {
-            let f = dev.get_or_load_custom_func(&format!("rms_norm_fwd_{s}"), MODULE, PTX)?;
-            let (di, eps) = (int(d, "a row")?, eps as f32);
-            let mut b = f.builder();
-            b.arg(&xv).arg(&wv).arg(&mut y).arg(&di).arg(&eps);
-            // SAFETY: the arguments match rms_norm_fwd's signature; x and y hold rows·d.
-            unsafe { b.launch(config(launch::rms_norm_fwd(rows)?)) }.w()?;
-        }
-        Ok(CudaStorage::wrap_cuda_slice(y, dev.clone()))
-    })
-}
-
-/// (dx, dw) of RMSNorm for x (N, d), w (d,) and the incoming gradient g (N, d).
-pub(super) fn rms_norm_bwd(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
-    let d = w.elem_count();
-    let rows = x.elem_count() / d.max(1);
-    let blocks = launch::norm_bwd_blocks(rows);
-    with_cuda(x, "rms-norm", |xs, lx| {
-        with_cuda(w, "rms-norm", |ws, lw| {
-            with_cuda(g, "rms-norm", |gs, lg| {
-                let dev = xs.device();
-                by_type!(xs.dtype(), "rms-norm", |T, s| {
-                    let (xv, wv, gv) = (
-                        view::<T>(xs, lx, "rms-norm")?,
-                        view::<T>(ws, lw, "rms-norm")?,
-                        view::<T>(gs, lg, "rms-norm")?,
-                    );
-                    let mut dx = uninit::<T>(dev, rows * d)?; // (N, d)
-                    let mut partial = uninit::<f32>(dev, blocks * d)?; // (blocks, d) f32, none without rows
-                    let mut dw = uninit::<T>(dev, d)?; // (d,)
-                    let (ri, di, eps, per) = (int(rows, "rows")?, int(d, "a row")?, eps as f32, NORM_BWD_ROWS as i32);
-                    if rows > 0 {
-                        let f = dev.get_or_load_custom_func(&format!("rms_norm_bwd_{s}"), MODULE, PTX)?;
-                        let mut b = f.builder();
-                        b.arg(&xv)
-                            .arg(&wv)
-                            .arg(&gv)
-                            .arg(&mut dx)
-                            .arg(&mut partial)
-                            .arg(&ri)
-                            .arg(&di)
-                            .arg(&eps)
-                            .arg(&per);
-                        // SAFETY: rms_norm_bwd's signature; partial holds blocks·d f32; the block
-                        // is wide enough that each thread holds at most NORM_BWD_COLS columns.
-                        unsafe { b.launch(config(launch::rms_norm_bwd(rows, d)?)) }.w()?;
-                    }
-                    let bi = int(blocks, "blocks")?; // 0 without rows: dw is zeros
-                    let f = dev.get_or_load_custom_func(&format!("column_sums_{s}"), MODULE, PTX)?;
-                    let mut b = f.builder();
-                    b.arg(&partial).arg(&mut dw).arg(&bi).arg(&di);
-                    // SAFETY: column_sums' signature; one thread per column of d.
-                    unsafe { b.launch(config(launch::column_sums(d)?)) }.w()?;
-                    Ok((tensor(dx, dev, x.shape().clone()), tensor(dw, dev, w.shape().clone())))
-                })
-            })
-        })
-    })
-}
-
-// ---- SwiGLU ----
-
-/// `silu(g) ∘ u` element by element.
-pub(super) fn swiglu_fwd(g: &CudaStorage, lg: &Layout, u: &CudaStorage, lu: &Layout) -> Result<CudaStorage> {
-    let dev = g.device();
-    let n = lg.shape().elem_count();
-    by_type!(g.dtype(), "swiglu", |T, s| {
-        let (gv, uv) = (view::<T>(g, lg, "swiglu")?, view::<T>(u, lu, "swiglu")?);
-        let mut h = uninit::<T>(dev, n)?; // (N, F)
-        if n > 0 {
-            let f = dev.get_or_load_custom_func(&format!("swiglu_fwd_{s}"), MODULE, PTX)?;
-            let mut b = f.builder();
-            b.arg(&gv).arg(&uv).arg(&mut h).arg(&n);
-            // SAFETY: swiglu_fwd's signature; all three hold n elements.
-            unsafe { b.launch(config(launch::elementwise(n)?)) }.w()?;
-        }
-        Ok(CudaStorage::wrap_cuda_slice(h, dev.clone()))
-    })
-}
-
-/// (dg, du) of the SwiGLU gate for the incoming gradient dh.
-pub(super) fn swiglu_bwd(g: &Tensor, u: &Tensor, dh: &Tensor) -> Result<(Tensor, Tensor)> {
-    let n = g.elem_count();
-    with_cuda(g, "swiglu", |gs, lg| {
-        with_cuda(u, "swiglu", |us, lu| {
-            with_cuda(dh, "swiglu", |hs, lh| {
-                let dev = gs.device();
-                by_type!(gs.dtype(), "swiglu", |T, s| {
-                    let (gv, uv, hv) =
-                        (view::<T>(gs, lg, "swiglu")?, view::<T>(us, lu, "swiglu")?, view::<T>(hs, lh, "swiglu")?);
-                    let mut dg = uninit::<T>(dev, n)?; // (N, F)
-                    let mut du = uninit::<T>(dev, n)?; // (N, F)
-                    if n > 0 {
-                        let f = dev.get_or_load_custom_func(&format!("swiglu_bwd_{s}"), MODULE, PTX)?;
-                        let mut b = f.builder();
-                        b.arg(&gv).arg(&uv).arg(&hv).arg(&mut dg).arg(&mut du).arg(&n);
-                        // SAFETY: swiglu_bwd's signature; all five hold n elements.
-                        unsafe { b.launch(config(launch::elementwise(n)?)) }.w()?;
-                    }
-                    Ok((tensor(dg, dev, g.shape().clone()), tensor(du, dev, u.shape().clone())))
-                })
-            })
-        })
-    })
-}
-
-// ---- heads split/merge with the rotary embedding ----
-
-/// The rotary tables (cos, sin) on a device, (P, D) f32 each.
-type DeviceTables = Arc<(CudaSlice<f32>, CudaSlice<f32>)>;
-
-/// The rotary tables' device copy, made on first use and kept with the tables (one device:
-/// a run trains on one GPU).
-#[derive(Default)]
-pub(crate) struct TableCache(Mutex<Option<(DeviceId, DeviceTables)>>);
-
-impl std::fmt::Debug for TableCache {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("TableCache")
-    }
-}
-
-/// The f32 tables (cos, sin) of `rope` on `dev`, uploaded once.
-fn device_tables(rope: &RopeTables, dev: &CudaDevice) -> Result<DeviceTables> {
-    let mut cache = rope.device_cache().0.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((id, t)) = cache.as_ref()
-        && *id == dev.id()
-    {
-        return Ok(t.clone());
-    }
-    let (cos, sin) = rope.f32_tables();
-    let t = Arc::new((dev.clone_htod(cos)?, dev.clone_htod(sin)?)); // (P, D) each
-    *cache = Some((dev.id(), t.clone()));
-    Ok(t)
-}
-
-/// The shape and rotation of one heads move (see `rope.rs`).
-pub(super) struct HeadsMove<'a> {
-    pub b: usize,
-    pub c: usize,
-    pub t: usize,
-    pub d: usize,
-    /// (B, C, T, D) → (B·T, C·D); else the split.
-    pub merge: bool,
-    /// The transposed rotation (backward).
-    pub transposed: bool,
-    pub rope: Option<&'a RopeTables>,
-    /// (B·T,) each token's position; `None`: its index t.
-    pub positions: Option<&'a [u32]>,
-}
-
-/// Moves `src` (B·T·C·D elements) as `m` says, rotating when it has tables.
-pub(super) fn heads(src: &CudaStorage, l: &Layout, m: &HeadsMove<'_>) -> Result<CudaStorage> {
-    let dev = src.device();
-    let n = m.b * m.c * m.t * m.d;
-    let tables = m.rope.map(|r| device_tables(r, dev)).transpose()?;
-    let positions = m.positions.map(|p| dev.clone_htod(p)).transpose()?; // (B·T,) u32
-    by_type!(src.dtype(), "heads", |T, s| {
-        let sv = view::<T>(src, l, "heads")?;
-        let mut dst = uninit::<T>(dev, n)?;
-        if n > 0 {
-            let f = dev.get_or_load_custom_func(&format!("heads_{s}"), MODULE, PTX)?;
-            let null = 0u64; // a null device pointer: no tables, or positions t
-            let dims = [int(m.b, "batch")?, int(m.c, "heads")?, int(m.t, "tokens")?, int(m.d, "head size")?];
-            let (merge, transposed) = (i32::from(m.merge), i32::from(m.transposed));
-            let mut b = f.builder();
-            b.arg(&sv).arg(&mut dst);
-            match &tables {
-                Some(t) => b.arg(&t.0).arg(&t.1),
-                None => b.arg(&null).arg(&null),
-            };
-            match &positions {
-                Some(p) => b.arg(p),
-                None => b.arg(&null),
-            };
-            b.arg(&dims[0]).arg(&dims[1]).arg(&dims[2]).arg(&dims[3]).arg(&merge).arg(&transposed);
-            // SAFETY: heads' signature (pointers are 64-bit, so the null stands for one); the
-            // tables hold every position below their length, which split_heads checked.
-            unsafe { b.launch(config(launch::heads(n, tables.is_some())?)) }.w()?;
-        }
-        Ok(CudaStorage::wrap_cuda_slice(dst, dev.clone()))
-    })
-}
-
-/// [`heads`] on a tensor (backward's gradient), giving a tensor of `shape`.
-pub(super) fn heads_tensor(src: &Tensor, m: &HeadsMove<'_>, shape: Shape) -> Result<Tensor> {
-    with_cuda(src, "heads", |s, l| Ok(storage_tensor(heads(s, l, m)?, shape)))
 }
 
 // ---- cross-entropy ----
@@ -351,114 +146,6 @@ pub(crate) fn cross_entropy_bwd(logits: &Tensor, targets: &[u32], grad_rows: &Te
             })
         })
     })
-}
-
-// ---- the token embedding's backward ----
-
-/// The table's gradient (V, d) in the type of `grad` (N, d): row t the f32 sum of the rows
-/// of token t's positions, `order[offsets[t]..offsets[t + 1]]` (the host's counting sort,
-/// copied to the device), rounded once.
-pub(super) fn embedding_bwd(grad: &Tensor, offsets: &[u32], order: &[u32], (v, d): (usize, usize)) -> Result<Tensor> {
-    with_cuda(grad, "embedding", |gs, lg| {
-        let dev = gs.device();
-        by_type!(gs.dtype(), "embedding", |T, s| {
-            let gv = view::<T>(gs, lg, "embedding")?;
-            let (ov, pv) = (dev.clone_htod(offsets)?, dev.clone_htod(order)?); // (V + 1,), (N,) u32
-            let mut dw = uninit::<T>(dev, v * d)?; // (V, d)
-            if v > 0 && d > 0 {
-                let f = dev.get_or_load_custom_func(&format!("embedding_bwd_{s}"), MODULE, PTX)?;
-                let di = int(d, "the embedding's width")?;
-                let mut b = f.builder();
-                b.arg(&gv).arg(&ov).arg(&pv).arg(&mut dw).arg(&di);
-                // SAFETY: embedding_bwd's signature; order holds positions below N, offsets
-                // V + 1 ascending bounds into it (the host's sort).
-                unsafe { b.launch(config(launch::embedding_bwd(v, d)?)) }.w()?;
-            }
-            Ok(tensor(dw, dev, (v, d)))
-        })
-    })
-}
-
-// ---- the linear layer's weight gradient summed over calls ----
-
-/// A zero-filled f32 buffer of `n` elements on `like`'s GPU.
-pub(super) fn zeros_f32(like: &Tensor, n: usize) -> Result<CudaSlice<f32>> {
-    let candle_core::Device::Cuda(dev) = like.device() else { bail!("linear: a tensor is not on the GPU") };
-    dev.alloc_zeros::<f32>(n.max(1))
-}
-
-/// `sum += gᵀ x` for g (N, out) and x (N, in) of one type (f32, bf16 or f16), `sum` an f32
-/// (out, in) buffer, returned: one cuBLAS GemmEx with an f32 output, f32 accumulation and
-/// beta = 1, so the product is added in f32 without a rounded copy of its own.
-///
-/// cuBLAS is column-major: the row-major (out, in) sum is the column-major (in, out) matrix
-/// `C = A · op(B)` with A the row-major x read as column-major (in, N) (no transpose, lda =
-/// in) and B the row-major g read as column-major (out, N), transposed (ldb = out); ldc = in.
-pub(super) fn add_weight_grad(mut sum: CudaSlice<f32>, x: &Tensor, g: &Tensor) -> Result<CudaSlice<f32>> {
-    use candle_core::cuda::cudarc::cublas::{result::gemm_ex, sys};
-    use candle_core::cuda::cudarc::driver::DevicePtrMut;
-    let (n, k) = x.dims2()?; // (N, in)
-    let (n_g, out) = g.dims2()?; // (N, out)
-    if n != n_g || x.dtype() != g.dtype() {
-        bail!("linear: dW of x {:?} {:?} and g {:?} {:?}", x.dims(), x.dtype(), g.dims(), g.dtype());
-    }
-    if sum.len() < out * k {
-        bail!("linear: a weight-gradient sum of {} elements for ({out}, {k})", sum.len());
-    }
-    if n == 0 || out == 0 || k == 0 {
-        return Ok(sum);
-    }
-    let data_type = match x.dtype() {
-        DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
-        DType::BF16 => sys::cudaDataType_t::CUDA_R_16BF,
-        DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
-        other => bail!("linear: {other:?} has no cuBLAS weight gradient (f32, bf16 and f16 do)"),
-    };
-    let (m_c, n_c, k_c) = (int(k, "the input width")?, int(out, "the output width")?, int(n, "the rows")?);
-    with_cuda(x, "linear", |xs, xl| {
-        with_cuda(g, "linear", |gs, gl| {
-            let dev = xs.device();
-            let blas = dev.cublas_handle();
-            let stream = dev.cuda_stream();
-            by_type!(x.dtype(), "linear", |T, _s| {
-                let (xv, gv) = (view::<T>(xs, xl, "linear")?, view::<T>(gs, gl, "linear")?);
-                let (one, beta) = (1f32, 1f32);
-                let (xp, _gx) = xv.device_ptr(&stream);
-                let (gp, _gg) = gv.device_ptr(&stream);
-                let (sp, _gs) = sum.device_ptr_mut(&stream);
-                // SAFETY: A (in, N) with lda = in covers x's N·in elements, B (out, N) with
-                // ldb = out covers g's N·out, C (in, out) with ldc = in covers the sum's
-                // out·in (checked above); alpha and beta are f32 for the f32 compute type;
-                // the handle runs on candle's stream, where x, g and the sum were made.
-                unsafe {
-                    gemm_ex(
-                        *blas.handle(),
-                        sys::cublasOperation_t::CUBLAS_OP_N,
-                        sys::cublasOperation_t::CUBLAS_OP_T,
-                        m_c,
-                        n_c,
-                        k_c,
-                        (&one) as *const f32 as *const _,
-                        xp as *const _,
-                        data_type,
-                        m_c,
-                        gp as *const _,
-                        data_type,
-                        n_c,
-                        (&beta) as *const f32 as *const _,
-                        sp as *mut _,
-                        sys::cudaDataType_t::CUDA_R_32F,
-                        m_c,
-                        sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                        sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
-                    )
-                }
-                .w()?;
-                Ok(())
-            })
-        })
-    })?;
-    Ok(sum)
 }
 
 // ---- stochastic rounding ----

@@ -22,6 +22,10 @@ use rayon::prelude::*;
 
 use super::{Real, Stored, with_stored, with_values};
 
+// The device half: the backward's GPU kernel launch.
+#[cfg(feature = "cuda")]
+mod cuda;
+
 /// Table rows per task of the CPU backward.
 const ROWS_PER_TASK: usize = 64;
 
@@ -121,7 +125,7 @@ impl CustomOp1 for Embedding {
         let grad = grad.to_dtype(table.dtype())?;
         #[cfg(feature = "cuda")]
         if table.device().is_cuda() {
-            return Ok(Some(super::cuda::embedding_bwd(&grad, &offsets, &order, (v, d))?));
+            return Ok(Some(cuda::embedding_bwd(&grad, &offsets, &order, (v, d))?));
         }
         let dw = with_stored!(table.dtype(), "embedding", |S| {
             let dw = with_values::<S, _>(&grad, "embedding", |g| Ok(table_grad(g, d, &offsets, &order)))?;

@@ -343,7 +343,7 @@ fn assert_none(failures: &[String], cases: usize) {
 // ---- RMSNorm ----
 
 /// RMSNorm on `rows` rows of `d`: `rms_norm_fwd_*`, then `rms_norm_bwd_*` and `column_sums_*`
-/// as `cuda::rms_norm_fwd` and `cuda::rms_norm_bwd` launch them, against the CPU op's value
+/// as `norm::cuda::rms_norm_fwd` and `norm::cuda::rms_norm_bwd` launch them, against the CPU op's value
 /// and autograd gradients (dx, dw).
 fn rms_norm_case(ty: Ty, rows: usize, d: usize, failures: &mut Vec<String>) {
     let (s, size) = (ty.suffix(), ty.size());
@@ -407,8 +407,8 @@ fn rms_norm_kernels_match_the_cpu() {
 
 // ---- SwiGLU ----
 
-/// The SwiGLU gate on `n` elements: `swiglu_fwd_*` and `swiglu_bwd_*` as `cuda::swiglu_fwd`
-/// and `cuda::swiglu_bwd` launch them, against the CPU op's value and gradients (dg, du).
+/// The SwiGLU gate on `n` elements: `swiglu_fwd_*` and `swiglu_bwd_*` as `swiglu::cuda::swiglu_fwd`
+/// and `swiglu::cuda::swiglu_bwd` launch them, against the CPU op's value and gradients (dg, du).
 fn swiglu_case(ty: Ty, n: usize, failures: &mut Vec<String>) {
     let (s, size) = (ty.suffix(), ty.size());
     let what = format!("swiglu_fwd_{s} / swiglu_bwd_{s} (n {n})");
@@ -481,7 +481,7 @@ fn tables_of(rope: &Arc<RopeTables>, t: usize, d: usize) -> (Vec<f32>, Vec<f32>)
     (cos, sin)
 }
 
-/// One move of `heads_*` (`cuda::HeadsMove`'s kernel arguments).
+/// One move of `heads_*` (`rope::cuda::HeadsMove`'s kernel arguments).
 struct Move<'a> {
     /// (B, C, T, D) → (B·T, C·D); else the split.
     merge: bool,
@@ -493,7 +493,7 @@ struct Move<'a> {
     positions: Option<&'a Buf>,
 }
 
-/// One `heads_*` launch as `cuda::heads` makes it: `src` (values of `ty`, B·C·T·D of them)
+/// One `heads_*` launch as `rope::cuda::heads` makes it: `src` (values of `ty`, B·C·T·D of them)
 /// moved as `m` says. The moved bytes, or `None` (in `failures`).
 fn heads_kernel(
     what: &str,
@@ -703,7 +703,7 @@ fn cross_entropy_kernels_match_the_cpu() {
 
 // ---- the token embedding's backward: the CPU's bits ----
 
-/// `embedding_bwd_*` as `cuda::embedding_bwd` launches it (the host's sort of the positions
+/// `embedding_bwd_*` as `embedding::cuda::embedding_bwd` launches it (the host's sort of the positions
 /// by token, then a block per table row), against the CPU op's gradient of the table for the
 /// same ids and upstream rows: the same bits, as both add a row's tokens in position order in
 /// f32 and round once.

@@ -1,6 +1,6 @@
 //! The launch shapes of `kernels/fused.cu`: how many blocks of how many threads each launch
-//! of the `cuda` module asks for, as plain numbers (one-dimensional grids, no dynamic shared
-//! memory).
+//! of the device halves (module `cuda` and each op's `cuda` child) asks for, as plain numbers
+//! (one-dimensional grids, no dynamic shared memory).
 //!
 //! Why a module of its own: the kernels also run without a GPU, on the kernel emulator
 //! (`emulated`, the `cuda` feature off), and those tests must launch them exactly as the

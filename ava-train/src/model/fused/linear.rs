@@ -44,6 +44,10 @@ use rayon::prelude::*;
 
 use super::{Stored, values, with_values};
 
+// The device half of the weight gradient's sum over calls.
+#[cfg(feature = "cuda")]
+mod cuda;
+
 /// `x Wᵀ` for x (N, in) and w (out, in), computed with `threads` parts, in their type.
 ///
 /// f32 and f64 are multiplied natively; bf16 and f16 through f32 scratch inside the op, each
@@ -522,9 +526,9 @@ pub(crate) fn linear_backward(
         {
             let sum = match dw.device.take() {
                 Some(sum) => sum,
-                None => super::cuda::zeros_f32(&x, w.elem_count())?,
+                None => cuda::zeros_f32(&x, w.elem_count())?,
             };
-            dw.device = Some(super::cuda::add_weight_grad(sum, &x, &g)?);
+            dw.device = Some(cuda::add_weight_grad(sum, &x, &g)?);
             return Ok(dx);
         }
         #[cfg(not(feature = "cuda"))]

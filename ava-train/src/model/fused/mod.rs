@@ -21,18 +21,22 @@
 //! composed forms in `ops` stay as the reference the tests compare against.
 //!
 //! With the `cuda` feature each op also runs on an NVIDIA GPU: its `cuda_fwd` and the device
-//! branch of its backward launch the kernels of `kernels/fused.cu` (module `cuda`), the same
-//! math in the same types; the linear layer goes to cuBLAS through candle's matmul (f32
-//! accumulation for bf16/f16), and the cast and the residual addition to candle's own kernels.
-//! Those kernels also run without a GPU or the feature, in tests: compiled for the CPU by the
-//! kernel emulator (ava-cuda-emu), launched with the `cuda` module's grids (module `launch`)
-//! and compared with the CPU ops here (module `emulated`).
+//! branch of its backward launch the kernels of `kernels/fused.cu`, the same math in the same
+//! types. Each op's launches live beside it, in its own `cuda` child (`norm/cuda.rs`,
+//! `swiglu/cuda.rs`, `rope/cuda.rs`, `embedding/cuda.rs`, `linear/cuda.rs`), on the shared
+//! helpers of module `cuda` (the PTX module, launch configurations, typed views), which also
+//! holds the device work that is no single op's: the cross-entropy of `model::ops`, rounding
+//! and widening, Σ x², and the buffers handed to plugins. The linear layer's products go to
+//! cuBLAS through candle's matmul (f32 accumulation for bf16/f16), and the cast and the
+//! residual addition to candle's own kernels. The kernels also run without a GPU or the
+//! feature, in tests: compiled for the CPU by the kernel emulator (ava-cuda-emu), launched
+//! with the grids of module `launch` and compared with the CPU ops here (module `emulated`).
 
 mod convert;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod embedding;
-// The kernels' launch shapes: the `cuda` module's launches, and the emulated tests' (which
+// The kernels' launch shapes: the device halves' launches, and the emulated tests' (which
 // run without the feature).
 #[cfg(any(feature = "cuda", test))]
 mod launch;
@@ -171,9 +175,8 @@ impl DeferredSums {
 
 #[cfg(feature = "cuda")]
 pub(crate) use cuda::{
-    TableCache, cross_entropy_bwd, cross_entropy_fwd, plugin_buf, plugin_stream, round_compensated_storage,
-    round_nearest_storage, round_stochastic_storage, storage_buf, storage_tensor, widen_compensated_storage,
-    widen_storage, zeros,
+    cross_entropy_bwd, cross_entropy_fwd, plugin_buf, plugin_stream, round_compensated_storage, round_nearest_storage,
+    round_stochastic_storage, storage_buf, storage_tensor, widen_compensated_storage, widen_storage, zeros,
 };
 
 /// The element types the fused ops compute in.

@@ -13,6 +13,10 @@ use rayon::prelude::*;
 
 use super::{ROWS_PER_TASK, Real, Stored, filled, same_dtype, values, with_stored, with_values};
 
+// The device half: the GPU kernels' launches.
+#[cfg(feature = "cuda")]
+mod cuda;
+
 /// RMSNorm over the last dimension of `x` with weight `w` (its size): read and written in
 /// `x`'s type, computed in f32 (f64 for f64 input, for the gradient checks), as Hugging Face
 /// Llama computes it. `w` must have `x`'s type.
@@ -126,14 +130,14 @@ impl CustomOp2 for RmsNorm {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         same_dtype(s1, s2, "rms-norm")?;
-        Ok((super::cuda::rms_norm_fwd(s1, l1, s2, l2, self.eps)?, l1.shape().clone()))
+        Ok((cuda::rms_norm_fwd(s1, l1, s2, l2, self.eps)?, l1.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let _span = crate::profile::scope("backward: rms_norm");
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            let (dx, dw) = super::cuda::rms_norm_bwd(x, w, &g.to_dtype(x.dtype())?, self.eps)?;
+            let (dx, dw) = cuda::rms_norm_bwd(x, w, &g.to_dtype(x.dtype())?, self.eps)?;
             return Ok((Some(dx), Some(dw)));
         }
         fn run<S: Stored>(

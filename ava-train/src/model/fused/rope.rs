@@ -19,6 +19,10 @@ use rayon::prelude::*;
 use super::{Real, Stored, filled, values, with_stored, with_values};
 use crate::model::RopeSpec;
 
+// The device half: the GPU kernel's launch and the tables' copy on the device.
+#[cfg(feature = "cuda")]
+mod cuda;
+
 /// Rotary tables for positions `0..seq` and a head size: `a·cos` and `a·sin` of `t · fᵢ`, with
 /// the frequencies `fᵢ` and attention factor `a` of a [`RopeSpec`] (plain RoPE: `fᵢ = θ^(-2i/D)`,
 /// `a = 1`), both halves of a head sharing the frequencies. Kept in f32 and f64 (the gradient
@@ -33,7 +37,7 @@ pub struct RopeTables {
     sin64: Vec<f64>, // (T, D)
     /// The f32 tables' copy on the GPU, made on first use there.
     #[cfg(feature = "cuda")]
-    on_device: super::TableCache,
+    on_device: cuda::TableCache,
 }
 
 impl RopeTables {
@@ -68,13 +72,13 @@ impl RopeTables {
 
     /// The f32 tables (cos, sin), (T, D) each.
     #[cfg(feature = "cuda")]
-    pub(super) fn f32_tables(&self) -> (&[f32], &[f32]) {
+    fn f32_tables(&self) -> (&[f32], &[f32]) {
         (&self.cos32, &self.sin32)
     }
 
     /// Where the GPU copy of the tables is kept.
     #[cfg(feature = "cuda")]
-    pub(super) fn device_cache(&self) -> &super::TableCache {
+    fn device_cache(&self) -> &cuda::TableCache {
         &self.on_device
     }
 
@@ -263,8 +267,8 @@ impl Heads {
 
     /// This op's move towards `to` for the GPU kernel.
     #[cfg(feature = "cuda")]
-    fn device_move(&self, to: Dir, transposed: bool) -> super::cuda::HeadsMove<'_> {
-        super::cuda::HeadsMove {
+    fn device_move(&self, to: Dir, transposed: bool) -> cuda::HeadsMove<'_> {
+        cuda::HeadsMove {
             b: self.b,
             c: self.c,
             t: self.t,
@@ -299,7 +303,7 @@ impl CustomOp1 for Heads {
         storage: &candle_core::CudaStorage,
         layout: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::cuda::heads(storage, layout, &self.device_move(self.dir, false))?;
+        let out = cuda::heads(storage, layout, &self.device_move(self.dir, false))?;
         Ok((out, self.out_shape(self.dir)))
     }
 
@@ -309,7 +313,7 @@ impl CustomOp1 for Heads {
         let grad = grad.to_dtype(arg.dtype())?;
         #[cfg(feature = "cuda")]
         if arg.device().is_cuda() {
-            return Ok(Some(super::cuda::heads_tensor(&grad, &self.device_move(back, true), self.out_shape(back))?));
+            return Ok(Some(cuda::heads_tensor(&grad, &self.device_move(back, true), self.out_shape(back))?));
         }
         let dx = with_stored!(arg.dtype(), self.name(), |S| {
             let v = with_values::<S, _>(&grad, self.name(), |g| Ok(self.run::<S, _>(g, back, true)))?;

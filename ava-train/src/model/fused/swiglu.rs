@@ -13,6 +13,10 @@ use rayon::prelude::*;
 
 use super::{Real, Stored, filled, same_dtype, values, with_stored, with_values};
 
+// The device half: the GPU kernels' launches.
+#[cfg(feature = "cuda")]
+mod cuda;
+
 /// Elements per task.
 const CHUNK: usize = 16 * 1024;
 
@@ -92,14 +96,14 @@ impl CustomOp2 for SwiGlu {
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         same_dtype(s1, s2, "swiglu")?;
-        Ok((super::cuda::swiglu_fwd(s1, l1, s2, l2)?, l1.shape().clone()))
+        Ok((cuda::swiglu_fwd(s1, l1, s2, l2)?, l1.shape().clone()))
     }
 
     fn bwd(&self, g: &Tensor, u: &Tensor, _h: &Tensor, dh: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let _span = crate::profile::scope("backward: swiglu");
         #[cfg(feature = "cuda")]
         if g.device().is_cuda() {
-            let (dg, du) = super::cuda::swiglu_bwd(g, u, &dh.to_dtype(g.dtype())?)?;
+            let (dg, du) = cuda::swiglu_bwd(g, u, &dh.to_dtype(g.dtype())?)?;
             return Ok((Some(dg), Some(du)));
         }
         fn run<S: Stored>(g: &Tensor, u: &Tensor, dh: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
