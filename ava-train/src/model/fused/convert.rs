@@ -1,7 +1,8 @@
 //! Two ops candle already has, done with the fast conversions of [`Stored`] for half types:
 //! the cast between f32 and bf16/f16 (f32 master weights into the compute type, every step)
-//! and the residual addition of two half tensors (and of large f32 ones, in parallel); and the parallel widening and rounding of
-//! whole buffers that the attention op uses around its f32 kernel.
+//! and the residual addition of two half tensors (and of two large f32 ones, in parallel);
+//! and the parallel widening and rounding of whole buffers that the attention op uses around
+//! its f32 kernel.
 //!
 //! Why: candle converts and adds half values one element at a time through `half`, whose
 //! rounding branches on the data; on the benchmark model those two took longer per step than
