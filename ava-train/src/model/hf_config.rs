@@ -252,9 +252,40 @@ pub(crate) fn default_max_position(arch: Arch) -> usize {
 
 /// The RoPE settings from `rope_scaling` / `rope_parameters` / `rope_theta`, with transformers
 /// 5's precedence: a non-null `rope_scaling` replaces `rope_parameters`, and a `rope_theta`
-/// inside them wins over the top-level one.
+/// inside them wins over the top-level one. Stages: the object the settings come from
+/// ([`rope_source`]), θ, the scaling and what it reads ([`RopeParams`]), then the keys it did
+/// not read (notes) and the limits on the whole.
 fn rope_of(r: &mut Reader<'_>, default_theta: f64, max_position: usize, head_dim: usize) -> RopeSpec {
     let top_theta = r.get("rope_theta").cloned();
+    let Some((name, params)) = rope_source(r) else { return RopeSpec::plain(default_theta) };
+    let p = RopeParams { name, params: &params, max_position };
+    let mut problems = Vec::new();
+    let theta = p.theta(top_theta, default_theta, &mut problems);
+    let kind = p.kind(&mut problems);
+    let (scaling, known) = p.scaling(&kind, &mut problems);
+    for key in params.keys() {
+        let key = key.as_str();
+        if !matches!(key, "rope_type" | "type" | "rope_theta" | "partial_rotary_factor") && !known.contains(&key) {
+            r.notes.push(format!("{name}.{key} is not used by rope_type \"{kind}\" (transformers ignores it too)"));
+        }
+    }
+    if let Some(f) = params.get("partial_rotary_factor")
+        && f.as_f64() != Some(1.0)
+    {
+        problems.push(format!("{name}.partial_rotary_factor is {f}: Ava rotates whole heads (1.0) only"));
+    }
+    if head_dim < 4 && !matches!(scaling, RopeScaling::Default | RopeScaling::Linear { .. }) {
+        problems.push(format!("rope_type \"{kind}\" needs a head size of at least 4, got {head_dim}"));
+    }
+    r.problems.extend(problems);
+    RopeSpec { theta, scaling }
+}
+
+/// The object the RoPE settings come from and its name: `rope_scaling` when it is set, else
+/// `rope_parameters` (an empty one when neither is). Problems with the objects themselves go
+/// to `r`: a top-level `partial_rotary_factor` other than 1, an object that is not one, the
+/// two disagreeing, settings per layer type (then `None`: plain RoPE).
+fn rope_source(r: &mut Reader<'_>) -> Option<(&'static str, Map<String, Value>)> {
     let scaling = r.get("rope_scaling").cloned();
     let parameters = r.get("rope_parameters").cloned();
     if let Some(p) = r.get("partial_rotary_factor")
@@ -294,112 +325,113 @@ fn rope_of(r: &mut Reader<'_>, default_theta: f64, max_position: usize, head_dim
     };
     if params.keys().any(|k| matches!(k.as_str(), "full_attention" | "sliding_attention")) {
         r.problems.push(format!("{name} holds settings per layer type: Ava uses one RoPE for every layer"));
-        return RopeSpec::plain(default_theta);
+        return None;
     }
-    let mut problems = Vec::new();
-    let num = |key: &str, problems: &mut Vec<String>| -> Option<f64> {
-        let v = params.get(key).filter(|v| !v.is_null())?;
+    Some((name, params))
+}
+
+/// The RoPE settings object `params` (named `name` in messages) and what its values are
+/// checked against; each reading pushes what is wrong with it to `problems`.
+struct RopeParams<'a> {
+    name: &'static str,
+    params: &'a Map<String, Value>,
+    /// The model's `max_position_embeddings`.
+    max_position: usize,
+}
+
+impl RopeParams<'_> {
+    /// `params[key]` as a number (absent or null: `None`).
+    fn num(&self, key: &str, problems: &mut Vec<String>) -> Option<f64> {
+        let v = self.params.get(key).filter(|v| !v.is_null())?;
         let n = v.as_f64();
         if n.is_none() {
-            problems.push(format!("{name}.{key} must be a number, got {v}"));
+            problems.push(format!("{}.{key} must be a number, got {v}", self.name));
         }
         n
-    };
-    let theta = match (num("rope_theta", &mut problems), top_theta) {
-        (Some(inner), Some(top)) if top.as_f64() != Some(inner) => {
-            problems.push(format!(
-                "rope_theta ({top}) and {name}.rope_theta ({inner}) disagree: transformers 4 reads the first and 5 the \
-                 second; keep one"
-            ));
-            inner
-        }
-        (Some(inner), _) => inner,
-        (None, Some(top)) => top.as_f64().unwrap_or_else(|| {
-            problems.push(format!("rope_theta must be a number, got {top}"));
-            default_theta
-        }),
-        (None, None) => default_theta,
-    };
-    if !(theta > 1.0 && theta.is_finite()) {
-        problems.push(format!("rope_theta must be a finite number above 1, got {theta}"));
     }
-    let kind = match params.get("rope_type").or(params.get("type")) {
-        None => "default".to_string(),
-        Some(Value::String(s)) => s.clone(),
-        Some(v) => {
-            problems.push(format!("{name}.rope_type must be a string, got {v}"));
-            "default".to_string()
-        }
-    };
-    let factor = |problems: &mut Vec<String>, default: Option<f64>| match num("factor", problems).or(default) {
-        Some(f) if f >= 1.0 && f.is_finite() => f,
-        Some(f) => {
-            problems.push(format!("{name}.factor must be at least 1, got {f}"));
-            1.0
-        }
-        None => {
-            problems.push(format!("{name}.factor is missing: rope_type \"{kind}\" needs it"));
-            1.0
-        }
-    };
-    let original = |problems: &mut Vec<String>| match num("original_max_position_embeddings", problems) {
-        Some(n) if n >= 1.0 && n.fract() == 0.0 => n as usize,
-        Some(n) => {
-            problems.push(format!("{name}.original_max_position_embeddings must be a positive integer, got {n}"));
-            max_position
-        }
-        None => max_position, // transformers' standardization fills it so
-    };
-    let (scaling, known): (RopeScaling, &[&str]) = match kind.as_str() {
-        "default" => (RopeScaling::Default, &[]),
-        "linear" => (RopeScaling::Linear { factor: factor(&mut problems, None) }, &["factor"]),
-        "dynamic" => (RopeScaling::Dynamic { factor: factor(&mut problems, None), max_position }, &["factor"]),
-        "llama3" => {
-            let factor = factor(&mut problems, None);
-            let original_max_position = original(&mut problems);
-            let mut band = |key: &str| {
-                num(key, &mut problems).unwrap_or_else(|| {
-                    problems.push(format!("{name}.{key} is missing: rope_type \"llama3\" needs it"));
-                    1.0
-                })
-            };
-            let (low_freq_factor, high_freq_factor) = (band("low_freq_factor"), band("high_freq_factor"));
-            if high_freq_factor <= low_freq_factor {
+
+    /// θ: the object's own `rope_theta`, else the top-level one, else the class default.
+    fn theta(&self, top: Option<Value>, default: f64, problems: &mut Vec<String>) -> f64 {
+        let name = self.name;
+        let theta = match (self.num("rope_theta", problems), top) {
+            (Some(inner), Some(top)) if top.as_f64() != Some(inner) => {
                 problems.push(format!(
-                    "{name}.high_freq_factor ({high_freq_factor}) must be above low_freq_factor ({low_freq_factor})"
+                    "rope_theta ({top}) and {name}.rope_theta ({inner}) disagree: transformers 4 reads the first and 5 \
+                     the second; keep one"
                 ));
+                inner
             }
-            (
-                RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position },
-                &["factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"],
-            )
+            (Some(inner), _) => inner,
+            (None, Some(top)) => top.as_f64().unwrap_or_else(|| {
+                problems.push(format!("rope_theta must be a number, got {top}"));
+                default
+            }),
+            (None, None) => default,
+        };
+        if !(theta > 1.0 && theta.is_finite()) {
+            problems.push(format!("rope_theta must be a finite number above 1, got {theta}"));
         }
-        "yarn" => {
-            let original_max_position = original(&mut problems);
-            let factor = factor(&mut problems, Some(max_position as f64 / original_max_position as f64));
-            // transformers reads these with `or`: 0 and null both mean the default.
-            let or = |v: Option<f64>, d: f64| v.filter(|x| *x != 0.0).unwrap_or(d);
-            // `rope_parameters.get("truncate", True)`: absent is true, an explicit null false.
-            let truncate = match params.get("truncate") {
-                None => true,
-                Some(Value::Null) => false,
-                Some(Value::Bool(b)) => *b,
-                Some(v) => {
-                    problems.push(format!("{name}.truncate must be true or false, got {v}"));
-                    true
-                }
-            };
-            (
-                RopeScaling::Yarn {
-                    factor,
-                    original_max_position,
-                    attention_factor: num("attention_factor", &mut problems),
-                    beta_fast: or(num("beta_fast", &mut problems), 32.0),
-                    beta_slow: or(num("beta_slow", &mut problems), 1.0),
-                    mscale: or(num("mscale", &mut problems), 0.0),
-                    mscale_all_dim: or(num("mscale_all_dim", &mut problems), 0.0),
-                    truncate,
-                },
+        theta
+    }
+
+    /// `rope_type` (or the older `type`), "default" when absent.
+    fn kind(&self, problems: &mut Vec<String>) -> String {
+        match self.params.get("rope_type").or(self.params.get("type")) {
+            None => "default".to_string(),
+            Some(Value::String(s)) => s.clone(),
+            Some(v) => {
+                problems.push(format!("{}.rope_type must be a string, got {v}", self.name));
+                "default".to_string()
+            }
+        }
+    }
+
+    /// `factor` (at least 1), or `default` when absent; `kind` names the type that needs it.
+    fn factor(&self, kind: &str, default: Option<f64>, problems: &mut Vec<String>) -> f64 {
+        match self.num("factor", problems).or(default) {
+            Some(f) if f >= 1.0 && f.is_finite() => f,
+            Some(f) => {
+                problems.push(format!("{}.factor must be at least 1, got {f}", self.name));
+                1.0
+            }
+            None => {
+                problems.push(format!("{}.factor is missing: rope_type \"{kind}\" needs it", self.name));
+                1.0
+            }
+        }
+    }
+
+    /// `original_max_position_embeddings`, or `max_position` when absent (transformers'
+    /// standardization fills it so).
+    fn original(&self, problems: &mut Vec<String>) -> usize {
+        match self.num("original_max_position_embeddings", problems) {
+            Some(n) if n >= 1.0 && n.fract() == 0.0 => n as usize,
+            Some(n) => {
+                problems.push(format!(
+                    "{}.original_max_position_embeddings must be a positive integer, got {n}",
+                    self.name
+                ));
+                self.max_position
+            }
+            None => self.max_position,
+        }
+    }
+
+    /// The scaling of `kind` and the keys it reads.
+    fn scaling(&self, kind: &str, problems: &mut Vec<String>) -> (RopeScaling, &'static [&'static str]) {
+        let max_position = self.max_position;
+        match kind {
+            "default" => (RopeScaling::Default, &[]),
+            "linear" => (RopeScaling::Linear { factor: self.factor(kind, None, problems) }, &["factor"]),
+            "dynamic" => {
+                (RopeScaling::Dynamic { factor: self.factor(kind, None, problems), max_position }, &["factor"])
+            }
+            "llama3" => (
+                self.llama3(problems),
+                &["factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"],
+            ),
+            "yarn" => (
+                self.yarn(problems),
                 &[
                     "factor",
                     "original_max_position_embeddings",
@@ -410,31 +442,64 @@ fn rope_of(r: &mut Reader<'_>, default_theta: f64, max_position: usize, head_dim
                     "mscale_all_dim",
                     "truncate",
                 ],
-            )
+            ),
+            other => {
+                problems.push(format!(
+                    "{}.rope_type \"{other}\" is not supported: Ava implements default, linear, dynamic, llama3 and yarn",
+                    self.name
+                ));
+                (RopeScaling::Default, &[])
+            }
         }
-        other => {
+    }
+
+    /// Llama 3's frequency bands.
+    fn llama3(&self, problems: &mut Vec<String>) -> RopeScaling {
+        let name = self.name;
+        let factor = self.factor("llama3", None, problems);
+        let original_max_position = self.original(problems);
+        let mut band = |key: &str| {
+            self.num(key, problems).unwrap_or_else(|| {
+                problems.push(format!("{name}.{key} is missing: rope_type \"llama3\" needs it"));
+                1.0
+            })
+        };
+        let (low_freq_factor, high_freq_factor) = (band("low_freq_factor"), band("high_freq_factor"));
+        if high_freq_factor <= low_freq_factor {
             problems.push(format!(
-                "{name}.rope_type \"{other}\" is not supported: Ava implements default, linear, dynamic, llama3 and yarn"
+                "{name}.high_freq_factor ({high_freq_factor}) must be above low_freq_factor ({low_freq_factor})"
             ));
-            (RopeScaling::Default, &[])
         }
-    };
-    for key in params.keys() {
-        let key = key.as_str();
-        if !matches!(key, "rope_type" | "type" | "rope_theta" | "partial_rotary_factor") && !known.contains(&key) {
-            r.notes.push(format!("{name}.{key} is not used by rope_type \"{kind}\" (transformers ignores it too)"));
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position }
+    }
+
+    /// YaRN's interpolation, with transformers' defaults.
+    fn yarn(&self, problems: &mut Vec<String>) -> RopeScaling {
+        let original_max_position = self.original(problems);
+        let factor = self.factor("yarn", Some(self.max_position as f64 / original_max_position as f64), problems);
+        // transformers reads these with `or`: 0 and null both mean the default.
+        let or = |v: Option<f64>, d: f64| v.filter(|x| *x != 0.0).unwrap_or(d);
+        // `rope_parameters.get("truncate", True)`: absent is true, an explicit null false.
+        let truncate = match self.params.get("truncate") {
+            None => true,
+            Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => {
+                problems.push(format!("{}.truncate must be true or false, got {v}", self.name));
+                true
+            }
+        };
+        RopeScaling::Yarn {
+            factor,
+            original_max_position,
+            attention_factor: self.num("attention_factor", problems),
+            beta_fast: or(self.num("beta_fast", problems), 32.0),
+            beta_slow: or(self.num("beta_slow", problems), 1.0),
+            mscale: or(self.num("mscale", problems), 0.0),
+            mscale_all_dim: or(self.num("mscale_all_dim", problems), 0.0),
+            truncate,
         }
     }
-    if let Some(p) = params.get("partial_rotary_factor")
-        && p.as_f64() != Some(1.0)
-    {
-        problems.push(format!("{name}.partial_rotary_factor is {p}: Ava rotates whole heads (1.0) only"));
-    }
-    if head_dim < 4 && !matches!(scaling, RopeScaling::Default | RopeScaling::Linear { .. }) {
-        problems.push(format!("rope_type \"{kind}\" needs a head size of at least 4, got {head_dim}"));
-    }
-    r.problems.extend(problems);
-    RopeSpec { theta, scaling }
 }
 
 /// The attention window every layer uses (`None`: full causal attention), from Mistral's /
