@@ -1,14 +1,19 @@
-//! The fused ops on an NVIDIA GPU (`cuda` feature): the kernels of `kernels/fused.cu`, built
-//! to PTX by the build script, loaded once per device through candle's module cache and
+//! The fused ops' shared device plumbing (`cuda` feature): the kernels of `kernels/fused.cu`,
+//! built to PTX by the build script, loaded once per device through candle's module cache and
 //! launched on candle's stream, so they order with candle's own work without a sync.
 //!
-//! Each function here is one op's device half: the `cuda_fwd` of its custom op, or the
-//! device branch of its backward; the heads move with the rotary embedding keeps its own
-//! beside its op (`rope/cuda.rs`), on the shared helpers here. The math is the CPU op's (the kernel file says which);
-//! inputs arrive contiguous (the public functions make them so) and outputs are fresh
-//! buffers of the op's output shape. A type other than f32, bf16 and f16 (the gradient
-//! checks' f64) is refused by name: those checks run on the CPU. Each launch's grid comes
-//! from `launch`, which the kernels' emulated tests (`emulated`) launch them with too.
+//! Each op's device half (the `cuda_fwd` of its custom op, the device branch of its backward)
+//! lives beside the op, in its `cuda` child (`norm/cuda.rs`, `swiglu/cuda.rs`, `rope/cuda.rs`,
+//! `embedding/cuda.rs`, `linear/cuda.rs`), on the helpers here: the module's PTX and name,
+//! `by_type!`, launch configurations, typed views and fresh buffers. Here too is the device
+//! work that is no single fused op's: the cross-entropy of `model::ops`, rounding and
+//! widening between f32 and the half types, Σ x², and the buffers handed to plugins.
+//!
+//! The math is the CPU's (the kernel file says which); inputs arrive contiguous (the public
+//! functions make them so) and outputs are fresh buffers of the output's shape. A type other
+//! than f32, bf16 and f16 (the gradient checks' f64) is refused by name: those checks run on
+//! the CPU. Each launch's grid comes from `launch`, which the kernels' emulated tests
+//! (`emulated`) launch them with too.
 
 use std::sync::Arc;
 
