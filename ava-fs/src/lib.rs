@@ -6,8 +6,9 @@
 //! replaces and removes entries relative to an opened directory, so a link or FIFO planted
 //! by another user under a name is refused rather than followed; [`dir_lock`] gives an
 //! output directory one writer at a time. The plugin host (`ava-plugins`: lock files, plugin
-//! libraries), the data pipeline (`ava-data`: corpora, shards, manifests) and the engine
-//! (`ava-train`: run directories, checkpoints, model folders) all read and write through it.
+//! libraries), the data pipeline (`ava-data`: tokenizers, corpora, manifests, the lock on
+//! `--out`) and the engine (`ava-train`: configs, run directories, checkpoints, model folders)
+//! all use it.
 //!
 //! Unix only, as the rest of Ava: the guarantees rest on `openat`, `O_NOFOLLOW` and `flock`.
 

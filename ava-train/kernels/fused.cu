@@ -2,9 +2,11 @@
 // ava-train/src/model/fused/ (and the cross-entropy of model/ops.rs, the stochastic rounding of
 // train/rounding.rs), one kernel per fused step, each with its launch shape beside it.
 //
-// Built to PTX by ava-train's build script (nvcc --ptx, `cuda` feature only) and loaded by
-// src/model/fused/cuda.rs, which launches every kernel here. Values are read in their stored
-// type (f32, bf16 or f16), computed in f32 and rounded once when written, as on the CPU.
+// Built to PTX by ava-train's build script (nvcc --ptx, `cuda` feature only) and loaded through
+// src/model/fused/cuda.rs; each op's kernels are launched beside the op (src/model/fused/
+// norm/cuda.rs, swiglu/, rope/, embedding/), the rest from fused/cuda.rs itself. Values are
+// read in their stored type (f32, bf16 or f16), computed in f32 and rounded once when
+// written, as on the CPU.
 // Reductions that feed a weight's gradient add per-block partial sums in a fixed order
 // (deterministic: no atomics).
 

@@ -236,7 +236,7 @@ mod fuzz {
     proptest! {
         #![proptest_config(PropConfig {
             // `$PROPTEST_CASES` to fuzz longer, as the other crates' property tests take it
-            // (ava_kernels::testing::proptest_cases, a crate above this one).
+            // (ava_kernels::testing::proptest_cases; ava-fs depends on no other Ava crate).
             cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64),
             failure_persistence: None,
             ..PropConfig::default()

@@ -555,7 +555,7 @@ impl<'a> Replay<'a> {
         let attn = self.attention(&q, &k, &v); // (B, H, T, D)
         drop((q, k, v));
         let attn = Self::merge_heads(&attn); // (B·T, H·D)
-        // `fused::add`: for half types a custom op with candle's addition's memory.
+        // `fused::add`: for half types (and large f32) a custom op with candle's addition's memory.
         let x = x.add(&self.projection(&attn, bi.o, bi.o_bias).reshape(&[b, t, d])); // (B, T, d)
         let normed = self.rms_norm(&x, &w[bi.mlp_norm]).reshape(&[n, d]); // (B·T, d)
         let (mlp, aux) = match &bi.mlp {

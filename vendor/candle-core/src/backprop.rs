@@ -776,20 +776,32 @@ const ADD_CHUNK: usize = 16 * 1024;
 /// `a + b` for two gradients of one shape (Ava's patch): contiguous f32 CPU tensors of at
 /// least four chunks are added in chunks on rayon's pool, where `Tensor::add` runs on one
 /// thread; each element is the same `a + b`, so the bits are unchanged. Anything else goes
-/// through `Tensor::add`. Gradients are detached, so the sum needs no backprop op.
+/// through `Tensor::add`. The parallel sum is a fresh tensor without a backprop op: it is not
+/// differentiable again (Ava takes no second-order gradients; `Tensor::add` keeps the op of a
+/// contribution that has one, as with `CANDLE_GRAD_DO_NOT_DETACH`).
 fn add_grads(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let large = a.elem_count() >= 4 * ADD_CHUNK;
+    let parallel = large && a.dtype() == crate::DType::F32 && a.shape() == b.shape() && a.device().is_cpu();
+    match parallel.then(|| parallel_sum(a, b)).flatten() {
+        Some(sum) => Tensor::from_vec(sum, a.shape(), a.device()),
+        None => a.add(b), // the storages' read locks are released by now
+    }
+}
+
+/// The elements of `a + b` summed in chunks on rayon's pool, when both are contiguous f32 CPU
+/// tensors of one length; `None` otherwise.
+fn parallel_sum(a: &Tensor, b: &Tensor) -> Option<Vec<f32>> {
     use crate::{CpuStorage, Storage};
     use rayon::prelude::*;
-    let large = a.elem_count() >= 4 * ADD_CHUNK;
-    if !(large && a.dtype() == crate::DType::F32 && a.shape() == b.shape() && a.device().is_cpu()) {
-        return a.add(b);
-    }
     let sum = {
         let (sa, la) = a.storage_and_layout();
         let (sb, lb) = b.storage_and_layout();
         match (&*sa, &*sb, la.contiguous_offsets(), lb.contiguous_offsets()) {
             (Storage::Cpu(CpuStorage::F32(x)), Storage::Cpu(CpuStorage::F32(y)), Some((x0, x1)), Some((y0, y1))) => {
                 let (x, y) = (&x[x0..x1], &y[y0..y1]);
+                if x.len() != y.len() {
+                    return None;
+                }
                 let mut sum: Vec<f32> = Vec::with_capacity(x.len());
                 let chunks = sum.spare_capacity_mut()[..x.len()].par_chunks_mut(ADD_CHUNK);
                 chunks.zip(x.par_chunks(ADD_CHUNK).zip(y.par_chunks(ADD_CHUNK))).for_each(|(s, (x, y))| {
@@ -801,8 +813,8 @@ fn add_grads(a: &Tensor, b: &Tensor) -> Result<Tensor> {
                 unsafe { sum.set_len(x.len()) };
                 sum
             }
-            _ => return a.add(b),
+            _ => return None,
         }
     };
-    Tensor::from_vec(sum, a.shape(), a.device())
+    Some(sum)
 }
