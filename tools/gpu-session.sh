@@ -296,9 +296,10 @@ pack() {
         echo "(logs.tar.xz leaves out *.tsv and *.jsonl: with them it was over 15 MiB)" >>"$WORK/summary.txt"
         tar -C "$WORK" -cJf "$WORK/logs.tar.xz" --exclude='*.tsv' --exclude='*.jsonl' logs summary.txt 2>/dev/null
     fi
-    # Renamed into place, so a run killed here leaves the last whole pair (and at most a .new).
-    cp "$WORK/summary.txt" "$OUT/summary.txt.new" && mv -f "$OUT/summary.txt.new" "$OUT/summary.txt"
+    # Renamed into place, so a run killed here leaves the last whole pair (and at most a .new);
+    # the archive first, so a summary that names a part never comes before that part's logs.
     cp "$WORK/logs.tar.xz" "$OUT/logs.tar.xz.new" && mv -f "$OUT/logs.tar.xz.new" "$OUT/logs.tar.xz"
+    cp "$WORK/summary.txt" "$OUT/summary.txt.new" && mv -f "$OUT/summary.txt.new" "$OUT/summary.txt"
 }
 
 # On exit, however it comes (the end, a signal, an error): the last pack and the summary
