@@ -793,28 +793,25 @@ fn add_grads(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 fn parallel_sum(a: &Tensor, b: &Tensor) -> Option<Vec<f32>> {
     use crate::{CpuStorage, Storage};
     use rayon::prelude::*;
-    let sum = {
-        let (sa, la) = a.storage_and_layout();
-        let (sb, lb) = b.storage_and_layout();
-        match (&*sa, &*sb, la.contiguous_offsets(), lb.contiguous_offsets()) {
-            (Storage::Cpu(CpuStorage::F32(x)), Storage::Cpu(CpuStorage::F32(y)), Some((x0, x1)), Some((y0, y1))) => {
-                let (x, y) = (&x[x0..x1], &y[y0..y1]);
-                if x.len() != y.len() {
-                    return None;
-                }
-                let mut sum: Vec<f32> = Vec::with_capacity(x.len());
-                let chunks = sum.spare_capacity_mut()[..x.len()].par_chunks_mut(ADD_CHUNK);
-                chunks.zip(x.par_chunks(ADD_CHUNK).zip(y.par_chunks(ADD_CHUNK))).for_each(|(s, (x, y))| {
-                    for ((s, &u), &v) in s.iter_mut().zip(x).zip(y) {
-                        s.write(u + v);
-                    }
-                });
-                // SAFETY: the chunks cover the first x.len() elements and each was written.
-                unsafe { sum.set_len(x.len()) };
-                sum
-            }
-            _ => return None,
-        }
+    let (sa, la) = a.storage_and_layout();
+    let (sb, lb) = b.storage_and_layout();
+    let (Storage::Cpu(CpuStorage::F32(x)), Storage::Cpu(CpuStorage::F32(y)), Some((x0, x1)), Some((y0, y1))) =
+        (&*sa, &*sb, la.contiguous_offsets(), lb.contiguous_offsets())
+    else {
+        return None;
     };
+    let (x, y) = (&x[x0..x1], &y[y0..y1]);
+    if x.len() != y.len() {
+        return None;
+    }
+    let mut sum: Vec<f32> = Vec::with_capacity(x.len());
+    let chunks = sum.spare_capacity_mut()[..x.len()].par_chunks_mut(ADD_CHUNK);
+    chunks.zip(x.par_chunks(ADD_CHUNK).zip(y.par_chunks(ADD_CHUNK))).for_each(|(s, (x, y))| {
+        for ((s, &u), &v) in s.iter_mut().zip(x).zip(y) {
+            s.write(u + v);
+        }
+    });
+    // SAFETY: the chunks cover the first x.len() elements and each was written.
+    unsafe { sum.set_len(x.len()) };
     Some(sum)
 }

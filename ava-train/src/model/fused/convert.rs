@@ -42,12 +42,13 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.dims() != b.dims() {
         bail!("add: shapes {:?} and {:?} differ", a.dims(), b.dims());
     }
-    let cpu = !a.device().is_cuda();
-    match a.dtype() {
-        DType::BF16 | DType::F16 if cpu => a.contiguous()?.apply_op2(&b.contiguous()?, Add),
-        DType::F32 if cpu && a.elem_count() >= 4 * CHUNK => a.contiguous()?.apply_op2(&b.contiguous()?, Add),
-        _ => a + b,
-    }
+    let parallel = !a.device().is_cuda()
+        && match a.dtype() {
+            DType::BF16 | DType::F16 => true,
+            DType::F32 => a.elem_count() >= 4 * CHUNK,
+            _ => false,
+        };
+    if parallel { a.contiguous()?.apply_op2(&b.contiguous()?, Add) } else { a + b }
 }
 
 struct Cast {
