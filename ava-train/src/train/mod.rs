@@ -8,8 +8,6 @@ mod fault;
 mod in_backward;
 pub mod metrics;
 mod optim;
-#[cfg(feature = "cuda")]
-mod pinned_state;
 mod preflight;
 mod reporter;
 pub mod rounding;

@@ -23,9 +23,9 @@
 //! not hide behind compute ([`StreamStats::wait_seconds`]); the copies' own seconds come from
 //! events on their streams ([`StreamStats::copy_seconds`]).
 //!
-//! [`streamed_params`]: super::optim::streamed_params
-//! [`StreamStats::wait_seconds`]: super::optim::StreamStats::wait_seconds
-//! [`StreamStats::copy_seconds`]: super::optim::StreamStats::copy_seconds
+//! [`streamed_params`]: super::streamed_params
+//! [`StreamStats::wait_seconds`]: super::StreamStats::wait_seconds
+//! [`StreamStats::copy_seconds`]: super::StreamStats::copy_seconds
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -33,7 +33,7 @@ use std::sync::Arc;
 use candle_core::CudaDevice;
 use candle_core::cuda::cudarc::driver::{CudaStream, DevicePtr};
 
-use super::optim::StateBuffer;
+use super::StateBuffer;
 use crate::memory::pinned::{CopyStream, Event, PinnedBytes};
 
 /// What the copies of one step moved and cost.
