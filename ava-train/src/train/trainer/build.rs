@@ -59,7 +59,7 @@ impl Trainer {
         // (a checkpoint, `model.from`), from those widened.
         let fresh = resume.is_none() && config.model.from.is_none();
         let (zero, mut state) =
-            allocate_state(&config, optimizer.as_ref(), &model, group, &run_plugins.offload, fresh)?;
+            allocate_state(&config, &device, optimizer.as_ref(), &model, group, &run_plugins.offload, fresh)?;
         let plan = plan_checkpoints(
             &config,
             &model,
@@ -125,8 +125,8 @@ impl Trainer {
             std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::io(&out_dir, e))?;
         }
         // The counting allocator enforces the limit on the CPU; a GPU's pool is capped already.
-        let hard_limit = Some(config.memory.hard_limit.0).filter(|&l| l > 0 && !config.train.device.is_cuda());
-        memory::set_limit(hard_limit);
+        let meter = Meter::new(device.clone(), &config, device_limit);
+        meter.set_host_limit();
         // Stage 3: each rank keeps only its own parameters' values from here on.
         let mut model = model;
         if zero.stage() >= 3 {
@@ -160,7 +160,6 @@ impl Trainer {
             resumed_from,
             out_dir,
             data_position: trainer_state.data_position,
-            hard_limit,
             oom_at_step: options.oom_at_step,
             tier_fault,
             nan_grad_at_steps: options.nan_grad_at_steps.clone(),
@@ -168,7 +167,8 @@ impl Trainer {
             gather_pending,
             zero: Rc::new(zero),
             config,
-            device_limit,
+            device,
+            meter,
         })
     }
 }
@@ -283,6 +283,7 @@ fn check_offload_selection(config: &Config) -> Result<(), TrainError> {
 /// widened.
 fn allocate_state(
     config: &Config,
+    device: &Device,
     optimizer: &dyn Optimizer,
     model: &Model,
     group: Arc<dyn Collectives>,
@@ -294,7 +295,7 @@ fn allocate_state(
     let placement = tiers.offloaded().map(|_| Placement {
         tier: Arc::clone(offload),
         name: tier_name.clone(),
-        in_ram: tiers.resident(config.train.device.is_cuda()),
+        in_ram: tiers.resident(device.is_cuda()),
         prefetch: config.offload.prefetch,
     });
     let host = host_state(config);
@@ -463,4 +464,65 @@ fn run_warnings(config: &Config, preflight: Option<String>, dataset: &dyn Datase
         ));
     }
     warnings
+}
+
+/// With `train.sample_every`: the run's tokenizer, the token a sample starts from (the
+/// begin- or end-of-text id, else the first token of the data) and the end-of-text id.
+fn samples_from(
+    config: &Config,
+    dataset: &dyn Dataset,
+) -> Result<Option<(ava_data::Tokenizer, u32, Option<u32>)>, TrainError> {
+    if config.train.sample_every == 0 {
+        return Ok(None);
+    }
+    let invalid = |e: crate::inference::InferenceError| {
+        TrainError::Invalid(format!("train.sample_every: {e} (or set train.sample_every: 0)"))
+    };
+    let source = crate::inference::run_tokenizer(config).map_err(invalid)?;
+    let tokenizer = source.load().map_err(invalid)?;
+    let start = match source.bos.or(source.eos) {
+        Some(id) => id,
+        None => dataset.sequence(Split::Train, 0, 1)[0],
+    };
+    Ok(Some((tokenizer, start, source.eos)))
+}
+
+/// Why the checkpoint plan could not be made.
+enum PlanError {
+    /// The estimator could not size the step.
+    Estimate(String),
+    /// The policy failed, or returned a plan the engine cannot carry out.
+    Policy(String),
+}
+
+/// The checkpoint policy's decision per block, for micro-batches of `train.micro_batch_size /
+/// split` sequences. With a memory budget the policy gets what is left of it for activations,
+/// computed by the estimator for this rank (`ava estimate` shows the same plan); without
+/// one, no budget.
+fn checkpoint_plan(
+    spec: &ModelSpec,
+    config: &Config,
+    plugins: &crate::estimate::Plugins<'_>,
+    split: usize,
+    world: usize,
+    rank: usize,
+) -> Result<Vec<BlockDecision>, PlanError> {
+    let mut config = config.clone();
+    config.train.micro_batch_size /= split;
+    config.train.gradient_accumulation_steps *= split;
+    let t = &config.train;
+    let (batch, seq) = (t.micro_batch_size, config.data.seq_len);
+    let facts = crate::estimate::block_facts(spec, batch, seq, t.precision, plugins.attention, t.device)
+        .map_err(|e| PlanError::Estimate(e.to_string()))?;
+    let budget_bytes = if config.memory.budget.0 == 0 {
+        0
+    } else {
+        crate::estimate::estimate_rank(spec, &config, plugins, world, Some(rank))
+            .map_err(|e| PlanError::Estimate(e.to_string()))?
+            .activation_budget
+    };
+    let ctx = CheckpointContext { budget_bytes, offload_available: true };
+    let plan = plugins.checkpoint.decide(&facts, &ctx).map_err(|e| PlanError::Policy(e.to_string()))?;
+    ava_core::check_plan(&plan, spec.layers).map_err(PlanError::Policy)?;
+    Ok(plan)
 }

@@ -251,7 +251,7 @@ impl Trainer {
         let due = (t.eval_every > 0 && step.is_multiple_of(t.eval_every)) || step == last;
         let sample_due = t.sample_every > 0 && step.is_multiple_of(t.sample_every) && self.zero.is_root();
         if due && self.dataset.missing_validation().is_none() {
-            let limit = self.device_limit.as_ref().map(crate::device::DeviceLimit::bytes);
+            let limit = self.meter.device_limit();
             let eval = self.evaluate().map_err(|e| TrainError::device_out_of_memory(Some(step), limit, e))?;
             summary.val_loss = Some(eval.val_loss);
             let line = serde_json::json!({"type": "eval", "data": eval});
@@ -298,4 +298,13 @@ fn add_step(summary: &mut RunSummary, record: &StepRecord) {
     for (most, &p) in summary.rank_peak_bytes.iter_mut().zip(&record.rank_peaks) {
         *most = (*most).max(p);
     }
+}
+
+/// Appends one JSON line and flushes it (so a killed run keeps its metrics); nothing on a
+/// rank that does not write the run's files.
+fn write_line(file: Option<&mut std::fs::File>, path: &Path, value: &Value) -> Result<(), TrainError> {
+    let Some(file) = file else { return Ok(()) };
+    let mut line = serde_json::to_string(value).expect("a JSON value serializes");
+    line.push('\n');
+    file.write_all(line.as_bytes()).and_then(|_| file.flush()).map_err(|e| TrainError::io(path, e))
 }

@@ -18,50 +18,11 @@ enum MicroSteps {
     OutOfMemory { at: u64, device: Option<String> },
 }
 
-/// Bytes the run's allocations hold now: the device pool's on a GPU, the counting
-/// allocator's on the host.
-fn held_now(device: &Device) -> u64 {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(gpu) = device {
-        return memory::device::read(gpu).map_or(0, |m| m.used);
-    }
-    let _ = device;
-    memory::current()
-}
-
-/// Whether a failed forward or backward ran out of device memory (candle's CUDA allocation
-/// error): the step can back off as a crossed hard limit does on the host.
-fn is_device_oom(device: &Device, e: &candle_core::Error) -> bool {
-    device.is_cuda() && crate::train::says_out_of_device_memory(&e.to_string())
-}
-
-/// Starts a new high-water mark of the memory the step holds: the counting allocator's, and
-/// on a GPU the device pool's.
-fn reset_step_peak(device: &Device) -> Result<(), TrainError> {
-    memory::reset_peak();
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(gpu) = device {
-        memory::device::reset_peak(gpu).map_err(TrainError::candle)?;
-    }
-    let _ = device;
-    Ok(())
-}
-
-/// After an out-of-memory on a GPU, once the failed attempt's tensors are dropped: the
-/// device pool's unused memory back to the driver (it keeps what it reserves otherwise), so
-/// the retry at a smaller micro-batch starts from a compact pool, not a fragmented reserve.
-fn release_unused(device: &Device) -> Result<(), TrainError> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(gpu) = device {
-        memory::device::release_unused(gpu).map_err(TrainError::candle)?;
-    }
-    let _ = device;
-    Ok(())
-}
-
 /// What the micro-steps of a step run with.
 struct MicroBatches<'a> {
     model: &'a Model,
+    /// The run's memory meter (the micro-batches' device is its).
+    meter: &'a Meter,
     plan: &'a [BlockDecision],
     /// The f16 loss scale (1 otherwise).
     scale: f64,
@@ -86,10 +47,9 @@ impl MicroBatches<'_> {
         let pieces = batches.len() * split;
         let (mut ce, mut aux, mut tier_peak) = (0.0, 0.0, 0);
         memory::take_crossed(); // a crossing before the micro-steps is not theirs
-        let device = self.model.device();
         let mut done = 0;
         for batch in batches {
-            for micro in split_batch(batch, split, &device)? {
+            for micro in split_batch(batch, split, self.meter.device())? {
                 WorkProgressFn::tell(self.progress.1, Work::Step(self.progress.0), done, pieces as u64);
                 done += 1;
                 let loss = match forward_backward(
@@ -105,8 +65,8 @@ impl MicroBatches<'_> {
                     sink,
                 ) {
                     Ok(loss) => loss,
-                    Err(e) if is_device_oom(&device, &e) => {
-                        return Ok(MicroSteps::OutOfMemory { at: held_now(&device), device: Some(e.to_string()) });
+                    Err(e) if self.meter.is_out_of_memory(&e) => {
+                        return Ok(MicroSteps::OutOfMemory { at: self.meter.held_now(), device: Some(e.to_string()) });
                     }
                     Err(e) => return Err(TrainError::candle(e)),
                 };
@@ -221,7 +181,7 @@ impl Trainer {
             tier.arm((self.model.params().len() / 2) as u64);
         }
         let baseline = memory::current();
-        reset_step_peak(&self.model.device())?;
+        self.meter.reset_step_peak()?;
         Ok(StepStart { step, lr, started, params_bytes, held_optimizer, baseline })
     }
 
@@ -259,6 +219,7 @@ impl Trainer {
         let mut sink = StepInBackward::new(settings, &mut self.state, poison);
         let run = MicroBatches {
             model: &self.model,
+            meter: &self.meter,
             plan: &self.plan,
             scale: 1.0,
             offload: Some(&self.parking),
@@ -266,7 +227,7 @@ impl Trainer {
         };
         let outcome = run.run(weights, batches, self.split, &mut sink);
         if inject {
-            memory::set_limit(self.hard_limit);
+            self.meter.set_host_limit();
         }
         // Some parameters may be stepped already: the step can be neither retried nor
         // saved, and the error says the last checkpoint is what to resume from.
@@ -289,11 +250,11 @@ impl Trainer {
                 Ok(StepDone { stream, ..StepDone::new(ce, aux, tier_peak, sumsq.sqrt(), true) })
             }
             MicroSteps::OutOfMemory { device: Some(detail), .. } => {
-                let limit = self.device_limit.as_ref().map(crate::device::DeviceLimit::bytes);
+                let limit = self.meter.device_limit();
                 Err(failed(TrainError::DeviceOutOfMemory { step: Some(step), limit, detail }))
             }
             MicroSteps::OutOfMemory { at, device: None } => {
-                let limit = if inject { held_before + 1 } else { self.hard_limit.unwrap_or(0) };
+                let limit = if inject { held_before + 1 } else { self.meter.host_limit().unwrap_or(0) };
                 Err(TrainError::OutOfMemoryInBackward { step, limit, at, saved: self.step })
             }
         }
@@ -371,10 +332,9 @@ impl Trainer {
         backoffs: &mut Vec<Backoff>,
         comm: &mut Option<CommTimes>,
     ) -> Result<(Grads, f64, f64, u64), TrainError> {
-        let device = self.model.device();
         let micro_batch_size = self.config.train.micro_batch_size;
         loop {
-            let held_before = held_now(&device);
+            let held_before = self.meter.held_now();
             let inject = self.oom_at_step == Some(step);
             if inject {
                 self.oom_at_step = None;
@@ -383,6 +343,7 @@ impl Trainer {
             let mut grads: Grads = vec![None; self.model.params().len()];
             let run = MicroBatches {
                 model: &self.model,
+                meter: &self.meter,
                 plan: &self.plan,
                 scale: self.scaler.scale,
                 offload: Some(&self.parking),
@@ -405,7 +366,7 @@ impl Trainer {
                 run.run(weights, batches, self.split, &mut grads)
             };
             if inject {
-                memory::set_limit(self.hard_limit);
+                self.meter.set_host_limit();
             }
             match outcome? {
                 MicroSteps::Done { ce, aux, tier_peak } => {
@@ -422,16 +383,16 @@ impl Trainer {
                 MicroSteps::OutOfMemory { at, device: oom } => {
                     drop(grads);
                     if oom.is_some() {
-                        release_unused(&device)?;
+                        self.meter.release_unused()?;
                     }
                     let micro_batch = micro_batch_size / self.split;
-                    let limit = if inject { held_before + 1 } else { self.hard_limit.unwrap_or(0) };
+                    let limit = if inject { held_before + 1 } else { self.meter.host_limit().unwrap_or(0) };
                     if !self.shrink_micro_batch() {
                         return Err(match oom {
                             // Out of device memory at a micro-batch of one: what to change.
                             Some(detail) => TrainError::DeviceOutOfMemory {
                                 step: Some(step),
-                                limit: self.device_limit.as_ref().map(crate::device::DeviceLimit::bytes),
+                                limit: self.meter.device_limit(),
                                 detail,
                             },
                             None => TrainError::OutOfMemory { step, micro_batch, limit, at },
@@ -442,11 +403,11 @@ impl Trainer {
                         retry_micro_batch: micro_batch_size / self.split,
                         crossed_at: at,
                         held_before,
-                        held_after: held_now(&device),
+                        held_after: self.meter.held_now(),
                     });
                     // The step's peak is the attempt that ran (the crossing is in `backoffs`),
                     // so the memory policy does not shrink again for the abandoned one.
-                    reset_step_peak(&device)?;
+                    self.meter.reset_step_peak()?;
                 }
             }
         }
@@ -530,7 +491,7 @@ impl Trainer {
         let peak = memory::peak() + if self.offload_foreign { stream.peak_tier.max(parked_peak) } else { 0 };
         let data_bytes = start.baseline.saturating_sub(start.params_bytes + start.held_optimizer);
         let optimizer_bytes = start.held_optimizer.max(stream.peak_resident);
-        let device_memory = self.device_memory()?;
+        let device_memory = self.meter.device_memory()?;
         // On a GPU, the state kept on the device; of the state in page-locked host memory,
         // what visited the device at once (`peak_resident` counts both then).
         let (pinned, streamed) = (self.state.pinned_bytes(), self.state.streamed_bytes());
@@ -582,4 +543,32 @@ impl Trainer {
             tokens_by_source: self.tokens_by_source(),
         })
     }
+}
+
+/// How this step's parameters are stepped, inside backward or after it.
+fn step_settings<'a>(
+    optimizer: &'a mut dyn ava_core::Optimizer,
+    plugin: &'a str,
+    model: &'a Model,
+    t: &crate::config::TrainConfig,
+    step: u64,
+    lr: f64,
+    threads: usize,
+) -> StepSettings<'a> {
+    StepSettings {
+        optimizer,
+        plugin,
+        params: model.params(),
+        step,
+        lr,
+        weight_decay: t.weight_decay,
+        threads: threads as u32,
+        seed: t.seed,
+        grad_scale: 1.0,
+    }
+}
+
+/// How a non-finite number is said in errors.
+fn non_finite_word(x: f64) -> &'static str {
+    if x.is_nan() { "NaN" } else { "infinite" }
 }
