@@ -159,6 +159,10 @@ impl GradSink for Grads {
 /// added to what is there (gradient accumulation), in the same order of additions whatever
 /// the plan, so checkpointed and plain runs give identical gradients. With another
 /// [`GradSink`] each gradient goes there instead, as soon as its stretch's backward ends.
+///
+/// Three stages: the forward through the plan ([`forward_stretches`]), the loss and the
+/// backward of the last stretch (here), then the other stretches from the top down
+/// ([`backward_stretches`]).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     model: &Model,
@@ -174,6 +178,78 @@ pub fn forward_backward(
 ) -> Result<MicroLoss> {
     let mut parking = offload.map(Parking::session).transpose()?;
     let aux_weight = model.spec().moe.map_or(0.0, |m| m.aux_weight);
+    let Forward { mut stages, current, mut aux_total } =
+        forward_stretches(model, weights, tokens, documents, plan, &*grads, parking.as_mut())?;
+
+    // The last stretch ends in the loss.
+    let outside = model.outside_params();
+    weights.fetch(model, outside)?;
+    // The final norm, the LM head and the mean cross-entropy: with `train.loss_chunk_rows`
+    // the logits exist a block of rows at a time, here and in backward, and the graph holds
+    // only the normed hidden state; otherwise the graph keeps the (B·T, V) logits.
+    let ce = model.head_loss(weights.tensors(), &current.end, targets)?;
+    let mut loss = ce.clone();
+    if let Some(aux) = &current.aux {
+        aux_total += aux.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        loss = (loss + aux.to_dtype(ce.dtype())?.affine(aux_weight, 0.0)?)?;
+    }
+    let ce_value = ce.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    // Stretch by stretch, the parameters whose gradients are final after it.
+    let order = gradient_order(model, &current, &stages);
+    let mut final_counts = order.iter().scan(0, |n, s| {
+        *n += s.len();
+        Some(*n)
+    });
+    grads.expect(&order.concat())?;
+    // The first input backward needs comes back while the last stretch back-propagates.
+    if let Some(parking) = parking.as_mut() {
+        parking.forward_done()?;
+    }
+    prefetch(parking.as_mut(), &mut stages)?;
+    let span = crate::profile::scope("backward: autograd (all)");
+    let store = loss.affine(scale / divisor, 0.0)?.backward()?;
+    drop(span);
+    drop((loss, ce));
+    // Gradients go straight into the accumulators, stretch by stretch, so no second copy of
+    // them is held. The additions happen in the same order whatever the plan: every
+    // parameter belongs to one stretch, except a tied embedding, whose head use is always
+    // collected (last stretch) before its embedding use (first stretch).
+    let grad_out = collect(model, weights, &current.blocks, current.start.as_ref(), store, grads)?;
+    // The head's weights go (but a tied one, which is the embedding, stays for its stretch).
+    weights.release(&outside.iter().copied().filter(|&i| i != EMBEDDING).collect::<Vec<_>>());
+    release_blocks(model, weights, &current.blocks);
+    drop(current);
+    grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
+
+    let below = Below { model, documents, aux_scale: aux_weight * scale / divisor };
+    below.backward_stretches(weights, stages, grad_out, parking.as_mut(), grads, &mut final_counts)?;
+    let tier_peak = parking.as_ref().map_or(0, Session::peak);
+    Ok(MicroLoss { ce: ce_value, aux: aux_total, tier_peak })
+}
+
+/// What [`forward_stretches`] leaves for backward: the stretches below the last, bottom
+/// first; the last stretch (`current`, which ends in the loss); the MoE losses of the
+/// stretches that ended, summed.
+struct Forward {
+    stages: Vec<Stage>,
+    current: Kept,
+    aux_total: f64,
+}
+
+/// The forward pass through the plan, a stretch of graph at a time: kept blocks extend the
+/// stretch under way (a stretch per block when `grads` asks for them: a sink that steps or
+/// reduces inside backward), a recomputed or offloaded block ends it and keeps only its
+/// input (held, or parked in `parking`), and a segment block joins the recomputed block
+/// below it.
+fn forward_stretches(
+    model: &Model,
+    weights: &mut dyn Weights,
+    tokens: &Tensor,
+    documents: Option<&Documents>,
+    plan: &[BlockDecision],
+    grads: &dyn GradSink,
+    mut parking: Option<&mut Session<'_>>,
+) -> Result<Forward> {
     // The embedding is always a stretch of its own. With tied embeddings the same weight is
     // used by the embedding and the head, and keeping the two uses in separate graphs makes
     // candle sum the gradients in the same order whatever the plan (in one graph the order
@@ -239,7 +315,7 @@ pub fn forward_backward(
                     }
                     stages.push(Stage::Kept(current));
                 }
-                let input = match (decision, parking.as_mut()) {
+                let input = match (decision, parking.as_deref_mut()) {
                     (BlockDecision::Offload, Some(parking)) => Input::Parked(parking.park(i, input)?),
                     _ => Input::Held(input),
                 };
@@ -249,96 +325,84 @@ pub fn forward_backward(
             }
         }
     }
+    Ok(Forward { stages, current, aux_total })
+}
 
-    // The last stretch ends in the loss.
-    let outside = model.outside_params();
-    weights.fetch(model, outside)?;
-    // The final norm, the LM head and the mean cross-entropy: with `train.loss_chunk_rows`
-    // the logits exist a block of rows at a time, here and in backward, and the graph holds
-    // only the normed hidden state; otherwise the graph keeps the (B·T, V) logits.
-    let ce = model.head_loss(weights.tensors(), &current.end, targets)?;
-    let mut loss = ce.clone();
-    if let Some(aux) = &current.aux {
-        aux_total += aux.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        loss = (loss + aux.to_dtype(ce.dtype())?.affine(aux_weight, 0.0)?)?;
-    }
-    let ce_value = ce.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    // Stretch by stretch, the parameters whose gradients are final after it.
-    let order = gradient_order(model, &current, &stages);
-    let mut final_counts = order.iter().scan(0, |n, s| {
-        *n += s.len();
-        Some(*n)
-    });
-    grads.expect(&order.concat())?;
-    // The first input backward needs comes back while the last stretch back-propagates.
-    if let Some(parking) = parking.as_mut() {
-        parking.forward_done()?;
-    }
-    prefetch(parking.as_mut(), &mut stages)?;
-    let span = crate::profile::scope("backward: autograd (all)");
-    let store = loss.affine(scale / divisor, 0.0)?.backward()?;
-    drop(span);
-    drop((loss, ce));
-    // Gradients go straight into the accumulators, stretch by stretch, so no second copy of
-    // them is held. The additions happen in the same order whatever the plan: every
-    // parameter belongs to one stretch, except a tied embedding, whose head use is always
-    // collected (last stretch) before its embedding use (first stretch).
-    let mut grad_out = collect(model, weights, &current.blocks, current.start.as_ref(), store, grads)?;
-    // The head's weights go (but a tied one, which is the embedding, stays for its stretch).
-    weights.release(&outside.iter().copied().filter(|&i| i != EMBEDDING).collect::<Vec<_>>());
-    release_blocks(model, weights, &current.blocks);
-    drop(current);
-    grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
+/// What the stretches below the last need from the micro-batch: the model, the packed
+/// documents, and the weight of the MoE loss in a surrogate's seed
+/// (`aux_weight · scale / divisor`).
+struct Below<'a> {
+    model: &'a Model,
+    documents: Option<&'a Documents>,
+    aux_scale: f64,
+}
 
-    while let Some(stage) = stages.pop() {
-        let g = grad_out.take().expect("a stage after the first always receives a gradient");
-        match stage {
-            Stage::Recompute { blocks, input } => {
-                let input = match input {
-                    Input::Held(t) => t,
-                    Input::Parked(parked) => {
-                        let parking = parking.as_mut().expect("parked with a parking");
-                        let input = parking.take(parked, &model.device())?;
-                        // The next one down comes back while these blocks are recomputed.
-                        prefetch(Some(parking), &mut stages)?;
-                        input
+impl Below<'_> {
+    /// Backward through the stretches below the last, from the top down, starting from the
+    /// gradient `grad_out` of the last stretch's input: a recomputed stretch runs its blocks
+    /// again from its input (a parked one fetched back, the next one down asked for
+    /// meanwhile), a kept one back-propagates its graph; each hands its gradients to `grads`
+    /// and its input's gradient to the stretch below. `final_counts` says how many
+    /// parameters' gradients are final after each stretch.
+    fn backward_stretches(
+        &self,
+        weights: &mut dyn Weights,
+        mut stages: Vec<Stage>,
+        mut grad_out: Option<Tensor>,
+        mut parking: Option<&mut Session<'_>>,
+        grads: &mut dyn GradSink,
+        final_counts: &mut dyn Iterator<Item = usize>,
+    ) -> Result<()> {
+        let Self { model, documents, aux_scale } = *self;
+        while let Some(stage) = stages.pop() {
+            let g = grad_out.take().expect("a stage after the first always receives a gradient");
+            match stage {
+                Stage::Recompute { blocks, input } => {
+                    let input = match input {
+                        Input::Held(t) => t,
+                        Input::Parked(parked) => {
+                            let parking = parking.as_deref_mut().expect("parked with a parking");
+                            let input = parking.take(parked, &model.device())?;
+                            // The next one down comes back while these blocks are recomputed.
+                            prefetch(Some(parking), &mut stages)?;
+                            input
+                        }
+                    };
+                    let start = Var::from_tensor(&input)?;
+                    drop(input);
+                    let (mut hidden, mut aux) = (start.as_tensor().clone(), None);
+                    for &block in &blocks {
+                        weights.fetch(model, model.block_params(block))?;
+                        let out = model.block(weights.tensors(), block, &hidden, documents)?;
+                        hidden = out.hidden;
+                        aux = add_opt(aux, out.aux)?;
                     }
-                };
-                let start = Var::from_tensor(&input)?;
-                drop(input);
-                let (mut hidden, mut aux) = (start.as_tensor().clone(), None);
-                for &block in &blocks {
-                    weights.fetch(model, model.block_params(block))?;
-                    let out = model.block(weights.tensors(), block, &hidden, documents)?;
-                    hidden = out.hidden;
-                    aux = add_opt(aux, out.aux)?;
+                    let surrogate = surrogate(&hidden, &g, aux.as_ref(), aux_scale)?;
+                    let span = crate::profile::scope("backward: autograd (all)");
+                    let store = surrogate.backward()?;
+                    drop(span);
+                    drop((surrogate, hidden, aux));
+                    grad_out = collect(model, weights, &blocks, Some(&start), store, grads)?;
+                    release_blocks(model, weights, &blocks);
+                    grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
                 }
-                let surrogate = surrogate(&hidden, &g, aux.as_ref(), aux_weight * scale / divisor)?;
-                let span = crate::profile::scope("backward: autograd (all)");
-                let store = surrogate.backward()?;
-                drop(span);
-                drop((surrogate, hidden, aux));
-                grad_out = collect(model, weights, &blocks, Some(&start), store, grads)?;
-                release_blocks(model, weights, &blocks);
-                grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
-            }
-            Stage::Kept(kept) => {
-                let surrogate = surrogate(&kept.end, &g, kept.aux.as_ref(), aux_weight * scale / divisor)?;
-                let span = crate::profile::scope("backward: autograd (all)");
-                let store = surrogate.backward()?;
-                drop(span);
-                drop(surrogate);
-                grad_out = collect(model, weights, &kept.blocks, kept.start.as_ref(), store, grads)?;
-                release_blocks(model, weights, &kept.blocks);
-                if kept.start.is_none() {
-                    weights.release(&[EMBEDDING]); // the embedding's own stretch: the last
+                Stage::Kept(kept) => {
+                    let surrogate = surrogate(&kept.end, &g, kept.aux.as_ref(), aux_scale)?;
+                    let span = crate::profile::scope("backward: autograd (all)");
+                    let store = surrogate.backward()?;
+                    drop(span);
+                    drop(surrogate);
+                    grad_out = collect(model, weights, &kept.blocks, kept.start.as_ref(), store, grads)?;
+                    release_blocks(model, weights, &kept.blocks);
+                    if kept.start.is_none() {
+                        weights.release(&[EMBEDDING]); // the embedding's own stretch: the last
+                    }
+                    grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
                 }
-                grads.stretch_done(final_counts.next().expect("one count per stretch"))?;
             }
         }
+        Ok(())
     }
-    let tier_peak = parking.as_ref().map_or(0, Session::peak);
-    Ok(MicroLoss { ce: ce_value, aux: aux_total, tier_peak })
 }
 
 /// Forward pass only (evaluation): logits (B·T, V) for `tokens` (B, T) and their packed

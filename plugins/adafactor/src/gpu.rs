@@ -99,6 +99,51 @@ pub(crate) fn step(
     stream: &CudaStream,
 ) -> Result<(), PluginError> {
     let n = param.numel();
+    let factoring = check(opt, param, values, grad, state)?;
+    let (m, rest) = if opt.beta1.is_some() { (state[0].ptr, &state[1..]) } else { (0u64, state) };
+    let count = &rest[rest.len() - 1];
+
+    // SAFETY: adafactor_count(unsigned*): the count holds one u32 on the stream's device.
+    unsafe { launch(&PTX, c"adafactor_count", 1, 1, stream, &mut [arg(&count.ptr)])? };
+    if n == 0 {
+        return Ok(());
+    }
+    let at = Layout::of(factoring, n);
+    let scratch = Scratch::new(at.bytes, stream, "adafactor", "its scratch")?;
+    let (w2, u2) = (scratch.at(at.w2), scratch.at(at.u2));
+    let run = Run {
+        opt,
+        values,
+        grad,
+        m,
+        count,
+        at,
+        scratch: &scratch,
+        w2,
+        u2,
+        scale_w: i32::from(opt.scale_parameter),
+        n,
+        ctx,
+        stream,
+    };
+    match factoring {
+        Factoring::Matrices { batch, rows, cols } => run.factored(batch, rows, cols, [&rest[0], &rest[1]])?,
+        Factoring::Elements => run.unfactored(&rest[0])?,
+    }
+    scratch.free()
+}
+
+/// Checks the values, the gradient and every state buffer against the parameter and the
+/// layout, and that a matrix's columns fit the apply kernel's grid; returns how the
+/// parameter is factored.
+fn check(
+    opt: &Adafactor,
+    param: &ParamInfo<'_>,
+    values: &CudaBuf,
+    grad: &CudaBuf,
+    state: &[CudaBuf],
+) -> Result<Factoring, PluginError> {
+    let n = param.numel();
     values.expect("values", DType::F32, n)?;
     grad.expect("grad", DType::F32, n)?;
     let layout = opt.state_layout(param)?;
@@ -119,135 +164,152 @@ pub(crate) fn step(
             )));
         }
     }
-    let (m, rest) = if opt.beta1.is_some() { (state[0].ptr, &state[1..]) } else { (0u64, state) };
-    let count = &rest[rest.len() - 1];
+    Ok(factoring)
+}
 
-    // SAFETY: adafactor_count(unsigned*): the count holds one u32 on the stream's device.
-    unsafe { launch(&PTX, c"adafactor_count", 1, 1, stream, &mut [arg(&count.ptr)])? };
-    if n == 0 {
-        return Ok(());
+/// What every launch of one parameter's step reads: the buffers, the first moment (0
+/// without beta1), the step count, the scratch and where its regions are.
+struct Run<'a> {
+    opt: &'a Adafactor,
+    values: &'a CudaBuf,
+    grad: &'a CudaBuf,
+    m: u64,
+    count: &'a CudaBuf,
+    at: Layout,
+    scratch: &'a Scratch,
+    /// The scratch's Σθ² and Σ U² regions.
+    w2: u64,
+    u2: u64,
+    /// `scale_parameter` as the kernels' int.
+    scale_w: i32,
+    n: usize,
+    ctx: &'a StepContext,
+    stream: &'a CudaStream,
+}
+
+impl Run<'_> {
+    /// A matrix (rank ≥ 2, `batch` of `rows` × `cols`) with row and column factors `r` and
+    /// `c`: `adafactor_rows`, `adafactor_cols`, `adafactor_usq`, the scalars, then
+    /// `adafactor_apply_factored`.
+    fn factored(&self, batch: usize, rows: usize, cols: usize, [r, c]: [&CudaBuf; 2]) -> Result<(), PluginError> {
+        let rows_total = batch * rows;
+        let warps = grid(rows_total.div_ceil(WARPS), "row blocks")?;
+        let mut params = [
+            arg(&self.values.ptr),
+            arg(&self.grad.ptr),
+            arg(&r.ptr),
+            arg(&self.w2),
+            arg(&self.count.ptr),
+            arg(&rows_total),
+            arg(&rows),
+            arg(&cols),
+            arg(&self.opt.decay_rate),
+            arg(&self.opt.eps1),
+            arg(&self.scale_w),
+        ];
+        // SAFETY: adafactor_rows's parameters one for one (size_t a usize, double f64, int
+        // i32); values and grad hold batch·rows·cols f32s, R batch·rows (checked above),
+        // the scratch's w2 one f64 per row and column tile.
+        unsafe { launch(&PTX, c"adafactor_rows", warps, THREADS, self.stream, &mut params)? };
+
+        let (inv_c, inv_sqrt_c) = (self.scratch.at(self.at.inv_c), self.scratch.at(self.at.inv_sqrt_c));
+        let (mean_r, ra, rb) =
+            (self.scratch.at(self.at.mean_r), self.scratch.at(self.at.ra), self.scratch.at(self.at.rb));
+        let mut params = [
+            arg(&self.grad.ptr),
+            arg(&c.ptr),
+            arg(&r.ptr),
+            arg(&inv_c),
+            arg(&inv_sqrt_c),
+            arg(&mean_r),
+            arg(&ra),
+            arg(&rb),
+            arg(&self.count.ptr),
+            arg(&rows),
+            arg(&cols),
+            arg(&self.opt.decay_rate),
+            arg(&self.opt.eps1),
+        ];
+        let col_grid = grid(batch * (cols.div_ceil(32) + 1), "column blocks")?;
+        // SAFETY: adafactor_cols's parameters one for one; C holds batch·cols f32s, R
+        // batch·rows, the scratch 1/C and 1/√C (batch·cols f32s each), mean(R) (batch
+        // f64s) and its tree's levels (batch·⌈rows/32⌉ and batch·⌈rows/1024⌉ f64s).
+        unsafe { launch(&PTX, c"adafactor_cols", col_grid, THREADS, self.stream, &mut params)? };
+
+        let mut params = [
+            arg(&self.grad.ptr),
+            arg(&r.ptr),
+            arg(&inv_c),
+            arg(&mean_r),
+            arg(&self.u2),
+            arg(&rows_total),
+            arg(&rows),
+            arg(&cols),
+        ];
+        // SAFETY: adafactor_usq's parameters one for one; the buffers as above, u2 one
+        // f64 per row and column tile.
+        unsafe { launch(&PTX, c"adafactor_usq", warps, THREADS, self.stream, &mut params)? };
+
+        scalars(self.opt, &self.at, self.scratch, self.count, self.n, self.ctx, self.stream)?;
+
+        let k = self.scratch.at(self.at.out);
+        let b1 = self.opt.beta1.unwrap_or(0.0) as f32;
+        let mut params = [
+            arg(&self.values.ptr),
+            arg(&self.grad.ptr),
+            arg(&self.m),
+            arg(&r.ptr),
+            arg(&inv_sqrt_c),
+            arg(&mean_r),
+            arg(&k),
+            arg(&rows),
+            arg(&cols),
+            arg(&b1),
+        ];
+        let shape = Launch {
+            grid: (grid(rows_total, "rows")?, cols.div_ceil(THREADS as usize) as u32, 1),
+            threads: THREADS,
+            shared: 0,
+        };
+        // SAFETY: adafactor_apply_factored's parameters one for one; values, grad and the
+        // first moment (NULL without beta1) hold batch·rows·cols f32s, the scratch's
+        // Scalars were written by adafactor_scalars; ⌈cols/256⌉ ≤ 65535 (checked above).
+        unsafe { launch_with(&PTX, c"adafactor_apply_factored", shape, self.stream, &mut params)? };
+
+        Ok(())
     }
-    let at = Layout::of(factoring, n);
-    let scratch = Scratch::new(at.bytes, stream, "adafactor", "its scratch")?;
-    let (decay_rate, eps1) = (opt.decay_rate, opt.eps1);
-    let scale_w = i32::from(opt.scale_parameter);
-    let (w2, u2) = (scratch.at(at.w2), scratch.at(at.u2));
-    match factoring {
-        Factoring::Matrices { batch, rows, cols } => {
-            let [r, c] = [&rest[0], &rest[1]];
-            let rows_total = batch * rows;
-            let warps = grid(rows_total.div_ceil(WARPS), "row blocks")?;
-            let mut params = [
-                arg(&values.ptr),
-                arg(&grad.ptr),
-                arg(&r.ptr),
-                arg(&w2),
-                arg(&count.ptr),
-                arg(&rows_total),
-                arg(&rows),
-                arg(&cols),
-                arg(&decay_rate),
-                arg(&eps1),
-                arg(&scale_w),
-            ];
-            // SAFETY: adafactor_rows's parameters one for one (size_t a usize, double f64, int
-            // i32); values and grad hold batch·rows·cols f32s, R batch·rows (checked above),
-            // the scratch's w2 one f64 per row and column tile.
-            unsafe { launch(&PTX, c"adafactor_rows", warps, THREADS, stream, &mut params)? };
 
-            let (inv_c, inv_sqrt_c) = (scratch.at(at.inv_c), scratch.at(at.inv_sqrt_c));
-            let (mean_r, ra, rb) = (scratch.at(at.mean_r), scratch.at(at.ra), scratch.at(at.rb));
-            let mut params = [
-                arg(&grad.ptr),
-                arg(&c.ptr),
-                arg(&r.ptr),
-                arg(&inv_c),
-                arg(&inv_sqrt_c),
-                arg(&mean_r),
-                arg(&ra),
-                arg(&rb),
-                arg(&count.ptr),
-                arg(&rows),
-                arg(&cols),
-                arg(&decay_rate),
-                arg(&eps1),
-            ];
-            let col_grid = grid(batch * (cols.div_ceil(32) + 1), "column blocks")?;
-            // SAFETY: adafactor_cols's parameters one for one; C holds batch·cols f32s, R
-            // batch·rows, the scratch 1/C and 1/√C (batch·cols f32s each), mean(R) (batch
-            // f64s) and its tree's levels (batch·⌈rows/32⌉ and batch·⌈rows/1024⌉ f64s).
-            unsafe { launch(&PTX, c"adafactor_cols", col_grid, THREADS, stream, &mut params)? };
+    /// A vector with its second moment `v`: `adafactor_full`, the scalars, then
+    /// `adafactor_apply_full`.
+    fn unfactored(&self, v: &CudaBuf) -> Result<(), PluginError> {
+        let chunks = grid(self.n.div_ceil(CHUNK).div_ceil(WARPS), "chunk blocks")?;
+        let mut params = [
+            arg(&self.values.ptr),
+            arg(&self.grad.ptr),
+            arg(&v.ptr),
+            arg(&self.w2),
+            arg(&self.u2),
+            arg(&self.count.ptr),
+            arg(&self.n),
+            arg(&self.opt.decay_rate),
+            arg(&self.opt.eps1),
+            arg(&self.scale_w),
+        ];
+        // SAFETY: adafactor_full's parameters one for one; values, grad and V hold n f32s
+        // (checked above), w2 and u2 one f64 per chunk of 1024.
+        unsafe { launch(&PTX, c"adafactor_full", chunks, THREADS, self.stream, &mut params)? };
 
-            let mut params = [
-                arg(&grad.ptr),
-                arg(&r.ptr),
-                arg(&inv_c),
-                arg(&mean_r),
-                arg(&u2),
-                arg(&rows_total),
-                arg(&rows),
-                arg(&cols),
-            ];
-            // SAFETY: adafactor_usq's parameters one for one; the buffers as above, u2 one
-            // f64 per row and column tile.
-            unsafe { launch(&PTX, c"adafactor_usq", warps, THREADS, stream, &mut params)? };
+        scalars(self.opt, &self.at, self.scratch, self.count, self.n, self.ctx, self.stream)?;
 
-            scalars(opt, &at, &scratch, count, n, ctx, stream)?;
-
-            let k = scratch.at(at.out);
-            let b1 = opt.beta1.unwrap_or(0.0) as f32;
-            let mut params = [
-                arg(&values.ptr),
-                arg(&grad.ptr),
-                arg(&m),
-                arg(&r.ptr),
-                arg(&inv_sqrt_c),
-                arg(&mean_r),
-                arg(&k),
-                arg(&rows),
-                arg(&cols),
-                arg(&b1),
-            ];
-            let shape = Launch {
-                grid: (grid(rows_total, "rows")?, cols.div_ceil(THREADS as usize) as u32, 1),
-                threads: THREADS,
-                shared: 0,
-            };
-            // SAFETY: adafactor_apply_factored's parameters one for one; values, grad and the
-            // first moment (NULL without beta1) hold batch·rows·cols f32s, the scratch's
-            // Scalars were written by adafactor_scalars; ⌈cols/256⌉ ≤ 65535 (checked above).
-            unsafe { launch_with(&PTX, c"adafactor_apply_factored", shape, stream, &mut params)? };
-        }
-        Factoring::Elements => {
-            let v = &rest[0];
-            let chunks = grid(n.div_ceil(CHUNK).div_ceil(WARPS), "chunk blocks")?;
-            let mut params = [
-                arg(&values.ptr),
-                arg(&grad.ptr),
-                arg(&v.ptr),
-                arg(&w2),
-                arg(&u2),
-                arg(&count.ptr),
-                arg(&n),
-                arg(&decay_rate),
-                arg(&eps1),
-                arg(&scale_w),
-            ];
-            // SAFETY: adafactor_full's parameters one for one; values, grad and V hold n f32s
-            // (checked above), w2 and u2 one f64 per chunk of 1024.
-            unsafe { launch(&PTX, c"adafactor_full", chunks, THREADS, stream, &mut params)? };
-
-            scalars(opt, &at, &scratch, count, n, ctx, stream)?;
-
-            let k = scratch.at(at.out);
-            let b1 = opt.beta1.unwrap_or(0.0) as f32;
-            let mut params = [arg(&values.ptr), arg(&grad.ptr), arg(&m), arg(&v.ptr), arg(&k), arg(&n), arg(&b1)];
-            // SAFETY: adafactor_apply_full's parameters one for one; values, grad, V and the
-            // first moment (NULL without beta1) hold n f32s.
-            unsafe { launch(&PTX, c"adafactor_apply_full", blocks(n)?, THREADS, stream, &mut params)? };
-        }
+        let k = self.scratch.at(self.at.out);
+        let b1 = self.opt.beta1.unwrap_or(0.0) as f32;
+        let mut params =
+            [arg(&self.values.ptr), arg(&self.grad.ptr), arg(&self.m), arg(&v.ptr), arg(&k), arg(&self.n), arg(&b1)];
+        // SAFETY: adafactor_apply_full's parameters one for one; values, grad, V and the
+        // first moment (NULL without beta1) hold n f32s.
+        unsafe { launch(&PTX, c"adafactor_apply_full", blocks(self.n)?, THREADS, self.stream, &mut params)? };
+        Ok(())
     }
-    scratch.free()
 }
 
 /// Enqueues `adafactor_scalars`: the trees over pass 1's and 2's values, lr_t and the clip,
