@@ -29,6 +29,7 @@
 //! also predicts a streamed plan's copies over the link and the part backward does not hide.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use ava_core::{PluginKind, format_size, parse_size};
 use ava_train::config::{Config, MasterWeights, PluginSelection, Precision, TierShare, Tiers};
@@ -517,56 +518,9 @@ fn search(
     }
     let base_offloaded = base.offload.tiers.offloaded().is_some();
     let offload = offload.filter(|_| !base_offloaded && !pinned("offload"));
-    // The tier whose preflight checks each streaming plan's records fit on its disk: the
-    // --offload one, or the config's own.
-    let tier = match &offload {
-        Some(o) => Some(registry.offload(&o.tier, &o.options_json()).usage()?),
-        None if base_offloaded => {
-            Some(registry.offload(&base.plugins.offload.name, &base.plugins.offload.options_json()).usage()?)
-        }
-        None => None,
-    };
-
-    // The choices. Attention: the configured kernel, and flash for standard (the same
-    // attention, O(T) memory); kernels that change what attends to what are not offered.
-    // Optimizers: the configured one, and for AdamW the installed ones that approximate it
-    // with less state (Lion needs its own learning rate, so it is not offered).
-    // On a GPU, only the attention kernels and optimizers whose manifests take device buffers.
-    let on_device =
-        |kind: PluginKind, name: &str| !gpu || registry.check_devices(&[(kind, name)], ava_core::Device::Cuda).is_ok();
-    let installed = |kind: PluginKind, name: &str| match kind {
-        PluginKind::Attention => registry.attention(name, "{}").is_ok() && on_device(kind, name),
-        PluginKind::Optimizer => registry.optimizer(name, "{}").is_ok() && on_device(kind, name),
-        _ => registry.checkpoint(name, "{}").is_ok(),
-    };
-    let mut attentions = vec![base.plugins.attention.clone()];
-    if base.plugins.attention.name == "standard"
-        && installed(PluginKind::Attention, "flash")
-        && !pinned("plugins.attention")
-    {
-        attentions.push(PluginSelection::new("flash"));
-    }
-    let mut optimizers = vec![base.plugins.optimizer.clone()];
-    if base.plugins.optimizer.name == "adamw" && !pinned("plugins.optimizer") {
-        for name in ["adam-8bit", "adam-mini", "adafactor"] {
-            if installed(PluginKind::Optimizer, name) {
-                optimizers.push(PluginSelection::new(name));
-            }
-        }
-    }
-    let mut checkpoints = vec![PluginSelection::new("none"), PluginSelection::new("full")];
-    if installed(PluginKind::Checkpoint, "selective") {
-        checkpoints.push(PluginSelection::new("selective"));
-    }
-    if pinned("plugins.checkpoint") {
-        checkpoints = vec![base.plugins.checkpoint.clone()];
-    }
-    let mut precisions = vec![base.train.precision];
-    for p in [Precision::Fp32, Precision::Bf16] {
-        if !precisions.contains(&p) && !pinned("train.precision") {
-            precisions.push(p);
-        }
-    }
+    let searcher = Searcher { registry, spec, base, world, keep, gpu, card, offload, base_offloaded };
+    let tier = searcher.tier()?;
+    let choices = searcher.choices();
     // A plan fits under the memory policy's target, so the run it writes stays quiet: the
     // thresholds policy warns and acts above `target` of memory.budget (0.90 by default).
     let target = match base.plugins.memory.name.as_str() {
@@ -574,21 +528,195 @@ fn search(
         _ => 1.0,
     };
     let aim = (usable as f64 * target) as u64;
-    let effective = base.train.effective_batch();
-    let micro_batches: Vec<usize> = (0..)
-        .map(|k| base.train.micro_batch_size >> k)
-        .take_while(|&m| m >= 1)
-        .filter(|m| effective.is_multiple_of(*m))
-        .filter(|&m| !pinned("train.micro_batch_size") || m == base.train.micro_batch_size)
-        .collect();
+    let candidates = searcher.candidates(&choices);
+    let mut total = candidates.len();
+    let (mut planned, mut refused, no_room) = searcher.estimate_all(candidates, aim, tier.as_deref());
+    // On a GPU, where only streaming the state from host memory fits: the largest device
+    // share that still fits, so the fewest bytes cross the link each step.
+    if gpu && !pinned("offload") {
+        let (tried, found, not) = splits(registry, spec, base, &planned, aim, world, card);
+        total += tried;
+        refused += not;
+        planned.extend(found);
+    }
+    // The config as given, for reference (its own budget, its own plan).
+    let given = searcher.given(choices.given_share);
+    let reference = plan_one(registry, spec, base, &given, 0, world, card).ok().flatten();
+    // A selective plan that keeps or recomputes every block is `none` or `full` again.
+    planned.retain(|x| {
+        let n = x.estimate.plan.iter().filter(|d| d.is_recomputed()).count();
+        x.candidate.checkpoint.name != "selective" || (n != 0 && n != x.estimate.plan.len())
+    });
+    Ok(Search { total, refused, no_room, planned, given, reference, target, aim, gpu, card, host_ram: None })
+}
 
-    // Where the weights live and when the optimizer steps: f32 masters always; with half
-    // precision, the bf16 weights alone (stochastic rounding), or their masters in the tier;
-    // the step inside backward with one micro-batch a step (not with f16, whose loss scale
-    // needs the whole gradient first). On a GPU the masters stream with the state from host
-    // memory (a placement with a `ram` share, below), and Kahan's compensation (kept with the
-    // state) runs there too.
-    let weight_modes = |precision: Precision, accumulation: usize| {
+/// One search under way: what its stages read.
+struct Searcher<'a> {
+    registry: &'a ava_plugins::Registry,
+    spec: &'a ModelSpec,
+    /// The config the candidates change.
+    base: &'a Config,
+    /// `--world-size`: the ranks one plan is for.
+    world: usize,
+    /// The settings `--keep` pins.
+    keep: &'a [&'a str],
+    /// A GPU run (`train.device: cuda`).
+    gpu: bool,
+    /// On a GPU run, the card step times are predicted for.
+    card: Option<&'static Card>,
+    /// `--offload`'s tier, unless the config streams through its own or `--keep` pins `offload`.
+    offload: Option<OffloadArg>,
+    /// The config streams the optimizer state through its own tier (`offload.tiers`).
+    base_offloaded: bool,
+}
+
+/// The choices a search combines, one list per setting it searches.
+struct Choices {
+    attentions: Vec<PluginSelection>,
+    optimizers: Vec<PluginSelection>,
+    checkpoints: Vec<PluginSelection>,
+    precisions: Vec<Precision>,
+    /// The effective batch, and the micro-batches that divide it (the config's, halved).
+    effective: usize,
+    micro_batches: Vec<usize>,
+    /// `distributed.zero_stage`.
+    stages: Vec<u8>,
+    /// On a GPU, the config's percent of the optimizer state in host memory, and the ones
+    /// searched ([`Candidate::host_share`]).
+    given_share: Option<u8>,
+    placements: Vec<Option<u8>>,
+}
+
+impl Searcher<'_> {
+    /// Whether `--keep` pins `key`.
+    fn pinned(&self, key: &str) -> bool {
+        self.keep.contains(&key)
+    }
+
+    /// The tier whose preflight checks each streaming plan's records fit on its disk: the
+    /// --offload one, or the config's own.
+    fn tier(&self) -> Result<Option<Arc<dyn ava_core::OffloadTier>>, Failure> {
+        let (registry, base) = (self.registry, self.base);
+        Ok(match &self.offload {
+            Some(o) => Some(registry.offload(&o.tier, &o.options_json()).usage()?),
+            None if self.base_offloaded => {
+                Some(registry.offload(&base.plugins.offload.name, &base.plugins.offload.options_json()).usage()?)
+            }
+            None => None,
+        })
+    }
+
+    /// The choices for each setting: the plugins ([`plugin_choices`](Self::plugin_choices)),
+    /// the precisions, the micro-batches, the ZeRO stages and on a GPU the state's placements.
+    fn choices(&self) -> Choices {
+        let (base, gpu, world) = (self.base, self.gpu, self.world);
+        let (attentions, optimizers, checkpoints) = self.plugin_choices();
+        let mut precisions = vec![base.train.precision];
+        for p in [Precision::Fp32, Precision::Bf16] {
+            if !precisions.contains(&p) && !self.pinned("train.precision") {
+                precisions.push(p);
+            }
+        }
+        let effective = base.train.effective_batch();
+        let micro_batches: Vec<usize> = (0..)
+            .map(|k| base.train.micro_batch_size >> k)
+            .take_while(|&m| m >= 1)
+            .filter(|m| effective.is_multiple_of(*m))
+            .filter(|&m| !self.pinned("train.micro_batch_size") || m == base.train.micro_batch_size)
+            .collect();
+        // With several ranks, every ZeRO stage the engine runs; alone, the config's.
+        let stages: Vec<u8> = if world > 1 && !self.pinned("distributed.zero_stage") {
+            vec![0, 1, 2, 3]
+        } else {
+            vec![base.distributed.zero_stage]
+        };
+        // On a GPU, where the optimizer state lives: the config's placement (None: through the
+        // config's own tier), all on the device, all in page-locked host memory (the split between
+        // them that fits best is searched below, from these). A plan streaming through --offload's
+        // tier keeps all of its state there (the tier's share and host memory's are exclusive).
+        let given_share = (gpu && base.offload.tiers.offloaded().is_none())
+            .then(|| (base.offload.tiers.pinned(true) * 100.0).round().clamp(0.0, 100.0) as u8);
+        let placements: Vec<Option<u8>> = if !gpu {
+            vec![None]
+        } else if self.pinned("offload") {
+            vec![given_share]
+        } else {
+            let mut these = vec![given_share];
+            for p in [0, 100] {
+                if !these.contains(&Some(p)) {
+                    these.push(Some(p));
+                }
+            }
+            these
+        };
+        Choices {
+            attentions,
+            optimizers,
+            checkpoints,
+            precisions,
+            effective,
+            micro_batches,
+            stages,
+            given_share,
+            placements,
+        }
+    }
+
+    /// The plugins to combine, (attention kernels, optimizers, checkpoint policies).
+    /// Attention: the configured kernel, and flash for standard (the same attention, O(T)
+    /// memory); kernels that change what attends to what are not offered. Optimizers: the
+    /// configured one, and for AdamW the installed ones that approximate it with less state
+    /// (Lion needs its own learning rate, so it is not offered). On a GPU, only the attention
+    /// kernels and optimizers whose manifests take device buffers.
+    fn plugin_choices(&self) -> (Vec<PluginSelection>, Vec<PluginSelection>, Vec<PluginSelection>) {
+        let (registry, base, gpu) = (self.registry, self.base, self.gpu);
+        let on_device = |kind: PluginKind, name: &str| {
+            !gpu || registry.check_devices(&[(kind, name)], ava_core::Device::Cuda).is_ok()
+        };
+        let installed = |kind: PluginKind, name: &str| match kind {
+            PluginKind::Attention => registry.attention(name, "{}").is_ok() && on_device(kind, name),
+            PluginKind::Optimizer => registry.optimizer(name, "{}").is_ok() && on_device(kind, name),
+            _ => registry.checkpoint(name, "{}").is_ok(),
+        };
+        let mut attentions = vec![base.plugins.attention.clone()];
+        if base.plugins.attention.name == "standard"
+            && installed(PluginKind::Attention, "flash")
+            && !self.pinned("plugins.attention")
+        {
+            attentions.push(PluginSelection::new("flash"));
+        }
+        let mut optimizers = vec![base.plugins.optimizer.clone()];
+        if base.plugins.optimizer.name == "adamw" && !self.pinned("plugins.optimizer") {
+            for name in ["adam-8bit", "adam-mini", "adafactor"] {
+                if installed(PluginKind::Optimizer, name) {
+                    optimizers.push(PluginSelection::new(name));
+                }
+            }
+        }
+        let mut checkpoints = vec![PluginSelection::new("none"), PluginSelection::new("full")];
+        if installed(PluginKind::Checkpoint, "selective") {
+            checkpoints.push(PluginSelection::new("selective"));
+        }
+        if self.pinned("plugins.checkpoint") {
+            checkpoints = vec![base.plugins.checkpoint.clone()];
+        }
+        (attentions, optimizers, checkpoints)
+    }
+
+    /// Where the weights live and when the optimizer steps, as (`train.master_weights`,
+    /// `train.step_in_backward`, the tier streamed through): f32 masters always; with half
+    /// precision, the bf16 weights alone (stochastic rounding), or their masters in the tier;
+    /// the step inside backward with one micro-batch a step (not with f16, whose loss scale
+    /// needs the whole gradient first). On a GPU the masters stream with the state from host
+    /// memory (a placement with a `ram` share, [`candidates`](Self::candidates)), and Kahan's
+    /// compensation (kept with the state) runs there too.
+    fn weight_modes(
+        &self,
+        precision: Precision,
+        accumulation: usize,
+    ) -> Vec<(MasterWeights, bool, Option<OffloadArg>)> {
+        let (base, offload, world) = (self.base, &self.offload, self.world);
+        let (base_offloaded, gpu) = (self.base_offloaded, self.gpu);
         let mut masters = vec![MasterWeights::F32];
         if precision != Precision::Fp32 {
             masters.push(MasterWeights::None);
@@ -605,7 +733,7 @@ fn search(
             if precision != Precision::Fp32 && (offloaded || base_offloaded || gpu) {
                 these.push(MasterWeights::Tier);
             }
-            if pinned("train.master_weights") {
+            if self.pinned("train.master_weights") {
                 these.retain(|&m| m == base.train.master_weights);
             }
             for &m in &these {
@@ -614,7 +742,7 @@ fn search(
                     if in_backward && (accumulation != 1 || precision == Precision::F16 || world > 1) {
                         continue;
                     }
-                    if pinned("train.step_in_backward") && in_backward != base.train.step_in_backward {
+                    if self.pinned("train.step_in_backward") && in_backward != base.train.step_in_backward {
                         continue;
                     }
                     out.push((m, in_backward, offloaded.then(|| offload.clone()).flatten()));
@@ -622,123 +750,107 @@ fn search(
             }
         }
         out
-    };
-    // With several ranks, every ZeRO stage the engine runs; alone, the config's.
-    let stages: Vec<u8> = if world > 1 && !pinned("distributed.zero_stage") {
-        vec![0, 1, 2, 3]
-    } else {
-        vec![base.distributed.zero_stage]
-    };
-    // On a GPU, where the optimizer state lives: the config's placement (None: through the
-    // config's own tier), all on the device, all in page-locked host memory (the split between
-    // them that fits best is searched below, from these). A plan streaming through --offload's
-    // tier keeps all of its state there (the tier's share and host memory's are exclusive).
-    let given_share = (gpu && base.offload.tiers.offloaded().is_none())
-        .then(|| (base.offload.tiers.pinned(true) * 100.0).round().clamp(0.0, 100.0) as u8);
-    let placements: Vec<Option<u8>> = if !gpu {
-        vec![None]
-    } else if pinned("offload") {
-        vec![given_share]
-    } else {
-        let mut these = vec![given_share];
-        for p in [0, 100] {
-            if !these.contains(&Some(p)) {
-                these.push(Some(p));
-            }
-        }
-        these
-    };
-    let mut candidates = Vec::new();
-    for attention in &attentions {
-        for optimizer in &optimizers {
-            for &precision in &precisions {
-                for &micro_batch in &micro_batches {
-                    let accumulation = effective / micro_batch;
-                    for (masters, in_backward, offload) in weight_modes(precision, accumulation) {
-                        for (checkpoint, &zero_stage) in
-                            checkpoints.iter().flat_map(|c| stages.iter().map(move |s| (c, s)))
-                        {
-                            let through_tier: &[Option<u8>] = &[None];
-                            let shares = if gpu && offload.is_some() { through_tier } else { &placements };
-                            for &host_share in shares {
-                                // Masters in a tier need one: on a GPU, host memory's share.
-                                if gpu && masters == MasterWeights::Tier && host_share == Some(0) {
-                                    continue;
+    }
+
+    /// Every combination of the choices (their order breaks exact ties in the ranking).
+    fn candidates(&self, choices: &Choices) -> Vec<Candidate> {
+        let gpu = self.gpu;
+        let mut candidates = Vec::new();
+        for attention in &choices.attentions {
+            for optimizer in &choices.optimizers {
+                for &precision in &choices.precisions {
+                    for &micro_batch in &choices.micro_batches {
+                        let accumulation = choices.effective / micro_batch;
+                        for (masters, in_backward, offload) in self.weight_modes(precision, accumulation) {
+                            for (checkpoint, &zero_stage) in
+                                choices.checkpoints.iter().flat_map(|c| choices.stages.iter().map(move |s| (c, s)))
+                            {
+                                let through_tier: &[Option<u8>] = &[None];
+                                let shares = if gpu && offload.is_some() { through_tier } else { &choices.placements };
+                                for &host_share in shares {
+                                    // Masters in a tier need one: on a GPU, host memory's share.
+                                    if gpu && masters == MasterWeights::Tier && host_share == Some(0) {
+                                        continue;
+                                    }
+                                    candidates.push(Candidate {
+                                        zero_stage,
+                                        micro_batch,
+                                        accumulation,
+                                        precision,
+                                        attention: attention.clone(),
+                                        optimizer: optimizer.clone(),
+                                        checkpoint: checkpoint.clone(),
+                                        masters,
+                                        in_backward,
+                                        offload: offload.clone(),
+                                        host_share,
+                                    });
                                 }
-                                candidates.push(Candidate {
-                                    zero_stage,
-                                    micro_batch,
-                                    accumulation,
-                                    precision,
-                                    attention: attention.clone(),
-                                    optimizer: optimizer.clone(),
-                                    checkpoint: checkpoint.clone(),
-                                    masters,
-                                    in_backward,
-                                    offload: offload.clone(),
-                                    host_share,
-                                });
                             }
                         }
                     }
                 }
             }
         }
+        candidates
     }
-    let mut total = candidates.len();
-    let mut planned = Vec::new();
-    let (mut refused, mut no_room) = (0, None);
-    for c in candidates {
-        // Nothing a GPU run refuses (host memory's and a tier's share at once, several ranks)
-        // is proposed.
-        if gpu && ava_train::device::check_modes(&applied(base, &c), world).is_err() {
-            refused += 1;
-            continue;
-        }
-        match plan_one(registry, spec, base, &c, aim, world, card) {
-            Ok(Some(x)) => {
-                // A plan that streams must fit on the tier's disk.
-                if let (Some(tier), true) = (&tier, x.estimate.offloaded > 0)
-                    && let Err(e) = tier.preflight(&x.estimate.offload_records)
-                {
-                    no_room.get_or_insert(e.to_string());
-                    refused += 1;
-                    continue;
-                }
-                planned.push(x)
+
+    /// Estimates each candidate under `aim`, keeping the plans a plugin accepts (on a GPU, the
+    /// GPU engine too) and, when they stream, whose records fit on `tier`'s disk. Returns the
+    /// plans, how many were refused, and why streaming plans did not fit on the disk (the
+    /// first such error).
+    fn estimate_all(
+        &self,
+        candidates: Vec<Candidate>,
+        aim: u64,
+        tier: Option<&dyn ava_core::OffloadTier>,
+    ) -> (Vec<Planned>, usize, Option<String>) {
+        let (registry, spec, base, world, card, gpu) =
+            (self.registry, self.spec, self.base, self.world, self.card, self.gpu);
+        let mut planned = Vec::new();
+        let (mut refused, mut no_room) = (0, None);
+        for c in candidates {
+            // Nothing a GPU run refuses (host memory's and a tier's share at once, several ranks)
+            // is proposed.
+            if gpu && ava_train::device::check_modes(&applied(base, &c), world).is_err() {
+                refused += 1;
+                continue;
             }
-            Ok(None) | Err(_) => refused += 1,
+            match plan_one(registry, spec, base, &c, aim, world, card) {
+                Ok(Some(x)) => {
+                    // A plan that streams must fit on the tier's disk.
+                    if let (Some(tier), true) = (tier, x.estimate.offloaded > 0)
+                        && let Err(e) = tier.preflight(&x.estimate.offload_records)
+                    {
+                        no_room.get_or_insert(e.to_string());
+                        refused += 1;
+                        continue;
+                    }
+                    planned.push(x)
+                }
+                Ok(None) | Err(_) => refused += 1,
+            }
+        }
+        (planned, refused, no_room)
+    }
+
+    /// The config as given, as a candidate, its state placed `given_share`.
+    fn given(&self, given_share: Option<u8>) -> Candidate {
+        let base = self.base;
+        Candidate {
+            micro_batch: base.train.micro_batch_size,
+            accumulation: base.train.gradient_accumulation_steps,
+            precision: base.train.precision,
+            attention: base.plugins.attention.clone(),
+            optimizer: base.plugins.optimizer.clone(),
+            checkpoint: base.plugins.checkpoint.clone(),
+            masters: base.train.master_weights,
+            in_backward: base.train.step_in_backward,
+            offload: None,
+            zero_stage: base.distributed.zero_stage,
+            host_share: given_share,
         }
     }
-    // On a GPU, where only streaming the state from host memory fits: the largest device
-    // share that still fits, so the fewest bytes cross the link each step.
-    if gpu && !pinned("offload") {
-        let (tried, found, not) = splits(registry, spec, base, &planned, aim, world, card);
-        total += tried;
-        refused += not;
-        planned.extend(found);
-    }
-    // The config as given, for reference (its own budget, its own plan).
-    let given = Candidate {
-        micro_batch: base.train.micro_batch_size,
-        accumulation: base.train.gradient_accumulation_steps,
-        precision: base.train.precision,
-        attention: base.plugins.attention.clone(),
-        optimizer: base.plugins.optimizer.clone(),
-        checkpoint: base.plugins.checkpoint.clone(),
-        masters: base.train.master_weights,
-        in_backward: base.train.step_in_backward,
-        offload: None,
-        zero_stage: base.distributed.zero_stage,
-        host_share: given_share,
-    };
-    let reference = plan_one(registry, spec, base, &given, 0, world, card).ok().flatten();
-    // A selective plan that keeps or recomputes every block is `none` or `full` again.
-    planned.retain(|x| {
-        let n = x.estimate.plan.iter().filter(|d| d.is_recomputed()).count();
-        x.candidate.checkpoint.name != "selective" || (n != 0 && n != x.estimate.plan.len())
-    });
-    Ok(Search { total, refused, no_room, planned, given, reference, target, aim, gpu, card, host_ram: None })
 }
 
 /// For each plan that fits the device only with all of its optimizer state in host memory
@@ -828,80 +940,20 @@ pub fn suggestion(registry: &ava_plugins::Registry, base: &Config, budget: u64) 
     Some((text, sets))
 }
 
+/// `ava plan`: reads the inputs, searches, and prints the plans that fit, the fastest first;
+/// `--write` writes the best as a config.
 pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
-    let (usable, budget_text) = budget(&args.budget)?;
-    let mut config_args = args.config.clone();
-    if let Some(model) = &args.model {
-        let Some((_, sets)) = MODELS.iter().find(|m| m.0 == model) else {
-            return Err(Failure::Usage(anyhow::anyhow!(
-                "--model {model:?} is not a preset: {}",
-                MODELS.iter().map(|m| m.0).collect::<Vec<_>>().join(", ")
-            )));
-        };
-        // Before the user's --set, which win.
-        config_args.set.splice(0..0, sets.iter().map(|s| s.to_string()));
-    }
-    let keep = kept(&args.keep)?;
-    let ctx = context::load_checked(&config_args, p)?;
-    let base = context::load_config(&config_args, p)?.into_config();
+    let Inputs { usable, budget_text, config_args, keep, ctx, base, base_offloaded, offload, world, host_ram, card } =
+        Inputs::read(p, args)?;
     let registry = &ctx.registry;
-    let base_offloaded = base.offload.tiers.offloaded().is_some();
-    let offload = args.offload.as_deref().map(|o| OffloadArg::parse(o, registry)).transpose()?;
-    if offload.is_some() && base_offloaded {
-        p.warn(&format!(
-            "--offload: the config already streams the optimizer state through {} (offload.tiers); its plans use \
-             that tier, not --offload's",
-            base.plugins.offload.name
-        ));
-    }
-    let world = args.world_size as usize;
-    let host_ram = if base.train.device.is_cuda() {
-        HostRam::new(args.host_ram.as_deref())?
-    } else {
-        if args.host_ram.is_some() {
-            p.warn("--host-ram: ignored on a CPU config, whose budget is the host's memory itself");
-        }
-        None
-    };
-    let card = card(args.card.as_deref(), &args.budget)?;
     let found = search(registry, &base, usable, offload.clone(), world, &keep, card)?.with_host_ram(host_ram);
     let offload = offload.filter(|_| !base_offloaded && !keep.contains(&"offload"));
-    let Search { total, refused, ref no_room, ref given, ref reference, target, aim, gpu, card, ref host_ram, .. } =
-        found;
     let reference_cost = found.reference_cost();
     let fitting = found.fitting();
     let over_host = found.over_host();
-    let host_text = host_ram.as_ref().map(HostRam::describe);
+    let host_text = found.host_ram.as_ref().map(HostRam::describe);
     let Some(best) = fitting.first() else {
-        let smallest = found.planned.iter().min_by_key(|x| x.estimate.breakdown.peak);
-        let offload_hint =
-            if offload.is_none() { ", stream the optimizer state to disk (--offload nvme:/path)" } else { "" };
-        let kept_hint =
-            if keep.is_empty() { String::new() } else { format!(", keep fewer settings (--keep {})", keep.join(",")) };
-        // Plans that fit the device but not the host's RAM: the one with the least host memory.
-        let host_hint = match (over_host.iter().min_by_key(|x| x.host()), &host_text) {
-            (Some(least), Some(ram)) => format!(
-                "; {} plan(s) fit the device but not the host's RAM, {ram}: the least host memory is {} ({}); plan for a \
-                 host with more RAM (--host-ram SIZE)",
-                over_host.len(),
-                format_size(least.host()),
-                describe(&least.candidate, &least.estimate)
-            ),
-            _ => String::new(),
-        };
-        return Err(Failure::Usage(anyhow::anyhow!(
-            "no configuration fits {budget_text} (plans aim under {}, the memory policy's target): of {total} searched, \
-             the smallest peak is {}{}{}{host_hint}; lower data.seq_len{offload_hint}{kept_hint}, use a smaller model, \
-             or give a larger budget",
-            format_size(aim),
-            smallest.map_or("unknown".into(), |s| format_size(s.estimate.breakdown.peak)),
-            smallest.map_or(String::new(), |s| format!(
-                " ({}), most of it {}",
-                describe(&s.candidate, &s.estimate),
-                dominant(&s.estimate)
-            )),
-            no_room.as_ref().map_or(String::new(), |e| format!("; plans that stream were refused: {e}"))
-        )));
+        return Err(nothing_fits(&found, &budget_text, &over_host, host_text.as_deref(), offload.as_ref(), &keep));
     };
 
     let mut written = None;
@@ -910,213 +962,439 @@ pub fn run(p: &Printer, args: &PlanArgs) -> CmdResult {
         written = Some(file.clone());
     }
     let top: Vec<&&Planned> = fitting.iter().take(args.top.max(1)).collect();
-    p.result(
-        || {
-            let mut out = format!(
-                "budget {budget_text}; plans fit under {:.0}% of it ({}), the memory policy's target\n",
-                100.0 * target,
-                format_size(aim),
-            );
-            if gpu {
-                out.push_str(&match &host_text {
-                    Some(ram) => format!("host RAM {ram}: each plan's host memory must fit it\n"),
-                    None => "host RAM unknown (no /proc/meminfo MemTotal): plans' host memory is not checked; give \
-                             --host-ram\n"
-                        .into(),
-                });
+    let report = Report {
+        found: &found,
+        base: &base,
+        usable,
+        budget_text: &budget_text,
+        host_text,
+        fitting: &fitting,
+        over_host: &over_host,
+        top,
+        reference_cost,
+        world,
+        offload,
+        base_offloaded,
+        written,
+    };
+    p.result(|| report.text(), || report.json());
+    Ok(())
+}
+
+/// What `ava plan` reads before it searches.
+struct Inputs {
+    /// The usable bytes of `--budget`, and how it was read.
+    usable: u64,
+    budget_text: String,
+    /// The config's arguments, `--model`'s settings before the user's `--set`.
+    config_args: crate::cli::ConfigArgs,
+    /// The settings `--keep` pins.
+    keep: Vec<&'static str>,
+    ctx: context::Ctx,
+    /// The config as given.
+    base: Config,
+    /// The config streams the optimizer state through its own tier (`offload.tiers`).
+    base_offloaded: bool,
+    /// `--offload`, as given.
+    offload: Option<OffloadArg>,
+    /// `--world-size`.
+    world: usize,
+    /// On a GPU config, the host's RAM (when known).
+    host_ram: Option<HostRam>,
+    /// The card a GPU plan's step times are predicted for.
+    card: &'static Card,
+}
+
+impl Inputs {
+    /// Reads `--budget`, the config with `--model`'s preset, `--keep`, the plugins,
+    /// `--offload`, `--world-size`, `--host-ram` and `--card`, and warns of what the config
+    /// ignores.
+    fn read(p: &Printer, args: &PlanArgs) -> Result<Self, Failure> {
+        let (usable, budget_text) = budget(&args.budget)?;
+        let mut config_args = args.config.clone();
+        if let Some(model) = &args.model {
+            let Some((_, sets)) = MODELS.iter().find(|m| m.0 == model) else {
+                return Err(Failure::Usage(anyhow::anyhow!(
+                    "--model {model:?} is not a preset: {}",
+                    MODELS.iter().map(|m| m.0).collect::<Vec<_>>().join(", ")
+                )));
+            };
+            // Before the user's --set, which win.
+            config_args.set.splice(0..0, sets.iter().map(|s| s.to_string()));
+        }
+        let keep = kept(&args.keep)?;
+        let ctx = context::load_checked(&config_args, p)?;
+        let base = context::load_config(&config_args, p)?.into_config();
+        let registry = &ctx.registry;
+        let base_offloaded = base.offload.tiers.offloaded().is_some();
+        let offload = args.offload.as_deref().map(|o| OffloadArg::parse(o, registry)).transpose()?;
+        if offload.is_some() && base_offloaded {
+            p.warn(&format!(
+                "--offload: the config already streams the optimizer state through {} (offload.tiers); its plans use \
+                 that tier, not --offload's",
+                base.plugins.offload.name
+            ));
+        }
+        let world = args.world_size as usize;
+        let host_ram = if base.train.device.is_cuda() {
+            HostRam::new(args.host_ram.as_deref())?
+        } else {
+            if args.host_ram.is_some() {
+                p.warn("--host-ram: ignored on a CPU config, whose budget is the host's memory itself");
             }
+            None
+        };
+        let card = card(args.card.as_deref(), &args.budget)?;
+        Ok(Self { usable, budget_text, config_args, keep, ctx, base, base_offloaded, offload, world, host_ram, card })
+    }
+}
+
+/// The error when no plan fits: the smallest peak searched and what dominates it, the plans
+/// over the host's RAM, the disk's refusals, and what to change (`offload`: `--offload`'s
+/// tier, where the plans searched it).
+fn nothing_fits(
+    found: &Search,
+    budget_text: &str,
+    over_host: &[&Planned],
+    host_text: Option<&str>,
+    offload: Option<&OffloadArg>,
+    keep: &[&str],
+) -> Failure {
+    let Search { total, ref no_room, aim, .. } = *found;
+    let smallest = found.planned.iter().min_by_key(|x| x.estimate.breakdown.peak);
+    let offload_hint =
+        if offload.is_none() { ", stream the optimizer state to disk (--offload nvme:/path)" } else { "" };
+    let kept_hint =
+        if keep.is_empty() { String::new() } else { format!(", keep fewer settings (--keep {})", keep.join(",")) };
+    // Plans that fit the device but not the host's RAM: the one with the least host memory.
+    let host_hint = match (over_host.iter().min_by_key(|x| x.host()), host_text) {
+        (Some(least), Some(ram)) => format!(
+            "; {} plan(s) fit the device but not the host's RAM, {ram}: the least host memory is {} ({}); plan for a \
+             host with more RAM (--host-ram SIZE)",
+            over_host.len(),
+            format_size(least.host()),
+            describe(&least.candidate, &least.estimate)
+        ),
+        _ => String::new(),
+    };
+    Failure::Usage(anyhow::anyhow!(
+        "no configuration fits {budget_text} (plans aim under {}, the memory policy's target): of {total} searched, \
+         the smallest peak is {}{}{}{host_hint}; lower data.seq_len{offload_hint}{kept_hint}, use a smaller model, \
+         or give a larger budget",
+        format_size(aim),
+        smallest.map_or("unknown".into(), |s| format_size(s.estimate.breakdown.peak)),
+        smallest.map_or(String::new(), |s| format!(
+            " ({}), most of it {}",
+            describe(&s.candidate, &s.estimate),
+            dominant(&s.estimate)
+        )),
+        no_room.as_ref().map_or(String::new(), |e| format!("; plans that stream were refused: {e}"))
+    ))
+}
+
+/// What `ava plan` prints of a search whose plans fit: as text, or as JSON.
+struct Report<'a> {
+    found: &'a Search,
+    /// The config as given.
+    base: &'a Config,
+    /// The usable bytes of `--budget`, and how it was read.
+    usable: u64,
+    budget_text: &'a str,
+    /// The host's RAM ([`HostRam::describe`]), on a GPU run when known.
+    host_text: Option<String>,
+    /// The plans that fit, the best first ([`Search::fitting`]); those that fit the device
+    /// but not the host's RAM.
+    fitting: &'a [&'a Planned],
+    over_host: &'a [&'a Planned],
+    /// The first `--top` of `fitting`.
+    top: Vec<&'a &'a Planned>,
+    /// What step times are relative to ([`Search::reference_cost`]).
+    reference_cost: f64,
+    /// `--world-size`.
+    world: usize,
+    /// `--offload`'s tier, where the plans searched it.
+    offload: Option<OffloadArg>,
+    /// The config streams the optimizer state through its own tier (`offload.tiers`).
+    base_offloaded: bool,
+    /// The file `--write` wrote.
+    written: Option<PathBuf>,
+}
+
+impl Report<'_> {
+    /// The text: the summary, the table of the top plans, and the notes under it.
+    fn text(&self) -> String {
+        let mut out = self.summary();
+        out.push_str(&self.table());
+        out.push_str(&self.notes());
+        out
+    }
+
+    /// The budget, the host's RAM, what was searched and fits, the config as given, and the
+    /// ranks.
+    fn summary(&self) -> String {
+        let Search { total, refused, ref given, ref reference, target, aim, gpu, .. } = *self.found;
+        let (found, budget_text, fitting, over_host, top) =
+            (self.found, self.budget_text, self.fitting, self.over_host, &self.top);
+        let world = self.world;
+        let mut out = format!(
+            "budget {budget_text}; plans fit under {:.0}% of it ({}), the memory policy's target\n",
+            100.0 * target,
+            format_size(aim),
+        );
+        if gpu {
+            out.push_str(&match &self.host_text {
+                Some(ram) => format!("host RAM {ram}: each plan's host memory must fit it\n"),
+                None => "host RAM unknown (no /proc/meminfo MemTotal): plans' host memory is not checked; give \
+                         --host-ram\n"
+                    .into(),
+            });
+        }
+        out.push_str(&format!(
+            "searched {total} configurations ({refused} refused by a plugin{}), {} fit{}{}\n",
+            if gpu { " or by the GPU engine" } else { "" },
+            fitting.len(),
+            if over_host.is_empty() {
+                String::new()
+            } else {
+                format!(" ({} more fit the device but not the host's RAM)", over_host.len())
+            },
+            if top.len() < fitting.len() {
+                format!("; the {} fastest below (--top N shows more)", top.len())
+            } else {
+                String::new()
+            }
+        ));
+        if let Some(r) = &reference {
+            let host = if gpu { format!(", host memory {}", format_size(r.host())) } else { String::new() };
+            let over_host = gpu && !found.fits_host(r);
             out.push_str(&format!(
-                "searched {total} configurations ({refused} refused by a plugin{}), {} fit{}{}\n",
-                if gpu { " or by the GPU engine" } else { "" },
-                fitting.len(),
-                if over_host.is_empty() {
-                    String::new()
-                } else {
-                    format!(" ({} more fit the device but not the host's RAM)", over_host.len())
-                },
-                if top.len() < fitting.len() {
-                    format!("; the {} fastest below (--top N shows more)", top.len())
-                } else {
-                    String::new()
+                "the config as given: {}, peak {}{host} ({})\n",
+                describe(given, &r.estimate),
+                format_size(r.estimate.breakdown.peak),
+                match (r.estimate.breakdown.peak <= aim, over_host) {
+                    (true, false) => "fits",
+                    (true, true) => "over the host's RAM",
+                    (false, false) => "over the budget",
+                    (false, true) => "over the budget and the host's RAM",
                 }
             ));
-            if let Some(r) = &reference {
-                let host = if gpu { format!(", host memory {}", format_size(r.host())) } else { String::new() };
-                let over_host = gpu && !found.fits_host(r);
-                out.push_str(&format!(
-                    "the config as given: {}, peak {}{host} ({})\n",
-                    describe(given, &r.estimate),
-                    format_size(r.estimate.breakdown.peak),
-                    match (r.estimate.breakdown.peak <= aim, over_host) {
-                        (true, false) => "fits",
-                        (true, true) => "over the host's RAM",
-                        (false, false) => "over the budget",
-                        (false, true) => "over the budget and the host's RAM",
-                    }
-                ));
-            }
-            if world > 1 {
-                out.push_str(&format!(
-                    "each rank of {world} (mpirun -np {world}): the budget, micro-batch and peak are per rank\n"
-                ));
-            }
-            let mut headers = vec!["#", "micro × acc", "precision", "weights", "opt. step", "attention", "optimizer", "state", "checkpoint", "peak", "of budget", "step time", "params / grads / optimizer / activations"];
-            if gpu {
-                // Device peak, then the host's memory apart; the copies beside the step time.
-                headers.insert(11, "host");
-                headers.insert(13, "state copies");
-            }
-            if world > 1 {
-                headers.insert(2, "ZeRO");
-            }
-            let rows: Vec<Vec<String>> = top
-                .iter()
-                .enumerate()
-                .map(|(i, x)| {
-                    let b = &x.estimate.breakdown;
-                    let mut row = vec![
-                        (i + 1).to_string(),
-                        format!("{} × {}", x.candidate.micro_batch, x.candidate.accumulation),
-                        x.candidate.precision.as_str().to_string(),
-                        weights_text(&x.candidate),
-                        if x.candidate.in_backward { "in backward" } else { "after" }.to_string(),
-                        x.candidate.attention.name.clone(),
-                        optimizer_text(&given.optimizer.name, &x.candidate.optimizer.name),
-                        state_text(&x.candidate, &x.estimate),
-                        plan_text(&x.candidate.checkpoint.name, &x.estimate),
-                        format_size(b.peak),
-                        format!("{:.0}%", 100.0 * b.peak as f64 / usable as f64),
-                        step_text(x, reference_cost),
-                        format!("{} / {} / {} / {}", format_size(b.params), format_size(b.grads), format_size(b.optimizer), format_size(b.activations)),
-                    ];
-                    if gpu {
-                        row.insert(11, format_size(x.host()));
-                        row.insert(13, copies_text(x));
-                    }
-                    if world > 1 {
-                        row.insert(2, format!("stage {}", x.candidate.zero_stage));
-                    }
-                    row
-                })
-                .collect();
-            out.push_str(&crate::output::table(&headers, &rows));
-            out.push_str(&match card {
-                Some(card) => format!(
-                    "\nstep time: predicted on {} (ms a step, tokens/s, and against the config as given): a roofline per \
-                     kind of work (matmuls, attention, memory-bound ops, recomputation, the optimizer step, copies) at \
-                     efficiencies measured on an H200, scaled to the card's datasheet peaks; it reproduces the H200 \
-                     steps it was fitted to, and `ava bench train` prints it beside each measured step (--card picks \
-                     another card). The peaks are device memory, as `ava estimate --device cuda` predicts it; `host` is \
-                     the host memory apart (the state in page-locked memory, the loader's queue, the batch, the rotary \
-                     tables); only the plugins and modes a GPU run accepts were searched\n\
-                     state copies: a plan whose state lives in host memory moves it up and back each step over the \
-                     link, 2 x its bytes / {:.1} GB/s ({}), and the part not hidden: inside backward, backward's \
-                     compute and the steps hide them; after it, only the other parameters' steps do",
-                    card.name,
-                    card.link_both_ways / 1e9,
-                    card.link_from
-                ),
-                None => "\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see \
-                         `ava plan --help`)"
-                    .to_string(),
-            });
-            if top.iter().any(|x| x.candidate.optimizer.name != given.optimizer.name) {
-                out.push_str(&format!(
-                    "\noptimizer: another optimizer than the config's {} saves state but trains differently (val loss \
-                     against adamw's at step 300 of the main job, README), so plans keeping {} rank first; pin it \
-                     with --keep plugins.optimizer",
-                    given.optimizer.name, given.optimizer.name
-                ));
-            }
-            let ram = if gpu {
-                "a GPU run keeps the optimizer state in device memory ([device: 100%]) or, where the state column says \
-                 ram, in page-locked host memory streamed through the GPU each step ([ram: 100%], or the largest device \
-                 share that fits when only streaming does: the fewest bytes over the link); the device then holds the \
-                 next offload.prefetch parameters' state and the one stepped before. Through a disk tier \
-                 (--offload), the records are read into the device for each step and written back, the disk's time \
-                 predicted from the CPU engine's measured waits on it (not yet measured on a GPU)"
-            } else {
-                "on this CPU engine the device is RAM, so only a disk tier takes bytes out of the budget"
-            };
-            let room = no_room.as_ref().map_or(String::new(), |e| format!(" (some plans did not fit on it: {e})"));
-            out.push_str(&match &offload {
-                Some(o) => format!(
-                    "\noffload: {} at {}: a plan that streams keeps its optimizer state (and with weights \"bf16 + \
-                     masters in {}\" its f32 masters) on that disk, checked for room; {ram}{room}",
-                    o.tier,
-                    o.path.display(),
-                    o.tier,
-                ),
-                None if base_offloaded => format!(
-                    "\noffload: the config streams the optimizer state through {} (offload.tiers), checked for room \
-                     for each plan; {ram}{room}",
-                    base.plugins.offload.name,
-                ),
-                None if gpu => format!(
-                    "\nstate: {ram}; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the state through \
-                     a disk tier instead of host memory"
-                ),
-                None => format!(
-                    "\noffload: not searched; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the \
-                     optimizer state to disk ({ram})"
-                ),
-            });
-            if top.iter().any(|x| x.candidate.in_backward && base.train.grad_clip > 0.0) {
-                out.push_str(&format!(
-                    "\nstep in backward: each parameter is updated as soon as its gradient is final, before the global \
-                     norm exists, so those plans set train.grad_clip: 0 (the config has {})",
-                    base.train.grad_clip
-                ));
-            }
-            if let Some(f) = &written {
-                let run = if world > 1 { format!("ava train --nproc {world}") } else { "ava train".into() };
-                out.push_str(&format!("\nwrote {}: run it with {run} -c {}", f.display(), f.display()));
-            }
-            out
-        },
-        || {
-            json!({
-                "budget": usable,
-                "device": base.train.device.to_string(),
-                "card": card,
-                "host_ram": host_ram.as_ref().map(|h| json!({"bytes": h.total, "usable": h.usable(), "from": h.from})),
-                "fit_device_not_host": over_host.len(),
-                "world_size": world,
-                "searched": total,
-                "fit": fitting.len(),
-                "written": written.as_ref().map(|f| f.display().to_string()),
-                "configs": top.iter().map(|x| json!({
-                    "micro_batch": x.candidate.micro_batch,
-                    "gradient_accumulation_steps": x.candidate.accumulation,
-                    "precision": x.candidate.precision.as_str(),
-                    "attention": x.candidate.attention.name,
-                    "optimizer": x.candidate.optimizer.name,
-                    "checkpoint": x.candidate.checkpoint.name,
-                    "master_weights": x.candidate.masters.as_str(),
-                    "step_in_backward": x.candidate.in_backward,
-                    "zero_stage": x.candidate.zero_stage,
-                    "offload": x.candidate.offload.as_ref().map(|o| json!({"tier": o.tier, "path": o.path})),
-                    "offloaded_bytes": x.estimate.offloaded,
-                    "state": state_text(&x.candidate, &x.estimate),
-                    "offload_tiers": x.candidate.host_share.map(placement),
-                    "host_memory": gpu.then(|| x.host()),
-                    "state_in_host_memory": gpu.then(|| x.pinned()),
-                    "state_copies": x.copies().map(|seconds| json!({
-                        "bytes_each_way": x.pinned(),
-                        "seconds": seconds,
-                        "seconds_not_hidden": x.copies_exposed(),
-                    })),
-                    "predicted_step": x.time,
-                    "plan": x.estimate.plan.iter().map(|d| d.as_str()).collect::<Vec<_>>(),
-                    "peak": x.estimate.breakdown.peak,
-                    "relative_step_time": x.cost / reference_cost,
-                    "breakdown": x.estimate.breakdown,
-                    "sets": x.candidate.sets(usable, &x.estimate),
-                })).collect::<Vec<_>>(),
+        }
+        if world > 1 {
+            out.push_str(&format!(
+                "each rank of {world} (mpirun -np {world}): the budget, micro-batch and peak are per rank\n"
+            ));
+        }
+        out
+    }
+
+    /// The table of the top plans: a row each, with a GPU's columns and the ranks' ZeRO stage.
+    fn table(&self) -> String {
+        let Search { ref given, gpu, .. } = *self.found;
+        let (top, usable, reference_cost, world) = (&self.top, self.usable, self.reference_cost, self.world);
+        let mut headers = vec![
+            "#",
+            "micro × acc",
+            "precision",
+            "weights",
+            "opt. step",
+            "attention",
+            "optimizer",
+            "state",
+            "checkpoint",
+            "peak",
+            "of budget",
+            "step time",
+            "params / grads / optimizer / activations",
+        ];
+        if gpu {
+            // Device peak, then the host's memory apart; the copies beside the step time.
+            headers.insert(11, "host");
+            headers.insert(13, "state copies");
+        }
+        if world > 1 {
+            headers.insert(2, "ZeRO");
+        }
+        let rows: Vec<Vec<String>> = top
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                let b = &x.estimate.breakdown;
+                let mut row = vec![
+                    (i + 1).to_string(),
+                    format!("{} × {}", x.candidate.micro_batch, x.candidate.accumulation),
+                    x.candidate.precision.as_str().to_string(),
+                    weights_text(&x.candidate),
+                    if x.candidate.in_backward { "in backward" } else { "after" }.to_string(),
+                    x.candidate.attention.name.clone(),
+                    optimizer_text(&given.optimizer.name, &x.candidate.optimizer.name),
+                    state_text(&x.candidate, &x.estimate),
+                    plan_text(&x.candidate.checkpoint.name, &x.estimate),
+                    format_size(b.peak),
+                    format!("{:.0}%", 100.0 * b.peak as f64 / usable as f64),
+                    step_text(x, reference_cost),
+                    format!(
+                        "{} / {} / {} / {}",
+                        format_size(b.params),
+                        format_size(b.grads),
+                        format_size(b.optimizer),
+                        format_size(b.activations)
+                    ),
+                ];
+                if gpu {
+                    row.insert(11, format_size(x.host()));
+                    row.insert(13, copies_text(x));
+                }
+                if world > 1 {
+                    row.insert(2, format!("stage {}", x.candidate.zero_stage));
+                }
+                row
             })
-        },
-    );
-    Ok(())
+            .collect();
+        crate::output::table(&headers, &rows)
+    }
+
+    /// The notes under the table: how step times are predicted, another optimizer than the
+    /// config's, where the state lives, the step in backward, and the file written.
+    fn notes(&self) -> String {
+        let Search { ref given, .. } = *self.found;
+        let (base, top, world) = (self.base, &self.top, self.world);
+        let mut out = self.step_time_note();
+        if top.iter().any(|x| x.candidate.optimizer.name != given.optimizer.name) {
+            out.push_str(&format!(
+                "\noptimizer: another optimizer than the config's {} saves state but trains differently (val loss \
+                 against adamw's at step 300 of the main job, README), so plans keeping {} rank first; pin it \
+                 with --keep plugins.optimizer",
+                given.optimizer.name, given.optimizer.name
+            ));
+        }
+        out.push_str(&self.state_note());
+        if top.iter().any(|x| x.candidate.in_backward && base.train.grad_clip > 0.0) {
+            out.push_str(&format!(
+                "\nstep in backward: each parameter is updated as soon as its gradient is final, before the global \
+                 norm exists, so those plans set train.grad_clip: 0 (the config has {})",
+                base.train.grad_clip
+            ));
+        }
+        if let Some(f) = &self.written {
+            let run = if world > 1 { format!("ava train --nproc {world}") } else { "ava train".into() };
+            out.push_str(&format!("\nwrote {}: run it with {run} -c {}", f.display(), f.display()));
+        }
+        out
+    }
+
+    /// How step times are predicted: on a GPU the card's roofline and the state's copies, on
+    /// the CPU the FLOPs relative to the config as given.
+    fn step_time_note(&self) -> String {
+        match self.found.card {
+            Some(card) => format!(
+                "\nstep time: predicted on {} (ms a step, tokens/s, and against the config as given): a roofline per \
+                 kind of work (matmuls, attention, memory-bound ops, recomputation, the optimizer step, copies) at \
+                 efficiencies measured on an H200, scaled to the card's datasheet peaks; it reproduces the H200 \
+                 steps it was fitted to, and `ava bench train` prints it beside each measured step (--card picks \
+                 another card). The peaks are device memory, as `ava estimate --device cuda` predicts it; `host` is \
+                 the host memory apart (the state in page-locked memory, the loader's queue, the batch, the rotary \
+                 tables); only the plugins and modes a GPU run accepts were searched\n\
+                 state copies: a plan whose state lives in host memory moves it up and back each step over the \
+                 link, 2 x its bytes / {:.1} GB/s ({}), and the part not hidden: inside backward, backward's \
+                 compute and the steps hide them; after it, only the other parameters' steps do",
+                card.name,
+                card.link_both_ways / 1e9,
+                card.link_from
+            ),
+            None => {
+                "\nstep time: predicted, relative to the config as given (FLOPs with this engine's measured costs; see \
+                     `ava plan --help`)"
+                    .to_string()
+            }
+        }
+    }
+
+    /// Where the optimizer state lives: `--offload`'s tier, the config's own, or on a GPU
+    /// device or host memory; and whether plans that stream did not fit on the disk.
+    fn state_note(&self) -> String {
+        let Search { ref no_room, gpu, .. } = *self.found;
+        let (base, base_offloaded) = (self.base, self.base_offloaded);
+        let ram = if gpu {
+            "a GPU run keeps the optimizer state in device memory ([device: 100%]) or, where the state column says \
+             ram, in page-locked host memory streamed through the GPU each step ([ram: 100%], or the largest device \
+             share that fits when only streaming does: the fewest bytes over the link); the device then holds the \
+             next offload.prefetch parameters' state and the one stepped before. Through a disk tier \
+             (--offload), the records are read into the device for each step and written back, the disk's time \
+             predicted from the CPU engine's measured waits on it (not yet measured on a GPU)"
+        } else {
+            "on this CPU engine the device is RAM, so only a disk tier takes bytes out of the budget"
+        };
+        let room = no_room.as_ref().map_or(String::new(), |e| format!(" (some plans did not fit on it: {e})"));
+        match &self.offload {
+            Some(o) => format!(
+                "\noffload: {} at {}: a plan that streams keeps its optimizer state (and with weights \"bf16 + \
+                 masters in {}\" its f32 masters) on that disk, checked for room; {ram}{room}",
+                o.tier,
+                o.path.display(),
+                o.tier,
+            ),
+            None if base_offloaded => format!(
+                "\noffload: the config streams the optimizer state through {} (offload.tiers), checked for room \
+                 for each plan; {ram}{room}",
+                base.plugins.offload.name,
+            ),
+            None if gpu => format!(
+                "\nstate: {ram}; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the state through \
+                 a disk tier instead of host memory"
+            ),
+            None => format!(
+                "\noffload: not searched; --offload TIER:PATH (e.g. nvme:/mnt/nvme) adds plans that stream the \
+                 optimizer state to disk ({ram})"
+            ),
+        }
+    }
+
+    /// The JSON: the budget, the device and card, the host's RAM, what was searched and fits,
+    /// and the top plans with the settings that make each.
+    fn json(&self) -> serde_json::Value {
+        let Search { total, gpu, card, ref host_ram, .. } = *self.found;
+        let (base, usable, world, reference_cost) = (self.base, self.usable, self.world, self.reference_cost);
+        let (fitting, over_host, top, written) = (self.fitting, self.over_host, &self.top, &self.written);
+        json!({
+            "budget": usable,
+            "device": base.train.device.to_string(),
+            "card": card,
+            "host_ram": host_ram.as_ref().map(|h| json!({"bytes": h.total, "usable": h.usable(), "from": h.from})),
+            "fit_device_not_host": over_host.len(),
+            "world_size": world,
+            "searched": total,
+            "fit": fitting.len(),
+            "written": written.as_ref().map(|f| f.display().to_string()),
+            "configs": top.iter().map(|x| json!({
+                "micro_batch": x.candidate.micro_batch,
+                "gradient_accumulation_steps": x.candidate.accumulation,
+                "precision": x.candidate.precision.as_str(),
+                "attention": x.candidate.attention.name,
+                "optimizer": x.candidate.optimizer.name,
+                "checkpoint": x.candidate.checkpoint.name,
+                "master_weights": x.candidate.masters.as_str(),
+                "step_in_backward": x.candidate.in_backward,
+                "zero_stage": x.candidate.zero_stage,
+                "offload": x.candidate.offload.as_ref().map(|o| json!({"tier": o.tier, "path": o.path})),
+                "offloaded_bytes": x.estimate.offloaded,
+                "state": state_text(&x.candidate, &x.estimate),
+                "offload_tiers": x.candidate.host_share.map(placement),
+                "host_memory": gpu.then(|| x.host()),
+                "state_in_host_memory": gpu.then(|| x.pinned()),
+                "state_copies": x.copies().map(|seconds| json!({
+                    "bytes_each_way": x.pinned(),
+                    "seconds": seconds,
+                    "seconds_not_hidden": x.copies_exposed(),
+                })),
+                "predicted_step": x.time,
+                "plan": x.estimate.plan.iter().map(|d| d.as_str()).collect::<Vec<_>>(),
+                "peak": x.estimate.breakdown.peak,
+                "relative_step_time": x.cost / reference_cost,
+                "breakdown": x.estimate.breakdown,
+                "sets": x.candidate.sets(usable, &x.estimate),
+            })).collect::<Vec<_>>(),
+        })
+    }
 }
 
 /// `base` with the candidate's settings.
