@@ -395,11 +395,34 @@ pub fn prepare_with_fault(
     run(options, reporter, Some(fault))
 }
 
+/// A run, stage by stage: check the options, list the inputs and load the tokenizer, claim
+/// `--out` (returning at once when the corpus is complete), then tokenize and finish.
 fn run(
     options: &PrepareOptions,
     reporter: &mut dyn PrepareReporter,
     fault: Option<DiskFault>,
 ) -> Result<Summary, PrepareError> {
+    check_options(options)?;
+    // Not the corpus itself, when it is written inside an input directory.
+    let files = input::list_except(&options.inputs, Some(&options.out))?;
+    let (encoder, tokenizer, vocab_size, eos_id, bos_id) = encoder(options)?;
+    let id_bytes = if vocab_size <= 1 << 16 { 2 } else { 4 };
+    let encoding = Encoding { encoder, id_bytes, eos_id, bos_id };
+    let fresh = fresh_manifest(options, &files, tokenizer, vocab_size, &encoding);
+    // Held until this function returns: nothing is written into `--out` before it is ours.
+    let _lock = OutLock::acquire(&options.out)?;
+    let manifest = match claim_out(&options.out, &fresh, options.force)? {
+        Claim::Complete(done) => return Ok(already_complete(done)),
+        Claim::Continue(partial) => partial,
+        Claim::Fresh => fresh,
+    };
+    let mut job = Job::start(options, fault, files, encoding, manifest, reporter);
+    job.tokenize(reporter)?;
+    job.finish(reporter)
+}
+
+/// Refuses options out of range: the validation share, an empty separator, no ids per shard.
+fn check_options(options: &PrepareOptions) -> Result<(), PrepareError> {
     if !(0.0..1.0).contains(&options.val_fraction) {
         return Err(PrepareError::Option {
             option: "--val-fraction",
@@ -423,192 +446,331 @@ fn run(
             reason: "must be at least 1".into(),
         });
     }
-    // Not the corpus itself, when it is written inside an input directory.
-    let files = input::list_except(&options.inputs, Some(&options.out))?;
-    let (encoder, tokenizer, vocab_size, eos_id, bos_id) = encoder(options)?;
-    let id_bytes = if vocab_size <= 1 << 16 { 2 } else { 4 };
-    let fresh = Manifest {
+    Ok(())
+}
+
+/// How documents become a shard's ids.
+struct Encoding {
+    encoder: Encoder,
+    /// Bytes per id in a shard: 2 up to a vocabulary of 2¹⁶, else 4.
+    id_bytes: u32,
+    eos_id: u32,
+    bos_id: Option<u32>,
+}
+
+/// The manifest of this run's corpus before anything is in it: what `--out` must hold to be
+/// continued, and what a fresh corpus starts from.
+fn fresh_manifest(
+    options: &PrepareOptions,
+    files: &[manifest::InputFile],
+    tokenizer: TokenizerId,
+    vocab_size: u64,
+    encoding: &Encoding,
+) -> Manifest {
+    Manifest {
         format: manifest::FORMAT.into(),
         version: manifest::VERSION,
         complete: false,
         tokenizer,
         vocab_size,
-        id_bytes,
-        eos_id,
-        bos_id,
+        id_bytes: encoding.id_bytes,
+        eos_id: encoding.eos_id,
+        bos_id: encoding.bos_id,
         val_fraction: options.val_fraction,
         shard_tokens: options.shard_tokens,
         reading: options.reading.describe(),
-        inputs: files.clone(),
+        inputs: files.to_vec(),
         documents: 0,
         text_bytes: 0,
         train: Default::default(),
         validation: Default::default(),
         shards: Vec::new(),
-    };
-    // Held until this function returns: nothing is written into `--out` before it is ours.
-    let _lock = OutLock::acquire(&options.out)?;
-    let mut manifest = match claim_out(&options.out, &fresh, options.force)? {
-        Claim::Complete(done) => {
-            return Ok(Summary {
-                progress: Progress { documents: done.documents, shards: done.shards.len(), ..Progress::default() },
-                manifest: done,
-                resumed: None,
-                already_complete: true,
-                skipped_documents: 0,
-                warnings: Vec::new(),
-            });
-        }
-        Claim::Continue(partial) => partial,
-        Claim::Fresh => fresh,
-    };
-    let dir = options.out.clone();
-    let resumed = (!manifest.shards.is_empty()).then_some((manifest.shards.len(), manifest.documents));
-    let first_shard = manifest.shards.len();
-    let skip = manifest.documents;
-    let input_total = files.iter().map(|f| f.bytes).sum();
-    reporter.start(input_total, resumed);
+    }
+}
 
-    let started = Instant::now();
-    let read = Arc::new(AtomicU64::new(0));
-    let skipped = Arc::new(AtomicU64::new(0));
-    let mut progress =
-        Progress { input_total, documents: manifest.documents, shards: manifest.shards.len(), ..Progress::default() };
-    let mut builder = ShardBuilder::new(id_bytes, eos_id);
-    let mut shard_text = 0u64;
-    let write_err = |shards: usize, source: io::Error| write_error(&dir, shards, source);
+/// The summary of a run that found the corpus complete already and did nothing.
+fn already_complete(done: Manifest) -> Summary {
+    Summary {
+        progress: Progress { documents: done.documents, shards: done.shards.len(), ..Progress::default() },
+        manifest: done,
+        resumed: None,
+        already_complete: true,
+        skipped_documents: 0,
+        warnings: Vec::new(),
+    }
+}
 
-    std::thread::scope(|scope| -> Result<(), PrepareError> {
-        let (tx, rx) = sync_channel::<Batch>(2);
-        let reading = options.reading.clone();
-        let (read2, skipped2) = (read.clone(), skipped.clone());
-        let files2 = files.clone();
-        let piece = if matches!(encoder, Encoder::Byte) { BYTE_PIECE_BYTES } else { TOKENIZER_PIECE_BYTES };
-        let reader = scope.spawn(move || read_documents(&files2, &reading, skip, piece, &read2, &skipped2, &tx));
-        // Shards are written (hashed, fsynced, renamed) on their own thread while the next
-        // one fills; this thread keeps the manifest and saves it, in shard order, as each
-        // lands. A rendezvous channel: a full shard waits for the writer, so at most two exist.
-        let (shard_tx, shard_rx) = sync_channel::<(ShardBuilder, String, u64, u64)>(0);
-        let (done_tx, done_rx) = std::sync::mpsc::channel::<io::Result<(ShardEntry, u64)>>();
-        let out_dir = dir.clone();
-        let writer = scope.spawn(move || {
-            for (i, (builder, file, first, text_bytes)) in shard_rx.into_iter().enumerate() {
-                let room = DiskFault::shard_room(fault, first_shard + i);
-                let done = builder.finish_within(&out_dir, &file, first, room).map(|e| (e, text_bytes));
-                let failed = done.is_err();
-                if failed {
-                    let _ = fs::remove_file(out_dir.join(format!("{file}.tmp")));
-                }
-                let _ = done_tx.send(done);
-                if failed {
-                    return;
-                }
-            }
-        });
-        let mut sink = ShardSink {
-            dir: &dir,
-            shard_tx: Some(shard_tx),
-            done_rx,
-            handed: manifest.shards.len(),
-            handed_docs: manifest.documents,
-            first_shard,
-            fault,
+/// A run once `--out` is ours: what it reads, how it encodes, the manifest it keeps and
+/// where it stands.
+struct Job<'a> {
+    options: &'a PrepareOptions,
+    /// The test hook's full disk, if any.
+    fault: Option<DiskFault>,
+    files: Vec<manifest::InputFile>,
+    encoding: Encoding,
+    manifest: Manifest,
+    /// Shards and documents an earlier run had finished, if this run continues one.
+    resumed: Option<(usize, u64)>,
+    /// Shards an earlier run had listed.
+    first_shard: usize,
+    /// Documents an earlier run had placed: the reader counts them but does not send them.
+    skip: u64,
+    progress: Progress,
+    started: Instant,
+    /// Input bytes read (the reader adds to it).
+    read: Arc<AtomicU64>,
+    /// Documents left out (the reader counts them).
+    skipped: Arc<AtomicU64>,
+}
+
+impl<'a> Job<'a> {
+    /// Sets a run up on the manifest `--out` holds (an earlier run's, or a fresh one) and
+    /// tells the reporter where it starts.
+    fn start(
+        options: &'a PrepareOptions,
+        fault: Option<DiskFault>,
+        files: Vec<manifest::InputFile>,
+        encoding: Encoding,
+        manifest: Manifest,
+        reporter: &mut dyn PrepareReporter,
+    ) -> Self {
+        let resumed = (!manifest.shards.is_empty()).then_some((manifest.shards.len(), manifest.documents));
+        let first_shard = manifest.shards.len();
+        let skip = manifest.documents;
+        let input_total = files.iter().map(|f| f.bytes).sum();
+        reporter.start(input_total, resumed);
+
+        let started = Instant::now();
+        let read = Arc::new(AtomicU64::new(0));
+        let skipped = Arc::new(AtomicU64::new(0));
+        let progress = Progress {
+            input_total,
+            documents: manifest.documents,
+            shards: manifest.shards.len(),
+            ..Progress::default()
         };
-        // Each document waits for the next before it is placed, so the last one is known as
-        // the last: when no document was held out by then (a small corpus, where a share of
-        // 0.5% rounds to none), it goes to validation instead, so there is some.
-        let mut pending: Option<(Vec<u32>, u64)> = None;
-        let val_documents = std::cell::Cell::new(manifest.validation.documents);
-        let mut place = |(ids, text_bytes): (Vec<u32>, u64),
-                         hold_out: bool,
-                         builder: &mut ShardBuilder,
-                         sink: &mut ShardSink<'_>,
-                         manifest: &mut Manifest,
-                         reporter: &mut dyn PrepareReporter|
-         -> Result<(), PrepareError> {
-            let index = sink.handed_docs + builder.documents();
-            let split =
-                if hold_out || is_validation(index, options.val_fraction) { Split::Validation } else { Split::Train };
-            val_documents.set(val_documents.get() + u64::from(split == Split::Validation));
-            builder.push(split, &ids);
-            shard_text += text_bytes;
-            if builder.tokens() >= options.shard_tokens {
-                let full = std::mem::replace(builder, ShardBuilder::new(id_bytes, eos_id));
-                sink.hand(full, std::mem::take(&mut shard_text), manifest, reporter)?;
+        Job { options, fault, files, encoding, manifest, resumed, first_shard, skip, progress, started, read, skipped }
+    }
+
+    /// Reads, tokenizes and writes every document not in the corpus yet: the reader and the
+    /// shard writer on threads of their own, the tokenizing here (and on the rayon pool).
+    /// Either way both threads are done when it returns; on success every written shard is
+    /// in the manifest.
+    fn tokenize(&mut self, reporter: &mut dyn PrepareReporter) -> Result<(), PrepareError> {
+        let (options, fault, first_shard) = (self.options, self.fault, self.first_shard);
+        let mut filling = Filling {
+            builder: ShardBuilder::new(self.encoding.id_bytes, self.encoding.eos_id),
+            text_bytes: 0,
+            pending: None,
+            val_documents: self.manifest.validation.documents,
+            options,
+            id_bytes: self.encoding.id_bytes,
+            eos_id: self.encoding.eos_id,
+        };
+        std::thread::scope(|scope| -> Result<(), PrepareError> {
+            let (tx, rx) = sync_channel::<Batch>(2);
+            let reading = options.reading.clone();
+            let (read2, skipped2) = (self.read.clone(), self.skipped.clone());
+            let files2 = self.files.clone();
+            let skip = self.skip;
+            let piece =
+                if matches!(self.encoding.encoder, Encoder::Byte) { BYTE_PIECE_BYTES } else { TOKENIZER_PIECE_BYTES };
+            let reader = scope.spawn(move || read_documents(&files2, &reading, skip, piece, &read2, &skipped2, &tx));
+            // Shards are written (hashed, fsynced, renamed) on their own thread while the next
+            // one fills; this thread keeps the manifest and saves it, in shard order, as each
+            // lands. A rendezvous channel: a full shard waits for the writer, so at most two exist.
+            let (shard_tx, shard_rx) = sync_channel::<(ShardBuilder, String, u64, u64)>(0);
+            let (done_tx, done_rx) = std::sync::mpsc::channel::<io::Result<(ShardEntry, u64)>>();
+            let out_dir = options.out.clone();
+            let writer = scope.spawn(move || write_shards(shard_rx, done_tx, &out_dir, first_shard, fault));
+            let mut sink = ShardSink {
+                dir: &options.out,
+                shard_tx: Some(shard_tx),
+                done_rx,
+                handed: self.manifest.shards.len(),
+                handed_docs: self.manifest.documents,
+                first_shard,
+                fault,
+            };
+            for batch in rx {
+                self.encode_batch(batch, &mut filling, &mut sink, reporter)?;
+            }
+            // The channel closed: the reader finished, or failed.
+            reader.join().expect("the input reader does not panic")?;
+            filling.finish(&mut sink, &mut self.manifest, reporter)?;
+            sink.shard_tx = None; // the writer finishes what it has, then stops
+            writer.join().expect("the shard writer does not panic");
+            while let Ok(done) = sink.done_rx.recv() {
+                sink.absorb(done, &mut self.manifest, reporter)?;
             }
             Ok(())
-        };
-        for batch in rx {
-            let encoded: Vec<Result<Vec<u32>, String>> = batch.pieces.par_iter().map(|p| encoder.encode(p)).collect();
-            let mut pieces = encoded.into_iter();
-            for (count, text_bytes, path) in batch.documents {
-                let mut ids = Vec::new();
-                ids.extend(bos_id);
-                for piece in pieces.by_ref().take(count) {
-                    ids.extend(piece.map_err(|message| PrepareError::Encode {
-                        path: path.to_path_buf(),
-                        tokenizer: options.tokenizer.clone().unwrap_or_default(),
-                        message,
-                    })?);
-                }
-                progress.tokens += ids.len() as u64 + 1;
-                progress.text_bytes += text_bytes;
-                if let Some(previous) = pending.replace((ids, text_bytes)) {
-                    place(previous, false, &mut builder, &mut sink, &mut manifest, reporter)?;
-                }
-            }
-            progress.documents = sink.handed_docs + builder.documents() + u64::from(pending.is_some());
-            progress.shards = manifest.shards.len();
-            progress.input_bytes = read.load(Ordering::Relaxed);
-            progress.elapsed = started.elapsed();
-            reporter.progress(&progress);
-        }
-        // The channel closed: the reader finished, or failed.
-        reader.join().expect("the input reader does not panic")?;
-        if let Some(last) = pending.take() {
-            let documents = sink.handed_docs + builder.documents() + 1;
-            let none_held_out = val_documents.get() == 0 && documents >= 2 && options.val_fraction > 0.0;
-            place(last, none_held_out, &mut builder, &mut sink, &mut manifest, reporter)?;
-        }
-        if builder.documents() > 0 {
-            sink.hand(builder, shard_text, &mut manifest, reporter)?;
-        }
-        sink.shard_tx = None; // the writer finishes what it has, then stops
-        writer.join().expect("the shard writer does not panic");
-        while let Ok(done) = sink.done_rx.recv() {
-            sink.absorb(done, &mut manifest, reporter)?;
-        }
-        Ok(())
-    })?;
-    if manifest.documents == 0 {
-        return Err(PrepareError::EmptyInput { inputs: options.inputs.clone(), what: "document" });
+        })
     }
-    manifest.complete = true;
-    let room = DiskFault::manifest_room(fault, manifest.shards.len() - first_shard);
-    manifest.save_within(&dir, room).map_err(|e| write_err(manifest.shards.len(), e))?;
-    progress.documents = manifest.documents;
-    progress.shards = manifest.shards.len();
-    progress.input_bytes = read.load(Ordering::Relaxed);
-    progress.elapsed = started.elapsed();
-    reporter.progress(&progress);
+
+    /// Tokenizes a batch's pieces on the rayon pool (order kept), joins each document's ids
+    /// (after the BOS id, if any), places the document read before it (see [`Filling`]), and
+    /// reports progress.
+    fn encode_batch(
+        &mut self,
+        batch: Batch,
+        filling: &mut Filling<'_>,
+        sink: &mut ShardSink<'_>,
+        reporter: &mut dyn PrepareReporter,
+    ) -> Result<(), PrepareError> {
+        let encoder = &self.encoding.encoder;
+        let encoded: Vec<Result<Vec<u32>, String>> = batch.pieces.par_iter().map(|p| encoder.encode(p)).collect();
+        let mut pieces = encoded.into_iter();
+        for (count, text_bytes, path) in batch.documents {
+            let mut ids = Vec::new();
+            ids.extend(self.encoding.bos_id);
+            for piece in pieces.by_ref().take(count) {
+                ids.extend(piece.map_err(|message| PrepareError::Encode {
+                    path: path.to_path_buf(),
+                    tokenizer: self.options.tokenizer.clone().unwrap_or_default(),
+                    message,
+                })?);
+            }
+            self.progress.tokens += ids.len() as u64 + 1;
+            self.progress.text_bytes += text_bytes;
+            if let Some(previous) = filling.pending.replace((ids, text_bytes)) {
+                filling.place(previous, false, sink, &mut self.manifest, reporter)?;
+            }
+        }
+        self.progress.documents = sink.handed_docs + filling.builder.documents() + u64::from(filling.pending.is_some());
+        self.progress.shards = self.manifest.shards.len();
+        self.progress.input_bytes = self.read.load(Ordering::Relaxed);
+        self.progress.elapsed = self.started.elapsed();
+        reporter.progress(&self.progress);
+        Ok(())
+    }
+
+    /// Marks the manifest complete and saves it, reports the final progress, and sums the
+    /// run up; a run that found no document at all fails instead.
+    fn finish(self, reporter: &mut dyn PrepareReporter) -> Result<Summary, PrepareError> {
+        let Job { options, fault, mut manifest, resumed, first_shard, mut progress, started, read, skipped, .. } = self;
+        let dir = &options.out;
+        if manifest.documents == 0 {
+            return Err(PrepareError::EmptyInput { inputs: options.inputs.clone(), what: "document" });
+        }
+        manifest.complete = true;
+        let room = DiskFault::manifest_room(fault, manifest.shards.len() - first_shard);
+        manifest.save_within(dir, room).map_err(|e| write_error(dir, manifest.shards.len(), e))?;
+        progress.documents = manifest.documents;
+        progress.shards = manifest.shards.len();
+        progress.input_bytes = read.load(Ordering::Relaxed);
+        progress.elapsed = started.elapsed();
+        reporter.progress(&progress);
+        let warnings = validation_warnings(&manifest, options.val_fraction);
+        Ok(Summary {
+            manifest,
+            progress,
+            resumed,
+            already_complete: false,
+            skipped_documents: skipped.load(Ordering::Relaxed),
+            warnings,
+        })
+    }
+}
+
+/// The warning a corpus with no validation document gets (none when it has some).
+fn validation_warnings(manifest: &Manifest, val_fraction: f64) -> Vec<String> {
     let mut warnings = Vec::new();
     if manifest.validation.documents == 0 {
         let why = if manifest.documents < 2 {
             "the corpus is one document; cut the text into documents with --separator to evaluate".to_string()
         } else {
-            format!("--val-fraction is {}", options.val_fraction)
+            format!("--val-fraction is {val_fraction}")
         };
         warnings
             .push(format!("no document was held out for validation ({why}): training on it runs without validation"));
     }
-    Ok(Summary {
-        manifest,
-        progress,
-        resumed,
-        already_complete: false,
-        skipped_documents: skipped.load(Ordering::Relaxed),
-        warnings,
-    })
+    warnings
+}
+
+/// The shard writer's thread: writes each shard it is handed and sends back its entry (and
+/// text bytes), in order; at the first failure it removes that shard's temporary file, sends
+/// the error and stops.
+fn write_shards(
+    shard_rx: std::sync::mpsc::Receiver<(ShardBuilder, String, u64, u64)>,
+    done_tx: std::sync::mpsc::Sender<io::Result<(ShardEntry, u64)>>,
+    out_dir: &Path,
+    first_shard: usize,
+    fault: Option<DiskFault>,
+) {
+    for (i, (builder, file, first, text_bytes)) in shard_rx.into_iter().enumerate() {
+        let room = DiskFault::shard_room(fault, first_shard + i);
+        let done = builder.finish_within(out_dir, &file, first, room).map(|e| (e, text_bytes));
+        let failed = done.is_err();
+        if failed {
+            let _ = fs::remove_file(out_dir.join(format!("{file}.tmp")));
+        }
+        let _ = done_tx.send(done);
+        if failed {
+            return;
+        }
+    }
+}
+
+/// The shard being filled, and the document held back until the next one arrives.
+///
+/// Each document waits for the next before it is placed, so the last one is known as the
+/// last: when no document was held out by then (a small corpus, where a share of 0.5%
+/// rounds to none), it goes to validation instead, so there is some.
+struct Filling<'a> {
+    builder: ShardBuilder,
+    /// Text bytes of the documents in `builder`.
+    text_bytes: u64,
+    /// The last document read (its ids and text bytes), not placed yet.
+    pending: Option<(Vec<u32>, u64)>,
+    /// Validation documents in the corpus so far (earlier runs' included).
+    val_documents: u64,
+    options: &'a PrepareOptions,
+    id_bytes: u32,
+    eos_id: u32,
+}
+
+impl Filling<'_> {
+    /// Appends a document to the shard being filled, to validation when `hold_out` or its
+    /// index's hash says so, and hands the shard to the writer once it holds `shard_tokens`.
+    fn place(
+        &mut self,
+        (ids, text_bytes): (Vec<u32>, u64),
+        hold_out: bool,
+        sink: &mut ShardSink<'_>,
+        manifest: &mut Manifest,
+        reporter: &mut dyn PrepareReporter,
+    ) -> Result<(), PrepareError> {
+        let index = sink.handed_docs + self.builder.documents();
+        let split =
+            if hold_out || is_validation(index, self.options.val_fraction) { Split::Validation } else { Split::Train };
+        self.val_documents += u64::from(split == Split::Validation);
+        self.builder.push(split, &ids);
+        self.text_bytes += text_bytes;
+        if self.builder.tokens() >= self.options.shard_tokens {
+            let full = std::mem::replace(&mut self.builder, ShardBuilder::new(self.id_bytes, self.eos_id));
+            sink.hand(full, std::mem::take(&mut self.text_bytes), manifest, reporter)?;
+        }
+        Ok(())
+    }
+
+    /// Once the input has ended: places the last document (held out when none was yet) and
+    /// hands the last shard, if it holds any document, to the writer.
+    fn finish(
+        mut self,
+        sink: &mut ShardSink<'_>,
+        manifest: &mut Manifest,
+        reporter: &mut dyn PrepareReporter,
+    ) -> Result<(), PrepareError> {
+        if let Some(last) = self.pending.take() {
+            let documents = sink.handed_docs + self.builder.documents() + 1;
+            let none_held_out = self.val_documents == 0 && documents >= 2 && self.options.val_fraction > 0.0;
+            self.place(last, none_held_out, sink, manifest, reporter)?;
+        }
+        if self.builder.documents() > 0 {
+            sink.hand(self.builder, self.text_bytes, manifest, reporter)?;
+        }
+        Ok(())
+    }
 }
 
 /// A failed write into the corpus directory, with the shards its manifest lists: a full disk
