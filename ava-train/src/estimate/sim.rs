@@ -936,7 +936,7 @@ fn sorted_nodes(root: &T) -> Vec<T> {
 }
 
 /// candle's `Tensor::backward` for the ops the model uses, with the same allocations and the
-/// same lifetimes (see the module docs).
+/// same lifetimes (see the module docs). Each node's step is [`backward_op`].
 pub(crate) fn backward(root: &T) -> GradStore {
     let meter = root.meter().clone();
     let sorted = sorted_nodes(root);
@@ -950,256 +950,316 @@ pub(crate) fn backward(root: &T) -> GradStore {
         let grad = grad0.detach();
         let Some(op) = &node.0.op else { continue };
         meter.op.set(op.name());
-        match op {
-            Op::Add(lhs, rhs) => {
-                grads.accumulate(lhs, grad.clone());
-                grads.accumulate(rhs, grad.clone());
-            }
-            Op::Sub(lhs, rhs) => {
-                grads.accumulate(lhs, grad.clone());
-                grads.accumulate_neg(rhs, grad.clone());
-            }
-            Op::Mul(lhs, rhs) => {
-                let lhs_grad = grad.mul(rhs);
-                grads.accumulate(lhs, lhs_grad);
-                let rhs_grad = grad.mul(lhs);
-                grads.accumulate(rhs, rhs_grad);
-            }
-            Op::Div(lhs, rhs) => {
-                let lhs_grad = grad.div(rhs);
-                grads.accumulate(lhs, lhs_grad);
-                let rhs_grad = grad.mul(lhs).div(&rhs.sqr());
-                grads.accumulate_neg(rhs, rhs_grad);
-            }
-            Op::Matmul(lhs, rhs) => {
-                let lhs_grad = grad.matmul(&rhs.t());
-                grads.accumulate(lhs, lhs_grad);
-                let rhs_grad = lhs.t().matmul(&grad);
-                grads.accumulate(rhs, rhs_grad);
-            }
-            Op::Cat(args, dim) => {
-                let mut start = 0;
-                for arg in args {
-                    let len = arg.0.dims[*dim];
-                    let arg_grad = grad.narrow(*dim, start, len);
-                    grads.accumulate_copy(arg, arg_grad);
-                    start += len;
-                }
-            }
-            Op::Broadcast(arg) => {
-                let (a, n) = (&arg.0.dims, &node.0.dims);
-                let left = n.len() - a.len();
-                let mut sum_dims: Vec<usize> = (0..left).collect();
-                sum_dims.extend((0..a.len()).filter(|&i| n[left + i] != a[i]).map(|i| i + left));
-                let mut arg_grad = grad.sum_keepdim(&sum_dims);
-                for _ in 0..left {
-                    arg_grad = arg_grad.reshape(&arg_grad.0.dims[1..]);
-                }
-                grads.accumulate(arg, arg_grad.broadcast_as(&arg.0.dims));
-            }
-            Op::Sum(arg, reduced) => {
-                let g = if arg.0.dims.len() == node.0.dims.len() {
-                    grad.broadcast_as(&arg.0.dims)
-                } else {
-                    grad.reshape(reduced).broadcast_as(&arg.0.dims)
-                };
-                grads.accumulate(arg, g);
-            }
-            Op::ToDType(arg) => grads.accumulate(arg, grad.to_dtype(arg.0.dtype)),
-            Op::Copy(arg) => grads.accumulate(arg, grad.clone()),
-            Op::Affine(arg, mul) => {
-                let arg_grad = grad.affine(*mul);
-                grads.accumulate(arg, arg_grad);
-            }
-            Op::Exp(arg) => grads.accumulate(arg, grad.mul(node)),
-            Op::Narrow(arg, dim, start, len) => {
-                let arg_grad = {
-                    let mut parts: Vec<T> = Vec::new();
-                    let pad = |n: usize| {
-                        let mut dims = arg.0.dims.clone();
-                        dims[*dim] = n;
-                        T::new(&meter, &dims, grad.0.dtype)
-                    };
-                    let right = arg.0.dims[*dim] - start - len;
-                    let left_pad = (*start > 0).then(|| pad(*start));
-                    let right_pad = (right > 0).then(|| pad(right));
-                    parts.extend(left_pad);
-                    parts.push(grad.clone());
-                    parts.extend(right_pad);
-                    let refs: Vec<&T> = parts.iter().collect();
-                    cat(&refs, *dim)
-                };
-                grads.accumulate(arg, arg_grad);
-            }
-            Op::Reshape(arg) => {
-                let arg_grad = grad.reshape(&arg.0.dims);
-                grads.accumulate(arg, arg_grad);
-            }
-            Op::Transpose(arg, a, b) => {
-                let arg_grad = grad.transpose(*a, *b);
-                grads.accumulate(arg, arg_grad);
-            }
-            Op::Sqr(arg) => {
-                let arg_grad = arg.mul(&grad).affine(2.0);
-                grads.accumulate(arg, arg_grad);
-            }
-            Op::CrossEntropy(arg, _) => {
-                // `ops::cross_entropy_grad`: the (N, V) gradient in the logits' type, while
-                // the upstream gradients are read into a Vec on the host (N f32), or the
-                // targets are copied to the device on a GPU; both freed when it returns.
-                let arg_grad = {
-                    let _rows_or_targets = raw(&meter, arg.0.dims[0] as u64 * 4);
-                    T::new(&meter, &arg.0.dims, arg.0.dtype)
-                };
-                grads.accumulate(arg, arg_grad);
-            }
-            Op::Seed(out, held) => {
-                // `bwd`: the held gradient times the upstream scalar (in its type), a fresh
-                // (B, T, d).
-                let arg_grad = held.broadcast_mul(&grad.to_dtype(held.0.dtype));
-                grads.accumulate(out, arg_grad);
-            }
-            Op::HeadLoss(h, w, _, _, chunk_rows) => {
-                let (dh, dw) = head_loss_backward(&meter, h, w, *chunk_rows);
-                grads.accumulate(h, dh);
-                grads.accumulate(w, dw);
-            }
-            Op::Attention(q, k, v, saved, workspace, _) if meter.on_gpu() => {
-                // `cuda_bwd`: zeroed gradients in the inputs' types, then the workspace for
-                // the kernel's call; the saved buffer is freed when it returns.
-                let (dq, dk, dv) = {
-                    let saved = saved.borrow_mut().take();
-                    let [dq, dk, dv] = [q, k, v].map(|x| T::new(&meter, &x.0.dims, x.0.dtype));
-                    drop((meter.alloc(*workspace, Some(Cat::AttnWorkspace)), saved));
-                    (dq, dk, dv)
-                };
-                grads.accumulate(q, dq);
-                grads.accumulate(k, dk);
-                grads.accumulate(v, dv);
-            }
-            Op::Attention(q, k, v, saved, workspace, widen) => {
-                let (dq, dk, dv) = {
-                    let saved = saved.borrow_mut().take();
-                    // A half-held saved buffer is widened first, the half copy freed.
-                    let saved = if *widen > 0 {
-                        let wide = raw(&meter, *widen);
-                        drop(saved);
-                        Some(wide)
-                    } else {
-                        saved
-                    };
-                    let dq = raw(&meter, q.elem_count() * 4);
-                    let dk = raw(&meter, k.elem_count() * 4);
-                    let dv = raw(&meter, v.elem_count() * 4);
-                    // The backward's workspace lives through the kernel call, and so do, for
-                    // half inputs, f32 copies of q, k, v, the output and its gradient.
-                    let ws = meter.alloc(*workspace, Some(Cat::AttnWorkspace));
-                    let widened =
-                        (q.0.dtype != Dt::F32).then(|| [q, k, v, node, &grad].map(|x| raw(&meter, x.elem_count() * 4)));
-                    drop((widened, ws, saved));
-                    // Each gradient rounded into its input's type, the f32 one freed then.
-                    let grad_of = |arg: &T, buf: Rc<Buf>| {
-                        if arg.0.dtype == Dt::F32 {
-                            return T::wrap(arg.0.dims.clone(), Dt::F32, buf);
-                        }
-                        let g = T::new(&meter, &arg.0.dims, arg.0.dtype);
-                        drop(buf);
-                        g
-                    };
-                    (grad_of(q, dq), grad_of(k, dk), grad_of(v, dv))
-                };
-                grads.accumulate(q, dq);
-                grads.accumulate(k, dk);
-                grads.accumulate(v, dv);
-            }
-            Op::IndexSelect(arg, ids, dim) => grads.accumulate_into(arg, |s| s.index_add(ids, &grad, *dim)),
-            Op::IndexAdd(init, ids, src, dim) => {
-                grads.accumulate(init, grad.clone());
-                let src_grad = grad.index_select(ids, *dim);
-                grads.accumulate(src, src_grad);
-            }
-            Op::Gather(arg, ids, dim) => grads.accumulate_into(arg, |s| s.scatter_add(ids, &grad, *dim)),
-            Op::Fused(kind, args) => {
-                // bwd returns a fresh gradient per input, in the input's type; RMSNorm also
-                // fills one f32 partial dw per task of 64 rows (with its Vec header) while dx
-                // is held; the half linear op holds its step scratch while it computes dx and
-                // dW, the weight's f32 copy while it computes dx, and dW's f32 accumulator
-                // while it computes and rounds dW.
-                let arg_grads: Vec<T> = match *kind {
-                    Fused::LinearHalf { scratch } => {
-                        // `linear_backward` (scratch and dW's f32 sum), then the sum rounded.
-                        let (x, w) = (&args[0], &args[1]);
-                        let scratch = raw(&meter, scratch * 4);
-                        let wf = raw(&meter, w.elem_count() * 4);
-                        // gemm's packed copy of each thread's share of a step of g (below),
-                        // when x is wide enough for it to copy one.
-                        let step_of_g = crate::model::fused::half_scratch_len(x.0.dims[0], 0, w.0.dims[0]) as u64;
-                        let packs = crate::model::fused::gemm_packs_output_grad(x.0.dims[1]);
-                        let packed = packs.then(|| raw(&meter, step_of_g * 4));
-                        let dx = T::new(&meter, &x.0.dims, x.0.dtype);
-                        drop((packed, wf));
-                        let dw32 = raw(&meter, w.elem_count() * 4);
-                        drop(scratch);
-                        let dw = T::new(&meter, &w.0.dims, w.0.dtype);
-                        drop(dw32);
-                        vec![dx, dw]
-                    }
-                    Fused::Linear if !meter.on_gpu() => {
-                        // gemm copies each thread's share of g into a buffer of its own for
-                        // dW = gᵀ·x when x is wide enough for its kernels
-                        // (`fused::gemm_packs_output_grad`): all of it when it has few rows,
-                        // a block of columns of it when more. Counted whole, around dx: an
-                        // upper bound (seen: exact at 512 rows of 4096 columns, twice what
-                        // gemm took at 2048).
-                        let (x, w) = (&args[0], &args[1]);
-                        let packs = crate::model::fused::gemm_packs_output_grad(x.0.dims[1]);
-                        let packed = packs.then(|| raw(&meter, grad.elem_count() * grad.0.dtype.size()));
-                        let dx = T::new(&meter, &x.0.dims, x.0.dtype);
-                        drop(packed);
-                        vec![dx, T::new(&meter, &w.0.dims, w.0.dtype)]
-                    }
-                    Fused::Embedding => {
-                        // The positions sorted by token: offsets (V + 1) and order (N), u32 (on
-                        // the host, with the sort's cursor (V + 1) while it sorts; on a GPU
-                        // both copied to the device), held while dW (V, d), fresh in the
-                        // table's type, is summed. (The N ids the op keeps on the host from
-                        // forward are not counted: 4 bytes a token.)
-                        let table = &args[0];
-                        let (v, n) = (table.0.dims[0] as u64, node.0.dims[0] as u64);
-                        let sorted = raw(&meter, (v + 1 + n) * 4);
-                        if !meter.on_gpu() {
-                            drop(raw(&meter, (v + 1) * 4));
-                        }
-                        let dw = T::new(&meter, &table.0.dims, table.0.dtype);
-                        drop(sorted);
-                        vec![dw]
-                    }
-                    Fused::RmsNorm => {
-                        let (x, w) = (&args[0], &args[1]);
-                        let dx = T::new(&meter, &x.0.dims, x.0.dtype);
-                        let d = *x.0.dims.last().expect("rows");
-                        let tasks = (x.elem_count() / d as u64).div_ceil(64);
-                        // One Vec per task on the host; one (blocks, d) f32 buffer on a GPU.
-                        let header = if meter.on_gpu() { 0 } else { 24 };
-                        let partial = raw(&meter, tasks * (d as u64 * 4 + header));
-                        let dw = T::new(&meter, &w.0.dims, w.0.dtype);
-                        drop(partial);
-                        vec![dx, dw]
-                    }
-                    _ => args.iter().map(|arg| T::new(&meter, &arg.0.dims, arg.0.dtype)).collect(),
-                };
-                // candle adds each returned gradient and drops it before the next
-                // (`if let Some(g) = ..` moves it), the later ones still held.
-                let mut rest = arg_grads.into_iter();
-                for arg in args {
-                    let g = rest.next().expect("a gradient per input");
-                    grads.accumulate(arg, g);
-                }
-            }
-        }
+        backward_op(&meter, &mut grads, node, op, &grad);
     }
     meter.op.set("");
     grads
+}
+
+/// One node's step of [`backward`]: the gradients of `op`'s inputs from the node's gradient
+/// `grad` (detached), added into `grads` in candle's order. The longer cases are the
+/// functions below.
+fn backward_op(meter: &Rc<Meter>, grads: &mut GradStore, node: &T, op: &Op, grad: &T) {
+    match op {
+        Op::Add(lhs, rhs) => {
+            grads.accumulate(lhs, grad.clone());
+            grads.accumulate(rhs, grad.clone());
+        }
+        Op::Sub(lhs, rhs) => {
+            grads.accumulate(lhs, grad.clone());
+            grads.accumulate_neg(rhs, grad.clone());
+        }
+        Op::Mul(lhs, rhs) => {
+            let lhs_grad = grad.mul(rhs);
+            grads.accumulate(lhs, lhs_grad);
+            let rhs_grad = grad.mul(lhs);
+            grads.accumulate(rhs, rhs_grad);
+        }
+        Op::Div(lhs, rhs) => {
+            let lhs_grad = grad.div(rhs);
+            grads.accumulate(lhs, lhs_grad);
+            let rhs_grad = grad.mul(lhs).div(&rhs.sqr());
+            grads.accumulate_neg(rhs, rhs_grad);
+        }
+        Op::Matmul(lhs, rhs) => {
+            let lhs_grad = grad.matmul(&rhs.t());
+            grads.accumulate(lhs, lhs_grad);
+            let rhs_grad = lhs.t().matmul(grad);
+            grads.accumulate(rhs, rhs_grad);
+        }
+        Op::Cat(args, dim) => cat_backward(grads, grad, args, *dim),
+        Op::Broadcast(arg) => broadcast_backward(grads, node, grad, arg),
+        Op::Sum(arg, reduced) => sum_backward(grads, node, grad, arg, reduced),
+        Op::ToDType(arg) => grads.accumulate(arg, grad.to_dtype(arg.0.dtype)),
+        Op::Copy(arg) => grads.accumulate(arg, grad.clone()),
+        Op::Affine(arg, mul) => {
+            let arg_grad = grad.affine(*mul);
+            grads.accumulate(arg, arg_grad);
+        }
+        Op::Exp(arg) => grads.accumulate(arg, grad.mul(node)),
+        Op::Narrow(arg, dim, start, len) => {
+            let arg_grad = narrow_grad(meter, grad, arg, *dim, *start, *len);
+            grads.accumulate(arg, arg_grad);
+        }
+        Op::Reshape(arg) => {
+            let arg_grad = grad.reshape(&arg.0.dims);
+            grads.accumulate(arg, arg_grad);
+        }
+        Op::Transpose(arg, a, b) => {
+            let arg_grad = grad.transpose(*a, *b);
+            grads.accumulate(arg, arg_grad);
+        }
+        Op::Sqr(arg) => {
+            let arg_grad = arg.mul(grad).affine(2.0);
+            grads.accumulate(arg, arg_grad);
+        }
+        Op::CrossEntropy(arg, _) => {
+            let arg_grad = cross_entropy_grad(meter, arg);
+            grads.accumulate(arg, arg_grad);
+        }
+        Op::Seed(out, held) => {
+            // `bwd`: the held gradient times the upstream scalar (in its type), a fresh
+            // (B, T, d).
+            let arg_grad = held.broadcast_mul(&grad.to_dtype(held.0.dtype));
+            grads.accumulate(out, arg_grad);
+        }
+        Op::HeadLoss(h, w, _, _, chunk_rows) => {
+            let (dh, dw) = head_loss_backward(meter, h, w, *chunk_rows);
+            grads.accumulate(h, dh);
+            grads.accumulate(w, dw);
+        }
+        Op::Attention(q, k, v, saved, workspace, _) if meter.on_gpu() => {
+            let (dq, dk, dv) = attention_grads_gpu(meter, [q, k, v], saved, *workspace);
+            grads.accumulate(q, dq);
+            grads.accumulate(k, dk);
+            grads.accumulate(v, dv);
+        }
+        Op::Attention(q, k, v, saved, workspace, widen) => {
+            let (dq, dk, dv) = attention_grads_host(meter, node, grad, [q, k, v], saved, *workspace, *widen);
+            grads.accumulate(q, dq);
+            grads.accumulate(k, dk);
+            grads.accumulate(v, dv);
+        }
+        Op::IndexSelect(arg, ids, dim) => grads.accumulate_into(arg, |s| s.index_add(ids, grad, *dim)),
+        Op::IndexAdd(init, ids, src, dim) => {
+            grads.accumulate(init, grad.clone());
+            let src_grad = grad.index_select(ids, *dim);
+            grads.accumulate(src, src_grad);
+        }
+        Op::Gather(arg, ids, dim) => grads.accumulate_into(arg, |s| s.scatter_add(ids, grad, *dim)),
+        Op::Fused(kind, args) => fused_backward(meter, grads, node, grad, *kind, args),
+    }
+}
+
+/// A concatenation's backward: each input's piece of `grad` (a narrowed view), copied in.
+fn cat_backward(grads: &mut GradStore, grad: &T, args: &[T], dim: usize) {
+    let mut start = 0;
+    for arg in args {
+        let len = arg.0.dims[dim];
+        let arg_grad = grad.narrow(dim, start, len);
+        grads.accumulate_copy(arg, arg_grad);
+        start += len;
+    }
+}
+
+/// A broadcast's backward: `grad` summed over the broadcast dims (the leading ones dropped),
+/// as a view of `arg`'s shape.
+fn broadcast_backward(grads: &mut GradStore, node: &T, grad: &T, arg: &T) {
+    let (a, n) = (&arg.0.dims, &node.0.dims);
+    let left = n.len() - a.len();
+    let mut sum_dims: Vec<usize> = (0..left).collect();
+    sum_dims.extend((0..a.len()).filter(|&i| n[left + i] != a[i]).map(|i| i + left));
+    let mut arg_grad = grad.sum_keepdim(&sum_dims);
+    for _ in 0..left {
+        arg_grad = arg_grad.reshape(&arg_grad.0.dims[1..]);
+    }
+    grads.accumulate(arg, arg_grad.broadcast_as(&arg.0.dims));
+}
+
+/// A sum's backward: `grad` (reshaped to the keepdim shape `reduced` when the sum dropped
+/// dims) broadcast back to `arg`'s shape.
+fn sum_backward(grads: &mut GradStore, node: &T, grad: &T, arg: &T, reduced: &[usize]) {
+    let g = if arg.0.dims.len() == node.0.dims.len() {
+        grad.broadcast_as(&arg.0.dims)
+    } else {
+        grad.reshape(reduced).broadcast_as(&arg.0.dims)
+    };
+    grads.accumulate(arg, g);
+}
+
+/// A narrowing's gradient: `grad` between fresh zero pads to `arg`'s length along `dim`,
+/// concatenated (the pads freed when it returns).
+fn narrow_grad(meter: &Rc<Meter>, grad: &T, arg: &T, dim: usize, start: usize, len: usize) -> T {
+    let mut parts: Vec<T> = Vec::new();
+    let pad = |n: usize| {
+        let mut dims = arg.0.dims.clone();
+        dims[dim] = n;
+        T::new(meter, &dims, grad.0.dtype)
+    };
+    let right = arg.0.dims[dim] - start - len;
+    let left_pad = (start > 0).then(|| pad(start));
+    let right_pad = (right > 0).then(|| pad(right));
+    parts.extend(left_pad);
+    parts.push(grad.clone());
+    parts.extend(right_pad);
+    let refs: Vec<&T> = parts.iter().collect();
+    cat(&refs, dim)
+}
+
+/// The fused cross-entropy's gradient of the logits `arg`.
+fn cross_entropy_grad(meter: &Rc<Meter>, arg: &T) -> T {
+    // `ops::cross_entropy_grad`: the (N, V) gradient in the logits' type, while
+    // the upstream gradients are read into a Vec on the host (N f32), or the
+    // targets are copied to the device on a GPU; both freed when it returns.
+    let _rows_or_targets = raw(meter, arg.0.dims[0] as u64 * 4);
+    T::new(meter, &arg.0.dims, arg.0.dtype)
+}
+
+/// The attention op's backward on a GPU: the gradients of q, k, v.
+fn attention_grads_gpu(
+    meter: &Rc<Meter>,
+    [q, k, v]: [&T; 3],
+    saved: &RefCell<Option<Rc<Buf>>>,
+    workspace: u64,
+) -> (T, T, T) {
+    // `cuda_bwd`: zeroed gradients in the inputs' types, then the workspace for
+    // the kernel's call; the saved buffer is freed when it returns.
+    let saved = saved.borrow_mut().take();
+    let [dq, dk, dv] = [q, k, v].map(|x| T::new(meter, &x.0.dims, x.0.dtype));
+    drop((meter.alloc(workspace, Some(Cat::AttnWorkspace)), saved));
+    (dq, dk, dv)
+}
+
+/// The attention op's backward on the host: the gradients of q, k, v, computed in f32 (with
+/// the saved buffer widened first when it is held in half, `widen` bytes) and rounded into
+/// the inputs' types.
+fn attention_grads_host(
+    meter: &Rc<Meter>,
+    node: &T,
+    grad: &T,
+    [q, k, v]: [&T; 3],
+    saved: &RefCell<Option<Rc<Buf>>>,
+    workspace: u64,
+    widen: u64,
+) -> (T, T, T) {
+    let saved = saved.borrow_mut().take();
+    // A half-held saved buffer is widened first, the half copy freed.
+    let saved = if widen > 0 {
+        let wide = raw(meter, widen);
+        drop(saved);
+        Some(wide)
+    } else {
+        saved
+    };
+    let dq = raw(meter, q.elem_count() * 4);
+    let dk = raw(meter, k.elem_count() * 4);
+    let dv = raw(meter, v.elem_count() * 4);
+    // The backward's workspace lives through the kernel call, and so do, for
+    // half inputs, f32 copies of q, k, v, the output and its gradient.
+    let ws = meter.alloc(workspace, Some(Cat::AttnWorkspace));
+    let widened = (q.0.dtype != Dt::F32).then(|| [q, k, v, node, grad].map(|x| raw(meter, x.elem_count() * 4)));
+    drop((widened, ws, saved));
+    // Each gradient rounded into its input's type, the f32 one freed then.
+    let grad_of = |arg: &T, buf: Rc<Buf>| {
+        if arg.0.dtype == Dt::F32 {
+            return T::wrap(arg.0.dims.clone(), Dt::F32, buf);
+        }
+        let g = T::new(meter, &arg.0.dims, arg.0.dtype);
+        drop(buf);
+        g
+    };
+    (grad_of(q, dq), grad_of(k, dk), grad_of(v, dv))
+}
+
+/// A fused op's backward: a fresh gradient per input (by kind, below), each added in turn.
+fn fused_backward(meter: &Rc<Meter>, grads: &mut GradStore, node: &T, grad: &T, kind: Fused, args: &[T]) {
+    // bwd returns a fresh gradient per input, in the input's type; RMSNorm also
+    // fills one f32 partial dw per task of 64 rows (with its Vec header) while dx
+    // is held; the half linear op holds its step scratch while it computes dx and
+    // dW, the weight's f32 copy while it computes dx, and dW's f32 accumulator
+    // while it computes and rounds dW.
+    let arg_grads: Vec<T> = match kind {
+        Fused::LinearHalf { scratch } => linear_half_grads(meter, args, scratch),
+        Fused::Linear if !meter.on_gpu() => linear_grads_host(meter, grad, args),
+        Fused::Embedding => embedding_grads(meter, node, args),
+        Fused::RmsNorm => rms_norm_grads(meter, args),
+        _ => args.iter().map(|arg| T::new(meter, &arg.0.dims, arg.0.dtype)).collect(),
+    };
+    // candle adds each returned gradient and drops it before the next
+    // (`if let Some(g) = ..` moves it), the later ones still held.
+    let mut rest = arg_grads.into_iter();
+    for arg in args {
+        let g = rest.next().expect("a gradient per input");
+        grads.accumulate(arg, g);
+    }
+}
+
+/// The half linear op's [dx, dW]: `linear_backward` (scratch and dW's f32 sum), then the sum
+/// rounded.
+fn linear_half_grads(meter: &Rc<Meter>, args: &[T], scratch: u64) -> Vec<T> {
+    let (x, w) = (&args[0], &args[1]);
+    let scratch = raw(meter, scratch * 4);
+    let wf = raw(meter, w.elem_count() * 4);
+    // gemm's packed copy of each thread's share of a step of g (below),
+    // when x is wide enough for it to copy one.
+    let step_of_g = crate::model::fused::half_scratch_len(x.0.dims[0], 0, w.0.dims[0]) as u64;
+    let packs = crate::model::fused::gemm_packs_output_grad(x.0.dims[1]);
+    let packed = packs.then(|| raw(meter, step_of_g * 4));
+    let dx = T::new(meter, &x.0.dims, x.0.dtype);
+    drop((packed, wf));
+    let dw32 = raw(meter, w.elem_count() * 4);
+    drop(scratch);
+    let dw = T::new(meter, &w.0.dims, w.0.dtype);
+    drop(dw32);
+    vec![dx, dw]
+}
+
+/// The f32 linear op's [dx, dW] on the host.
+fn linear_grads_host(meter: &Rc<Meter>, grad: &T, args: &[T]) -> Vec<T> {
+    // gemm copies each thread's share of g into a buffer of its own for
+    // dW = gᵀ·x when x is wide enough for its kernels
+    // (`fused::gemm_packs_output_grad`): all of it when it has few rows,
+    // a block of columns of it when more. Counted whole, around dx: an
+    // upper bound (seen: exact at 512 rows of 4096 columns, twice what
+    // gemm took at 2048).
+    let (x, w) = (&args[0], &args[1]);
+    let packs = crate::model::fused::gemm_packs_output_grad(x.0.dims[1]);
+    let packed = packs.then(|| raw(meter, grad.elem_count() * grad.0.dtype.size()));
+    let dx = T::new(meter, &x.0.dims, x.0.dtype);
+    drop(packed);
+    vec![dx, T::new(meter, &w.0.dims, w.0.dtype)]
+}
+
+/// The token embedding's [dW].
+fn embedding_grads(meter: &Rc<Meter>, node: &T, args: &[T]) -> Vec<T> {
+    // The positions sorted by token: offsets (V + 1) and order (N), u32 (on
+    // the host, with the sort's cursor (V + 1) while it sorts; on a GPU
+    // both copied to the device), held while dW (V, d), fresh in the
+    // table's type, is summed. (The N ids the op keeps on the host from
+    // forward are not counted: 4 bytes a token.)
+    let table = &args[0];
+    let (v, n) = (table.0.dims[0] as u64, node.0.dims[0] as u64);
+    let sorted = raw(meter, (v + 1 + n) * 4);
+    if !meter.on_gpu() {
+        drop(raw(meter, (v + 1) * 4));
+    }
+    let dw = T::new(meter, &table.0.dims, table.0.dtype);
+    drop(sorted);
+    vec![dw]
+}
+
+/// RMSNorm's [dx, dw], with dw summed from per-task partials.
+fn rms_norm_grads(meter: &Rc<Meter>, args: &[T]) -> Vec<T> {
+    let (x, w) = (&args[0], &args[1]);
+    let dx = T::new(meter, &x.0.dims, x.0.dtype);
+    let d = *x.0.dims.last().expect("rows");
+    let tasks = (x.elem_count() / d as u64).div_ceil(64);
+    // One Vec per task on the host; one (blocks, d) f32 buffer on a GPU.
+    let header = if meter.on_gpu() { 0 } else { 24 };
+    let partial = raw(meter, tasks * (d as u64 * 4 + header));
+    let dw = T::new(meter, &w.0.dims, w.0.dtype);
+    drop(partial);
+    vec![dx, dw]
 }
 
 /// `model::head_loss`'s backward on the host or a GPU (the meter's): per block of rows, the

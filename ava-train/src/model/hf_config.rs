@@ -576,7 +576,10 @@ fn window_of(r: &mut Reader<'_>, arch: Arch, layers: usize) -> Option<usize> {
 
 use super::spec::{MAX_LAYER_EXPERTS, MAX_PARAMS, param_count};
 
-/// Reads a config.json value; `path` names the file in errors.
+/// Reads a config.json value; `path` names the file in errors. Stages, in the order the
+/// fields are read and their problems listed: the architecture (`arch_of`), the sizes, the
+/// activation and norm, the positions and RoPE, attention, Mixtral's experts, what Ava does
+/// not train from, the sizes together, then a note of the fields nothing reads.
 pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
     let err = |problems: Vec<String>| ModelError::HfConfig {
         path: path.to_path_buf(),
@@ -590,6 +593,56 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
     let mut r = Reader { obj, used: Vec::new(), problems: Vec::new(), notes: Vec::new() };
     let Some(arch) = arch_of(&mut r) else { return Err(err(r.problems)) };
     let d = defaults(arch);
+    let sizes = sizes_of(&mut r, &d);
+    let eps = eps_of(&mut r, &d);
+    let tie_embeddings = r.bool("tie_word_embeddings", false);
+    let init_std = r.float("initializer_range", 0.02);
+    let (max_position, rope) = positions_of(&mut r, &d, sizes.head_dim);
+    let (bias, sliding_window) = attention_of(&mut r, arch, sizes.layers);
+    let moe = (arch == Arch::Mixtral).then(|| moe_of(&mut r));
+    refuse_foreign(&mut r);
+    check_totals(&mut r, &sizes, moe, tie_embeddings);
+    note_unknown(&mut r, obj, arch);
+    if !r.problems.is_empty() {
+        return Err(err(r.problems));
+    }
+    let Sizes { vocab, hidden, layers, heads, kv_heads, head_dim, ffn } = sizes;
+    let spec = ModelSpec {
+        arch,
+        vocab,
+        hidden,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        ffn,
+        rope,
+        eps,
+        tie_embeddings,
+        init_std,
+        bias,
+        sliding_window,
+        max_position,
+        moe,
+    };
+    spec.validate(&path.display().to_string())?;
+    Ok(HfConfig { spec, notes: r.notes })
+}
+
+/// The model's sizes, as config.json gives them.
+struct Sizes {
+    vocab: usize,
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    ffn: usize,
+}
+
+/// Reads the sizes (transformers' defaults for `num_key_value_heads` and `head_dim`), and
+/// refuses head counts that do not divide as attention needs.
+fn sizes_of(r: &mut Reader<'_>, d: &Defaults) -> Sizes {
     let vocab = r.int("vocab_size", None, 1 << 31);
     let hidden = r.int("hidden_size", None, 1 << 20);
     let layers = r.int("num_hidden_layers", None, 4096);
@@ -611,6 +664,11 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
              attention shares each key/value head among a whole number of query heads"
         ));
     }
+    Sizes { vocab, hidden, layers, heads, kv_heads, head_dim, ffn }
+}
+
+/// Refuses an activation other than SwiGLU's, and reads the norm's ε (between 0 and 1).
+fn eps_of(r: &mut Reader<'_>, d: &Defaults) -> f64 {
     if let Some(act) = r.get("hidden_act")
         && !matches!(act.as_str(), Some("silu" | "swish"))
     {
@@ -620,13 +678,22 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
     if !(eps > 0.0 && eps < 1.0) {
         r.problems.push(format!("rms_norm_eps must be between 0 and 1, got {eps}"));
     }
-    let tie_embeddings = r.bool("tie_word_embeddings", false);
-    let init_std = r.float("initializer_range", 0.02);
+    eps
+}
+
+/// `max_position_embeddings` (`None` when absent) and the RoPE settings ([`rope_of`]).
+fn positions_of(r: &mut Reader<'_>, d: &Defaults, head_dim: usize) -> (Option<usize>, RopeSpec) {
     // Kept as given (absent stays absent when written back); RoPE scalings use the class
     // default in its place, as transformers does.
     let given_max_position = r.obj.get("max_position_embeddings").is_some_and(|v| !v.is_null());
     let max_position = r.int("max_position_embeddings", Some(d.max_position), 1 << 30);
-    let rope = rope_of(&mut r, d.theta, max_position, head_dim);
+    let rope = rope_of(r, d.theta, max_position, head_dim);
+    (given_max_position.then_some(max_position), rope)
+}
+
+/// The attention settings: dropout refused, the biases of `arch` (the keys it does not read
+/// noted), and the window ([`window_of`]).
+fn attention_of(r: &mut Reader<'_>, arch: Arch, layers: usize) -> (Biases, Option<usize>) {
     let dropout = r.float("attention_dropout", 0.0);
     if dropout != 0.0 {
         r.problems.push(format!(
@@ -647,30 +714,37 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
         r.not_read("attention_bias", arch);
         r.not_read("mlp_bias", arch);
     }
-    let sliding_window = window_of(&mut r, arch, layers);
-    let moe = (arch == Arch::Mixtral).then(|| {
-        let experts = r.int("num_local_experts", Some(8), 4096);
-        let top_k = r.int("num_experts_per_tok", Some(2), 4096);
-        let coef = r.float("router_aux_loss_coef", 0.001);
-        let jitter = r.float("router_jitter_noise", 0.0);
-        if jitter != 0.0 {
-            r.problems.push(format!(
-                "router_jitter_noise is {jitter}: Ava's router adds no noise in training; set it to 0.0"
-            ));
-        }
-        if r.bool("output_router_logits", false) {
-            r.problems.push(format!(
-                "output_router_logits is true, which adds transformers' load-balancing loss (weight {coef}, pooled over \
-                 all layers): Ava's mixture adds a per-block Switch loss instead, a different gradient. Set it to false \
-                 to train without one, as transformers does by default"
-            ));
-        }
-        // Without output_router_logits transformers trains on the cross-entropy alone; a
-        // folder Ava wrote names the weight of Ava's own per-block loss under its own key,
-        // which transformers does not read.
-        let aux_weight = r.float(AVA_AUX_KEY, 0.0);
-        MoeSpec { experts, top_k, aux_weight }
-    });
+    let sliding_window = window_of(r, arch, layers);
+    (bias, sliding_window)
+}
+
+/// Mixtral's experts: their number and top-k, the router settings that would change training
+/// refused, and the weight of Ava's own load-balancing loss.
+fn moe_of(r: &mut Reader<'_>) -> MoeSpec {
+    let experts = r.int("num_local_experts", Some(8), 4096);
+    let top_k = r.int("num_experts_per_tok", Some(2), 4096);
+    let coef = r.float("router_aux_loss_coef", 0.001);
+    let jitter = r.float("router_jitter_noise", 0.0);
+    if jitter != 0.0 {
+        r.problems
+            .push(format!("router_jitter_noise is {jitter}: Ava's router adds no noise in training; set it to 0.0"));
+    }
+    if r.bool("output_router_logits", false) {
+        r.problems.push(format!(
+            "output_router_logits is true, which adds transformers' load-balancing loss (weight {coef}, pooled over \
+             all layers): Ava's mixture adds a per-block Switch loss instead, a different gradient. Set it to false \
+             to train without one, as transformers does by default"
+        ));
+    }
+    // Without output_router_logits transformers trains on the cross-entropy alone; a
+    // folder Ava wrote names the weight of Ava's own per-block loss under its own key,
+    // which transformers does not read.
+    let aux_weight = r.float(AVA_AUX_KEY, 0.0);
+    MoeSpec { experts, top_k, aux_weight }
+}
+
+/// Refuses what Ava does not train from: quantized checkpoints and custom modeling code.
+fn refuse_foreign(r: &mut Reader<'_>) {
     if r.get("quantization_config").is_some() {
         r.problems
             .push("quantization_config is set: Ava trains full-precision weights, not quantized checkpoints".into());
@@ -683,6 +757,12 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
             map["AutoModelForCausalLM"]
         ));
     }
+}
+
+/// Refuses sizes that are each in range but together describe more expert blocks or more
+/// parameters than Ava accepts.
+fn check_totals(r: &mut Reader<'_>, sizes: &Sizes, moe: Option<MoeSpec>, tie_embeddings: bool) {
+    let Sizes { vocab, hidden, layers, heads, kv_heads, head_dim, ffn } = *sizes;
     // Each number is in range alone, but together they may describe more parameters than any
     // machine holds: refused here, before the model (or its estimate) is sized by them.
     let experts = moe.map_or(1, |m| m.experts);
@@ -703,6 +783,11 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
             if moe.is_some() { format!(", num_local_experts {experts}") } else { String::new() }
         ));
     }
+}
+
+/// Notes the fields of `obj` that were not read and are not known to be inert: transformers'
+/// class for `arch` does not read them either.
+fn note_unknown(r: &mut Reader<'_>, obj: &Map<String, Value>, arch: Arch) {
     let mut unknown: Vec<&str> =
         obj.keys().map(String::as_str).filter(|k| !r.used.contains(k) && !INERT.contains(k)).collect();
     unknown.sort_unstable();
@@ -713,29 +798,6 @@ pub fn parse_hf_config(v: &Value, path: &Path) -> Result<HfConfig, ModelError> {
             unknown.join(", ")
         ));
     }
-    if !r.problems.is_empty() {
-        return Err(err(r.problems));
-    }
-    let spec = ModelSpec {
-        arch,
-        vocab,
-        hidden,
-        layers,
-        heads,
-        kv_heads,
-        head_dim,
-        ffn,
-        rope,
-        eps,
-        tie_embeddings,
-        init_std,
-        bias,
-        sliding_window,
-        max_position: given_max_position.then_some(max_position),
-        moe,
-    };
-    spec.validate(&path.display().to_string())?;
-    Ok(HfConfig { spec, notes: r.notes })
 }
 
 /// Reads `path` (a config.json).
