@@ -942,7 +942,7 @@ impl<'a> Replay<'a> {
     ///
     /// From page-locked memory on a GPU (`pinned`), what the device holds besides the one
     /// being stepped (a step transient): the next `prefetch` uploaded ahead and the one
-    /// stepped before it, freed once this one is stepped (`train::pinned_state`).
+    /// stepped before it, freed once this one is stepped (`train::optim::page_locked`).
     fn tier_peak(&self) -> u64 {
         let order = self.stepped.borrow();
         let bytes = |k: usize| order.get(k).map_or(0, |&i| self.step.streamed[i]);

@@ -160,9 +160,9 @@ impl GradSink for Grads {
 /// the plan, so checkpointed and plain runs give identical gradients. With another
 /// [`GradSink`] each gradient goes there instead, as soon as its stretch's backward ends.
 ///
-/// Three stages: the forward through the plan ([`forward_stretches`]), the loss and the
+/// Three stages: the forward through the plan (`forward_stretches`), the loss and the
 /// backward of the last stretch (here), then the other stretches from the top down
-/// ([`backward_stretches`]).
+/// (`Below::backward_stretches`).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_backward(
     model: &Model,

@@ -134,8 +134,6 @@ fn stopped_waiting(e: &TrainError) -> bool {
 /// A training run.
 pub struct Trainer {
     config: Config,
-    /// Where the run computes, opened once when the run is built.
-    device: Device,
     model: Model,
     optimizer: Box<dyn Optimizer>,
     state: OptimizerState,
@@ -191,7 +189,8 @@ pub struct Trainer {
     /// checkpoint turned into weights by their owners): gathered before the first step,
     /// not while the run is built, when the ranks have yet to agree that all of them started.
     gather_pending: bool,
-    /// What the run holds and its limit, on the host or the device. Last, so that on a GPU
+    /// Where the run computes (opened once when the run is built), what the run holds there and
+    /// its limit, on the host or the device. Last, so that on a GPU
     /// with `memory.hard_limit` its capped pool is dropped after the model and the state
     /// (dropping it destroys the pool and gives the device its default pool back).
     meter: Meter,
@@ -537,7 +536,7 @@ impl Trainer {
         for i in 0..n {
             WorkProgressFn::tell(self.work_progress.as_ref(), Work::Evaluation(self.step), i as u64, n as u64);
             let b = loader.next()?;
-            let micro = tensors(&b, &self.device)?;
+            let micro = tensors(&b, self.meter.device())?;
             let logits = model::forward_logits(&self.model, weights.as_mut(), &micro.tokens, micro.documents.as_ref())
                 .map_err(TrainError::candle)?;
             let loss = model::ops::cross_entropy(&logits, &micro.targets)

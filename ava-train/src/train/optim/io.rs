@@ -142,7 +142,7 @@ impl OptimizerState {
     }
 }
 
-pub(super) fn buf_dtype(d: StateDType) -> BufDType {
+fn buf_dtype(d: StateDType) -> BufDType {
     match d {
         StateDType::F32 => BufDType::F32,
         StateDType::F64 => BufDType::F64,
@@ -158,7 +158,7 @@ pub(super) fn buf_dtype(d: StateDType) -> BufDType {
 /// what is wrong and the buffer's own name (`exp_avg`, `step`), so a change of optimizer reads
 /// as a few lines rather than one per tensor.
 #[derive(Default)]
-pub(super) struct StateProblems {
+struct StateProblems {
     /// (what, buffer) → (how many, the first full name).
     groups: std::collections::BTreeMap<(String, String), (usize, String)>,
 }

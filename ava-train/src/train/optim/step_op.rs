@@ -8,7 +8,7 @@ use super::*;
 /// where they are; bf16/f16 weights are widened into an f32 scratch (or the f32 master
 /// buffer, when there is one), stepped there, and rounded back: to nearest from a master,
 /// with compensation from a compensation buffer, stochastically otherwise.
-pub(super) struct StepOp<'a> {
+struct StepOp<'a> {
     optimizer: RefCell<&'a mut dyn Optimizer>,
     state: RefCell<&'a mut Vec<StateBuffer>>,
     name: &'a str,
@@ -61,14 +61,14 @@ impl StepOp<'_> {
 
 /// The bytes of a state buffer on the GPU, or an error naming it.
 #[cfg(feature = "cuda")]
-pub(super) fn device_bytes(b: &StateBuffer) -> candle_core::Result<&candle_core::cuda::cudarc::driver::CudaSlice<u8>> {
+fn device_bytes(b: &StateBuffer) -> candle_core::Result<&candle_core::cuda::cudarc::driver::CudaSlice<u8>> {
     b.on_device().ok_or_else(|| candle_core::Error::Msg(format!("optimizer state {} is not on the GPU", b.spec.name)))
 }
 
 /// The engine's own buffer of a parameter for its GPU step, told apart by name, its bytes
 /// on the device.
 #[cfg(feature = "cuda")]
-pub(super) enum EngineBuf<'a> {
+enum EngineBuf<'a> {
     /// None: f32 weights, or half weights rounded stochastically.
     Nothing,
     /// [`MASTER`]: the f32 master the plugin steps (`master_weights: tier`).

@@ -30,6 +30,9 @@ impl Trainer {
         group: Arc<dyn Collectives>,
         device_limit: Option<crate::device::DeviceLimit>,
     ) -> Result<Self, TrainError> {
+        // First, so that whatever fails below drops the device's capped pool (if any) after
+        // everything the run allocated in it.
+        let meter = Meter::new(device.clone(), &config, device_limit);
         let (rank, world) = (group.rank(), group.size());
         let threads = resolve_threads(config.train.threads);
         // Before the corpus is read (its checksums take a while on a large one).
@@ -125,7 +128,6 @@ impl Trainer {
             std::fs::create_dir_all(&out_dir).map_err(|e| TrainError::io(&out_dir, e))?;
         }
         // The counting allocator enforces the limit on the CPU; a GPU's pool is capped already.
-        let meter = Meter::new(device.clone(), &config, device_limit);
         meter.set_host_limit();
         // Stage 3: each rank keeps only its own parameters' values from here on.
         let mut model = model;
@@ -167,7 +169,6 @@ impl Trainer {
             gather_pending,
             zero: Rc::new(zero),
             config,
-            device,
             meter,
         })
     }

@@ -80,7 +80,7 @@ pub fn model_spec(config: &Config) -> Result<ModelSpec, TrainError> {
 
 /// The attention window of a kernel selection: `Some(None)` for full causal attention,
 /// `Some(Some(w))` for a window of `w`, `None` when the host cannot tell (another plugin).
-pub(super) fn kernel_window(sel: &PluginSelection) -> Option<Option<usize>> {
+fn kernel_window(sel: &PluginSelection) -> Option<Option<usize>> {
     match sel.name.as_str() {
         "standard" | "flash" => Some(None),
         // The sliding-window plugin's default window.

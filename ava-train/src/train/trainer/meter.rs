@@ -8,7 +8,7 @@ use crate::device::DeviceLimit;
 
 /// The run's memory meter (see the module docs).
 pub(super) struct Meter {
-    /// Where the run computes: the trainer's device.
+    /// Where the run computes: the trainer's device, held here once.
     device: Device,
     /// `memory.hard_limit`, where the run enforces it; `None` without one.
     limit: Option<Limit>,

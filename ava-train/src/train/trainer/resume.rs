@@ -24,14 +24,14 @@ pub(super) struct TrainerState {
     pub(super) world_size: usize,
 }
 
-pub(super) fn one() -> usize {
+fn one() -> usize {
     1
 }
 
 /// Checks `trainer.json` against its checkpoint and the run: every field in range and the
 /// step the manifest's. Its numbers size and index what follows (micro-batch split, data
 /// position), so a damaged one must stop here. All problems are reported at once.
-pub(super) fn check_trainer_state(
+fn check_trainer_state(
     state: &TrainerState,
     ckpt: &LoadedCheckpoint,
     config: &Config,
@@ -82,12 +82,7 @@ pub(super) fn check_trainer_state(
 /// batches a step reads), but every sequence index the loader reaches from it, its read-ahead
 /// included, must fit in 64 bits: a position past that used to overflow in the loader's
 /// threads and hang the run. Checked before any loader thread starts.
-pub(super) fn data_position_problem(
-    state: &TrainerState,
-    config: &Config,
-    dataset: &dyn Dataset,
-    world: usize,
-) -> Option<String> {
+fn data_position_problem(state: &TrainerState, config: &Config, dataset: &dyn Dataset, world: usize) -> Option<String> {
     let pos = state.data_position;
     let per_batch = (config.train.micro_batch_size as u64).saturating_mul(world as u64);
     let ahead = (config.data.num_workers as u64).saturating_mul(config.data.prefetch_factor as u64 + 1) + 1;
@@ -195,7 +190,7 @@ pub(super) fn read_trainer_state(
 }
 
 /// The optimizer a checkpoint was trained with, as its `ava-config.json` names it.
-pub(super) fn saved_optimizer(ckpt: &LoadedCheckpoint) -> Option<String> {
+fn saved_optimizer(ckpt: &LoadedCheckpoint) -> Option<String> {
     let saved: Value = serde_json::from_slice(ckpt.file(AVA_CONFIG_FILE).ok()?).ok()?;
     let sel = saved.pointer("/plugins/optimizer")?;
     let name = sel.as_str().or_else(|| sel.get("name").and_then(Value::as_str));

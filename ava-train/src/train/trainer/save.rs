@@ -87,9 +87,7 @@ impl Trainer {
     /// stage 3 it asks each other rank's parameters of their owner as it goes (the other
     /// ranks answer in [`send_state_to_root`](Self::send_state_to_root)); rank 0 never
     /// holds more than one of them.
-    pub(super) fn weights_writer(
-        &self,
-    ) -> impl FnMut(&mut dyn std::io::Write) -> Result<(), crate::save::SaveError> + '_ {
+    fn weights_writer(&self) -> impl FnMut(&mut dyn std::io::Write) -> Result<(), crate::save::SaveError> + '_ {
         move |out| {
             if self.zero.stage() < 3 || self.zero.size() == 1 {
                 return model::write_tensors(out, &self.model.named_tensors());
@@ -160,7 +158,7 @@ impl Trainer {
     /// each buffer it lacks as it writes the file, and the rank holding it sends it (every
     /// rank takes part in each broadcast) until rank 0 says the file is done. At stage 3
     /// the buffers include the weights ([`WEIGHTS_REQUEST`]).
-    pub(super) fn send_state_to_root(&self) -> Result<(), TrainError> {
+    fn send_state_to_root(&self) -> Result<(), TrainError> {
         if self.zero.stage() == 0 {
             return Ok(()); // rank 0 holds all of it
         }
