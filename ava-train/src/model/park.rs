@@ -1,6 +1,7 @@
 //! Where an `Offload` block's input waits between forward and backward
 //! ([`BlockDecision::Offload`](ava_core::BlockDecision::Offload), run by `model::recompute`):
-//! the one concern of this module and of its `pinned` half (`cuda` feature).
+//! the one concern of this module and of its `pinned` half (`cuda` feature; uninhabited
+//! stand-ins in `park/absent.rs` without it).
 //!
 //! Two places, chosen once per run by [`Parking::for_run`]:
 //!
@@ -29,6 +30,11 @@
 //! waits for its copy (the run's header says so). A GPU run that wants the copies hidden
 //! selects `ram`.
 
+// The page-locked half: the real one with the `cuda` feature, uninhabited stand-ins without
+// it (so the code below reads the same in both builds).
+#[cfg(not(feature = "cuda"))]
+#[path = "park/absent.rs"]
+mod pinned;
 #[cfg(feature = "cuda")]
 mod pinned;
 
@@ -41,7 +47,6 @@ use candle_core::{DType, Device, Result, Tensor};
 pub struct Parking {
     tier: Arc<dyn OffloadTier>,
     /// A GPU run with the built-in `ram` tier: page-locked buffers and the copy streams.
-    #[cfg(feature = "cuda")]
     pinned: Option<std::sync::Mutex<pinned::Park>>,
 }
 
@@ -54,11 +59,7 @@ impl std::fmt::Debug for Parking {
 impl Parking {
     /// Inputs parked through `tier`'s byte API.
     pub fn tier(tier: Arc<dyn OffloadTier>) -> Self {
-        Self {
-            tier,
-            #[cfg(feature = "cuda")]
-            pinned: None,
-        }
+        Self { tier, pinned: None }
     }
 
     /// The parking of a run on `device` whose tier is `tier`: in page-locked host memory on a
@@ -71,22 +72,16 @@ impl Parking {
         builtin_ram: bool,
         parks: bool,
     ) -> std::result::Result<Self, String> {
-        #[cfg(feature = "cuda")]
         if let (Device::Cuda(gpu), true, true) = (device, builtin_ram, parks) {
             let park = pinned::Park::new(gpu)?;
             return Ok(Self { tier, pinned: Some(std::sync::Mutex::new(park)) });
         }
-        let _ = (device, builtin_ram, parks);
         Ok(Self::tier(tier))
     }
 
     /// Whether inputs go to page-locked host memory (a GPU run with `ram`).
     pub fn is_pinned(&self) -> bool {
-        #[cfg(feature = "cuda")]
-        if self.pinned.is_some() {
-            return true;
-        }
-        false
+        self.pinned.is_some()
     }
 
     /// One micro-batch's parking.
@@ -94,7 +89,6 @@ impl Parking {
         Ok(Session {
             tier: &self.tier,
             peak: 0,
-            #[cfg(feature = "cuda")]
             pinned: match &self.pinned {
                 Some(park) => Some(pinned::Session::new(park)?),
                 None => None,
@@ -108,7 +102,6 @@ pub(crate) enum Parked {
     /// In the tier under this key, with its shape and type.
     Tier { key: String, dims: Vec<usize>, dtype: DType },
     /// In a page-locked buffer (on its way there, or back).
-    #[cfg(feature = "cuda")]
     Pinned(pinned::Parked),
 }
 
@@ -117,14 +110,12 @@ pub(crate) struct Session<'a> {
     tier: &'a Arc<dyn OffloadTier>,
     /// The most host memory the parked inputs held at once.
     peak: u64,
-    #[cfg(feature = "cuda")]
     pinned: Option<pinned::Session<'a>>,
 }
 
 impl Session<'_> {
     /// Parks block `block`'s input (B, T, d), computed by the forward just run.
     pub(crate) fn park(&mut self, block: usize, input: Tensor) -> Result<Parked> {
-        #[cfg(feature = "cuda")]
         if let Some(pinned) = &mut self.pinned {
             let parked = pinned.park(block, input, self.tier.as_ref())?;
             self.peak = self.peak.max(pinned.held());
@@ -138,7 +129,6 @@ impl Session<'_> {
     /// Forward is done (the head's forward is queued): the last parked input's device copy
     /// goes once its write-back is (pinned; nothing to do through a tier).
     pub(crate) fn forward_done(&mut self) -> Result<()> {
-        #[cfg(feature = "cuda")]
         if let Some(pinned) = &mut self.pinned {
             pinned.retire()?;
         }
@@ -152,7 +142,6 @@ impl Session<'_> {
             Parked::Tier { key, .. } => {
                 self.tier.prefetch(key).map_err(|e| candle_core::Error::Msg(format!("offload prefetch {key}: {e}")))
             }
-            #[cfg(feature = "cuda")]
             Parked::Pinned(p) => match &mut self.pinned {
                 Some(pinned) => pinned.upload(p),
                 None => candle_core::bail!("a block input parked in page-locked memory without its parking"),
@@ -164,7 +153,6 @@ impl Session<'_> {
     pub(crate) fn take(&mut self, parked: Parked, device: &Device) -> Result<Tensor> {
         match parked {
             Parked::Tier { key, dims, dtype } => fetch(self.tier.as_ref(), &key, &dims, dtype, device),
-            #[cfg(feature = "cuda")]
             Parked::Pinned(p) => match &mut self.pinned {
                 Some(pinned) => pinned.take(p),
                 None => candle_core::bail!("a block input parked in page-locked memory without its parking"),

@@ -1,0 +1,57 @@
+//! The page-locked half of [`Parking`](super::Parking) in a build without the `cuda`
+//! feature: the same types as `park/pinned.rs`, uninhabited. No value of them can exist, so
+//! `Parking` and its `Session` hold `None` where a GPU build may hold page-locked buffers,
+//! every arm that handles them is unreachable, and `park.rs` needs no `cfg` of its own.
+
+use std::marker::PhantomData;
+use std::sync::Mutex;
+
+use candle_core::{CudaDevice, Result, Tensor};
+
+/// No value: what makes the types below uninhabited.
+enum Never {}
+
+/// Page-locked buffers and copy streams: none without the `cuda` feature.
+pub(crate) struct Park(Never);
+
+impl Park {
+    /// Refused: this build has no page-locked memory (a GPU device cannot be opened in it
+    /// either, so no run gets here).
+    pub(crate) fn new(_dev: &CudaDevice) -> std::result::Result<Self, String> {
+        Err("page-locked parking needs a build with the cuda feature".into())
+    }
+}
+
+/// A block input in a page-locked buffer: none without the `cuda` feature.
+pub(crate) struct Parked(Never);
+
+/// One micro-batch's page-locked parking: none without the `cuda` feature.
+pub(crate) struct Session<'a>(Never, PhantomData<&'a ()>);
+
+// The methods `park.rs` calls, as `park/pinned.rs` has them; none can run.
+impl<'a> Session<'a> {
+    pub(crate) fn new(park: &'a Mutex<Park>) -> Result<Self> {
+        let park = park.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match park.0 {}
+    }
+
+    pub(crate) fn held(&self) -> u64 {
+        match self.0 {}
+    }
+
+    pub(crate) fn park(&mut self, _block: usize, _input: Tensor, _tier: &dyn ava_core::OffloadTier) -> Result<Parked> {
+        match self.0 {}
+    }
+
+    pub(crate) fn retire(&mut self) -> Result<()> {
+        match self.0 {}
+    }
+
+    pub(crate) fn upload(&mut self, _parked: &mut Parked) -> Result<()> {
+        match self.0 {}
+    }
+
+    pub(crate) fn take(&mut self, parked: Parked) -> Result<Tensor> {
+        match parked.0 {}
+    }
+}
