@@ -24,6 +24,12 @@ use crate::save::{BufDType, BufferView, NamedBuffer, SaveError, TensorSpec};
 
 mod buffer;
 mod io;
+// The page-locked home of a GPU run's `ram` share: the real one with the `cuda` feature,
+// uninhabited stand-ins without it (so the state and its step session read the same in both
+// builds).
+#[cfg(not(feature = "cuda"))]
+#[path = "optim/page_locked_absent.rs"]
+mod page_locked;
 #[cfg(feature = "cuda")]
 mod page_locked;
 mod session;
@@ -114,6 +120,22 @@ fn key(param: &str, buffer: &str) -> String {
     format!("optimizer/{param}/{buffer}")
 }
 
+/// What the copies of one step moved and cost (a GPU run's page-locked share,
+/// `optim/page_locked.rs`).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CopyStats {
+    /// Bytes uploaded to the device.
+    pub uploaded: u64,
+    /// Bytes written back to the host.
+    pub written_back: u64,
+    /// Seconds the compute stream waited for uploads (what the copies did not hide).
+    pub wait_seconds: f64,
+    /// Seconds the copies ran on their streams.
+    pub copy_seconds: f64,
+    /// The most bytes of this share's state on the device at once.
+    pub peak_on_device: u64,
+}
+
 /// What streaming cost during one optimizer step.
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StreamStats {
@@ -146,7 +168,6 @@ pub struct OptimizerState {
     /// Per parameter, whether this process holds its state (under ZeRO, another rank may).
     held: Vec<bool>,
     /// A GPU run's state in page-locked host memory, and the streams that move it.
-    #[cfg(feature = "cuda")]
     pinned: Option<page_locked::PinnedState>,
     /// The GPU a GPU run's state lives on: a parameter streamed through a tier visits it for
     /// its step.
@@ -308,7 +329,6 @@ impl OptimizerState {
             buffers: layouts,
             streamed: None,
             held: held.clone(),
-            #[cfg(feature = "cuda")]
             pinned: None,
             #[cfg(feature = "cuda")]
             gpu: None,
@@ -437,11 +457,7 @@ impl OptimizerState {
 
     /// Bytes of state in page-locked host memory (a GPU run's `ram` share).
     pub fn pinned_bytes(&self) -> u64 {
-        #[cfg(feature = "cuda")]
-        if let Some(p) = &self.pinned {
-            return p.bytes(&self.buffers);
-        }
-        0
+        self.pinned.as_ref().map_or(0, |p| p.bytes(&self.buffers))
     }
 
     /// Bytes of buffer `j` of parameter `i`, which this process holds (read from the tier

@@ -33,23 +33,8 @@ use std::sync::Arc;
 use candle_core::CudaDevice;
 use candle_core::cuda::cudarc::driver::{CudaStream, DevicePtr};
 
-use super::StateBuffer;
+use super::{CopyStats, StateBuffer};
 use crate::memory::pinned::{CopyStream, Event, PinnedBytes};
-
-/// What the copies of one step moved and cost.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct CopyStats {
-    /// Bytes uploaded to the device.
-    pub uploaded: u64,
-    /// Bytes written back to the host.
-    pub written_back: u64,
-    /// Seconds the compute stream waited for uploads (what the copies did not hide).
-    pub wait_seconds: f64,
-    /// Seconds the copies ran on their streams.
-    pub copy_seconds: f64,
-    /// The most bytes of this share's state on the device at once.
-    pub peak_on_device: u64,
-}
 
 /// The state of the parameters homed in page-locked host memory, and the streams that move
 /// it through the device.

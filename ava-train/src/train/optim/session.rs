@@ -26,7 +26,6 @@ impl OptimizerState {
     /// Whether parameter `i`'s state lives in the tier, or in page-locked host memory on a
     /// GPU run: away from where the step runs, so it streams.
     pub fn is_streamed(&self, i: usize) -> bool {
-        #[cfg(feature = "cuda")]
         if self.pinned.as_ref().is_some_and(|p| p.homed[i]) {
             return true;
         }
@@ -35,7 +34,6 @@ impl OptimizerState {
 
     /// Parameters read ahead of the one being stepped.
     fn prefetch(&self) -> usize {
-        #[cfg(feature = "cuda")]
         if let Some(p) = &self.pinned {
             return p.prefetch;
         }
@@ -54,7 +52,6 @@ impl OptimizerState {
             position[i] = position[i].min(n);
         }
         let resident = self.resident_bytes();
-        #[cfg(feature = "cuda")]
         if let Some(p) = self.pinned.as_mut() {
             p.begin(&mut self.buffers).map_err(TrainError::candle)?;
         }
@@ -93,7 +90,6 @@ impl StepSession<'_> {
     /// Asks the tier for the streamed parameters of `order[..upto]` not yet asked for (on a
     /// GPU run from page-locked memory, issues their uploads).
     fn read_ahead(&mut self, upto: usize) -> Result<(), TrainError> {
-        #[cfg(feature = "cuda")]
         if let Some(p) = self.state.pinned.as_mut() {
             while self.queued < self.order.len().min(upto) {
                 let i = self.order[self.queued];
@@ -123,7 +119,6 @@ impl StepSession<'_> {
         if !self.state.is_streamed(i) {
             return step(i, &mut self.state.buffers[i]);
         }
-        #[cfg(feature = "cuda")]
         if self.state.pinned.is_some() {
             return self.step_pinned(i, step);
         }
@@ -176,7 +171,6 @@ impl StepSession<'_> {
     /// [`step`](Self::step) of a parameter whose state lives in page-locked host memory on a
     /// GPU run: uploaded (if it was not read ahead), the compute stream waiting for it, the
     /// next ones' uploads issued, stepped, and written back.
-    #[cfg(feature = "cuda")]
     fn step_pinned(
         &mut self,
         i: usize,
@@ -198,7 +192,6 @@ impl StepSession<'_> {
     /// Waits for every write, so an I/O error is this step's, and returns what streaming
     /// held at its most.
     pub fn finish(mut self) -> Result<StreamStats, TrainError> {
-        #[cfg(feature = "cuda")]
         if let Some(p) = self.state.pinned.as_mut() {
             let copies = p.finish(&mut self.state.buffers).map_err(TrainError::candle)?;
             let kept: u64 = (0..self.state.buffers.len())
