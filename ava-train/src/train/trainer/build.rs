@@ -30,8 +30,7 @@ impl Trainer {
         group: Arc<dyn Collectives>,
         device_limit: Option<crate::device::DeviceLimit>,
     ) -> Result<Self, TrainError> {
-        // First, so that whatever fails below drops the device's capped pool (if any) after
-        // everything the run allocated in it.
+        // First: on any failure below, a capped device pool drops after what was put in it.
         let meter = Meter::new(device.clone(), &config, device_limit);
         let (rank, world) = (group.rank(), group.size());
         let threads = resolve_threads(config.train.threads);
