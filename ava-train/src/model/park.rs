@@ -1,7 +1,7 @@
 //! Where an `Offload` block's input waits between forward and backward
 //! ([`BlockDecision::Offload`](ava_core::BlockDecision::Offload), run by `model::recompute`):
 //! the one concern of this module and of its `pinned` half (`cuda` feature; uninhabited
-//! stand-ins in `park/absent.rs` without it).
+//! stand-ins in `park/pinned_absent.rs` without it).
 //!
 //! Two places, chosen once per run by [`Parking::for_run`]:
 //!
@@ -33,7 +33,7 @@
 // The page-locked half: the real one with the `cuda` feature, uninhabited stand-ins without
 // it (so the code below reads the same in both builds).
 #[cfg(not(feature = "cuda"))]
-#[path = "park/absent.rs"]
+#[path = "park/pinned_absent.rs"]
 mod pinned;
 #[cfg(feature = "cuda")]
 mod pinned;

@@ -1,8 +1,8 @@
 //! The page-locked home of the optimizer state ([`PinnedState`]) in a build without the
 //! `cuda` feature: the same type as `optim/page_locked.rs`, uninhabited. No value of it can
 //! exist, so `OptimizerState` holds `None` where a GPU build may hold the `ram` share, every
-//! branch that handles it is unreachable, and the state and its step session need no `cfg`
-//! of their own.
+//! branch that handles it is unreachable, and the state and its step session handle it
+//! without a `cfg`.
 
 use super::{CopyStats, StateBuffer};
 
@@ -10,7 +10,7 @@ use super::{CopyStats, StateBuffer};
 enum Never {}
 
 /// The state of parameters homed in page-locked host memory: none without the `cuda`
-/// feature. Its fields are `page_locked.rs`'s, read by the same code in both builds.
+/// feature. Its public fields are `page_locked.rs`'s, read by the same code in both builds.
 pub struct PinnedState {
     /// Per parameter: whether its state lives in page-locked host memory.
     pub homed: Vec<bool>,

@@ -1,7 +1,11 @@
 //! The page-locked half of [`Parking`](super::Parking) in a build without the `cuda`
 //! feature: the same types as `park/pinned.rs`, uninhabited. No value of them can exist, so
 //! `Parking` and its `Session` hold `None` where a GPU build may hold page-locked buffers,
-//! every arm that handles them is unreachable, and `park.rs` needs no `cfg` of its own.
+//! every arm that handles them is unreachable, and `park.rs` handles them without a `cfg`.
+//!
+//! [`Park::new`] refuses: in this build `ava_train::device::open` never yields a CUDA device,
+//! so a run never asks; a caller that builds one by hand gets this error where the build
+//! with the feature would park in page-locked memory.
 
 use std::marker::PhantomData;
 use std::sync::Mutex;
@@ -15,8 +19,7 @@ enum Never {}
 pub(crate) struct Park(Never);
 
 impl Park {
-    /// Refused: this build has no page-locked memory (a GPU device cannot be opened in it
-    /// either, so no run gets here).
+    /// Refused: this build has no page-locked memory (see the module doc).
     pub(crate) fn new(_dev: &CudaDevice) -> std::result::Result<Self, String> {
         Err("page-locked parking needs a build with the cuda feature".into())
     }
