@@ -1,12 +1,14 @@
 //! Memory accounting: the counting global allocator ([`CountingAlloc`]) and the per-step
 //! breakdown (parameters, gradients, optimizer state, data, activations) printed in the
 //! dashboard line `[step 100] memory 1.85/2.00 GiB (92%) warning — params 0.21, ...`. On a
-//! GPU run the same breakdown is of device memory ([`device`], `cuda` feature).
+//! GPU run the same breakdown is of device memory ([`device`], `cuda` feature). Where a run's
+//! waiting buffers live (optimizer state, parked block inputs) is a value of [`home::Home`].
 
 mod alloc;
 mod breakdown;
 #[cfg(feature = "cuda")]
 pub mod device;
+pub mod home;
 #[cfg(feature = "cuda")]
 pub mod pinned;
 

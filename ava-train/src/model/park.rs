@@ -3,7 +3,7 @@
 //! the one concern of this module and of its `pinned` half (`cuda` feature; uninhabited
 //! stand-ins in `park/pinned_absent.rs` without it).
 //!
-//! Two places, chosen once per run by [`Parking::for_run`]:
+//! Two homes ([`Home`]), chosen once per run by [`Parking::for_run`]:
 //!
 //! - **Through the offload tier's byte API** ([`Parking::tier`]): on the CPU, whatever the
 //!   tier, and on a GPU run whose `plugins.offload` is not the built-in `ram`. Forward reads
@@ -31,11 +31,9 @@
 //! selects `ram`.
 
 // The page-locked half: the real one with the `cuda` feature, uninhabited stand-ins without
-// it (so the code below reads the same in both builds).
-#[cfg(not(feature = "cuda"))]
-#[path = "park/pinned_absent.rs"]
-mod pinned;
-#[cfg(feature = "cuda")]
+// it (so the code below reads the same in both builds). This choice is the module's only
+// `cfg`.
+#[cfg_attr(not(feature = "cuda"), path = "park/pinned_absent.rs")]
 mod pinned;
 
 use std::sync::Arc;
@@ -43,11 +41,17 @@ use std::sync::Arc;
 use ava_core::{DType as StoredType, OffloadTier};
 use candle_core::{DType, Device, Result, Tensor};
 
+use crate::memory::home::Home;
+
 /// Where `Offload` blocks' inputs wait for backward, for a whole run (see the module doc).
 pub struct Parking {
+    /// The run's tier: the home of [`Home::Tier`], and what bounds the page-locked home (the
+    /// `ram` tier's capacity).
     tier: Arc<dyn OffloadTier>,
-    /// A GPU run with the built-in `ram` tier: page-locked buffers and the copy streams.
-    pinned: Option<std::sync::Mutex<pinned::Park>>,
+    /// Through the tier, or (a GPU run with the built-in `ram` tier) page-locked buffers and
+    /// the copy streams. Never [`Home::Here`]: an input kept where it was computed is not
+    /// parked; the match arms take it through the tier like [`Home::Tier`].
+    home: Home<(), std::sync::Mutex<pinned::Park>>,
 }
 
 impl std::fmt::Debug for Parking {
@@ -59,7 +63,7 @@ impl std::fmt::Debug for Parking {
 impl Parking {
     /// Inputs parked through `tier`'s byte API.
     pub fn tier(tier: Arc<dyn OffloadTier>) -> Self {
-        Self { tier, pinned: None }
+        Self { tier, home: Home::Tier(()) }
     }
 
     /// The parking of a run on `device` whose tier is `tier`: in page-locked host memory on a
@@ -74,26 +78,24 @@ impl Parking {
     ) -> std::result::Result<Self, String> {
         if let (Device::Cuda(gpu), true, true) = (device, builtin_ram, parks) {
             let park = pinned::Park::new(gpu)?;
-            return Ok(Self { tier, pinned: Some(std::sync::Mutex::new(park)) });
+            return Ok(Self { tier, home: Home::PageLocked(std::sync::Mutex::new(park)) });
         }
         Ok(Self::tier(tier))
     }
 
     /// Whether inputs go to page-locked host memory (a GPU run with `ram`).
     pub fn is_pinned(&self) -> bool {
-        self.pinned.is_some()
+        self.home.is_page_locked()
     }
 
     /// One micro-batch's parking.
     pub(crate) fn session(&self) -> Result<Session<'_>> {
-        Ok(Session {
-            tier: &self.tier,
-            peak: 0,
-            pinned: match &self.pinned {
-                Some(park) => Some(pinned::Session::new(park)?),
-                None => None,
-            },
-        })
+        let home = match &self.home {
+            Home::PageLocked(park) => Home::PageLocked(pinned::Session::new(park)?),
+            Home::Tier(()) => Home::Tier(()),
+            Home::Here => Home::Here,
+        };
+        Ok(Session { tier: &self.tier, peak: 0, home })
     }
 }
 
@@ -110,29 +112,34 @@ pub(crate) struct Session<'a> {
     tier: &'a Arc<dyn OffloadTier>,
     /// The most host memory the parked inputs held at once.
     peak: u64,
-    pinned: Option<pinned::Session<'a>>,
+    /// The parking's home, with the micro-batch's page-locked session in it.
+    home: Home<(), pinned::Session<'a>>,
 }
 
 impl Session<'_> {
     /// Parks block `block`'s input (B, T, d), computed by the forward just run.
     pub(crate) fn park(&mut self, block: usize, input: Tensor) -> Result<Parked> {
-        if let Some(pinned) = &mut self.pinned {
-            let parked = pinned.park(block, input, self.tier.as_ref())?;
-            self.peak = self.peak.max(pinned.held());
-            return Ok(Parked::Pinned(parked));
+        match &mut self.home {
+            Home::PageLocked(pinned) => {
+                let parked = pinned.park(block, input, self.tier.as_ref())?;
+                self.peak = self.peak.max(pinned.held());
+                Ok(Parked::Pinned(parked))
+            }
+            Home::Tier(()) | Home::Here => {
+                let parked = put(self.tier.as_ref(), block, &input)?;
+                self.peak = self.peak.max(self.tier.resident_bytes());
+                Ok(parked)
+            }
         }
-        let parked = put(self.tier.as_ref(), block, &input)?;
-        self.peak = self.peak.max(self.tier.resident_bytes());
-        Ok(parked)
     }
 
     /// Forward is done (the head's forward is queued): the last parked input's device copy
     /// goes once its write-back is (pinned; nothing to do through a tier).
     pub(crate) fn forward_done(&mut self) -> Result<()> {
-        if let Some(pinned) = &mut self.pinned {
-            pinned.retire()?;
+        match &mut self.home {
+            Home::PageLocked(pinned) => pinned.retire(),
+            Home::Tier(()) | Home::Here => Ok(()),
         }
-        Ok(())
     }
 
     /// Starts bringing `next` back while the stage above it is recomputed: its upload
@@ -142,9 +149,11 @@ impl Session<'_> {
             Parked::Tier { key, .. } => {
                 self.tier.prefetch(key).map_err(|e| candle_core::Error::Msg(format!("offload prefetch {key}: {e}")))
             }
-            Parked::Pinned(p) => match &mut self.pinned {
-                Some(pinned) => pinned.upload(p),
-                None => candle_core::bail!("a block input parked in page-locked memory without its parking"),
+            Parked::Pinned(p) => match &mut self.home {
+                Home::PageLocked(pinned) => pinned.upload(p),
+                Home::Tier(()) | Home::Here => {
+                    candle_core::bail!("a block input parked in page-locked memory without its parking")
+                }
             },
         }
     }
@@ -153,9 +162,11 @@ impl Session<'_> {
     pub(crate) fn take(&mut self, parked: Parked, device: &Device) -> Result<Tensor> {
         match parked {
             Parked::Tier { key, dims, dtype } => fetch(self.tier.as_ref(), &key, &dims, dtype, device),
-            Parked::Pinned(p) => match &mut self.pinned {
-                Some(pinned) => pinned.take(p),
-                None => candle_core::bail!("a block input parked in page-locked memory without its parking"),
+            Parked::Pinned(p) => match &mut self.home {
+                Home::PageLocked(pinned) => pinned.take(p),
+                Home::Tier(()) | Home::Here => {
+                    candle_core::bail!("a block input parked in page-locked memory without its parking")
+                }
             },
         }
     }
@@ -172,12 +183,6 @@ impl Session<'_> {
 /// to bring back ahead of it.
 pub(crate) fn next_down(parked: &[bool]) -> Option<usize> {
     parked.iter().rposition(|&p| p)
-}
-
-/// Bytes of a block input of shape `dims` in `dtype`.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the pinned half's
-pub(crate) fn input_bytes(dims: &[usize], dtype: DType) -> usize {
-    dims.iter().product::<usize>() * dtype.size_in_bytes()
 }
 
 /// Puts a block input into the tier, in its own element type.
@@ -223,30 +228,6 @@ fn fetch(tier: &dyn OffloadTier, key: &str, dims: &[usize], dtype: DType, device
     Ok(tensor)
 }
 
-/// The page-locked buffer kept for a block, `have` bytes (None: none yet), serves an input
-/// of `need` bytes: one as large or larger (a micro-batch halved by a back-off uses its
-/// start); a smaller one is replaced.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the pinned half's
-pub(crate) fn reusable(have: Option<usize>, need: usize) -> bool {
-    have.is_some_and(|have| have >= need)
-}
-
-/// Whether `more` bytes may be parked with `parked` already parked under the tier's
-/// `capacity` less what it `used` itself; the error says how much is in use.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // the pinned half's
-pub(crate) fn room_for(capacity: u64, used: u64, parked: u64, more: u64) -> std::result::Result<(), String> {
-    let free = capacity.saturating_sub(used);
-    if parked.saturating_add(more) > free {
-        return Err(format!(
-            "{} of the ram tier's capacity of {} in use ({} by block inputs parked in page-locked host memory)",
-            ava_core::format_size(used + parked),
-            ava_core::format_size(capacity),
-            ava_core::format_size(parked)
-        ));
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,29 +243,6 @@ mod tests {
         parked.truncate(2);
         assert_eq!(next_down(&parked), None);
         assert_eq!(next_down(&[]), None);
-    }
-
-    #[test]
-    fn an_input_is_its_elements_in_its_type() {
-        assert_eq!(input_bytes(&[2, 16, 32], DType::F32), 2 * 16 * 32 * 4);
-        assert_eq!(input_bytes(&[2, 16, 32], DType::BF16), 2 * 16 * 32 * 2);
-        assert_eq!(input_bytes(&[1, 1, 1], DType::F16), 2);
-    }
-
-    #[test]
-    fn a_block_buffer_serves_inputs_no_larger() {
-        assert!(!reusable(None, 8));
-        assert!(reusable(Some(8), 8));
-        assert!(reusable(Some(16), 8), "a halved micro-batch uses the start of its buffer");
-        assert!(!reusable(Some(8), 16), "a larger input needs a larger buffer");
-    }
-
-    #[test]
-    fn the_ram_tiers_capacity_bounds_the_parked_bytes() {
-        assert_eq!(room_for(u64::MAX, 0, 1 << 40, 1 << 40), Ok(()));
-        assert_eq!(room_for(100, 0, 60, 40), Ok(()));
-        let err = room_for(100, 10, 60, 40).unwrap_err();
-        assert!(err.contains("70 B of the ram tier's capacity of 100 B in use (60 B by block inputs"), "{err}");
     }
 
     #[test]

@@ -7,7 +7,10 @@
 //! between steps it lives only in the tier; during the optimizer step each such parameter's
 //! state is read back, updated and written out again, while the tier reads the next ones
 //! ahead ([`OptimizerState::for_each`]), so memory holds a few parameters' state instead of
-//! all of it (ZeRO-Infinity's optimizer-state offload, one parameter per group).
+//! all of it (ZeRO-Infinity's optimizer-state offload, one parameter per group). On a GPU
+//! run the state lives in device memory, or its `ram` share in page-locked host memory
+//! streamed through the device (`optim/page_locked.rs`). Where the state lives away from the
+//! step is one value, a [`Home`], chosen when the state is allocated and placed.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -19,21 +22,21 @@ use candle_core::{CpuStorage, InplaceOp2, Layout, Tensor};
 use super::TrainError;
 use super::rounding::{self, Half};
 use crate::config::PluginSelection;
+use crate::memory::home::Home;
 use crate::model::{ModelSpec, Param};
 use crate::save::{BufDType, BufferView, NamedBuffer, SaveError, TensorSpec};
 
 mod buffer;
 mod io;
-// The page-locked home of a GPU run's `ram` share: the real one with the `cuda` feature,
-// uninhabited stand-ins without it (so the state and its step session read the same in both
-// builds).
-#[cfg(not(feature = "cuda"))]
-#[path = "optim/page_locked_absent.rs"]
-mod page_locked;
-#[cfg(feature = "cuda")]
+// The GPU half of the state's homes (device bytes, the page-locked `ram` share): the real one
+// with the `cuda` feature, uninhabited stand-ins without it (so the state, its buffers and its
+// step session read the same in both builds). This choice is the module's only `cfg`.
+#[cfg_attr(not(feature = "cuda"), path = "optim/page_locked_absent.rs")]
 mod page_locked;
 mod session;
 mod step_op;
+#[cfg(test)]
+mod tests;
 
 pub use buffer::StateBuffer;
 pub use session::StepSession;
@@ -164,14 +167,15 @@ pub struct OptimizerState {
     /// Per parameter (in model order), its buffers in layout order (no bytes held for a
     /// streamed parameter between steps).
     pub buffers: Vec<Vec<StateBuffer>>,
-    streamed: Option<Streamed>,
+    /// Where the state of the parameters not kept where the step runs lives: a tier (set by
+    /// [`allocate_shard`](Self::allocate_shard)), or a GPU run's page-locked host memory with
+    /// the streams that move it (set by [`place_on`](Self::place_on)); never both.
+    home: Home<Streamed, page_locked::PinnedState>,
     /// Per parameter, whether this process holds its state (under ZeRO, another rank may).
     held: Vec<bool>,
-    /// A GPU run's state in page-locked host memory, and the streams that move it.
-    pinned: Option<page_locked::PinnedState>,
     /// The GPU a GPU run's state lives on: a parameter streamed through a tier visits it for
-    /// its step.
-    #[cfg(feature = "cuda")]
+    /// its step. Never set in a build without the `cuda` feature (whose state cannot be
+    /// placed on a device: [`place_on`](Self::place_on) refuses).
     gpu: Option<candle_core::CudaDevice>,
 }
 
@@ -325,14 +329,7 @@ impl OptimizerState {
     ) -> Result<Self, TrainError> {
         let held: Vec<bool> = (0..params.len()).map(held).collect();
         let layouts = Self::layouts(optimizer, params, plugin, host)?;
-        let mut state = Self {
-            buffers: layouts,
-            streamed: None,
-            held: held.clone(),
-            pinned: None,
-            #[cfg(feature = "cuda")]
-            gpu: None,
-        };
+        let mut state = Self { buffers: layouts, home: Home::Here, held: held.clone(), gpu: None };
         let offloaded = match &placement {
             Some(p) => {
                 if !p.tier.exact() {
@@ -381,7 +378,7 @@ impl OptimizerState {
                 }
             }
             tier.flush().map_err(|e| tier_error(&name, "writing the initial optimizer state", e))?;
-            state.streamed = Some(Streamed { tier, name, offloaded: offloaded.clone(), keys, prefetch });
+            state.home = Home::Tier(Streamed { tier, name, offloaded: offloaded.clone(), keys, prefetch });
         }
         for (i, p) in params.iter().enumerate().filter(|&(i, _)| held[i] && !offloaded[i]) {
             for b in state.buffers[i].iter_mut() {
@@ -396,7 +393,7 @@ impl OptimizerState {
 
     /// Bytes the tier holds for the streamed parameters.
     pub fn streamed_bytes(&self) -> u64 {
-        match &self.streamed {
+        match self.home.tier() {
             Some(s) => (0..self.buffers.len())
                 .filter(|&i| s.offloaded[i])
                 .flat_map(|i| self.buffers[i].iter().map(|b| b.spec.bytes()))
@@ -426,8 +423,9 @@ impl OptimizerState {
     /// `home`, the parameters past its `on_device` share of the bytes (model order, as
     /// [`streamed_params`] splits) go to page-locked host memory instead and visit the
     /// device during each step ([`page_locked`]); `names(i)` names parameter `i`
-    /// in errors.
-    #[cfg(feature = "cuda")]
+    /// in errors. A state streamed through a tier has no page-locked share (a GPU run's
+    /// config names one or the other, [`crate::device::check_run`]): asking for both is refused.
+    /// A build without the `cuda` feature refuses the move.
     pub fn place_on(
         &mut self,
         dev: &candle_core::CudaDevice,
@@ -435,17 +433,24 @@ impl OptimizerState {
         names: &dyn Fn(usize) -> String,
     ) -> Result<(), TrainError> {
         if let Some(home) = home {
+            if let Some(s) = self.home.tier() {
+                return Err(TrainError::Invalid(format!(
+                    "the optimizer state streams through the tier '{}', so none of it can also be homed in \
+                     page-locked host memory: name one of them in offload.tiers",
+                    s.name
+                )));
+            }
             let per_param: Vec<u64> = (self.buffers.iter().zip(&self.held))
                 .map(|(b, &h)| if h { b.iter().map(|b| b.spec.bytes()).sum() } else { 0 })
                 .collect();
             let homed = streamed_params(&per_param, home.on_device);
             let pinned = page_locked::PinnedState::new(dev, &mut self.buffers, homed, home.prefetch, names)
                 .map_err(TrainError::Invalid)?;
-            self.pinned = Some(pinned);
+            self.home = Home::PageLocked(pinned);
         }
         self.gpu = Some(dev.clone());
         for (i, (bufs, _)) in self.buffers.iter_mut().zip(&self.held).enumerate().filter(|(_, (_, h))| **h) {
-            if self.pinned.as_ref().is_some_and(|p| p.homed[i]) {
+            if self.home.page_locked().is_some_and(|p| p.homed[i]) {
                 continue;
             }
             for b in bufs {
@@ -457,14 +462,14 @@ impl OptimizerState {
 
     /// Bytes of state in page-locked host memory (a GPU run's `ram` share).
     pub fn pinned_bytes(&self) -> u64 {
-        self.pinned.as_ref().map_or(0, |p| p.bytes(&self.buffers))
+        self.home.page_locked().map_or(0, |p| p.bytes(&self.buffers))
     }
 
     /// Bytes of buffer `j` of parameter `i`, which this process holds (read from the tier
     /// if streamed).
     pub fn buffer_bytes(&self, i: usize, j: usize) -> Result<Vec<u8>, TrainError> {
-        match &self.streamed {
-            Some(s) if s.offloaded[i] => {
+        match &self.home {
+            Home::Tier(s) if s.offloaded[i] => {
                 let mut bytes = vec![0u8; self.buffers[i][j].spec.bytes() as usize];
                 s.tier
                     .get(&s.keys[i][j], &mut bytes)
@@ -482,7 +487,7 @@ impl OptimizerState {
 
     /// The tier the state streams through, if any.
     pub fn tier(&self) -> Option<&Arc<dyn OffloadTier>> {
-        self.streamed.as_ref().map(|s| &s.tier)
+        self.home.tier().map(|s| &s.tier)
     }
 
     /// Parameter `i`'s buffers' bytes, read from the tier (checksums checked) if streamed.
@@ -490,8 +495,8 @@ impl OptimizerState {
         if !self.held[i] {
             return Ok(Vec::new());
         }
-        match &self.streamed {
-            Some(s) if s.offloaded[i] => self.buffers[i]
+        match &self.home {
+            Home::Tier(s) if s.offloaded[i] => self.buffers[i]
                 .iter()
                 .enumerate()
                 .map(|(j, b)| {

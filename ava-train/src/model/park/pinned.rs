@@ -141,8 +141,8 @@ impl<'a> Session<'a> {
     pub(crate) fn park(&mut self, block: usize, input: Tensor, tier: &dyn ava_core::OffloadTier) -> Result<Parked> {
         let input = input.contiguous()?;
         let (dims, dtype) = (input.dims().to_vec(), input.dtype());
-        let len = super::input_bytes(&dims, dtype);
-        super::room_for(tier.capacity(), tier.used_bytes(), self.held, len as u64).map_err(|e| {
+        let len = crate::memory::home::bytes_of(&dims, dtype);
+        crate::memory::home::room_for(tier.capacity(), tier.used_bytes(), self.held, len as u64).map_err(|e| {
             msg(format!(
                 "offload: cannot park block {block}'s input ({}) in page-locked host memory: {e}; raise \
                  plugins.offload's capacity or offload fewer blocks",
@@ -150,7 +150,7 @@ impl<'a> Session<'a> {
             ))
         })?;
         let mut host = match self.park.slots.remove(&block) {
-            Some(host) if super::reusable(Some(host.len()), len) => host,
+            Some(host) if crate::memory::home::reusable(Some(host.len()), len) => host,
             smaller => {
                 drop(smaller); // a smaller buffer goes (its drop waits for its last copy)
                 PinnedBytes::zeroed(self.compute.context(), len).map_err(|e| {

@@ -44,8 +44,8 @@ impl OptimizerState {
             if !self.held[i] {
                 return remote(i, j, b.spec.bytes() as usize).map(std::borrow::Cow::Owned);
             }
-            match &self.streamed {
-                Some(s) if s.offloaded[i] => {
+            match &self.home {
+                Home::Tier(s) if s.offloaded[i] => {
                     let mut bytes = vec![0u8; b.spec.bytes() as usize]; // (len · size,) one buffer
                     s.tier.get(&s.keys[i][j], &mut bytes).map_err(|e| SaveError::BadBuffer {
                         name: specs[k].name.clone(),
@@ -100,8 +100,8 @@ impl OptimizerState {
                         )
                     }
                     Some(saved) => {
-                        match &self.streamed {
-                            Some(st) if st.offloaded[i] => {
+                        match &self.home {
+                            Home::Tier(st) if st.offloaded[i] => {
                                 let k = &st.keys[i][j];
                                 st.tier
                                     .put(k, saved.data, b.spec.dtype)
@@ -131,7 +131,7 @@ impl OptimizerState {
         if !problems.is_empty() {
             return Err(TrainError::OptimizerState { problems: problems.lines(), trained_with: None, file: None });
         }
-        if let Some(st) = &self.streamed {
+        if let Home::Tier(st) = &self.home {
             st.tier.flush().map_err(|e| tier_error(&st.name, "writing the optimizer state", e))?;
         }
         Ok(left

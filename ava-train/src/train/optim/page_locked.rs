@@ -34,7 +34,8 @@ use candle_core::CudaDevice;
 use candle_core::cuda::cudarc::driver::{CudaStream, DevicePtr};
 
 use super::{CopyStats, StateBuffer};
-use crate::memory::pinned::{CopyStream, Event, PinnedBytes};
+pub use crate::memory::pinned::PinnedBytes;
+use crate::memory::pinned::{CopyStream, Event};
 
 /// The state of the parameters homed in page-locked host memory, and the streams that move
 /// it through the device.
@@ -271,4 +272,21 @@ impl PinnedState {
         self.copies.clear();
         Ok(stats)
     }
+}
+
+/// A state buffer's bytes in device memory: where they live on a GPU run
+/// ([`OptimizerState::place_on`](super::OptimizerState::place_on)), or where page-locked
+/// bytes visit during a step.
+pub type DeviceBytes = candle_core::cuda::cudarc::driver::CudaSlice<u8>;
+
+/// The bytes of `d`, copied to the host.
+pub fn download(d: &DeviceBytes) -> candle_core::Result<Vec<u8>> {
+    use candle_core::cuda::WrapErr;
+    d.stream().clone_dtoh(d).w()
+}
+
+/// `bytes` in device memory on `dev`: one byte at least, as a zero-length allocation has no
+/// address to hand a plugin.
+pub fn upload(dev: &CudaDevice, bytes: &[u8]) -> candle_core::Result<DeviceBytes> {
+    if bytes.is_empty() { dev.alloc_zeros::<u8>(1) } else { dev.clone_htod(bytes) }
 }

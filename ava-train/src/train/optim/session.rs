@@ -26,18 +26,20 @@ impl OptimizerState {
     /// Whether parameter `i`'s state lives in the tier, or in page-locked host memory on a
     /// GPU run: away from where the step runs, so it streams.
     pub fn is_streamed(&self, i: usize) -> bool {
-        if self.pinned.as_ref().is_some_and(|p| p.homed[i]) {
-            return true;
+        match &self.home {
+            Home::Here => false,
+            Home::Tier(s) => s.offloaded[i],
+            Home::PageLocked(p) => p.homed[i],
         }
-        self.streamed.as_ref().is_some_and(|s| s.offloaded[i])
     }
 
     /// Parameters read ahead of the one being stepped.
     fn prefetch(&self) -> usize {
-        if let Some(p) = &self.pinned {
-            return p.prefetch;
+        match &self.home {
+            Home::Here => 0,
+            Home::Tier(s) => s.prefetch,
+            Home::PageLocked(p) => p.prefetch,
         }
-        self.streamed.as_ref().map_or(0, |s| s.prefetch)
     }
 
     /// Starts a step whose parameters are updated one at a time, in about the `order`
@@ -52,7 +54,7 @@ impl OptimizerState {
             position[i] = position[i].min(n);
         }
         let resident = self.resident_bytes();
-        if let Some(p) = self.pinned.as_mut() {
+        if let Home::PageLocked(p) = &mut self.home {
             p.begin(&mut self.buffers).map_err(TrainError::candle)?;
         }
         let ahead = self.prefetch();
@@ -80,7 +82,7 @@ pub struct StepSession<'a> {
 
 impl StepSession<'_> {
     fn sample(&mut self, working: u64) {
-        if let Some(s) = &self.state.streamed {
+        if let Home::Tier(s) = &self.state.home {
             let in_tier = s.tier.resident_bytes();
             self.stats.peak_tier = self.stats.peak_tier.max(in_tier);
             self.stats.peak_resident = self.stats.peak_resident.max(self.resident + working + in_tier);
@@ -90,20 +92,23 @@ impl StepSession<'_> {
     /// Asks the tier for the streamed parameters of `order[..upto]` not yet asked for (on a
     /// GPU run from page-locked memory, issues their uploads).
     fn read_ahead(&mut self, upto: usize) -> Result<(), TrainError> {
-        if let Some(p) = self.state.pinned.as_mut() {
-            while self.queued < self.order.len().min(upto) {
-                let i = self.order[self.queued];
-                p.upload(i, &mut self.state.buffers[i]).map_err(TrainError::candle)?;
-                self.queued += 1;
+        match &mut self.state.home {
+            Home::PageLocked(p) => {
+                while self.queued < self.order.len().min(upto) {
+                    let i = self.order[self.queued];
+                    p.upload(i, &mut self.state.buffers[i]).map_err(TrainError::candle)?;
+                    self.queued += 1;
+                }
             }
-            return Ok(());
-        }
-        let Some(s) = &self.state.streamed else { return Ok(()) };
-        while self.queued < self.order.len().min(upto) {
-            for k in &s.keys[self.order[self.queued]] {
-                s.tier.prefetch(k).map_err(|e| tier_error(&s.name, &format!("prefetching {k}"), e))?;
+            Home::Tier(s) => {
+                while self.queued < self.order.len().min(upto) {
+                    for k in &s.keys[self.order[self.queued]] {
+                        s.tier.prefetch(k).map_err(|e| tier_error(&s.name, &format!("prefetching {k}"), e))?;
+                    }
+                    self.queued += 1;
+                }
             }
-            self.queued += 1;
+            Home::Here => {}
         }
         Ok(())
     }
@@ -116,15 +121,28 @@ impl StepSession<'_> {
         i: usize,
         step: &mut impl FnMut(usize, &mut Vec<StateBuffer>) -> Result<(), TrainError>,
     ) -> Result<(), TrainError> {
-        if !self.state.is_streamed(i) {
-            return step(i, &mut self.state.buffers[i]);
+        match &self.state.home {
+            Home::Tier(s) if s.offloaded[i] => {
+                let (tier, name, prefetch) = (Arc::clone(&s.tier), s.name.clone(), s.prefetch);
+                let keys = s.keys[i].clone();
+                self.step_tiered(i, step, tier, name, prefetch, keys)
+            }
+            Home::PageLocked(p) if p.homed[i] => self.step_pinned(i, step),
+            _ => step(i, &mut self.state.buffers[i]),
         }
-        if self.state.pinned.is_some() {
-            return self.step_pinned(i, step);
-        }
-        let s = self.state.streamed.as_ref().expect("streamed");
-        let (tier, name, prefetch) = (Arc::clone(&s.tier), s.name.clone(), s.prefetch);
-        let keys = s.keys[i].clone();
+    }
+
+    /// [`step`](Self::step) of a parameter whose state lives in the tier `tier` (named `name`,
+    /// `prefetch` parameters read ahead) under `keys`.
+    fn step_tiered(
+        &mut self,
+        i: usize,
+        step: &mut impl FnMut(usize, &mut Vec<StateBuffer>) -> Result<(), TrainError>,
+        tier: Arc<dyn OffloadTier>,
+        name: String,
+        prefetch: usize,
+        keys: Vec<String>,
+    ) -> Result<(), TrainError> {
         let waiting = Instant::now();
         for (b, k) in self.state.buffers[i].iter_mut().zip(&keys) {
             b.reserve();
@@ -136,7 +154,6 @@ impl StepSession<'_> {
         // On a GPU run the state visits the device for its step (copied from and back to the
         // host's pageable bytes on the compute stream: next to a disk's 0.5–1 GB/s the link's
         // 13–17 GB/s for pageable copies costs little, so no page-locked staging).
-        #[cfg(feature = "cuda")]
         if let Some(dev) = &self.state.gpu {
             for b in self.state.buffers[i].iter_mut() {
                 b.place_on(dev).map_err(TrainError::candle)?;
@@ -176,7 +193,7 @@ impl StepSession<'_> {
         i: usize,
         step: &mut impl FnMut(usize, &mut Vec<StateBuffer>) -> Result<(), TrainError>,
     ) -> Result<(), TrainError> {
-        let pinned = self.state.pinned.as_mut().expect("pinned");
+        let Home::PageLocked(pinned) = &mut self.state.home else { unreachable!("called for a page-locked home") };
         pinned.before_step(i, &mut self.state.buffers[i]).map_err(TrainError::candle)?;
         let at = self.position[i];
         if at != usize::MAX {
@@ -185,14 +202,14 @@ impl StepSession<'_> {
             self.read_ahead(at + 1 + prefetch)?;
         }
         step(i, &mut self.state.buffers[i])?;
-        let pinned = self.state.pinned.as_mut().expect("pinned");
+        let Home::PageLocked(pinned) = &mut self.state.home else { unreachable!("called for a page-locked home") };
         pinned.after_step(i, &mut self.state.buffers).map_err(TrainError::candle)
     }
 
     /// Waits for every write, so an I/O error is this step's, and returns what streaming
     /// held at its most.
     pub fn finish(mut self) -> Result<StreamStats, TrainError> {
-        if let Some(p) = self.state.pinned.as_mut() {
+        if let Home::PageLocked(p) = &mut self.state.home {
             let copies = p.finish(&mut self.state.buffers).map_err(TrainError::candle)?;
             let kept: u64 = (0..self.state.buffers.len())
                 .filter(|&i| self.state.held[i] && !p.homed[i])
@@ -207,7 +224,7 @@ impl StepSession<'_> {
                 copy_seconds: copies.copy_seconds,
             });
         }
-        if let Some(s) = &self.state.streamed {
+        if let Home::Tier(s) = &self.state.home {
             let waiting = Instant::now();
             s.tier.flush().map_err(|e| tier_error(&s.name, "writing the optimizer state", e))?;
             self.stats.wait_seconds += waiting.elapsed().as_secs_f64();

@@ -81,7 +81,6 @@ impl Trainer {
         }
         // The state, allocated (or loaded) on the host, moves to the GPU with the model; the
         // `ram` share of offload.tiers to page-locked host memory, streamed through the GPU.
-        #[cfg(feature = "cuda")]
         if let Device::Cuda(gpu) = &device {
             let tiers = &config.offload.tiers;
             let home = (tiers.pinned(true) > 0.0).then(|| super::super::optim::PinnedHome {
