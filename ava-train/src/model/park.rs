@@ -1,7 +1,7 @@
 //! Where an `Offload` block's input waits between forward and backward
 //! ([`BlockDecision::Offload`](ava_core::BlockDecision::Offload), run by `model::recompute`):
 //! the one concern of this module and of its `pinned` half (`cuda` feature; uninhabited
-//! stand-ins in `park/pinned_absent.rs` without it).
+//! stand-ins in `park/pinned/absent.rs` without it).
 //!
 //! Two homes ([`Home`]), chosen once per run by [`Parking::for_run`]:
 //!
@@ -16,7 +16,7 @@
 //! - **In page-locked host memory** (a GPU run with the built-in `ram` tier): forward writes
 //!   the input back on a download copy stream while the next blocks compute, and backward
 //!   uploads the next parked input down on an upload copy stream while the current stage is
-//!   recomputed. The ordering rules and when device memory is freed are in `park/pinned.rs`'s
+//!   recomputed. The ordering rules and when device memory is freed are in `park/pinned/cuda.rs`'s
 //!   module doc. The ram tier itself stores nothing; its `capacity`, if set, still bounds the
 //!   parked bytes. The pinned buffers are kept per block from step to step (page-locking is
 //!   slow), so the host holds one buffer per parked block for the whole run: what
@@ -30,10 +30,7 @@
 //! waits for its copy (the run's header says so). A GPU run that wants the copies hidden
 //! selects `ram`.
 
-// The page-locked half: the real one with the `cuda` feature, uninhabited stand-ins without
-// it (so the code below reads the same in both builds). This choice is the module's only
-// `cfg`.
-#[cfg_attr(not(feature = "cuda"), path = "park/pinned_absent.rs")]
+// The page-locked half; the build chooses its real half or the uninhabited stand-ins inside it.
 mod pinned;
 
 use std::sync::Arc;

@@ -28,10 +28,8 @@ use crate::save::{BufDType, BufferView, NamedBuffer, SaveError, TensorSpec};
 
 mod buffer;
 mod io;
-// The GPU half of the state's homes (device bytes, the page-locked `ram` share): the real one
-// with the `cuda` feature, uninhabited stand-ins without it (so the state, its buffers and its
-// step session read the same in both builds). This choice is the module's only `cfg`.
-#[cfg_attr(not(feature = "cuda"), path = "optim/page_locked_absent.rs")]
+// The GPU half of the state's homes (device bytes, the page-locked `ram` share); the build
+// chooses its real half or the uninhabited stand-ins inside it.
 mod page_locked;
 mod session;
 mod step_op;
@@ -124,7 +122,7 @@ fn key(param: &str, buffer: &str) -> String {
 }
 
 /// What the copies of one step moved and cost (a GPU run's page-locked share,
-/// `optim/page_locked.rs`).
+/// `optim/page_locked/cuda.rs`).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct CopyStats {
     /// Bytes uploaded to the device.
@@ -422,7 +420,7 @@ impl OptimizerState {
     /// `step_cuda` then updates it where it lies, and a checkpoint copies it back. With
     /// `home`, the parameters past its `on_device` share of the bytes (model order, as
     /// [`streamed_params`] splits) go to page-locked host memory instead and visit the
-    /// device during each step ([`page_locked`]); `names(i)` names parameter `i`
+    /// device during each step (`optim/page_locked`); `names(i)` names parameter `i`
     /// in errors. A state streamed through a tier has no page-locked share (a GPU run's
     /// config names one or the other, [`crate::device::check_run`]): asking for both is refused.
     /// A build without the `cuda` feature refuses the move.
@@ -448,6 +446,7 @@ impl OptimizerState {
                 .map_err(TrainError::Invalid)?;
             self.home = Home::PageLocked(pinned);
         }
+        page_locked::usable(dev).map_err(TrainError::candle)?;
         self.gpu = Some(dev.clone());
         for (i, (bufs, _)) in self.buffers.iter_mut().zip(&self.held).enumerate().filter(|(_, (_, h))| **h) {
             if self.home.page_locked().is_some_and(|p| p.homed[i]) {

@@ -88,7 +88,7 @@ impl StateBuffer {
     }
 }
 
-/// The GPU half's accessors: the page-locked home (`page_locked.rs`) and the step op's
+/// The GPU half's accessors: the page-locked home (`page_locked/cuda.rs`) and the step op's
 /// device launch call them; a build without the `cuda` feature has neither.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 impl StateBuffer {

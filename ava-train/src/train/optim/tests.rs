@@ -54,7 +54,7 @@ fn a_tier_homes_the_share_past_the_one_kept_in_memory() {
 }
 
 #[test]
-fn the_step_visits_each_home_and_a_tiered_state_comes_back_exactly() {
+fn the_step_visits_the_kept_and_the_tiered_state_which_comes_back_exactly() {
     let params = params();
     let mut state = allocate(&params, Some(0.5));
     let mut seen = Vec::new();
@@ -91,6 +91,11 @@ fn a_build_without_cuda_refuses_to_place_the_state_on_a_gpu() {
 
     let err = allocate(&params, None).place_on(&dev, None, &names).unwrap_err().to_string();
     assert!(err.contains("optimizer state on a GPU needs a build with the cuda feature"), "{err}");
+    // All of it in the tier: no buffer to move, and still refused.
+    let mut state = allocate(&params, Some(0.0));
+    let err = state.place_on(&dev, None, &names).unwrap_err().to_string();
+    assert!(err.contains("optimizer state on a GPU needs a build with the cuda feature"), "{err}");
+    assert!(state.gpu.is_none(), "nothing moved");
     let err = allocate(&params, None).place_on(&dev, home, &names).unwrap_err().to_string();
     assert!(err.contains("page-locked host memory needs a build with the cuda feature"), "{err}");
     let err = allocate(&params, Some(0.5)).place_on(&dev, home, &names).unwrap_err().to_string();

@@ -1,6 +1,6 @@
-//! The page-locked half of [`Parking`](super::Parking) in a build without the `cuda`
-//! feature: the same types as `park/pinned.rs`, uninhabited. No value of them can exist, so
-//! `Parking` and its `Session` hold `None` where a GPU build may hold page-locked buffers,
+//! The page-locked half of [`Parking`](super::super::Parking) in a build without the `cuda`
+//! feature: the same types as `park/pinned/cuda.rs`, uninhabited. No value of them can exist, so
+//! `Parking` and its `Session` never have a `Home::PageLocked`, where a GPU build may hold page-locked buffers,
 //! every arm that handles them is unreachable, and `park.rs` handles them without a `cfg`.
 //!
 //! [`Park::new`] refuses: in this build `ava_train::device::open` never yields a CUDA device,
@@ -31,7 +31,7 @@ pub(crate) struct Parked(Never);
 /// One micro-batch's page-locked parking: none without the `cuda` feature.
 pub(crate) struct Session<'a>(Never, PhantomData<&'a ()>);
 
-// The methods `park.rs` calls, as `park/pinned.rs` has them; none can run.
+// The methods `park.rs` calls, as `park/pinned/cuda.rs` has them; none can run.
 impl<'a> Session<'a> {
     pub(crate) fn new(park: &'a Mutex<Park>) -> Result<Self> {
         let park = park.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -1,23 +1,23 @@
 //! The GPU half of the optimizer state's homes in a build without the `cuda` feature: the
-//! same types as `optim/page_locked.rs` ([`PinnedState`], [`PinnedBytes`], [`DeviceBytes`]),
+//! same types as `optim/page_locked/cuda.rs` ([`PinnedState`], [`PinnedBytes`], [`DeviceBytes`]),
 //! uninhabited. No value of them can exist, so `OptimizerState` never has a page-locked home
 //! and no [`StateBuffer`] holds device or page-locked bytes; every branch that handles them
 //! is unreachable, and the state, its buffers and its step session handle them without a
 //! `cfg`.
 //!
-//! The two ways in refuse: [`PinnedState::new`] and [`upload`]. In this build
+//! The ways in refuse: [`usable`], [`PinnedState::new`] and [`upload`]. In this build
 //! `ava_train::device::open` never yields a CUDA device, so a run never asks; a caller that
 //! hands `OptimizerState::place_on` a CUDA device by hand gets their error.
 
 use candle_core::CudaDevice;
 
-use super::{CopyStats, StateBuffer};
+use super::super::{CopyStats, StateBuffer};
 
 /// No value: what makes [`PinnedState`] uninhabited.
 enum Never {}
 
 /// The state of parameters homed in page-locked host memory: none without the `cuda`
-/// feature. Its public fields are `page_locked.rs`'s, read by the same code in both builds.
+/// feature. Its public fields are `cuda.rs`'s, read by the same code in both builds.
 pub struct PinnedState {
     /// Per parameter: whether its state lives in page-locked host memory.
     pub homed: Vec<bool>,
@@ -32,7 +32,7 @@ impl std::fmt::Debug for PinnedState {
     }
 }
 
-// The methods the state and its session call, as `page_locked.rs` has them; none can run.
+// The methods the state and its session call, as `cuda.rs` has them; none can run.
 impl PinnedState {
     /// Refused: this build has no page-locked memory (see the module doc).
     pub fn new(
@@ -86,6 +86,11 @@ pub enum DeviceBytes {}
 
 pub fn download(d: &DeviceBytes) -> candle_core::Result<Vec<u8>> {
     match *d {}
+}
+
+/// Refused: this build has no device to move state to (see the module doc).
+pub fn usable(_dev: &CudaDevice) -> candle_core::Result<()> {
+    candle_core::bail!("optimizer state on a GPU needs a build with the cuda feature")
 }
 
 /// Refused: this build has no device memory (see the module doc).
