@@ -45,7 +45,7 @@ pub use format::{parse_value, selection_yaml, yaml_flow};
 pub use load::{ConfigLoader, ENV_PREFIX, LoadedConfig};
 pub use schema::{Config, DEFAULT_CONFIG_YAML, PluginSelection, PluginsConfig, VettingPolicy};
 pub use sections::{
-    ByteSize, CheckpointsConfig, DataConfig, DataSource, DistributedConfig, LossScaleConfig, MasterWeights,
+    ByteSize, CheckpointsConfig, DataConfig, DataSource, DistributedConfig, LogConfig, LossScaleConfig, MasterWeights,
     MemoryConfig, Mix, MixShare, ModelConfig, MoeConfig, NanPolicy, OffloadConfig, Precision, SyntheticConfig,
     TierShare, Tiers, TrainConfig,
 };

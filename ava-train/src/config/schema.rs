@@ -124,6 +124,9 @@ const LOSS_SCALE: &[Field] = &[
     Field { key: "growth_interval", kind: Kind::Int(1, 1 << 30) },
 ];
 
+/// The `train.log` section.
+const LOG: &[Field] = &[Field { key: "tensorboard", kind: Kind::Bool }];
+
 /// The `train` section.
 const TRAIN: &[Field] = &[
     Field { key: "seed", kind: Kind::Int(0, i64::MAX) },
@@ -148,6 +151,7 @@ const TRAIN: &[Field] = &[
     Field { key: "sample_every", kind: Kind::Int(0, i64::MAX) },
     Field { key: "sample_tokens", kind: Kind::Int(1, 1 << 16) },
     Field { key: "log_every", kind: Kind::Int(1, i64::MAX) },
+    Field { key: "log", kind: Kind::Section(LOG) },
     Field { key: "out_dir", kind: Kind::Path },
     Field { key: "loss_scale", kind: Kind::Section(LOSS_SCALE) },
 ];

@@ -257,6 +257,9 @@ pub struct TrainConfig {
     pub sample_tokens: usize,
     /// Write a metrics line every this many steps.
     pub log_every: u64,
+    /// What the run directory gets besides `metrics.jsonl`.
+    #[serde(default)]
+    pub log: LogConfig,
     /// The run directory: metrics, checkpoints, the effective config.
     pub out_dir: PathBuf,
     /// Dynamic loss scaling (used with `precision: f16`).
@@ -281,6 +284,20 @@ fn default_sample_tokens() -> usize {
 
 fn default_loss_chunk_rows() -> usize {
     crate::model::DEFAULT_LOSS_CHUNK_ROWS
+}
+
+/// The `train.log` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// TensorBoard event files of the metrics' scalars and texts (`train/tensorboard.rs`).
+    pub tensorboard: bool,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { tensorboard: true }
+    }
 }
 
 /// The `train.loss_scale` section.

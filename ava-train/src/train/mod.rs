@@ -12,6 +12,7 @@ mod preflight;
 mod reporter;
 pub mod rounding;
 mod schedule;
+pub mod tensorboard;
 mod trainer;
 
 use std::path::PathBuf;

@@ -362,6 +362,30 @@ impl Trainer {
         Ok(file)
     }
 
+    /// The run's TensorBoard event file (`train.log.tensorboard`), opened as `metrics.jsonl` is
+    /// (a resumed run first drops the events of steps after its checkpoint, a fresh run all
+    /// of them). A failure is warned about and the run goes on without the events.
+    fn open_tensorboard(&self, reporter: &mut dyn Reporter) -> super::tensorboard::Board {
+        use super::tensorboard::{Board, EventWriter};
+        if !self.config.train.log.tensorboard {
+            return Board::new(None);
+        }
+        let opened = ava_fs::dirfd::Dir::open(&self.out_dir)
+            .map_err(|e| std::io::Error::other(e.to_string()))
+            .and_then(|dir| EventWriter::open(&dir, self.step));
+        match opened {
+            Ok((writer, _)) => Board::new(Some(writer)),
+            Err(e) => {
+                reporter.warn(&format!(
+                    "TensorBoard events: could not open an event file in {} ({e}); the run goes on without them \
+                     (metrics.jsonl has every metric; train.log.tensorboard: false turns them off)",
+                    self.out_dir.display()
+                ));
+                Board::new(None)
+            }
+        }
+    }
+
     /// The weights a step (or, `detached`, an evaluation) computes with: all of them, cast
     /// to the compute type; at ZeRO stage 3, gathered block by block from their ranks.
     fn step_weights(&self, detached: bool) -> Result<Box<dyn Weights>, TrainError> {

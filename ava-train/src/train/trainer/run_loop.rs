@@ -1,9 +1,11 @@
 //! The run loop ([`Trainer::run`]), a stage per concern: the steps until `train.max_steps`
 //! (or `--steps` more), what the ranks agree on after each (stop, checkpoint), its events
-//! and metrics line, evaluation and samples when due, the checkpoints, how a run that runs
-//! out of memory or is stopped in a wait ends, and the run's summary.
+//! and metrics line (and TensorBoard event), evaluation and samples when due, the
+//! checkpoints, how a run that runs out of memory or is stopped in a wait ends, and the run's
+//! summary.
 
 use super::*;
+use crate::train::tensorboard::{self, Board};
 
 /// The run's tokens/s: the first step (which warms up caches and threads) is left out of
 /// the mean unless it is the only one.
@@ -61,6 +63,7 @@ impl Trainer {
         }
         let mut metrics = if root { Some(self.open_metrics()?) } else { None };
         reporter.start(&RunHeader { last_step: last, ..self.header() });
+        let mut board = if root { self.open_tensorboard(reporter) } else { Board::new(None) };
         let mut summary = RunSummary {
             step: self.step,
             loss: f64::NAN,
@@ -125,9 +128,11 @@ impl Trainer {
             if record.step % self.config.train.log_every == 0 || record.step == last || eventful {
                 let line = serde_json::json!({"type": "step", "data": record});
                 write_line(metrics.as_mut(), &self.metrics_path(), &line)?;
+                board.log(record.step, tensorboard::step_values(&record), reporter);
             }
             reporter.step(&record);
-            self.evaluate_and_sample(record.step, last, metrics.as_mut(), reporter, &mut summary)?;
+            let logs = Logs { metrics: metrics.as_mut(), board: &mut board };
+            self.evaluate_and_sample(record.step, last, logs, reporter, &mut summary)?;
             let every = self.config.checkpoints.every;
             if (every > 0 && record.step % every == 0)
                 || record.step == last
@@ -238,15 +243,16 @@ impl Trainer {
 
     /// Evaluation (every `train.eval_every` steps and at the last, when the data has a
     /// validation split) and a sample (every `train.sample_every`, rank 0), each written to
-    /// the metrics and reported.
+    /// the metrics and the event file, and reported.
     fn evaluate_and_sample(
         &mut self,
         step: u64,
         last: u64,
-        mut metrics: Option<&mut std::fs::File>,
+        logs: Logs<'_>,
         reporter: &mut dyn Reporter,
         summary: &mut RunSummary,
     ) -> Result<(), TrainError> {
+        let Logs { mut metrics, board } = logs;
         let t = &self.config.train;
         let due = (t.eval_every > 0 && step.is_multiple_of(t.eval_every)) || step == last;
         let sample_due = t.sample_every > 0 && step.is_multiple_of(t.sample_every) && self.zero.is_root();
@@ -256,12 +262,14 @@ impl Trainer {
             summary.val_loss = Some(eval.val_loss);
             let line = serde_json::json!({"type": "eval", "data": eval});
             write_line(metrics.as_deref_mut(), &self.metrics_path(), &line)?;
+            board.log(step, tensorboard::eval_values(&eval), reporter);
             reporter.eval(&eval);
         }
         if sample_due {
             let (text, stop) = self.sample()?;
             let line = serde_json::json!({"type": "sample", "data": {"step": step, "text": text}});
             write_line(metrics, &self.metrics_path(), &line)?;
+            board.log(step, vec![tensorboard::text("samples/text", &text)], reporter);
             reporter.sample(step, &text, stop);
         }
         Ok(())
@@ -298,6 +306,13 @@ fn add_step(summary: &mut RunSummary, record: &StepRecord) {
     for (most, &p) in summary.rank_peak_bytes.iter_mut().zip(&record.rank_peaks) {
         *most = (*most).max(p);
     }
+}
+
+/// Where a step's records are written (rank 0; the others hold none): `metrics.jsonl` and the
+/// TensorBoard event file.
+struct Logs<'a> {
+    metrics: Option<&'a mut std::fs::File>,
+    board: &'a mut Board,
 }
 
 /// Appends one JSON line and flushes it (so a killed run keeps its metrics); nothing on a

@@ -1,0 +1,459 @@
+//! TensorBoard event files: a run's scalars and texts where `tensorboard --logdir runs/` (and
+//! every tool that reads its files) finds them, beside `metrics.jsonl`.
+//!
+//! The format is TensorFlow's: a file named `events.out.tfevents.{seconds}.{host}.{pid}.ava`
+//! of records, each `u64` length (little-endian), the masked CRC32C of those 8 bytes, the
+//! bytes of one `Event` protocol buffer, and the masked CRC32C of the bytes
+//! (`tensorflow/core/lib/io/record_writer.cc`; the mask is `((crc >> 15) | (crc << 17)) +
+//! 0xa282ead8`). The first event names the file version (`brain.Event:2`); each later one
+//! holds a step's `Summary`: scalars as `simple_value`, texts as string tensors tagged for
+//! the text plugin. The messages below are the fields of `event.proto`, `summary.proto`,
+//! `tensor.proto` and `tensor_shape.proto` that this writer sets, with their numbers; the
+//! encoding is `prost`'s.
+//!
+//! A resumed run first rewrites the run directory's event files (its own, `*.ava`) without
+//! the events of steps after its checkpoint (the abandoned continuation's), as
+//! `metrics.jsonl` drops its lines; a fresh run removes them. So each step is in the files once. Failures to write never fail
+//! the run: the trainer warns once and writes no more events (`metrics.jsonl` is the record
+//! of the run).
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use ava_fs::dirfd::Dir;
+use prost::Message;
+
+use super::reporter::{EvalRecord, Reporter, StepRecord};
+
+/// `Event` (`tensorflow/core/util/event.proto`).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Event {
+    /// Seconds since the Unix epoch.
+    #[prost(double, tag = "1")]
+    pub wall_time: f64,
+    /// The training step.
+    #[prost(int64, tag = "2")]
+    pub step: i64,
+    /// What the event holds.
+    #[prost(oneof = "What", tags = "3, 5")]
+    pub what: Option<What>,
+}
+
+/// `Event.what`: the two kinds this writer uses.
+#[derive(Clone, PartialEq, prost::Oneof)]
+pub enum What {
+    /// The file's version, in its first event.
+    #[prost(string, tag = "3")]
+    FileVersion(String),
+    /// A step's values.
+    #[prost(message, tag = "5")]
+    Summary(Summary),
+}
+
+/// `Summary` (`tensorflow/core/framework/summary.proto`).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Summary {
+    /// The values, each under its tag.
+    #[prost(message, repeated, tag = "1")]
+    pub value: Vec<Value>,
+}
+
+/// `Summary.Value`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Value {
+    /// The series' name, e.g. `train/loss`.
+    #[prost(string, tag = "1")]
+    pub tag: String,
+    /// Which plugin shows it (set for texts).
+    #[prost(message, optional, tag = "9")]
+    pub metadata: Option<SummaryMetadata>,
+    /// The value.
+    #[prost(oneof = "Kind", tags = "2, 8")]
+    pub kind: Option<Kind>,
+}
+
+/// `Summary.Value.value`: a scalar or a tensor.
+#[derive(Clone, PartialEq, prost::Oneof)]
+pub enum Kind {
+    /// A scalar.
+    #[prost(float, tag = "2")]
+    SimpleValue(f32),
+    /// A tensor (a text: one string).
+    #[prost(message, tag = "8")]
+    Tensor(TensorProto),
+}
+
+/// `SummaryMetadata`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct SummaryMetadata {
+    /// The plugin that shows the value.
+    #[prost(message, optional, tag = "1")]
+    pub plugin_data: Option<PluginData>,
+}
+
+/// `SummaryMetadata.PluginData`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct PluginData {
+    /// `text` for texts.
+    #[prost(string, tag = "1")]
+    pub plugin_name: String,
+}
+
+/// `TensorProto` (`tensorflow/core/framework/tensor.proto`): a string scalar.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TensorProto {
+    /// `DT_STRING` (7).
+    #[prost(int32, tag = "1")]
+    pub dtype: i32,
+    /// A scalar's shape: no dimensions.
+    #[prost(message, optional, tag = "2")]
+    pub tensor_shape: Option<TensorShapeProto>,
+    /// The strings.
+    #[prost(bytes = "vec", repeated, tag = "8")]
+    pub string_val: Vec<Vec<u8>>,
+}
+
+/// `TensorShapeProto` with no dimensions.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct TensorShapeProto {}
+
+/// TensorFlow's `DT_STRING`.
+const DT_STRING: i32 = 7;
+/// The version the first event names.
+pub const FILE_VERSION: &str = "brain.Event:2";
+/// What names an event file (TensorBoard reads the files whose names contain it).
+pub const MARK: &str = "tfevents";
+/// The most bytes of an existing event file read back on resume.
+const READ_LIMIT: u64 = 1 << 30;
+
+/// TensorFlow's masked CRC32C of `bytes` (stored so that a CRC of data holding CRCs stays
+/// meaningful).
+pub fn masked_crc(bytes: &[u8]) -> u32 {
+    let crc = crc32c::crc32c(bytes);
+    crc.rotate_right(15).wrapping_add(0xa282_ead8)
+}
+
+/// One record of `data`, framed.
+pub fn record(data: &[u8]) -> Vec<u8> {
+    let len = (data.len() as u64).to_le_bytes();
+    let mut out = Vec::with_capacity(data.len() + 16);
+    out.extend_from_slice(&len);
+    out.extend_from_slice(&masked_crc(&len).to_le_bytes());
+    out.extend_from_slice(data);
+    out.extend_from_slice(&masked_crc(data).to_le_bytes());
+    out
+}
+
+/// The whole records of `bytes`, in order: the data of each, up to the first one that is cut
+/// short or fails its checksums (a run killed mid-write leaves at most one such at the end).
+pub fn records(bytes: &[u8]) -> Vec<&[u8]> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while bytes.len() - at >= 12 {
+        let len_bytes = &bytes[at..at + 8];
+        let len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes"));
+        let len_crc = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().expect("4 bytes"));
+        let Some(end) = usize::try_from(len).ok().and_then(|l| (at + 12).checked_add(l)) else { break };
+        if len_crc != masked_crc(len_bytes) || end + 4 > bytes.len() {
+            break;
+        }
+        let data = &bytes[at + 12..end];
+        if u32::from_le_bytes(bytes[end..end + 4].try_into().expect("4 bytes")) != masked_crc(data) {
+            break;
+        }
+        out.push(data);
+        at = end + 4;
+    }
+    out
+}
+
+/// A scalar value.
+pub fn scalar(tag: &str, value: f64) -> Value {
+    Value { tag: tag.to_string(), metadata: None, kind: Some(Kind::SimpleValue(value as f32)) }
+}
+
+/// A text value, shown by TensorBoard's text plugin.
+pub fn text(tag: &str, text: &str) -> Value {
+    Value {
+        tag: tag.to_string(),
+        metadata: Some(SummaryMetadata { plugin_data: Some(PluginData { plugin_name: "text".into() }) }),
+        kind: Some(Kind::Tensor(TensorProto {
+            dtype: DT_STRING,
+            tensor_shape: Some(TensorShapeProto {}),
+            string_val: vec![text.as_bytes().to_vec()],
+        })),
+    }
+}
+
+/// Seconds since the Unix epoch, now.
+fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// This machine's name for the file name (TensorBoard's convention), `localhost` if unknown.
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname writes at most that many bytes.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let name: String = String::from_utf8_lossy(&buf[..end])
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
+        .collect();
+    if ok && !name.is_empty() { name } else { "localhost".into() }
+}
+
+/// The run's event file, open for appending.
+pub struct EventWriter {
+    file: File,
+    path: PathBuf,
+}
+
+impl EventWriter {
+    /// Opens a new event file in the run directory `dir` (an opened handle: nothing is
+    /// followed through a link), after rewriting the event files there without the events
+    /// of steps after `keep_up_to`: none are left for a fresh run (0), and a resumed run
+    /// keeps what its checkpoint's steps logged. Returns the writer and how many old events
+    /// were dropped.
+    pub fn open(dir: &Dir, keep_up_to: u64) -> io::Result<(Self, usize)> {
+        let dropped = keep_steps_up_to(dir, keep_up_to)?;
+        let started = now();
+        let (secs, host, pid) = (started as u64, host_name(), std::process::id());
+        // Another file of this second and process (a run resumed within the second) takes a
+        // number.
+        let name_for = |n: usize| match n {
+            0 => format!("events.out.{MARK}.{secs:010}.{host}.{pid}.ava"),
+            n => format!("events.out.{MARK}.{secs:010}.{host}.{pid}.{n}.ava"),
+        };
+        let mut n = 0;
+        let (name, file) = loop {
+            let name = name_for(n);
+            match dir.create_new(&name, 0o644) {
+                Ok(file) => break (name, file),
+                Err(_) if n < 16 && dir.lstat(&name).ok().flatten().is_some() => n += 1,
+                Err(e) => return Err(io::Error::other(e.to_string())),
+            }
+        };
+        let mut writer = Self { file, path: dir.path().join(&name) };
+        let version = Event { wall_time: started, step: 0, what: Some(What::FileVersion(FILE_VERSION.into())) };
+        writer.write(&version)?;
+        Ok((writer, dropped))
+    }
+
+    /// Where the events go.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends `values` as the event of `step`, and flushes it (a killed run keeps them).
+    pub fn values(&mut self, step: u64, values: Vec<Value>) -> io::Result<()> {
+        if values.is_empty() {
+            return Ok(());
+        }
+        let event = Event { wall_time: now(), step: step as i64, what: Some(What::Summary(Summary { value: values })) };
+        self.write(&event)
+    }
+
+    fn write(&mut self, event: &Event) -> io::Result<()> {
+        self.file.write_all(&record(&event.encode_to_vec()))?;
+        self.file.flush()
+    }
+}
+
+/// Rewrites each of Ava's event files in `dir` (named `events.out.tfevents.*.ava`; another
+/// tool's are not touched) without the events of steps after `step` (the file's version
+/// event is kept with what remains), removing a file left with no step's events; how many
+/// events were dropped. A file that does not parse as events is left alone.
+pub fn keep_steps_up_to(dir: &Dir, step: u64) -> io::Result<usize> {
+    let mut names: Vec<String> = std::fs::read_dir(dir.path())?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.contains(MARK) && n.ends_with(".ava") && !n.starts_with('.'))
+        .collect();
+    names.sort();
+    let mut dropped = 0;
+    for name in names {
+        let bytes = dir.read(&name, READ_LIMIT).map_err(|e| io::Error::other(e.to_string()))?;
+        let Some(events) = records(&bytes).iter().map(|r| Event::decode(*r).ok()).collect::<Option<Vec<_>>>() else {
+            continue;
+        };
+        let kept: Vec<&Event> =
+            events.iter().filter(|e| !matches!(e.what, Some(What::Summary(_))) || e.step <= step as i64).collect();
+        let whole = records(&bytes).iter().map(|r| r.len() + 16).sum::<usize>();
+        if kept.len() == events.len() && whole == bytes.len() {
+            continue;
+        }
+        dropped += events.len() - kept.len();
+        let result = if kept.iter().any(|e| matches!(e.what, Some(What::Summary(_)))) {
+            dir.replace(&name, 0o644, |file| kept.iter().try_for_each(|e| file.write_all(&record(&e.encode_to_vec()))))
+        } else {
+            dir.remove_file(&name)
+        };
+        result.map_err(|e| io::Error::other(e.to_string()))?;
+    }
+    Ok(dropped)
+}
+
+/// The run's event file while it is written: the first failure warns and stops it, as the
+/// run itself never fails because of its logs.
+pub struct Board {
+    writer: Option<EventWriter>,
+}
+
+impl Board {
+    /// Writes to `writer`, or (None) nothing.
+    pub fn new(writer: Option<EventWriter>) -> Self {
+        Self { writer }
+    }
+
+    /// Where the events go, while they are written.
+    pub fn path(&self) -> Option<&Path> {
+        self.writer.as_ref().map(EventWriter::path)
+    }
+
+    /// Appends `values` as step `step`'s event; a failure is warned about through
+    /// `reporter` once, and no more events are written.
+    pub fn log(&mut self, step: u64, values: Vec<Value>, reporter: &mut dyn Reporter) {
+        let Some(writer) = &mut self.writer else { return };
+        if let Err(e) = writer.values(step, values) {
+            reporter.warn(&format!(
+                "TensorBoard events: writing {} failed ({e}); the run goes on without them (metrics.jsonl has \
+                 every metric)",
+                writer.path().display()
+            ));
+            self.writer = None;
+        }
+    }
+}
+
+/// Bytes as MiB, the unit of the memory scalars.
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// A step's scalars and texts, as `metrics.jsonl`'s step line has them: `train/*` (loss, lr,
+/// grad norm, tokens/s, step time, micro-batch, loss scale, MoE's auxiliary loss, skipped),
+/// `memory/*_mib` (the breakdown by component, the peak, the budget, the device's and the
+/// offload tier's use when there are any), and as text the memory policy's events and a
+/// non-finite step's warning.
+pub fn step_values(r: &StepRecord) -> Vec<Value> {
+    let m = &r.memory;
+    let mut values = vec![
+        scalar("train/loss", r.loss),
+        scalar("train/lr", r.lr),
+        scalar("train/grad_norm", r.grad_norm),
+        scalar("train/tokens_per_sec", r.tokens_per_sec),
+        scalar("train/step_seconds", r.step_seconds),
+        scalar("train/micro_batch", r.micro_batch as f64),
+        scalar("train/loss_scale", r.loss_scale),
+        scalar("train/skipped", f64::from(u8::from(r.skipped))),
+        scalar("memory/params_mib", mib(m.params)),
+        scalar("memory/grads_mib", mib(m.grads)),
+        scalar("memory/optimizer_mib", mib(m.optimizer)),
+        scalar("memory/data_mib", mib(m.data)),
+        scalar("memory/activations_mib", mib(m.activations)),
+        scalar("memory/peak_mib", mib(m.peak)),
+        scalar("memory/budget_mib", mib(m.budget)),
+    ];
+    if let Some(aux) = r.aux_loss {
+        values.push(scalar("train/aux_loss", aux));
+    }
+    if let Some(d) = &r.device_memory {
+        values.push(scalar("memory/device_used_mib", mib(d.used)));
+        values.push(scalar("memory/device_peak_mib", mib(d.peak)));
+    }
+    if r.offload_bytes > 0 {
+        values.push(scalar("memory/offload_mib", mib(r.offload_bytes)));
+    }
+    if !r.memory_events.is_empty() {
+        values.push(text("memory/events", &r.memory_events.join("\n\n")));
+    }
+    if let Some(warning) = &r.nonfinite {
+        values.push(text("train/nonfinite", warning));
+    }
+    values
+}
+
+/// An evaluation's scalars: `eval/val_loss`, and with a known entropy floor `eval/entropy_floor`
+/// and `eval/gap` (`val_loss / floor − 1`).
+pub fn eval_values(e: &EvalRecord) -> Vec<Value> {
+    let mut values = vec![scalar("eval/val_loss", e.val_loss)];
+    if let Some(floor) = e.entropy_floor {
+        values.push(scalar("eval/entropy_floor", floor));
+    }
+    if let Some(gap) = e.gap {
+        values.push(scalar("eval/gap", gap));
+    }
+    values
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crc32c_is_the_castagnoli_checksum_masked_as_tensorflow_does() {
+        // The CRC-32C check value of "123456789" is 0xE3069283 (the CRC catalogue's
+        // CRC-32/ISCSI); masked by hand, ((c >> 15) | (c << 17)) + 0xa282ead8 mod 2³², it is
+        // 0xC78AB0E5.
+        assert_eq!(crc32c::crc32c(b"123456789"), 0xE306_9283);
+        assert_eq!(masked_crc(b"123456789"), 0xC78A_B0E5);
+    }
+
+    #[test]
+    fn records_read_back_up_to_a_torn_tail() {
+        let mut bytes = record(b"first");
+        bytes.extend(record(b""));
+        bytes.extend(record(b"third"));
+        assert_eq!(records(&bytes), [&b"first"[..], b"", b"third"]);
+        let whole = bytes.len();
+        bytes.extend(&record(b"cut short")[..10]);
+        assert_eq!(records(&bytes).len(), 3, "a torn last record is not read");
+        bytes[whole - 5] ^= 1; // a byte of "third"
+        assert_eq!(records(&bytes), [&b"first"[..], b""], "a record failing its checksum ends the file");
+    }
+
+    fn steps_in(path: &Path) -> Vec<i64> {
+        let bytes = std::fs::read(path).unwrap();
+        records(&bytes)
+            .iter()
+            .map(|r| Event::decode(*r).unwrap())
+            .filter(|e| matches!(e.what, Some(What::Summary(_))))
+            .map(|e| e.step)
+            .collect()
+    }
+
+    #[test]
+    fn a_resume_keeps_the_steps_up_to_its_checkpoint_and_a_fresh_run_none() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = Dir::open(tmp.path()).unwrap();
+        let (mut w, dropped) = EventWriter::open(&dir, 0).unwrap();
+        assert_eq!(dropped, 0);
+        for step in 1..=6 {
+            w.values(step, vec![scalar("train/loss", 1.0 / step as f64)]).unwrap();
+        }
+        let first = w.path().to_path_buf();
+        drop(w);
+        let (mut w, dropped) = EventWriter::open(&dir, 4).unwrap();
+        assert_eq!(dropped, 2, "steps 5 and 6 belonged to the abandoned continuation");
+        assert_eq!(steps_in(&first), [1, 2, 3, 4]);
+        for step in 5..=7 {
+            w.values(step, vec![scalar("train/loss", 0.5), text("memory/policy", "shrank the micro-batch")]).unwrap();
+        }
+        assert_eq!(steps_in(w.path()), [5, 6, 7]);
+        let second = w.path().to_path_buf();
+        drop(w);
+        let (w, dropped) = EventWriter::open(&dir, 0).unwrap();
+        assert_eq!(dropped, 7);
+        let files: Vec<PathBuf> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().path()).collect();
+        assert_eq!(files, [w.path().to_path_buf()], "a fresh run leaves no earlier event file");
+        assert!(steps_in(w.path()).is_empty());
+        assert_ne!(first, second, "a second file of the same second takes a number");
+
+        // Another tool's event file in the directory is not Ava's to cut.
+        std::fs::write(tmp.path().join("events.out.tfevents.1.other.1"), b"not ours").unwrap();
+        drop(w);
+        EventWriter::open(&dir, 0).unwrap();
+        assert!(tmp.path().join("events.out.tfevents.1.other.1").exists());
+    }
+}
