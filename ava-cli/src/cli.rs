@@ -417,6 +417,13 @@ pub enum BenchCommand {
         /// on it.
         #[arg(long, value_name = "TIER:PATH")]
         offload: Option<String>,
+        /// Write the profiled steps as a timeline to FILE: Chrome's trace-event JSON, each
+        /// profiler scope a span on its thread, each step a span, and the host memory the
+        /// counting allocator held as a counter track, sampled at every span's start and end.
+        /// Open it in ui.perfetto.dev or chrome://tracing. On the CPU every measured step is
+        /// profiled; on a GPU the profiled steps after them.
+        #[arg(long, value_name = "FILE")]
+        trace: Option<std::path::PathBuf>,
     },
     /// Attention kernels head to head: time, saved-for-backward memory, peak memory and
     /// accuracy against the dense kernel with the same mask, per sequence length.

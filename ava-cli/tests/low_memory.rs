@@ -331,6 +331,53 @@ fn bench_train_names_the_matmul_kernels() {
     assert!(scopes.contains(&"backward: linear"), "{scopes:?}");
 }
 
+/// `ava bench train --trace FILE` writes the profiled steps as Chrome trace-event JSON: each
+/// measured step a span, the profiler's scopes as spans inside the steps, and the host memory
+/// held as a counter track in time order; a file that cannot be written is refused before
+/// any step runs, and so is --trace with --modes.
+#[test]
+fn bench_train_writes_the_steps_as_a_trace() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.json");
+    let mut args: Vec<String> = ["bench", "train", "--steps", "2", "--warmup", "0", "--trace"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([trace.display().to_string()])
+        .collect();
+    args.extend(common::SMALL.iter().flat_map(|s| ["--set".to_string(), s.to_string()]));
+    let out = ok(common::ava(dir.path(), &args.iter().map(String::as_str).collect::<Vec<_>>()));
+    let said = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains(&format!("trace: {} (", trace.display())), "{said}");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    let spans: Vec<&serde_json::Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    let steps: Vec<&serde_json::Value> =
+        spans.iter().copied().filter(|e| e["name"].as_str().unwrap().starts_with("step ")).collect();
+    assert_eq!(steps.iter().map(|e| e["name"].as_str().unwrap()).collect::<Vec<_>>(), ["step 1", "step 2"]);
+    let within = |e: &serde_json::Value, s: &serde_json::Value| {
+        let (t, d) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
+        let (st, sd) = (s["ts"].as_f64().unwrap(), s["dur"].as_f64().unwrap());
+        t >= st && t + d <= st + sd + 1.0
+    };
+    let linear: Vec<&serde_json::Value> = spans.iter().copied().filter(|e| e["name"] == "backward: linear").collect();
+    assert!(!linear.is_empty() && linear.len().is_multiple_of(2), "as many in each step: {}", linear.len());
+    assert!(linear.iter().all(|l| steps.iter().any(|s| within(l, s))), "scopes lie inside their step");
+    let counter: Vec<f64> = events.iter().filter(|e| e["ph"] == "C").map(|e| e["ts"].as_f64().unwrap()).collect();
+    assert_eq!(counter.len(), 2 * spans.len(), "the memory at each span's start and end");
+    assert!(counter.windows(2).all(|w| w[0] <= w[1]), "the counter in time order");
+    assert!(events.iter().filter(|e| e["ph"] == "C").all(|e| e["args"]["MiB"].as_f64().unwrap() > 0.0));
+
+    let refused = common::ava(dir.path(), &["bench", "train", "--steps", "1", "--trace", "/nonexistent/dir/t.json"]);
+    assert_eq!(refused.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("--trace /nonexistent/dir/t.json: cannot write the trace there"), "{err}");
+    assert!(!err.contains("tokens/s"), "refused before any step: {err}");
+    let refused = common::ava(dir.path(), &["bench", "train", "--modes", "--trace", "t.json"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--trace records one config's profiled steps"));
+}
+
 /// `ava bench train --modes` runs the config's model in each memory mode and reports them
 /// side by side; with --offload also streaming the state to disk, with the tier's traffic
 /// and the time the step waited on it. bf16-only weights take half the parameter memory of

@@ -1,5 +1,6 @@
 //! A minimal wall-clock profiler for `ava bench`: named scopes accumulate time while
-//! enabled; off (the default) a scope costs one atomic load.
+//! enabled; off (the default) a scope costs one atomic load. With a [`trace`] on, each timed
+//! scope is also kept as a span of a timeline (`ava bench train --trace FILE`).
 //!
 //! A scope's time is the wall clock from its start to its end, nested scopes included in
 //! their parent's (a scope inside one of the same name on the same thread adds nothing: it is
@@ -23,6 +24,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use candle_core::Device;
+
+pub mod trace;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 static TOTALS: Mutex<BTreeMap<&'static str, (Duration, u64)>> = Mutex::new(BTreeMap::new());
@@ -58,17 +61,20 @@ pub struct Scope {
     start: Option<Instant>,
     /// The device to synchronize before reading the end time.
     sync: Option<Device>,
+    /// With a trace on ([`trace`]), the bytes the counting allocator held at the start.
+    held: Option<u64>,
 }
 
 /// Starts timing `name`.
 pub fn scope(name: &'static str) -> Scope {
     if !ENABLED.load(Ordering::Relaxed) || OPEN.with_borrow(|open| open.contains(&name)) {
-        return Scope { name, start: None, sync: None };
+        return Scope { name, start: None, sync: None, held: None };
     }
     let sync = SYNC.lock().expect("profile lock").clone();
     wait_for(sync.as_ref());
     OPEN.with_borrow_mut(|open| open.push(name));
-    Scope { name, start: Some(Instant::now()), sync }
+    let held = trace::is_on().then(crate::memory::current);
+    Scope { name, start: Some(Instant::now()), sync, held }
 }
 
 /// Waits until `device` has run everything queued on it. An error is not the profiler's to
@@ -95,6 +101,10 @@ impl Drop for Scope {
             let e = t.entry(self.name).or_default();
             e.0 += elapsed;
             e.1 += 1;
+            drop(t);
+            if let Some(held) = self.held {
+                trace::record(std::borrow::Cow::Borrowed(self.name), start, held);
+            }
         }
     }
 }

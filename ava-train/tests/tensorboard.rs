@@ -11,13 +11,15 @@ use std::path::{Path, PathBuf};
 
 use ava_plugins::Registry;
 use ava_train::config::Config;
-use ava_train::train::{Silent, TrainOptions, Trainer};
+use ava_train::train::{Reporter, Silent, TrainOptions, Trainer};
 
 fn config(out: &Path, sets: &[&str]) -> Config {
     let base = [
         "train.micro_batch_size=4",
         "train.max_steps=6",
         "train.eval_every=3",
+        "train.sample_every=3",
+        "train.sample_tokens=8",
         "train.log_every=1",
         "checkpoints.every=2",
     ];
@@ -129,7 +131,14 @@ fn read_events(dir: &Path) -> Events {
                                 assert!(old.is_none(), "{tag} logged twice at step {step}");
                             } else {
                                 let tensor = &value.iter().find(|f| f.0 == 8).expect("a scalar or a tensor").3;
-                                let string = fields(tensor).into_iter().find(|f| f.0 == 8).expect("a string").3;
+                                let tensor = fields(tensor);
+                                assert!(tensor.iter().any(|f| f.0 == 1 && f.2 == 7), "a DT_STRING tensor");
+                                let string = tensor.into_iter().find(|f| f.0 == 8).expect("a string").3;
+                                // metadata (9) → plugin_data (1) → plugin_name (1): "text".
+                                let metadata = &value.iter().find(|f| f.0 == 9).expect("a text's metadata").3;
+                                let plugin = &fields(metadata).into_iter().find(|f| f.0 == 1).expect("plugin data").3;
+                                let name = fields(plugin).into_iter().find(|f| f.0 == 1).expect("a plugin name").3;
+                                assert_eq!(name, b"text");
                                 let old = events.texts.insert((step, tag.clone()), String::from_utf8(string).unwrap());
                                 assert!(old.is_none(), "{tag} logged twice at step {step}");
                             }
@@ -195,6 +204,18 @@ fn a_runs_scalars_are_its_metrics_at_the_same_steps() {
     assert_eq!(scalar(&events, "memory/peak_mib"), peaks);
     assert_eq!(scalar(&events, "eval/val_loss"), as_f32(metric(dir.path(), "eval", "val_loss")));
     assert_eq!(scalar(&events, "eval/val_loss").len(), 2, "steps 3 and 6");
+    // Texts: the samples, as string tensors for the text plugin.
+    let samples: BTreeMap<i64, String> = std::fs::read_to_string(dir.path().join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["type"] == "sample")
+        .map(|v| (v["data"]["step"].as_i64().unwrap(), v["data"]["text"].as_str().unwrap().to_string()))
+        .collect();
+    let texts: BTreeMap<i64, String> =
+        events.texts.iter().filter(|((_, t), _)| t == "samples/text").map(|((s, _), v)| (*s, v.clone())).collect();
+    assert_eq!(samples.keys().copied().collect::<Vec<_>>(), [3, 6]);
+    assert_eq!(texts, samples);
 }
 
 #[test]
@@ -225,11 +246,55 @@ fn a_resumed_run_holds_each_step_once() {
 }
 
 #[test]
-fn turned_off_no_event_file_is_written() {
+fn turned_off_no_event_file_is_written_and_no_abandoned_step_is_left() {
     let dir = tempfile::tempdir().unwrap();
-    let config = config(dir.path(), &["train.log.tensorboard=false", "train.max_steps=2"]);
-    let mut t = Trainer::new(&config, &Registry::builtins(), &TrainOptions::default()).unwrap();
+    let off = config(dir.path(), &["train.log.tensorboard=false", "train.max_steps=2"]);
+    let mut t = Trainer::new(&off, &Registry::builtins(), &TrainOptions::default()).unwrap();
     t.run(&TrainOptions::default(), &mut Silent).unwrap();
     assert!(event_files(dir.path()).is_empty());
     assert!(dir.path().join("metrics.jsonl").is_file());
+
+    // Four steps with the events on, then resumed from step 2 with them off: steps 3 and 4
+    // leave the event files as they leave metrics.jsonl.
+    let dir = tempfile::tempdir().unwrap();
+    let on = config(dir.path(), &["train.max_steps=4"]);
+    Trainer::new(&on, &Registry::builtins(), &TrainOptions::default())
+        .unwrap()
+        .run(&TrainOptions::default(), &mut Silent)
+        .unwrap();
+    let off = config(dir.path(), &["train.max_steps=4", "train.log.tensorboard=false"]);
+    let resume = TrainOptions {
+        resume: Some(dir.path().join("checkpoints/step-00000002").display().to_string()),
+        ..Default::default()
+    };
+    Trainer::new(&off, &Registry::builtins(), &resume).unwrap().run(&TrainOptions::default(), &mut Silent).unwrap();
+    assert_eq!(scalar(&read_events(dir.path()), "train/loss").keys().copied().collect::<Vec<_>>(), [1, 2]);
+    assert_eq!(event_files(dir.path()).len(), 1);
+}
+
+/// Keeps the warnings a run gives.
+#[derive(Default)]
+struct Warnings(Vec<String>);
+
+impl Reporter for Warnings {
+    fn warn(&mut self, message: &str) {
+        self.0.push(message.to_string());
+    }
+}
+
+#[test]
+fn an_event_file_that_cannot_be_written_is_warned_about_and_the_run_goes_on() {
+    // A directory where an event file of Ava's name would be read back.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("events.out.tfevents.1.planted.000.ava")).unwrap();
+    let config = config(dir.path(), &["train.max_steps=2"]);
+    let mut warnings = Warnings::default();
+    let mut t = Trainer::new(&config, &Registry::builtins(), &TrainOptions::default()).unwrap();
+    let summary = t.run(&TrainOptions::default(), &mut warnings).unwrap();
+    assert_eq!(summary.step, 2, "the run trained");
+    let said: Vec<&String> = warnings.0.iter().filter(|w| w.contains("TensorBoard events")).collect();
+    assert_eq!(said.len(), 1, "{:?}", warnings.0);
+    assert!(said[0].contains("could not open an event file in"), "{}", said[0]);
+    assert!(said[0].contains("train.log.tensorboard: false turns them off"), "{}", said[0]);
+    assert!(event_files(dir.path()).iter().all(|p| p.is_dir()), "no event file written");
 }

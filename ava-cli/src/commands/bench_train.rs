@@ -90,12 +90,15 @@ fn median(v: &[f64]) -> f64 {
     if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
 }
 
-pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult {
+pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64, trace: Option<&std::path::Path>) -> CmdResult {
     if steps == 0 {
         return Err(Failure::Usage(anyhow::anyhow!("--steps must be at least 1")));
     }
     let ctx = context::load_checked(args, p)?;
     let mut config = run_config(context::load_config(args, p)?, p)?;
+    // The trace's file is made before any step runs, so a path that cannot be written is
+    // said at once.
+    let trace_file = trace.map(|path| std::fs::File::create(path).map_err(|e| trace_error(path, &e))).transpose()?;
     // The benchmark writes nothing: its run directory is a temporary one.
     let tmp = tempfile::tempdir()?;
     config.train.out_dir = tmp.path().to_path_buf();
@@ -117,10 +120,52 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64) -> CmdResult
         trainer.train_step().map_err(failure)?;
     }
     let device = trainer.model().device();
-    if device.is_cuda() {
-        return gpu_bench(p, &mut trainer, &header, (&config, &ctx.registry), steps, &device);
+    if trace.is_some() {
+        profile::trace::start();
     }
-    cpu_bench(p, &mut trainer, &header, &config, steps)
+    let result = if device.is_cuda() {
+        gpu_bench(p, &mut trainer, &header, (&config, &ctx.registry), steps, &device)
+    } else {
+        cpu_bench(p, &mut trainer, &header, &config, steps)
+    };
+    let spans = profile::trace::take();
+    if let (Some(path), Some(file), Some(spans)) = (trace, trace_file, spans) {
+        write_trace(p, path, file, &spans, args)?;
+    }
+    result
+}
+
+fn trace_error(path: &std::path::Path, e: &std::io::Error) -> Failure {
+    Failure::Usage(anyhow::anyhow!(
+        "--trace {}: cannot write the trace there ({e}); name a file in a directory you can write",
+        path.display()
+    ))
+}
+
+/// Writes the profiled steps' timeline into `file` at `path` (see `--trace`), and says where.
+fn write_trace(
+    p: &Printer,
+    path: &std::path::Path,
+    mut file: std::fs::File,
+    trace: &profile::trace::Trace,
+    args: &ConfigArgs,
+) -> CmdResult {
+    use std::io::Write;
+    let what = match &args.config {
+        Some(config) => format!("ava bench train {}", config.display()),
+        None => "ava bench train".to_string(),
+    };
+    let json = serde_json::to_vec(&trace.to_chrome_json(&what)).expect("a JSON value serializes");
+    file.write_all(&json).and_then(|()| file.flush()).map_err(|e| trace_error(path, &e))?;
+    let dropped = if trace.dropped > 0 { format!(", {} more not kept", trace.dropped) } else { String::new() };
+    p.note(&format!(
+        "trace: {} ({} spans{dropped}; the {} they take is in the memory figures above); open it in \
+         ui.perfetto.dev or chrome://tracing",
+        path.display(),
+        trace.spans.len(),
+        size(trace.bytes())
+    ));
+    Ok(())
 }
 
 /// The measured steps on the CPU, profiled, with the matmul rates sampled between them.
@@ -130,12 +175,14 @@ fn cpu_bench(p: &Printer, trainer: &mut Trainer, header: &RunHeader, config: &Co
     let mut seconds = 0.0;
     let mut step_times = Vec::new();
     let mut last = None;
-    for _ in 0..steps {
+    for n in 0..steps {
         profile::enable(true);
+        let held = ava_train::memory::current();
         let start = Instant::now();
         last = Some(trainer.train_step().map_err(failure)?);
         let t = start.elapsed().as_secs_f64();
         profile::enable(false);
+        profile::trace::record(format!("step {}", n + 1).into(), start, held);
         seconds += t;
         step_times.push(t);
         probe.sample()?;
@@ -285,7 +332,12 @@ fn profiled_gpu_steps(trainer: &mut Trainer, device: &Device) -> Result<(Scopes,
     profile::sync_with(Some(device.clone()));
     profile::enable(true);
     let start = Instant::now();
-    let stepped = (0..PROFILED_STEPS).try_for_each(|_| trainer.train_step().map(drop));
+    let stepped = (0..PROFILED_STEPS).try_for_each(|n| {
+        let (held, at) = (ava_train::memory::current(), Instant::now());
+        let stepped = trainer.train_step().map(drop);
+        profile::trace::record(format!("profiled step {}", n + 1).into(), at, held);
+        stepped
+    });
     let synced = device.synchronize();
     let seconds = start.elapsed().as_secs_f64();
     profile::enable(false);

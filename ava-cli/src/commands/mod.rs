@@ -49,8 +49,13 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
         Command::Generate(args) => generate::run(p, &args),
         Command::Eval(args) => eval::run(p, &args),
         Command::Report(args) => report::run(p, &args),
-        Command::Bench(BenchCommand::Train { config, steps, warmup, modes, offload }) => {
-            if modes {
+        Command::Bench(BenchCommand::Train { config, steps, warmup, modes, offload, trace }) => {
+            if modes && trace.is_some() {
+                Err(crate::Failure::Usage(anyhow::anyhow!(
+                    "--trace records one config's profiled steps, and --modes runs several: trace one mode at a \
+                     time, e.g. ava bench train -c CONFIG --set train.precision=bf16 --trace trace.json"
+                )))
+            } else if modes {
                 bench_train::run_modes(p, &config, steps, warmup, offload.as_deref())
             } else if offload.is_some() {
                 Err(crate::Failure::Usage(anyhow::anyhow!(
@@ -58,7 +63,7 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
                      bench one config with a tier, set plugins.offload and offload.tiers in it"
                 )))
             } else {
-                bench_train::run(p, &config, steps, warmup)
+                bench_train::run(p, &config, steps, warmup, trace.as_deref())
             }
         }
         Command::Bench(BenchCommand::Attention(args)) => bench_attention::run(p, &args),

@@ -124,8 +124,9 @@ const DT_STRING: i32 = 7;
 pub const FILE_VERSION: &str = "brain.Event:2";
 /// What names an event file (TensorBoard reads the files whose names contain it).
 pub const MARK: &str = "tfevents";
-/// The most bytes of an existing event file read back on resume.
-const READ_LIMIT: u64 = 1 << 30;
+/// The most bytes of an existing event file read back on resume (a run logs about 700 bytes
+/// a step: this is some 380,000 logged steps).
+const READ_LIMIT: u64 = 256 << 20;
 
 /// TensorFlow's masked CRC32C of `bytes` (stored so that a CRC of data holding CRCs stays
 /// meaningful).
@@ -154,8 +155,11 @@ pub fn records(bytes: &[u8]) -> Vec<&[u8]> {
         let len_bytes = &bytes[at..at + 8];
         let len = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes"));
         let len_crc = u32::from_le_bytes(bytes[at + 8..at + 12].try_into().expect("4 bytes"));
-        let Some(end) = usize::try_from(len).ok().and_then(|l| (at + 12).checked_add(l)) else { break };
-        if len_crc != masked_crc(len_bytes) || end + 4 > bytes.len() {
+        // A length past the bytes left (a torn record, or a forged one) ends the file.
+        let left = bytes.len() - at - 12;
+        let Some(len) = usize::try_from(len).ok().filter(|&l| l <= left.saturating_sub(4)) else { break };
+        let end = at + 12 + len;
+        if len_crc != masked_crc(len_bytes) || left < len + 4 {
             break;
         }
         let data = &bytes[at + 12..end];
@@ -204,6 +208,13 @@ fn host_name() -> String {
     if ok && !name.is_empty() { name } else { "localhost".into() }
 }
 
+/// The name of an event file opened at `secs` by process `pid` on `host`: the `n`th of that
+/// second and process (a run resumed within the second) takes the next number. TensorBoard
+/// reads a run's files in the order of their names, so a later file's name sorts later.
+pub fn file_name(secs: u64, host: &str, pid: u32, n: usize) -> String {
+    format!("events.out.{MARK}.{secs:010}.{host}.{pid}.{n:03}.ava")
+}
+
 /// The run's event file, open for appending.
 pub struct EventWriter {
     file: File,
@@ -220,15 +231,9 @@ impl EventWriter {
         let dropped = keep_steps_up_to(dir, keep_up_to)?;
         let started = now();
         let (secs, host, pid) = (started as u64, host_name(), std::process::id());
-        // Another file of this second and process (a run resumed within the second) takes a
-        // number.
-        let name_for = |n: usize| match n {
-            0 => format!("events.out.{MARK}.{secs:010}.{host}.{pid}.ava"),
-            n => format!("events.out.{MARK}.{secs:010}.{host}.{pid}.{n}.ava"),
-        };
         let mut n = 0;
         let (name, file) = loop {
-            let name = name_for(n);
+            let name = file_name(secs, &host, pid, n);
             match dir.create_new(&name, 0o644) {
                 Ok(file) => break (name, file),
                 Err(_) if n < 16 && dir.lstat(&name).ok().flatten().is_some() => n += 1,
@@ -262,34 +267,44 @@ impl EventWriter {
 }
 
 /// Rewrites each of Ava's event files in `dir` (named `events.out.tfevents.*.ava`; another
-/// tool's are not touched) without the events of steps after `step` (the file's version
-/// event is kept with what remains), removing a file left with no step's events; how many
-/// events were dropped. A file that does not parse as events is left alone.
+/// tool's are not touched) without the events of steps after `step`, the file's version event
+/// kept with what remains; how many events were dropped. A file left with no step's events
+/// (a fresh run's, or a run's that stopped before logging) is removed, and so is a temp file
+/// a crashed rewrite left (`.events.out.tfevents.*.ava.tmp-*`). A file is read up to its
+/// first damaged record (a killed run's torn last one; the events after a damage elsewhere
+/// are lost, as TensorBoard's reader stops there too); a file with no whole record, or whose
+/// records are not events, is left alone.
 pub fn keep_steps_up_to(dir: &Dir, step: u64) -> io::Result<usize> {
     let mut names: Vec<String> = std::fs::read_dir(dir.path())?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.contains(MARK) && n.ends_with(".ava") && !n.starts_with('.'))
+        .filter(|n| n.contains(MARK) && (n.ends_with(".ava") || n.starts_with('.') && n.contains(".ava.tmp-")))
         .collect();
     names.sort();
     let mut dropped = 0;
+    let is_step = |e: &Event| matches!(e.what, Some(What::Summary(_)));
     for name in names {
-        let bytes = dir.read(&name, READ_LIMIT).map_err(|e| io::Error::other(e.to_string()))?;
-        let Some(events) = records(&bytes).iter().map(|r| Event::decode(*r).ok()).collect::<Option<Vec<_>>>() else {
-            continue;
-        };
-        let kept: Vec<&Event> =
-            events.iter().filter(|e| !matches!(e.what, Some(What::Summary(_))) || e.step <= step as i64).collect();
-        let whole = records(&bytes).iter().map(|r| r.len() + 16).sum::<usize>();
-        if kept.len() == events.len() && whole == bytes.len() {
+        let other = |e: ava_fs::dirfd::DirError| io::Error::other(e.to_string());
+        if name.starts_with('.') {
+            dir.remove_file(&name).map_err(other)?;
             continue;
         }
-        dropped += events.len() - kept.len();
-        let result = if kept.iter().any(|e| matches!(e.what, Some(What::Summary(_)))) {
-            dir.replace(&name, 0o644, |file| kept.iter().try_for_each(|e| file.write_all(&record(&e.encode_to_vec()))))
-        } else {
-            dir.remove_file(&name)
+        let bytes = dir.read(&name, READ_LIMIT).map_err(other)?;
+        let records = records(&bytes);
+        if records.is_empty() && !bytes.is_empty() {
+            continue;
+        }
+        let Some(events) = records.iter().map(|r| Event::decode(*r).ok()).collect::<Option<Vec<_>>>() else {
+            continue;
         };
-        result.map_err(|e| io::Error::other(e.to_string()))?;
+        let kept: Vec<&Event> = events.iter().filter(|e| !is_step(e) || e.step <= step as i64).collect();
+        dropped += events.len() - kept.len();
+        let whole = records.iter().map(|r| r.len() + 16).sum::<usize>() == bytes.len();
+        if !kept.iter().any(|e| is_step(e)) {
+            dir.remove_file(&name).map_err(other)?;
+        } else if kept.len() < events.len() || !whole {
+            dir.replace(&name, 0o644, |file| kept.iter().try_for_each(|e| file.write_all(&record(&e.encode_to_vec()))))
+                .map_err(other)?;
+        }
     }
     Ok(dropped)
 }
@@ -401,6 +416,26 @@ mod tests {
     }
 
     #[test]
+    fn a_forged_length_ends_the_file_without_a_panic() {
+        for len in [u64::MAX, u64::MAX - 3, (usize::MAX - 11) as u64, 1 << 40, 5] {
+            let mut bytes = len.to_le_bytes().to_vec();
+            bytes.extend(masked_crc(&len.to_le_bytes()).to_le_bytes());
+            bytes.extend([0u8; 4]);
+            assert!(records(&bytes).is_empty(), "length {len}");
+        }
+    }
+
+    #[test]
+    fn later_files_of_a_second_sort_after_earlier_ones() {
+        let names =
+            [file_name(5, "h", 7, 0), file_name(5, "h", 7, 1), file_name(5, "h", 7, 12), file_name(6, "h", 7, 0)];
+        let mut sorted = names.clone();
+        sorted.sort();
+        assert_eq!(sorted, names);
+        assert!(names.iter().all(|n| n.contains(MARK) && n.ends_with(".ava")));
+    }
+
+    #[test]
     fn records_read_back_up_to_a_torn_tail() {
         let mut bytes = record(b"first");
         bytes.extend(record(b""));
@@ -448,12 +483,25 @@ mod tests {
         let files: Vec<PathBuf> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().path()).collect();
         assert_eq!(files, [w.path().to_path_buf()], "a fresh run leaves no earlier event file");
         assert!(steps_in(w.path()).is_empty());
-        assert_ne!(first, second, "a second file of the same second takes a number");
+        assert!(second > first, "a later file's name sorts later");
 
-        // Another tool's event file in the directory is not Ava's to cut.
-        std::fs::write(tmp.path().join("events.out.tfevents.1.other.1"), b"not ours").unwrap();
-        drop(w);
-        EventWriter::open(&dir, 0).unwrap();
-        assert!(tmp.path().join("events.out.tfevents.1.other.1").exists());
+        // Another tool's event file is not Ava's to cut, nor a file with no whole record; a
+        // file of only its version event (a run that logged nothing) and a crashed rewrite's
+        // temp file go.
+        let planted = |name: &str, bytes: &[u8]| std::fs::write(tmp.path().join(name), bytes).unwrap();
+        planted("events.out.tfevents.1.other.1", b"not ours");
+        planted("events.out.tfevents.2.h.1.000.ava", b"torn");
+        planted(".events.out.tfevents.3.h.1.000.ava.tmp-1-0", &record(b"half a rewrite"));
+        drop(w); // its file holds only its version event
+        let (w, _) = EventWriter::open(&dir, 0).unwrap();
+        let mut left: Vec<PathBuf> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().path()).collect();
+        left.sort();
+        let mut expected = vec![
+            tmp.path().join("events.out.tfevents.1.other.1"),
+            tmp.path().join("events.out.tfevents.2.h.1.000.ava"),
+            w.path().to_path_buf(),
+        ];
+        expected.sort();
+        assert_eq!(left, expected, "the version-only file and the temp file went");
     }
 }

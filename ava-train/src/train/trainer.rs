@@ -362,23 +362,28 @@ impl Trainer {
         Ok(file)
     }
 
-    /// The run's TensorBoard event file (`train.log.tensorboard`), opened as `metrics.jsonl` is
-    /// (a resumed run first drops the events of steps after its checkpoint, a fresh run all
-    /// of them). A failure is warned about and the run goes on without the events.
+    /// The run's TensorBoard event file (`train.log.tensorboard`), opened as `metrics.jsonl` is:
+    /// a resumed run first drops the events of steps after its checkpoint, a fresh run all of
+    /// them, with the key on or off (so no earlier run's events outlive the steps they were
+    /// of). A failure is warned about and the run goes on without the events.
     fn open_tensorboard(&self, reporter: &mut dyn Reporter) -> super::tensorboard::Board {
-        use super::tensorboard::{Board, EventWriter};
-        if !self.config.train.log.tensorboard {
-            return Board::new(None);
-        }
-        let opened = ava_fs::dirfd::Dir::open(&self.out_dir)
-            .map_err(|e| std::io::Error::other(e.to_string()))
-            .and_then(|dir| EventWriter::open(&dir, self.step));
+        use super::tensorboard::{Board, EventWriter, keep_steps_up_to};
+        let on = self.config.train.log.tensorboard;
+        let dir = ava_fs::dirfd::Dir::open(&self.out_dir).map_err(|e| std::io::Error::other(e.to_string()));
+        let opened = dir.and_then(|dir| {
+            if on {
+                EventWriter::open(&dir, self.step).map(|(w, _)| Some(w))
+            } else {
+                keep_steps_up_to(&dir, self.step).map(|_| None)
+            }
+        });
         match opened {
-            Ok((writer, _)) => Board::new(Some(writer)),
+            Ok(writer) => Board::new(writer),
             Err(e) => {
+                let what = if on { "could not open an event file" } else { "could not drop earlier runs' events" };
                 reporter.warn(&format!(
-                    "TensorBoard events: could not open an event file in {} ({e}); the run goes on without them \
-                     (metrics.jsonl has every metric; train.log.tensorboard: false turns them off)",
+                    "TensorBoard events: {what} in {} ({e}); the run goes on without them (metrics.jsonl has every \
+                     metric; train.log.tensorboard: false turns them off)",
                     self.out_dir.display()
                 ));
                 Board::new(None)
