@@ -96,9 +96,6 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64, trace: Optio
     }
     let ctx = context::load_checked(args, p)?;
     let mut config = run_config(context::load_config(args, p)?, p)?;
-    // The trace's file is made before any step runs, so a path that cannot be written is
-    // said at once.
-    let trace_file = trace.map(|path| std::fs::File::create(path).map_err(|e| trace_error(path, &e))).transpose()?;
     // The benchmark writes nothing: its run directory is a temporary one.
     let tmp = tempfile::tempdir()?;
     config.train.out_dir = tmp.path().to_path_buf();
@@ -107,6 +104,9 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64, trace: Optio
     config.train.max_steps = config.train.max_steps.max(warmup + steps + profiled);
     set_threads(config.train.threads);
     let mut trainer = Trainer::new(&config, &ctx.registry, &TrainOptions::default()).map_err(failure)?;
+    // The trace's file is made before any step runs, so a path that cannot be written is said
+    // at once; it goes again if no trace gets written into it.
+    let mut trace_out = trace.map(TraceOut::create).transpose()?;
     let header = trainer.header();
     p.note(&format!(
         "bench: {:.2}M parameters, {} tokens/step, {} threads, {} warmup + {} measured steps",
@@ -129,43 +129,66 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64, trace: Optio
         cpu_bench(p, &mut trainer, &header, &config, steps)
     };
     let spans = profile::trace::take();
-    if let (Some(path), Some(file), Some(spans)) = (trace, trace_file, spans) {
-        write_trace(p, path, file, &spans, args)?;
+    if let (Some(out), Some(spans), Ok(())) = (trace_out.as_mut(), spans, &result) {
+        out.write(p, &spans, args)?;
     }
     result
 }
 
-fn trace_error(path: &std::path::Path, e: &std::io::Error) -> Failure {
-    Failure::Usage(anyhow::anyhow!(
-        "--trace {}: cannot write the trace there ({e}); name a file in a directory you can write",
-        path.display()
-    ))
+/// The file `--trace` names, made before the steps; removed unless a trace was written.
+struct TraceOut<'a> {
+    path: &'a std::path::Path,
+    file: std::fs::File,
+    written: bool,
 }
 
-/// Writes the profiled steps' timeline into `file` at `path` (see `--trace`), and says where.
-fn write_trace(
-    p: &Printer,
-    path: &std::path::Path,
-    mut file: std::fs::File,
-    trace: &profile::trace::Trace,
-    args: &ConfigArgs,
-) -> CmdResult {
-    use std::io::Write;
-    let what = match &args.config {
-        Some(config) => format!("ava bench train {}", config.display()),
-        None => "ava bench train".to_string(),
-    };
-    let json = serde_json::to_vec(&trace.to_chrome_json(&what)).expect("a JSON value serializes");
-    file.write_all(&json).and_then(|()| file.flush()).map_err(|e| trace_error(path, &e))?;
+impl Drop for TraceOut<'_> {
+    fn drop(&mut self) {
+        if !self.written {
+            let _ = std::fs::remove_file(self.path);
+        }
+    }
+}
+
+impl<'a> TraceOut<'a> {
+    fn create(path: &'a std::path::Path) -> Result<Self, Failure> {
+        let file = std::fs::File::create(path).map_err(|e| {
+            Failure::Usage(anyhow::anyhow!(
+                "--trace {}: cannot write the trace there ({e}); name a file in a directory you can write",
+                path.display()
+            ))
+        })?;
+        Ok(Self { path, file, written: false })
+    }
+
+    /// Writes the profiled steps' timeline (see `--trace`), and says where.
+    fn write(&mut self, p: &Printer, trace: &profile::trace::Trace, args: &ConfigArgs) -> CmdResult {
+        use std::io::Write;
+        let what = match &args.config {
+            Some(config) => format!("ava bench train {}", config.display()),
+            None => "ava bench train".to_string(),
+        };
+        let json = serde_json::to_vec(&trace.to_chrome_json(&what)).expect("a JSON value serializes");
+        let path = self.path;
+        self.file.write_all(&json).and_then(|()| self.file.flush()).map_err(|e| {
+            Failure::Runtime(anyhow::anyhow!("--trace {}: writing the trace failed ({e})", path.display()))
+        })?;
+        self.written = true;
+        note_trace(p, path, trace);
+        Ok(())
+    }
+}
+
+/// Says where the trace went, how many spans it holds, and the host memory they took.
+fn note_trace(p: &Printer, path: &std::path::Path, trace: &profile::trace::Trace) {
     let dropped = if trace.dropped > 0 { format!(", {} more not kept", trace.dropped) } else { String::new() };
     p.note(&format!(
-        "trace: {} ({} spans{dropped}; the {} they take is in the memory figures above); open it in \
-         ui.perfetto.dev or chrome://tracing",
+        "trace: {} ({} spans{dropped}, taking {} of host memory while the steps ran: in the host figures); open \
+         it in ui.perfetto.dev or chrome://tracing",
         path.display(),
         trace.spans.len(),
         size(trace.bytes())
     ));
-    Ok(())
 }
 
 /// The measured steps on the CPU, profiled, with the matmul rates sampled between them.

@@ -379,11 +379,19 @@ impl Trainer {
         });
         match opened {
             Ok(writer) => Board::new(writer),
-            Err(e) => {
-                let what = if on { "could not open an event file" } else { "could not drop earlier runs' events" };
+            Err(e) if on => {
                 reporter.warn(&format!(
-                    "TensorBoard events: {what} in {} ({e}); the run goes on without them (metrics.jsonl has every \
-                     metric; train.log.tensorboard: false turns them off)",
+                    "TensorBoard events: could not open an event file in {} ({e}); the run goes on without them \
+                     (metrics.jsonl has every metric; train.log.tensorboard: false turns them off)",
+                    self.out_dir.display()
+                ));
+                Board::new(None)
+            }
+            Err(e) => {
+                reporter.warn(&format!(
+                    "TensorBoard events: could not drop the steps after {} from the event files in {} ({e}); they \
+                     may show steps this run trains again (metrics.jsonl is exact)",
+                    self.step,
                     self.out_dir.display()
                 ));
                 Board::new(None)
