@@ -277,10 +277,9 @@ impl EventWriter {
 /// kept with what remains; how many events were dropped. A file left with no step's events
 /// (a fresh run's, or a run's that stopped before logging) is removed, and so is a temp file
 /// a crashed rewrite left (`.events.out.tfevents.*.ava.tmp-*`, as far as it can be). A file
-/// over 256 MiB is left as it is. A file is read up to its
-/// first damaged record (a killed run's torn last one; the events after a damage elsewhere
-/// are lost, as TensorBoard's reader stops there too); a file with no whole record, or whose
-/// records are not events, is left alone.
+/// over 256 MiB is left as it is, and so is one with no whole record or whose records are not
+/// events. A file is read up to its first damaged record (a killed run's torn last one; the
+/// events after a damage elsewhere are lost, as TensorBoard's reader stops there too).
 pub fn keep_steps_up_to(dir: &Dir, step: u64) -> io::Result<usize> {
     let mut names: Vec<String> = std::fs::read_dir(dir.path())?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
