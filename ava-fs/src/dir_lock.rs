@@ -145,7 +145,7 @@ fn command() -> String {
 }
 
 /// This machine's name, or "unknown".
-fn hostname() -> String {
+pub fn hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: the buffer and its length are valid; gethostname writes at most that many bytes.
     if unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } != 0 {

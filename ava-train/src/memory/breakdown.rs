@@ -7,6 +7,11 @@ pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
+/// Bytes as MiB.
+pub fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
+}
+
 /// Where the bytes of a training step go.
 /// Read back from `metrics.jsonl` by `ava report` (the measured-only fields may be absent).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]

@@ -16,4 +16,4 @@ pub use alloc::{
     CountingAlloc, available_bytes, current, installed, limit, peak, reset_peak, resident_bytes, set_limit,
     stop_counting, take_crossed,
 };
-pub use breakdown::{Breakdown, DeviceMemory, RSS_NOTE, gib, size};
+pub use breakdown::{Breakdown, DeviceMemory, RSS_NOTE, gib, mib, size};

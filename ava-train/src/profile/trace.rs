@@ -130,7 +130,7 @@ impl Trace {
             self.spans.iter().flat_map(|s| [(s.start_us, s.held.0), (s.start_us + s.dur_us, s.held.1)]).collect();
         samples.sort_by(|a, b| a.0.total_cmp(&b.0));
         for (ts, held) in samples {
-            let mib = held as f64 / (1024.0 * 1024.0);
+            let mib = crate::memory::mib(held);
             events.push(json!({"name": "host memory held (MiB)", "ph": "C", "pid": 1, "ts": ts, "args": {"MiB": mib}}));
         }
         json!({

@@ -25,6 +25,7 @@ use ava_fs::dirfd::Dir;
 use prost::Message;
 
 use super::reporter::{EvalRecord, Reporter, StepRecord};
+use crate::memory::mib;
 
 /// `Event` (`tensorflow/core/util/event.proto`).
 #[derive(Clone, PartialEq, prost::Message)]
@@ -195,17 +196,12 @@ fn now() -> f64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// This machine's name for the file name (TensorBoard's convention), `localhost` if unknown.
+/// This machine's name for the file name (TensorBoard's convention), only the characters a
+/// file name keeps everywhere; `localhost` if none are left.
 fn host_name() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname writes at most that many bytes.
-    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    let name: String = String::from_utf8_lossy(&buf[..end])
-        .chars()
-        .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
-        .collect();
-    if ok && !name.is_empty() { name } else { "localhost".into() }
+    let name: String =
+        ava_fs::dir_lock::hostname().chars().filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_')).collect();
+    if name.is_empty() { "localhost".into() } else { name }
 }
 
 /// A temp file a rewrite of an event file leaves if it crashes (`Dir::replace`'s
@@ -335,11 +331,6 @@ impl Board {
         Self { writer }
     }
 
-    /// Where the events go, while they are written.
-    pub fn path(&self) -> Option<&Path> {
-        self.writer.as_ref().map(EventWriter::path)
-    }
-
     /// Appends `values` as step `step`'s event; a failure is warned about through
     /// `reporter` once, and no more events are written.
     pub fn log(&mut self, step: u64, values: Vec<Value>, reporter: &mut dyn Reporter) {
@@ -353,11 +344,6 @@ impl Board {
             self.writer = None;
         }
     }
-}
-
-/// Bytes as MiB, the unit of the memory scalars.
-fn mib(bytes: u64) -> f64 {
-    bytes as f64 / (1024.0 * 1024.0)
 }
 
 /// A step's scalars and texts, as `metrics.jsonl`'s step line has them: `train/*` (loss, lr,
