@@ -424,6 +424,15 @@ pub enum BenchCommand {
         /// profiled; on a GPU the profiled steps after them.
         #[arg(long, value_name = "FILE")]
         trace: Option<std::path::PathBuf>,
+        /// With --trace: also record every allocation and release of measured step STEP (1 is
+        /// the first after the warmup) into the trace: the bytes held by owner (the
+        /// profiler scope open when each was made, e.g. `backward: linear`; what was held
+        /// before the step is one lump) as a counter track, the step's peak and the 50
+        /// largest allocations as instant events, and the buffers live at the peak listed
+        /// here, by owner. CPU runs only. Example: ava bench train -c configs/small.yaml
+        /// --trace step.json --memory-trace 2
+        #[arg(long, value_name = "STEP", requires = "trace")]
+        memory_trace: Option<u64>,
     },
     /// Attention kernels head to head: time, saved-for-backward memory, peak memory and
     /// accuracy against the dense kernel with the same mask, per sequence length.

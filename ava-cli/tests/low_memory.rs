@@ -331,6 +331,16 @@ fn bench_train_names_the_matmul_kernels() {
     assert!(scopes.contains(&"backward: linear"), "{scopes:?}");
 }
 
+/// `ava bench train` with the [`common::SMALL`] settings, `extra` and `--trace trace`, in
+/// `dir`: what it said on stderr and stdout (it must succeed).
+fn bench_traced(dir: &std::path::Path, trace: &std::path::Path, extra: &[&str]) -> String {
+    let mut args: Vec<String> = ["bench", "train"].iter().chain(extra).map(|s| s.to_string()).collect();
+    args.extend(["--trace".to_string(), trace.display().to_string()]);
+    args.extend(common::SMALL.iter().flat_map(|s| ["--set".to_string(), s.to_string()]));
+    let out = ok(common::ava(dir, &args.iter().map(String::as_str).collect::<Vec<_>>()));
+    String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout)
+}
+
 /// `ava bench train --trace FILE` writes the profiled steps as Chrome trace-event JSON: each
 /// measured step a span, the profiler's scopes as spans inside the steps, and the host memory
 /// held as a counter track in time order; a file that cannot be written is refused before
@@ -340,14 +350,7 @@ fn bench_train_writes_the_steps_as_a_trace() {
     ava_tests::workspace_plugins_dir();
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace.json");
-    let mut args: Vec<String> = ["bench", "train", "--steps", "2", "--warmup", "0", "--trace"]
-        .iter()
-        .map(|s| s.to_string())
-        .chain([trace.display().to_string()])
-        .collect();
-    args.extend(common::SMALL.iter().flat_map(|s| ["--set".to_string(), s.to_string()]));
-    let out = ok(common::ava(dir.path(), &args.iter().map(String::as_str).collect::<Vec<_>>()));
-    let said = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    let said = bench_traced(dir.path(), &trace, &["--steps", "2", "--warmup", "0"]);
     assert!(said.contains(&format!("trace: {} (", trace.display())), "{said}");
     let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
     let events = json["traceEvents"].as_array().unwrap();
@@ -376,6 +379,58 @@ fn bench_train_writes_the_steps_as_a_trace() {
     let refused = common::ava(dir.path(), &["bench", "train", "--modes", "--trace", "t.json"]);
     assert_eq!(refused.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--trace records one config's profiled steps"));
+}
+
+/// `ava bench train --memory-trace STEP` records every allocation and release of that
+/// measured step into the trace: the bytes held by owner as a counter inside the step's
+/// span, the peak as an instant event whose bytes are the counter's highest total, and the
+/// buffers live at the peak listed by owner on the terminal. Steps outside the run, and the
+/// flag without --trace, are refused before any step.
+#[test]
+fn bench_train_records_a_steps_memory_timeline() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("trace.json");
+    let said = bench_traced(dir.path(), &trace, &["--steps", "2", "--warmup", "1", "--memory-trace", "2"]);
+    assert!(said.contains("memory timeline of step 2: "), "{said}");
+    assert!(said.contains("made in the step and live at the peak, by owner:"), "{said}");
+    assert!(said.lines().any(|l| l.contains(" buffers  forward: ")), "forward's activations live at the peak: {said}");
+
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&trace).unwrap()).unwrap();
+    let events = json["traceEvents"].as_array().unwrap();
+    let step = events.iter().find(|e| e["ph"] == "X" && e["name"] == "step 2").expect("step 2's span");
+    let (start, end) = (step["ts"].as_f64().unwrap(), step["ts"].as_f64().unwrap() + step["dur"].as_f64().unwrap());
+    let inside = |e: &serde_json::Value| (start - 1.0..=end + 1.0).contains(&e["ts"].as_f64().unwrap());
+    let rows: Vec<&serde_json::Value> =
+        events.iter().filter(|e| e["ph"] == "C" && e["name"] == "memory by owner, step 2 (MiB)").collect();
+    assert!(rows.len() > 10, "{} rows", rows.len());
+    assert!(rows.iter().all(|r| inside(r)), "the timeline lies inside its step");
+    assert!(rows.iter().all(|r| r["args"]["held before the step"].as_f64().unwrap() > 0.0));
+    let total = |r: &serde_json::Value| -> f64 {
+        r["args"].as_object().unwrap().values().map(|v| v.as_f64().unwrap()).sum::<f64>() * 1048576.0
+    };
+    let highest = rows.iter().map(|r| total(r)).fold(0.0, f64::max);
+    let peak = events.iter().find(|e| e["ph"] == "i" && e["s"] == "g").expect("the peak's instant event");
+    assert!(inside(peak));
+    let peak_bytes = peak["args"]["peak (bytes)"].as_f64().unwrap();
+    assert!((peak_bytes - highest).abs() < 16.0, "peak {peak_bytes} against the counter's highest {highest}");
+    let largest: Vec<i64> = events
+        .iter()
+        .filter(|e| e["ph"] == "i" && e["s"] == "t")
+        .map(|e| e["args"]["bytes"].as_i64().unwrap())
+        .collect();
+    assert!(!largest.is_empty() && largest.windows(2).all(|w| w[0] >= w[1]), "largest first: {largest:?}");
+    assert_eq!(json["otherData"]["memory events dropped (past the timeline's capacity)"], 0);
+
+    let refused =
+        common::ava(dir.path(), &["bench", "train", "--steps", "2", "--trace", "t.json", "--memory-trace", "3"]);
+    assert_eq!(refused.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(err.contains("--memory-trace 3: the benchmark measures steps 1 to 2"), "{err}");
+    assert!(!dir.path().join("t.json").exists(), "nothing written for a refused run");
+    let refused = common::ava(dir.path(), &["bench", "train", "--memory-trace", "1"]);
+    assert_eq!(refused.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--trace"));
 }
 
 /// `ava bench train --modes` runs the config's model in each memory mode and reports them

@@ -63,18 +63,21 @@ pub struct Scope {
     sync: Option<Device>,
     /// With a trace on ([`trace`]), the bytes the counting allocator held at the start.
     held: Option<u64>,
+    /// With a memory timeline armed, this scope owns what is allocated until it ends.
+    _owner: Option<crate::memory::timeline::OwnerGuard>,
 }
 
 /// Starts timing `name`.
 pub fn scope(name: &'static str) -> Scope {
     if !ENABLED.load(Ordering::Relaxed) || OPEN.with_borrow(|open| open.contains(&name)) {
-        return Scope { name, start: None, sync: None, held: None };
+        return Scope { name, start: None, sync: None, held: None, _owner: None };
     }
     let sync = SYNC.lock().expect("profile lock").clone();
     wait_for(sync.as_ref());
     OPEN.with_borrow_mut(|open| open.push(name));
     let held = trace::is_on().then(crate::memory::current);
-    Scope { name, start: Some(Instant::now()), sync, held }
+    let _owner = crate::memory::timeline::enter(name);
+    Scope { name, start: Some(Instant::now()), sync, held, _owner }
 }
 
 /// Waits until `device` has run everything queued on it. An error is not the profiler's to

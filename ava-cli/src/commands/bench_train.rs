@@ -23,6 +23,7 @@ use std::time::Instant;
 use ava_train::config::Config;
 use ava_train::estimate::step_time::{self, Card, StepTime};
 use ava_train::memory::size;
+use ava_train::memory::timeline::{self, Timeline};
 use ava_train::model::fused::linear;
 use ava_train::profile;
 use ava_train::train::{RunHeader, StepRecord, TrainOptions, Trainer};
@@ -90,9 +91,22 @@ fn median(v: &[f64]) -> f64 {
     if v.is_empty() { f64::NAN } else { v[v.len() / 2] }
 }
 
-pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64, trace: Option<&std::path::Path>) -> CmdResult {
+pub fn run(
+    p: &Printer,
+    args: &ConfigArgs,
+    steps: u64,
+    warmup: u64,
+    trace: Option<&std::path::Path>,
+    memory_step: Option<u64>,
+) -> CmdResult {
     if steps == 0 {
         return Err(Failure::Usage(anyhow::anyhow!("--steps must be at least 1")));
+    }
+    if let Some(step) = memory_step.filter(|s| !(1..=steps).contains(s)) {
+        return Err(Failure::Usage(anyhow::anyhow!(
+            "--memory-trace {step}: the benchmark measures steps 1 to {steps} (after the warmup); pick one of them \
+             or raise --steps"
+        )));
     }
     let ctx = context::load_checked(args, p)?;
     let mut config = run_config(context::load_config(args, p)?, p)?;
@@ -103,6 +117,12 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64, trace: Optio
     let profiled = if config.train.device.is_cuda() { PROFILED_STEPS } else { 0 };
     config.train.max_steps = config.train.max_steps.max(warmup + steps + profiled);
     set_threads(config.train.threads);
+    if memory_step.is_some() && config.train.device.is_cuda() {
+        return Err(Failure::Usage(anyhow::anyhow!(
+            "--memory-trace records the host allocator, and a GPU run's buffers are on the device: it is not \
+             supported on a GPU run yet; trace a CPU config (train.device: cpu), or use --trace alone"
+        )));
+    }
     let mut trainer = Trainer::new(&config, &ctx.registry, &TrainOptions::default()).map_err(failure)?;
     // The trace's file is made before any step runs, so a path that cannot be written is said
     // at once; it goes again if no trace gets written into it.
@@ -123,14 +143,15 @@ pub fn run(p: &Printer, args: &ConfigArgs, steps: u64, warmup: u64, trace: Optio
     if trace.is_some() {
         profile::trace::start();
     }
+    let mut timeline = None;
     let result = if device.is_cuda() {
         gpu_bench(p, &mut trainer, &header, (&config, &ctx.registry), steps, &device)
     } else {
-        cpu_bench(p, &mut trainer, &header, &config, steps)
+        cpu_bench(p, &mut trainer, &header, &config, steps, memory_step.map(|s| (s, &mut timeline)))
     };
     let spans = profile::trace::take();
     if let (Some(out), Some(spans), Ok(())) = (trace_out.as_mut(), spans, &result) {
-        out.write(p, &spans, args)?;
+        out.write(p, &spans, timeline.as_ref(), args)?;
     }
     result
 }
@@ -161,22 +182,67 @@ impl<'a> TraceOut<'a> {
         Ok(Self { path, file, written: false })
     }
 
-    /// Writes the profiled steps' timeline (see `--trace`), and says where.
-    fn write(&mut self, p: &Printer, trace: &profile::trace::Trace, args: &ConfigArgs) -> CmdResult {
+    /// Writes the profiled steps' timeline (see `--trace`), with a step's memory timeline
+    /// (`--memory-trace`) if there is one, and says where and what the memory peak held.
+    fn write(
+        &mut self,
+        p: &Printer,
+        trace: &profile::trace::Trace,
+        memory: Option<&(u64, Timeline)>,
+        args: &ConfigArgs,
+    ) -> CmdResult {
         use std::io::Write;
         let what = match &args.config {
             Some(config) => format!("ava bench train {}", config.display()),
             None => "ava bench train".to_string(),
         };
-        let json = serde_json::to_vec(&trace.to_chrome_json(&what)).expect("a JSON value serializes");
+        let mut chrome = trace.to_chrome_json(&what);
+        if let Some((step, timeline)) = memory {
+            let offset_us = timeline.armed_at.saturating_duration_since(trace.origin()).as_secs_f64() * 1e6;
+            let events = chrome["traceEvents"].as_array_mut().expect("the trace's events are a list");
+            events.extend(timeline.to_chrome_events(offset_us, &format!("step {step}")));
+            chrome["otherData"]["memory events"] = timeline.events.len().into();
+            chrome["otherData"]["memory events dropped (past the timeline's capacity)"] = timeline.dropped.into();
+        }
+        let json = serde_json::to_vec(&chrome).expect("a JSON value serializes");
         let path = self.path;
         self.file.write_all(&json).and_then(|()| self.file.flush()).map_err(|e| {
             Failure::Runtime(anyhow::anyhow!("--trace {}: writing the trace failed ({e})", path.display()))
         })?;
         self.written = true;
         note_trace(p, path, trace);
+        if let Some((step, timeline)) = memory {
+            note_memory(p, *step, timeline);
+        }
         Ok(())
     }
+}
+
+/// Says what a step's memory timeline saw: its events, its peak and what was live then.
+fn note_memory(p: &Printer, step: u64, timeline: &Timeline) {
+    let dropped = match timeline.dropped {
+        0 => String::new(),
+        n => format!(", {n} more not kept (past its capacity of {})", timeline::DEFAULT_CAPACITY),
+    };
+    let Some(peak) = timeline.peak() else {
+        p.note(&format!("memory timeline of step {step}: no allocations recorded{dropped}"));
+        return;
+    };
+    let mut lines = vec![format!(
+        "memory timeline of step {step}: {} allocations and releases{dropped} (its buffer, {}, is in the \
+         figures); peak {} at {:.1} ms into the step, made in `{}`; held before the step and still held: {}",
+        timeline.events.len(),
+        size(timeline.buffer_bytes),
+        size(peak.bytes),
+        peak.t_ns as f64 / 1e6,
+        peak.owner,
+        size(peak.held_before),
+    )];
+    lines.push("  made in the step and live at the peak, by owner:".to_string());
+    for (owner, count, bytes) in peak.by_owner().into_iter().take(12) {
+        lines.push(format!("  {:>12}  {count:>5} buffers  {owner}", size(bytes)));
+    }
+    p.note(&lines.join("\n"));
 }
 
 /// Says where the trace went, how many spans it holds, and the host memory they took.
@@ -192,19 +258,35 @@ fn note_trace(p: &Printer, path: &std::path::Path, trace: &profile::trace::Trace
 }
 
 /// The measured steps on the CPU, profiled, with the matmul rates sampled between them.
-fn cpu_bench(p: &Printer, trainer: &mut Trainer, header: &RunHeader, config: &Config, steps: u64) -> CmdResult {
+/// With `memory`, step `.0` (1-based) is recorded as a memory timeline into `.1`.
+fn cpu_bench(
+    p: &Printer,
+    trainer: &mut Trainer,
+    header: &RunHeader,
+    config: &Config,
+    steps: u64,
+    mut memory: Option<(u64, &mut Option<(u64, Timeline)>)>,
+) -> CmdResult {
     let mut probe = MatmulProbe::new(header.threads)?;
     profile::reset();
     let mut seconds = 0.0;
     let mut step_times = Vec::new();
     let mut last = None;
     for n in 0..steps {
+        let recorded = memory.as_mut().filter(|(step, _)| *step == n + 1);
+        if recorded.is_some() {
+            timeline::arm(timeline::DEFAULT_CAPACITY);
+        }
         profile::enable(true);
         let held = ava_train::memory::current();
         let start = Instant::now();
-        last = Some(trainer.train_step().map_err(failure)?);
+        let stepped = trainer.train_step();
         let t = start.elapsed().as_secs_f64();
         profile::enable(false);
+        if let Some((step, out)) = recorded {
+            **out = timeline::disarm().map(|t| (*step, t));
+        }
+        last = Some(stepped.map_err(failure)?);
         profile::trace::record(format!("step {}", n + 1).into(), start, held);
         seconds += t;
         step_times.push(t);

@@ -49,7 +49,7 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
         Command::Generate(args) => generate::run(p, &args),
         Command::Eval(args) => eval::run(p, &args),
         Command::Report(args) => report::run(p, &args),
-        Command::Bench(BenchCommand::Train { config, steps, warmup, modes, offload, trace }) => {
+        Command::Bench(BenchCommand::Train { config, steps, warmup, modes, offload, trace, memory_trace }) => {
             if modes && trace.is_some() {
                 Err(crate::Failure::Usage(anyhow::anyhow!(
                     "--trace records one config's profiled steps, and --modes runs several: trace one mode at a \
@@ -63,7 +63,7 @@ pub fn run(command: Command, p: &Printer) -> CmdResult {
                      bench one config with a tier, set plugins.offload and offload.tiers in it"
                 )))
             } else {
-                bench_train::run(p, &config, steps, warmup, trace.as_deref())
+                bench_train::run(p, &config, steps, warmup, trace.as_deref(), memory_trace)
             }
         }
         Command::Bench(BenchCommand::Attention(args)) => bench_attention::run(p, &args),

@@ -72,6 +72,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
         let p = unsafe { System.alloc(layout) };
         if !p.is_null() {
             grew(layout.size() as u64);
+            super::timeline::record(p as usize, layout.size() as i64);
         }
         p
     }
@@ -81,6 +82,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
         let p = unsafe { System.alloc_zeroed(layout) };
         if !p.is_null() {
             grew(layout.size() as u64);
+            super::timeline::record(p as usize, layout.size() as i64);
         }
         p
     }
@@ -89,6 +91,7 @@ unsafe impl GlobalAlloc for CountingAlloc {
         // SAFETY: as above.
         unsafe { System.dealloc(ptr, layout) };
         shrank(layout.size() as u64);
+        super::timeline::record(ptr as usize, -(layout.size() as i64));
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
@@ -102,6 +105,9 @@ unsafe impl GlobalAlloc for CountingAlloc {
             } else {
                 shrank(old - new);
             }
+            // A move or a resize in place: the timeline sees the old block go and the new one come.
+            super::timeline::record(ptr as usize, -(old as i64));
+            super::timeline::record(p as usize, new as i64);
         }
         p
     }

@@ -100,6 +100,11 @@ pub fn record(name: Cow<'static, str>, start: Instant, held_at_start: u64) {
 }
 
 impl Trace {
+    /// When the trace started: the spans' times are microseconds after it.
+    pub fn origin(&self) -> Instant {
+        self.origin
+    }
+
     /// Bytes the kept spans take (counted in the memory figures of the traced steps).
     pub fn bytes(&self) -> u64 {
         (self.spans.capacity() * std::mem::size_of::<Span>()) as u64
