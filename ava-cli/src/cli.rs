@@ -429,8 +429,10 @@ pub enum BenchCommand {
         /// profiler scope open when each was made, e.g. `backward: linear`; what was held
         /// before the step is one lump) as a counter track, the step's peak and the 50
         /// largest allocations as instant events, and the buffers live at the peak listed
-        /// here, by owner. CPU runs only. Example: ava bench train -c configs/small.yaml
-        /// --trace step.json --memory-trace 2
+        /// here, by owner. Also draws FILE's stem + .memory.{svg,png} beside it: the bytes by
+        /// owner stacked over the step, the peak marked, `ava estimate`'s peak as a line. CPU
+        /// runs only. Example: ava bench train -c configs/small.yaml --trace step.json
+        /// --memory-trace 2
         #[arg(long, value_name = "STEP", requires = "trace")]
         memory_trace: Option<u64>,
     },

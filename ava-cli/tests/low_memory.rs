@@ -421,6 +421,14 @@ fn bench_train_records_a_steps_memory_timeline() {
         .collect();
     assert!(!largest.is_empty() && largest.windows(2).all(|w| w[0] >= w[1]), "largest first: {largest:?}");
     assert_eq!(json["otherData"]["memory events dropped (past the timeline's capacity)"], 0);
+    // The chart beside the trace: the peak marked, the estimate's peak as a line, the owners.
+    let svg = std::fs::read_to_string(dir.path().join("trace.memory.svg")).unwrap();
+    for text in ["memory of step 2 by owner", "peak ", "ava estimate&apos;s peak", "held before the step"] {
+        assert!(svg.contains(text) || svg.contains(&text.replace("&apos;", "'")), "{text} in the chart");
+    }
+    assert!(said.contains("memory chart: "), "{said}");
+    let png = std::fs::read(dir.path().join("trace.memory.png")).unwrap();
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
 
     let refused =
         common::ava(dir.path(), &["bench", "train", "--steps", "2", "--trace", "t.json", "--memory-trace", "3"]);

@@ -1,6 +1,7 @@
 //! The charts of `ava report`, each written as SVG and PNG with plotters: a run's loss
 //! (train and validation, with the synthetic data's entropy floor) and its memory by
 //! component, both with the micro-batch changes marked; and one metric of several runs.
+//! Also one step's memory timeline by owner (`ava bench train --memory-trace`).
 //! Text is laid out and drawn with the embedded DejaVu Sans, so no system font is needed.
 
 use std::path::{Path, PathBuf};
@@ -52,7 +53,8 @@ pub fn run_charts(run: &RunMetrics, name: &str, dir: &Path) -> Result<Vec<PathBu
     let steps = |f: &dyn Fn(&StepPoint) -> f64| -> Vec<(f64, f64)> {
         run.steps.iter().map(|s| (s.step as f64, f(s))).collect()
     };
-    let changes = micro_batch_changes(run);
+    let changes: Vec<(f64, String)> =
+        micro_batch_changes(run).into_iter().map(|(step, from, to)| (step as f64, format!("{from}→{to}"))).collect();
     let mut loss = vec![Series { label: "train loss".into(), points: steps(&|s| s.loss) }];
     if !run.evals.is_empty() {
         loss.push(Series {
@@ -67,7 +69,8 @@ pub fn run_charts(run: &RunMetrics, name: &str, dir: &Path) -> Result<Vec<PathBu
         series: loss,
         stacked: false,
         horizontal: floor.map(|f| ("entropy floor (the best possible)".to_string(), f)),
-        changes: changes.clone(),
+        marks: changes.clone(),
+        ..Chart::over_steps()
     };
     // Memory: components stacked from the bottom, in MiB or GiB as the peaks are.
     let most = run.steps.iter().map(|s| s.memory.peak).max().unwrap_or(0);
@@ -92,7 +95,8 @@ pub fn run_charts(run: &RunMetrics, name: &str, dir: &Path) -> Result<Vec<PathBu
         series: memory,
         stacked: true,
         horizontal: budget.map(|b| ("memory.budget".to_string(), mib(b))),
-        changes,
+        marks: changes,
+        ..Chart::over_steps()
     };
     let mut files = loss_chart.write(dir, "loss")?;
     files.extend(memory_chart.write(dir, "memory")?);
@@ -126,13 +130,38 @@ pub fn metric_chart(
         }
         y_label = format!("{metric} ({unit})");
     }
+    Chart { title: format!("{metric} by step"), y_label, series: runs, ..Chart::over_steps() }.write(dir, file_stem)
+}
+
+/// Writes `{file_stem}.{svg,png}`: one step's memory over time, `series` of (milliseconds
+/// into the step, bytes) stacked from the bottom in order, with a vertical mark at `peak`
+/// (milliseconds, its label) and a dashed line at `estimate` (its label, bytes), both drawn
+/// in the unit the bytes read best in.
+pub fn timeline_chart(
+    title: String,
+    mut series: Vec<Series>,
+    peak: (f64, String),
+    estimate: Option<(String, u64)>,
+    dir: &Path,
+    file_stem: &str,
+) -> Result<Vec<PathBuf>> {
+    let top: f64 = (0..series.first().map_or(0, |s| s.points.len()))
+        .map(|i| series.iter().map(|s| s.points[i].1).sum::<f64>())
+        .fold(0.0, f64::max);
+    let (unit, div) = byte_unit(top.max(estimate.as_ref().map_or(0.0, |e| e.1 as f64)));
+    for s in &mut series {
+        s.points.iter_mut().for_each(|p| p.1 /= div);
+    }
     Chart {
-        title: format!("{metric} by step"),
-        y_label,
-        series: runs,
-        stacked: false,
-        horizontal: None,
-        changes: vec![],
+        title,
+        y_label: unit.into(),
+        series,
+        stacked: true,
+        horizontal: estimate.map(|(label, bytes)| (label, bytes as f64 / div)),
+        marks: vec![peak],
+        mark_legend: "the peak",
+        x_desc: "ms into the step",
+        whole_x: false,
     }
     .write(dir, file_stem)
 }
@@ -146,11 +175,32 @@ struct Chart {
     stacked: bool,
     /// A labelled horizontal line (the entropy floor, the budget).
     horizontal: Option<(String, f64)>,
-    /// Micro-batch changes, drawn as vertical markers.
-    changes: Vec<(u64, u64, u64)>,
+    /// Vertical markers at x, each with its label (micro-batch changes `from→to`).
+    marks: Vec<(f64, String)>,
+    /// The markers' legend entry.
+    mark_legend: &'static str,
+    /// The x axis's name.
+    x_desc: &'static str,
+    /// Whether x is whole numbers (steps): labels only at whole values.
+    whole_x: bool,
 }
 
 impl Chart {
+    /// A chart over steps with nothing in it yet (fill in the rest).
+    fn over_steps() -> Chart {
+        Chart {
+            title: String::new(),
+            y_label: String::new(),
+            series: Vec::new(),
+            stacked: false,
+            horizontal: None,
+            marks: Vec::new(),
+            mark_legend: "micro-batch change",
+            x_desc: "step",
+            whole_x: true,
+        }
+    }
+
     fn write(&self, dir: &Path, stem: &str) -> Result<Vec<PathBuf>> {
         std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         let (svg, png) = (dir.join(format!("{stem}.svg")), dir.join(format!("{stem}.png")));
@@ -210,13 +260,18 @@ impl Chart {
             .build_cartesian_2d(x0..x1, y0..y1)
             .map_err(e)?;
         // Whole steps: a short run gets one label per step, never two that read the same.
-        let x_labels = ((x1 - x0).round() as usize + 1).clamp(2, 10);
+        let x_labels = if self.whole_x { ((x1 - x0).round() as usize + 1).clamp(2, 10) } else { 10 };
+        let (whole, decimals) = (self.whole_x, if x1 - x0 >= 20.0 { 0 } else { 1 });
         chart
             .configure_mesh()
-            .x_desc("step")
+            .x_desc(self.x_desc)
             .y_desc(self.y_label.as_str())
             .x_labels(x_labels)
-            .x_label_formatter(&|x| if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() })
+            .x_label_formatter(&|x| match whole {
+                true if (x - x.round()).abs() < 1e-6 => format!("{x:.0}"),
+                true => String::new(),
+                false => format!("{x:.decimals$}"),
+            })
             .light_line_style(WHITE.mix(0.0))
             .draw()
             .map_err(e)?;
@@ -253,18 +308,18 @@ impl Chart {
                 .label(label.as_str())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], grey));
         }
-        for (i, &(step, from, to)) in self.changes.iter().enumerate() {
-            let x = step as f64;
+        for (i, (x, text)) in self.marks.iter().enumerate() {
+            let x = *x;
             let drawn = chart.draw_series(LineSeries::new([(x, y0), (x, y1)], MARKER.stroke_width(1))).map_err(e)?;
             if i == 0 {
                 drawn
-                    .label("micro-batch change")
+                    .label(self.mark_legend)
                     .legend(move |(x, y)| PathElement::new(vec![(x + 8, y - 6), (x + 8, y + 6)], MARKER));
             }
-            // Alternate heights, so the labels of close changes do not overlap.
+            // Alternate heights, so the labels of close marks do not overlap.
             let y = y1 - if i % 2 == 0 { 0.0 } else { 0.05 * (y1 - y0) };
             chart
-                .draw_series([Text::new(format!("{from}→{to}"), (x, y), ("sans-serif", 13).into_font().color(&MARKER))])
+                .draw_series([Text::new(text.clone(), (x, y), ("sans-serif", 13).into_font().color(&MARKER))])
                 .map_err(e)?;
         }
         chart

@@ -13,7 +13,8 @@
 //! while a timeline is armed would mix the owners; the engine's step has one such thread.
 //!
 //! Memory held when the timeline was armed (parameters, gradients, optimizer state, queued
-//! batches) is one lump, "held before", which releases of its buffers make smaller.
+//! batches) is one lump, "held before", which releases of its buffers make smaller. The
+//! timeline's own buffer is in none of its figures.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -77,11 +78,14 @@ pub fn is_armed() -> bool {
     ARMED.load(Relaxed)
 }
 
-/// Starts recording into a fresh buffer of `capacity` events (allocated here, before
-/// recording starts, so it is in the "held before" lump). A timeline already armed is
-/// dropped first.
+/// Starts recording into a fresh buffer of `capacity` events, allocated here before
+/// recording starts and left out of the timeline's figures (the "held before" lump is read
+/// before it is made; the counting allocator's own peak does count it). A timeline already
+/// armed is dropped first.
 pub fn arm(capacity: usize) {
     drop(disarm());
+    // Read before the buffer is made: the timeline's figures leave its own buffer out.
+    let held_before = crate::memory::current();
     let mut buf: Vec<Event> = Vec::with_capacity(capacity.max(1));
     let mut state = STATE.lock().expect("timeline lock");
     BUF.store(buf.as_mut_ptr(), SeqCst);
@@ -89,7 +93,7 @@ pub fn arm(capacity: usize) {
     NEXT.store(0, SeqCst);
     OWNER.store(0, SeqCst);
     ORIGIN_NS.store(clock_ns() as usize, SeqCst);
-    *state = Some((buf, crate::memory::current(), Instant::now()));
+    *state = Some((buf, held_before, Instant::now()));
     ARMED.store(true, SeqCst);
 }
 
@@ -170,11 +174,11 @@ pub struct Timeline {
     pub events: Vec<Event>,
     /// Owner names by number (0: [`UNTAGGED`]).
     pub owners: Vec<&'static str>,
-    /// Bytes the counting allocator held when the timeline was armed.
+    /// Bytes the counting allocator held when the timeline was armed, its own buffer left out.
     pub held_before: u64,
     /// Events past the buffer's capacity, not kept.
     pub dropped: u64,
-    /// Bytes the buffer itself took (in `held_before`).
+    /// Bytes the buffer itself took (not in the timeline's figures).
     pub buffer_bytes: u64,
     /// When it was armed.
     pub armed_at: Instant,
