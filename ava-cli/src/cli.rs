@@ -279,10 +279,19 @@ pub struct TrainArgs {
     #[arg(long, requires = "resume")]
     pub fresh_optimizer: bool,
     /// Start a fresh run in a train.out_dir that holds an earlier run: deletes that run's
-    /// metrics.jsonl, checkpoints/, model/ and report/ (nothing else in the directory), once
-    /// this run holds the directory's lock. Without it such a run is refused.
+    /// metrics.jsonl, checkpoints/, model/, report/ and memory/ (nothing else in the
+    /// directory), once this run holds the directory's lock. Without it such a run is refused.
     #[arg(long, conflicts_with = "resume")]
     pub overwrite: bool,
+    /// Record these steps allocation by allocation (e.g. --memory-trace 2 or 2,500): each
+    /// into <train.out_dir>/memory/ as step-N.trace.json (the profiled scopes as spans and
+    /// the bytes held by owner as a counter track, for ui.perfetto.dev or chrome://tracing),
+    /// step-N.json (the peak and what was live then; `ava report` shows it) and
+    /// step-N.memory.{svg,png} (the bytes by owner stacked over the step, the peak marked,
+    /// `ava estimate`'s peak as a line). The owner of an allocation is the engine's scope
+    /// it was made in (e.g. `forward: attention kernel`). CPU runs only.
+    #[arg(long, value_name = "STEP[,STEP...]", value_delimiter = ',')]
+    pub memory_trace: Vec<u64>,
     /// Train with N data-parallel ranks on this machine: runs this same command under
     /// `mpirun -np N` (needs Open MPI's mpirun and an ava built with `--features mpi`).
     /// Each rank takes train.micro_batch_size sequences per micro-step; distributed.zero_stage

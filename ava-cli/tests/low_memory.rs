@@ -441,6 +441,72 @@ fn bench_train_records_a_steps_memory_timeline() {
     assert!(String::from_utf8_lossy(&refused.stderr).contains("--trace"));
 }
 
+/// `ava train --memory-trace 2,3` writes each step's recording into the run directory's
+/// memory/ (the trace, the summary, the chart), the timeline's peak is the run's measured
+/// peak of that step (recording changes no figure), `ava report` lists the steps with their
+/// peaks, and the same run resumed without the flag trains the same losses. Steps outside
+/// the run are refused before anything is written.
+#[test]
+fn train_records_chosen_steps_and_report_shows_them() {
+    ava_tests::workspace_plugins_dir();
+    let dir = tempfile::tempdir().unwrap();
+    let out = ok(common::train_small(dir.path(), "traced", &["--steps", "3", "--memory-trace", "2,3"]));
+    let said = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("memory timeline of step 2: ") && said.contains("memory timeline of step 3: "), "{said}");
+    let run = dir.path().join("traced");
+    let memory = run.join("memory");
+    for step in [2, 3] {
+        for file in [".trace.json", ".json", ".memory.svg", ".memory.png"] {
+            assert!(memory.join(format!("step-{step}{file}")).is_file(), "step-{step}{file}");
+        }
+    }
+    assert!(!memory.join("step-1.json").exists(), "only the chosen steps");
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(memory.join("step-2.json")).unwrap()).unwrap();
+    let steps: Vec<serde_json::Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["type"] == "step")
+        .collect();
+    let step2 = steps.iter().find(|v| v["data"]["step"] == 2).unwrap();
+    assert_eq!(summary["peak_bytes"], step2["data"]["memory"]["peak"], "the timeline's peak is the step's");
+    let owners = summary["live_by_owner"].as_array().unwrap();
+    assert!(owners.iter().any(|o| o["owner"].as_str().unwrap().starts_with("forward: ")), "{owners:?}");
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(memory.join("step-2.trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    assert!(events.iter().any(|e| e["ph"] == "X" && e["name"] == "backward: linear"), "the scopes as spans");
+    assert!(events.iter().any(|e| e["ph"] == "C" && e["name"] == "memory by owner, step 2 (MiB)"));
+
+    let report = ok(common::ava(dir.path(), &["report", "traced"]));
+    let text = String::from_utf8_lossy(&report.stdout);
+    for step in [2, 3] {
+        let line = text.lines().find(|l| l.starts_with(&format!("memory timeline of step {step}: "))).unwrap_or("");
+        assert!(
+            line.contains("peak ")
+                && line.contains("step-{step}.memory.svg".replace("{step}", &step.to_string()).as_str()),
+            "{text}"
+        );
+    }
+    let json = common::json_of(&ok(common::ava(dir.path(), &["--format", "json", "report", "traced"])));
+    let timelines = json["memory_timelines"].as_array().unwrap();
+    assert_eq!(timelines.iter().map(|t| t["step"].as_u64().unwrap()).collect::<Vec<_>>(), [2, 3]);
+    assert_eq!(timelines[0]["peak_bytes"], summary["peak_bytes"]);
+
+    // The same run without recording trains the same losses (recording changes nothing).
+    ok(common::train_small(dir.path(), "plain", &["--steps", "3"]));
+    assert_eq!(common::losses(&run), common::losses(&dir.path().join("plain")));
+
+    let refused = common::train_small(dir.path(), "refused", &["--steps", "3", "--memory-trace", "0"]);
+    let err = common::usage_error(refused);
+    assert!(err.contains("--memory-trace 0: the run's steps are 1 to"), "{err}");
+    let refused = common::train_small(dir.path(), "refused", &["--steps", "3", "--memory-trace", "5"]);
+    let err = common::usage_error(refused);
+    assert!(err.contains("--memory-trace 5: this invocation trains steps 1 to 3"), "{err}");
+    assert!(!dir.path().join("refused").exists(), "a refused run leaves nothing behind");
+}
+
 /// `ava bench train --modes` runs the config's model in each memory mode and reports them
 /// side by side; with --offload also streaming the state to disk, with the tier's traffic
 /// and the time the step waited on it. bf16-only weights take half the parameter memory of

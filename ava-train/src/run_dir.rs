@@ -15,7 +15,7 @@ pub const LOCK_FILE: &str = ".ava-run.lock";
 
 /// What a run writes into its directory, and what `--overwrite` removes (nothing else there
 /// is touched): the metrics, the checkpoints, the final model and `ava report`'s charts.
-pub const RUN_FILES: &[&str] = &["metrics.jsonl", "checkpoints", "model", "report"];
+pub const RUN_FILES: &[&str] = &["metrics.jsonl", "checkpoints", "model", "report", "memory"];
 
 /// Why the run directory cannot be used.
 #[derive(Debug, thiserror::Error)]

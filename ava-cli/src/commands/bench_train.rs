@@ -32,8 +32,8 @@ use serde_json::json;
 
 use crate::{CmdResult, Failure, cli::ConfigArgs, context, output::Printer};
 
+use super::memory_timeline;
 use super::offload_arg::OffloadArg;
-use super::report_plot;
 use super::train::{failure, run_config, set_threads};
 
 /// The two matmul rates the bench compares against, sampled between the measured steps so
@@ -155,64 +155,14 @@ pub fn run(
         out.write(p, &spans, timeline.as_ref(), args)?;
     }
     if let (Some(out), Some((step, timeline)), Ok(())) = (&trace_out, &timeline, &result) {
-        let estimate = estimated_peak(p, &ctx.registry, &config);
-        memory_chart(p, out.path, *step, timeline, estimate)?;
+        let estimate = memory_timeline::estimated_peak(p, &ctx.registry, &config);
+        let stem = format!("{}.memory", out.path.file_stem().map_or("trace".into(), |s| s.to_string_lossy()));
+        let dir = out.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        let files = memory_timeline::chart(*step, timeline, estimate, dir, &stem)
+            .map_err(|e| Failure::Runtime(anyhow::anyhow!("--memory-trace: {e}")))?;
+        memory_timeline::note_files(p, &files);
     }
     result
-}
-
-/// `ava estimate`'s peak for the benchmark's config, or None (said) where it cannot estimate.
-fn estimated_peak(p: &Printer, registry: &ava_plugins::Registry, config: &Config) -> Option<u64> {
-    let estimate = || -> Result<u64, String> {
-        let spec = ava_train::train::model_spec(config).map_err(|e| e.to_string())?;
-        let selected = super::estimate::Selected::new(registry, config, &spec).map_err(|e| e.to_string())?;
-        let est = ava_train::estimate::estimate(&spec, config, &selected.plugins()).map_err(|e| e.to_string())?;
-        Ok(est.breakdown.peak)
-    };
-    estimate().map_err(|e| p.warn(&format!("the memory chart has no estimate line: ava estimate failed ({e})"))).ok()
-}
-
-/// Draws the memory timeline as `<trace>.memory.{svg,png}` beside the trace: the bytes held
-/// by owner stacked over the step (what was held before, the owners holding the most at the
-/// peak, then the rest), the peak marked, `ava estimate`'s peak as a dashed line.
-fn memory_chart(
-    p: &Printer,
-    trace: &std::path::Path,
-    step: u64,
-    timeline: &Timeline,
-    estimate: Option<u64>,
-) -> CmdResult {
-    let Some(peak) = timeline.peak() else { return Ok(()) };
-    // The owners drawn apart: the most at the peak, as many as the palette has colours left.
-    let apart: Vec<&str> = peak.by_owner().into_iter().take(4).map(|(owner, _, _)| owner).collect();
-    let column = |owner: &str| timeline.owners.iter().position(|o| *o == owner).map(|i| i + 1);
-    let apart_columns: Vec<usize> = apart.iter().filter_map(|o| column(o)).collect();
-    let rows = timeline.by_owner(timeline::COUNTER_ROWS);
-    let series_of = |label: String, pick: &dyn Fn(&[u64]) -> u64| report_plot::Series {
-        label,
-        points: rows.iter().map(|(t_ns, held)| (*t_ns as f64 / 1e6, pick(held) as f64)).collect(),
-    };
-    let mut series = vec![series_of("held before the step".into(), &|h| h[0])];
-    for (owner, &c) in apart.iter().zip(&apart_columns) {
-        series.push(series_of(owner.to_string(), &|h| h[c]));
-    }
-    series.push(series_of("everything else".into(), &|h| {
-        h.iter().enumerate().skip(1).filter(|(i, _)| !apart_columns.contains(i)).map(|(_, b)| b).sum()
-    }));
-    let stem = format!("{}.memory", trace.file_stem().map_or("trace".into(), |s| s.to_string_lossy()));
-    let dir = trace.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-    let files = report_plot::timeline_chart(
-        format!("memory of step {step} by owner"),
-        series,
-        (peak.t_ns as f64 / 1e6, format!("peak {}", size(peak.bytes))),
-        estimate.map(|b| (format!("ava estimate's peak, {}", size(b)), b)),
-        dir,
-        &stem,
-    )
-    .map_err(|e| Failure::Runtime(anyhow::anyhow!("--memory-trace: drawing the chart failed: {e}")))?;
-    let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
-    p.note(&format!("memory chart: {}", names.join(", ")));
-    Ok(())
 }
 
 /// The file `--trace` names, made before the steps; removed unless a trace was written.
@@ -255,14 +205,10 @@ impl<'a> TraceOut<'a> {
             Some(config) => format!("ava bench train {}", config.display()),
             None => "ava bench train".to_string(),
         };
-        let mut chrome = trace.to_chrome_json(&what);
-        if let Some((step, timeline)) = memory {
-            let offset_us = timeline.armed_at.saturating_duration_since(trace.origin()).as_secs_f64() * 1e6;
-            let events = chrome["traceEvents"].as_array_mut().expect("the trace's events are a list");
-            events.extend(timeline.to_chrome_events(offset_us, &format!("step {step}")));
-            chrome["otherData"]["memory events"] = timeline.events.len().into();
-            chrome["otherData"]["memory events dropped (past the timeline's capacity)"] = timeline.dropped.into();
-        }
+        let chrome = match memory {
+            Some((step, timeline)) => timeline.chrome_trace(Some(trace), &what, &format!("step {step}")),
+            None => trace.to_chrome_json(&what),
+        };
         let json = serde_json::to_vec(&chrome).expect("a JSON value serializes");
         let path = self.path;
         self.file.write_all(&json).and_then(|()| self.file.flush()).map_err(|e| {
@@ -271,38 +217,10 @@ impl<'a> TraceOut<'a> {
         self.written = true;
         note_trace(p, path, trace);
         if let Some((step, timeline)) = memory {
-            note_memory(p, *step, timeline);
+            p.note(&memory_timeline::summary(*step, timeline));
         }
         Ok(())
     }
-}
-
-/// Says what a step's memory timeline saw: its events, its peak and what was live then.
-fn note_memory(p: &Printer, step: u64, timeline: &Timeline) {
-    let dropped = match timeline.dropped {
-        0 => String::new(),
-        n => format!(", {n} more not kept (past its capacity of {})", timeline::DEFAULT_CAPACITY),
-    };
-    let Some(peak) = timeline.peak() else {
-        p.note(&format!("memory timeline of step {step}: no allocations recorded{dropped}"));
-        return;
-    };
-    let mut lines = vec![format!(
-        "memory timeline of step {step}: {} allocations and releases{dropped} (its buffer, {}, is in the \
-         peak memory above, not in the timeline); peak {} at {:.1} ms into the step, made in `{}`; held \
-         before the step and still held: {}",
-        timeline.events.len(),
-        size(timeline.buffer_bytes),
-        size(peak.bytes),
-        peak.t_ns as f64 / 1e6,
-        peak.owner,
-        size(peak.held_before),
-    )];
-    lines.push("  made in the step and live at the peak, by owner:".to_string());
-    for (owner, count, bytes) in peak.by_owner().into_iter().take(12) {
-        lines.push(format!("  {:>12}  {count:>5} buffers  {owner}", size(bytes)));
-    }
-    p.note(&lines.join("\n"));
 }
 
 /// Says where the trace went, how many spans it holds, and the host memory they took.

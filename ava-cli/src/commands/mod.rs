@@ -16,6 +16,7 @@ mod data_verify;
 mod estimate;
 mod eval;
 mod generate;
+mod memory_timeline;
 mod offload_arg;
 mod plan;
 mod plugins_disable;

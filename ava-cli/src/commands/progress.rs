@@ -5,7 +5,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use ava_train::memory::size;
-use ava_train::train::{EvalRecord, Reporter, RunHeader, RunSummary, StepRecord};
+use ava_train::memory::timeline::Timeline;
+use ava_train::train::{EvalRecord, Reporter, RunHeader, RunSummary, StepRecord, memory_trace_files};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::output::{Format, Printer};
@@ -22,6 +23,8 @@ pub struct CliReporter<'a> {
     started: Option<(Instant, u64)>,
     /// The first memory line said what its RSS is.
     rss_said: bool,
+    /// `ava estimate`'s peak, drawn on the charts of recorded steps.
+    memory_estimate: Option<u64>,
 }
 
 impl<'a> CliReporter<'a> {
@@ -35,7 +38,14 @@ impl<'a> CliReporter<'a> {
             last_step: 0,
             started: None,
             rss_said: false,
+            memory_estimate: None,
         }
+    }
+
+    /// Draws `estimate` (bytes) on the charts of the steps `--memory-trace` records.
+    pub fn with_memory_estimate(mut self, estimate: Option<u64>) -> Self {
+        self.memory_estimate = estimate;
+        self
     }
 
     /// `3/300, eta 1m 12s`: where the run is, and when this invocation should end at the mean
@@ -179,6 +189,22 @@ impl Reporter for CliReporter<'_> {
             Some(bar) if !bar.is_hidden() => bar.println(format!("warning: {message}")),
             _ => self.printer.warn(message),
         }
+    }
+
+    fn memory_timeline(&mut self, step: u64, timeline: &Timeline, dir: &Path) {
+        let (trace, _) = memory_trace_files(dir, step);
+        let mut lines = vec![super::memory_timeline::summary(step, timeline)];
+        match super::memory_timeline::chart(step, timeline, self.memory_estimate, dir, &format!("step-{step}.memory")) {
+            Ok(files) => {
+                let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+                lines.push(format!("  trace {}; chart {}", trace.display(), names.join(", ")));
+            }
+            Err(e) => {
+                lines.push(format!("  trace {}", trace.display()));
+                self.warn(&format!("--memory-trace: step {step}'s {e}; the run goes on"));
+            }
+        }
+        self.line(&lines.join("\n"));
     }
 
     fn finish(&mut self, _summary: &RunSummary) {

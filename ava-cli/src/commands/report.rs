@@ -132,10 +132,12 @@ fn summary(p: &Printer, run: &Path, plots: PathBuf) -> CmdResult {
     let name = column_name(run);
     let charts = report_plot::run_charts(&metrics, &name, &plots).map_err(chart_failure)?;
     let facts = Facts::of(&metrics);
+    let timelines = memory_timelines(p, &run_dir(run));
     p.result(
         || {
             let mut lines = facts.lines(&name, &file);
             lines.push(format!("charts: {}", file_list(&charts)));
+            lines.extend(timelines.iter().map(Timeline::line));
             lines.join("\n")
         },
         || {
@@ -153,10 +155,87 @@ fn summary(p: &Printer, run: &Path, plots: PathBuf) -> CmdResult {
                 "micro_batch_changes": facts.changes.iter().map(|&(s, f, t)| json!({"step": s, "from": f, "to": t})).collect::<Vec<_>>(),
                 "memory_events": facts.events.iter().map(|(s, m)| json!({"step": s, "message": m})).collect::<Vec<_>>(),
                 "charts": charts.iter().map(|c| c.display().to_string()).collect::<Vec<_>>(),
+                "memory_timelines": timelines.iter().map(Timeline::json).collect::<Vec<_>>(),
             })
         },
     );
     Ok(())
+}
+
+/// A step recorded by `ava train --memory-trace`: its summary (`step-N.json`) and files.
+struct Timeline {
+    summary: serde_json::Value,
+    trace: PathBuf,
+    chart: PathBuf,
+}
+
+impl Timeline {
+    /// `memory timeline of step 2: peak 278.3 MiB at 116.1 ms, made in `backward: swiglu`;
+    /// most at the peak: ...; chart ..., trace ...`.
+    fn line(&self) -> String {
+        let s = &self.summary;
+        let bytes = |v: &serde_json::Value| ava_train::memory::size(v.as_u64().unwrap_or(0));
+        let owners: Vec<String> = s["live_by_owner"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .take(3)
+                    .map(|o| format!("{} ({})", bytes(&o["bytes"]), o["owner"].as_str().unwrap_or("?")))
+                    .collect()
+            })
+            .unwrap_or_default();
+        format!(
+            "memory timeline of step {}: peak {} at {:.1} ms, made in `{}`; held before the step {}; most at the \
+             peak: {}; chart {}, trace {}",
+            s["step"],
+            bytes(&s["peak_bytes"]),
+            s["peak_ms"].as_f64().unwrap_or(f64::NAN),
+            s["made_in"].as_str().unwrap_or("?"),
+            bytes(&s["held_before_bytes"]),
+            owners.join(", "),
+            self.chart.display(),
+            self.trace.display()
+        )
+    }
+
+    fn json(&self) -> serde_json::Value {
+        let mut v = self.summary.clone();
+        v["chart"] = self.chart.display().to_string().into();
+        v["trace"] = self.trace.display().to_string().into();
+        v
+    }
+}
+
+/// The run's recorded steps (`<run>/memory/step-N.json`), by step; a file that cannot be
+/// read is warned of and left out.
+fn memory_timelines(p: &Printer, dir: &Path) -> Vec<Timeline> {
+    let memory = dir.join(ava_train::train::MEMORY_DIR);
+    let Ok(entries) = std::fs::read_dir(&memory) else { return Vec::new() };
+    let mut found: Vec<(u64, PathBuf)> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter_map(|path| {
+            let name = path.file_name()?.to_str()?;
+            let step = name.strip_prefix("step-")?.strip_suffix(".json")?.parse().ok()?;
+            Some((step, path))
+        })
+        .collect();
+    found.sort();
+    found
+        .into_iter()
+        .filter_map(|(step, path)| {
+            let read = std::fs::read(&path).map_err(|e| e.to_string());
+            match read.and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).map_err(|e| e.to_string())) {
+                Ok(summary) => {
+                    let (trace, _) = ava_train::train::memory_trace_files(&memory, step);
+                    Some(Timeline { summary, trace, chart: memory.join(format!("step-{step}.memory.svg")) })
+                }
+                Err(e) => {
+                    p.warn(&format!("{}: not a memory timeline's summary ({e}); left out", path.display()));
+                    None
+                }
+            }
+        })
+        .collect()
 }
 
 /// What the summary says of a run.

@@ -172,6 +172,8 @@ struct Started {
     options: TrainOptions,
     log_every: u64,
     root: bool,
+    /// `ava estimate`'s peak, for the charts of `--memory-trace` (None: not asked, or no estimate).
+    memory_estimate: Option<u64>,
     /// The run directory's lock (rank 0's), held until the run ends.
     _lock: Option<RunLock>,
 }
@@ -255,6 +257,7 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
         0 if dist::local_size() == 1 => 0,
         n => ava_train::train::resolve_threads(n),
     });
+    check_memory_trace(&args.memory_trace, &config)?;
     // Held until this function returns (the process's end releases it however it ends).
     // Rank 0 writes the run's files, so it alone claims the directory.
     let lock = if root { Some(claim_run_dir(&config.train.out_dir, args)?) } else { None };
@@ -267,21 +270,59 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
         io_progress: root.then(|| io_progress(p)),
         work_progress: if root { Some(work_progress(p)?) } else { None },
         stall_loader_at_batch: stall_hook()?,
+        memory_trace: args.memory_trace.clone(),
         ..Default::default()
+    };
+    // Refused before it wrote anything of its own: nothing left behind for it.
+    let leave_nothing = |lock: Option<RunLock>| {
+        if let Some(lock) = lock
+            && previous_run(&config.train.out_dir).is_empty()
+        {
+            lock.release_unused();
+        }
     };
     let trainer = match Trainer::new(&config, &ctx.registry, &options) {
         Ok(trainer) => trainer,
         Err(e) => {
-            // Refused before it wrote anything of its own: nothing left behind for it.
-            if let Some(lock) = lock
-                && previous_run(&config.train.out_dir).is_empty()
-            {
-                lock.release_unused();
-            }
+            leave_nothing(lock);
             return Err(start_failure(e, args, &config, &ctx.registry));
         }
     };
-    Ok(Started { trainer, options, log_every: config.train.log_every, root, _lock: lock })
+    // The steps this invocation trains: after the resumed one, up to --steps more.
+    let first = trainer.header().first_step;
+    let last = args.steps.map_or(config.train.max_steps, |n| (first - 1 + n).min(config.train.max_steps));
+    if let Some(step) = args.memory_trace.iter().find(|&&s| s < first || s > last) {
+        leave_nothing(lock);
+        return Err(Failure::Usage(anyhow::anyhow!(
+            "--memory-trace {step}: this invocation trains steps {first} to {last}; pick steps among them"
+        )));
+    }
+    let memory_estimate = match root && !args.memory_trace.is_empty() {
+        true => super::memory_timeline::estimated_peak(p, &ctx.registry, &config),
+        false => None,
+    };
+    Ok(Started { trainer, options, log_every: config.train.log_every, root, memory_estimate, _lock: lock })
+}
+
+/// Refuses `--memory-trace` steps the run cannot record: on a GPU (the timeline is the host
+/// allocator's), or outside 1..=train.max_steps.
+fn check_memory_trace(steps: &[u64], config: &Config) -> Result<(), Failure> {
+    if steps.is_empty() {
+        return Ok(());
+    }
+    if config.train.device.is_cuda() {
+        return Err(Failure::Usage(anyhow::anyhow!(
+            "--memory-trace records the host allocator, and a GPU run's buffers are on the device: it is not \
+             supported on a GPU run yet; record a CPU run (train.device: cpu)"
+        )));
+    }
+    let max = config.train.max_steps;
+    match steps.iter().find(|&&s| s == 0 || s > max) {
+        Some(s) => Err(Failure::Usage(anyhow::anyhow!(
+            "--memory-trace {s}: the run's steps are 1 to {max} (train.max_steps); pick steps among them"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// The variable of the test hook that makes the data loader hang on a batch.
@@ -324,12 +365,12 @@ fn interrupted_message(summary: &ava_train::train::RunSummary, signal: i32) -> S
 
 /// Trains a started run and prints its summary (rank 0).
 fn train(p: &Printer, started: Started) -> CmdResult {
-    let Started { mut trainer, mut options, log_every, root, _lock } = started;
+    let Started { mut trainer, mut options, log_every, root, memory_estimate, _lock } = started;
     // From here on a signal stops the run at the end of a step, with a checkpoint; before
     // it, there is nothing to save and a signal ends the process as usual.
     options.stop = Some(signals::install());
     let summary = if root {
-        trainer.run(&options, &mut CliReporter::new(p, log_every))
+        trainer.run(&options, &mut CliReporter::new(p, log_every).with_memory_estimate(memory_estimate))
     } else {
         trainer.run(&options, &mut ava_train::train::Silent)
     }

@@ -6,6 +6,8 @@
 //! The allocator must not allocate, so the events go into a buffer allocated when the
 //! timeline is [`arm`]ed ([`Event`]s, [`DEFAULT_CAPACITY`] of them unless asked otherwise),
 //! each claimed by one atomic increment; events past its end are counted as dropped. The
+//! buffer is the system allocator's, outside the counting allocator, so recording a step
+//! changes none of the memory figures. The
 //! owner is a small number: scope names are interned into a fixed table as scopes open
 //! ([`enter`]), the current one kept in one process-wide atomic. The allocations of rayon's
 //! workers belong to the scope the step's thread has open, which is what a reader wants: a
@@ -13,9 +15,9 @@
 //! while a timeline is armed would mix the owners; the engine's step has one such thread.
 //!
 //! Memory held when the timeline was armed (parameters, gradients, optimizer state, queued
-//! batches) is one lump, "held before", which releases of its buffers make smaller. The
-//! timeline's own buffer is in none of its figures.
+//! batches) is one lump, "held before", which releases of its buffers make smaller.
 
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Ordering::*};
@@ -58,8 +60,10 @@ static NEXT: AtomicUsize = AtomicUsize::new(0);
 static OWNER: AtomicU32 = AtomicU32::new(0);
 /// The origin in nanoseconds of a process-wide clock the allocator can read lock-free.
 static ORIGIN_NS: AtomicUsize = AtomicUsize::new(0);
-/// The buffer of the armed timeline (its pointer is `BUF`), and the owner names.
-static STATE: Mutex<Option<(Vec<Event>, u64, Instant)>> = Mutex::new(None);
+/// The armed timeline: its buffer's address and capacity, the bytes held when it was armed,
+/// and when.
+static STATE: Mutex<Option<(usize, usize, u64, Instant)>> = Mutex::new(None);
+/// The owner names, numbered from 1 in the order first seen.
 static NAMES: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
 /// The names as (pointer, length), readable without the lock.
 static NAME_PTRS: [AtomicPtr<u8>; OWNERS] = [const { AtomicPtr::new(std::ptr::null_mut()) }; OWNERS];
@@ -78,22 +82,25 @@ pub fn is_armed() -> bool {
     ARMED.load(Relaxed)
 }
 
-/// Starts recording into a fresh buffer of `capacity` events, allocated here before
-/// recording starts and left out of the timeline's figures (the "held before" lump is read
-/// before it is made; the counting allocator's own peak does count it). A timeline already
-/// armed is dropped first.
+/// Starts recording into a fresh buffer of `capacity` events. The buffer comes from the
+/// system allocator directly, so no counter sees it: recording changes none of the memory
+/// figures, the step's own or the run's. If it cannot be had, every event is counted as
+/// dropped. A timeline already armed is dropped first.
 pub fn arm(capacity: usize) {
     drop(disarm());
-    // Read before the buffer is made: the timeline's figures leave its own buffer out.
-    let held_before = crate::memory::current();
-    let mut buf: Vec<Event> = Vec::with_capacity(capacity.max(1));
+    let (ptr, capacity) = match Layout::array::<Event>(capacity) {
+        // SAFETY: the layout has a non-zero size (capacity > 0 and Event is not zero-sized).
+        Ok(layout) if capacity > 0 => (unsafe { System.alloc(layout) }.cast::<Event>(), capacity),
+        _ => (std::ptr::null_mut(), 0),
+    };
+    let capacity = if ptr.is_null() { 0 } else { capacity };
     let mut state = STATE.lock().expect("timeline lock");
-    BUF.store(buf.as_mut_ptr(), SeqCst);
+    BUF.store(ptr, SeqCst);
     CAP.store(capacity, SeqCst);
     NEXT.store(0, SeqCst);
     OWNER.store(0, SeqCst);
     ORIGIN_NS.store(clock_ns() as usize, SeqCst);
-    *state = Some((buf, held_before, Instant::now()));
+    *state = Some((ptr as usize, capacity, crate::memory::current(), Instant::now()));
     ARMED.store(true, SeqCst);
 }
 
@@ -174,11 +181,11 @@ pub struct Timeline {
     pub events: Vec<Event>,
     /// Owner names by number (0: [`UNTAGGED`]).
     pub owners: Vec<&'static str>,
-    /// Bytes the counting allocator held when the timeline was armed, its own buffer left out.
+    /// Bytes the counting allocator held when the timeline was armed.
     pub held_before: u64,
     /// Events past the buffer's capacity, not kept.
     pub dropped: u64,
-    /// Bytes the buffer itself took (not in the timeline's figures).
+    /// Bytes the buffer took while recording (from the system allocator, outside every count).
     pub buffer_bytes: u64,
     /// When it was armed.
     pub armed_at: Instant,
@@ -191,18 +198,27 @@ pub fn disarm() -> Option<Timeline> {
     while IN_FLIGHT.load(SeqCst) != 0 {
         std::hint::spin_loop();
     }
-    let (mut buf, held_before, armed_at) = state.take()?;
+    let (addr, capacity, held_before, armed_at) = state.take()?;
+    let ptr = addr as *mut Event;
     let claimed = NEXT.load(SeqCst);
-    let cap = CAP.load(SeqCst);
-    let kept = claimed.min(cap);
-    // SAFETY: slots 0..kept were each written whole by one recorder, all of which finished
-    // (IN_FLIGHT is 0 and no new one writes once ARMED is false).
-    unsafe { buf.set_len(kept) };
+    let kept = claimed.min(capacity);
     BUF.store(std::ptr::null_mut(), SeqCst);
+    let events = if ptr.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: slots 0..kept were each written whole by one recorder, all of which
+        // finished (IN_FLIGHT is 0, and none writes once ARMED is false); the buffer came
+        // from `System` with this layout in `arm`.
+        unsafe {
+            let events = std::slice::from_raw_parts(ptr, kept).to_vec();
+            System.dealloc(ptr.cast(), Layout::array::<Event>(capacity).expect("the layout arm made"));
+            events
+        }
+    };
     let mut owners = vec![UNTAGGED];
     owners.extend(NAMES.lock().expect("timeline lock").iter().copied());
-    let buffer_bytes = (buf.capacity() * std::mem::size_of::<Event>()) as u64;
-    Some(Timeline { events: buf, owners, held_before, dropped: (claimed - kept) as u64, buffer_bytes, armed_at })
+    let buffer_bytes = (capacity * std::mem::size_of::<Event>()) as u64;
+    Some(Timeline { events, owners, held_before, dropped: (claimed - kept) as u64, buffer_bytes, armed_at })
 }
 
 /// One allocation live at the peak.
@@ -328,6 +344,46 @@ impl Timeline {
             }));
         }
         events
+    }
+
+    /// The whole Chrome trace of a step recorded with this timeline: `spans` (the profiled
+    /// scopes, if a span trace ran beside it, see `crate::profile::trace`) and this
+    /// timeline's events on the spans' clock, with the counts of both in `otherData`.
+    /// `process` names the process in the viewer, `step` the step (`step 3`).
+    pub fn chrome_trace(
+        &self,
+        spans: Option<&crate::profile::trace::Trace>,
+        process: &str,
+        step: &str,
+    ) -> serde_json::Value {
+        let (mut chrome, offset_us) = match spans {
+            Some(t) => {
+                (t.to_chrome_json(process), self.armed_at.saturating_duration_since(t.origin()).as_secs_f64() * 1e6)
+            }
+            None => (crate::profile::trace::Trace::empty().to_chrome_json(process), 0.0),
+        };
+        let events = chrome["traceEvents"].as_array_mut().expect("the trace's events are a list");
+        events.extend(self.to_chrome_events(offset_us, step));
+        chrome["otherData"]["memory events"] = self.events.len().into();
+        chrome["otherData"]["memory events dropped (past the timeline's capacity)"] = self.dropped.into();
+        chrome
+    }
+
+    /// The peak and what was live then, by owner, as JSON (`ava report` reads it back):
+    /// `{step, peak_bytes, peak_ms, made_in, held_before_bytes, events, dropped, live_by_owner:
+    /// [{owner, buffers, bytes}]}`, or None without events.
+    pub fn summary_json(&self, step: u64) -> Option<serde_json::Value> {
+        let p = self.peak()?;
+        let owners: Vec<serde_json::Value> = p
+            .by_owner()
+            .into_iter()
+            .map(|(owner, buffers, bytes)| serde_json::json!({"owner": owner, "buffers": buffers, "bytes": bytes}))
+            .collect();
+        Some(serde_json::json!({
+            "step": step, "peak_bytes": p.bytes, "peak_ms": p.t_ns as f64 / 1e6, "made_in": p.owner,
+            "held_before_bytes": p.held_before, "events": self.events.len(), "dropped": self.dropped,
+            "live_by_owner": owners,
+        }))
     }
 
     fn owner_name(&self, owner: u32) -> &'static str {

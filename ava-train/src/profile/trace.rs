@@ -100,6 +100,11 @@ pub fn record(name: Cow<'static, str>, start: Instant, held_at_start: u64) {
 }
 
 impl Trace {
+    /// A trace with no spans, starting now.
+    pub fn empty() -> Trace {
+        Trace { origin: Instant::now(), spans: Vec::new(), dropped: 0 }
+    }
+
     /// When the trace started: the spans' times are microseconds after it.
     pub fn origin(&self) -> Instant {
         self.origin

@@ -28,8 +28,8 @@ pub use reporter::{
 };
 pub use schedule::{LossScaler, learning_rate};
 pub use trainer::{
-    IO_PROGRESS_BYTES, IoProgress, IoProgressFn, TrainOptions, Trainer, Work, WorkProgress, WorkProgressFn,
-    check_training_modes, data_options, model_spec, resolve_threads,
+    IO_PROGRESS_BYTES, IoProgress, IoProgressFn, MEMORY_DIR, TrainOptions, Trainer, Work, WorkProgress, WorkProgressFn,
+    check_training_modes, data_options, memory_trace_files, model_spec, resolve_threads,
 };
 
 /// What can stop a training run.

@@ -190,6 +190,9 @@ pub trait Reporter {
     fn checkpoint(&mut self, _step: u64, _dir: &std::path::Path) {}
     /// Something the user should know (memory policy messages, skipped steps).
     fn warn(&mut self, _message: &str) {}
+    /// A step recorded allocation by allocation (`TrainOptions::memory_trace`), its files
+    /// written into `dir`.
+    fn memory_timeline(&mut self, _step: u64, _timeline: &crate::memory::timeline::Timeline, _dir: &std::path::Path) {}
     /// At the end.
     fn finish(&mut self, _summary: &RunSummary) {}
 }

@@ -35,6 +35,7 @@ use crate::save::{CheckpointStore, FileBody, LoadedCheckpoint, NamedBuffer, diff
 mod batch;
 mod build;
 mod checks;
+mod memory_trace;
 mod meter;
 mod progress;
 mod resume;
@@ -47,6 +48,7 @@ use checks::*;
 pub use checks::{
     check_attention, check_samples, check_training_modes, data_options, model_spec, resolve_threads, storage_dtype,
 };
+pub use memory_trace::{MEMORY_DIR, files as memory_trace_files};
 use meter::Meter;
 pub use progress::{IO_PROGRESS_BYTES, IoProgress, IoProgressFn, Work, WorkProgress, WorkProgressFn};
 use resume::*;
@@ -90,6 +92,10 @@ pub struct TrainOptions {
     /// Told after each micro-batch of a step and each batch of an evaluation, so a long one
     /// can show it is under way.
     pub work_progress: Option<WorkProgressFn>,
+    /// Steps to record allocation by allocation (`ava train --memory-trace`): written into
+    /// the run directory's `memory/` and handed to [`Reporter::memory_timeline`]. Rank 0 of a
+    /// CPU run records; elsewhere they are ignored (the CLI refuses them on a GPU).
+    pub memory_trace: Vec<u64>,
 }
 
 /// Files of a checkpoint directory.

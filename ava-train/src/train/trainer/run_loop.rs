@@ -91,6 +91,8 @@ impl Trainer {
                 summary.interrupted = true;
                 break;
             }
+            let recording =
+                memory_trace::Recording::begin(options, self.step + 1, root && !self.config.train.device.is_cuda());
             let mut record = match self.train_step() {
                 Ok(record) => record,
                 // With several ranks the others are waiting in this step's collectives: the
@@ -112,6 +114,9 @@ impl Trainer {
                 }
                 Err(e) => return Err(e),
             };
+            if let Some(recording) = recording {
+                recording.finish(&self.out_dir, reporter);
+            }
             report_events(&mut record, reporter);
             let after = self.apply_policy_and_agree(&mut record, reporter, &stop_requested, last)?;
             add_step(&mut summary, &record);
