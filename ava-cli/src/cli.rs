@@ -289,7 +289,8 @@ pub struct TrainArgs {
     /// step-N.json (the peak and what was live then; `ava report` shows it) and
     /// step-N.memory.{svg,png} (the bytes by owner stacked over the step, the peak marked,
     /// `ava estimate`'s peak as a line). The owner of an allocation is the engine's scope
-    /// it was made in (e.g. `forward: attention kernel`). CPU runs only.
+    /// it was made in (e.g. `forward: attention kernel`). A recorded step runs with the
+    /// profiler on: its time in metrics.jsonl includes the recording's. CPU runs only.
     #[arg(long, value_name = "STEP[,STEP...]", value_delimiter = ',')]
     pub memory_trace: Vec<u64>,
     /// Train with N data-parallel ranks on this machine: runs this same command under
@@ -439,7 +440,8 @@ pub enum BenchCommand {
         /// before the step is one lump) as a counter track, the step's peak and the 50
         /// largest allocations as instant events, and the buffers live at the peak listed
         /// here, by owner. Also draws FILE's stem + .memory.{svg,png} beside it: the bytes by
-        /// owner stacked over the step, the peak marked, `ava estimate`'s peak as a line. CPU
+        /// owner stacked over the step, the peak marked, `ava estimate`'s peak as a line. The
+        /// recorded step is one of the measured ones: its time includes the recording's. CPU
         /// runs only. Example: ava bench train -c configs/small.yaml --trace step.json
         /// --memory-trace 2
         #[arg(long, value_name = "STEP", requires = "trace")]

@@ -42,6 +42,11 @@ pub fn enable(on: bool) {
     ENABLED.store(on, Ordering::Relaxed);
 }
 
+/// Whether collection is on.
+pub fn is_enabled() -> bool {
+    ENABLED.load(Ordering::Relaxed)
+}
+
 /// Makes every scope started from now on synchronize `device` at its start and its end
 /// (see the module's documentation), or stops that with `None`. The CPU has nothing queued,
 /// so `Some(Device::Cpu)` is the same as `None`. Has no effect while collection is off.

@@ -14,7 +14,8 @@ use ava_fs::dirfd::DirError;
 pub const LOCK_FILE: &str = ".ava-run.lock";
 
 /// What a run writes into its directory, and what `--overwrite` removes (nothing else there
-/// is touched): the metrics, the checkpoints, the final model and `ava report`'s charts.
+/// is touched): the metrics, the checkpoints, the final model, `ava report`'s charts and the
+/// steps `--memory-trace` recorded.
 pub const RUN_FILES: &[&str] = &["metrics.jsonl", "checkpoints", "model", "report", "memory"];
 
 /// Why the run directory cannot be used.

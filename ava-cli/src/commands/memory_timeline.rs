@@ -72,7 +72,7 @@ pub fn note_files(p: &Printer, files: &[PathBuf]) {
 pub fn summary(step: u64, timeline: &Timeline) -> String {
     let dropped = match timeline.dropped {
         0 => String::new(),
-        n => format!(", {n} more not kept (past its capacity of {})", timeline::DEFAULT_CAPACITY),
+        n => format!(", {n} more not kept (past its capacity of {})", timeline.capacity),
     };
     let Some(peak) = timeline.peak() else {
         return format!("memory timeline of step {step}: no allocations recorded{dropped}");
@@ -82,7 +82,7 @@ pub fn summary(step: u64, timeline: &Timeline) -> String {
          counted memory); peak {} at {:.1} ms into the step, made in `{}`; held before the step and still \
          held: {}",
         timeline.events.len(),
-        size(timeline.buffer_bytes),
+        size(timeline.buffer_bytes()),
         size(peak.bytes),
         peak.t_ns as f64 / 1e6,
         peak.owner,

@@ -193,18 +193,17 @@ impl Reporter for CliReporter<'_> {
 
     fn memory_timeline(&mut self, step: u64, timeline: &Timeline, dir: &Path) {
         let (trace, _) = memory_trace_files(dir, step);
-        let mut lines = vec![super::memory_timeline::summary(step, timeline)];
-        match super::memory_timeline::chart(step, timeline, self.memory_estimate, dir, &format!("step-{step}.memory")) {
-            Ok(files) => {
-                let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
-                lines.push(format!("  trace {}; chart {}", trace.display(), names.join(", ")));
-            }
-            Err(e) => {
-                lines.push(format!("  trace {}", trace.display()));
-                self.warn(&format!("--memory-trace: step {step}'s {e}; the run goes on"));
-            }
+        let mut files = vec![trace.display().to_string()];
+        let chart =
+            super::memory_timeline::chart(step, timeline, self.memory_estimate, dir, &format!("step-{step}.memory"));
+        if let Ok(charts) = &chart {
+            files.extend(charts.iter().map(|f| f.display().to_string()));
         }
-        self.line(&lines.join("\n"));
+        let summary = super::memory_timeline::summary(step, timeline);
+        self.line(&format!("{summary}\n  files: {}", files.join(", ")));
+        if let Err(e) = chart {
+            self.warn(&format!("--memory-trace: step {step}'s {e}; the run goes on"));
+        }
     }
 
     fn finish(&mut self, _summary: &RunSummary) {

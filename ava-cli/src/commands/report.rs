@@ -186,22 +186,31 @@ impl Timeline {
             .unwrap_or_default();
         format!(
             "memory timeline of step {}: peak {} at {:.1} ms, made in `{}`; held before the step {}; most at the \
-             peak: {}; chart {}, trace {}",
+             peak: {}{}; {}",
             s["step"],
             bytes(&s["peak_bytes"]),
             s["peak_ms"].as_f64().unwrap_or(f64::NAN),
             s["made_in"].as_str().unwrap_or("?"),
             bytes(&s["held_before_bytes"]),
             owners.join(", "),
-            self.chart.display(),
-            self.trace.display()
+            match s["dropped"].as_u64().unwrap_or(0) {
+                0 => String::new(),
+                n => format!(" ({n} events past the recording's capacity not kept: the peak may be higher)"),
+            },
+            file_list(&self.files())
         )
+    }
+
+    /// The chart and the trace, those that exist.
+    fn files(&self) -> Vec<PathBuf> {
+        [&self.chart, &self.trace].into_iter().filter(|f| f.is_file()).cloned().collect()
     }
 
     fn json(&self) -> serde_json::Value {
         let mut v = self.summary.clone();
-        v["chart"] = self.chart.display().to_string().into();
-        v["trace"] = self.trace.display().to_string().into();
+        let path = |f: &PathBuf| f.is_file().then(|| f.display().to_string());
+        v["chart"] = path(&self.chart).into();
+        v["trace"] = path(&self.trace).into();
         v
     }
 }

@@ -257,7 +257,8 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
         0 if dist::local_size() == 1 => 0,
         n => ava_train::train::resolve_threads(n),
     });
-    check_memory_trace(&args.memory_trace, &config)?;
+    let fresh_steps = args.resume.is_none().then(|| args.steps.unwrap_or(config.train.max_steps));
+    check_memory_trace(&args.memory_trace, &config, fresh_steps)?;
     // Held until this function returns (the process's end releases it however it ends).
     // Rank 0 writes the run's files, so it alone claims the directory.
     let lock = if root { Some(claim_run_dir(&config.train.out_dir, args)?) } else { None };
@@ -291,11 +292,9 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
     // The steps this invocation trains: after the resumed one, up to --steps more.
     let first = trainer.header().first_step;
     let last = args.steps.map_or(config.train.max_steps, |n| (first - 1 + n).min(config.train.max_steps));
-    if let Some(step) = args.memory_trace.iter().find(|&&s| s < first || s > last) {
+    if let Err(refused) = check_traced_steps(&args.memory_trace, first, last) {
         leave_nothing(lock);
-        return Err(Failure::Usage(anyhow::anyhow!(
-            "--memory-trace {step}: this invocation trains steps {first} to {last}; pick steps among them"
-        )));
+        return Err(refused);
     }
     let memory_estimate = match root && !args.memory_trace.is_empty() {
         true => super::memory_timeline::estimated_peak(p, &ctx.registry, &config),
@@ -305,8 +304,9 @@ fn start(p: &Printer, args: &TrainArgs, group: Option<Arc<dyn Collectives>>) -> 
 }
 
 /// Refuses `--memory-trace` steps the run cannot record: on a GPU (the timeline is the host
-/// allocator's), or outside 1..=train.max_steps.
-fn check_memory_trace(steps: &[u64], config: &Config) -> Result<(), Failure> {
+/// allocator's), or outside 1..=train.max_steps, or (`fresh_steps`: a fresh run's `--steps`,
+/// or max_steps without it) outside the steps it trains.
+fn check_memory_trace(steps: &[u64], config: &Config, fresh_steps: Option<u64>) -> Result<(), Failure> {
     if steps.is_empty() {
         return Ok(());
     }
@@ -317,9 +317,24 @@ fn check_memory_trace(steps: &[u64], config: &Config) -> Result<(), Failure> {
         )));
     }
     let max = config.train.max_steps;
-    match steps.iter().find(|&&s| s == 0 || s > max) {
-        Some(s) => Err(Failure::Usage(anyhow::anyhow!(
+    if let Some(s) = steps.iter().find(|&&s| s == 0 || s > max) {
+        return Err(Failure::Usage(anyhow::anyhow!(
             "--memory-trace {s}: the run's steps are 1 to {max} (train.max_steps); pick steps among them"
+        )));
+    }
+    // A fresh run starts at step 1, so its range is known before the run directory is
+    // claimed (and, with --overwrite, the earlier run deleted); a resume's, once it is read.
+    match fresh_steps {
+        Some(n) => check_traced_steps(steps, 1, n.min(max)),
+        None => Ok(()),
+    }
+}
+
+/// Refuses `--memory-trace` steps outside `first..=last`, the steps this invocation trains.
+fn check_traced_steps(steps: &[u64], first: u64, last: u64) -> Result<(), Failure> {
+    match steps.iter().find(|&&s| s < first || s > last) {
+        Some(step) => Err(Failure::Usage(anyhow::anyhow!(
+            "--memory-trace {step}: this invocation trains steps {first} to {last}; pick steps among them"
         ))),
         None => Ok(()),
     }
@@ -587,7 +602,8 @@ fn command_line(env: &[(String, String)], argv: Vec<String>, drop: &[&str], extr
     let mut out = vec![args.next().unwrap_or_else(|| "ava".to_string())];
     let flag = |a: &str, name: &str| a == name || a.starts_with(&format!("{name}="));
     while let Some(a) = args.next() {
-        let dropped = drop.iter().chain(&["--resume"]).find(|name| flag(&a, name));
+        // The steps --memory-trace named are behind a follow-up command: it would be refused.
+        let dropped = drop.iter().chain(&["--resume", "--memory-trace"]).find(|name| flag(&a, name));
         match dropped {
             Some(name) => {
                 if a == **name {
@@ -630,6 +646,8 @@ mod tests {
             command_line(&[], run.clone(), &[], &[], true),
             "ava train --steps 20 --set train.out_dir=runs/hint -c my.yaml --resume latest"
         );
+        let traced = argv("ava train --memory-trace 2,3 --steps 5 --memory-trace=4");
+        assert_eq!(command_line(&[], traced, &[], &[], true), "ava train --steps 5 --resume latest");
         let resumed = argv("ava train --resume runs/x/checkpoints/step-1 --max-steps 10 --set a=b");
         assert_eq!(
             command_line(&[], resumed, &["--max-steps"], &["--set", "train.max_steps=20"], true),

@@ -88,16 +88,23 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // Recorded first: once freed, the address can be handed to another thread, whose
+        // allocation must come after this release in the timeline.
+        super::timeline::record(ptr as usize, -(layout.size() as i64));
         // SAFETY: as above.
         unsafe { System.dealloc(ptr, layout) };
         shrank(layout.size() as u64);
-        super::timeline::record(ptr as usize, -(layout.size() as i64));
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // The timeline sees the old block go (before its address can be reused, as in
+        // dealloc) and the new one come; a failed realloc keeps the old block.
+        super::timeline::record(ptr as usize, -(layout.size() as i64));
         // SAFETY: as above.
         let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
+        if p.is_null() {
+            super::timeline::record(ptr as usize, layout.size() as i64);
+        } else {
             let old = layout.size() as u64;
             let new = new_size as u64;
             if new >= old {
@@ -105,8 +112,6 @@ unsafe impl GlobalAlloc for CountingAlloc {
             } else {
                 shrank(old - new);
             }
-            // A move or a resize in place: the timeline sees the old block go and the new one come.
-            super::timeline::record(ptr as usize, -(old as i64));
             super::timeline::record(p as usize, new as i64);
         }
         p

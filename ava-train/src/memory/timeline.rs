@@ -1,7 +1,7 @@
 //! A memory timeline: every allocation and release the counting allocator sees while a
 //! timeline is armed, with its time, size, address and owner (the innermost profiler scope
 //! open when it happened, e.g. `backward: linear`), for one step at a time
-//! (`ava bench train --memory-trace STEP`).
+//! (`ava bench train --memory-trace STEP`, `ava train --memory-trace STEP,…`).
 //!
 //! The allocator must not allocate, so the events go into a buffer allocated when the
 //! timeline is [`arm`]ed ([`Event`]s, [`DEFAULT_CAPACITY`] of them unless asked otherwise),
@@ -9,10 +9,10 @@
 //! buffer is the system allocator's, outside the counting allocator, so recording a step
 //! changes none of the memory figures. The
 //! owner is a small number: scope names are interned into a fixed table as scopes open
-//! ([`enter`]), the current one kept in one process-wide atomic. The allocations of rayon's
-//! workers belong to the scope the step's thread has open, which is what a reader wants: a
-//! product's packing buffers are the product's. A second thread that opens scopes of its own
-//! while a timeline is armed would mix the owners; the engine's step has one such thread.
+//! ([`enter`]) on the thread that armed the timeline, the current one kept in one
+//! process-wide atomic. The allocations of rayon's workers belong to the scope that thread
+//! has open, which is what a reader wants: a product's packing buffers are the product's.
+//! Other threads' scopes (the loader's, other ranks' in one process) name no owner.
 //!
 //! Memory held when the timeline was armed (parameters, gradients, optimizer state, queued
 //! batches) is one lump, "held before", which releases of its buffers make smaller.
@@ -20,7 +20,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Ordering::*};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering::*};
 use std::time::Instant;
 
 /// Events a timeline keeps unless [`arm`] is told otherwise: 32 bytes each, 8 MiB in all.
@@ -34,6 +34,9 @@ pub const COUNTER_ROWS: usize = 4000;
 
 /// The largest allocations a trace marks with an instant event.
 pub const INSTANTS: usize = 50;
+
+/// What a peak at the moment of arming (nothing rose above it) is said to be made by.
+pub const ARMING: &str = "(held when recording started)";
 
 /// The owner of an allocation made outside every profiler scope.
 pub const UNTAGGED: &str = "(outside the profiled scopes)";
@@ -58,6 +61,8 @@ static BUF: AtomicPtr<Event> = AtomicPtr::new(std::ptr::null_mut());
 static CAP: AtomicUsize = AtomicUsize::new(0);
 static NEXT: AtomicUsize = AtomicUsize::new(0);
 static OWNER: AtomicU32 = AtomicU32::new(0);
+/// The [`thread_id`] of the thread that armed the timeline: only its scopes name owners.
+static ARMER: AtomicU64 = AtomicU64::new(0);
 /// The origin in nanoseconds of a process-wide clock the allocator can read lock-free.
 static ORIGIN_NS: AtomicUsize = AtomicUsize::new(0);
 /// The armed timeline: its buffer's address and capacity, the bytes held when it was armed,
@@ -83,25 +88,37 @@ pub fn is_armed() -> bool {
 }
 
 /// Starts recording into a fresh buffer of `capacity` events. The buffer comes from the
-/// system allocator directly, so no counter sees it: recording changes none of the memory
-/// figures, the step's own or the run's. If it cannot be had, every event is counted as
-/// dropped. A timeline already armed is dropped first.
+/// system allocator directly, so no counter sees it. If it cannot be had, every event is
+/// counted as dropped. A timeline already armed is dropped first. The calling thread's
+/// profiler scopes name the owners ([`enter`]); other threads' scopes are not followed.
 pub fn arm(capacity: usize) {
-    drop(disarm());
+    // One lock over the whole change: a recorder never sees one timeline's buffer with
+    // another's capacity.
+    let mut state = STATE.lock().expect("timeline lock");
+    drop(stop(&mut state));
     let (ptr, capacity) = match Layout::array::<Event>(capacity) {
         // SAFETY: the layout has a non-zero size (capacity > 0 and Event is not zero-sized).
         Ok(layout) if capacity > 0 => (unsafe { System.alloc(layout) }.cast::<Event>(), capacity),
         _ => (std::ptr::null_mut(), 0),
     };
     let capacity = if ptr.is_null() { 0 } else { capacity };
-    let mut state = STATE.lock().expect("timeline lock");
     BUF.store(ptr, SeqCst);
     CAP.store(capacity, SeqCst);
     NEXT.store(0, SeqCst);
     OWNER.store(0, SeqCst);
+    ARMER.store(thread_id(), SeqCst);
     ORIGIN_NS.store(clock_ns() as usize, SeqCst);
     *state = Some((ptr as usize, capacity, crate::memory::current(), Instant::now()));
     ARMED.store(true, SeqCst);
+}
+
+/// A number for the calling thread, unique in the process (from 1).
+fn thread_id() -> u64 {
+    static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static ID: u64 = NEXT_ID.fetch_add(1, Relaxed);
+    }
+    ID.with(|id| *id)
 }
 
 /// Records one event if a timeline is armed. Called by the counting allocator; allocates
@@ -153,9 +170,9 @@ fn owner_of(name: &'static str) -> u32 {
 
 /// Makes `name` the owner of what is allocated until the returned guard drops (which puts
 /// back the owner before it). Called by the profiler as a scope opens; nothing while no
-/// timeline is armed.
+/// timeline is armed, or on a thread other than the one that armed it.
 pub fn enter(name: &'static str) -> Option<OwnerGuard> {
-    if !is_armed() {
+    if !is_armed() || ARMER.load(Relaxed) != thread_id() {
         return None;
     }
     let id = owner_of(name);
@@ -185,24 +202,33 @@ pub struct Timeline {
     pub held_before: u64,
     /// Events past the buffer's capacity, not kept.
     pub dropped: u64,
-    /// Bytes the buffer took while recording (from the system allocator, outside every count).
-    pub buffer_bytes: u64,
+    /// Events the buffer could hold (0: it could not be allocated).
+    pub capacity: usize,
     /// When it was armed.
     pub armed_at: Instant,
 }
 
 /// Stops recording and returns what was recorded (None if no timeline was armed).
 pub fn disarm() -> Option<Timeline> {
-    let mut state = STATE.lock().expect("timeline lock");
+    stop(&mut STATE.lock().expect("timeline lock"))
+}
+
+/// [`disarm`] with the state's lock held.
+fn stop(state: &mut Option<(usize, usize, u64, Instant)>) -> Option<Timeline> {
     ARMED.store(false, SeqCst);
+    let mut spins = 0u32;
     while IN_FLIGHT.load(SeqCst) != 0 {
-        std::hint::spin_loop();
+        // A recorder preempted between its claim and its write holds this up for a time
+        // slice: yield rather than spin through it.
+        spins += 1;
+        if spins > 64 { std::thread::yield_now() } else { std::hint::spin_loop() }
     }
     let (addr, capacity, held_before, armed_at) = state.take()?;
     let ptr = addr as *mut Event;
     let claimed = NEXT.load(SeqCst);
     let kept = claimed.min(capacity);
     BUF.store(std::ptr::null_mut(), SeqCst);
+    CAP.store(0, SeqCst);
     let events = if ptr.is_null() {
         Vec::new()
     } else {
@@ -217,8 +243,7 @@ pub fn disarm() -> Option<Timeline> {
     };
     let mut owners = vec![UNTAGGED];
     owners.extend(NAMES.lock().expect("timeline lock").iter().copied());
-    let buffer_bytes = (capacity * std::mem::size_of::<Event>()) as u64;
-    Some(Timeline { events, owners, held_before, dropped: (claimed - kept) as u64, buffer_bytes, armed_at })
+    Some(Timeline { events, owners, held_before, dropped: (claimed - kept) as u64, capacity, armed_at })
 }
 
 /// One allocation live at the peak.
@@ -263,25 +288,43 @@ impl Peak {
 }
 
 impl Timeline {
-    /// Bytes held after each event (the "held before" lump plus the events so far).
-    fn running(&self) -> impl Iterator<Item = (usize, i128)> + '_ {
-        self.events.iter().enumerate().scan(i128::from(self.held_before), |held, (i, e)| {
-            *held += i128::from(e.bytes);
-            Some((i, *held))
+    /// Bytes the buffer took while recording (from the system allocator, outside every count).
+    pub fn buffer_bytes(&self) -> u64 {
+        (self.capacity * std::mem::size_of::<Event>()) as u64
+    }
+
+    /// The events applied in order to the blocks live since arming: for each, the changes
+    /// it makes to the bytes held by column (0: the "held before" lump, owner + 1 else). A
+    /// release of a block from before arming shrinks the lump; an allocation at an address
+    /// still live (its release not seen) replaces that block.
+    fn replay(&self) -> impl Iterator<Item = (usize, [(usize, i128); 2])> + '_ {
+        let mut live: HashMap<usize, (u64, u32)> = HashMap::new();
+        self.events.iter().enumerate().map(move |(i, e)| {
+            let changes = if e.bytes >= 0 {
+                let gone = live.insert(e.addr, (e.bytes as u64, e.owner));
+                let gone = gone.map_or((0, 0), |(b, o)| (o as usize + 1, -i128::from(b)));
+                [(e.owner as usize + 1, i128::from(e.bytes)), gone]
+            } else {
+                match live.remove(&e.addr) {
+                    Some((b, o)) => [(o as usize + 1, -i128::from(b)), (0, 0)],
+                    None => [(0, i128::from(e.bytes)), (0, 0)],
+                }
+            };
+            (i, changes)
         })
     }
 
-    /// The peak: the first event after which the most bytes were held, and the allocations of
-    /// the timeline still live then (a release of a block allocated before arming shrinks the
-    /// lump instead). None without events.
+    /// The peak: the first point where the most bytes were held (arming itself, when nothing
+    /// rose above what was held then), and the blocks allocated since arming still live then.
+    /// None without events.
     pub fn peak(&self) -> Option<Peak> {
-        let (at, bytes) = self.running().fold(None, |best: Option<(usize, i128)>, (i, held)| match best {
-            Some((_, b)) if b >= held => best,
-            _ => Some((i, held)),
-        })?;
+        if self.events.is_empty() {
+            return None;
+        }
+        let (at, bytes) = self.peak_index();
         let mut live: HashMap<usize, (u64, u32, u64)> = HashMap::new();
         let mut before = i128::from(self.held_before);
-        for e in &self.events[..=at] {
+        for e in at.map_or(&[][..], |at| &self.events[..=at]) {
             if e.bytes >= 0 {
                 live.insert(e.addr, (e.bytes as u64, e.owner, e.t_ns));
             } else if live.remove(&e.addr).is_none() {
@@ -293,14 +336,55 @@ impl Timeline {
             .map(|(bytes, owner, t_ns)| Live { owner: self.owner_name(owner), bytes, t_ns })
             .collect();
         live.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.t_ns.cmp(&b.t_ns)));
-        let e = &self.events[at];
-        Some(Peak {
-            bytes: bytes.max(0) as u64,
-            t_ns: e.t_ns,
-            owner: self.owner_name(e.owner),
-            held_before: before.max(0) as u64,
-            live,
-        })
+        let (t_ns, owner) = at.map_or((0, ARMING), |at| (self.times()[at], self.owner_name(self.events[at].owner)));
+        Some(Peak { bytes: bytes.max(0) as u64, t_ns, owner, held_before: before.max(0) as u64, live })
+    }
+
+    /// The event after which the most bytes were held (the first such; None: at arming,
+    /// nothing rose above it), and those bytes.
+    fn peak_index(&self) -> (Option<usize>, i128) {
+        let (mut held, mut best) = (i128::from(self.held_before), (None, i128::from(self.held_before)));
+        for (i, changes) in self.replay() {
+            held += changes.iter().map(|c| c.1).sum::<i128>();
+            if held > best.1 {
+                best = (Some(i), held);
+            }
+        }
+        best
+    }
+
+    /// The events' times made non-decreasing: a slot is claimed before its time is read, so
+    /// with several threads allocating a later slot can carry an earlier time.
+    fn times(&self) -> Vec<u64> {
+        self.events
+            .iter()
+            .scan(0u64, |latest, e| {
+                *latest = (*latest).max(e.t_ns);
+                Some(*latest)
+            })
+            .collect()
+    }
+
+    /// Bytes held by column after each event: the "held before" lump first, then each
+    /// owner's blocks allocated since arming and still live. Rows are sampled to about
+    /// `max_rows` (the peak's row and the last are always kept, so up to two more), each
+    /// (nanoseconds after arming, non-decreasing; bytes by column).
+    pub fn by_owner(&self, max_rows: usize) -> Vec<(u64, Vec<u64>)> {
+        let peak_at = self.peak_index().0;
+        let times = self.times();
+        let step = self.events.len().div_ceil(max_rows.max(1)).max(1);
+        let mut held = vec![0i128; self.owners.len() + 1];
+        held[0] = i128::from(self.held_before);
+        let mut rows = Vec::new();
+        for (i, changes) in self.replay() {
+            for (column, delta) in changes {
+                held[column] += delta;
+            }
+            if i % step == step - 1 || i + 1 == self.events.len() || Some(i) == peak_at {
+                rows.push((times[i], held.iter().map(|&b| b.max(0) as u64).collect()));
+            }
+        }
+        rows
     }
 
     /// Chrome trace events for this timeline, `offset_us` after the trace's origin: a counter
@@ -329,7 +413,7 @@ impl Timeline {
             }
             events.push(json!({
                 "name": format!("memory peak of {step}: {}", crate::memory::size(p.bytes)), "ph": "i", "s": "g",
-                "pid": 1, "tid": 1, "ts": us(p.t_ns),
+                "pid": 1, "ts": us(p.t_ns),
                 "args": {"peak (bytes)": p.bytes, "made by": p.owner, "held before the step (bytes)": p.held_before,
                          "live at the peak, by owner": owners},
             }));
@@ -338,8 +422,8 @@ impl Timeline {
         largest.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.t_ns.cmp(&b.t_ns)));
         for e in largest.into_iter().take(INSTANTS) {
             events.push(json!({
-                "name": format!("allocation of {}", crate::memory::size(e.bytes as u64)), "ph": "i", "s": "t",
-                "pid": 1, "tid": 1, "ts": us(e.t_ns),
+                "name": format!("allocation of {}", crate::memory::size(e.bytes as u64)), "ph": "i", "s": "p",
+                "pid": 1, "ts": us(e.t_ns),
                 "args": {"bytes": e.bytes, "owner": self.owner_name(e.owner)},
             }));
         }
@@ -389,33 +473,6 @@ impl Timeline {
     fn owner_name(&self, owner: u32) -> &'static str {
         self.owners.get(owner as usize).copied().unwrap_or(UNTAGGED)
     }
-
-    /// Bytes held by owner after each event: the "held before" lump under its own name, then
-    /// each owner's allocations since arming that are still live. Rows are sampled to at most
-    /// `max_rows` (always keeping the peak's), each (nanoseconds after arming, bytes by
-    /// owner number, the lump first).
-    pub fn by_owner(&self, max_rows: usize) -> Vec<(u64, Vec<u64>)> {
-        let peak_at = self.peak().map(|p| p.t_ns);
-        let step = self.events.len().div_ceil(max_rows.max(1)).max(1);
-        let mut held = vec![0i128; self.owners.len() + 1];
-        held[0] = i128::from(self.held_before);
-        let mut live: HashMap<usize, (i64, u32)> = HashMap::new();
-        let mut rows = Vec::new();
-        for (i, e) in self.events.iter().enumerate() {
-            if e.bytes >= 0 {
-                live.insert(e.addr, (e.bytes, e.owner));
-                held[e.owner as usize + 1] += i128::from(e.bytes);
-            } else if let Some((b, o)) = live.remove(&e.addr) {
-                held[o as usize + 1] -= i128::from(b);
-            } else {
-                held[0] += i128::from(e.bytes);
-            }
-            if i % step == step - 1 || i + 1 == self.events.len() || Some(e.t_ns) == peak_at {
-                rows.push((e.t_ns, held.iter().map(|&b| b.max(0) as u64).collect()));
-            }
-        }
-        rows
-    }
 }
 
 #[cfg(test)]
@@ -432,7 +489,7 @@ mod tests {
             owners: vec![UNTAGGED, "forward", "backward"],
             held_before: 1000,
             dropped: 0,
-            buffer_bytes: 0,
+            capacity: 0,
             armed_at: Instant::now(),
         }
     }
@@ -471,8 +528,33 @@ mod tests {
         assert_eq!(peak["args"]["peak (bytes)"], 1600);
         assert_eq!(peak["ts"].as_f64(), Some(1000.003));
         let largest: Vec<i64> =
-            events.iter().filter(|e| e["s"] == "t").map(|e| e["args"]["bytes"].as_i64().unwrap()).collect();
+            events.iter().filter(|e| e["s"] == "p").map(|e| e["args"]["bytes"].as_i64().unwrap()).collect();
         assert_eq!(largest, [300, 200, 100]);
+    }
+
+    #[test]
+    fn an_address_allocated_again_before_its_release_replaces_the_block() {
+        // 0xa's release was not seen (e.g. lost past the capacity): the second allocation
+        // there replaces the first instead of counting both.
+        let t = timeline(vec![ev(1, 0xa, 100, 1), ev(2, 0xa, 300, 2), ev(3, 0xb, 10, 1)]);
+        let p = t.peak().unwrap();
+        assert_eq!((p.bytes, p.live.len()), (1310, 2));
+        assert_eq!(t.by_owner(10).last().unwrap().1, vec![1000, 0, 10, 300]);
+    }
+
+    #[test]
+    fn a_step_that_only_releases_peaks_when_recording_started() {
+        let t = timeline(vec![ev(5, 0x1, -200, 1), ev(6, 0x2, -100, 2)]);
+        let p = t.peak().unwrap();
+        assert_eq!((p.bytes, p.t_ns, p.owner, p.held_before, p.live.len()), (1000, 0, ARMING, 1000, 0));
+    }
+
+    #[test]
+    fn times_that_go_back_across_threads_are_drawn_in_order() {
+        let t = timeline(vec![ev(5, 0xa, 100, 1), ev(3, 0xb, 100, 1), ev(7, 0xb, -100, 1)]);
+        let times: Vec<u64> = t.by_owner(10).iter().map(|r| r.0).collect();
+        assert_eq!(times, [5, 5, 7]);
+        assert_eq!(t.peak().unwrap().t_ns, 5);
     }
 
     #[test]
@@ -492,9 +574,11 @@ mod tests {
         assert_eq!(rows[1], (2, vec![1000, 0, 100, 300]));
         assert_eq!(rows[2], (3, vec![1000, 0, 0, 300]));
         assert_eq!(rows[3], (4, vec![950, 0, 0, 300]));
-        // Sampled down to one row in two, the peak (t 2) is still there.
+        // Sampled down to every other row (rows 1 and 3 of 0..4), the peak (row 0, t 1) is kept.
+        let t = timeline(vec![ev(1, 0xa, 500, 1), ev(2, 0xa, -500, 2), ev(3, 0xb, 10, 1), ev(4, 0xb, -10, 1)]);
         let rows = t.by_owner(2);
-        assert!(rows.iter().any(|r| r.0 == 2), "{rows:?}");
+        assert_eq!(rows.iter().map(|r| r.0).collect::<Vec<_>>(), [1, 2, 4], "{rows:?}");
+        assert_eq!(rows[0].1, vec![1000, 0, 500, 0]);
     }
 
     #[test]
@@ -518,5 +602,11 @@ mod tests {
         assert!(t.events.windows(2).all(|w| w[0].t_ns <= w[1].t_ns));
         record(0x30, 8); // disarmed: nothing
         assert!(disarm().is_none());
+        // Only the arming thread's scopes name owners.
+        arm(4);
+        let other = std::thread::spawn(|| enter("timeline test: another thread").is_some()).join().unwrap();
+        assert!(!other, "a scope on another thread names no owner");
+        assert!(enter("timeline test: this thread").is_some());
+        drop(disarm());
     }
 }

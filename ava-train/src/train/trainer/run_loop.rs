@@ -93,7 +93,11 @@ impl Trainer {
             }
             let recording =
                 memory_trace::Recording::begin(options, self.step + 1, root && !self.config.train.device.is_cuda());
-            let mut record = match self.train_step() {
+            let stepped = self.train_step();
+            if let Some(recording) = recording {
+                recording.finish(&self.out_dir, &stepped, reporter);
+            }
+            let mut record = match stepped {
                 Ok(record) => record,
                 // With several ranks the others are waiting in this step's collectives: the
                 // error ends the job (the last checkpoint is intact).
@@ -114,9 +118,6 @@ impl Trainer {
                 }
                 Err(e) => return Err(e),
             };
-            if let Some(recording) = recording {
-                recording.finish(&self.out_dir, reporter);
-            }
             report_events(&mut record, reporter);
             let after = self.apply_policy_and_agree(&mut record, reporter, &stop_requested, last)?;
             add_step(&mut summary, &record);
