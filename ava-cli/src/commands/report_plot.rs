@@ -152,9 +152,18 @@ pub fn timeline_chart(
     for s in &mut series {
         s.points.iter_mut().for_each(|p| p.1 /= div);
     }
+    // When what was held before the step is most of the chart (a 7B model's weights under a
+    // step's activations), the axis starts just under it, so the step's own memory shows.
+    let lowest = series.first().map_or(0.0, |s| s.points.iter().map(|p| p.1).fold(f64::INFINITY, f64::min));
+    let y_from = (lowest.is_finite() && lowest > 0.5 * top / div).then(|| (lowest * 0.9).floor());
+    let y_label = match y_from {
+        Some(y) => format!("{unit} (the axis starts at {y})"),
+        None => unit.into(),
+    };
     Chart {
         title,
-        y_label: unit.into(),
+        y_label,
+        y_from,
         series,
         stacked: true,
         horizontal: estimate.map(|(label, bytes)| (label, bytes as f64 / div)),
@@ -183,6 +192,8 @@ struct Chart {
     x_desc: &'static str,
     /// Whether x is whole numbers (steps): labels only at whole values.
     whole_x: bool,
+    /// Where a stacked chart's y axis starts (None: at zero).
+    y_from: Option<f64>,
 }
 
 impl Chart {
@@ -198,6 +209,7 @@ impl Chart {
             mark_legend: "micro-batch change",
             x_desc: "step",
             whole_x: true,
+            y_from: None,
         }
     }
 
@@ -250,7 +262,7 @@ impl Chart {
             return Err("nothing to plot: the run has no records".into());
         }
         let x1 = if x1 > x0 { x1 } else { x0 + 1.0 };
-        let y0 = if self.stacked { 0.0 } else { y0 - 0.05 * (y1 - y0).max(1e-9) };
+        let y0 = if self.stacked { self.y_from.unwrap_or(0.0) } else { y0 - 0.05 * (y1 - y0).max(1e-9) };
         let y1 = y1 + 0.08 * (y1 - y0).max(1e-9);
         let mut chart = ChartBuilder::on(&root)
             .caption(&self.title, ("sans-serif", 22))

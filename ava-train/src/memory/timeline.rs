@@ -15,7 +15,9 @@
 //! Other threads' scopes (the loader's, other ranks' in one process) name no owner.
 //!
 //! Memory held when the timeline was armed (parameters, gradients, optimizer state, queued
-//! batches) is one lump, "held before", which releases of its buffers make smaller.
+//! batches) is one lump, "held before", which releases of its buffers make smaller. What a
+//! plugin library allocates through its own Rust allocator (a `.so` has its own) is not
+//! seen: the counting allocator does not see it either.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;

@@ -116,6 +116,7 @@ pub(crate) struct Session<'a> {
 impl Session<'_> {
     /// Parks block `block`'s input (B, T, d), computed by the forward just run.
     pub(crate) fn park(&mut self, block: usize, input: Tensor) -> Result<Parked> {
+        let _span = crate::profile::scope("forward: park a block's input");
         match &mut self.home {
             Home::PageLocked(pinned) => {
                 let parked = pinned.park(block, input, self.tier.as_ref())?;
@@ -157,6 +158,7 @@ impl Session<'_> {
 
     /// The parked input back, on `device` (the model's), ready for the recompute to read.
     pub(crate) fn take(&mut self, parked: Parked, device: &Device) -> Result<Tensor> {
+        let _span = crate::profile::scope("backward: bring back a parked input");
         match parked {
             Parked::Tier { key, dims, dtype } => fetch(self.tier.as_ref(), &key, &dims, dtype, device),
             Parked::Pinned(p) => match &mut self.home {

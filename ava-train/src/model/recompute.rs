@@ -450,6 +450,7 @@ fn collect(
     mut store: GradStore,
     grads: &mut dyn GradSink,
 ) -> Result<Option<Tensor>> {
+    let _span = crate::profile::scope("backward: gradients handed over in f32");
     for &i in blocks.iter().flat_map(|&b| model.block_params(b)).chain(model.outside_params()) {
         if let Some(g) = store.remove(&weights.leaf(model, i)) {
             let g = g.detach().to_dtype(DType::F32)?;

@@ -195,6 +195,7 @@ impl GradSink for StepInBackward<'_> {
             self.pending[i] = Some(grad);
             return Ok(());
         }
+        let _span = crate::profile::scope("backward: optimizer step inside backward");
         self.step(i, grad).map_err(|e| self.fail(e))
     }
 }
