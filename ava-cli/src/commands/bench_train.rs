@@ -156,11 +156,7 @@ pub fn run(
     }
     if let (Some(out), Some((step, timeline)), Ok(())) = (&trace_out, &timeline, &result) {
         let estimate = memory_timeline::estimated_peak(p, &ctx.registry, &config);
-        let stem = format!("{}.memory", out.path.file_stem().map_or("trace".into(), |s| s.to_string_lossy()));
-        let dir = out.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
-        let files = memory_timeline::chart(*step, timeline, estimate, dir, &stem)
-            .map_err(|e| Failure::Runtime(anyhow::anyhow!("--memory-trace: {e}")))?;
-        memory_timeline::note_files(p, &files);
+        memory_timeline::chart_beside(p, out.path, *step, timeline, estimate)?;
     }
     result
 }

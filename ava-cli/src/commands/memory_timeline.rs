@@ -9,7 +9,7 @@ use ava_train::memory::size;
 use ava_train::memory::timeline::{self, Timeline};
 
 use super::report_plot;
-use crate::output::Printer;
+use crate::{CmdResult, Failure, output::Printer};
 
 /// `ava estimate`'s peak for `config`, or None (said) where it cannot estimate.
 pub fn estimated_peak(p: &Printer, registry: &ava_plugins::Registry, config: &Config) -> Option<u64> {
@@ -60,12 +60,18 @@ pub fn chart(
     .map_err(|e| format!("drawing the memory chart failed: {e}"))
 }
 
-/// Says where the chart went.
-pub fn note_files(p: &Printer, files: &[PathBuf]) {
+/// [`chart`] as `<trace's stem>.memory.{svg,png}` beside the trace file `trace`, and says
+/// where it went.
+pub fn chart_beside(p: &Printer, trace: &Path, step: u64, timeline: &Timeline, estimate: Option<u64>) -> CmdResult {
+    let stem = format!("{}.memory", trace.file_stem().map_or("trace".into(), |s| s.to_string_lossy()));
+    let dir = trace.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let files = chart(step, timeline, estimate, dir, &stem)
+        .map_err(|e| Failure::Runtime(anyhow::anyhow!("--memory-trace: {e}")))?;
     if !files.is_empty() {
         let names: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
         p.note(&format!("memory chart: {}", names.join(", ")));
     }
+    Ok(())
 }
 
 /// What a step's timeline saw: its events, its peak and what was live then, by owner.
