@@ -6,9 +6,10 @@
 //! The allocator must not allocate, so the events go into a buffer allocated when the
 //! timeline is [`arm`]ed ([`Event`]s, [`DEFAULT_CAPACITY`] of them unless asked otherwise),
 //! each claimed by one atomic increment; events past its end are counted as dropped. The
-//! buffer is the system allocator's, outside the counting allocator, so recording a step
-//! changes none of the memory figures. The
-//! owner is a small number: scope names are interned into a fixed table as scopes open
+//! buffer is the system allocator's, outside the counting allocator, so the events take none
+//! of the counted memory (the profiler a recorded step runs with keeps a few KiB of spans).
+//!
+//! The owner is a small number: scope names are interned into a fixed table as scopes open
 //! ([`enter`]) on the thread that armed the timeline, the current one kept in one
 //! process-wide atomic. The allocations of rayon's workers belong to the scope that thread
 //! has open, which is what a reader wants: a product's packing buffers are the product's.
