@@ -148,15 +148,16 @@ pub fn run(
     let result = if device.is_cuda() {
         gpu_bench(p, &mut trainer, &header, (&config, &ctx.registry), steps, &device)
     } else {
-        cpu_bench(p, &mut trainer, &header, &config, steps, memory_step.map(|s| (s, &mut timeline)))
+        cpu_bench(p, &mut trainer, &header, &config, steps, memory_step, &mut timeline)
     };
+    let recorded = memory_step.zip(timeline.as_ref()); // (step, its timeline)
     let spans = profile::trace::take();
     if let (Some(out), Some(spans), Ok(())) = (trace_out.as_mut(), spans, &result) {
-        out.write(p, &spans, timeline.as_ref(), args)?;
+        out.write(p, &spans, recorded, args)?;
     }
-    if let (Some(out), Some((step, timeline)), Ok(())) = (&trace_out, &timeline, &result) {
+    if let (Some(out), Some((step, timeline)), Ok(())) = (&trace_out, recorded, &result) {
         let estimate = memory_timeline::estimated_peak(p, &ctx.registry, &config);
-        memory_timeline::chart_beside(p, out.path, *step, timeline, estimate)?;
+        memory_timeline::chart_beside(p, out.path, step, timeline, estimate)?;
     }
     result
 }
@@ -193,7 +194,7 @@ impl<'a> TraceOut<'a> {
         &mut self,
         p: &Printer,
         trace: &profile::trace::Trace,
-        memory: Option<&(u64, Timeline)>,
+        memory: Option<(u64, &Timeline)>,
         args: &ConfigArgs,
     ) -> CmdResult {
         use std::io::Write;
@@ -213,7 +214,7 @@ impl<'a> TraceOut<'a> {
         self.written = true;
         note_trace(p, path, trace);
         if let Some((step, timeline)) = memory {
-            p.note(&memory_timeline::summary(*step, timeline));
+            p.note(&memory_timeline::summary(step, timeline));
         }
         Ok(())
     }
@@ -232,14 +233,15 @@ fn note_trace(p: &Printer, path: &std::path::Path, trace: &profile::trace::Trace
 }
 
 /// The measured steps on the CPU, profiled, with the matmul rates sampled between them.
-/// With `memory`, step `.0` (1-based) is recorded as a memory timeline into `.1`.
+/// With `memory_step`, that step (1-based) is recorded as a memory timeline into `recording`.
 fn cpu_bench(
     p: &Printer,
     trainer: &mut Trainer,
     header: &RunHeader,
     config: &Config,
     steps: u64,
-    mut memory: Option<(u64, &mut Option<(u64, Timeline)>)>,
+    memory_step: Option<u64>,
+    recording: &mut Option<Timeline>,
 ) -> CmdResult {
     let mut probe = MatmulProbe::new(header.threads)?;
     profile::reset();
@@ -247,8 +249,8 @@ fn cpu_bench(
     let mut step_times = Vec::new();
     let mut last = None;
     for n in 0..steps {
-        let recorded = memory.as_mut().filter(|(step, _)| *step == n + 1);
-        if recorded.is_some() {
+        let recorded = memory_step == Some(n + 1);
+        if recorded {
             timeline::arm(timeline::DEFAULT_CAPACITY);
         }
         profile::enable(true);
@@ -257,8 +259,8 @@ fn cpu_bench(
         let stepped = trainer.train_step();
         let t = start.elapsed().as_secs_f64();
         profile::enable(false);
-        if let Some((step, out)) = recorded {
-            **out = timeline::disarm().map(|t| (*step, t));
+        if recorded {
+            *recording = timeline::disarm();
         }
         last = Some(stepped.map_err(failure)?);
         profile::trace::record(format!("step {}", n + 1).into(), start, held);

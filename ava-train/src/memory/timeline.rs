@@ -275,6 +275,44 @@ pub struct Peak {
     pub live: Vec<Live>,
 }
 
+/// A timeline's events applied in order: the blocks allocated since arming and still live,
+/// and the bytes held by column (0: the "held before" lump, owner + 1 else). A release of a
+/// block from before arming shrinks the lump; an allocation at an address still live (its
+/// release not seen) replaces that block.
+struct Replay {
+    /// address → (bytes, owner, time allocated).
+    live: HashMap<usize, (u64, u32, u64)>,
+    held: Vec<i128>,
+    /// The sum of `held`.
+    total: i128,
+}
+
+impl Replay {
+    fn new(t: &Timeline) -> Replay {
+        let mut held = vec![0i128; t.owners.len() + 1];
+        held[0] = i128::from(t.held_before);
+        Replay { live: HashMap::new(), held, total: i128::from(t.held_before) }
+    }
+
+    fn apply(&mut self, e: &Event) {
+        let mut change = |column: usize, delta: i128| {
+            self.held[column] += delta;
+            self.total += delta;
+        };
+        if e.bytes >= 0 {
+            if let Some((b, o, _)) = self.live.insert(e.addr, (e.bytes as u64, e.owner, e.t_ns)) {
+                change(o as usize + 1, -i128::from(b));
+            }
+            change(e.owner as usize + 1, i128::from(e.bytes));
+        } else {
+            match self.live.remove(&e.addr) {
+                Some((b, o, _)) => change(o as usize + 1, -i128::from(b)),
+                None => change(0, i128::from(e.bytes)),
+            }
+        }
+    }
+}
+
 impl Peak {
     /// The live allocations grouped by owner: (owner, how many, bytes), most bytes first.
     pub fn by_owner(&self) -> Vec<(&'static str, usize, u64)> {
@@ -296,27 +334,6 @@ impl Timeline {
         (self.capacity * std::mem::size_of::<Event>()) as u64
     }
 
-    /// The events applied in order to the blocks live since arming: for each, the changes
-    /// it makes to the bytes held by column (0: the "held before" lump, owner + 1 else). A
-    /// release of a block from before arming shrinks the lump; an allocation at an address
-    /// still live (its release not seen) replaces that block.
-    fn replay(&self) -> impl Iterator<Item = (usize, [(usize, i128); 2])> + '_ {
-        let mut live: HashMap<usize, (u64, u32)> = HashMap::new();
-        self.events.iter().enumerate().map(move |(i, e)| {
-            let changes = if e.bytes >= 0 {
-                let gone = live.insert(e.addr, (e.bytes as u64, e.owner));
-                let gone = gone.map_or((0, 0), |(b, o)| (o as usize + 1, -i128::from(b)));
-                [(e.owner as usize + 1, i128::from(e.bytes)), gone]
-            } else {
-                match live.remove(&e.addr) {
-                    Some((b, o)) => [(o as usize + 1, -i128::from(b)), (0, 0)],
-                    None => [(0, i128::from(e.bytes)), (0, 0)],
-                }
-            };
-            (i, changes)
-        })
-    }
-
     /// The peak: the first point where the most bytes were held (arming itself, when nothing
     /// rose above what was held then), and the blocks allocated since arming still live then.
     /// None without events.
@@ -325,32 +342,30 @@ impl Timeline {
             return None;
         }
         let (at, bytes) = self.peak_index();
-        let mut live: HashMap<usize, (u64, u32, u64)> = HashMap::new();
-        let mut before = i128::from(self.held_before);
-        for e in at.map_or(&[][..], |at| &self.events[..=at]) {
-            if e.bytes >= 0 {
-                live.insert(e.addr, (e.bytes as u64, e.owner, e.t_ns));
-            } else if live.remove(&e.addr).is_none() {
-                before += i128::from(e.bytes);
-            }
-        }
-        let mut live: Vec<Live> = live
+        let mut replay = Replay::new(self);
+        let upto = at.map_or(&[][..], |at| &self.events[..=at]);
+        upto.iter().for_each(|e| replay.apply(e));
+        let mut live: Vec<Live> = replay
+            .live
             .into_values()
             .map(|(bytes, owner, t_ns)| Live { owner: self.owner_name(owner), bytes, t_ns })
             .collect();
         live.sort_by(|a, b| b.bytes.cmp(&a.bytes).then(a.t_ns.cmp(&b.t_ns)));
-        let (t_ns, owner) = at.map_or((0, ARMING), |at| (self.times()[at], self.owner_name(self.events[at].owner)));
-        Some(Peak { bytes: bytes.max(0) as u64, t_ns, owner, held_before: before.max(0) as u64, live })
+        // The time made non-decreasing, as in `times`.
+        let t_ns = upto.iter().map(|e| e.t_ns).max().unwrap_or(0);
+        let owner = at.map_or(ARMING, |at| self.owner_name(self.events[at].owner));
+        Some(Peak { bytes: bytes.max(0) as u64, t_ns, owner, held_before: replay.held[0].max(0) as u64, live })
     }
 
     /// The event after which the most bytes were held (the first such; None: at arming,
     /// nothing rose above it), and those bytes.
     fn peak_index(&self) -> (Option<usize>, i128) {
-        let (mut held, mut best) = (i128::from(self.held_before), (None, i128::from(self.held_before)));
-        for (i, changes) in self.replay() {
-            held += changes.iter().map(|c| c.1).sum::<i128>();
-            if held > best.1 {
-                best = (Some(i), held);
+        let mut replay = Replay::new(self);
+        let mut best = (None, replay.total);
+        for (i, e) in self.events.iter().enumerate() {
+            replay.apply(e);
+            if replay.total > best.1 {
+                best = (Some(i), replay.total);
             }
         }
         best
@@ -376,15 +391,12 @@ impl Timeline {
         let peak_at = self.peak_index().0;
         let times = self.times();
         let step = self.events.len().div_ceil(max_rows.max(1)).max(1);
-        let mut held = vec![0i128; self.owners.len() + 1];
-        held[0] = i128::from(self.held_before);
+        let mut replay = Replay::new(self);
         let mut rows = Vec::new();
-        for (i, changes) in self.replay() {
-            for (column, delta) in changes {
-                held[column] += delta;
-            }
+        for (i, e) in self.events.iter().enumerate() {
+            replay.apply(e);
             if i % step == step - 1 || i + 1 == self.events.len() || Some(i) == peak_at {
-                rows.push((times[i], held.iter().map(|&b| b.max(0) as u64).collect()));
+                rows.push((times[i], replay.held.iter().map(|&b| b.max(0) as u64).collect()));
             }
         }
         rows
